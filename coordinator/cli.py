@@ -1,0 +1,143 @@
+"""The ``strata`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from shm.checkpoint import CheckpointError
+
+from .config import ENV_VARS, resolve_config
+from .errors import StrataError
+
+log = logging.getLogger("strata")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (flag > STRATA_* variable > default)")
+    g.add_argument("--numa-split", dest="numa_split", action="store_true", default=None,
+                   help="cut every CPU expert by rows across the NUMA nodes (STRATA_NUMA_SPLIT)")
+    g.add_argument("--nodes", type=int, default=None, help="nodes in split mode; virtual when the machine has fewer")
+    g.add_argument("--pool", default=None, help="expert pool: inproc")
+    g.add_argument("--route-tail-skip", dest="route_tail_skip", type=float, default=None,
+                   help="drop routed experts whose weight is below this (0 = off)")
+    g.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
+    g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+
+
+def _engine_config(args: argparse.Namespace):
+    flags = {name: getattr(args, name, None) for name in ENV_VARS}
+    return resolve_config(flags)
+
+
+def _print_config(config, sources) -> None:
+    for name, (var, _) in ENV_VARS.items():
+        print(f"{name:16} {getattr(config, name)!r:12} ({sources[name]}; variable {var})")
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from .make_model import make_model
+
+    out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.preset} {args.arch} model (seed {args.seed}, {args.dtype}) to {out}")
+    return 0
+
+
+def _prompt_ids(args: argparse.Namespace, engine) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise StrataError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
+    return engine.encode(args.prompt)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .tokenizer import StreamDecoder
+
+    config, sources = _engine_config(args)
+    if args.print_config:
+        _print_config(config, sources)
+        return 0
+    with Engine.open(args.model, config) as engine:
+        ids = _prompt_ids(args, engine)
+        stream = StreamDecoder(engine.codec) if engine.codec is not None and not args.json else None
+
+        def on_token(token: int) -> None:
+            if stream is not None:
+                sys.stdout.write(stream.push(token))
+                sys.stdout.flush()
+
+        result = engine.generate_full(ids, args.max_new_tokens, args.temperature, top_k=args.top_k,
+                                      top_p=args.top_p, seed=args.seed, on_token=on_token)
+        if args.json:
+            text = engine.decode(result.ids) if engine.codec is not None else None
+            plan = engine.pool.plan
+            doc = {
+                "prompt_ids": result.prompt_ids, "ids": result.ids, "text": text,
+                "finish_reason": result.finish_reason, "timing": result.timings,
+                "pool": {"kind": config.pool, "numa_split": config.numa_split, "plan": plan.digest,
+                         "nodes": list(plan.node_ids)},
+                "routing": {"routed_pairs": engine.decoder.stats.routed_pairs,
+                            "skipped_pairs": engine.decoder.stats.skipped_pairs},
+            }
+            print(json.dumps(doc))
+        elif stream is not None:
+            sys.stdout.write(stream.flush() + "\n")
+        else:
+            print(",".join(str(t) for t in result.ids))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    config, sources = _engine_config(args)
+    _print_config(config, sources)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="MoE decoding across NUMA nodes")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write a deterministic random checkpoint")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "mixtral", "qwen2_moe"])
+    p.add_argument("--dtype", default="F32", choices=["F32", "F16", "BF16"])
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("--model", required=True, type=Path)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-ids", dest="prompt_ids")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", dest="top_k", type=int, default=0)
+    p.add_argument("--top-p", dest="top_p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timing")
+    _add_engine_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("config", help="show the effective engine config and where each value came from")
+    _add_engine_flags(p)
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (StrataError, CheckpointError, ValueError) as exc:
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,89 @@
+"""EngineConfig and where its values come from.
+
+One frozen dataclass. CLI flags and ``STRATA_*`` environment variables map onto
+it with the precedence flag > variable > default; ``ENV_VARS`` is the one place
+the variables are declared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from .errors import ConfigValueError
+
+POOLS = ("inproc",)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    pool: str = "inproc"  # "inproc": the experts run in the coordinator's process
+    numa_split: bool = False  # cut every CPU expert by rows across the nodes
+    nodes: int | None = None  # nodes in split mode (virtual when the machine has fewer); None = all
+    route_tail_skip: float = 0.0  # drop routed experts whose weight is below this; 0 = off
+    max_seq_len: int | None = None  # refuse longer sequences; None = the model's max_position_embeddings
+
+    def __post_init__(self):
+        if self.pool not in POOLS:
+            raise ConfigValueError(f"pool {self.pool!r} is not known; expected one of {', '.join(POOLS)}")
+        if not isinstance(self.numa_split, bool):
+            raise ConfigValueError(f"numa_split must be True or False, got {self.numa_split!r}")
+        if self.nodes is not None and (not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1):
+            raise ConfigValueError(f"nodes must be a positive integer or None, got {self.nodes!r}")
+        if self.nodes not in (None, 1) and not self.numa_split:
+            raise ConfigValueError(f"nodes={self.nodes} needs numa_split=True (without it one node holds every expert)")
+        if not isinstance(self.route_tail_skip, (int, float)) or not 0 <= self.route_tail_skip < 1:
+            raise ConfigValueError(f"route_tail_skip must be in [0, 1), got {self.route_tail_skip!r}")
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
+            raise ConfigValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def parse_optional_int(text: str) -> int | None:
+    return None if text.strip() in ("", "auto") else int(text)
+
+
+# field -> (environment variable, parser of its text)
+ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
+    "pool": ("STRATA_POOL", str),
+    "numa_split": ("STRATA_NUMA_SPLIT", parse_bool),
+    "nodes": ("STRATA_NODES", parse_optional_int),
+    "route_tail_skip": ("STRATA_ROUTE_TAIL_SKIP", float),
+    "max_seq_len": ("STRATA_MAX_SEQ_LEN", parse_optional_int),
+}
+
+
+def resolve_config(
+    flags: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[EngineConfig, dict[str, str]]:
+    """Build the effective config; returns it and, per field, where its value came from."""
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    for f in dataclasses.fields(EngineConfig):
+        var, parse = ENV_VARS[f.name]
+        if f.name in flags:
+            values[f.name], sources[f.name] = flags[f.name], "flag"
+        elif var in environ:
+            try:
+                values[f.name] = parse(environ[var])
+            except ValueError as exc:
+                raise ConfigValueError(f"{var}={environ[var]!r}: {exc}") from None
+            sources[f.name] = f"env {var}"
+        else:
+            sources[f.name] = "default"
+    unknown = sorted(set(flags) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if unknown:
+        raise ConfigValueError(f"unknown config field(s): {', '.join(unknown)}")
+    return EngineConfig(**values), sources  # type: ignore[arg-type]

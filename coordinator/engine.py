@@ -1,0 +1,175 @@
+"""Engine: a loaded model, its expert pool, and generation."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from node_worker import NodeWorker
+from shm.checkpoint import Checkpoint
+from shm.expert_store import HeapExpertStore
+from shm.plan import NodeShare, PoolPlan, make_plan, single_node_plan
+
+from .config import EngineConfig
+from .errors import ConfigValueError, StrataError
+from .model import Decoder
+from .model_config import ModelConfig, load_model_config
+from .pools import ExpertPool, InprocPool
+from .sampling import Sampler, SamplingParams
+from .tokenizer import TextCodec
+from .weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    ids: list[int]  # generated ids, the stop token included when one ended it
+    finish_reason: str  # "length" | "eos"
+    prefill_s: float
+    decode_s: float
+    timings: dict = field(default_factory=dict)
+
+
+def machine_node_count(root: Path = Path("/sys/devices/system/node")) -> int:
+    return max(1, len(list(root.glob("node[0-9]*"))))
+
+
+def build_plan(mcfg: ModelConfig, config: EngineConfig) -> PoolPlan:
+    """The non-split plan (one node, whole experts) or the split plan over ``nodes``."""
+    sizes = [mcfg.moe_intermediate_size]
+    if not config.numa_split:
+        return single_node_plan(sizes)
+    count = config.nodes or machine_node_count()
+    # Equal shares until the topology (issue 3) weights nodes by their CPUs.
+    return make_plan([NodeShare(n, 1) for n in range(count)], sizes)
+
+
+def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict) -> InprocPool:
+    sized = {key: (refs, mcfg.moe_intermediate_size) for key, refs in experts.items()}
+    workers = [
+        NodeWorker(node, HeapExpertStore.from_checkpoint(ckpt, plan, node, sized), mcfg.hidden_size)
+        for node in plan.node_ids
+    ]
+    return InprocPool(plan, workers)
+
+
+class Engine:
+    def __init__(self, model_dir: Path, config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint,
+                 decoder: Decoder, pool: ExpertPool, codec: TextCodec | None):
+        self.model_dir = model_dir
+        self.config = config
+        self.model_config = mcfg
+        self.ckpt = ckpt
+        self.decoder = decoder
+        self.pool = pool
+        self.codec = codec
+        self.max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
+
+    @classmethod
+    def open(cls, model_dir: str | Path, config: EngineConfig | None = None) -> "Engine":
+        config = config or EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise ConfigValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        model_dir = Path(model_dir)
+        start = time.perf_counter()
+        mcfg = load_model_config(model_dir)
+        codec = TextCodec.load(model_dir)
+        ckpt = Checkpoint(model_dir)
+        weights = load_weights(mcfg, ckpt)
+        plan = build_plan(mcfg, config)
+        for size, node, reason in plan.left_out:
+            log.warning("node %s holds no rows of size-%s experts: %s", node, size, reason)
+        pool = build_inproc_pool(ckpt, mcfg, plan, weights.experts)
+        decoder = Decoder(mcfg, weights, pool, config.route_tail_skip)
+        log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
+                 model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
+        return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # -- text -------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.codec is None:
+            raise StrataError(f"{self.model_dir} has no tokenizer.json; pass token ids instead of text")
+        return self.codec.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.codec is None:
+            raise StrataError(f"{self.model_dir} has no tokenizer.json; cannot turn ids into text")
+        return self.codec.decode(list(ids))
+
+    # -- compute ----------------------------------------------------------
+    def _check_ids(self, token_ids: Sequence[int], extra: int = 0) -> np.ndarray:
+        ids = np.asarray(list(token_ids))
+        if ids.ndim != 1 or ids.size == 0:
+            raise ConfigValueError("token_ids must be a non-empty sequence of integers")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ConfigValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+        vocab = self.model_config.vocab_size
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise ConfigValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
+        if ids.size + extra > self.max_seq_len:
+            raise ConfigValueError(
+                f"{ids.size} prompt tokens + {extra} new tokens exceed the maximum sequence length {self.max_seq_len}"
+            )
+        return ids.astype(np.int64)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """np.float32 [len(token_ids), vocab] for a fresh sequence."""
+        ids = self._check_ids(token_ids)
+        return self.decoder.forward(ids, self.decoder.new_cache()).astype(np.float32, copy=False)
+
+    def generate_full(self, token_ids: Sequence[int], max_new_tokens: int = 16, temperature: float = 0.0,
+                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
+                      on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ConfigValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+        ids = self._check_ids(token_ids, max_new_tokens)
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed))
+        eos = set(self.model_config.eos_token_ids) if stop_at_eos else set()
+        cache = self.decoder.new_cache()
+        out: list[int] = []
+        reason = "length"
+        t0 = time.perf_counter()
+        logits = self.decoder.forward(ids, cache, last_only=True)[-1]  # [V]
+        t1 = time.perf_counter()
+        while len(out) < max_new_tokens:
+            token = sampler(logits)
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in eos:
+                reason = "eos"
+                break
+            if len(out) == max_new_tokens:
+                break
+            logits = self.decoder.forward(np.array([token], np.int64), cache, last_only=True)[-1]
+        t2 = time.perf_counter()
+        decode_steps = max(len(out) - 1, 0)
+        timings = {
+            "prefill_tokens": int(ids.size), "prefill_s": t1 - t0,
+            "prefill_tokens_per_s": ids.size / (t1 - t0) if t1 > t0 else None,
+            "decode_tokens": decode_steps, "decode_s": t2 - t1,
+            "decode_tokens_per_s": decode_steps / (t2 - t1) if decode_steps and t2 > t1 else None,
+        }
+        return GenerationResult(ids.tolist(), out, reason, t1 - t0, t2 - t1, timings)
+
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int = 16, temperature: float = 0.0,
+                 **kwargs) -> list[int]:
+        """New token ids (list[int]) after ``token_ids``; stops at the model's eos."""
+        return self.generate_full(token_ids, max_new_tokens, temperature, **kwargs).ids

@@ -1,0 +1,165 @@
+"""Deterministic random checkpoints in the Hugging Face layout (``strata make-model``).
+
+A preset fixes the geometry; ``--arch`` picks the architecture's config keys
+and tensor names; ``--seed`` fixes every weight. The output is exactly what a
+user's checkpoint directory holds: config.json, generation_config.json,
+model.safetensors (or shards plus an index), tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from shm.checkpoint_writer import save_checkpoint
+
+from .tokenizer import byte_level_tokenizer
+
+ARCH_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_ID = 256  # <|endoftext|>, right after the 256 byte tokens
+
+
+@dataclass(frozen=True)
+class Geometry:
+    vocab_size: int = 384
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 80  # 2.5 blocks of 32: slices are uneven
+    dense_intermediate_size: int = 128
+    shared_expert_intermediate_size: int = 96  # qwen2_moe only
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    norm_topk_prob: bool | None = None  # None: the architecture's usual choice
+    tie_word_embeddings: bool = False
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+
+
+PRESETS = {"tiny": Geometry()}
+
+
+def hf_config(arch: str, g: Geometry) -> dict:
+    """config.json as transformers 4.x writes it for ``arch``."""
+    cfg: dict = {
+        "architectures": [ARCH_CLASS[arch]],
+        "model_type": arch,
+        "vocab_size": g.vocab_size,
+        "hidden_size": g.hidden_size,
+        "num_hidden_layers": g.num_layers,
+        "num_attention_heads": g.num_heads,
+        "num_key_value_heads": g.num_kv_heads,
+        "head_dim": g.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": g.max_position_embeddings,
+        "rms_norm_eps": g.rms_norm_eps,
+        "rope_theta": g.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": g.tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "num_experts_per_tok": g.top_k,
+        "bos_token_id": None,
+        "eos_token_id": EOS_ID,
+        "torch_dtype": "float32",
+    }
+    if arch == "mixtral":
+        cfg.update(num_local_experts=g.num_experts, intermediate_size=g.moe_intermediate_size,
+                   sliding_window=None, router_aux_loss_coef=0.02)
+        return cfg
+    norm = g.norm_topk_prob if g.norm_topk_prob is not None else arch == "qwen3_moe"
+    cfg.update(num_experts=g.num_experts, moe_intermediate_size=g.moe_intermediate_size,
+               intermediate_size=g.dense_intermediate_size, decoder_sparse_step=g.decoder_sparse_step,
+               mlp_only_layers=list(g.mlp_only_layers), norm_topk_prob=norm, use_sliding_window=False,
+               sliding_window=None, max_window_layers=g.num_layers)
+    if arch == "qwen3_moe":
+        cfg["attention_bias"] = False
+    if arch == "qwen2_moe":
+        cfg["shared_expert_intermediate_size"] = g.shared_expert_intermediate_size
+    return cfg
+
+
+def _is_sparse(arch: str, g: Geometry, layer: int) -> bool:
+    if arch == "mixtral":
+        return True
+    return layer not in g.mlp_only_layers and (layer + 1) % g.decoder_sparse_step == 0
+
+
+def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint, float32, drawn from one seeded generator."""
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    H, hd = g.hidden_size, g.head_dim
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((g.vocab_size, H)).astype(np.float32)}
+    for i in range(g.num_layers):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = norm(H)
+        t[f"{p}.post_attention_layernorm.weight"] = norm(H)
+        a = f"{p}.self_attn"
+        t[f"{a}.q_proj.weight"] = mat(g.num_heads * hd, H)
+        t[f"{a}.k_proj.weight"] = mat(g.num_kv_heads * hd, H)
+        t[f"{a}.v_proj.weight"] = mat(g.num_kv_heads * hd, H)
+        t[f"{a}.o_proj.weight"] = mat(H, g.num_heads * hd)
+        if arch == "qwen2_moe":
+            for n, size in (("q", g.num_heads * hd), ("k", g.num_kv_heads * hd), ("v", g.num_kv_heads * hd)):
+                t[f"{a}.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
+        if arch == "qwen3_moe":
+            t[f"{a}.q_norm.weight"] = norm(hd)
+            t[f"{a}.k_norm.weight"] = norm(hd)
+        if not _is_sparse(arch, g, i):
+            I = g.dense_intermediate_size
+            t[f"{p}.mlp.gate_proj.weight"], t[f"{p}.mlp.up_proj.weight"] = mat(I, H), mat(I, H)
+            t[f"{p}.mlp.down_proj.weight"] = mat(H, I)
+            continue
+        moe = f"{p}.block_sparse_moe" if arch == "mixtral" else f"{p}.mlp"
+        t[f"{moe}.gate.weight"] = mat(g.num_experts, H, gain=3.0)  # peaked routing
+        names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        I = g.moe_intermediate_size
+        for e in range(g.num_experts):
+            t[f"{moe}.experts.{e}.{names[0]}.weight"] = mat(I, H)
+            t[f"{moe}.experts.{e}.{names[1]}.weight"] = mat(I, H)
+            t[f"{moe}.experts.{e}.{names[2]}.weight"] = mat(H, I)
+        if arch == "qwen2_moe":
+            S = g.shared_expert_intermediate_size
+            t[f"{moe}.shared_expert.gate_proj.weight"], t[f"{moe}.shared_expert.up_proj.weight"] = mat(S, H), mat(S, H)
+            t[f"{moe}.shared_expert.down_proj.weight"] = mat(H, S)
+            t[f"{moe}.shared_expert_gate.weight"] = mat(1, H)
+    t["model.norm.weight"] = norm(H)
+    if not g.tie_word_embeddings:
+        t["lm_head.weight"] = mat(g.vocab_size, H)
+    return t
+
+
+def make_model(out: str | Path, preset: str = "tiny", arch: str = "qwen3_moe", seed: int = 0, *,
+               dtype: str = "F32", max_shard_bytes: int | None = None, **overrides) -> Path:
+    """Write a checkpoint directory; ``overrides`` replace Geometry fields."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    if arch not in ARCH_CLASS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCH_CLASS)}")
+    g = replace(PRESETS[preset], **overrides)
+    if g.vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size {g.vocab_size} cannot hold the {256 + len(SPECIAL_TOKENS)} byte and special tokens")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(arch, g)
+    cfg["torch_dtype"] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID], "do_sample": False}, indent=2))
+    byte_level_tokenizer(SPECIAL_TOKENS).save(str(out / "tokenizer.json"))
+    save_checkpoint(out, random_tensors(arch, g, seed), dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return out

@@ -1,0 +1,93 @@
+"""Text <-> token ids through a checkpoint's tokenizer.json (the `tokenizers` package).
+
+``byte_level_tokenizer`` builds the demo models' tokenizer: one token per byte
+(GPT-2's byte-to-unicode alphabet, no merges) plus special tokens, so any text
+round-trips.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from .errors import StrataError
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_NAME = "tokenizer.json"
+
+
+class TokenizerError(StrataError):
+    """The model's tokenizer is missing or cannot be read."""
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
+
+
+def byte_level_tokenizer(specials: list[str]) -> Tokenizer:
+    """Ids 0..255 are the bytes; ``specials`` follow from id 256."""
+    byte_chars = bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    for offset, tok in enumerate(specials):
+        vocab[tok] = 256 + offset
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return tok
+
+
+class TextCodec:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "TextCodec | None":
+        """The model's tokenizer, or None when it ships no tokenizer.json."""
+        path = Path(model_dir) / TOKENIZER_NAME
+        if not path.exists():
+            return None
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise TokenizerError(f"{path}: cannot be read as a tokenizers file: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec = codec
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""  # a multi-byte character is not complete yet
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece
+
+    def flush(self) -> str:
+        text = self.codec.decode(self.ids)
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece

@@ -1,0 +1,159 @@
+"""The checkpoint's tensors, named and shape-checked per architecture.
+
+Dense weights (attention, norms, router, shared and dense MLPs, embeddings)
+become float32 arrays for the coordinator; routed experts become TensorRefs the
+expert pools read their rows from. Every tensor is checked against the shape
+the config implies before anything is computed, and a missing or misshaped one
+is named in the error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shm.checkpoint import Checkpoint, CheckpointError, check_shape
+from shm.expert_source import ExpertRefs, TensorRef
+
+from .model_config import ModelConfig
+
+
+@dataclass
+class MLPWeights:
+    gate: np.ndarray  # [I, H]
+    up: np.ndarray  # [I, H]
+    down: np.ndarray  # [H, I]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: np.ndarray  # [H]
+    post_attn_norm: np.ndarray  # [H]
+    q: np.ndarray  # [nh*hd, H]
+    k: np.ndarray  # [nkv*hd, H]
+    v: np.ndarray  # [nkv*hd, H]
+    o: np.ndarray  # [H, nh*hd]
+    q_bias: np.ndarray | None  # [nh*hd]
+    k_bias: np.ndarray | None  # [nkv*hd]
+    v_bias: np.ndarray | None  # [nkv*hd]
+    q_norm: np.ndarray | None  # [hd]
+    k_norm: np.ndarray | None  # [hd]
+    router: np.ndarray | None  # [E, H] (MoE layers)
+    dense_mlp: MLPWeights | None  # dense layers
+    shared_expert: MLPWeights | None  # qwen2_moe
+    shared_expert_gate: np.ndarray | None  # [1, H]
+
+
+@dataclass
+class ModelWeights:
+    embed: np.ndarray  # [V, H]
+    final_norm: np.ndarray  # [H]
+    lm_head: np.ndarray  # [V, H] (the embedding when tied)
+    layers: list[LayerWeights]
+    experts: dict[tuple[int, int], ExpertRefs]  # (layer, expert) -> where its matrices are
+
+
+def _prefix(cfg: ModelConfig, layer: int) -> tuple[str, str]:
+    """(layer prefix, MoE block prefix)."""
+    base = f"model.layers.{layer}"
+    return base, f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
+
+
+class _Reader:
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.ckpt:
+            raise CheckpointError(f"missing tensor {name!r}: expected shape {list(shape)}")
+        return self.ckpt.float32(name, shape)
+
+    def optional(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
+        return self.get(name, shape) if present else None
+
+    def expect(self, name: str, shape: tuple[int, ...]) -> None:
+        """Check a tensor's presence, dtype and shape without reading it."""
+        if name not in self.ckpt:
+            raise CheckpointError(f"missing tensor {name!r}: expected shape {list(shape)}")
+        check_shape(self.ckpt.info(name), shape)
+
+
+def _mlp(r: _Reader, prefix: str, inter: int, hidden: int) -> MLPWeights:
+    return MLPWeights(
+        gate=r.get(f"{prefix}.gate_proj.weight", (inter, hidden)),
+        up=r.get(f"{prefix}.up_proj.weight", (inter, hidden)),
+        down=r.get(f"{prefix}.down_proj.weight", (hidden, inter)),
+    )
+
+
+def expert_refs(cfg: ModelConfig, r: _Reader, layer: int) -> dict[int, ExpertRefs]:
+    """Locate and check every routed expert of one layer (per-expert or fused tensors)."""
+    _, moe = _prefix(cfg, layer)
+    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    names = ("w1", "w3", "w2") if cfg.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    fused_gate_up = f"{moe}.experts.gate_up_proj"
+    if fused_gate_up in r.ckpt and f"{moe}.experts.0.{names[0]}.weight" not in r.ckpt:
+        # transformers 5 layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+        fused_down = f"{moe}.experts.down_proj"
+        r.expect(fused_gate_up, (E, 2 * I, H))
+        r.expect(fused_down, (E, H, I))
+        return {
+            e: ExpertRefs(TensorRef(fused_gate_up, e, 0), TensorRef(fused_gate_up, e, I), TensorRef(fused_down, e, 0))
+            for e in range(E)
+        }
+    refs = {}
+    for e in range(E):
+        gate, up, down = (f"{moe}.experts.{e}.{n}.weight" for n in names)
+        r.expect(gate, (I, H))
+        r.expect(up, (I, H))
+        r.expect(down, (H, I))
+        refs[e] = ExpertRefs(TensorRef(gate), TensorRef(up), TensorRef(down))
+    return refs
+
+
+def load_weights(cfg: ModelConfig, ckpt: Checkpoint) -> ModelWeights:
+    r = _Reader(ckpt)
+    H, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layers: list[LayerWeights] = []
+    experts: dict[tuple[int, int], ExpertRefs] = {}
+    for i in range(cfg.num_layers):
+        base, moe = _prefix(cfg, i)
+        attn = f"{base}.self_attn"
+        sparse = cfg.sparse_layers[i]
+        shared = sparse and cfg.shared_expert_intermediate_size > 0
+        layers.append(
+            LayerWeights(
+                input_norm=r.get(f"{base}.input_layernorm.weight", (H,)),
+                post_attn_norm=r.get(f"{base}.post_attention_layernorm.weight", (H,)),
+                q=r.get(f"{attn}.q_proj.weight", (q_out, H)),
+                k=r.get(f"{attn}.k_proj.weight", (kv_out, H)),
+                v=r.get(f"{attn}.v_proj.weight", (kv_out, H)),
+                o=r.get(f"{attn}.o_proj.weight", (H, q_out)),
+                q_bias=r.optional(f"{attn}.q_proj.bias", (q_out,), cfg.qkv_bias),
+                k_bias=r.optional(f"{attn}.k_proj.bias", (kv_out,), cfg.qkv_bias),
+                v_bias=r.optional(f"{attn}.v_proj.bias", (kv_out,), cfg.qkv_bias),
+                q_norm=r.optional(f"{attn}.q_norm.weight", (hd,), cfg.qk_norm),
+                k_norm=r.optional(f"{attn}.k_norm.weight", (hd,), cfg.qk_norm),
+                router=r.optional(f"{moe}.gate.weight", (cfg.num_experts, H), sparse),
+                dense_mlp=None if sparse else _mlp(r, f"{base}.mlp", cfg.dense_intermediate_size, H),
+                shared_expert=_mlp(r, f"{moe}.shared_expert", cfg.shared_expert_intermediate_size, H) if shared else None,
+                shared_expert_gate=r.optional(f"{moe}.shared_expert_gate.weight", (1, H), shared),
+            )
+        )
+        if sparse:
+            for e, refs in expert_refs(cfg, r, i).items():
+                experts[(i, e)] = refs
+    embed = r.get("model.embed_tokens.weight", (V, H))
+    if "lm_head.weight" in ckpt:
+        lm_head = r.get("lm_head.weight", (V, H))
+    elif cfg.tie_word_embeddings:
+        lm_head = embed
+    else:
+        raise CheckpointError(
+            "missing tensor 'lm_head.weight': expected shape "
+            f"{[V, H]} (config.json has tie_word_embeddings=false)"
+        )
+    return ModelWeights(embed=embed, final_norm=r.get("model.norm.weight", (H,)), lm_head=lm_head,
+                        layers=layers, experts=experts)

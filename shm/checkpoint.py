@@ -1,0 +1,257 @@
+"""Memory-mapped reading of Hugging Face safetensors checkpoints.
+
+A checkpoint directory holds one ``model.safetensors`` or several shards named
+by ``model.safetensors.index.json``. Every file is mapped once, read-only; a
+tensor is a numpy view into the mapping, so taking a row slice reads only
+those rows' pages. Conversion to float32 happens on the slice, never on the
+whole file.
+
+We parse the safetensors header ourselves instead of using
+``safetensors.safe_open``: its numpy backend has no BF16 (numpy has no such
+dtype) and it returns whole tensors, where the node workers need row slices.
+The format is an 8-byte little-endian header length, a JSON header, then the
+raw little-endian data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# safetensors dtype tag -> numpy storage dtype (BF16 is stored as raw uint16)
+STORAGE_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+class CheckpointError(Exception):
+    """A checkpoint file or tensor is missing, damaged or not what was expected."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors tag: "F32", "F16", "BF16", ...
+    shape: tuple[int, ...]
+    file: Path
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def bf16_to_f32(raw_u16: np.ndarray) -> np.ndarray:
+    """BF16 bit patterns (uint16) -> float32, exactly (BF16 is the top half of F32)."""
+    return (raw_u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """A raw storage view of a float tensor -> contiguous float32.
+
+    F32 that is already contiguous comes back as the same read-only view of the
+    file mapping (no copy); everything else is converted into a new array.
+    """
+    if dtype == "BF16":
+        return bf16_to_f32(raw)
+    if dtype in ("F32", "F16", "F64"):
+        return np.ascontiguousarray(raw, dtype=np.float32)
+    raise CheckpointError(f"dtype {dtype} is not a float type (expected one of {', '.join(FLOAT_DTYPES)})")
+
+
+class SafetensorsFile:
+    """One safetensors file, mapped read-only; tensors are views into the map."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: cannot open: {exc.strerror}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < 8:
+                raise CheckpointError(f"{self.path}: {size} bytes is too short for a safetensors file")
+            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.tensors, self.metadata = self._parse_header()
+
+    def _parse_header(self) -> tuple[dict[str, TensorInfo], dict]:
+        (header_len,) = struct.unpack("<Q", self._map[:8])
+        if header_len > min(MAX_HEADER_BYTES, self.size - 8):
+            raise CheckpointError(
+                f"{self.path}: header length {header_len} exceeds the file ({self.size} bytes); "
+                "the file is truncated or not safetensors"
+            )
+        try:
+            header = json.loads(bytes(self._map[8 : 8 + header_len]))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{self.path}: header is not valid JSON: {exc}") from exc
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: header is not a JSON object")
+        metadata = header.pop("__metadata__", {}) or {}
+        data_start = 8 + header_len
+        data_len = self.size - data_start
+        tensors: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            tensors[name] = self._tensor_info(name, entry, data_start, data_len)
+        return tensors, metadata
+
+    def _tensor_info(self, name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
+        where = f"{self.path}: tensor {name!r}"
+        try:
+            dtype = entry["dtype"]  # type: ignore[index]
+            shape = tuple(int(d) for d in entry["shape"])  # type: ignore[index]
+            begin, end = (int(v) for v in entry["data_offsets"])  # type: ignore[index]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"{where}: malformed header entry {entry!r}") from exc
+        if dtype not in STORAGE_DTYPES:
+            raise CheckpointError(f"{where}: unsupported dtype {dtype}")
+        if any(d < 0 for d in shape):
+            raise CheckpointError(f"{where}: negative dimension in shape {shape}")
+        expected = int(np.prod(shape, dtype=np.int64)) * STORAGE_DTYPES[dtype].itemsize
+        if not 0 <= begin <= end <= data_len or end - begin != expected:
+            raise CheckpointError(
+                f"{where}: data_offsets [{begin}, {end}) do not hold {dtype}{list(shape)} "
+                f"({expected} bytes) inside the {data_len}-byte data section; the file is truncated or damaged"
+            )
+        return TensorInfo(name, dtype, shape, self.path, data_start + begin, expected)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's storage as a read-only view (no copy)."""
+        info = self.tensors[name]
+        dt = STORAGE_DTYPES[info.dtype]
+        count = info.nbytes // dt.itemsize
+        return np.frombuffer(self._map, dtype=dt, count=count, offset=info.offset).reshape(info.shape)
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            # numpy views still reference the map; it is released with them.
+            log.debug("keeping %s mapped: views still alive", self.path)
+
+
+class Checkpoint:
+    """All safetensors files of a checkpoint directory, as one name -> tensor table."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"{self.dir}: not a directory")
+        self.files: dict[Path, SafetensorsFile] = {}
+        self.index: dict[str, Path] = {}
+        for path in self._shard_paths():
+            st = SafetensorsFile(path)
+            self.files[path] = st
+            for name in st.tensors:
+                if name in self.index:
+                    raise CheckpointError(f"tensor {name!r} is stored twice: in {self.index[name]} and {path}")
+                self.index[name] = path
+        self._check_index_agrees()
+
+    def _shard_paths(self) -> list[Path]:
+        index_path = self.dir / INDEX_NAME
+        if index_path.exists():
+            weight_map = self._read_index(index_path)
+            shards = sorted(set(weight_map.values()))
+            missing = [s for s in shards if not (self.dir / s).is_file()]
+            if missing:
+                raise CheckpointError(f"{index_path}: names shard(s) that do not exist: {', '.join(missing)}")
+            self._weight_map = weight_map
+            return [self.dir / s for s in shards]
+        self._weight_map = None
+        paths = sorted(self.dir.glob("*.safetensors"))
+        if not paths:
+            raise CheckpointError(f"{self.dir}: no *.safetensors file and no {INDEX_NAME}")
+        return paths
+
+    @staticmethod
+    def _read_index(index_path: Path) -> dict[str, str]:
+        try:
+            doc = json.loads(index_path.read_text())
+            weight_map = doc["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: not a valid index (needs a 'weight_map' object): {exc}") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        return weight_map
+
+    def _check_index_agrees(self) -> None:
+        if self._weight_map is None:
+            return
+        for name, shard in self._weight_map.items():
+            actual = self.index.get(name)
+            if actual is None:
+                raise CheckpointError(f"{INDEX_NAME} lists tensor {name!r} in {shard}, but no shard holds it")
+            if actual.name != shard:
+                raise CheckpointError(f"{INDEX_NAME} lists tensor {name!r} in {shard}, but it is in {actual.name}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def names(self) -> list[str]:
+        return sorted(self.index)
+
+    def info(self, name: str) -> TensorInfo:
+        path = self.index.get(name)
+        if path is None:
+            raise CheckpointError(f"missing tensor {name!r} in {self.dir}")
+        return self.files[path].tensors[name]
+
+    def raw(self, name: str) -> np.ndarray:
+        """Storage view (no copy) of a tensor."""
+        self.info(name)
+        return self.files[self.index[name]].raw(name)
+
+    def float32(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The whole tensor as float32 (a view for F32 files), its shape checked when given."""
+        info = self.info(name)
+        check_shape(info, shape)
+        return to_float32(self.raw(name), info.dtype)
+
+    def rows(self, name: str, start: int, stop: int, *, axis: int = 0) -> np.ndarray:
+        """Rows [start, stop) along ``axis`` as contiguous float32; reads only those rows."""
+        info = self.info(name)
+        raw = self.raw(name)
+        index = [slice(None)] * raw.ndim
+        index[axis] = slice(start, stop)
+        return to_float32(raw[tuple(index)], info.dtype)
+
+    def dtypes(self) -> set[str]:
+        return {self.info(n).dtype for n in self.index}
+
+    def close(self) -> None:
+        for st in self.files.values():
+            st.close()
+
+
+def check_shape(info: TensorInfo, shape: tuple[int, ...] | None) -> None:
+    if info.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"tensor {info.name!r} has dtype {info.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+        )
+    if shape is not None and tuple(info.shape) != tuple(shape):
+        raise CheckpointError(f"tensor {info.name!r} has shape {list(info.shape)}; expected {list(shape)}")
