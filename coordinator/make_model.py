@@ -25,7 +25,7 @@ EOS_ID = 256  # <|endoftext|>, right after the 256 byte tokens
 
 @dataclass(frozen=True)
 class Geometry:
-    vocab_size: int = 384
+    vocab_size: int = 320
     hidden_size: int = 64
     num_layers: int = 4
     num_heads: int = 4
@@ -140,7 +140,10 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
             t[f"{moe}.shared_expert_gate.weight"] = mat(1, H)
     t["model.norm.weight"] = norm(H)
     if not g.tie_word_embeddings:
-        t["lm_head.weight"] = mat(g.vocab_size, H)
+        # favour printable ASCII so the demo's (random) text is readable noise
+        printable = np.zeros(g.vocab_size, bool)
+        printable[32:127] = True
+        t["lm_head.weight"] = mat(g.vocab_size, H) * np.where(printable, 1.0, 0.3).astype(np.float32)[:, None]
     return t
 
 

@@ -35,11 +35,11 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     probs = softmax(scaled)
     if params.top_p < 1.0:
         order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        # keep the smallest prefix whose mass reaches top_p (at least one token)
-        keep = int(np.searchsorted(cumulative, params.top_p) + 1)
+        mass_before = np.cumsum(probs[order]) - probs[order]  # of the more probable tokens
+        # keep the smallest prefix whose mass reaches top_p: a token stays while
+        # the tokens above it hold less than top_p (the first always stays)
         mask = np.zeros_like(probs, dtype=bool)
-        mask[order[:keep]] = True
+        mask[order[mass_before < params.top_p]] = True
         probs = np.where(mask, probs, 0.0)
         probs /= probs.sum()
     return probs

@@ -1,0 +1,134 @@
+"""Each decoder op against its formula, written out here element by element."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from coordinator import ops
+from coordinator.sampling import Sampler, SamplingParams, filtered_probs
+
+rng = np.random.default_rng(0)
+
+
+def test_rms_norm_formula():
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    w = rng.standard_normal(8).astype(np.float32)
+    got = ops.rms_norm(x, w, 1e-6)
+    for t in range(3):
+        rms = math.sqrt(sum(float(v) ** 2 for v in x[t]) / 8 + 1e-6)
+        for j in range(8):
+            assert got[t, j] == pytest.approx(w[j] * x[t, j] / rms, rel=1e-5, abs=1e-6)
+
+
+def test_softmax_and_silu_and_sigmoid():
+    x = np.array([[-1000.0, 0.0, 3.0], [5.0, 5.0, 5.0]], np.float32)
+    s = ops.softmax(x)
+    e = [math.exp(v - 3.0) for v in (-1000.0, 0.0, 3.0)]
+    assert s[0] == pytest.approx([v / sum(e) for v in e], abs=1e-7)
+    assert s[1] == pytest.approx([1 / 3] * 3)
+    v = np.array([-80.0, -2.0, 0.0, 1.5, 80.0], np.float32)
+    assert ops.silu(v) == pytest.approx([a / (1 + math.exp(-a)) for a in v.tolist()], abs=1e-6)
+    assert ops.sigmoid(v) == pytest.approx([1 / (1 + math.exp(-a)) for a in v.tolist()], abs=1e-7)
+
+
+def test_rope_rotates_half_pairs():
+    hd, theta = 8, 10000.0
+    x = rng.standard_normal((4, 2, hd)).astype(np.float32)  # [T, heads, hd]
+    pos = np.array([0, 1, 7, 100])
+    cos, sin = ops.rope_cos_sin(pos, ops.rope_inv_freq(hd, theta))
+    got = ops.apply_rope(x, cos, sin)
+    for t, p in enumerate(pos):
+        for h in range(2):
+            for i in range(hd // 2):
+                ang = p / theta ** (2 * i / hd)
+                a, b = float(x[t, h, i]), float(x[t, h, i + hd // 2])
+                assert got[t, h, i] == pytest.approx(a * math.cos(ang) - b * math.sin(ang), abs=1e-5)
+                assert got[t, h, i + hd // 2] == pytest.approx(b * math.cos(ang) + a * math.sin(ang), abs=1e-5)
+    assert np.allclose(got[0], x[0])  # position 0 is the identity
+
+
+def test_linear_rope_scaling_divides_positions():
+    a = ops.rope_cos_sin(np.array([8]), ops.rope_inv_freq(16, 1e4, factor=4.0))
+    b = ops.rope_cos_sin(np.array([2]), ops.rope_inv_freq(16, 1e4))
+    assert np.allclose(a[0], b[0]) and np.allclose(a[1], b[1])
+
+
+def test_gqa_attention_formula():
+    T, S, nh, nkv, hd = 3, 5, 4, 2, 4
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((S, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((S, nkv, hd)).astype(np.float32)
+    qpos = np.array([2, 3, 4])
+    mask = ops.attention_mask(qpos, np.arange(S), None)
+    got = ops.gqa_attention(q, k, v, mask).reshape(T, nh, hd)
+    for t in range(T):
+        for h in range(nh):
+            kv = h // (nh // nkv)
+            scores = [float(q[t, h] @ k[j, kv]) / math.sqrt(hd) for j in range(qpos[t] + 1)]
+            m = max(scores)
+            w = [math.exp(s - m) for s in scores]
+            want = sum(w[j] / sum(w) * v[j, kv] for j in range(len(w)))
+            assert got[t, h] == pytest.approx(want, abs=1e-5)
+
+
+def test_sliding_window_mask():
+    m = ops.attention_mask(np.array([5]), np.arange(6), window=3)
+    assert m.tolist() == [[False, False, False, True, True, True]]
+    causal = ops.attention_mask(np.array([0, 1]), np.arange(2), None)
+    assert causal.tolist() == [[True, False], [True, True]]
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_top_k(normalize):
+    logits = rng.standard_normal((6, 8)).astype(np.float32)
+    ids, w = ops.route_top_k(logits, 3, normalize)
+    for t in range(6):
+        p = np.exp(logits[t] - logits[t].max())
+        p /= p.sum()
+        top = sorted(range(8), key=lambda e: -p[e])[:3]
+        assert ids[t].tolist() == top
+        want = p[top] / (p[top].sum() if normalize else 1.0)
+        assert w[t] == pytest.approx(want, rel=1e-5)
+
+
+def test_swiglu_formula():
+    x = rng.standard_normal((2, 6)).astype(np.float32)
+    g, u = rng.standard_normal((5, 6)).astype(np.float32), rng.standard_normal((5, 6)).astype(np.float32)
+    d = rng.standard_normal((6, 5)).astype(np.float32)
+    got = ops.swiglu_mlp(x, g, u, d)
+    for t in range(2):
+        hidden = [(g[i] @ x[t]) / (1 + math.exp(-(g[i] @ x[t]))) * (u[i] @ x[t]) for i in range(5)]
+        assert got[t] == pytest.approx(d @ np.array(hidden), abs=1e-4)
+
+
+def test_greedy_and_seeded_sampling():
+    logits = np.array([0.1, 2.0, 1.9, -1.0], np.float32)
+    assert Sampler(SamplingParams())(logits) == 1
+    draws = [Sampler(SamplingParams(temperature=1.0, seed=s))(logits) for s in range(40)]
+    assert draws == [Sampler(SamplingParams(temperature=1.0, seed=s))(logits) for s in range(40)]
+    assert len(set(draws)) > 1
+
+
+def test_top_k_and_top_p_filters():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert p == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0, 0])
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.79))
+    assert p == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0, 0])
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    assert p == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.3))
+    assert p == pytest.approx([1, 0, 0, 0])
+    p = filtered_probs(logits, SamplingParams(temperature=0.5))
+    want = np.array([0.5, 0.3, 0.15, 0.05]) ** 2
+    assert p == pytest.approx(want / want.sum())
+
+
+def test_sampling_params_refuse_bad_values():
+    from coordinator.errors import ConfigValueError
+    for bad in (dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5)):
+        with pytest.raises(ConfigValueError):
+            SamplingParams(**bad)

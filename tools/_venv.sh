@@ -1,0 +1,14 @@
+# Sourced by tools/*.sh: make .venv (if absent) and install the project into it.
+# Usage: . tools/_venv.sh [extra]   e.g. ". tools/_venv.sh test"
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+if [ ! -x "$ROOT/.venv/bin/python" ]; then
+  echo "creating $ROOT/.venv" >&2
+  "$PY" -m venv "$ROOT/.venv"
+  "$ROOT/.venv/bin/python" -m pip install -q --upgrade pip
+fi
+SPEC="$ROOT"
+if [ -n "${1:-}" ]; then SPEC="$ROOT[$1]"; fi
+"$ROOT/.venv/bin/python" -m pip install -q --disable-pip-version-check -e "$SPEC"
+export PATH="$ROOT/.venv/bin:$PATH"
