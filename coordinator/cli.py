@@ -64,6 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _print_config(config, sources)
         return 0
     with Engine.open(args.model, config) as engine:
+        print(engine.pool_description(), file=sys.stderr)
         ids = _prompt_ids(args, engine)
         stream = StreamDecoder(engine.codec) if engine.codec is not None and not args.json else None
 
@@ -81,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "prompt_ids": result.prompt_ids, "ids": result.ids, "text": text,
                 "finish_reason": result.finish_reason, "timing": result.timings,
                 "pool": {"kind": config.pool, "numa_split": config.numa_split, "plan": plan.digest,
-                         "nodes": list(plan.node_ids)},
+                         "nodes": list(plan.node_ids), "node_info": [n.as_dict() for n in engine.nodes]},
                 "routing": {"routed_pairs": engine.decoder.stats.routed_pairs,
                             "skipped_pairs": engine.decoder.stats.skipped_pairs},
             }
@@ -90,6 +91,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(stream.flush() + "\n")
         else:
             print(",".join(str(t) for t in result.ids))
+    return 0
+
+
+def cmd_topo(args: argparse.Namespace) -> int:
+    from shm.topology import format_table, real_nodes, select_nodes
+
+    nodes = select_nodes(args.nodes) if args.nodes else real_nodes()
+    if args.json:
+        print(json.dumps({"nodes": [n.as_dict() for n in nodes]}, indent=2))
+    else:
+        print(format_table(nodes))
     return 0
 
 
@@ -125,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timing")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("topo", help="show the NUMA nodes, their CPUs and memory")
+    p.add_argument("--nodes", type=int, default=None, help="show the nodes a split over N would use (virtual if needed)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_topo)
 
     p = sub.add_parser("config", help="show the effective engine config and where each value came from")
     _add_engine_flags(p)

@@ -14,6 +14,7 @@ from node_worker import NodeWorker
 from shm.checkpoint import Checkpoint
 from shm.expert_store import HeapExpertStore
 from shm.plan import NodeShare, PoolPlan, make_plan, single_node_plan
+from shm.topology import Node, format_cpulist, select_nodes
 
 from .config import EngineConfig
 from .errors import ConfigValueError, StrataError
@@ -37,18 +38,19 @@ class GenerationResult:
     timings: dict = field(default_factory=dict)
 
 
-def machine_node_count(root: Path = Path("/sys/devices/system/node")) -> int:
-    return max(1, len(list(root.glob("node[0-9]*"))))
-
-
-def build_plan(mcfg: ModelConfig, config: EngineConfig) -> PoolPlan:
-    """The non-split plan (one node, whole experts) or the split plan over ``nodes``."""
-    sizes = [mcfg.moe_intermediate_size]
+def pool_nodes(config: EngineConfig) -> list[Node]:
+    """The nodes the pool uses: node 0 alone, or ``nodes`` (virtual when the machine has fewer)."""
     if not config.numa_split:
-        return single_node_plan(sizes)
-    count = config.nodes or machine_node_count()
-    # Equal shares until the topology (issue 3) weights nodes by their CPUs.
-    return make_plan([NodeShare(n, 1) for n in range(count)], sizes)
+        return select_nodes(1)
+    return select_nodes(config.nodes)
+
+
+def build_plan(mcfg: ModelConfig, nodes: list[Node]) -> PoolPlan:
+    """One slice per node, sized by the node's CPUs; a single node holds whole experts."""
+    sizes = [mcfg.moe_intermediate_size]
+    if len(nodes) == 1:
+        return single_node_plan(sizes, node=nodes[0].id, workers=len(nodes[0].cpus))
+    return make_plan([NodeShare(n.id, len(n.cpus)) for n in nodes], sizes)
 
 
 def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict) -> InprocPool:
@@ -62,7 +64,7 @@ def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, exper
 
 class Engine:
     def __init__(self, model_dir: Path, config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint,
-                 decoder: Decoder, pool: ExpertPool, codec: TextCodec | None):
+                 decoder: Decoder, pool: ExpertPool, codec: TextCodec | None, nodes: list[Node]):
         self.model_dir = model_dir
         self.config = config
         self.model_config = mcfg
@@ -70,6 +72,7 @@ class Engine:
         self.decoder = decoder
         self.pool = pool
         self.codec = codec
+        self.nodes = nodes  # the pool's nodes, as the topology reported them
         self.max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
 
     @classmethod
@@ -83,14 +86,21 @@ class Engine:
         codec = TextCodec.load(model_dir)
         ckpt = Checkpoint(model_dir)
         weights = load_weights(mcfg, ckpt)
-        plan = build_plan(mcfg, config)
+        nodes = pool_nodes(config)
+        plan = build_plan(mcfg, nodes)
         for size, node, reason in plan.left_out:
             log.warning("node %s holds no rows of size-%s experts: %s", node, size, reason)
         pool = build_inproc_pool(ckpt, mcfg, plan, weights.experts)
         decoder = Decoder(mcfg, weights, pool, config.route_tail_skip)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
-        return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec)
+        return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes)
+
+    def pool_description(self) -> str:
+        """One line saying where the experts run, virtual nodes labelled as such."""
+        parts = [f"node {n.id}{' (virtual)' if n.virtual else ''}: cpus {format_cpulist(n.cpus)}" for n in self.nodes]
+        mode = "split by rows" if self.config.numa_split else "whole experts"
+        return f"pool {self.config.pool}, {mode}, plan {self.pool.plan.digest}; " + "; ".join(parts)
 
     def __enter__(self) -> "Engine":
         return self
