@@ -105,6 +105,51 @@ def cmd_topo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shm_list(args: argparse.Namespace) -> int:
+    from shm.placement import segment_placement
+    from shm.segments import list_segments
+
+    rows = []
+    for info in list_segments():
+        h = info.header
+        row = {"name": info.name, "size": info.size, "error": info.error}
+        if h is not None:
+            row.update(node=h.node, owner_pid=h.owner_pid, owner_alive=info.owner_alive, model=h.model_digest,
+                       plan=h.plan_digest, state="complete" if h.complete else "partial")
+            if args.placement and info.owner_alive:
+                placement = segment_placement(h.owner_pid, info.name, h.node)
+                row["placement"] = placement.as_dict() if placement else None
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"segments": rows}, indent=2))
+        return 0
+    if not rows:
+        print("no strata segments in /dev/shm")
+    for r in rows:
+        if r["error"]:
+            print(f"{r['name']}  {r['size'] / 2**20:.1f} MiB  unreadable: {r['error']}")
+            continue
+        line = (f"{r['name']}  {r['size'] / 2**20:.1f} MiB  node {r['node']}  {r['state']}  model {r['model']}  "
+                f"plan {r['plan']}  owner {r['owner_pid']} ({'alive' if r['owner_alive'] else 'dead'})")
+        p = r.get("placement")
+        if p and p["local_share"] is not None:
+            line += f"  local pages {p['local_share']:.1%} of {p['pages']}"
+        print(line)
+    return 0
+
+
+def cmd_shm_clean(args: argparse.Namespace) -> int:
+    from shm.segments import clean
+
+    if not args.all and not args.names:
+        print("strata: error: name the segments to remove, or pass --all", file=sys.stderr)
+        return 2
+    results = clean(None if args.all else args.names, force=args.force)
+    for name, what in results:
+        print(f"{name}: {what}")
+    return 1 if any(w.startswith("kept") or w == "no such segment" for _, w in results) else 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     config, sources = _engine_config(args)
     _print_config(config, sources)
@@ -142,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=None, help="show the nodes a split over N would use (virtual if needed)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_topo)
+
+    shm_p = sub.add_parser("shm", help="list or remove the shared-memory segments")
+    shm_sub = shm_p.add_subparsers(dest="shm_command", required=True)
+    p = shm_sub.add_parser("list", help="segments with size, owner, model, plan, state")
+    p.add_argument("--placement", action="store_true", help="pages per node of each live owner's mapping")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_shm_list)
+    p = shm_sub.add_parser("clean", help="remove segments (only dead owners' unless --force)")
+    p.add_argument("names", nargs="*")
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_shm_clean)
 
     p = sub.add_parser("config", help="show the effective engine config and where each value came from")
     _add_engine_flags(p)

@@ -15,6 +15,7 @@ raw little-endian data.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import mmap
@@ -239,6 +240,18 @@ class Checkpoint:
         index = [slice(None)] * raw.ndim
         index[axis] = slice(start, stop)
         return to_float32(raw[tuple(index)], info.dtype)
+
+    def digest(self) -> str:
+        """Names the model: config.json's bytes and, per file, its name, size, mtime and header."""
+        h = hashlib.sha256()
+        config = self.dir / "config.json"
+        if config.is_file():
+            h.update(config.read_bytes())
+        for path, st in sorted(self.files.items()):
+            stat = path.stat()
+            h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+            h.update(json.dumps({n: [t.dtype, t.shape, t.offset] for n, t in sorted(st.tensors.items())}).encode())
+        return h.hexdigest()[:16]
 
     def dtypes(self) -> set[str]:
         return {self.info(n).dtype for n in self.index}

@@ -73,3 +73,11 @@ def read_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int)
         up=read_rows(ckpt, refs.up, start, stop),
         down_t=read_columns_t(ckpt, refs.down, start, stop),
     )
+
+
+def write_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int, dest: ExpertSlice) -> int:
+    """Read the rows straight into the destination views; returns bytes written."""
+    dest.gate[...] = read_rows(ckpt, refs.gate, start, stop)
+    dest.up[...] = read_rows(ckpt, refs.up, start, stop)
+    dest.down_t[...] = read_columns_t(ckpt, refs.down, start, stop)
+    return dest.nbytes

@@ -1,16 +1,25 @@
 """Where one node's expert slices live.
 
-``HeapExpertStore`` keeps them in this process's memory (the in-process pool).
-The node workers' shared-memory store exposes the same ``get`` interface.
+``HeapExpertStore`` keeps them in this process's memory. ``SegmentExpertStore``
+keeps them in the node's shared-memory segment: per expert, its gate rows, up
+rows and transposed down columns, each [R, H] float32, 64-byte aligned, at the
+offsets of the layout table stored in the segment header, so any process that
+maps the segment sees the same zero-copy views.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
+
+import numpy as np
 
 from .checkpoint import Checkpoint
 from .expert_source import ExpertRefs, ExpertSlice, read_expert_slice
 from .plan import PoolPlan
+from .segments import Segment
+
+ALIGN = 64
+LAYOUT_KIND = "expert-slices/float32"
 
 
 class HeapExpertStore:
@@ -46,3 +55,59 @@ class HeapExpertStore:
 
     def close(self) -> None:
         self._slices.clear()
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def build_layout(entries: Iterable[tuple[int, int, int, int]], hidden: int) -> tuple[dict, int]:
+    """entries (layer, expert, row start, row stop) -> (layout table, data bytes).
+
+    Table rows are [layer, expert, start, stop, gate offset, up offset, down_t offset].
+    """
+    table, offset = [], 0
+    for layer, expert, start, stop in sorted(entries):
+        matrix = (stop - start) * hidden * 4
+        gate, up, down = offset, _align(offset + matrix), _align(_align(offset + matrix) + matrix)
+        table.append([layer, expert, start, stop, gate, up, down])
+        offset = _align(down + matrix)
+    return {"kind": LAYOUT_KIND, "hidden": hidden, "experts": table}, offset
+
+
+class SegmentExpertStore:
+    """Zero-copy views of a segment's expert slices."""
+
+    def __init__(self, node: int, segment: Segment):
+        self.node = node
+        self.segment = segment
+        layout = segment.header.layout
+        if layout.get("kind") != LAYOUT_KIND:
+            raise ValueError(f"segment {segment.name} layout kind {layout.get('kind')!r}, expected {LAYOUT_KIND}")
+        hidden = layout["hidden"]
+        data = segment.data
+        self._views: dict[tuple[int, int], ExpertSlice] = {}
+        self.row_ranges: dict[tuple[int, int], tuple[int, int]] = {}
+        for layer, expert, start, stop, g, u, d in layout["experts"]:
+            shape = (stop - start, hidden)
+            count = shape[0] * hidden
+
+            def view(off: int) -> np.ndarray:
+                return data[off : off + count * 4].view(np.float32).reshape(shape)
+
+            self._views[(layer, expert)] = ExpertSlice(view(g), view(u), view(d))
+            self.row_ranges[(layer, expert)] = (start, stop)
+
+    def get(self, layer: int, expert: int) -> ExpertSlice | None:
+        return self._views.get((layer, expert))
+
+    def keys(self) -> list[tuple[int, int]]:
+        return sorted(self._views)
+
+    @property
+    def nbytes(self) -> int:
+        return self.segment.header.data_bytes
+
+    def close(self) -> None:
+        self._views.clear()
+        self.segment.close()

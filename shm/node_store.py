@@ -1,0 +1,125 @@
+"""Opening one node's expert store: reattach to a complete segment, or make and fill one.
+
+The filling runs in the calling process (the pinned node worker), on threads
+pinned one per CPU of the node, so first touch puts every page on that node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Mapping
+
+from .checkpoint import Checkpoint
+from .expert_source import ExpertRefs, write_expert_slice
+from .expert_store import SegmentExpertStore, build_layout
+from .plan import PoolPlan
+from .segments import open_or_create, segment_name
+
+log = logging.getLogger(__name__)
+PROGRESS_AFTER_S = 3.0
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    segment: str
+    reloaded: bool  # False: reattached to a complete segment, nothing read from the checkpoint
+    bytes: int
+    seconds: float
+    threads: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class _Progress:
+    def __init__(self, total: int, label: str):
+        self.total, self.label = total, label
+        self.done = 0
+        self.start = time.monotonic()
+        self.lock = threading.Lock()
+        self.shown = False
+
+    def add(self, nbytes: int) -> None:
+        with self.lock:
+            self.done += nbytes
+            elapsed = time.monotonic() - self.start
+            if elapsed < PROGRESS_AFTER_S:
+                return
+            self.shown = True
+            frac = self.done / self.total if self.total else 1.0
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {self.done / elapsed / 1e9:5.2f} GB/s")
+            sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+def _pinning_initializer(cpus: list[int]):
+    pool: queue.Queue[int] = queue.Queue()
+    for c in cpus:
+        pool.put(c)
+
+    def pin() -> None:
+        try:
+            os.sched_setaffinity(0, {pool.get_nowait()})  # 0 = this thread on Linux
+        except (queue.Empty, OSError) as exc:
+            log.debug("fill thread not pinned: %s", exc)
+
+    return pin
+
+
+def open_node_store(
+    ckpt: Checkpoint,
+    plan: PoolPlan,
+    node: int,
+    experts: Mapping[tuple[int, int], tuple[ExpertRefs, int]],
+    hidden: int,
+    cpus: list[int],
+    model_digest: str | None = None,
+    node_free: int | None = None,
+) -> tuple[SegmentExpertStore, LoadReport]:
+    """The node's store in its segment; ``experts`` maps (layer, e) -> (refs, intermediate size)."""
+    model_digest = model_digest or ckpt.digest()
+    wanted = {}
+    for (layer, e), (refs, inter) in experts.items():
+        rows = plan.slice_of(inter, node)
+        if rows is not None:
+            wanted[(layer, e)] = (refs, rows.start, rows.stop)
+    layout, data_bytes = build_layout(((l, e, a, b) for (l, e), (_, a, b) in wanted.items()), hidden)
+    name = segment_name(model_digest, plan.digest, node)
+    start = time.monotonic()
+    segment, needs_fill = open_or_create(name, node, model_digest, plan.digest, layout, data_bytes, node_free)
+    try:
+        store = SegmentExpertStore(node, segment)
+        if needs_fill:
+            progress = _Progress(data_bytes, f"node {node}: loading experts")
+            threads = max(1, len(cpus))
+
+            def fill(key):
+                refs, a, b = wanted[key]
+                progress.add(write_expert_slice(ckpt, refs, a, b, store.get(*key)))
+
+            with ThreadPoolExecutor(threads, initializer=_pinning_initializer(list(cpus))) as ex:
+                list(ex.map(fill, sorted(wanted)))
+            progress.finish()
+            segment.mark_complete()
+        else:
+            threads = 0
+    except BaseException:
+        segment.close()  # owner of a half-written segment: it goes
+        raise
+    report = LoadReport(name, needs_fill, data_bytes, time.monotonic() - start, threads)
+    if needs_fill:
+        log.info("node %s: loaded %.2f GB into %s in %.2fs (%.2f GB/s, %d threads)",
+                 node, data_bytes / 1e9, name, report.seconds, report.gb_per_s, threads)
+    return store, report
