@@ -180,7 +180,9 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
         dense_inter = moe_inter
         shared_inter = 0
     else:
-        num_experts = _field(cfg, "num_experts", int)
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
+        key = "num_experts" if "num_experts" in cfg or arch != "qwen3_moe" else "num_local_experts"
+        num_experts = _field(cfg, key, int)
         moe_inter = _field(cfg, "moe_intermediate_size", int)
         dense_inter = _field(cfg, "intermediate_size", int)
         shared_inter = _field(cfg, "shared_expert_intermediate_size", int) if arch == "qwen2_moe" else 0
