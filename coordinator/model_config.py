@@ -79,6 +79,15 @@ def _field(cfg: dict, key: str, kind: type, *, default: object = ..., where: str
     return value
 
 
+def _bool(cfg: dict, key: str, default: bool) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelConfigError(f"config.json: field '{key}' is {value!r}; expected true or false")
+    return value
+
+
 def _arch(cfg: dict) -> str:
     archs = cfg.get("architectures")
     if not isinstance(archs, list) or not archs:
@@ -115,7 +124,7 @@ def _rope(cfg: dict, default_theta: float) -> tuple[float, str, float]:
     factor = 1.0
     if rope_type == "linear":
         factor = scaling.get("factor")
-        if not isinstance(factor, (int, float)) or factor <= 0:
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
             raise ModelConfigError(f"config.json: {where}.factor is {factor!r}; expected a positive number")
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise ModelConfigError(f"config.json: rope_theta is {theta!r}; expected a positive number")
@@ -181,7 +190,10 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
         shared_inter = 0
     else:
         # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
-        key = "num_experts" if "num_experts" in cfg or arch != "qwen3_moe" else "num_local_experts"
+        if arch == "qwen3_moe" and cfg.get("num_experts") is None and cfg.get("num_local_experts") is None:
+            raise ModelConfigError("config.json: missing required field 'num_experts' (transformers 5 writes "
+                                   "'num_local_experts')")
+        key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
         num_experts = _field(cfg, key, int)
         moe_inter = _field(cfg, "moe_intermediate_size", int)
         dense_inter = _field(cfg, "intermediate_size", int)
@@ -203,9 +215,9 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
         sparse = tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(layers))
     theta, rope_type, factor = _rope(cfg, d["rope_theta"])
     if arch == "qwen2_moe":
-        qkv_bias = bool(cfg.get("qkv_bias", True))
+        qkv_bias = _bool(cfg, "qkv_bias", True)
     else:
-        qkv_bias = bool(cfg.get("attention_bias", d["attention_bias"]))
+        qkv_bias = _bool(cfg, "attention_bias", d["attention_bias"])
     return ModelConfig(
         arch=arch,
         vocab_size=_field(cfg, "vocab_size", int),
@@ -219,12 +231,12 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
         rope_type=rope_type,
         rope_factor=factor,
         max_position_embeddings=_field(cfg, "max_position_embeddings", int, default=d["max_position_embeddings"]),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", d["tie_word_embeddings"])),
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", d["tie_word_embeddings"]),
         qkv_bias=qkv_bias,
         qk_norm=arch == "qwen3_moe",
         num_experts=num_experts,
         top_k=top_k,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", d["norm_topk_prob"])) if arch != "mixtral" else True,
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", d["norm_topk_prob"]) if arch != "mixtral" else True,
         moe_intermediate_size=moe_inter,
         dense_intermediate_size=dense_inter,
         shared_expert_intermediate_size=shared_inter,

@@ -78,4 +78,4 @@ class InprocPool(ExpertPool):
 
     def close(self) -> None:
         for w in self.workers:
-            w.store.close()  # type: ignore[attr-defined]
+            w.close()

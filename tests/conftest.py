@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random checkpoints written under the test's tmp_path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.make_model import make_model
+from shm.checkpoint import INDEX_NAME, Checkpoint
+from shm.checkpoint_writer import save_checkpoint
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    """make_model under tmp_path: ``tiny_model(name="m", arch=..., seed=..., **geometry)`` -> its dir."""
+    def make(name: str = "m", **kwargs) -> Path:
+        return make_model(tmp_path / name, **kwargs)
+    return make
+
+
+def read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint as an owned float32 copy (safe to delete the files afterwards)."""
+    ckpt = Checkpoint(model_dir)
+    try:
+        return {name: np.array(ckpt.float32(name)) for name in ckpt.names()}
+    finally:
+        ckpt.close()
+
+
+def rewrite_checkpoint(model_dir: Path, tensors: dict[str, np.ndarray], **kwargs) -> None:
+    """Replace a checkpoint's safetensors (and index) by ``tensors``; unlink first so no live map is truncated."""
+    for f in Path(model_dir).glob("*.safetensors"):
+        f.unlink()
+    (Path(model_dir) / INDEX_NAME).unlink(missing_ok=True)
+    save_checkpoint(model_dir, tensors, **kwargs)
+
+
+def edit_config(model_dir: Path, edit) -> None:
+    """Load config.json, call ``edit(cfg)`` on the dict, write it back."""
+    path = Path(model_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.fixture
+def checkpoint_tools():
+    """The helpers above, for tests that rewrite a checkpoint or its config."""
+    class Tools:
+        read = staticmethod(read_tensors)
+        rewrite = staticmethod(rewrite_checkpoint)
+        config = staticmethod(edit_config)
+    return Tools

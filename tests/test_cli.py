@@ -1,0 +1,222 @@
+"""The ``strata`` command line: in-process through cli.main, and once through ``python -m coordinator``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator import Engine, EngineConfig
+from coordinator.cli import main
+from coordinator.config import ENV_VARS
+from coordinator.make_model import EOS_ID
+
+REPO = Path(__file__).resolve().parents[1]
+N = 12
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No STRATA_* variable of the caller's shell leaks into a test."""
+    for var, _ in ENV_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "m"
+    assert main(["make-model", "--out", str(out), "--seed", "0"]) == 0
+    return out
+
+
+def run_json(capsys, *args):
+    capsys.readouterr()
+    rc = main(["generate", *args, "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 1, out  # exactly one JSON object on stdout
+    return json.loads(lines[0]), err
+
+
+def check_length(doc, n):
+    ids = doc["ids"]
+    if doc["finish_reason"] == "eos":
+        assert 0 < len(ids) <= n and ids[-1] == EOS_ID
+    else:
+        assert doc["finish_reason"] == "length"
+        assert len(ids) == n
+
+
+# -- make-model -------------------------------------------------------------
+
+
+def test_make_model_writes_a_checkpoint_dir(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["make-model", "--out", str(out), "--seed", "3", "--arch", "mixtral"]) == 0
+    assert str(out) in capsys.readouterr().out
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "model.safetensors"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    with Engine.open(out) as engine:
+        assert engine.model_config.arch == "mixtral"
+
+
+def test_make_model_is_deterministic(tmp_path):
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        assert main(["make-model", "--out", str(tmp_path / name), "--seed", str(seed)]) == 0
+    a, b, c = ((tmp_path / n / "model.safetensors").read_bytes() for n in "abc")
+    assert a == b
+    assert a != c and len(a) == len(c)
+    assert (tmp_path / "a" / "config.json").read_bytes() == (tmp_path / "c" / "config.json").read_bytes()
+
+
+def test_make_model_subprocess_matches_in_process(tmp_path):
+    """The real entry point (python -m coordinator) writes the same bytes as cli.main."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "make-model", "--out", str(tmp_path / "sub"), "--seed", "11",
+         "--dtype", "BF16"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote tiny qwen3_moe model (seed 11, BF16)" in proc.stdout
+    assert main(["make-model", "--out", str(tmp_path / "inproc"), "--seed", "11", "--dtype", "BF16"]) == 0
+    assert (tmp_path / "sub" / "model.safetensors").read_bytes() == \
+        (tmp_path / "inproc" / "model.safetensors").read_bytes()
+
+
+def test_subprocess_error_exit_code(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "generate", "--model", str(missing), "--prompt-ids", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert str(missing) in proc.stderr and proc.stdout == ""
+
+
+# -- generate ---------------------------------------------------------------
+
+
+def test_generate_json_matches_engine(model, capsys):
+    doc, err = run_json(capsys, "--model", str(model), "--prompt", "Hello", "--max-new-tokens", str(N))
+    assert "pool inproc" in err  # the pool line goes to stderr, not into the JSON
+    check_length(doc, N)
+    with Engine.open(model, EngineConfig()) as engine:
+        prompt = engine.encode("Hello")
+        assert doc["prompt_ids"] == prompt
+        assert doc["ids"] == engine.generate(prompt, N)
+        assert doc["text"] == engine.decode(doc["ids"])
+    assert doc["pool"]["nodes"] == [0] and doc["pool"]["numa_split"] is False
+    assert doc["timing"]["prefill_tokens"] == len(prompt)
+
+
+def test_generate_prompt_ids(model, capsys):
+    doc, _ = run_json(capsys, "--model", str(model), "--prompt-ids", "1,2,3", "--max-new-tokens", "5")
+    assert doc["prompt_ids"] == [1, 2, 3]
+    check_length(doc, 5)
+    with Engine.open(model) as engine:
+        assert doc["ids"] == engine.generate([1, 2, 3], 5)
+
+
+def test_streaming_text_is_the_decoded_ids(model, capsys):
+    doc, _ = run_json(capsys, "--model", str(model), "--prompt", "Hello", "--max-new-tokens", str(N))
+    assert main(["generate", "--model", str(model), "--prompt", "Hello", "--max-new-tokens", str(N)]) == 0
+    out = capsys.readouterr().out
+    assert doc["text"]  # something to compare
+    assert out == doc["text"] + "\n"
+
+
+def sampled_ids(capsys, model, seed):
+    doc, _ = run_json(capsys, "--model", str(model), "--prompt-ids", "5,6,7", "--max-new-tokens", "16",
+                      "--temperature", "0.8", "--seed", str(seed))
+    return doc["ids"]
+
+
+def test_sampling_is_reproducible_by_seed(model, capsys):
+    first, again = sampled_ids(capsys, model, 5), sampled_ids(capsys, model, 5)
+    assert first == again
+    assert sampled_ids(capsys, model, 6) != first
+    with Engine.open(model) as engine:
+        assert engine.generate([5, 6, 7], 16, 0.8, seed=5) == first
+
+
+def test_bad_prompt_ids_exit_2(model, capsys):
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model), "--prompt-ids", "x,y"]) == 2
+    out, err = capsys.readouterr()
+    assert "--prompt-ids 'x,y': expected comma-separated integers" in err
+    assert out == ""
+
+
+def test_missing_model_dir_exit_2(tmp_path, capsys):
+    missing = tmp_path / "absent"
+    assert main(["generate", "--model", str(missing), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("strata: error:") and str(missing) in err
+
+
+def test_numa_split_over_two_nodes_gives_the_same_ids(model, capsys):
+    args = ["--model", str(model), "--prompt", "Hello", "--max-new-tokens", str(N)]
+    whole, _ = run_json(capsys, *args)
+    split, err = run_json(capsys, *args, "--numa-split", "--nodes", "2")
+    assert "split by rows" in err
+    assert split["pool"]["nodes"] == [0, 1]
+    assert split["pool"]["numa_split"] is True
+    assert split["pool"]["plan"] != whole["pool"]["plan"]
+    assert split["ids"] == whole["ids"]
+    assert split["text"] == whole["text"]
+
+
+# -- config ---------------------------------------------------------------------
+
+
+def config_line(capsys, *args, field="numa_split"):
+    capsys.readouterr()
+    assert main(["config", *args]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.split()[0] == field]
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_config_default(capsys):
+    line = config_line(capsys)
+    assert line.split()[1] == "False"
+    assert "(default; variable STRATA_NUMA_SPLIT)" in line
+
+
+def test_config_from_env(capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_NUMA_SPLIT", "1")
+    line = config_line(capsys)
+    assert line.split()[1] == "True"
+    assert "(env STRATA_NUMA_SPLIT;" in line
+
+
+def test_config_flag_beats_env(capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_NUMA_SPLIT", "0")
+    assert config_line(capsys).split()[1] == "False"
+    line = config_line(capsys, "--numa-split")
+    assert line.split()[1] == "True"
+    assert "(flag;" in line
+
+
+def test_config_bad_env_value_exit_2(capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_NUMA_SPLIT", "maybe")
+    assert main(["config"]) == 2
+    err = capsys.readouterr().err
+    assert "STRATA_NUMA_SPLIT='maybe'" in err
+
+
+def test_generate_print_config_uses_env(model, capsys, monkeypatch):
+    monkeypatch.setenv("STRATA_NODES", "2")
+    monkeypatch.setenv("STRATA_NUMA_SPLIT", "yes")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model), "--prompt-ids", "1", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.split()[:2] == ["nodes", "2"] and "env STRATA_NODES" in line for line in out.splitlines())
