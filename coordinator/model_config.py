@@ -193,7 +193,8 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
         if arch == "qwen3_moe" and cfg.get("num_experts") is None and cfg.get("num_local_experts") is None:
             raise ModelConfigError("config.json: missing required field 'num_experts' (transformers 5 writes "
                                    "'num_local_experts')")
-        key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+        qwen3_v5 = arch == "qwen3_moe" and cfg.get("num_experts") is None
+        key = "num_local_experts" if qwen3_v5 else "num_experts"
         num_experts = _field(cfg, key, int)
         moe_inter = _field(cfg, "moe_intermediate_size", int)
         dense_inter = _field(cfg, "intermediate_size", int)
