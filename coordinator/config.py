@@ -14,16 +14,21 @@ from typing import Callable, Mapping
 
 from .errors import ConfigValueError
 
-POOLS = ("inproc",)
+POOLS = ("inproc", "process")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    pool: str = "inproc"  # "inproc": the experts run in the coordinator's process
+    pool: str = "inproc"  # "inproc": experts run in this process; "process": one node worker process per node
     numa_split: bool = False  # cut every CPU expert by rows across the nodes
     nodes: int | None = None  # nodes in split mode (virtual when the machine has fewer); None = all
     route_tail_skip: float = 0.0  # drop routed experts whose weight is below this; 0 = off
     max_seq_len: int | None = None  # refuse longer sequences; None = the model's max_position_embeddings
+    pool_node: int = 0  # the node that holds whole experts when not split
+    worker_threads: int | None = None  # threads per node worker; None = the node's CPUs
+    pool_spin_us: float = 0.0  # how long a waiting side polls before it blocks
+    keep_shm: bool = False  # leave the segments in /dev/shm at exit, for a fast restart
+    worker_start_timeout: float = 600.0  # seconds a node worker may take to load and say hello
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -36,6 +41,16 @@ class EngineConfig:
             raise ConfigValueError(f"nodes={self.nodes} needs numa_split=True (without it one node holds every expert)")
         if not isinstance(self.route_tail_skip, (int, float)) or not 0 <= self.route_tail_skip < 1:
             raise ConfigValueError(f"route_tail_skip must be in [0, 1), got {self.route_tail_skip!r}")
+        if not isinstance(self.pool_node, int) or self.pool_node < 0:
+            raise ConfigValueError(f"pool_node must be a node number >= 0, got {self.pool_node!r}")
+        if self.numa_split and self.pool_node != 0:
+            raise ConfigValueError("pool_node selects the one node of non-split mode; it cannot be set with numa_split")
+        if self.worker_threads is not None and (not isinstance(self.worker_threads, int) or self.worker_threads < 1):
+            raise ConfigValueError(f"worker_threads must be a positive integer or None, got {self.worker_threads!r}")
+        if not isinstance(self.pool_spin_us, (int, float)) or self.pool_spin_us < 0:
+            raise ConfigValueError(f"pool_spin_us must be >= 0, got {self.pool_spin_us!r}")
+        if not isinstance(self.worker_start_timeout, (int, float)) or self.worker_start_timeout <= 0:
+            raise ConfigValueError(f"worker_start_timeout must be > 0 seconds, got {self.worker_start_timeout!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
             raise ConfigValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
 
@@ -60,6 +75,11 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "nodes": ("STRATA_NODES", parse_optional_int),
     "route_tail_skip": ("STRATA_ROUTE_TAIL_SKIP", float),
     "max_seq_len": ("STRATA_MAX_SEQ_LEN", parse_optional_int),
+    "pool_node": ("STRATA_POOL_NODE", int),
+    "worker_threads": ("STRATA_WORKER_THREADS", parse_optional_int),
+    "pool_spin_us": ("STRATA_POOL_SPIN_US", float),
+    "keep_shm": ("STRATA_KEEP_SHM", parse_bool),
+    "worker_start_timeout": ("STRATA_WORKER_START_TIMEOUT", float),
 }
 
 

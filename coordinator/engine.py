@@ -13,7 +13,7 @@ import numpy as np
 from node_worker import NodeWorker
 from shm.checkpoint import Checkpoint
 from shm.expert_store import HeapExpertStore
-from shm.plan import NodeShare, PoolPlan, make_plan, single_node_plan
+from shm.plan import NodeShare, PoolPlan, make_plan, plan_to_dict, single_node_plan
 from shm.topology import Node, format_cpulist, select_nodes
 
 from .config import EngineConfig
@@ -41,7 +41,12 @@ class GenerationResult:
 def pool_nodes(config: EngineConfig) -> list[Node]:
     """The nodes the pool uses: node 0 alone, or ``nodes`` (virtual when the machine has fewer)."""
     if not config.numa_split:
-        return select_nodes(1)
+        real = select_nodes(None)
+        chosen = [n for n in real if n.id == config.pool_node]
+        if not chosen:
+            raise ConfigValueError(f"pool_node {config.pool_node} is not a node with usable CPUs "
+                                   f"(nodes: {', '.join(str(n.id) for n in real)})")
+        return chosen
     return select_nodes(config.nodes)
 
 
@@ -53,13 +58,41 @@ def build_plan(mcfg: ModelConfig, nodes: list[Node]) -> PoolPlan:
     return make_plan([NodeShare(n.id, len(n.cpus)) for n in nodes], sizes)
 
 
-def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict) -> InprocPool:
+def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
+                      threads: int | None = None) -> InprocPool:
     sized = {key: (refs, mcfg.moe_intermediate_size) for key, refs in experts.items()}
     workers = [
-        NodeWorker(node, HeapExpertStore.from_checkpoint(ckpt, plan, node, sized), mcfg.hidden_size)
+        NodeWorker(node, HeapExpertStore.from_checkpoint(ckpt, plan, node, sized), mcfg.hidden_size,
+                   threads=threads or 1)
         for node in plan.node_ids
     ]
     return InprocPool(plan, workers)
+
+
+def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
+               max_tokens: int) -> dict:
+    """What a node worker needs to build its store: plain JSON, since node_worker cannot import us."""
+    def ref(r):
+        return [r.name, r.expert, r.row_offset]
+
+    return {
+        "model_dir": str(model_dir.resolve()), "model_digest": ckpt.digest(), "hidden": mcfg.hidden_size,
+        "num_layers": mcfg.num_layers, "num_experts": mcfg.num_experts, "moe_layers": mcfg.moe_layers,
+        "intermediate": mcfg.moe_intermediate_size, "plan": plan_to_dict(plan), "max_tokens": max_tokens,
+        "experts": [[l, e, mcfg.moe_intermediate_size, ref(r.gate), ref(r.up), ref(r.down)]
+                    for (l, e), r in sorted(experts.items())],
+    }
+
+
+def build_pool(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, nodes: list[Node],
+               experts: dict, config: EngineConfig, max_seq_len: int) -> ExpertPool:
+    if config.pool == "inproc":
+        return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads)
+    from .process_pool import PoolOptions, ProcessPool
+
+    options = PoolOptions(threads=config.worker_threads, spin_us=config.pool_spin_us, keep_shm=config.keep_shm,
+                          start_timeout_s=config.worker_start_timeout, max_tokens=max_seq_len)
+    return ProcessPool(plan, nodes, worker_job(model_dir, ckpt, mcfg, plan, experts, max_seq_len), options)
 
 
 class Engine:
@@ -90,7 +123,8 @@ class Engine:
         plan = build_plan(mcfg, nodes)
         for size, node, reason in plan.left_out:
             log.warning("node %s holds no rows of size-%s experts: %s", node, size, reason)
-        pool = build_inproc_pool(ckpt, mcfg, plan, weights.experts)
+        max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
+        pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, weights.experts, config, max_seq_len)
         decoder = Decoder(mcfg, weights, pool, config.route_tail_skip)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)

@@ -141,3 +141,24 @@ def make_plan(nodes: Sequence[NodeShare], intermediate_sizes: Iterable[int], blo
 def single_node_plan(intermediate_sizes: Iterable[int], node: int = 0, workers: int = 1) -> PoolPlan:
     """The non-split plan: one node holds every row of every expert."""
     return make_plan([NodeShare(node, workers)], intermediate_sizes, block=DEFAULT_BLOCK)
+
+
+def plan_to_dict(plan: PoolPlan) -> dict:
+    return {
+        "version": PLAN_VERSION,
+        "block": plan.block,
+        "nodes": [[n.node, n.workers] for n in plan.nodes],
+        "sizes": sorted(plan.slices),
+        "digest": plan.digest,
+    }
+
+
+def plan_from_dict(doc: dict) -> PoolPlan:
+    """Rebuild a plan from plan_to_dict's output; the digest must come out the same."""
+    if doc.get("version") != PLAN_VERSION:
+        raise PlanError(f"plan version {doc.get('version')!r}; this build makes version {PLAN_VERSION}")
+    plan = make_plan([NodeShare(int(n), int(w)) for n, w in doc["nodes"]], doc["sizes"], block=int(doc["block"]))
+    if plan.digest != doc.get("digest"):
+        raise PlanError(f"plan digest {plan.digest} differs from the one sent ({doc.get('digest')}): "
+                        "coordinator and worker run different code")
+    return plan

@@ -1,0 +1,362 @@
+"""ProcessPool: the node workers as processes, over ZeroMQ.
+
+The coordinator binds one ROUTER socket on an ipc:// endpoint inside a private
+0700 directory; each worker connects a DEALER named ``node<N>``. ``submit``
+sends the layer's work to every worker, ``collect`` waits for their partials
+and sums them in node order.
+
+A worker's death is seen three ways: its last words (a fatal ERROR), its
+process sentinel (a pidfd in the same poll as the socket), and a check before
+each send. All three surface as WorkerDied. The pool then restarts that worker
+once (it reattaches to its complete segment) and resends the request; a second
+death within RESTART_WINDOW_S fails the request with WorkerDied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from node_worker import protocol as P
+from shm.plan import PoolPlan, plan_to_dict
+from shm.topology import Node
+
+from .errors import StrataError
+from .pools import ExpertPool, PoolRequest, sum_in_node_order
+
+log = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 30.0
+POLL_MS = 100
+SHUTDOWN_WAIT_S = 5.0
+
+
+class WorkerDied(StrataError):
+    """A node worker exited; names the node, pid and exit status."""
+
+    def __init__(self, node: int, pid: int, status: str, detail: str = ""):
+        self.node, self.pid, self.status = node, pid, status
+        super().__init__(f"node worker {node} (pid {pid}) died: {status}" + (f"; {detail}" if detail else ""))
+
+
+class PoolError(StrataError):
+    """A node worker refused a request or the pool could not start."""
+
+
+def exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+@dataclass
+class WorkerHandle:
+    node: Node
+    identity: bytes
+    proc: subprocess.Popen | None = None
+    pidfd: int | None = None
+    hello: dict = field(default_factory=dict)
+    last_words: str = ""
+    started: list[float] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else -1
+
+    def dead(self) -> bool:
+        return self.proc is None or self.proc.poll() is not None
+
+    def died(self) -> WorkerDied:
+        code = None
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                code = self.proc.wait()
+        return WorkerDied(self.node.id, self.pid, exit_status(code), self.last_words)
+
+    def close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    threads: int | None = None  # per worker; None = the node's CPUs
+    spin_us: float = 0.0
+    keep_shm: bool = False
+    start_timeout_s: float = 600.0
+    max_tokens: int = 65536
+    use_numactl: bool = True
+
+
+def numactl_prefix(node: Node, use: bool) -> list[str]:
+    """numactl binding for a real node where numactl exists; virtual nodes are pinned by affinity."""
+    if use and not node.virtual and shutil.which("numactl"):
+        return ["numactl", f"--cpunodebind={node.id}", f"--membind={node.id}"]
+    return []
+
+
+class ProcessPool(ExpertPool):
+    def __init__(self, plan: PoolPlan, nodes: list[Node], job: dict, options: PoolOptions):
+        if [n.id for n in nodes] != list(plan.node_ids):
+            raise PoolError("the pool needs one node per plan node, in plan order")
+        self.plan = plan
+        self.options = options
+        self.dir = Path(tempfile.mkdtemp(prefix="strata-pool-"))
+        os.chmod(self.dir, 0o700)
+        self.endpoint = f"ipc://{self.dir}/pool.sock"
+        self.job_path = self.dir / "job.json"
+        max_msg = job["max_tokens"] * job["hidden"] * 4 * 2 + (1 << 20)
+        self.job = dict(job, max_message_bytes=max_msg)
+        self.job_path.write_text(json.dumps(self.job))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
+        self.sock.bind(self.endpoint)
+        self.workers = [WorkerHandle(n, f"node{n.id}".encode()) for n in nodes]
+        self._rid = 0
+        self._pending: PoolRequest | None = None
+        self.stats = {"requests": 0, "restarts": 0, "wait_ns": 0, "worker_compute_ns": [0] * len(nodes)}
+        self.closed = False
+        try:
+            for w in self.workers:
+                self._spawn(w)
+            self._handshake(self.workers)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- process plumbing ----------------------------------------------------
+    def _spawn(self, w: WorkerHandle) -> None:
+        n = w.node
+        threads = self.options.threads or len(n.cpus)
+        cmd = numactl_prefix(n, self.options.use_numactl) + [
+            sys.executable, "-m", "node_worker", "--job", str(self.job_path), "--node", str(n.id),
+            "--local-node", str(n.parent if n.virtual else n.id), "--cpus", ",".join(map(str, n.cpus)),
+            "--threads", str(threads), "--endpoint", self.endpoint, "--parent-pid", str(os.getpid()),
+            "--spin-us", str(self.options.spin_us), "--node-free", str(n.mem_free or 0),
+        ] + (["--keep-shm"] if self.options.keep_shm else [])
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        w.close_pidfd()
+        w.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        try:
+            w.pidfd = os.pidfd_open(w.proc.pid)
+        except (OSError, AttributeError):
+            w.pidfd = None  # falls back to polling the process every POLL_MS
+        w.hello, w.last_words = {}, ""
+        w.started.append(time.monotonic())
+        log.info("started node worker %s pid %s: %s", n.id, w.proc.pid, " ".join(cmd))
+
+    def _poll(self, timeout_ms: int) -> tuple[bool, list[WorkerHandle]]:
+        """(socket readable, workers whose process ended)."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        for w in self.workers:
+            if w.pidfd is not None:
+                poller.register(w.pidfd, zmq.POLLIN)
+        events = dict(poller.poll(timeout_ms))
+        readable = self.sock in events
+        dead = [w for w in self.workers if (w.pidfd in events if w.pidfd is not None else w.dead())]
+        return readable, [w for w in dead if w.dead() or w.proc.wait(timeout=2.0) is not None]
+
+    def _by_identity(self, ident: bytes) -> WorkerHandle | None:
+        return next((w for w in self.workers if w.identity == ident), None)
+
+    def _handshake(self, pending: list[WorkerHandle]) -> None:
+        waiting = {w.identity: w for w in pending}
+        deadline = time.monotonic() + self.options.start_timeout_s
+        while waiting:
+            if time.monotonic() > deadline:
+                names = ", ".join(f"node {w.node.id} (pid {w.pid})" for w in waiting.values())
+                raise PoolError(
+                    f"{names} did not finish starting within {self.options.start_timeout_s:.0f}s; a large model "
+                    "may need a longer STRATA_WORKER_START_TIMEOUT, or check the worker's stderr above"
+                )
+            readable, dead = self._poll(POLL_MS)
+            if readable:
+                self._handle_unsolicited(self.sock.recv_multipart(copy=False), waiting)
+            for w in dead:
+                if w.identity in waiting:
+                    raise w.died()
+
+    def _handle_unsolicited(self, frames, waiting: dict) -> None:
+        w = self._by_identity(bytes(frames[0].buffer))
+        msg = self._decode(frames[1:], w)
+        if isinstance(msg, P.Hello) and w is not None:
+            self._check_hello(w, msg.info)
+            w.hello = msg.info
+            waiting.pop(w.identity, None)
+        elif isinstance(msg, P.Error) and w is not None and msg.fatal:
+            w.last_words = msg.message
+        else:
+            log.warning("ignoring %s from %s", type(msg).__name__, w.identity if w else frames[0].bytes)
+
+    def _check_hello(self, w: WorkerHandle, info: dict) -> None:
+        problems = []
+        if info.get("version") != P.PROTOCOL_VERSION:
+            problems.append(f"protocol {info.get('version')} != {P.PROTOCOL_VERSION}")
+        if info.get("plan_digest") != self.plan.digest:
+            problems.append(f"plan {info.get('plan_digest')} != {self.plan.digest}")
+        if info.get("model_digest") != self.job["model_digest"]:
+            problems.append(f"model {info.get('model_digest')} != {self.job['model_digest']}")
+        if info.get("node") != w.node.id:
+            problems.append(f"node {info.get('node')} != {w.node.id}")
+        if problems:
+            raise PoolError(f"node worker {w.node.id} (pid {w.pid}) handshake mismatch: {'; '.join(problems)}")
+        log.info("node %s ready: pid %s, rows %s, %s threads, %s, placement %s", w.node.id, info.get("pid"),
+                 info.get("slice_rows"), info.get("threads"),
+                 "reloaded" if info.get("reloaded") else "reattached", info.get("placement"))
+
+    def _decode(self, frames, w: WorkerHandle | None):
+        try:
+            return P.decode(frames)
+        except P.ProtocolError as exc:
+            name = f"node worker {w.node.id}" if w else "unknown peer"
+            raise PoolError(f"{name} sent a malformed message: {exc}") from None
+
+    def _send(self, w: WorkerHandle, frames: list) -> None:
+        if w.dead():  # check before each send
+            raise w.died()
+        try:
+            self.sock.send_multipart([w.identity] + frames, copy=False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer is gone
+            if w.dead():
+                raise w.died() from None
+            raise PoolError(f"cannot send to node worker {w.node.id}: {exc}") from None
+
+    def _restart(self, w: WorkerHandle, died: WorkerDied) -> None:
+        recent = [t for t in w.started if time.monotonic() - t < RESTART_WINDOW_S]
+        if len(recent) >= 2:
+            raise WorkerDied(died.node, died.pid, died.status,
+                             f"it died again within {RESTART_WINDOW_S:.0f}s of a restart; not restarting")
+        log.warning("%s; restarting it", died)
+        self.stats["restarts"] += 1
+        self._spawn(w)
+        self._handshake([w])
+
+    # -- the ExpertPool interface -------------------------------------------
+    def _compute_frames(self, rid: int, req: PoolRequest) -> list:
+        return P.encode_compute(P.Compute(rid, req.layer, req.x, req.tokens.astype(np.int32),
+                                          req.experts.astype(np.int32), req.weights.astype(np.float32)))
+
+    def submit(self, request: PoolRequest) -> None:
+        if self._pending is not None:
+            raise PoolError("submit() called twice without collect()")
+        self._rid += 1
+        self._pending = request
+        self._sent_at = time.perf_counter_ns()
+        frames = self._compute_frames(self._rid, request)
+        for w in self.workers:
+            try:
+                self._send(w, frames)
+            except WorkerDied as died:
+                self._restart(w, died)
+                self._send(w, frames)
+
+    def collect(self) -> np.ndarray:
+        req, self._pending = self._pending, None
+        if req is None:
+            raise PoolError("collect() without submit()")
+        rid = self._rid
+        partials: dict[bytes, np.ndarray] = {}
+        while len(partials) < len(self.workers):
+            readable, dead = self._poll(POLL_MS)
+            if readable:
+                frames = self.sock.recv_multipart(copy=False)
+                w = self._by_identity(bytes(frames[0].buffer))
+                msg = self._decode(frames[1:], w)
+                if w is None:
+                    continue
+                if isinstance(msg, P.Result) and msg.request_id == rid:
+                    partials[w.identity] = msg.y
+                    self.stats["worker_compute_ns"][self.workers.index(w)] += msg.compute_ns
+                elif isinstance(msg, P.Error) and msg.fatal:
+                    w.last_words = msg.message  # the sentinel follows
+                elif isinstance(msg, P.Error) and msg.request_id in (rid, 0):
+                    raise PoolError(msg.message)
+                elif isinstance(msg, P.Hello):
+                    self._check_hello(w, msg.info)
+                    w.hello = msg.info
+            for w in dead:
+                if w.identity in partials:
+                    continue  # its part of this request is done; the next send restarts it
+                self._restart(w, w.died())
+                self._send(w, self._compute_frames(rid, req))
+        self.stats["requests"] += 1
+        self.stats["wait_ns"] += time.perf_counter_ns() - self._sent_at
+        return sum_in_node_order([partials[w.identity] for w in self.workers])
+
+    def ping(self) -> float:
+        """One empty round trip to every worker; seconds."""
+        self._rid += 1
+        t0 = time.perf_counter()
+        for w in self.workers:
+            self._send(w, P.encode_ping(P.Ping(self._rid)))
+        got = set()
+        while len(got) < len(self.workers):
+            readable, dead = self._poll(POLL_MS)
+            if dead:
+                raise dead[0].died()
+            if readable:
+                frames = self.sock.recv_multipart(copy=False)
+                msg = self._decode(frames[1:], self._by_identity(bytes(frames[0].buffer)))
+                if isinstance(msg, P.Pong) and msg.request_id == self._rid:
+                    got.add(bytes(frames[0].buffer))
+        return time.perf_counter() - t0
+
+    def health(self) -> list[dict]:
+        return [{"node": w.node.id, "virtual": w.node.virtual, "pid": w.pid, "alive": not w.dead(),
+                 "restarts": len(w.started) - 1, **{k: w.hello.get(k) for k in ("slice_rows", "threads", "placement",
+                                                                                  "reloaded", "segment")}}
+                for w in self.workers]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for w in self.workers:
+            if not w.dead():
+                try:
+                    self.sock.send_multipart([w.identity] + P.encode_shutdown(), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    w.proc.terminate()
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        for w in self.workers:
+            if w.proc is None:
+                continue
+            try:
+                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("node worker %s (pid %s) did not stop; terminating", w.node.id, w.pid)
+                w.proc.terminate()
+                try:
+                    w.proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait()
+            w.close_pidfd()
+        self.sock.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)

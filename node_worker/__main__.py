@@ -1,0 +1,3 @@
+from .proc import main
+
+raise SystemExit(main())

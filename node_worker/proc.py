@@ -1,0 +1,230 @@
+"""The node worker process: NodeWorker behind a DEALER socket, pinned to its node.
+
+Started by the coordinator as ``python -m node_worker --job FILE --node N ...``.
+It pins itself to its node's CPUs (or runs under numactl), names itself
+``strata-node<N>``, opens or fills its segment, connects, says HELLO, and then
+answers COMPUTE and PING until SHUTDOWN. It dies with its parent: a watcher
+thread waits on the parent's pidfd and sends this process SIGTERM, whose
+handler unwinds through the clean-up (the segment goes unless --keep-shm).
+An exception that ends the process is sent first as a fatal ERROR (its last
+words).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from shm.checkpoint import Checkpoint
+from shm.expert_source import ExpertRefs, TensorRef
+from shm.node_store import open_node_store
+from shm.placement import segment_placement
+from shm.plan import plan_from_dict
+
+from . import protocol as P
+from .worker import NodeWorker
+
+log = logging.getLogger(__name__)
+POLL_MS = 500
+
+
+def set_title(node: int) -> None:
+    title = f"strata-node{node}"
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        pass
+    try:
+        Path("/proc/self/comm").write_text(title[:15])
+    except OSError:
+        pass
+
+
+def watch_parent(parent_pid: int) -> None:
+    """SIGTERM this process when the parent exits (works from any parent thread, unlike PDEATHSIG)."""
+    try:
+        fd = os.pidfd_open(parent_pid)
+    except (OSError, AttributeError):
+        fd = None
+
+    def run() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+        log.warning("coordinator pid %s is gone; exiting", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if os.getppid() != parent_pid:
+        raise SystemExit(f"parent {parent_pid} already gone")
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+
+
+def _term(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def load_job(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def expert_map(job: dict) -> dict:
+    def ref(r):
+        return TensorRef(r[0], r[1], r[2])
+
+    return {(l, e): (ExpertRefs(ref(g), ref(u), ref(d)), inter) for l, e, inter, g, u, d in job["experts"]}
+
+
+class WorkerProcess:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.job = load_job(args.job)
+        self.node = args.node
+        self.cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"node{self.node}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.job["max_message_bytes"])
+        self.sock.connect(args.endpoint)
+        self.worker: NodeWorker | None = None
+        self.spin_s = args.spin_us / 1e6
+
+    def send(self, frames: list) -> None:
+        self.sock.send_multipart(frames, copy=False)
+
+    def start(self) -> None:
+        job = self.job
+        plan = plan_from_dict(job["plan"])
+        ckpt = Checkpoint(job["model_dir"])
+        store, report = open_node_store(ckpt, plan, self.node, expert_map(job), job["hidden"], self.cpus,
+                                        model_digest=job["model_digest"], node_free=self.args.node_free or None)
+        store.segment.keep = self.args.keep_shm
+        self.worker = NodeWorker(self.node, store, job["hidden"], threads=self.args.threads, cpus=self.cpus)
+        placement = segment_placement(os.getpid(), report.segment, self.args.local_node)
+        rows = plan.slice_of(job["intermediate"], self.node)
+        self.send(P.encode_hello(P.Hello({
+            "version": P.PROTOCOL_VERSION, "pid": os.getpid(), "node": self.node,
+            "model_digest": job["model_digest"], "plan_digest": plan.digest,
+            "slice_rows": [rows.start, rows.stop] if rows else None, "threads": self.worker.threads,
+            "cpus": self.cpus, "segment": report.segment, "segment_bytes": report.bytes,
+            "reloaded": report.reloaded, "load_s": report.seconds, "load_gb_per_s": report.gb_per_s,
+            "placement": placement.as_dict() if placement else None,
+        })))
+
+    def recv(self):
+        """The next message, spinning ``spin_us`` before blocking; None on timeout."""
+        if self.spin_s:
+            deadline = time.perf_counter() + self.spin_s
+            while time.perf_counter() < deadline:
+                try:
+                    return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pass
+        if self.sock.poll(POLL_MS):
+            return self.sock.recv_multipart(copy=False)
+        return None
+
+    def handle(self, frames) -> bool:
+        """Answer one message; False on SHUTDOWN."""
+        try:
+            msg = P.decode(frames)
+        except P.ProtocolError as exc:
+            self.send(P.encode_error(P.Error(0, False, f"node {self.node}: bad message: {exc}")))
+            return True
+        if isinstance(msg, P.Compute):
+            job = self.job
+            try:
+                P.check_compute(msg, job["num_layers"], job["num_experts"], job["hidden"], job["max_tokens"])
+                if msg.layer not in self.moe_layers:
+                    raise P.ProtocolError(f"layer {msg.layer} is not a MoE layer")
+            except P.ProtocolError as exc:
+                self.send(P.encode_error(P.Error(msg.request_id, False, f"node {self.node}: bad COMPUTE: {exc}")))
+                return True
+            t0 = time.perf_counter_ns()
+            y = self.worker.compute(msg.layer, msg.x, msg.tokens, msg.experts, msg.weights)
+            self.send(P.encode_result(P.Result(msg.request_id, y, time.perf_counter_ns() - t0)))
+        elif isinstance(msg, P.Ping):
+            self.send(P.encode_pong(P.Pong(msg.request_id)))
+        elif isinstance(msg, P.Shutdown):
+            return False
+        else:
+            self.send(P.encode_error(P.Error(0, False, f"node {self.node}: unexpected {type(msg).__name__}")))
+        return True
+
+    def serve(self) -> None:
+        self.moe_layers = set(self.job["moe_layers"])
+        while True:
+            frames = self.recv()
+            if frames is not None and not self.handle(frames):
+                return
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        self.sock.close(linger=500)  # let last words out, never block for long
+        self.ctx.term()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m node_worker")
+    p.add_argument("--job", type=Path, required=True, help="the coordinator's job file (JSON)")
+    p.add_argument("--node", type=int, required=True)
+    p.add_argument("--local-node", dest="local_node", type=int, default=None, help="real node of the memory")
+    p.add_argument("--cpus", default="", help="CPUs to pin to (default: the current affinity)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--parent-pid", dest="parent_pid", type=int, required=True)
+    p.add_argument("--spin-us", dest="spin_us", type=float, default=0.0)
+    p.add_argument("--node-free", dest="node_free", type=int, default=0)
+    p.add_argument("--keep-shm", dest="keep_shm", action="store_true")
+    args = p.parse_args(argv)
+    if args.local_node is None:
+        args.local_node = args.node
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=os.environ.get("STRATA_WORKER_LOG", "WARNING"),
+                        format=f"%(levelname)s node{args.node} %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)
+    set_title(args.node)
+    watch_parent(args.parent_pid)
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+        except OSError as exc:
+            log.warning("cannot pin to CPUs %s: %s", args.cpus, exc)
+    proc = WorkerProcess(args)
+    try:
+        proc.start()
+        proc.serve()
+        return 0
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        # last words: the coordinator hears why before it sees the exit
+        try:
+            proc.send(P.encode_error(P.Error(0, True, f"node {args.node} (pid {os.getpid()}) failed: "
+                                                      f"{type(exc).__name__}: {exc}")))
+        except zmq.ZMQError:
+            pass
+        log.exception("node worker failed")
+        return 3
+    finally:
+        proc.close()
