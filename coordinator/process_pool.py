@@ -30,6 +30,7 @@ import numpy as np
 import zmq
 
 from node_worker import protocol as P
+from shm import segments
 from shm.plan import PoolPlan, plan_to_dict
 from shm.topology import Node
 
@@ -132,12 +133,14 @@ class ProcessPool(ExpertPool):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
         self.sock.bind(self.endpoint)
         self.workers = [WorkerHandle(n, f"node{n.id}".encode()) for n in nodes]
         self._rid = 0
         self._pending: PoolRequest | None = None
+        self._backlog: list = []  # replies that arrived while a restarted worker was handshaking
         self.stats = {"requests": 0, "restarts": 0, "wait_ns": 0, "worker_compute_ns": [0] * len(nodes)}
         self.closed = False
         try:
@@ -156,10 +159,13 @@ class ProcessPool(ExpertPool):
             sys.executable, "-m", "node_worker", "--job", str(self.job_path), "--node", str(n.id),
             "--local-node", str(n.parent if n.virtual else n.id), "--cpus", ",".join(map(str, n.cpus)),
             "--threads", str(threads), "--endpoint", self.endpoint, "--parent-pid", str(os.getpid()),
-            "--spin-us", str(self.options.spin_us), "--node-free", str(n.mem_free or 0),
+            "--identity", w.identity.decode(), "--spin-us", str(self.options.spin_us), "--node-free", str(n.mem_free or 0),
         ] + (["--keep-shm"] if self.options.keep_shm else [])
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         w.close_pidfd()
+        # a fresh identity per incarnation: a dead predecessor's pipe can never take its messages
+        w.identity = f"node{n.id}.{len(w.started)}".encode()
+        cmd[cmd.index("--identity") + 1] = w.identity.decode()
         w.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         try:
             w.pidfd = os.pidfd_open(w.proc.pid)
@@ -211,7 +217,7 @@ class ProcessPool(ExpertPool):
         elif isinstance(msg, P.Error) and w is not None and msg.fatal:
             w.last_words = msg.message
         else:
-            log.warning("ignoring %s from %s", type(msg).__name__, w.identity if w else frames[0].bytes)
+            self._backlog.append(frames)  # another worker's reply, for collect()
 
     def _check_hello(self, w: WorkerHandle, info: dict) -> None:
         problems = []
@@ -282,9 +288,9 @@ class ProcessPool(ExpertPool):
         rid = self._rid
         partials: dict[bytes, np.ndarray] = {}
         while len(partials) < len(self.workers):
-            readable, dead = self._poll(POLL_MS)
-            if readable:
-                frames = self.sock.recv_multipart(copy=False)
+            readable, dead = self._poll(0 if self._backlog else POLL_MS)
+            if readable or self._backlog:
+                frames = self._backlog.pop(0) if self._backlog else self.sock.recv_multipart(copy=False)
                 w = self._by_identity(bytes(frames[0].buffer))
                 msg = self._decode(frames[1:], w)
                 if w is None:
@@ -332,6 +338,19 @@ class ProcessPool(ExpertPool):
                                                                                   "reloaded", "segment")}}
                 for w in self.workers]
 
+    def _remove_orphan_segment(self, w: WorkerHandle) -> None:
+        """A worker that died cannot unlink its segment; its parent does, unless asked to keep it."""
+        name = w.hello.get("segment")
+        if not name or self.options.keep_shm or w.proc is None or w.proc.returncode == 0:
+            return
+        try:
+            header = segments.read_header(name)
+        except segments.SegmentError:
+            return
+        if header.owner_pid == w.pid and not segments.owner_alive(header):
+            segments.unlink(name)
+            log.info("removed segment %s of dead node worker %s (pid %s)", name, w.node.id, w.pid)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -357,6 +376,7 @@ class ProcessPool(ExpertPool):
                     w.proc.kill()
                     w.proc.wait()
             w.close_pidfd()
+            self._remove_orphan_segment(w)
         self.sock.close(0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)

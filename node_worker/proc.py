@@ -96,9 +96,12 @@ class WorkerProcess:
         self.cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"node{self.node}".encode())
+        self.sock.setsockopt(zmq.IDENTITY, (args.identity or f"node{self.node}").encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, self.job["max_message_bytes"])
+        # No MAXMSGSIZE here: libzmq drops a connection that breaks it and the DEALER
+        # does not come back. The peer is our own coordinator over a 0700 ipc path, so
+        # the limit is checked per message instead, and answered with an ERROR.
+        self.max_message_bytes = self.job["max_message_bytes"]
         self.sock.connect(args.endpoint)
         self.worker: NodeWorker | None = None
         self.spin_s = args.spin_us / 1e6
@@ -140,6 +143,11 @@ class WorkerProcess:
 
     def handle(self, frames) -> bool:
         """Answer one message; False on SHUTDOWN."""
+        size = sum(len(f) for f in frames)
+        if size > self.max_message_bytes:
+            self.send(P.encode_error(P.Error(0, False, f"node {self.node}: bad message: {size} bytes exceed the "
+                                                       f"limit of {self.max_message_bytes}")))
+            return True
         try:
             msg = P.decode(frames)
         except P.ProtocolError as exc:
@@ -187,6 +195,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpus", default="", help="CPUs to pin to (default: the current affinity)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--endpoint", required=True)
+    p.add_argument("--identity", default="", help="the DEALER routing id (default node<N>)")
     p.add_argument("--parent-pid", dest="parent_pid", type=int, required=True)
     p.add_argument("--spin-us", dest="spin_us", type=float, default=0.0)
     p.add_argument("--node-free", dest="node_free", type=int, default=0)

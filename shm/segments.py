@@ -194,6 +194,8 @@ def read_header(name: str) -> SegmentHeader:
         m = _map(name)
     except posix_ipc.ExistentialError:
         raise SegmentError(f"segment {name} does not exist") from None
+    except posix_ipc.PermissionsError:
+        raise SegmentError(f"segment {name}: permission denied (another user's?); {clear_hint(name)}") from None
     except ValueError:  # zero-length segment
         raise SegmentError(f"segment {name} is empty; {clear_hint(name)}") from None
     try:

@@ -1,0 +1,200 @@
+"""The process pool against the in-process pool on the same plan: bitwise, and under faults."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from coordinator import Engine, EngineConfig
+from coordinator.engine import build_inproc_pool, build_plan, pool_nodes, worker_job
+from coordinator.make_model import make_model
+from coordinator.model_config import load_model_config
+from coordinator.pools import PoolRequest
+from coordinator.process_pool import PoolOptions, ProcessPool, WorkerDied
+from coordinator.weights import load_weights
+from node_worker import protocol as P
+from shm.checkpoint import Checkpoint
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32]
+
+
+@pytest.fixture(scope="module")
+def uneven_model(tmp_path_factory):
+    # 200 rows: not a multiple of 32, so the slices of 2 and 3 nodes are uneven
+    return make_model(tmp_path_factory.mktemp("uneven"), seed=11, moe_intermediate_size=200, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("tiny"), seed=5)
+
+
+def random_request(rng, layer, T, k, E, H, cpu_experts):
+    """T tokens, each routed to k distinct experts, of which only the CPU-side ones reach the pool."""
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    tokens, experts, weights = [], [], []
+    for t in range(T):
+        for e in rng.choice(E, size=k, replace=False):
+            if e in cpu_experts:
+                tokens.append(t)
+                experts.append(e)
+                weights.append(rng.random())
+    return PoolRequest(layer, x, np.array(tokens, np.int64), np.array(experts, np.int64),
+                       np.array(weights, np.float32))
+
+
+def pools_for(model_dir, nodes, threads):
+    cfg = EngineConfig(pool="process", numa_split=True, nodes=nodes, worker_threads=threads)
+    mcfg = load_model_config(model_dir)
+    ckpt = Checkpoint(model_dir)
+    experts = load_weights(mcfg, ckpt).experts
+    node_list = pool_nodes(cfg)
+    plan = build_plan(mcfg, node_list)
+    inproc = build_inproc_pool(ckpt, mcfg, plan, experts)
+    proc = ProcessPool(plan, node_list, worker_job(model_dir, ckpt, mcfg, plan, experts, 4096),
+                       PoolOptions(threads=threads))
+    return mcfg, plan, inproc, proc
+
+
+COMPARISONS = []
+
+
+@pytest.mark.parametrize("nodes,threads", list(itertools.product([2, 3], [1, 2, 3])))
+def test_process_pool_is_bitwise_equal_to_inproc(uneven_model, nodes, threads):
+    mcfg, plan, inproc, proc = pools_for(uneven_model, nodes, threads)
+    try:
+        assert len(plan.slices_for(200)) == nodes
+        assert {s.rows for s in plan.slices_for(200)} != {200 // nodes}  # uneven
+        rng = np.random.default_rng(nodes * 10 + threads)
+        E, H = mcfg.num_experts, mcfg.hidden_size
+        for T, k, device_resident, layer in itertools.product([1, 2, 5, 33], [1, 2, 8], [False, True], [0, 1]):
+            cpu_experts = set(range(E)) - ({0, 3, 6} if device_resident else set())
+            req = random_request(rng, layer, T, k, E, H, cpu_experts)
+            while req.tokens.size == 0:  # all routed to the device: nothing for the pool
+                req = random_request(rng, layer, T, k, E, H, cpu_experts)
+            inproc.submit(req)
+            want = inproc.collect()
+            proc.submit(req)
+            got = proc.collect()
+            assert got.shape == (T, H) and np.abs(want).max() > 0
+            assert np.array_equal(got, want), (nodes, threads, T, k, device_resident, layer)
+            COMPARISONS.append((nodes, threads, T, k, device_resident, layer))
+    finally:
+        proc.close()
+        inproc.close()
+
+
+def test_enough_bitwise_comparisons_ran():
+    assert len(COMPARISONS) >= 192, len(COMPARISONS)
+
+
+def test_split_vs_unsplit_and_whole_generate(tiny):
+    with Engine.open(tiny, EngineConfig(pool="process")) as eng:
+        single = eng.logits(PROMPT)
+        assert len(eng.pool.workers) == 1 and eng.pool.health()[0]["slice_rows"] == [0, 80]
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        split = eng.logits(PROMPT)
+        split_ids = eng.generate(PROMPT, max_new_tokens=12, stop_at_eos=False)
+    with Engine.open(tiny, EngineConfig(pool="inproc", numa_split=True, nodes=2)) as eng:
+        inproc_ids = eng.generate(PROMPT, max_new_tokens=12, stop_at_eos=False)
+        assert np.array_equal(eng.logits(PROMPT), split)
+    np.testing.assert_allclose(split, single, atol=2e-5, rtol=0)
+    assert split_ids == inproc_ids
+
+
+def _kill(pool, index, sig=signal.SIGKILL):
+    w = pool.workers[index]
+    os.kill(w.pid, sig)
+    w.proc.wait(timeout=5)
+
+
+def test_sigkill_mid_generation_restarts_and_output_is_identical(tiny):
+    cfg = EngineConfig(pool="process", numa_split=True, nodes=2)
+    with Engine.open(tiny, cfg) as eng:
+        want = eng.generate(PROMPT, max_new_tokens=10, stop_at_eos=False)
+        old_pid = eng.pool.workers[1].pid
+
+        def kill_at_third(token, seen=[]):
+            seen.append(token)
+            if len(seen) == 3:
+                _kill(eng.pool, 1)
+
+        got = eng.generate(PROMPT, max_new_tokens=10, stop_at_eos=False, on_token=kill_at_third)
+        health = eng.pool.health()
+    assert got == want
+    assert health[1]["pid"] != old_pid and health[1]["alive"] and health[1]["restarts"] == 1
+    assert health[1]["reloaded"] is False  # reattached to its complete segment
+
+
+def test_death_between_submit_and_collect_is_seen_by_the_sentinel(tiny):
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        x = np.ones((2, eng.model_config.hidden_size), np.float32)
+        req = PoolRequest(0, x, np.array([0, 1]), np.array([1, 2]), np.array([0.5, 0.5], np.float32))
+        eng.pool.submit(req)
+        want = eng.pool.collect()
+        eng.pool.submit(req)
+        _kill(eng.pool, 0, signal.SIGTERM)
+        got = eng.pool.collect()
+        assert np.array_equal(got, want) and eng.pool.stats["restarts"] == 1
+
+
+def test_killed_twice_fails_cleanly(tiny):
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        pids = []
+
+        def kill_each(token, seen=[]):
+            seen.append(token)
+            if len(seen) in (2, 3):
+                pids.append(eng.pool.workers[0].pid)
+                _kill(eng.pool, 0)
+
+        with pytest.raises(WorkerDied) as info:
+            eng.generate(PROMPT, max_new_tokens=10, stop_at_eos=False, on_token=kill_each)
+    err = info.value
+    assert err.node == 0 and err.pid == pids[-1] and "SIGKILL" in err.status
+    assert "died again" in str(err)
+
+
+def _raw_reply(pool, frames, name=""):
+    w = pool.workers[0]
+    pool.sock.send_multipart([w.identity] + frames)
+    assert pool.sock.poll(5000), f"worker did not answer {name}"
+    reply = pool.sock.recv_multipart()
+    return P.decode(reply[1:])
+
+
+def test_garbage_and_oversized_frames_get_error_replies_and_worker_keeps_serving(tiny):
+    with Engine.open(tiny, EngineConfig(pool="process")) as eng:
+        pool = eng.pool
+        want = eng.logits(PROMPT)
+        H = eng.model_config.hidden_size
+        good = P.encode_compute(P.Compute(99, 0, np.zeros((1, H), np.float32), np.array([0], np.int32),
+                                          np.array([1], np.int32), np.array([1.0], np.float32)))
+        cases = {
+            "garbage": [b"\x00garbage"],
+            "version": [bytes([7, P.MsgType.PING]), P.PING_HDR.pack(1)],
+            "unknown type": [bytes([P.PROTOCOL_VERSION, ord("Z")])],
+            "short header": [good[0], good[1][:-1]] + good[2:],
+            "frame count": good[:3],
+            "X size": [good[0], P.COMPUTE_HDR.pack(99, 0, 1000, 1, H)] + good[2:],
+            "huge T": [good[0], P.COMPUTE_HDR.pack(99, 0, 10**9, 1, H), b"", good[3], good[4], good[5]],
+            "layer": [good[0], P.COMPUTE_HDR.pack(99, 77, 1, 1, H)] + good[2:],
+            "expert": good[:4] + [np.array([999], np.int32), good[5]],
+            "hidden": [good[0], P.COMPUTE_HDR.pack(99, 0, 1, 1, 3), np.zeros(3, np.float32)] + good[3:],
+        }
+        for name, frames in cases.items():
+            reply = _raw_reply(pool, frames, name)
+            assert isinstance(reply, P.Error) and not reply.fatal, name
+            assert "bad" in reply.message, (name, reply.message)
+        # a message beyond the size limit: refused with an error reply
+        big = pool.job["max_message_bytes"] + 1
+        reply = _raw_reply(pool, [good[0], b"\0" * big], "oversized")
+        assert isinstance(reply, P.Error) and "exceed" in reply.message
+        assert np.array_equal(eng.logits(PROMPT), want)  # still serving, same numbers
+        assert pool.workers[0].proc.poll() is None
