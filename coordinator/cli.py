@@ -21,16 +21,25 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--numa-split", dest="numa_split", action="store_true", default=None,
                    help="cut every CPU expert by rows across the NUMA nodes (STRATA_NUMA_SPLIT)")
     g.add_argument("--nodes", type=int, default=None, help="nodes in split mode; virtual when the machine has fewer")
-    g.add_argument("--pool", default=None, help="expert pool: inproc")
+    g.add_argument("--pool", default=None, choices=["process", "inproc"],
+                   help="process: one node worker process per node (the CLI default); inproc: in this process")
+    g.add_argument("--pool-node", dest="pool_node", type=int, default=None, help="the node of non-split mode")
+    g.add_argument("--worker-threads", dest="worker_threads", type=int, default=None,
+                   help="threads per node worker (default: the node's CPUs)")
+    g.add_argument("--keep-shm", dest="keep_shm", action="store_true", default=None,
+                   help="leave the segments in /dev/shm at exit for a fast restart")
     g.add_argument("--route-tail-skip", dest="route_tail_skip", type=float, default=None,
                    help="drop routed experts whose weight is below this (0 = off)")
     g.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
     g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
 
 
+CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; the library defaults to inproc
+
+
 def _engine_config(args: argparse.Namespace):
     flags = {name: getattr(args, name, None) for name in ENV_VARS}
-    return resolve_config(flags)
+    return resolve_config(flags, defaults=CLI_DEFAULTS)
 
 
 def _print_config(config, sources) -> None:

@@ -84,7 +84,8 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
 
 
 def resolve_config(
-    flags: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+    flags: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None,
+    defaults: Mapping[str, object] | None = None,
 ) -> tuple[EngineConfig, dict[str, str]]:
     """Build the effective config; returns it and, per field, where its value came from."""
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
@@ -101,6 +102,8 @@ def resolve_config(
             except ValueError as exc:
                 raise ConfigValueError(f"{var}={environ[var]!r}: {exc}") from None
             sources[f.name] = f"env {var}"
+        elif defaults and f.name in defaults:
+            values[f.name], sources[f.name] = defaults[f.name], "default (command line)"
         else:
             sources[f.name] = "default"
     unknown = sorted(set(flags) - {f.name for f in dataclasses.fields(EngineConfig)})

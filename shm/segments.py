@@ -77,8 +77,12 @@ class SegmentHeader:
 
 
 def process_start_time(pid: int) -> float | None:
+    """When a running process started; None if there is none (a zombie counts as gone)."""
     try:
-        return psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return None
 

@@ -54,3 +54,20 @@ def checkpoint_tools():
         rewrite = staticmethod(rewrite_checkpoint)
         config = staticmethod(edit_config)
     return Tools
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """After the whole suite: no strata segment in /dev/shm and no node worker process of ours."""
+    import os
+    from pathlib import Path
+
+    import psutil
+
+    before = {p.name for p in Path("/dev/shm").glob("strata.*")}
+    yield
+    left = sorted({p.name for p in Path("/dev/shm").glob("strata.*")} - before)
+    me = psutil.Process(os.getpid())
+    workers = [p for p in me.children(recursive=True) if "node_worker" in " ".join(p.cmdline())]
+    assert not left, f"segments leaked by the suite: {left}"
+    assert not workers, f"node worker processes left running: {[w.pid for w in workers]}"

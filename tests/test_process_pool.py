@@ -198,3 +198,68 @@ def test_garbage_and_oversized_frames_get_error_replies_and_worker_keeps_serving
         assert isinstance(reply, P.Error) and "exceed" in reply.message
         assert np.array_equal(eng.logits(PROMPT), want)  # still serving, same numbers
         assert pool.workers[0].proc.poll() is None
+
+
+COORDINATOR = """
+import sys
+from coordinator import Engine, EngineConfig
+eng = Engine.open(sys.argv[1], EngineConfig(pool="process", numa_split=True, nodes=2))
+eng.logits([1, 2, 3])
+print(" ".join(str(w.pid) for w in eng.pool.workers), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_coordinator_sigkill_takes_workers_and_next_start_reattaches(tiny):
+    import subprocess
+    import sys
+
+    import psutil
+
+    from shm.segments import list_segments
+
+    coord = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(tiny)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in coord.stdout.readline().split()]
+        assert len(pids) == 2
+        workers = [psutil.Process(p) for p in pids]
+        coord.kill()
+        coord.wait(timeout=5)
+        t0 = time.monotonic()
+        gone, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive, f"workers still running 5 s after the coordinator died: {[p.pid for p in alive]}"
+        assert time.monotonic() - t0 < 5
+        # SIGTERM from the parent watch: they ran their clean-up, so no segment is left
+        left = [s for s in list_segments() if s.header and s.header.owner_pid in pids]
+        assert left == []
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+        coord.stdin.close()
+        coord.stdout.close()
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        assert eng.logits([1, 2, 3]).shape[0] == 3
+
+
+def test_next_start_handles_segments_a_sigkill_left(tiny):
+    """Workers SIGKILLed with their coordinator leave complete segments; the next start reattaches."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    coord = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(tiny)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in coord.stdout.readline().split()]
+    for p in pids:
+        os.kill(p, signal.SIGKILL)
+    psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=5)
+    coord.kill()
+    coord.wait(timeout=5)
+    coord.stdin.close()
+    coord.stdout.close()
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        health = eng.pool.health()
+        assert [h["reloaded"] for h in health] == [False, False]
+        assert eng.logits([1, 2, 3]).shape[0] == 3

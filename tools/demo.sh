@@ -8,5 +8,5 @@ if [ ! -f "$MODEL/config.json" ]; then
   strata make-model --preset tiny --arch qwen3_moe --seed 0 --out "$MODEL"
 fi
 echo "model: $MODEL (tiny, random weights: the text is noise)"
-echo "pool: in-process, experts split by rows over 2 nodes (virtual on this machine)"
+# strata prints where the experts run (virtual nodes are labelled) on stderr
 strata generate --model "$MODEL" --prompt "${1:-Once upon a time}" --max-new-tokens "${2:-48}" --numa-split --nodes 2
