@@ -176,7 +176,12 @@ class ProcessPool(ExpertPool):
         log.info("started node worker %s pid %s: %s", n.id, w.proc.pid, " ".join(cmd))
 
     def _poll(self, timeout_ms: int) -> tuple[bool, list[WorkerHandle]]:
-        """(socket readable, workers whose process ended)."""
+        """(socket readable, workers whose process ended); spins ``spin_us`` on the socket before blocking."""
+        if self.options.spin_us and timeout_ms:
+            deadline = time.perf_counter() + self.options.spin_us / 1e6
+            while time.perf_counter() < deadline:
+                if self.sock.poll(0):
+                    return True, []
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         for w in self.workers:

@@ -263,3 +263,59 @@ def test_next_start_handles_segments_a_sigkill_left(tiny):
         health = eng.pool.health()
         assert [h["reloaded"] for h in health] == [False, False]
         assert eng.logits([1, 2, 3]).shape[0] == 3
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_worker_sigterm_or_sigint_removes_its_segment(tiny, sig):
+    from shm.segments import SegmentError, read_header
+
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        name = eng.pool.workers[0].hello["segment"]
+        assert read_header(name).complete
+        os.kill(eng.pool.workers[0].pid, sig)
+        assert eng.pool.workers[0].proc.wait(timeout=5) == 128 + sig
+        with pytest.raises(SegmentError, match="does not exist"):
+            read_header(name)
+
+
+def test_spin_setting_reaches_both_sides_and_changes_nothing(tiny):
+    with Engine.open(tiny, EngineConfig(pool="process", pool_spin_us=200.0)) as eng:
+        assert eng.pool.options.spin_us == 200.0
+        assert "--spin-us" in eng.pool.workers[0].proc.args
+        spun = eng.logits(PROMPT)
+    with Engine.open(tiny, EngineConfig(pool="inproc")) as eng:
+        assert np.array_equal(eng.logits(PROMPT), spun)
+
+
+def test_route_tail_skip_drops_low_weight_pairs_and_counts_them(tiny):
+    from reference import Reference
+
+    with Engine.open(tiny, EngineConfig(route_tail_skip=0.3)) as eng:
+        skipped_logits = eng.logits(PROMPT)
+        stats = eng.decoder.stats
+        assert stats.routed_pairs == len(PROMPT) * eng.model_config.top_k * len(eng.model_config.moe_layers)
+        assert 0 < stats.skipped_pairs < stats.routed_pairs
+    ref = Reference(tiny)
+    # the reference with the same rule: weights below 0.3 dropped, the rest left as they are
+    original = ref.moe
+
+    def moe_with_skip(i, x):
+        import numpy as np
+        c, t = ref.cfg, ref.t
+        p = f"model.layers.{i}.mlp"
+        logits = t[f"{p}.gate.weight"] @ x
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = sorted(range(c["num_experts"]), key=lambda e: -probs[e])[:c["num_experts_per_tok"]]
+        w = probs[top] / probs[top].sum()
+        out = np.zeros(ref.H)
+        for e, we in zip(top, w):
+            if we >= 0.3:
+                g, u, d = (t[f"{p}.experts.{e}.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+                out += we * (d @ ((g @ x) / (1 + np.exp(-(g @ x))) * (u @ x)))
+        return out
+
+    ref.moe = moe_with_skip
+    assert np.max(np.abs(ref.forward(PROMPT) - skipped_logits)) < 2e-4
+    ref.moe = original
+    assert np.max(np.abs(ref.forward(PROMPT) - skipped_logits)) > 1e-3  # skipping changed the output
