@@ -266,8 +266,9 @@ def validate(name: str, header: SegmentHeader, model_digest: str, plan_digest: s
 
 def open_or_create(name: str, node: int, model_digest: str, plan_digest: str, layout: dict, data_bytes: int,
                    node_free: int | None = None) -> tuple[Segment, bool]:
-    """(segment, needs_fill). Reuses a complete matching segment whose owner is gone
-    (adopting it), rebuilds a half-written one whose owner died, refuses the rest."""
+    """(segment, needs_fill). Reuses a complete matching segment: adopting it when its
+    owner is gone, sharing it (without owning) while its owner lives; rebuilds a
+    half-written one whose owner died; refuses the rest."""
     try:
         header = read_header(name)
     except SegmentError as exc:
@@ -277,10 +278,11 @@ def open_or_create(name: str, node: int, model_digest: str, plan_digest: str, la
     validate(name, header, model_digest, plan_digest)
     alive = owner_alive(header)
     if header.complete and header.layout == layout and header.data_bytes == data_bytes:
-        if alive and header.owner_pid != os.getpid():
-            raise SegmentError(f"segment {name} is owned by running pid {header.owner_pid}; stop that process or "
-                               f"{clear_hint(name)}")
         seg = Segment(name, _map(name), header, owner=False)
+        if alive and header.owner_pid != os.getpid():
+            # another live engine of the same model and plan: share its pages, never unlink them
+            log.info("segment %s: shared with its owner pid %s, no reload", name, header.owner_pid)
+            return seg, False
         seg.adopt()
         log.info("segment %s: reattached (complete, %d bytes), no reload", name, header.data_bytes)
         return seg, False

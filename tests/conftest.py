@@ -64,10 +64,22 @@ def nothing_left_behind():
 
     import psutil
 
+    from shm.segments import SegmentError, owner_alive, read_header
+
     before = {p.name for p in Path("/dev/shm").glob("strata.*")}
     yield
-    left = sorted({p.name for p in Path("/dev/shm").glob("strata.*")} - before)
     me = psutil.Process(os.getpid())
+    ours = {os.getpid()} | {p.pid for p in me.children(recursive=True)}
+
+    def leaked(name: str) -> bool:
+        """Ours: owned by this session's processes, or by a dead one (another live program's is not)."""
+        try:
+            header = read_header("/" + name)
+        except SegmentError:
+            return True
+        return header.owner_pid in ours or not owner_alive(header)
+
+    left = sorted(n for n in {p.name for p in Path("/dev/shm").glob("strata.*")} - before if leaked(n))
     workers = [p for p in me.children(recursive=True) if "node_worker" in " ".join(p.cmdline())]
     assert not left, f"segments leaked by the suite: {left}"
     assert not workers, f"node worker processes left running: {[w.pid for w in workers]}"

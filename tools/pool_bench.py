@@ -31,7 +31,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--threads-compare", action="store_true",
+                    help="instead: the non-split worker with 1 thread vs 2 pinned threads (BLAS held to 1)")
     args = ap.parse_args()
+    if args.threads_compare:
+        MODES.clear()
+        MODES.update({"inproc-split": dict(pool="inproc", numa_split=True),
+                      "process-single-1t": dict(pool="process", worker_threads=1),
+                      "process-single-2t": dict(pool="process", worker_threads=2)})
     tmp = None
     model = args.model
     if model is None:
