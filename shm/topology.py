@@ -124,13 +124,34 @@ def real_nodes(sys_root: Path = DEFAULT_SYS, allowed: set[int] | None = None) ->
     return nodes
 
 
+def _shares(count: int, sizes: list[int]) -> list[int]:
+    """``count`` parts over bins of ``sizes``: one each, the rest by largest remainder, never above a bin's size."""
+    parts = [1] * len(sizes)
+    for _ in range(count - len(sizes)):
+        # the bin whose CPUs per part is largest gets the next part (earlier bin on ties)
+        k = max((k for k in range(len(sizes)) if parts[k] < sizes[k]), key=lambda k: (sizes[k] / parts[k], -k))
+        parts[k] += 1
+    return parts
+
+
 def split_virtual(nodes: list[Node], count: int) -> list[Node]:
-    """``count`` virtual nodes cut from the CPUs of ``nodes`` (in order), as even as possible."""
+    """``count`` virtual nodes cut from the CPUs of ``nodes`` (in order), as even as possible;
+    when there are at least as many as real nodes, none spans two real nodes."""
     cpus = [(c, n) for n in nodes for c in n.cpus]
     if not cpus:
         raise TopologyError("no usable CPUs to make virtual nodes from")
     groups: list[list[tuple[int, Node]]] = []
-    if count <= len(cpus):
+    if len(nodes) <= count <= len(cpus):
+        # every virtual node inside one real node: shares by CPU count, at least one each
+        per_node = _shares(count, [len(n.cpus) for n in nodes])
+        for n, parts in zip(nodes, per_node):
+            base, extra = divmod(len(n.cpus), parts)
+            start = 0
+            for k in range(parts):
+                size = base + (1 if k < extra else 0)
+                groups.append([(c, n) for c in n.cpus[start : start + size]])
+                start += size
+    elif count <= len(cpus):
         base, extra = divmod(len(cpus), count)
         start = 0
         for k in range(count):

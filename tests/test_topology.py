@@ -366,12 +366,21 @@ def check_virtual(nodes: list[Node], count: int, real: list[Node]) -> None:
         assert n.cpus[0] in by_id[n.parent].cpus  # cut from its parent's CPUs
         assert set(n.cpus) <= set(usable)
     if count <= len(usable):
-        # an even, disjoint split of every usable CPU
+        # a disjoint split of every usable CPU; no virtual node spans two real nodes (its memory
+        # stays local), every real node gets at least one, and within a real node the split is even
         cut = [c for n in nodes for c in n.cpus]
         assert len(cut) == len(set(cut))
         assert set(cut) == set(usable)
-        sizes = [len(n.cpus) for n in nodes]
-        assert max(sizes) - min(sizes) <= 1
+        for n in nodes:
+            assert set(n.cpus) <= set(by_id[n.parent].cpus), "a virtual node spans two real nodes"
+        assert {n.parent for n in nodes} == set(by_id)
+        for p in by_id:
+            sizes = [len(n.cpus) for n in nodes if n.parent == p]
+            assert max(sizes) - min(sizes) <= 1
+        # parts follow CPU counts: no real node has more than one part more than its fair share
+        for p, r in by_id.items():
+            parts = sum(1 for n in nodes if n.parent == p)
+            assert parts <= max(1, round(count * len(r.cpus) / len(usable))) + 1
         assert not any(n.shares_cpus for n in nodes)
     else:
         assert all(n.shares_cpus and len(n.cpus) == 1 for n in nodes)
