@@ -24,7 +24,7 @@ from .tasks import TaskRunner
 
 log = logging.getLogger(__name__)
 
-TASK_ROWS = 256  # rows of one expert per task
+TASK_ROWS = 1024  # rows of one expert per task: whole experts up to 1024 rows (tools/task_bench.py)
 
 
 class ExpertStore(Protocol):
