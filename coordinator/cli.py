@@ -159,6 +159,41 @@ def cmd_shm_clean(args: argparse.Namespace) -> int:
     return 1 if any(w.startswith("kept") or w == "no such segment" for _, w in results) else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .api import Limits
+    from .engine import Engine
+    from .server import Server, check_bind, serve
+
+    config, sources = _engine_config(args)
+    if args.print_config:
+        _print_config(config, sources)
+        return 0
+    check_bind(args.bind, args.curve_keys is not None, args.insecure_remote)  # before loading anything
+    with Engine.open(args.model, config) as engine:
+        print(engine.pool_description(), file=sys.stderr)
+        limits = Limits(max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
+        return serve(engine, args.bind, limits=limits, max_active=args.max_active, max_queued=args.max_queued,
+                     curve_keys=args.curve_keys, insecure_remote=args.insecure_remote)
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    params = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stream=not args.json)
+    if args.seed is not None:
+        params["seed"] = args.seed
+    with Client(args.address, timeout=args.timeout, curve_keys=args.curve_keys) as c:
+        gen = c.generate(args.prompt, **params)
+        for piece in gen:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        if args.json:
+            print(json.dumps(gen.final))
+        else:
+            print()
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     config, sources = _engine_config(args)
     _print_config(config, sources)
@@ -191,6 +226,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timing")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve the ZeroMQ client API")
+    p.add_argument("--model", required=True, type=Path)
+    p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="tcp://HOST:PORT (loopback) or ipc://PATH")
+    p.add_argument("--max-active", dest="max_active", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-queued", dest="max_queued", type=int, default=32, help="waiting requests before 'busy'")
+    p.add_argument("--max-new-tokens-limit", dest="max_new_tokens_limit", type=int, default=4096)
+    p.add_argument("--max-prompt-tokens", dest="max_prompt_tokens", type=int, default=32768)
+    p.add_argument("--curve-keys", dest="curve_keys", default=None,
+                   help="folder with server.key_secret and clients/*.key: CURVE authentication (ZAP)")
+    p.add_argument("--insecure-remote", dest="insecure_remote", action="store_true",
+                   help="allow a non-loopback bind without authentication")
+    _add_engine_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("client", help="send one prompt to a running server")
+    p.add_argument("prompt")
+    p.add_argument("--address", default="tcp://127.0.0.1:5557")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--curve-keys", dest="curve_keys", default=None)
+    p.add_argument("--json", action="store_true", help="print the final event as JSON")
+    p.set_defaults(func=cmd_client)
 
     p = sub.add_parser("topo", help="show the NUMA nodes, their CPUs and memory")
     p.add_argument("--nodes", type=int, default=None, help="show the nodes a split over N would use (virtual if needed)")

@@ -40,42 +40,53 @@ class Decoder:
 
     def forward(self, token_ids: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
         """token_ids [T] after the cached ones -> logits [T, V] ([1, V] when last_only)."""
-        positions = np.arange(cache.length, cache.length + len(token_ids))  # [T]
-        cos, sin = ops.rope_cos_sin(positions, self.inv_freq)  # [T, hd]
-        h = self.w.embed[token_ids]  # [T, H]
+        return self.forward_batch([(token_ids, cache)], last_only=last_only)[0]
+
+    def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool = True) -> list[np.ndarray]:
+        """Several sequences in one pass: attention per sequence, everything else on all rows at once,
+        so the expert pool sees one batch per layer. Returns each sequence's logits."""
+        lengths = [len(ids) for ids, _ in seqs]
+        bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
+        positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
+        rope = [ops.rope_cos_sin(p, self.inv_freq) for p in positions]  # per sequence: cos, sin [T_s, hd]
+        h = self.w.embed[np.concatenate([ids for ids, _ in seqs])]  # [N, H]
         for i, lw in enumerate(self.w.layers):
             a = ops.rms_norm(h, lw.input_norm, self.cfg.rms_norm_eps)
-            h = h + self._attention(i, lw, a, positions, cos, sin, cache)
+            h = h + self._attention(i, lw, a, seqs, bounds, positions, rope)
             m = ops.rms_norm(h, lw.post_attn_norm, self.cfg.rms_norm_eps)
             h = h + (self._moe(i, lw, m) if self.cfg.sparse_layers[i] else ops.swiglu_mlp(
                 m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down))
-        cache.advance(len(token_ids))
+        for (_, cache), n in zip(seqs, lengths):
+            cache.advance(n)
+        rows = [slice(b - 1, b) if last_only else slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        picked = np.concatenate([h[r] for r in rows]) if last_only else h
+        logits = ops.rms_norm(picked, self.w.final_norm, self.cfg.rms_norm_eps) @ self.w.lm_head.T  # [*, V]
         if last_only:
-            h = h[-1:]
-        h = ops.rms_norm(h, self.w.final_norm, self.cfg.rms_norm_eps)
-        return h @ self.w.lm_head.T  # [T, V]
+            return [logits[k : k + 1] for k in range(len(seqs))]
+        return [logits[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, positions: np.ndarray,
-                   cos: np.ndarray, sin: np.ndarray, cache: KVCache) -> np.ndarray:
+    def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope) -> np.ndarray:
         cfg = self.cfg
-        T = x.shape[0]
-        q = x @ lw.q.T  # [T, nh*hd]
-        k = x @ lw.k.T  # [T, nkv*hd]
+        N = x.shape[0]
+        q = x @ lw.q.T  # [N, nh*hd]
+        k = x @ lw.k.T  # [N, nkv*hd]
         v = x @ lw.v.T
         if lw.q_bias is not None:
             q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, nh, hd]
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, nkv, hd]
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        q = q.reshape(N, cfg.num_heads, cfg.head_dim)  # [N, nh, hd]
+        k = k.reshape(N, cfg.num_kv_heads, cfg.head_dim)  # [N, nkv, hd]
+        v = v.reshape(N, cfg.num_kv_heads, cfg.head_dim)
         if lw.q_norm is not None:
             q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        q = ops.apply_rope(q, cos, sin)
-        k = ops.apply_rope(k, cos, sin)
-        keys, values = cache.extend(i, k, v)  # [S, nkv, hd]
-        mask = ops.attention_mask(positions, np.arange(keys.shape[0]), cfg.sliding_windows[i])  # [T, S]
-        out = ops.gqa_attention(q, keys, values, mask)  # [T, nh*hd]
-        return out @ lw.o.T  # [T, H]
+        out = np.empty((N, cfg.num_heads * cfg.head_dim), np.float32)  # [N, nh*hd]
+        for s, (_, cache) in enumerate(seqs):
+            r = slice(bounds[s], bounds[s + 1])
+            cos, sin = rope[s]
+            keys, values = cache.extend(i, ops.apply_rope(k[r], cos, sin), v[r])  # [S, nkv, hd]
+            mask = ops.attention_mask(positions[s], np.arange(keys.shape[0]), cfg.sliding_windows[i])  # [T_s, S]
+            out[r] = ops.gqa_attention(ops.apply_rope(q[r], cos, sin), keys, values, mask)
+        return out @ lw.o.T  # [N, H]
 
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
