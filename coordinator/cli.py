@@ -162,7 +162,7 @@ def cmd_shm_clean(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .api import Limits
     from .engine import Engine
-    from .server import Server, check_bind, serve
+    from .server import check_bind, serve
 
     config, sources = _engine_config(args)
     if args.print_config:

@@ -31,7 +31,7 @@ import zmq
 
 from node_worker import protocol as P
 from shm import segments
-from shm.plan import PoolPlan, plan_to_dict
+from shm.plan import PoolPlan
 from shm.topology import Node
 
 from .errors import StrataError

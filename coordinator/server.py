@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import signal
 import stat
 from pathlib import Path

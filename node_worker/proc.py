@@ -18,7 +18,6 @@ import logging
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from pathlib import Path

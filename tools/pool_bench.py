@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 from coordinator import Engine, EngineConfig
 from coordinator.make_model import make_model
