@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .api import ApiError, GenerateRequest
+from .api import ApiError, GenerateRequest, Limits
 from .kv_cache import KVCache
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder
@@ -53,8 +53,9 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine, emit: Emit, max_active: int = 8, max_queued: int = 32):
+    def __init__(self, engine, emit: Emit, max_active: int = 8, max_queued: int = 32, limits: Limits = Limits()):
         self.engine = engine
+        self.limits = limits
         self.emit = emit
         self.max_active = max_active
         self.max_queued = max_queued
@@ -75,6 +76,9 @@ class Scheduler:
             ids = eng.encode(req.prompt)
             if not ids:
                 raise ApiError("bad_request", "the prompt encodes to no tokens", req.id)
+            if len(ids) > self.limits.max_prompt_tokens:
+                raise ApiError("too_long", f"the prompt is {len(ids)} tokens; the limit is "
+                                           f"{self.limits.max_prompt_tokens}", req.id)
         else:
             ids = list(req.prompt_ids)
         try:
@@ -136,10 +140,10 @@ class Scheduler:
         except Exception as exc:  # the engine failed this step: every sequence in it ends with the cause
             log.exception("engine step failed")
             self.stats["errors"] += 1
-            for s in admitted + self.active:
-                if s in self.active or s in admitted:
-                    self.emit(s.client, {"type": "error", "id": s.req.id, "code": "engine",
-                                         "message": f"{type(exc).__name__}: {exc}"})
+            failed = {id(s): s for s in admitted + self.active}  # each sequence once
+            for s in failed.values():
+                self.emit(s.client, {"type": "error", "id": s.req.id, "code": "engine",
+                                     "message": f"{type(exc).__name__}: {exc}"})
             self.active = []
             raise
         finally:

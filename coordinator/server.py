@@ -85,7 +85,8 @@ class Server:
             self.sock.setsockopt(opt, value)
         self.sock.bind(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.scheduler = Scheduler(engine, self._emit, max_active, max_queued)
+        self.scheduler = Scheduler(engine, self._emit, max_active, max_queued, limits)
+        self.req_clients: set[bytes] = set()  # REQ sockets: replies need the empty delimiter back
         self.stopping = False
         self.engine_failed = False
         self.dead_clients: set[bytes] = set()
@@ -112,7 +113,8 @@ class Server:
         if client in self.dead_clients:
             return
         try:
-            self.sock.send_multipart([client, encode_event(event)])
+            envelope = [client, b""] if client in self.req_clients else [client]
+            self.sock.send_multipart(envelope + [encode_event(event)])
         except zmq.ZMQError as exc:  # EHOSTUNREACH (gone) or EAGAIN (not reading): drop the client
             log.info("client %s unreachable (%s); freeing its sequences", client.hex(), exc)
             self.dead_clients.add(client)
@@ -129,6 +131,8 @@ class Server:
         if len(frames) == 3 and frames[1] != b"":
             self._emit(client, error_event("bad_request", "a request is one frame"))
             return
+        if len(frames) == 3:
+            self.req_clients.add(client)
         try:
             req = decode_request(payload, self.limits)
             if self.stopping:
@@ -192,7 +196,7 @@ class Server:
         return all(n.get("alive", True) for n in pool.health()) if hasattr(pool, "health") else True
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.sock.close(linger=500)  # let the last events (shutdown errors) out
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()

@@ -80,6 +80,13 @@ def nothing_left_behind():
         return header.owner_pid in ours or not owner_alive(header)
 
     left = sorted(n for n in {p.name for p in Path("/dev/shm").glob("strata.*")} - before if leaked(n))
-    workers = [p for p in me.children(recursive=True) if "node_worker" in " ".join(p.cmdline())]
+    def is_worker(p) -> bool:
+        try:
+            cmd = " ".join(p.cmdline())
+            return "node_worker" in cmd or cmd.startswith("strata-node") or p.name().startswith("strata-node")
+        except psutil.Error:
+            return False
+
+    workers = [p for p in me.children(recursive=True) if is_worker(p)]
     assert not left, f"segments leaked by the suite: {left}"
     assert not workers, f"node worker processes left running: {[w.pid for w in workers]}"

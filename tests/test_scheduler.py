@@ -1,0 +1,355 @@
+"""The Scheduler in-process (no sockets): continuous batching equals solo greedy runs, limits, cancel, stop strings."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from coordinator.api import ApiError, Limits, decode_request
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.make_model import EOS_ID, make_model
+from coordinator.scheduler import Scheduler
+
+MAX_STEPS = 500  # every loop over steps is bounded by this
+
+PROMPTS = ["Hello", "The quick brown fox", "abc", "zz top", "1234567", "a", "Once upon a time, there was", "MoE!"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model = make_model(tmp_path_factory.mktemp("sched") / "m", seed=0)
+    eng = Engine.open(model, EngineConfig(pool="inproc"))
+    yield eng
+    eng.close()
+
+
+class Recorder:
+    """Scheduler(emit=...) target: every (client, event) in order."""
+
+    def __init__(self):
+        self.events: list[tuple[bytes, dict]] = []
+
+    def __call__(self, client: bytes, ev: dict) -> None:
+        self.events.append((client, ev))
+
+    def of(self, rid: str, client: bytes | None = None) -> list[dict]:
+        return [ev for c, ev in self.events if ev.get("id") == rid and (client is None or c == client)]
+
+    def final(self, rid: str, client: bytes | None = None) -> dict:
+        finals = [ev for ev in self.of(rid, client) if ev["type"] == "final"]
+        assert len(finals) == 1, f"{rid}: {len(finals)} final events"
+        return finals[0]
+
+    def streamed(self, rid: str) -> str:
+        return "".join(ev["text"] for ev in self.of(rid) if ev["type"] == "token")
+
+
+def request(limits: Limits = Limits(), **doc):
+    return decode_request(json.dumps({"type": "generate", **doc}).encode(), limits)
+
+
+def run_to_end(sched: Scheduler) -> int:
+    for n in range(MAX_STEPS):
+        if not sched.busy:
+            return n
+        sched.step()
+    raise AssertionError(f"scheduler still busy after {MAX_STEPS} steps")
+
+
+def solo(engine, prompt: str, n: int) -> list[int]:
+    return engine.generate(engine.encode(prompt), n, temperature=0.0, stop_at_eos=True)
+
+
+def check_final(engine, ev: dict, prompt: str, n: int) -> None:
+    want = solo(engine, prompt, n)
+    assert ev["ids"] == want
+    if want and want[-1] == EOS_ID:
+        assert ev["finish_reason"] == "eos"
+    else:
+        assert ev["finish_reason"] == "length" and len(want) == n
+    assert ev["text"] == engine.decode(want)
+    assert ev["usage"] == {"prompt_tokens": len(engine.encode(prompt)), "completion_tokens": len(want)}
+
+
+# -- batching equals solo ----------------------------------------------------
+
+
+def test_eight_requests_at_once_equal_solo_runs(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec, max_active=8, max_queued=32)
+    lengths = [6 + (i * 5) % 7 for i in range(len(PROMPTS))]  # 6..12, mixed
+    assert min(lengths) == 6 and max(lengths) == 12
+    for i, (p, n) in enumerate(zip(PROMPTS, lengths)):
+        sched.add(b"c", request(id=f"r{i}", prompt=p, max_new_tokens=n))
+    sched.step()
+    assert len(sched.active) == 8  # all admitted (prefilled together) in the first step
+    run_to_end(sched)
+    assert sched.all() == []
+    for i, (p, n) in enumerate(zip(PROMPTS, lengths)):
+        ev = rec.final(f"r{i}")
+        check_final(engine, ev, p, n)
+        assert rec.streamed(f"r{i}") == ev["text"]
+    assert sched.stats["completed"] == 8 and sched.stats["requests"] == 8
+
+
+def test_request_added_mid_decode_joins_next_step_and_equals_solo(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    early = [("r0", PROMPTS[0], 12), ("r1", PROMPTS[1], 10), ("r2", PROMPTS[6], 12)]
+    for rid, p, n in early:
+        sched.add(b"c", request(id=rid, prompt=p, max_new_tokens=n))
+    for _ in range(4):
+        sched.step()
+    assert len(sched.active) == 3 and all(not rec.of(rid) or rec.of(rid)[-1]["type"] == "token" for rid, *_ in early)
+    sched.add(b"c", request(id="late", prompt=PROMPTS[3], max_new_tokens=9))
+    assert [s.req.id for s in sched.queue] == ["late"]
+    before = len(rec.of("late"))
+    sched.step()
+    assert sched.queue == type(sched.queue)()  # admitted right away
+    assert "late" in [s.req.id for s in sched.active]
+    assert len(rec.of("late")) == before + 1 and rec.of("late")[-1]["type"] == "token"  # first token this step
+    run_to_end(sched)
+    for rid, p, n in early + [("late", PROMPTS[3], 9)]:
+        check_final(engine, rec.final(rid), p, n)
+
+
+def test_max_active_bounds_each_step_and_all_finish(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec, max_active=2, max_queued=8)
+    for i in range(5):
+        sched.add(b"c", request(id=f"r{i}", prompt=PROMPTS[i], max_new_tokens=6))
+    seen_active = []
+    for _ in range(MAX_STEPS):
+        if not sched.busy:
+            break
+        sched.step()
+        seen_active.append(len(sched.active))
+        assert len(sched.active) <= 2
+    assert not sched.busy
+    assert max(seen_active) == 2
+    for i in range(5):
+        check_final(engine, rec.final(f"r{i}"), PROMPTS[i], 6)
+
+
+# -- admission errors --------------------------------------------------------
+
+
+def test_queue_full_is_busy(engine):
+    sched = Scheduler(engine, emit=Recorder(), max_active=1, max_queued=2)
+    sched.add(b"c", request(id="a", prompt="x", max_new_tokens=4))
+    sched.add(b"c", request(id="b", prompt="y", max_new_tokens=4))
+    with pytest.raises(ApiError) as info:
+        sched.add(b"c", request(id="c", prompt="z", max_new_tokens=4))
+    assert info.value.code == "busy" and info.value.request_id == "c"
+    assert sched.stats["busy_rejections"] == 1
+    assert [s.req.id for s in sched.all()] == ["a", "b"]
+    sched.step()  # "a" admitted: one queue slot free again
+    sched.add(b"c", request(id="c", prompt="z", max_new_tokens=4))
+    run_to_end(sched)
+
+
+def test_duplicate_in_flight_id_is_refused(engine):
+    sched = Scheduler(engine, emit=Recorder())
+    sched.add(b"c", request(id="a", prompt="x", max_new_tokens=4))
+    with pytest.raises(ApiError) as info:
+        sched.add(b"c", request(id="a", prompt="y", max_new_tokens=4))
+    assert info.value.code == "bad_request"
+    sched.add(b"other", request(id="a", prompt="y", max_new_tokens=4))  # same id, other client: fine
+    run_to_end(sched)
+
+
+def test_max_new_tokens_over_the_limit_is_too_long(engine):
+    with pytest.raises(ApiError) as info:
+        request(Limits(max_new_tokens=16), id="a", prompt="x", max_new_tokens=17)
+    assert info.value.code == "too_long" and "max_new_tokens" in info.value.message
+    assert request(Limits(max_new_tokens=16), id="a", prompt="x", max_new_tokens=16).max_new_tokens == 16
+    # within the API limit but past the model's sequence length: the scheduler says too_long too
+    sched = Scheduler(engine, emit=Recorder())
+    n = engine.max_seq_len
+    with pytest.raises(ApiError) as info:
+        sched.add(b"c", request(Limits(max_new_tokens=n), id="a", prompt="abcd", max_new_tokens=n))
+    assert info.value.code == "too_long"
+    assert sched.all() == []
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 320], [-1], [10**6]])
+def test_out_of_vocab_prompt_id_is_bad_request(engine, bad):
+    assert engine.model_config.vocab_size == 320
+    sched = Scheduler(engine, emit=Recorder())
+    req = request(id="a", prompt_ids=bad, max_new_tokens=4)  # the API does not know the vocabulary
+    with pytest.raises(ApiError) as info:
+        sched.add(b"c", req)
+    assert info.value.code == "bad_request" and "vocabulary" in info.value.message
+    assert sched.all() == [] and sched.stats["requests"] == 0
+
+
+def test_prompt_ids_request_equals_solo(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    ids = [72, 105, 33, 300, 7]
+    sched.add(b"c", request(id="a", prompt_ids=ids, max_new_tokens=8))
+    run_to_end(sched)
+    ev = rec.final("a")
+    assert ev["ids"] == engine.generate(ids, 8)
+    assert ev["usage"] == {"prompt_tokens": 5, "completion_tokens": len(ev["ids"])}
+
+
+# -- cancel and drop ---------------------------------------------------------
+
+
+def test_cancel_mid_stream(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    sched.add(b"c", request(id="long", prompt=PROMPTS[1], max_new_tokens=200))
+    sched.add(b"c", request(id="other", prompt=PROMPTS[2], max_new_tokens=10))
+    for _ in range(3):
+        sched.step()
+    assert [ev["type"] for ev in rec.of("long")] == ["token"] * 3
+    assert sched.cancel(b"c", "long") is True
+    evs = rec.of("long")
+    assert evs[-1]["type"] == "final" and evs[-1]["finish_reason"] == "cancelled"
+    assert evs[-1]["ids"] == solo(engine, PROMPTS[1], 200)[:3]
+    assert evs[-1]["usage"]["completion_tokens"] == 3
+    assert "long" not in [s.req.id for s in sched.all()]
+    count = len(evs)
+    run_to_end(sched)
+    assert len(rec.of("long")) == count  # nothing more for it
+    check_final(engine, rec.final("other"), PROMPTS[2], 10)
+    assert sched.cancel(b"c", "long") is False
+    assert sched.stats["cancelled"] == 1
+
+
+def test_cancel_needs_the_same_client(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    sched.add(b"c", request(id="a", prompt="x", max_new_tokens=5))
+    assert sched.cancel(b"intruder", "a") is False
+    run_to_end(sched)
+    assert rec.final("a")["finish_reason"] in ("length", "eos")
+
+
+def test_drop_client_frees_its_sequences(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec, max_active=2)
+    sched.add(b"gone", request(id="g1", prompt=PROMPTS[0], max_new_tokens=50))
+    sched.add(b"stay", request(id="s1", prompt=PROMPTS[1], max_new_tokens=8))
+    sched.add(b"gone", request(id="g2", prompt=PROMPTS[2], max_new_tokens=50))  # still queued
+    sched.step()
+    sched.step()
+    assert sched.drop_client(b"gone") == 2
+    assert all(s.client != b"gone" for s in sched.all())
+    assert [s.req.id for s in sched.all()] == ["s1"]
+    count = len([1 for c, _ in rec.events if c == b"gone"])
+    run_to_end(sched)
+    assert len([1 for c, _ in rec.events if c == b"gone"]) == count
+    assert not any(ev["type"] == "final" for c, ev in rec.events if c == b"gone")
+    check_final(engine, rec.final("s1"), PROMPTS[1], 8)
+    assert sched.drop_client(b"gone") == 0
+
+
+# -- stop strings ------------------------------------------------------------
+
+
+def stop_cases(engine):
+    """(prompt, stop, greedy text) with the stop string taken from the greedy text itself."""
+    cases = []
+    for p in PROMPTS[:4]:
+        text = engine.decode(solo(engine, p, 30))
+        for start, size in ((3, 1), (5, 2), (8, 3), (12, 4)):
+            cases.append((p, text[start:start + size], text))
+    return cases
+
+
+def test_stop_strings_cut_the_text_and_never_leak(engine):
+    cases = stop_cases(engine)
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec, max_active=len(cases), max_queued=len(cases))
+    for i, (p, stop, _) in enumerate(cases):
+        sched.add(b"c", request(id=f"s{i}", prompt=p, max_new_tokens=30, stop=["\x00never", stop]))
+    run_to_end(sched)
+    for i, (p, stop, text) in enumerate(cases):
+        cut = text.find(stop)
+        assert cut >= 0
+        ev = rec.final(f"s{i}")
+        assert ev["finish_reason"] == "stop", (p, stop)
+        assert ev["text"] == text[:cut]
+        assert rec.streamed(f"s{i}") == ev["text"], (p, stop)  # no part of the stop string went out
+        greedy = solo(engine, p, 30)
+        n = next(k for k in range(1, 31) if stop in engine.decode(greedy[:k]))
+        assert ev["ids"] == greedy[:n]  # generation ended at the token completing the stop string
+        assert ev["usage"]["completion_tokens"] == n
+
+
+def test_stop_string_partial_match_is_released(engine):
+    """Text held back as a possible stop prefix goes out once it cannot be one."""
+    text = engine.decode(solo(engine, PROMPTS[0], 20))
+    stop = text[4] + "\x01"  # starts like the text at 4, never completes
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    sched.add(b"c", request(id="a", prompt=PROMPTS[0], max_new_tokens=20, stop=stop))
+    run_to_end(sched)
+    ev = rec.final("a")
+    assert ev["finish_reason"] == "length" and ev["text"] == text
+    assert rec.streamed("a") == text
+
+
+def test_non_streaming_request_sends_only_the_final(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    sched.add(b"c", request(id="a", prompt=PROMPTS[0], max_new_tokens=7, stream=False))
+    run_to_end(sched)
+    assert [ev["type"] for ev in rec.of("a")] == ["final"]
+    check_final(engine, rec.final("a"), PROMPTS[0], 7)
+
+
+def test_engine_failure_reports_each_sequence_once(engine, monkeypatch):
+    """A step that fails in the decode pass ends each active sequence with exactly one 'engine' error."""
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    real = engine.decoder.forward_batch
+    calls = []
+
+    def failing(seqs, last_only=True):
+        calls.append(len(seqs))
+        if len(calls) == 2:  # the first decode pass, right after the prefill of the admitted ones
+            raise RuntimeError("boom")
+        return real(seqs, last_only)
+
+    monkeypatch.setattr(engine.decoder, "forward_batch", failing)
+    sched.add(b"c", request(id="a", prompt="abc", max_new_tokens=8))
+    sched.add(b"c", request(id="b", prompt="xyz", max_new_tokens=8))
+    with pytest.raises(RuntimeError):
+        sched.step()
+    assert sched.active == [] and sched.stats["errors"] == 1
+    for rid in ("a", "b"):
+        errors = [ev for ev in rec.of(rid) if ev["type"] == "error"]
+        assert [e["code"] for e in errors] == ["engine"], (rid, errors)
+
+
+# -- the batched forward -----------------------------------------------------
+
+
+def test_forward_batch_equals_separate_forwards(engine):
+    dec = engine.decoder
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 320, size=n).astype(np.int64) for n in (3, 7, 1)]
+    solo_caches = [dec.new_cache() for _ in prompts]
+    want = [dec.forward(ids, c) for ids, c in zip(prompts, solo_caches)]
+    batch_caches = [dec.new_cache() for _ in prompts]
+    got = dec.forward_batch(list(zip(prompts, batch_caches)), last_only=False)
+    assert [g.shape for g in got] == [w.shape for w in want] == [(3, 320), (7, 320), (1, 320)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
+    last = dec.forward_batch([(p, dec.new_cache()) for p in prompts])  # last_only default
+    for g, w in zip(last, want):
+        np.testing.assert_allclose(g, w[-1:], atol=1e-5, rtol=0)
+    # one more token each on top of the caches: the batch still agrees with the solo caches
+    nxt = [np.array([int(np.argmax(w[-1]))], np.int64) for w in want]
+    want2 = [dec.forward(t, c) for t, c in zip(nxt, solo_caches)]
+    got2 = dec.forward_batch(list(zip(nxt, batch_caches)))
+    assert [c.length for c in batch_caches] == [4, 8, 2]
+    for g, w in zip(got2, want2):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
