@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -50,8 +51,11 @@ def _print_config(config, sources) -> None:
 def cmd_make_model(args: argparse.Namespace) -> int:
     from .make_model import make_model
 
-    out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {args.preset} {args.arch} model (seed {args.seed}, {args.dtype}) to {out}")
+    overrides = {"num_layers": args.layers} if args.layers else {}
+    out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype,
+                     max_shard_bytes=args.max_shard_bytes, **overrides)
+    arch = json.loads((out / "config.json").read_text())["model_type"]
+    print(f"wrote {args.preset} {arch} model (seed {args.seed}, {args.dtype}) to {out}")
     return 0
 
 
@@ -194,6 +198,23 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import MODES, markdown, plot, run_bench, write_json
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise StrataError(f"--modes: unknown mode(s) {', '.join(bad)}; expected some of {', '.join(MODES)}")
+    report = run_bench(args.model, modes, nodes=args.nodes, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
+                       rounds=args.rounds, spin_us=args.spin_us)
+    print(markdown(report))
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     config, sources = _engine_config(args)
     _print_config(config, sources)
@@ -209,8 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "mixtral", "qwen2_moe"])
+    p.add_argument("--arch", default=None, choices=["qwen3_moe", "mixtral", "qwen2_moe"],
+                   help="default: the preset's own (qwen3_moe for tiny and bench-small)")
     p.add_argument("--dtype", default="F32", choices=["F32", "F16", "BF16"])
+    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--max-shard-bytes", dest="max_shard_bytes", type=int, default=2 << 30)
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("generate", help="generate text from a prompt")
@@ -251,6 +275,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-keys", dest="curve_keys", default=None)
     p.add_argument("--json", action="store_true", help="print the final event as JSON")
     p.set_defaults(func=cmd_client)
+
+    p = sub.add_parser("bench", help="decode/prefill speed, pool overhead and bandwidth, modes side by side")
+    p.add_argument("--model", required=True, type=Path)
+    p.add_argument("--modes", default="inproc,single,split")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", dest="prompt_tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--spin-us", dest="spin_us", type=float,
+                   default=float(os.environ.get("STRATA_POOL_SPIN_US", "0") or 0),
+                   help="pool_spin_us for the process modes (default: STRATA_POOL_SPIN_US or 0)")
+    p.add_argument("--json", default=None, help="write every figure to this file")
+    p.add_argument("--plot", default=None, help="draw tokens/s and the bandwidth ratio (needs matplotlib)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("topo", help="show the NUMA nodes, their CPUs and memory")
     p.add_argument("--nodes", type=int, default=None, help="show the nodes a split over N would use (virtual if needed)")

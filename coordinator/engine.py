@@ -59,11 +59,13 @@ def build_plan(mcfg: ModelConfig, nodes: list[Node]) -> PoolPlan:
 
 
 def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
-                      threads: int | None = None) -> InprocPool:
+                      threads: int | None = None, nodes: list[Node] | None = None) -> InprocPool:
+    """One NodeWorker per plan node in this process; threads default to the node's CPUs (1 without nodes)."""
     sized = {key: (refs, mcfg.moe_intermediate_size) for key, refs in experts.items()}
+    cpus = {n.id: list(n.cpus) for n in nodes or []}
     workers = [
         NodeWorker(node, HeapExpertStore.from_checkpoint(ckpt, plan, node, sized), mcfg.hidden_size,
-                   threads=threads or 1)
+                   threads=threads or max(1, len(cpus.get(node, []))), cpus=cpus.get(node))
         for node in plan.node_ids
     ]
     return InprocPool(plan, workers)
@@ -87,7 +89,7 @@ def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolP
 def build_pool(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, nodes: list[Node],
                experts: dict, config: EngineConfig, max_seq_len: int) -> ExpertPool:
     if config.pool == "inproc":
-        return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads)
+        return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads, nodes)
     from .process_pool import PoolOptions, ProcessPool
 
     options = PoolOptions(threads=config.worker_threads, spin_us=config.pool_spin_us, keep_shm=config.keep_shm,

@@ -45,7 +45,83 @@ class Geometry:
     max_position_embeddings: int = 4096
 
 
-PRESETS = {"tiny": Geometry()}
+def l3_bytes(sys_cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The last-level cache size as the kernel reports it (lscpu's L3 per instance); 32 MiB if unknown."""
+    best = 0
+    for idx in sys_cpu.glob("index*"):
+        try:
+            level = int((idx / "level").read_text())
+            text = (idx / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        if level >= 3 or best == 0:
+            best = max(best, size) if level >= 3 else size
+    return best or 32 << 20
+
+
+def bench_small() -> Geometry:
+    """Experts 8x the last-level cache (float32), in 4 layers of 16 experts, hidden 1024."""
+    H, layers, experts = 1024, 4, 16
+    per_row = layers * experts * 3 * H * 4  # bytes per intermediate row over all experts
+    inter = max(256, -(-8 * l3_bytes() // per_row // 32) * 32)
+    return Geometry(hidden_size=H, num_layers=layers, num_experts=experts, top_k=4, moe_intermediate_size=inter,
+                    num_heads=8, num_kv_heads=4, head_dim=128, dense_intermediate_size=2048,
+                    shared_expert_intermediate_size=1024)
+
+
+PRESETS = {
+    "tiny": lambda: Geometry(),
+    "bench-small": bench_small,
+    # real geometry; --layers N keeps it within memory
+    "qwen3-30b-a3b": lambda: Geometry(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                                      num_kv_heads=4, head_dim=128, num_experts=128, top_k=8,
+                                      moe_intermediate_size=768, dense_intermediate_size=6144,
+                                      rope_theta=1e6, max_position_embeddings=40960),
+    "mixtral-8x7b": lambda: Geometry(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                                     head_dim=128, num_experts=8, top_k=2, moe_intermediate_size=14336,
+                                     rms_norm_eps=1e-5, max_position_embeddings=32768),
+}
+PRESET_ARCH = {"qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral"}
+
+
+def parameter_count(arch: str, g: Geometry) -> int:
+    H, hd = g.hidden_size, g.head_dim
+    attn = H * hd * (2 * g.num_heads + 2 * g.num_kv_heads)
+    per_layer = 0
+    for i in range(g.num_layers):
+        per_layer += attn + 2 * H
+        if _is_sparse(arch, g, i):
+            per_layer += g.num_experts * (3 * H * g.moe_intermediate_size + H)
+            if arch == "qwen2_moe":
+                per_layer += 3 * H * g.shared_expert_intermediate_size + H
+        else:
+            per_layer += 3 * H * g.dense_intermediate_size
+    return per_layer + g.vocab_size * H * (1 if g.tie_word_embeddings else 2) + H
+
+
+class ModelTooLarge(ValueError):
+    pass
+
+
+def check_fits(arch: str, g: Geometry, dtype: str, out: Path) -> None:
+    """Refuse, with the numbers, a model whose generation or file would not fit, before writing anything."""
+    import shutil
+
+    import psutil
+
+    params = parameter_count(arch, g)
+    file_bytes = params * {"F32": 4, "F16": 2, "BF16": 2}[dtype]
+    work_bytes = params * 4 + file_bytes  # float32 arrays plus their encoded copy
+    avail = psutil.virtual_memory().available
+    disk = shutil.disk_usage(out if out.exists() else out.parent if out.parent.exists() else Path.cwd()).free
+    gib = 2**30
+    if work_bytes > avail:
+        raise ModelTooLarge(f"{params / 1e9:.2f}B parameters need {work_bytes / gib:.1f} GiB of memory to build; "
+                            f"{avail / gib:.1f} GiB is available. Use fewer --layers")
+    if file_bytes > disk:
+        raise ModelTooLarge(f"the checkpoint needs {file_bytes / gib:.1f} GiB of disk; {disk / gib:.1f} GiB is free")
 
 
 def hf_config(arch: str, g: Geometry) -> dict:
@@ -147,14 +223,16 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
     return t
 
 
-def make_model(out: str | Path, preset: str = "tiny", arch: str = "qwen3_moe", seed: int = 0, *,
+def make_model(out: str | Path, preset: str = "tiny", arch: str | None = None, seed: int = 0, *,
                dtype: str = "F32", max_shard_bytes: int | None = None, **overrides) -> Path:
     """Write a checkpoint directory; ``overrides`` replace Geometry fields."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    arch = arch or PRESET_ARCH.get(preset, "qwen3_moe")
     if arch not in ARCH_CLASS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCH_CLASS)}")
-    g = replace(PRESETS[preset], **overrides)
+    g = replace(PRESETS[preset](), **overrides)
+    check_fits(arch, g, dtype, Path(out))
     if g.vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {g.vocab_size} cannot hold the {256 + len(SPECIAL_TOKENS)} byte and special tokens")
     out = Path(out)

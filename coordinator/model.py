@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 class RoutingStats:
     routed_pairs: int = 0  # (token, expert) pairs the router chose
     skipped_pairs: int = 0  # dropped by route_tail_skip
+    cpu_expert_loads: int = 0  # over all pool requests: distinct experts each one touched
     per_layer_expert: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [E] pair counts
 
 
@@ -102,6 +103,7 @@ class Decoder:
         y = np.zeros_like(x)  # [T, H]
         if tokens.size:
             rows, cpu_tokens = np.unique(tokens, return_inverse=True)  # only tokens with CPU work travel
+            self.stats.cpu_expert_loads += int(np.unique(experts).size)
             self.pool.submit(PoolRequest(i, np.ascontiguousarray(x[rows]), cpu_tokens.astype(np.int64),
                                          experts, pair_w))
             y[rows] = self.pool.collect()  # [T_cpu, H]

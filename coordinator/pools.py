@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import abc
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from node_worker import NodeWorker
+from node_worker.membw import read_bandwidth
 from shm.plan import PoolPlan
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,29 @@ class PoolRequest:
     weights: np.ndarray  # [P] float32
 
 
+@dataclass(frozen=True)
+class LayerTiming:
+    """One submit/collect: wall time (first send to last partial), each node's own compute and bytes."""
+
+    layer: int
+    tokens: int  # rows of X sent
+    wall_ns: int
+    compute_ns: tuple[int, ...]  # per node, plan order
+    bytes_read: tuple[int, ...]  # expert weight bytes per node
+    # per node, process pools only: send -> worker has it; worker's own handling beside compute; reply -> here
+    to_worker_ns: tuple[int, ...] = ()
+    in_worker_ns: tuple[int, ...] = ()
+    to_coordinator_ns: tuple[int, ...] = ()
+
+    @property
+    def overhead_ns(self) -> int:
+        return self.wall_ns - max(self.compute_ns)
+
+
 class ExpertPool(abc.ABC):
     plan: PoolPlan
+    record_timings: bool = False  # the benchmark turns this on
+    timings: list[LayerTiming]
 
     @abc.abstractmethod
     def submit(self, request: PoolRequest) -> None:
@@ -43,6 +66,11 @@ class ExpertPool(abc.ABC):
 
     def close(self) -> None:
         """Release the pool's workers and memory."""
+
+    @abc.abstractmethod
+    def membw(self, nbytes: int, repeats: int = 3) -> dict:
+        """A STREAM-style read of ``nbytes`` per node by the nodes' own threads, all at once:
+        {"gb_per_s": aggregate, "per_node": [...]}."""
 
 
 def sum_in_node_order(partials: list[np.ndarray]) -> np.ndarray:
@@ -59,6 +87,7 @@ class InprocPool(ExpertPool):
         self.plan = plan
         self.workers = workers
         self._pending: PoolRequest | None = None
+        self.timings = []
 
     def submit(self, request: PoolRequest) -> None:
         if self._pending is not None:
@@ -69,8 +98,26 @@ class InprocPool(ExpertPool):
         req, self._pending = self._pending, None
         if req is None:
             raise RuntimeError("collect() without submit()")
-        partials = [w.compute(req.layer, req.x, req.tokens, req.experts, req.weights) for w in self.workers]
+        partials, compute, nbytes = [], [], []
+        t0 = time.perf_counter_ns()
+        for w in self.workers:
+            t, before = time.perf_counter_ns(), w.bytes_read
+            partials.append(w.compute(req.layer, req.x, req.tokens, req.experts, req.weights))
+            compute.append(time.perf_counter_ns() - t)
+            nbytes.append(w.bytes_read - before)
+        if self.record_timings:
+            self.timings.append(LayerTiming(req.layer, req.x.shape[0], time.perf_counter_ns() - t0,
+                                            tuple(compute), tuple(nbytes)))
         return sum_in_node_order(partials)
+
+    def membw(self, nbytes: int, repeats: int = 3) -> dict:
+        # the nodes of this pool run one after another in this process: measure them that way
+        per_node = []
+        for w in self.workers:
+            seconds, gbps = read_bandwidth(w.runner, nbytes, repeats)
+            per_node.append({"node": w.node, "seconds": seconds, "gb_per_s": gbps, "threads": w.threads})
+        total = sum(p["seconds"] for p in per_node)
+        return {"gb_per_s": nbytes * len(per_node) / total / 1e9, "per_node": per_node}
 
     @property
     def bytes_read(self) -> int:

@@ -35,7 +35,7 @@ from shm.plan import PoolPlan
 from shm.topology import Node
 
 from .errors import StrataError
-from .pools import ExpertPool, PoolRequest, sum_in_node_order
+from .pools import ExpertPool, LayerTiming, PoolRequest, sum_in_node_order
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ class ProcessPool(ExpertPool):
         self._rid = 0
         self._pending: PoolRequest | None = None
         self._backlog: list = []  # replies that arrived while a restarted worker was handshaking
+        self.timings = []
         self.stats = {"requests": 0, "restarts": 0, "wait_ns": 0, "worker_compute_ns": [0] * len(nodes)}
         self.closed = False
         try:
@@ -278,6 +279,7 @@ class ProcessPool(ExpertPool):
         self._rid += 1
         self._pending = request
         self._sent_at = time.perf_counter_ns()
+        self._sent_mono = time.monotonic_ns()
         frames = self._compute_frames(self._rid, request)
         for w in self.workers:
             try:
@@ -292,6 +294,8 @@ class ProcessPool(ExpertPool):
             raise PoolError("collect() without submit()")
         rid = self._rid
         partials: dict[bytes, np.ndarray] = {}
+        compute: dict[bytes, tuple[int, int]] = {}
+        hops: dict[bytes, tuple[int, int, int]] = {}
         while len(partials) < len(self.workers):
             readable, dead = self._poll(0 if self._backlog else POLL_MS)
             if readable or self._backlog:
@@ -302,6 +306,10 @@ class ProcessPool(ExpertPool):
                     continue
                 if isinstance(msg, P.Result) and msg.request_id == rid:
                     partials[w.identity] = msg.y
+                    compute[w.identity] = (msg.compute_ns, msg.bytes_read)
+                    hops[w.identity] = (msg.received_ns - self._sent_mono,
+                                        msg.sent_ns - msg.received_ns - msg.compute_ns,
+                                        time.monotonic_ns() - msg.sent_ns)
                     self.stats["worker_compute_ns"][self.workers.index(w)] += msg.compute_ns
                 elif isinstance(msg, P.Error) and msg.fatal:
                     w.last_words = msg.message  # the sentinel follows
@@ -315,26 +323,50 @@ class ProcessPool(ExpertPool):
                     continue  # its part of this request is done; the next send restarts it
                 self._restart(w, w.died())
                 self._send(w, self._compute_frames(rid, req))
+        wall = time.perf_counter_ns() - self._sent_at
         self.stats["requests"] += 1
-        self.stats["wait_ns"] += time.perf_counter_ns() - self._sent_at
+        self.stats["wait_ns"] += wall
+        if self.record_timings:
+            order = [w.identity for w in self.workers]
+            self.timings.append(LayerTiming(req.layer, req.x.shape[0], wall,
+                                            tuple(compute[i][0] for i in order), tuple(compute[i][1] for i in order),
+                                            tuple(hops.get(i, (0, 0, 0))[0] for i in order),
+                                            tuple(hops.get(i, (0, 0, 0))[1] for i in order),
+                                            tuple(hops.get(i, (0, 0, 0))[2] for i in order)))
         return sum_in_node_order([partials[w.identity] for w in self.workers])
 
-    def ping(self) -> float:
-        """One empty round trip to every worker; seconds."""
-        self._rid += 1
-        t0 = time.perf_counter()
+    def _ask_all(self, frames: list, reply_type: type, rid: int) -> dict[bytes, object]:
+        """Send the same message to every worker and wait for each one's reply of ``reply_type``."""
         for w in self.workers:
-            self._send(w, P.encode_ping(P.Ping(self._rid)))
-        got = set()
+            self._send(w, frames)
+        got: dict[bytes, object] = {}
         while len(got) < len(self.workers):
             readable, dead = self._poll(POLL_MS)
             if dead:
                 raise dead[0].died()
             if readable:
-                frames = self.sock.recv_multipart(copy=False)
-                msg = self._decode(frames[1:], self._by_identity(bytes(frames[0].buffer)))
-                if isinstance(msg, P.Pong) and msg.request_id == self._rid:
-                    got.add(bytes(frames[0].buffer))
+                frames_in = self.sock.recv_multipart(copy=False)
+                ident = bytes(frames_in[0].buffer)
+                msg = self._decode(frames_in[1:], self._by_identity(ident))
+                if isinstance(msg, reply_type) and msg.request_id == rid:
+                    got[ident] = msg
+                elif isinstance(msg, P.Error) and msg.request_id in (rid, 0):
+                    raise PoolError(msg.message)
+        return got
+
+    def membw(self, nbytes: int, repeats: int = 3) -> dict:
+        self._rid += 1
+        got = self._ask_all(P.encode_membw(P.MemBw(self._rid, nbytes, repeats)), P.MemBwResult, self._rid)
+        per_node = [{"node": w.node.id, "seconds": got[w.identity].seconds, "gb_per_s": got[w.identity].gb_per_s,
+                     "threads": w.hello.get("threads")} for w in self.workers]
+        slowest = max(p["seconds"] for p in per_node)  # all nodes read at once
+        return {"gb_per_s": nbytes * len(per_node) / slowest / 1e9, "per_node": per_node}
+
+    def ping(self) -> float:
+        """One empty round trip to every worker over the pool's sockets; seconds."""
+        self._rid += 1
+        t0 = time.perf_counter()
+        self._ask_all(P.encode_ping(P.Ping(self._rid)), P.Pong, self._rid)
         return time.perf_counter() - t0
 
     def health(self) -> list[dict]:

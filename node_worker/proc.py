@@ -31,6 +31,7 @@ from shm.placement import segment_placement
 from shm.plan import plan_from_dict
 
 from . import protocol as P
+from .membw import read_bandwidth
 from .worker import NodeWorker
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class WorkerProcess:
 
     def handle(self, frames) -> bool:
         """Answer one message; False on SHUTDOWN."""
+        received = time.monotonic_ns()
         size = sum(len(f) for f in frames)
         if size > self.max_message_bytes:
             self.send(P.encode_error(P.Error(0, False, f"node {self.node}: bad message: {size} bytes exceed the "
@@ -162,8 +164,14 @@ class WorkerProcess:
                 self.send(P.encode_error(P.Error(msg.request_id, False, f"node {self.node}: bad COMPUTE: {exc}")))
                 return True
             t0 = time.perf_counter_ns()
+            before = self.worker.bytes_read
             y = self.worker.compute(msg.layer, msg.x, msg.tokens, msg.experts, msg.weights)
-            self.send(P.encode_result(P.Result(msg.request_id, y, time.perf_counter_ns() - t0)))
+            compute = time.perf_counter_ns() - t0
+            self.send(P.encode_result(P.Result(msg.request_id, y, compute, self.worker.bytes_read - before,
+                                               received, time.monotonic_ns())))
+        elif isinstance(msg, P.MemBw):
+            seconds, gbps = read_bandwidth(self.worker.runner, msg.nbytes, msg.repeats)
+            self.send(P.encode_membw_result(P.MemBwResult(msg.request_id, seconds, gbps)))
         elif isinstance(msg, P.Ping):
             self.send(P.encode_pong(P.Pong(msg.request_id)))
         elif isinstance(msg, P.Shutdown):

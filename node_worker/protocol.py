@@ -9,11 +9,14 @@ Every message is a ZeroMQ multipart message::
 
 COMPUTE  coordinator -> worker   header <QIIII: request id, layer, T, P, H
                                  frames X [T, H] f32, tokens [P] i32, experts [P] i32, weights [P] f32
-RESULT   worker -> coordinator   header <QIIQ:  request id, T, H, compute ns;  frame Y [T, H] f32
+RESULT   worker -> coordinator   header <QIIQQqq: request id, T, H, compute ns, expert bytes read,
+                                 received and sent at (CLOCK_MONOTONIC ns, shared by the processes);  frame Y [T, H] f32
 ERROR    worker -> coordinator   header <QB:    request id (0 = none), fatal flag;  frame utf-8 message
 HELLO    worker -> coordinator   JSON: version, pid, node, model/plan digests, slice rows, threads, placement
 PING     coordinator -> worker   header <Q: request id      (an empty round trip, the benchmark's floor)
 PONG     worker -> coordinator   header <Q: request id
+MEMBW    coordinator -> worker   header <QQI: request id, bytes to read, repeats  (a STREAM-style read)
+MEMBW_RESULT worker -> coordinator header <Qdd: request id, seconds, GB/s (by the worker's own pinned threads)
 SHUTDOWN coordinator -> worker   no header
 
 Every decode validates sizes, dtypes, shapes and ranges, and raises
@@ -46,11 +49,16 @@ class MsgType(enum.IntEnum):
     PING = ord("P")
     PONG = ord("Q")
     SHUTDOWN = ord("S")
+    MEMBW = ord("B")
+    MEMBW_RESULT = ord("b")
 
 
 PREAMBLE = struct.Struct("<BB")
 COMPUTE_HDR = struct.Struct("<QIIII")
-RESULT_HDR = struct.Struct("<QIIQ")
+RESULT_HDR = struct.Struct("<QIIQQqq")
+MEMBW_HDR = struct.Struct("<QQI")
+MEMBW_RESULT_HDR = struct.Struct("<Qdd")
+MAX_MEMBW_BYTES = 64 << 30
 ERROR_HDR = struct.Struct("<QB")
 PING_HDR = struct.Struct("<Q")
 
@@ -70,6 +78,23 @@ class Result:
     request_id: int
     y: np.ndarray  # [T, H] float32
     compute_ns: int
+    bytes_read: int = 0  # expert weight bytes this request touched on the node
+    received_ns: int = 0  # time.monotonic_ns() when the worker had the request
+    sent_ns: int = 0  # time.monotonic_ns() just before the reply went out
+
+
+@dataclass(frozen=True)
+class MemBw:
+    request_id: int
+    nbytes: int
+    repeats: int
+
+
+@dataclass(frozen=True)
+class MemBwResult:
+    request_id: int
+    seconds: float
+    gb_per_s: float
 
 
 @dataclass(frozen=True)
@@ -117,7 +142,8 @@ def encode_compute(m: Compute) -> list:
 
 def encode_result(m: Result) -> list:
     T, H = m.y.shape
-    return [_preamble(MsgType.RESULT), RESULT_HDR.pack(m.request_id, T, H, m.compute_ns),
+    return [_preamble(MsgType.RESULT), RESULT_HDR.pack(m.request_id, T, H, m.compute_ns, m.bytes_read,
+                                                                 m.received_ns, m.sent_ns),
             np.ascontiguousarray(m.y, dtype="<f4")]
 
 
@@ -135,6 +161,14 @@ def encode_ping(m: Ping) -> list:
 
 def encode_pong(m: Pong) -> list:
     return [_preamble(MsgType.PONG), PING_HDR.pack(m.request_id)]
+
+
+def encode_membw(m: MemBw) -> list:
+    return [_preamble(MsgType.MEMBW), MEMBW_HDR.pack(m.request_id, m.nbytes, m.repeats)]
+
+
+def encode_membw_result(m: MemBwResult) -> list:
+    return [_preamble(MsgType.MEMBW_RESULT), MEMBW_RESULT_HDR.pack(m.request_id, m.seconds, m.gb_per_s)]
 
 
 def encode_shutdown() -> list:
@@ -183,8 +217,8 @@ def decode(frames: list):
                        _array(frames[4], "<i4", (P,), "experts"), _array(frames[5], "<f4", (P,), "weights"))
     if kind == MsgType.RESULT:
         _count(frames, 3, "RESULT")
-        rid, T, H, ns = _struct(frames[1], RESULT_HDR, "RESULT")
-        return Result(rid, _array(frames[2], "<f4", (T, H), "Y"), ns)
+        rid, T, H, ns, nbytes, received, sent = _struct(frames[1], RESULT_HDR, "RESULT")
+        return Result(rid, _array(frames[2], "<f4", (T, H), "Y"), ns, nbytes, received, sent)
     if kind == MsgType.ERROR:
         _count(frames, 3, "ERROR")
         rid, fatal = _struct(frames[1], ERROR_HDR, "ERROR")
@@ -205,6 +239,15 @@ def decode(frames: list):
         _count(frames, 2, kind.name)
         (rid,) = _struct(frames[1], PING_HDR, kind.name)
         return Ping(rid) if kind == MsgType.PING else Pong(rid)
+    if kind == MsgType.MEMBW:
+        _count(frames, 2, "MEMBW")
+        rid, nbytes, repeats = _struct(frames[1], MEMBW_HDR, "MEMBW")
+        if not 0 < nbytes <= MAX_MEMBW_BYTES or not 0 < repeats <= 100:
+            raise ProtocolError(f"MEMBW of {nbytes} bytes x {repeats} is out of range")
+        return MemBw(rid, nbytes, repeats)
+    if kind == MsgType.MEMBW_RESULT:
+        _count(frames, 2, "MEMBW_RESULT")
+        return MemBwResult(*_struct(frames[1], MEMBW_RESULT_HDR, "MEMBW_RESULT"))
     _count(frames, 1, "SHUTDOWN")
     return Shutdown()
 

@@ -1,0 +1,197 @@
+"""``strata bench``: the pool modes side by side in one run.
+
+Modes (each one Engine, all opened before measuring):
+  inproc  the in-process pool, one node's CPUs as its threads (no processes)
+  single  one node worker process holding whole experts (the default path)
+  split   one node worker per node (virtual when the machine has fewer)
+
+Rounds interleave the modes (A B C A B C ...) after a warm-up. Per mode: decode
+and prefill tokens/s; per MoE layer at decode, the pool's wall time (first send
+to last partial), the workers' own compute and the difference, next to the empty
+round trip over the same sockets; the pool's effective bandwidth (expert bytes
+read per second of compute) next to a STREAM-style read by the same pinned
+threads over an array 4x the last-level cache; per node its threads, rows,
+placement and whether it is virtual. Ratios are computed within the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from .config import EngineConfig
+from .engine import Engine
+from .make_model import l3_bytes
+
+log = logging.getLogger(__name__)
+
+MODES = ("inproc", "single", "split")
+
+
+def mode_config(mode: str, nodes: int, spin_us: float = 0.0) -> EngineConfig:
+    if mode == "inproc":
+        return EngineConfig(pool="inproc")  # threads: the node's CPUs (see engine.build_inproc_pool)
+    if mode == "single":
+        return EngineConfig(pool="process", pool_spin_us=spin_us)
+    if mode == "split":
+        return EngineConfig(pool="process", numa_split=True, nodes=nodes, pool_spin_us=spin_us)
+    raise ValueError(f"unknown bench mode {mode!r}; expected one of {', '.join(MODES)}")
+
+
+def summary(values: list[float]) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def layer_figures(timings, decode_only: bool = True) -> dict:
+    """Per MoE layer call: wall, compute (slowest node), overhead, bytes, in microseconds and bytes."""
+    rows = [t for t in timings if not decode_only or t.tokens <= 1]
+    return {
+        "calls": len(rows),
+        "wall_us": summary([t.wall_ns / 1e3 for t in rows]),
+        "compute_us": summary([max(t.compute_ns) / 1e3 for t in rows]),
+        "overhead_us": summary([t.overhead_ns / 1e3 for t in rows]),
+        # where the overhead goes (process pools): the slowest node's hop times
+        "to_worker_us": summary([max(t.to_worker_ns) / 1e3 for t in rows if t.to_worker_ns]),
+        "in_worker_us": summary([max(t.in_worker_ns) / 1e3 for t in rows if t.in_worker_ns]),
+        "to_coordinator_us": summary([max(t.to_coordinator_ns) / 1e3 for t in rows if t.to_coordinator_ns]),
+        "bytes_read": int(sum(sum(t.bytes_read) for t in rows)),
+        "compute_s": sum(max(t.compute_ns) for t in rows) / 1e9,
+    }
+
+
+def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 64, prompt_tokens: int = 256,
+              rounds: int = 3, warmup_tokens: int = 4, membw_bytes: int | None = None, seed: int = 0,
+              spin_us: float = 0.0) -> dict:
+    model_dir = Path(model_dir)
+    membw_bytes = membw_bytes or 4 * l3_bytes()
+    engines: dict[str, Engine] = {}
+    try:
+        for mode in modes:
+            engines[mode] = Engine.open(model_dir, mode_config(mode, nodes, spin_us))
+        any_eng = next(iter(engines.values()))
+        mcfg = any_eng.model_config
+        rng = np.random.default_rng(seed)
+        prompt = rng.integers(0, min(mcfg.vocab_size, 256), prompt_tokens).tolist()
+        results: dict[str, dict] = {m: {"decode_tps": [], "prefill_tps": [], "timings": [], "pairs": 0,
+                                        "expert_loads": 0} for m in modes}
+        for eng in engines.values():
+            eng.generate(prompt[:8], max_new_tokens=warmup_tokens, stop_at_eos=False)
+        for _ in range(rounds):
+            for mode, eng in engines.items():  # interleaved: A B C A B C ...
+                pool = eng.pool
+                pool.record_timings, pool.timings = True, []
+                loads0, pairs0 = eng.decoder.stats.cpu_expert_loads, eng.decoder.stats.routed_pairs
+                r = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False)
+                pool.record_timings = False
+                res = results[mode]
+                res["decode_tps"].append(r.timings["decode_tokens_per_s"])
+                res["prefill_tps"].append(r.timings["prefill_tokens_per_s"])
+                res["timings"].extend(pool.timings)
+                res["expert_loads"] += eng.decoder.stats.cpu_expert_loads - loads0
+                res["pairs"] += eng.decoder.stats.routed_pairs - pairs0
+        report = {"model": str(model_dir), "arch": mcfg.arch, "spin_us": spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
+                  "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "modes": {}}
+        expert_bytes = 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 4
+        for mode, eng in engines.items():
+            res = results[mode]
+            pool = eng.pool
+            floor = [pool.ping() * 1e6 for _ in range(100)] if hasattr(pool, "ping") else []
+            bw = pool.membw(membw_bytes)
+            decode = layer_figures(res["timings"], decode_only=True)
+            all_calls = layer_figures(res["timings"], decode_only=False)
+            pool_gbps = decode["bytes_read"] / decode["compute_s"] / 1e9 if decode["compute_s"] else None
+            health = pool.health() if hasattr(pool, "health") else [
+                {"node": n, "threads": w.threads, "slice_rows": None, "placement": None}
+                for n, w in zip(pool.plan.node_ids, pool.workers)]
+            node_info = {n.id: n for n in eng.nodes}
+            report["modes"][mode] = {
+                "config": {"pool": eng.config.pool, "numa_split": eng.config.numa_split, "plan": pool.plan.digest},
+                "decode_tokens_per_s": summary(res["decode_tps"]),
+                "prefill_tokens_per_s": summary(res["prefill_tps"]),
+                "moe_layer_decode": decode,
+                "empty_round_trip_us": summary(floor) if floor else None,
+                "overhead_vs_floor": (decode["overhead_us"]["median"] / statistics.median(floor)
+                                      if floor and decode["overhead_us"]["median"] is not None else None),
+                "pool_gb_per_s": pool_gbps,
+                "membw": bw,
+                "bandwidth_ratio": pool_gbps / bw["gb_per_s"] if pool_gbps else None,
+                "bytes": {"counted": all_calls["bytes_read"], "implied_by_routing": res["expert_loads"] * expert_bytes,
+                          "expert_loads": res["expert_loads"], "routed_pairs": res["pairs"]},
+                "nodes": [{
+                    "node": h["node"], "virtual": node_info[h["node"]].virtual, "threads": h.get("threads"),
+                    "cpus": list(node_info[h["node"]].cpus), "slice_rows": h.get("slice_rows"),
+                    "local_share": (h.get("placement") or {}).get("local_share"),
+                } for h in health],
+            }
+        base = report["modes"].get("inproc", {}).get("decode_tokens_per_s", {}).get("median")
+        for mode, m in report["modes"].items():
+            med = m["decode_tokens_per_s"]["median"]
+            m["decode_vs_inproc"] = med / base if base and med else None
+        return report
+    finally:
+        for eng in engines.values():
+            eng.close()
+
+
+def _fmt(v, spec=".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"model {report['model']} ({report['arch']}), {report['prompt_tokens']} prompt + {report['tokens']} "
+             f"new tokens, {report['rounds']} interleaved rounds; STREAM array {report['membw_bytes'] / 2**20:.0f} MiB "
+             f"(4x LLC)", "",
+             "| mode | decode tok/s (min-max) | vs inproc | prefill tok/s | MoE layer wall us | worker compute us "
+             "| overhead us | empty RTT us | overhead/RTT | pool GB/s | STREAM GB/s | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, m in report["modes"].items():
+        d, p, L = m["decode_tokens_per_s"], m["prefill_tokens_per_s"], m["moe_layer_decode"]
+        rtt = m["empty_round_trip_us"]["median"] if m["empty_round_trip_us"] else None
+        lines.append(
+            f"| {mode} | {_fmt(d['median'])} ({_fmt(d['min'])}-{_fmt(d['max'])}) | {_fmt(m['decode_vs_inproc'], '.2f')} "
+            f"| {_fmt(p['median'])} | {_fmt(L['wall_us']['median'], '.0f')} | {_fmt(L['compute_us']['median'], '.0f')} "
+            f"| {_fmt(L['overhead_us']['median'], '.0f')} | {_fmt(rtt, '.0f')} | {_fmt(m['overhead_vs_floor'], '.2f')} "
+            f"| {_fmt(m['pool_gb_per_s'])} | {_fmt(m['membw']['gb_per_s'])} | {_fmt(m['bandwidth_ratio'], '.2f')} |")
+    lines.append("")
+    for mode, m in report["modes"].items():
+        L = m["moe_layer_decode"]
+        if L["to_worker_us"]["median"] is not None:
+            lines.append(f"{mode}: overhead per layer = to worker {L['to_worker_us']['median']:.0f} us + in worker "
+                         f"(decode, checks, reply) {L['in_worker_us']['median']:.0f} us + back "
+                         f"{L['to_coordinator_us']['median']:.0f} us (medians)")
+    lines.append("")
+    for mode, m in report["modes"].items():
+        for n in m["nodes"]:
+            lines.append(f"{mode}: node {n['node']} ({'virtual' if n['virtual'] else 'real'}), threads {n['threads']}, "
+                         f"rows {n['slice_rows']}, local pages {_fmt(n['local_share'], '.0%')}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'strata-numa[plot]'") from None
+    modes = list(report["modes"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(modes, [report["modes"][m]["decode_tokens_per_s"]["median"] or 0 for m in modes])
+    a.set_title("decode tokens/s")
+    b.bar(modes, [report["modes"][m]["bandwidth_ratio"] or 0 for m in modes])
+    b.axhline(0.8, linestyle="--", color="grey")
+    b.set_title("pool bandwidth / STREAM read")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_json(report: dict, path: str) -> None:
+    Path(path).write_text(json.dumps(report, indent=2))

@@ -1,0 +1,83 @@
+"""strata bench on the tiny model: the report's structure and its internal consistency, not its speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordinator.cli import main
+from coordinator.make_model import ModelTooLarge, bench_small, l3_bytes, make_model, parameter_count
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    model = make_model(d / "m", seed=2)
+    out = d / "r.json"
+    assert main(["bench", "--model", str(model), "--modes", "inproc,single,split", "--nodes", "2", "--tokens", "4",
+                 "--prompt-tokens", "6", "--rounds", "2", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_every_mode_and_figure_is_reported(report):
+    assert list(report["modes"]) == ["inproc", "single", "split"]
+    for mode, m in report["modes"].items():
+        for key in ("decode_tokens_per_s", "prefill_tokens_per_s"):
+            s = m[key]
+            assert s["n"] == 2 and s["min"] <= s["median"] <= s["max"] and s["min"] > 0, (mode, key)
+        L = m["moe_layer_decode"]
+        assert L["calls"] > 0 and L["wall_us"]["median"] >= L["compute_us"]["median"] > 0
+        assert m["membw"]["gb_per_s"] > 0 and m["pool_gb_per_s"] > 0
+        assert m["bandwidth_ratio"] == pytest.approx(m["pool_gb_per_s"] / m["membw"]["gb_per_s"])
+    assert report["modes"]["inproc"]["decode_vs_inproc"] == 1.0
+    for mode in ("single", "split"):
+        m = report["modes"][mode]
+        assert m["empty_round_trip_us"]["median"] > 0 and m["overhead_vs_floor"] is not None
+        L = m["moe_layer_decode"]
+        hops = L["to_worker_us"]["median"] + L["in_worker_us"]["median"] + L["to_coordinator_us"]["median"]
+        assert 0 < hops <= L["wall_us"]["max"]  # the hops fit inside the layer's wall time
+    assert report["modes"]["inproc"]["moe_layer_decode"]["to_worker_us"]["n"] == 0
+
+
+def test_bytes_counted_equal_bytes_implied_by_routing(report):
+    for mode, m in report["modes"].items():
+        b = m["bytes"]
+        assert b["counted"] == b["implied_by_routing"] > 0, mode
+        assert b["expert_loads"] <= b["routed_pairs"]
+    # the three modes ran the same prompts greedily: the same routing
+    loads = {m["bytes"]["expert_loads"] for m in report["modes"].values()}
+    assert len(loads) == 1
+
+
+def test_nodes_are_described_and_virtual_nodes_labelled(report):
+    split = report["modes"]["split"]["nodes"]
+    assert [n["node"] for n in split] == [0, 1]
+    rows = [n["slice_rows"] for n in split]
+    assert rows[0][0] == 0 and rows[0][1] == rows[1][0] and rows[1][1] == 80  # the tiny model's I
+    assert all(n["threads"] >= 1 and n["cpus"] for n in split)
+    assert all(n["virtual"] for n in split) or len({n["node"] for n in split}) == 2
+    single = report["modes"]["single"]["nodes"]
+    assert len(single) == 1 and single[0]["slice_rows"] == [0, 80]
+
+
+def test_bench_small_exceeds_the_cache_several_times():
+    g = bench_small()
+    expert_bytes = g.num_layers * g.num_experts * 3 * g.hidden_size * g.moe_intermediate_size * 4
+    assert expert_bytes >= 8 * l3_bytes()
+
+
+def test_a_preset_that_does_not_fit_is_refused_before_writing(tmp_path):
+    out = tmp_path / "big"
+    with pytest.raises(ModelTooLarge, match="GiB"):
+        make_model(out, preset="qwen3-30b-a3b")  # 48 layers: far beyond this machine
+    assert not out.exists()
+
+
+def test_parameter_count_of_real_geometry():
+    from coordinator.make_model import PRESETS
+
+    g = PRESETS["qwen3-30b-a3b"]()
+    assert 30e9 < parameter_count("qwen3_moe", g) < 31.5e9  # Qwen3-30B-A3B has 30.5B parameters
+    m = PRESETS["mixtral-8x7b"]()
+    assert 46e9 < parameter_count("mixtral", m) < 47.5e9  # Mixtral 8x7B: 46.7B
