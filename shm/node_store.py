@@ -46,6 +46,8 @@ class _Progress:
         self.start = time.monotonic()
         self.lock = threading.Lock()
         self.shown = False
+        self.tty = sys.stderr.isatty()
+        self.next_quarter = 0.25  # without a terminal: one line per quarter
 
     def add(self, nbytes: int) -> None:
         with self.lock:
@@ -53,10 +55,14 @@ class _Progress:
             elapsed = time.monotonic() - self.start
             if elapsed < PROGRESS_AFTER_S:
                 return
-            self.shown = True
             frac = self.done / self.total if self.total else 1.0
-            bar = "#" * int(30 * frac)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {self.done / elapsed / 1e9:5.2f} GB/s")
+            rate = f"{self.done / elapsed / 1e9:5.2f} GB/s"
+            if self.tty:
+                self.shown = True
+                sys.stderr.write(f"\r{self.label} [{'#' * int(30 * frac):<30}] {frac:6.1%} {rate}")
+            elif frac >= self.next_quarter:
+                sys.stderr.write(f"{self.label}: {frac:.0%} {rate}\n")
+                self.next_quarter = int(frac * 4) / 4 + 0.25
             sys.stderr.flush()
 
     def finish(self) -> None:

@@ -81,3 +81,12 @@ def test_parameter_count_of_real_geometry():
     assert 30e9 < parameter_count("qwen3_moe", g) < 31.5e9  # Qwen3-30B-A3B has 30.5B parameters
     m = PRESETS["mixtral-8x7b"]()
     assert 46e9 < parameter_count("mixtral", m) < 47.5e9  # Mixtral 8x7B: 46.7B
+
+
+def test_plot_draws_a_png(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    from coordinator.bench import plot
+
+    out = tmp_path / "r.png"
+    plot(report, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
