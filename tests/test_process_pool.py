@@ -138,9 +138,11 @@ def test_death_between_submit_and_collect_is_seen_by_the_sentinel(tiny):
         req = PoolRequest(0, x, np.array([0, 1]), np.array([1, 2]), np.array([0.5, 0.5], np.float32))
         eng.pool.submit(req)
         want = eng.pool.collect()
-        eng.pool.submit(req)
-        _kill(eng.pool, 0, signal.SIGTERM)
-        got = eng.pool.collect()
+        w = eng.pool.workers[0]
+        os.kill(w.pid, signal.SIGSTOP)  # it cannot answer before it dies
+        eng.pool.submit(req)  # the send succeeds: the process is still there
+        os.kill(w.pid, signal.SIGKILL)
+        got = eng.pool.collect()  # only the sentinel can tell
         assert np.array_equal(got, want) and eng.pool.stats["restarts"] == 1
 
 
