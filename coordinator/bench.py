@@ -122,6 +122,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 "pool_gb_per_s": pool_gbps,
                 "membw": bw,
                 "bandwidth_ratio": pool_gbps / bw["gb_per_s"] if pool_gbps else None,
+                "experts": eng.expert_report(),
                 "bytes": {"counted": all_calls["bytes_read"], "implied_by_routing": res["expert_loads"] * expert_bytes,
                           "expert_loads": res["expert_loads"], "routed_pairs": res["pairs"]},
                 "nodes": [{

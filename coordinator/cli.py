@@ -32,6 +32,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--route-tail-skip", dest="route_tail_skip", type=float, default=None,
                    help="drop routed experts whose weight is below this (0 = off)")
     g.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
+    g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"], help="where the device side runs")
+    g.add_argument("--expert-profile", dest="expert_profile", default=None, help="a profile from `strata profile`")
+    g.add_argument("--gpu-experts", dest="gpu_experts", type=int, default=None,
+                   help="keep this many experts whole on the device (hottest with a profile)")
+    g.add_argument("--gpu-expert-memory", dest="gpu_expert_memory", type=float, default=None,
+                   help="or as many of the profile's hottest experts as fit in this many GB")
     g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
 
 
@@ -94,6 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             doc = {
                 "prompt_ids": result.prompt_ids, "ids": result.ids, "text": text,
                 "finish_reason": result.finish_reason, "timing": result.timings,
+                "experts": engine.expert_report(),
                 "pool": {"kind": config.pool, "numa_split": config.numa_split, "plan": plan.digest,
                          "nodes": list(plan.node_ids), "node_info": [n.as_dict() for n in engine.nodes]},
                 "routing": {"routed_pairs": engine.decoder.stats.routed_pairs,
@@ -215,6 +222,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .engine import Engine
+
+    config, _ = _engine_config(args)
+    prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise StrataError(f"{args.prompts}: no prompts (one per line)")
+    with Engine.open(args.model, config) as engine:
+        tokens = 0
+        for text in prompts:
+            r = engine.generate_full(engine.encode(text), args.max_new_tokens)
+            tokens += len(r.prompt_ids) + len(r.ids)
+        profile = engine.profile()
+    profile = type(profile)(**{**profile.__dict__, "prompts": len(prompts), "tokens": tokens})
+    profile.save(args.out)
+    print(f"profiled {len(prompts)} prompts ({tokens} tokens) into {args.out}")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     config, sources = _engine_config(args)
     _print_config(config, sources)
@@ -289,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--plot", default=None, help="draw tokens/s and the bandwidth ratio (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("profile", help="count the routing over prompts into a frozen expert profile")
+    p.add_argument("--model", required=True, type=Path)
+    p.add_argument("--prompts", required=True, type=Path, help="a text file, one prompt per line")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=16)
+    _add_engine_flags(p)
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("topo", help="show the NUMA nodes, their CPUs and memory")
     p.add_argument("--nodes", type=int, default=None, help="show the nodes a split over N would use (virtual if needed)")

@@ -29,6 +29,10 @@ class EngineConfig:
     pool_spin_us: float = 0.0  # how long a waiting side polls before it blocks
     keep_shm: bool = False  # leave the segments in /dev/shm at exit, for a fast restart
     worker_start_timeout: float = 600.0  # seconds a node worker may take to load and say hello
+    device: str = "auto"  # "auto" | "cpu" | "cuda": where the coordinator's device side runs
+    expert_profile: str | None = None  # path of a frozen expert profile (strata profile)
+    gpu_experts: int | None = None  # keep this many experts whole on the device (hottest, or per layer by index)
+    gpu_expert_memory: float | None = None  # or as many of the hottest as fit in this many GB
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -51,6 +55,17 @@ class EngineConfig:
             raise ConfigValueError(f"pool_spin_us must be >= 0, got {self.pool_spin_us!r}")
         if not isinstance(self.worker_start_timeout, (int, float)) or self.worker_start_timeout <= 0:
             raise ConfigValueError(f"worker_start_timeout must be > 0 seconds, got {self.worker_start_timeout!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.gpu_experts is not None and (not isinstance(self.gpu_experts, int) or self.gpu_experts < 0):
+            raise ConfigValueError(f"gpu_experts must be an integer >= 0, got {self.gpu_experts!r}")
+        if self.gpu_expert_memory is not None and (not isinstance(self.gpu_expert_memory, (int, float))
+                                                   or self.gpu_expert_memory < 0):
+            raise ConfigValueError(f"gpu_expert_memory must be a number of GB >= 0, got {self.gpu_expert_memory!r}")
+        if self.gpu_experts is not None and self.gpu_expert_memory is not None:
+            raise ConfigValueError("give gpu_experts or gpu_expert_memory, not both")
+        if self.gpu_expert_memory is not None and self.expert_profile is None:
+            raise ConfigValueError("gpu_expert_memory places the hottest experts: it needs expert_profile")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
             raise ConfigValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
 
@@ -80,6 +95,10 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "pool_spin_us": ("STRATA_POOL_SPIN_US", float),
     "keep_shm": ("STRATA_KEEP_SHM", parse_bool),
     "worker_start_timeout": ("STRATA_WORKER_START_TIMEOUT", float),
+    "device": ("STRATA_DEVICE", str),
+    "expert_profile": ("STRATA_EXPERT_PROFILE", str),
+    "gpu_experts": ("STRATA_GPU_EXPERTS", parse_optional_int),
+    "gpu_expert_memory": ("STRATA_GPU_EXPERT_MEMORY", float),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -14,16 +15,19 @@ from node_worker import NodeWorker
 from shm.checkpoint import Checkpoint
 from shm.expert_store import HeapExpertStore
 from shm.plan import NodeShare, PoolPlan, make_plan, plan_to_dict, single_node_plan
+from shm.expert_source import read_expert_slice
 from shm.topology import Node, format_cpulist, select_nodes
 
+from .backend import DeviceError, select_device
 from .config import EngineConfig
 from .errors import ConfigValueError, StrataError
+from .hot_experts import ExpertProfile, choose_device_experts
 from .model import Decoder
 from .model_config import ModelConfig, load_model_config
 from .pools import ExpertPool, InprocPool
 from .sampling import Sampler, SamplingParams
 from .tokenizer import TextCodec
-from .weights import load_weights
+from .weights import MLPWeights, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +75,43 @@ def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, exper
     return InprocPool(plan, workers)
 
 
+def expert_bytes(mcfg: ModelConfig) -> int:
+    """float32 bytes of one whole routed expert (gate, up, down)."""
+    return 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 4
+
+
+def device_expert_set(mcfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig):
+    """(the experts kept whole on the device, how they were chosen)."""
+    profile = None
+    if config.expert_profile:
+        profile = ExpertProfile.load(config.expert_profile, ckpt.digest(), mcfg.moe_layers, mcfg.num_experts)
+    memory = int(config.gpu_expert_memory * 1e9) if config.gpu_expert_memory is not None else None
+    return choose_device_experts(mcfg.moe_layers, mcfg.num_experts, expert_bytes(mcfg), profile,
+                                 config.gpu_experts, memory)
+
+
+def whole_expert(ckpt: Checkpoint, refs, mcfg: ModelConfig) -> MLPWeights:
+    part = read_expert_slice(ckpt, refs, 0, mcfg.moe_intermediate_size)
+    return MLPWeights(part.gate, part.up, np.ascontiguousarray(part.down_t.T))
+
+
+def cpu_set_digest(ckpt: Checkpoint, device_set) -> str:
+    """Names the CPU side's contents: the model, less the experts kept on the device."""
+    if not device_set:
+        return ckpt.digest()
+    blob = (ckpt.digest() + repr(sorted(device_set))).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
-               max_tokens: int) -> dict:
+               max_tokens: int, model_digest: str | None = None) -> dict:
     """What a node worker needs to build its store: plain JSON, since node_worker cannot import us."""
     def ref(r):
         return [r.name, r.expert, r.row_offset]
 
     return {
-        "model_dir": str(model_dir.resolve()), "model_digest": ckpt.digest(), "hidden": mcfg.hidden_size,
+        "model_dir": str(model_dir.resolve()), "model_digest": model_digest or ckpt.digest(),
+        "hidden": mcfg.hidden_size,
         "num_layers": mcfg.num_layers, "num_experts": mcfg.num_experts, "moe_layers": mcfg.moe_layers,
         "intermediate": mcfg.moe_intermediate_size, "plan": plan_to_dict(plan), "max_tokens": max_tokens,
         "experts": [[l, e, mcfg.moe_intermediate_size, ref(r.gate), ref(r.up), ref(r.down)]
@@ -87,14 +120,15 @@ def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolP
 
 
 def build_pool(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, nodes: list[Node],
-               experts: dict, config: EngineConfig, max_seq_len: int) -> ExpertPool:
+               experts: dict, config: EngineConfig, max_seq_len: int, model_digest: str | None = None) -> ExpertPool:
     if config.pool == "inproc":
         return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads, nodes)
     from .process_pool import PoolOptions, ProcessPool
 
     options = PoolOptions(threads=config.worker_threads, spin_us=config.pool_spin_us, keep_shm=config.keep_shm,
                           start_timeout_s=config.worker_start_timeout, max_tokens=max_seq_len)
-    return ProcessPool(plan, nodes, worker_job(model_dir, ckpt, mcfg, plan, experts, max_seq_len), options)
+    return ProcessPool(plan, nodes, worker_job(model_dir, ckpt, mcfg, plan, experts, max_seq_len, model_digest),
+                       options)
 
 
 class Engine:
@@ -121,16 +155,44 @@ class Engine:
         codec = TextCodec.load(model_dir)
         ckpt = Checkpoint(model_dir)
         weights = load_weights(mcfg, ckpt)
+        backend = select_device(config.device)
+        if backend != "numpy":
+            raise DeviceError("the CuPy device path is not built yet (issue 7); use --device cpu or auto")
+        device_set, placement = device_expert_set(mcfg, ckpt, config)
+        device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
+        cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         nodes = pool_nodes(config)
         plan = build_plan(mcfg, nodes)
         for size, node, reason in plan.left_out:
             log.warning("node %s holds no rows of size-%s experts: %s", node, size, reason)
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
-        pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, weights.experts, config, max_seq_len)
-        decoder = Decoder(mcfg, weights, pool, config.route_tail_skip)
+        pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
+                          cpu_set_digest(ckpt, device_set))
+        decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
-        return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes)
+        engine = cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes)
+        engine.device_placement = {"backend": backend, "experts": len(device_set), "chosen": placement,
+                                   "bytes": len(device_set) * expert_bytes(mcfg)}
+        return engine
+
+    def expert_report(self) -> dict:
+        """Hit rate and expert bytes read on each side, counted over this engine's life."""
+        st = self.decoder.stats
+        per = expert_bytes(self.model_config)
+        return {"device_experts": self.device_placement, "hit_rate": st.hit_rate, "device_pairs": st.device_pairs,
+                "cpu_pairs": st.cpu_pairs, "routed_pairs": st.routed_pairs, "skipped_pairs": st.skipped_pairs,
+                "device_bytes_read": st.device_expert_loads * per, "cpu_bytes_read": st.cpu_expert_loads * per,
+                "coordinator_wait_on_pool_s": st.pool_wait_ns / 1e9,
+                "pool_wait_on_coordinator_s": getattr(self.pool, "stats", {}).get("idle_ns", 0) / 1e9}
+
+    def profile(self) -> ExpertProfile:
+        """The routing counted so far, as a frozen expert profile of this model."""
+        counts = self.decoder.stats.per_layer_expert
+        return ExpertProfile(self.ckpt.digest(), self.pool.plan.digest, self.model_config.num_layers,
+                             self.model_config.num_experts,
+                             {i: tuple(int(c) for c in counts.get(i, np.zeros(self.model_config.num_experts)))
+                              for i in self.model_config.moe_layers})
 
     def pool_description(self) -> str:
         """One line saying where the experts run, virtual nodes labelled as such."""

@@ -6,6 +6,7 @@ Routed experts go through an ExpertPool; everything else runs here.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,14 +25,28 @@ class RoutingStats:
     routed_pairs: int = 0  # (token, expert) pairs the router chose
     skipped_pairs: int = 0  # dropped by route_tail_skip
     cpu_expert_loads: int = 0  # over all pool requests: distinct experts each one touched
+    device_pairs: int = 0  # routed pairs served by device-resident experts
+    cpu_pairs: int = 0  # routed pairs sent to the CPU pool
+    device_expert_loads: int = 0  # distinct device experts per layer call, summed
+    pool_wait_ns: int = 0  # the coordinator waiting in collect() for the pool
+
+    @property
+    def hit_rate(self) -> float | None:
+        served = self.device_pairs + self.cpu_pairs
+        return self.device_pairs / served if served else None
     per_layer_expert: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [E] pair counts
 
 
 class Decoder:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, pool: ExpertPool, route_tail_skip: float = 0.0):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, pool: ExpertPool, route_tail_skip: float = 0.0,
+                 device_experts: dict | None = None):
         self.cfg = cfg
         self.w = weights
         self.pool = pool
+        self.device_experts = device_experts or {}  # (layer, e) -> MLPWeights kept whole on the device
+        self.on_device = {i: np.zeros(cfg.num_experts, bool) for i in cfg.moe_layers}  # layer -> [E]
+        for layer, e in self.device_experts:
+            self.on_device[layer][e] = True
         self.route_tail_skip = route_tail_skip
         self.inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor)  # [hd/2]
         self.stats = RoutingStats()
@@ -100,16 +115,40 @@ class Decoder:
             keep = pair_w >= self.route_tail_skip
             self.stats.skipped_pairs += int(np.count_nonzero(~keep))
             tokens, experts, pair_w = tokens[keep], experts[keep], pair_w[keep]
+        dev = self.on_device[i][experts]  # [P] pair served on the device
+        cpu_tokens, cpu_experts, cpu_w = tokens[~dev], experts[~dev], pair_w[~dev]
+        self.stats.device_pairs += int(np.count_nonzero(dev))
+        self.stats.cpu_pairs += int(cpu_tokens.size)
         y = np.zeros_like(x)  # [T, H]
-        if tokens.size:
-            rows, cpu_tokens = np.unique(tokens, return_inverse=True)  # only tokens with CPU work travel
-            self.stats.cpu_expert_loads += int(np.unique(experts).size)
-            self.pool.submit(PoolRequest(i, np.ascontiguousarray(x[rows]), cpu_tokens.astype(np.int64),
-                                         experts, pair_w))
-            y[rows] = self.pool.collect()  # [T_cpu, H]
+        if cpu_tokens.size:  # send the CPU work first ...
+            rows, local = np.unique(cpu_tokens, return_inverse=True)  # only tokens with CPU work travel
+            self.stats.cpu_expert_loads += int(np.unique(cpu_experts).size)
+            self.pool.submit(PoolRequest(i, np.ascontiguousarray(x[rows]), local.astype(np.int64), cpu_experts,
+                                         cpu_w))
+        y_dev = self._device_experts(i, x, tokens[dev], experts[dev], pair_w[dev])  # ... compute ours meanwhile
+        if cpu_tokens.size:
+            t0 = time.perf_counter_ns()
+            y[rows] = self.pool.collect()  # [T_cpu, H]: Y_0 + Y_1 + ... in node order
+            self.stats.pool_wait_ns += time.perf_counter_ns() - t0
+        if y_dev is not None:
+            y += y_dev  # then the device experts' output
         if lw.shared_expert is not None:
             se = lw.shared_expert
             y = y + ops.sigmoid(x @ lw.shared_expert_gate.T) * ops.swiglu_mlp(x, se.gate, se.up, se.down)
+        return y
+
+    def _device_experts(self, i: int, x: np.ndarray, tokens: np.ndarray, experts: np.ndarray,
+                        weights: np.ndarray) -> np.ndarray | None:
+        """The device-resident experts' share of the layer, experts in ascending order; [T, H] or None."""
+        if not tokens.size:
+            return None
+        y = np.zeros_like(x)  # [T, H]
+        for e in np.unique(experts):
+            sel = experts == e
+            t = tokens[sel]
+            mlp = self.device_experts[(i, int(e))]
+            y[t] += weights[sel][:, None] * ops.swiglu_mlp(x[t], mlp.gate, mlp.up, mlp.down)
+            self.stats.device_expert_loads += 1
         return y
 
     def _count(self, layer: int, experts: np.ndarray) -> None:

@@ -142,7 +142,8 @@ class ProcessPool(ExpertPool):
         self._pending: PoolRequest | None = None
         self._backlog: list = []  # replies that arrived while a restarted worker was handshaking
         self.timings = []
-        self.stats = {"requests": 0, "restarts": 0, "wait_ns": 0, "worker_compute_ns": [0] * len(nodes)}
+        self.stats = {"requests": 0, "restarts": 0, "wait_ns": 0, "worker_compute_ns": [0] * len(nodes),
+                      "idle_ns": 0}  # idle: partials done before the coordinator came to collect them
         self.closed = False
         try:
             for w in self.workers:
@@ -293,6 +294,8 @@ class ProcessPool(ExpertPool):
         if req is None:
             raise PoolError("collect() without submit()")
         rid = self._rid
+        collect_at = time.monotonic_ns()
+        last_sent = 0
         partials: dict[bytes, np.ndarray] = {}
         compute: dict[bytes, tuple[int, int]] = {}
         hops: dict[bytes, tuple[int, int, int]] = {}
@@ -307,6 +310,7 @@ class ProcessPool(ExpertPool):
                 if isinstance(msg, P.Result) and msg.request_id == rid:
                     partials[w.identity] = msg.y
                     compute[w.identity] = (msg.compute_ns, msg.bytes_read)
+                    last_sent = max(last_sent, msg.sent_ns)
                     hops[w.identity] = (msg.received_ns - self._sent_mono,
                                         msg.sent_ns - msg.received_ns - msg.compute_ns,
                                         time.monotonic_ns() - msg.sent_ns)
@@ -324,6 +328,7 @@ class ProcessPool(ExpertPool):
                 self._restart(w, w.died())
                 self._send(w, self._compute_frames(rid, req))
         wall = time.perf_counter_ns() - self._sent_at
+        self.stats["idle_ns"] += max(0, collect_at - last_sent) if last_sent else 0
         self.stats["requests"] += 1
         self.stats["wait_ns"] += wall
         if self.record_timings:
@@ -371,8 +376,9 @@ class ProcessPool(ExpertPool):
 
     def health(self) -> list[dict]:
         return [{"node": w.node.id, "virtual": w.node.virtual, "pid": w.pid, "alive": not w.dead(),
-                 "restarts": len(w.started) - 1, **{k: w.hello.get(k) for k in ("slice_rows", "threads", "placement",
-                                                                                  "reloaded", "segment")}}
+                 "restarts": len(w.started) - 1,
+                 **{k: w.hello.get(k) for k in ("slice_rows", "threads", "placement", "reloaded", "segment",
+                                                "segment_bytes")}}
                 for w in self.workers]
 
     def _remove_orphan_segment(self, w: WorkerHandle) -> None:

@@ -155,6 +155,7 @@ class Server:
         s["tokens_per_s"] = s["tokens"] / s["step_s"] if s["step_s"] else None
         dstats = self.engine.decoder.stats
         s["routed_pairs"], s["skipped_pairs"] = dstats.routed_pairs, dstats.skipped_pairs
+        s["experts"] = self.engine.expert_report()
         s["pool"] = self.health()["pool"]
         return s
 

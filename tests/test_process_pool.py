@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-import zmq
 
 from coordinator import Engine, EngineConfig
 from coordinator.engine import build_inproc_pool, build_plan, pool_nodes, worker_job
