@@ -18,7 +18,7 @@ from shm.plan import NodeShare, PoolPlan, make_plan, plan_to_dict, single_node_p
 from shm.expert_source import read_expert_slice
 from shm.topology import Node, format_cpulist, select_nodes
 
-from .backend import DeviceError, select_device
+from .backend import select_device
 from .config import EngineConfig
 from .errors import ConfigValueError, StrataError
 from .hot_experts import ExpertProfile, choose_device_experts
@@ -156,8 +156,6 @@ class Engine:
         ckpt = Checkpoint(model_dir)
         weights = load_weights(mcfg, ckpt)
         backend = select_device(config.device)
-        if backend != "numpy":
-            raise DeviceError("the CuPy device path is not built yet (issue 7); use --device cpu or auto")
         device_set, placement = device_expert_set(mcfg, ckpt, config)
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
@@ -168,7 +166,7 @@ class Engine:
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
         pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
                           cpu_set_digest(ckpt, device_set))
-        decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts)
+        decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
         engine = cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes)

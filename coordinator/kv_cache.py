@@ -6,11 +6,12 @@ import numpy as np
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64, xp=np):
         self.length = 0  # tokens already cached
+        self.xp = xp  # NumPy, or CuPy when the cache lives on the device
         self._shape = (num_kv_heads, head_dim)
-        self._k = [np.zeros((capacity, *self._shape), np.float32) for _ in range(num_layers)]  # [cap, nkv, hd]
-        self._v = [np.zeros((capacity, *self._shape), np.float32) for _ in range(num_layers)]
+        self._k = [xp.zeros((capacity, *self._shape), np.float32) for _ in range(num_layers)]  # [cap, nkv, hd]
+        self._v = [xp.zeros((capacity, *self._shape), np.float32) for _ in range(num_layers)]
 
     def _reserve(self, layer: int, needed: int) -> None:
         cap = self._k[layer].shape[0]
@@ -18,7 +19,7 @@ class KVCache:
             return
         new_cap = max(needed, 2 * cap)
         for buf in (self._k, self._v):
-            grown = np.zeros((new_cap, *self._shape), np.float32)
+            grown = self.xp.zeros((new_cap, *self._shape), np.float32)
             grown[:cap] = buf[layer]
             buf[layer] = grown
 

@@ -16,6 +16,22 @@ from .kv_cache import KVCache
 from .model_config import ModelConfig
 from .pools import ExpertPool, PoolRequest
 from .weights import LayerWeights, ModelWeights
+from .xp import module, to_host
+
+
+def on_device(obj, xp):
+    """A weights dataclass (nested) with every array moved to ``xp``; NumPy arrays stay as they are."""
+    if xp is np:
+        return obj
+    if isinstance(obj, np.ndarray):
+        return xp.asarray(obj)
+    if isinstance(obj, list):
+        return [on_device(v, xp) for v in obj]
+    if isinstance(obj, dict):
+        return {k: on_device(v, xp) for k, v in obj.items()}
+    if hasattr(obj, "__dataclass_fields__"):
+        return type(obj)(**{k: on_device(getattr(obj, k), xp) for k in obj.__dataclass_fields__})
+    return obj
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +55,14 @@ class RoutingStats:
 
 class Decoder:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, pool: ExpertPool, route_tail_skip: float = 0.0,
-                 device_experts: dict | None = None):
+                 device_experts: dict | None = None, backend: str = "numpy"):
         self.cfg = cfg
-        self.w = weights
+        self.backend = backend
+        self.xp = module(backend)
+        self.w = on_device(weights, self.xp)  # dense weights where the device side runs
         self.pool = pool
-        self.device_experts = device_experts or {}  # (layer, e) -> MLPWeights kept whole on the device
+        # (layer, e) -> MLPWeights kept whole on the device
+        self.device_experts = {k: on_device(v, self.xp) for k, v in (device_experts or {}).items()}
         self.on_device = {i: np.zeros(cfg.num_experts, bool) for i in cfg.moe_layers}  # layer -> [E]
         for layer, e in self.device_experts:
             self.on_device[layer][e] = True
@@ -52,7 +71,7 @@ class Decoder:
         self.stats = RoutingStats()
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return KVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, xp=self.xp)
 
     def forward(self, token_ids: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
         """token_ids [T] after the cached ones -> logits [T, V] ([1, V] when last_only)."""
@@ -64,8 +83,9 @@ class Decoder:
         lengths = [len(ids) for ids, _ in seqs]
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
-        rope = [ops.rope_cos_sin(p, self.inv_freq) for p in positions]  # per sequence: cos, sin [T_s, hd]
-        h = self.w.embed[np.concatenate([ids for ids, _ in seqs])]  # [N, H]
+        xp = self.xp
+        rope = [tuple(xp.asarray(a) for a in ops.rope_cos_sin(p, self.inv_freq)) for p in positions]  # [T_s, hd]
+        h = self.w.embed[xp.asarray(np.concatenate([ids for ids, _ in seqs]))]  # [N, H]
         for i, lw in enumerate(self.w.layers):
             a = ops.rms_norm(h, lw.input_norm, self.cfg.rms_norm_eps)
             h = h + self._attention(i, lw, a, seqs, bounds, positions, rope)
@@ -75,8 +95,8 @@ class Decoder:
         for (_, cache), n in zip(seqs, lengths):
             cache.advance(n)
         rows = [slice(b - 1, b) if last_only else slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-        picked = np.concatenate([h[r] for r in rows]) if last_only else h
-        logits = ops.rms_norm(picked, self.w.final_norm, self.cfg.rms_norm_eps) @ self.w.lm_head.T  # [*, V]
+        picked = xp.concatenate([h[r] for r in rows]) if last_only else h
+        logits = to_host(ops.rms_norm(picked, self.w.final_norm, self.cfg.rms_norm_eps) @ self.w.lm_head.T)  # [*, V]
         if last_only:
             return [logits[k : k + 1] for k in range(len(seqs))]
         return [logits[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -95,19 +115,21 @@ class Decoder:
         if lw.q_norm is not None:
             q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        out = np.empty((N, cfg.num_heads * cfg.head_dim), np.float32)  # [N, nh*hd]
+        out = self.xp.empty((N, cfg.num_heads * cfg.head_dim), np.float32)  # [N, nh*hd]
         for s, (_, cache) in enumerate(seqs):
             r = slice(bounds[s], bounds[s + 1])
             cos, sin = rope[s]
             keys, values = cache.extend(i, ops.apply_rope(k[r], cos, sin), v[r])  # [S, nkv, hd]
-            mask = ops.attention_mask(positions[s], np.arange(keys.shape[0]), cfg.sliding_windows[i])  # [T_s, S]
+            mask = self.xp.asarray(ops.attention_mask(positions[s], np.arange(keys.shape[0]),
+                                                      cfg.sliding_windows[i]))  # [T_s, S]
             out[r] = ops.gqa_attention(ops.apply_rope(q[r], cos, sin), keys, values, mask)
         return out @ lw.o.T  # [N, H]
 
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         T = x.shape[0]
-        ids, weights = ops.route_top_k(x @ lw.router.T, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
+        ids, weights = ops.route_top_k(x @ lw.router.T, cfg.top_k, cfg.norm_topk_prob)  # [T, k] on the device
+        ids, weights = to_host(ids), to_host(weights)  # small: the pair bookkeeping runs on the host
         tokens = np.repeat(np.arange(T, dtype=np.int64), cfg.top_k)  # [P]
         experts, pair_w = ids.reshape(-1), weights.reshape(-1)  # [P]
         self._count(i, experts)
@@ -119,16 +141,17 @@ class Decoder:
         cpu_tokens, cpu_experts, cpu_w = tokens[~dev], experts[~dev], pair_w[~dev]
         self.stats.device_pairs += int(np.count_nonzero(dev))
         self.stats.cpu_pairs += int(cpu_tokens.size)
-        y = np.zeros_like(x)  # [T, H]
+        xp = self.xp
+        y = xp.zeros_like(x)  # [T, H]
         if cpu_tokens.size:  # send the CPU work first ...
             rows, local = np.unique(cpu_tokens, return_inverse=True)  # only tokens with CPU work travel
             self.stats.cpu_expert_loads += int(np.unique(cpu_experts).size)
-            self.pool.submit(PoolRequest(i, np.ascontiguousarray(x[rows]), local.astype(np.int64), cpu_experts,
-                                         cpu_w))
+            x_cpu = np.ascontiguousarray(to_host(x[xp.asarray(rows)]))  # [T_cpu, H] to the host
+            self.pool.submit(PoolRequest(i, x_cpu, local.astype(np.int64), cpu_experts, cpu_w))
         y_dev = self._device_experts(i, x, tokens[dev], experts[dev], pair_w[dev])  # ... compute ours meanwhile
         if cpu_tokens.size:
             t0 = time.perf_counter_ns()
-            y[rows] = self.pool.collect()  # [T_cpu, H]: Y_0 + Y_1 + ... in node order
+            y[xp.asarray(rows)] = xp.asarray(self.pool.collect())  # [T_cpu, H]: Y_0 + Y_1 + ... in node order
             self.stats.pool_wait_ns += time.perf_counter_ns() - t0
         if y_dev is not None:
             y += y_dev  # then the device experts' output
@@ -142,12 +165,13 @@ class Decoder:
         """The device-resident experts' share of the layer, experts in ascending order; [T, H] or None."""
         if not tokens.size:
             return None
-        y = np.zeros_like(x)  # [T, H]
+        xp = self.xp
+        y = xp.zeros_like(x)  # [T, H]
         for e in np.unique(experts):
             sel = experts == e
-            t = tokens[sel]
+            t = xp.asarray(tokens[sel])
             mlp = self.device_experts[(i, int(e))]
-            y[t] += weights[sel][:, None] * ops.swiglu_mlp(x[t], mlp.gate, mlp.up, mlp.down)
+            y[t] += xp.asarray(weights[sel])[:, None] * ops.swiglu_mlp(x[t], mlp.gate, mlp.up, mlp.down)
             self.stats.device_expert_loads += 1
         return y
 

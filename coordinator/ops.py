@@ -1,28 +1,33 @@
 """The decoder's numeric building blocks, each a small pure function of arrays.
 
-Written against NumPy; every function takes plain float32 arrays so the same
-code can later run on CuPy arrays.
+Each function takes float32 arrays of one module, NumPy or CuPy (``xp_of``),
+and returns arrays of the same module. RoPE tables and masks are computed on
+the host (small) and moved by the caller.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .xp import xp_of
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x [..., D] -> x / sqrt(mean(x²) + eps) * weight."""
-    variance = np.mean(np.square(x), axis=-1, keepdims=True)
-    return (x / np.sqrt(variance + np.float32(eps))) * weight
+    xp = xp_of(x)
+    variance = xp.mean(xp.square(x), axis=-1, keepdims=True)
+    return (x / xp.sqrt(variance + np.float32(eps))) * weight
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    shifted = x - np.max(x, axis=axis, keepdims=True)
-    e = np.exp(shifted)
-    return e / np.sum(e, axis=axis, keepdims=True)
+    xp = xp_of(x)
+    shifted = x - xp.max(x, axis=axis, keepdims=True)
+    e = xp.exp(shifted)
+    return e / xp.sum(e, axis=axis, keepdims=True)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
+    return 0.5 * (1.0 + xp_of(x).tanh(0.5 * x))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -50,7 +55,7 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x [T, heads, hd] rotated by position: x·cos + rotate_half(x)·sin."""
     half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    rotated = xp_of(x).concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
@@ -69,8 +74,9 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray)
     group = nh // nkv
     qg = q.reshape(T, nkv, group, hd).transpose(1, 2, 0, 3)  # [nkv, g, T, hd]
     kt = k.transpose(1, 2, 0)  # [nkv, hd, S]
+    xp = xp_of(q)
     scores = (qg @ kt[:, None]) * np.float32(hd**-0.5)  # [nkv, g, T, S]
-    scores = np.where(mask, scores, np.float32(-np.inf))
+    scores = xp.where(mask, scores, np.float32(-np.inf))
     probs = softmax(scores, axis=-1)
     out = probs @ v.transpose(1, 0, 2)[:, None]  # [nkv, g, T, hd]
     return out.transpose(2, 0, 1, 3).reshape(T, nh * hd)
@@ -82,9 +88,10 @@ def route_top_k(router_logits: np.ndarray, k: int, normalize: bool) -> tuple[np.
     Softmax over all experts, the k largest probabilities (ties to the lower id),
     renormalised to sum to one when ``normalize``.
     """
+    xp = xp_of(router_logits)
     probs = softmax(router_logits.astype(np.float32), axis=-1)  # [T, E]
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, k]
-    weights = np.take_along_axis(probs, ids, axis=-1)  # [T, k]
+    ids = xp.argsort(-probs, axis=-1, kind="stable")[:, :k] if xp is np else xp.argsort(-probs, axis=-1)[:, :k]
+    weights = xp.take_along_axis(probs, ids, axis=-1)  # [T, k]
     if normalize:
-        weights = weights / np.sum(weights, axis=-1, keepdims=True)
+        weights = weights / xp.sum(weights, axis=-1, keepdims=True)
     return ids.astype(np.int64), weights.astype(np.float32)

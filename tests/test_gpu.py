@@ -1,0 +1,49 @@
+"""The CuPy device side against NumPy: `pytest -m gpu` (tools/gpu_check.sh). Skipped without a usable GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator import Engine, EngineConfig
+from coordinator.backend import probe_cuda
+from coordinator.make_model import make_model
+
+USABLE, WHY = probe_cuda()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "large"])
+def model(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    if request.param == "large":
+        return make_model(d, seed=3, hidden_size=512, moe_intermediate_size=384, num_experts=16, top_k=4,
+                          num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64)
+    return make_model(d, arch=request.param, seed=3)
+
+
+def test_cupy_and_numpy_backends_agree(model):
+    with Engine.open(model, EngineConfig(device="cpu")) as cpu, Engine.open(model, EngineConfig(device="cuda")) as gpu:
+        assert gpu.decoder.backend == "cupy"
+        a, b = cpu.logits(PROMPT), gpu.logits(PROMPT)
+        assert isinstance(b, np.ndarray)
+        np.testing.assert_allclose(b, a, atol=2e-4, rtol=1e-4)
+        assert cpu.generate(PROMPT[:4], max_new_tokens=8) == gpu.generate(PROMPT[:4], max_new_tokens=8)
+
+
+def test_hot_experts_on_the_gpu_agree(model):
+    with Engine.open(model, EngineConfig(device="cpu")) as cpu:
+        want = cpu.logits(PROMPT)
+    with Engine.open(model, EngineConfig(device="cuda", gpu_experts=6)) as gpu:
+        got = gpu.logits(PROMPT)
+        assert gpu.expert_report()["hit_rate"] > 0
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_split_pool_is_bitwise_across_the_cupy_coordinator(model):
+    cfg = dict(device="cuda", numa_split=True, nodes=2)
+    with Engine.open(model, EngineConfig(pool="process", **cfg)) as proc, \
+            Engine.open(model, EngineConfig(pool="inproc", **cfg)) as inproc:
+        assert np.array_equal(proc.logits(PROMPT), inproc.logits(PROMPT))
