@@ -75,9 +75,25 @@ def read_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int)
     )
 
 
+def convert_into(dest: np.ndarray, raw: np.ndarray, dtype: str) -> None:
+    """dest (float32) <- raw storage of the same shape, converted in one pass with no temporary.
+
+    BF16 is the top half of a float32: its bits go to the high uint16 of each
+    little-endian float32 and the low half is zeroed.
+    """
+    if dtype == "BF16":
+        halves = dest.view(np.uint16).reshape(*dest.shape, 2)  # [..., (low, high)]
+        halves[..., 0] = 0
+        halves[..., 1] = raw
+    else:
+        dest[...] = raw
+
+
 def write_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int, dest: ExpertSlice) -> int:
-    """Read the rows straight into the destination views; returns bytes written."""
-    dest.gate[...] = read_rows(ckpt, refs.gate, start, stop)
-    dest.up[...] = read_rows(ckpt, refs.up, start, stop)
-    dest.down_t[...] = read_columns_t(ckpt, refs.down, start, stop)
+    """Read the rows straight into the destination views (no intermediate copies); returns bytes written."""
+    for ref, out in ((refs.gate, dest.gate), (refs.up, dest.up)):
+        raw, dtype = _matrix(ckpt, ref)
+        convert_into(out, raw[ref.row_offset + start : ref.row_offset + stop], dtype)
+    raw, dtype = _matrix(ckpt, refs.down)
+    convert_into(dest.down_t, raw[:, start:stop].T, dtype)  # [R, H] from the [H, I] columns
     return dest.nbytes
