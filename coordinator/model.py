@@ -16,7 +16,7 @@ from .kv_cache import KVCache
 from .model_config import ModelConfig
 from .pools import ExpertPool, PoolRequest
 from .weights import LayerWeights, ModelWeights
-from .xp import module, to_host
+from .xp import HostStaging, module, to_host
 
 
 def on_device(obj, xp):
@@ -59,6 +59,7 @@ class Decoder:
         self.cfg = cfg
         self.backend = backend
         self.xp = module(backend)
+        self.staging = HostStaging(backend)
         self.w = on_device(weights, self.xp)  # dense weights where the device side runs
         self.pool = pool
         # (layer, e) -> MLPWeights kept whole on the device
@@ -146,7 +147,7 @@ class Decoder:
         if cpu_tokens.size:  # send the CPU work first ...
             rows, local = np.unique(cpu_tokens, return_inverse=True)  # only tokens with CPU work travel
             self.stats.cpu_expert_loads += int(np.unique(cpu_experts).size)
-            x_cpu = np.ascontiguousarray(to_host(x[xp.asarray(rows)]))  # [T_cpu, H] to the host
+            x_cpu = self.staging.rows_to_host(x[xp.asarray(rows)])  # [T_cpu, H] to the host (pinned with CuPy)
             self.pool.submit(PoolRequest(i, x_cpu, local.astype(np.int64), cpu_experts, cpu_w))
         y_dev = self._device_experts(i, x, tokens[dev], experts[dev], pair_w[dev])  # ... compute ours meanwhile
         if cpu_tokens.size:

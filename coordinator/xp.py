@@ -37,3 +37,29 @@ def to_host(a) -> np.ndarray:
 
 def to_device(a, backend: str):
     return module(backend).asarray(a)
+
+
+class HostStaging:
+    """Reusable pinned host buffers for the rows that go to the CPU pool.
+
+    With CuPy the rows are copied from the device into a page-locked buffer that
+    grows as needed and is reused by every layer (a pool request is finished,
+    its frames sent, before the next layer stages). With NumPy the rows are
+    already on the host and come back as they are.
+    """
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self._buf: np.ndarray | None = None  # flat, pinned
+
+    def rows_to_host(self, a) -> np.ndarray:
+        if self.backend != "cupy":
+            return np.ascontiguousarray(a)
+        import cupyx
+
+        n = a.size
+        if self._buf is None or self._buf.size < n or self._buf.dtype != a.dtype:
+            self._buf = cupyx.empty_pinned((max(n, 1 << 16),), dtype=a.dtype)
+        out = self._buf[:n].reshape(a.shape)
+        a.get(out=out)
+        return out
