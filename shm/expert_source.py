@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checkpoint import Checkpoint, to_float32
+from .checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -55,26 +55,6 @@ def _matrix(ckpt: Checkpoint, ref: TensorRef) -> tuple[np.ndarray, str]:
     return raw, ckpt.info(ref.name).dtype
 
 
-def read_rows(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of an [I, H] matrix as float32 [R, H]."""
-    raw, dtype = _matrix(ckpt, ref)
-    return to_float32(raw[ref.row_offset + start : ref.row_offset + stop], dtype)
-
-
-def read_columns_t(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> np.ndarray:
-    """Columns [start, stop) of an [H, I] matrix, transposed: float32 [R, H]."""
-    raw, dtype = _matrix(ckpt, ref)
-    return np.ascontiguousarray(to_float32(raw[:, start:stop], dtype).T)
-
-
-def read_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int) -> ExpertSlice:
-    return ExpertSlice(
-        gate=read_rows(ckpt, refs.gate, start, stop),
-        up=read_rows(ckpt, refs.up, start, stop),
-        down_t=read_columns_t(ckpt, refs.down, start, stop),
-    )
-
-
 def convert_into(dest: np.ndarray, raw: np.ndarray, dtype: str) -> None:
     """dest (float32) <- raw storage of the same shape, converted in one pass with no temporary.
 
@@ -89,11 +69,45 @@ def convert_into(dest: np.ndarray, raw: np.ndarray, dtype: str) -> None:
         dest[...] = raw
 
 
+def _rows(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> tuple[np.ndarray, str]:
+    """Storage view of rows [start, stop) of an [I, H] matrix, and its dtype."""
+    raw, dtype = _matrix(ckpt, ref)
+    return raw[ref.row_offset + start : ref.row_offset + stop], dtype
+
+
+def _columns_t(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> tuple[np.ndarray, str]:
+    """Storage view of columns [start, stop) of an [H, I] matrix, transposed to [R, H], and its dtype."""
+    raw, dtype = _matrix(ckpt, ref)
+    return raw[:, start:stop].T, dtype
+
+
+def _converted(view: np.ndarray, dtype: str) -> np.ndarray:
+    out = np.empty(view.shape, np.float32)
+    convert_into(out, view, dtype)
+    return out
+
+
+def read_rows(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of an [I, H] matrix as float32 [R, H]."""
+    return _converted(*_rows(ckpt, ref, start, stop))
+
+
+def read_columns_t(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> np.ndarray:
+    """Columns [start, stop) of an [H, I] matrix, transposed: float32 [R, H]."""
+    return _converted(*_columns_t(ckpt, ref, start, stop))
+
+
+def read_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int) -> ExpertSlice:
+    return ExpertSlice(
+        gate=read_rows(ckpt, refs.gate, start, stop),
+        up=read_rows(ckpt, refs.up, start, stop),
+        down_t=read_columns_t(ckpt, refs.down, start, stop),
+    )
+
+
 def write_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int, dest: ExpertSlice) -> int:
     """Read the rows straight into the destination views (no intermediate copies); returns bytes written."""
-    for ref, out in ((refs.gate, dest.gate), (refs.up, dest.up)):
-        raw, dtype = _matrix(ckpt, ref)
-        convert_into(out, raw[ref.row_offset + start : ref.row_offset + stop], dtype)
-    raw, dtype = _matrix(ckpt, refs.down)
-    convert_into(dest.down_t, raw[:, start:stop].T, dtype)  # [R, H] from the [H, I] columns
+    convert_into(dest.gate, *_rows(ckpt, refs.gate, start, stop))
+    convert_into(dest.up, *_rows(ckpt, refs.up, start, stop))
+    convert_into(dest.down_t, *_columns_t(ckpt, refs.down, start, stop))
     return dest.nbytes
