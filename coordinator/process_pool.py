@@ -138,6 +138,7 @@ class ProcessPool(ExpertPool):
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
         self.sock.bind(self.endpoint)
         self.workers = [WorkerHandle(n, f"node{n.id}".encode()) for n in nodes]
+        self._poller: zmq.Poller | None = None
         self._rid = 0
         self._pending: PoolRequest | None = None
         self._backlog: list = []  # replies that arrived while a restarted worker was handshaking
@@ -174,6 +175,7 @@ class ProcessPool(ExpertPool):
         except (OSError, AttributeError):
             w.pidfd = None  # falls back to polling the process every POLL_MS
         w.hello, w.last_words = {}, ""
+        self._poller = None
         w.started.append(time.monotonic())
         log.info("started node worker %s pid %s: %s", n.id, w.proc.pid, " ".join(cmd))
 
@@ -184,12 +186,13 @@ class ProcessPool(ExpertPool):
             while time.perf_counter() < deadline:
                 if self.sock.poll(0):
                     return True, []
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        for w in self.workers:
-            if w.pidfd is not None:
-                poller.register(w.pidfd, zmq.POLLIN)
-        events = dict(poller.poll(timeout_ms))
+        if self._poller is None:  # rebuilt after a (re)spawn changes the pidfds
+            self._poller = zmq.Poller()
+            self._poller.register(self.sock, zmq.POLLIN)
+            for w in self.workers:
+                if w.pidfd is not None:
+                    self._poller.register(w.pidfd, zmq.POLLIN)
+        events = dict(self._poller.poll(timeout_ms))
         readable = self.sock in events
         dead = [w for w in self.workers if (w.pidfd in events if w.pidfd is not None else w.dead())]
         return readable, [w for w in dead if w.dead() or w.proc.wait(timeout=2.0) is not None]
