@@ -16,7 +16,7 @@ from .kv_cache import KVCache
 from .model_config import ModelConfig
 from .pools import ExpertPool, PoolRequest
 from .weights import LayerWeights, ModelWeights
-from .xp import HostStaging, module, to_host
+from .xp import HostStaging, SideStream, module, to_host
 
 
 def on_device(obj, xp):
@@ -59,7 +59,8 @@ class Decoder:
         self.cfg = cfg
         self.backend = backend
         self.xp = module(backend)
-        self.staging = HostStaging(backend)
+        self.staging = HostStaging(backend)  # pinned host buffers for the pool's rows and partials
+        self.side = SideStream(backend)  # the device experts' own stream
         self.w = on_device(weights, self.xp)  # dense weights where the device side runs
         self.pool = pool
         # (layer, e) -> MLPWeights kept whole on the device
@@ -147,13 +148,17 @@ class Decoder:
         if cpu_tokens.size:  # send the CPU work first ...
             rows, local = np.unique(cpu_tokens, return_inverse=True)  # only tokens with CPU work travel
             self.stats.cpu_expert_loads += int(np.unique(cpu_experts).size)
-            x_cpu = self.staging.rows_to_host(x[xp.asarray(rows)])  # [T_cpu, H] to the host (pinned with CuPy)
+            rows_dev = xp.asarray(rows)  # [T_cpu]
+            x_cpu = self.staging.rows_to_host(x[rows_dev])  # [T_cpu, H] to the host (pinned with CuPy)
             self.pool.submit(PoolRequest(i, x_cpu, local.astype(np.int64), cpu_experts, cpu_w))
-        y_dev = self._device_experts(i, x, tokens[dev], experts[dev], pair_w[dev])  # ... compute ours meanwhile
+        with self.side.run():  # ... queue ours on the device's side stream meanwhile
+            y_dev = self._device_experts(i, x, tokens[dev], experts[dev], pair_w[dev])
         if cpu_tokens.size:
             t0 = time.perf_counter_ns()
-            y[xp.asarray(rows)] = xp.asarray(self.pool.collect())  # [T_cpu, H]: Y_0 + Y_1 + ... in node order
+            partials = self.pool.collect(out=self.staging.partials_buffer((rows.size, x.shape[1])))  # [T_cpu, H]
             self.stats.pool_wait_ns += time.perf_counter_ns() - t0
+            y[rows_dev] = self.staging.to_device(partials)  # Y_0 + Y_1 + ... in node order
+        self.side.join()
         if y_dev is not None:
             y += y_dev  # then the device experts' output
         if lw.shared_expert is not None:
@@ -167,12 +172,16 @@ class Decoder:
         if not tokens.size:
             return None
         xp = self.xp
+        order = np.argsort(experts, kind="stable")  # pairs grouped by expert, token order kept within each
+        ids, starts = np.unique(experts[order], return_index=True)
+        ends = np.append(starts[1:], order.size)
+        tokens_dev = xp.asarray(tokens[order])  # [P_dev] one upload per layer, not per expert
+        weights_dev = xp.asarray(weights[order])[:, None]  # [P_dev, 1]
         y = xp.zeros_like(x)  # [T, H]
-        for e in np.unique(experts):
-            sel = experts == e
-            t = xp.asarray(tokens[sel])
-            mlp = self.device_experts[(i, int(e))]
-            y[t] += xp.asarray(weights[sel])[:, None] * ops.swiglu_mlp(x[t], mlp.gate, mlp.up, mlp.down)
+        for e, a, b in zip(ids.tolist(), starts.tolist(), ends.tolist()):
+            t = tokens_dev[a:b]  # the tokens routed to expert e, each once
+            mlp = self.device_experts[(i, e)]
+            y[t] += weights_dev[a:b] * ops.swiglu_mlp(x[t], mlp.gate, mlp.up, mlp.down)
             self.stats.device_expert_loads += 1
         return y
 

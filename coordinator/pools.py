@@ -61,8 +61,9 @@ class ExpertPool(abc.ABC):
         """Start computing one layer's CPU pairs."""
 
     @abc.abstractmethod
-    def collect(self) -> np.ndarray:
-        """The submitted request's output [T, H]: Y_0 + Y_1 + ... in node order."""
+    def collect(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The submitted request's output [T, H]: Y_0 + Y_1 + ... in node order, summed into
+        ``out`` when given (the coordinator's pinned buffer) and returned."""
 
     def close(self) -> None:
         """Release the pool's workers and memory."""
@@ -73,11 +74,17 @@ class ExpertPool(abc.ABC):
         {"gb_per_s": aggregate, "per_node": [...]}."""
 
 
-def sum_in_node_order(partials: list[np.ndarray]) -> np.ndarray:
-    total = partials[0].copy()
+def sum_in_node_order(partials: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+    """Y_0 + Y_1 + ... [T, H], left to right, into ``out`` when given: the same bits either way."""
+    if out is None:
+        out = np.empty_like(partials[0])
+    elif out.shape != partials[0].shape or out.dtype != partials[0].dtype:
+        raise ValueError(f"output buffer is {out.dtype}{list(out.shape)}, "
+                         f"the partials are {partials[0].dtype}{list(partials[0].shape)}")
+    np.copyto(out, partials[0])
     for part in partials[1:]:
-        total += part
-    return total
+        out += part
+    return out
 
 
 class InprocPool(ExpertPool):
@@ -94,7 +101,7 @@ class InprocPool(ExpertPool):
             raise RuntimeError("submit() called twice without collect()")
         self._pending = request
 
-    def collect(self) -> np.ndarray:
+    def collect(self, out: np.ndarray | None = None) -> np.ndarray:
         req, self._pending = self._pending, None
         if req is None:
             raise RuntimeError("collect() without submit()")
@@ -108,7 +115,7 @@ class InprocPool(ExpertPool):
         if self.record_timings:
             self.timings.append(LayerTiming(req.layer, req.x.shape[0], time.perf_counter_ns() - t0,
                                             tuple(compute), tuple(nbytes)))
-        return sum_in_node_order(partials)
+        return sum_in_node_order(partials, out)
 
     def membw(self, nbytes: int, repeats: int = 3) -> dict:
         # the nodes of this pool run one after another in this process: measure them that way

@@ -292,7 +292,7 @@ class ProcessPool(ExpertPool):
                 self._restart(w, died)
                 self._send(w, frames)
 
-    def collect(self) -> np.ndarray:
+    def collect(self, out: np.ndarray | None = None) -> np.ndarray:
         req, self._pending = self._pending, None
         if req is None:
             raise PoolError("collect() without submit()")
@@ -341,7 +341,7 @@ class ProcessPool(ExpertPool):
                                             tuple(hops.get(i, (0, 0, 0))[0] for i in order),
                                             tuple(hops.get(i, (0, 0, 0))[1] for i in order),
                                             tuple(hops.get(i, (0, 0, 0))[2] for i in order)))
-        return sum_in_node_order([partials[w.identity] for w in self.workers])
+        return sum_in_node_order([partials[w.identity] for w in self.workers], out)
 
     def _ask_all(self, frames: list, reply_type: type, rid: int) -> dict[bytes, object]:
         """Send the same message to every worker and wait for each one's reply of ``reply_type``."""

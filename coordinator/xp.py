@@ -6,6 +6,8 @@ helpers move arrays across (``to_host``, ``to_device``).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 try:  # CuPy is an optional extra
@@ -39,27 +41,106 @@ def to_device(a, backend: str):
     return module(backend).asarray(a)
 
 
-class HostStaging:
-    """Reusable pinned host buffers for the rows that go to the CPU pool.
+class PinnedBuffer:
+    """One reusable page-locked host buffer (CuPy), flat, grown as needed.
 
-    With CuPy the rows are copied from the device into a page-locked buffer that
-    grows as needed and is reused by every layer (a pool request is finished,
-    its frames sent, before the next layer stages). With NumPy the rows are
-    already on the host and come back as they are.
+    ``view`` hands out its first ``prod(shape)`` elements. A copy that still reads
+    the buffer on the device's queue is remembered as an event (``busy_until``),
+    and the next ``view`` waits for that event alone, so the buffer is never
+    overwritten under a transfer and the rest of the device keeps running.
+    """
+
+    def __init__(self, what: str):
+        self.what = what  # for messages
+        self._buf: np.ndarray | None = None
+        self._busy = None  # cupy.cuda.Event of the last transfer reading the buffer
+
+    def view(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        import cupyx
+
+        if self._busy is not None:
+            self._busy.synchronize()
+            self._busy = None
+        n = int(np.prod(shape))
+        dtype = np.dtype(dtype)
+        if self._buf is None or self._buf.size < n or self._buf.dtype != dtype:
+            self._buf = cupyx.empty_pinned((max(n, 1 << 16),), dtype=dtype)
+        return self._buf[:n].reshape(shape)
+
+    def busy_until(self, event) -> None:
+        self._busy = event
+
+
+class HostStaging:
+    """The host side of the pool's traffic: rows out, partial sums back.
+
+    With CuPy both directions go through page-locked buffers that are reused by
+    every layer: the rows of the tokens with CPU work are copied from the device
+    into one (``rows_to_host``), and the pool sums the nodes' partials straight
+    into the other (``partials_buffer``), which ``to_device`` uploads on the
+    current stream without waiting. With NumPy everything is already on the host:
+    rows come back as they are and the partials buffer is a plain array.
     """
 
     def __init__(self, backend: str):
         self.backend = backend
-        self._buf: np.ndarray | None = None  # flat, pinned
+        self._rows = PinnedBuffer("rows to the pool")
+        self._partials = PinnedBuffer("partials from the pool")
+        self._host_partials: np.ndarray | None = None  # NumPy: reused the same way
 
     def rows_to_host(self, a) -> np.ndarray:
+        """Device rows [T, H] -> a host array (a pinned view with CuPy), complete on return."""
         if self.backend != "cupy":
             return np.ascontiguousarray(a)
-        import cupyx
-
-        n = a.size
-        if self._buf is None or self._buf.size < n or self._buf.dtype != a.dtype:
-            self._buf = cupyx.empty_pinned((max(n, 1 << 16),), dtype=a.dtype)
-        out = self._buf[:n].reshape(a.shape)
-        a.get(out=out)
+        out = self._rows.view(a.shape, a.dtype)
+        a.get(out=out)  # blocking: the frames are sent from this buffer right after
         return out
+
+    def partials_buffer(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """A host array [T, H] for the pool to sum into; with CuPy pinned, and free of any upload."""
+        if self.backend == "cupy":
+            return self._partials.view(shape, dtype)
+        n, dtype = int(np.prod(shape)), np.dtype(dtype)
+        if self._host_partials is None or self._host_partials.size < n or self._host_partials.dtype != dtype:
+            self._host_partials = np.empty(max(n, 1 << 12), dtype)
+        return self._host_partials[:n].reshape(shape)
+
+    def to_device(self, host: np.ndarray):
+        """The partials buffer onto the device: an asynchronous copy on the current stream (CuPy)."""
+        if self.backend != "cupy":
+            return host
+        xp = module("cupy")
+        dev = xp.asarray(host)  # pinned source: CuPy enqueues the copy and returns
+        self._partials.busy_until(xp.cuda.get_current_stream().record())
+        return dev
+
+
+class SideStream:
+    """The stream the device experts run on while the pool computes.
+
+    With CuPy: a non-blocking CUDA stream of its own. ``run()`` makes it wait for
+    what the current stream has queued so far (an event, not a synchronisation)
+    and makes it current inside the block; ``join()`` makes the current stream
+    wait for what was queued on it. The host never waits on the device here.
+    With NumPy both are no-ops: the work simply runs in order.
+    """
+
+    def __init__(self, backend: str):
+        self.stream = module("cupy").cuda.Stream(non_blocking=True) if backend == "cupy" else None
+        self._done = None  # event recorded at the end of the last run()
+
+    @contextlib.contextmanager
+    def run(self):
+        if self.stream is None:
+            yield
+            return
+        cuda = module("cupy").cuda
+        self.stream.wait_event(cuda.get_current_stream().record())
+        with self.stream:
+            yield
+        self._done = self.stream.record()
+
+    def join(self) -> None:
+        if self._done is not None:
+            module("cupy").cuda.get_current_stream().wait_event(self._done)
+            self._done = None

@@ -47,3 +47,66 @@ def test_split_pool_is_bitwise_across_the_cupy_coordinator(model):
     with Engine.open(model, EngineConfig(pool="process", **cfg)) as proc, \
             Engine.open(model, EngineConfig(pool="inproc", **cfg)) as inproc:
         assert np.array_equal(proc.logits(PROMPT), inproc.logits(PROMPT))
+
+
+def is_pinned(a: np.ndarray) -> bool:
+    import cupy
+
+    return cupy.cuda.runtime.pointerGetAttributes(a.ctypes.data).type == 1  # cudaMemoryTypeHost: page-locked
+
+
+def test_pool_traffic_goes_through_reused_pinned_buffers(model):
+    """Rows out and partials back: page-locked host buffers, the same ones every layer and step."""
+    seen = {"rows": [], "partials": []}
+    with Engine.open(model, EngineConfig(device="cuda", pool="inproc", numa_split=True, nodes=2)) as eng:
+        submit, collect = eng.pool.submit, eng.pool.collect
+
+        def spy_submit(req):
+            seen["rows"].append(req.x)
+            submit(req)
+
+        def spy_collect(out=None):
+            seen["partials"].append(out)
+            return collect(out=out)
+
+        eng.pool.submit, eng.pool.collect = spy_submit, spy_collect
+        eng.logits(PROMPT)
+        eng.logits(PROMPT[:3])
+    assert seen["rows"] and len(seen["rows"]) == len(seen["partials"])
+    for kind, arrays in seen.items():
+        assert all(a is not None and is_pinned(a) for a in arrays), kind
+        assert all(np.shares_memory(a, arrays[0]) for a in arrays), kind
+    assert not is_pinned(np.empty(1 << 16, np.float32))  # the check can tell pageable memory apart
+
+
+def test_device_experts_queue_on_their_own_stream_without_synchronising(model):
+    """Between sending the CPU rows and needing the partials, the coordinator only queues device work."""
+    import cupy
+    import cupyx
+
+    if not hasattr(cupyx, "allow_synchronize"):
+        pytest.skip("this CuPy has no synchronisation detector (cupyx.allow_synchronize)")
+    with Engine.open(model, EngineConfig(device="cpu")) as cpu:
+        want = cpu.logits(PROMPT)
+    with Engine.open(model, EngineConfig(device="cuda", pool="inproc", numa_split=True, nodes=2,
+                                         gpu_experts=6)) as eng:
+        dec = eng.decoder
+        streams = []
+        device_experts, to_device = dec._device_experts, dec.staging.to_device
+
+        def no_sync(fn, record=False):
+            def wrapped(*args):
+                if record:
+                    streams.append(cupy.cuda.get_current_stream().ptr)
+                with cupyx.allow_synchronize(False):  # raises cupyx.DeviceSynchronized on a synchronisation
+                    return fn(*args)
+            return wrapped
+
+        dec._device_experts = no_sync(device_experts, record=True)
+        dec.staging.to_device = no_sync(to_device)
+        got = eng.logits(PROMPT)
+        assert eng.expert_report()["hit_rate"] > 0
+        side = dec.side.stream.ptr
+    assert side != 0 and side != cupy.cuda.Stream.null.ptr
+    assert streams and set(streams) == {side}
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
