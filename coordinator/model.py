@@ -19,19 +19,26 @@ from .weights import LayerWeights, ModelWeights
 from .xp import HostStaging, SideStream, module, to_host
 
 
-def on_device(obj, xp):
-    """A weights dataclass (nested) with every array moved to ``xp``; NumPy arrays stay as they are."""
+def on_device(obj, xp, _uploaded: dict | None = None):
+    """A weights dataclass (nested) with every array moved to ``xp``; NumPy arrays stay as they are.
+
+    An array met twice (a tied embedding and lm_head) is uploaded once and shared.
+    """
     if xp is np:
         return obj
+    uploaded = {} if _uploaded is None else _uploaded  # id(host array) -> device array
     if isinstance(obj, np.ndarray):
-        return xp.asarray(obj)
+        if id(obj) not in uploaded:
+            uploaded[id(obj)] = xp.asarray(obj)
+        return uploaded[id(obj)]
     if isinstance(obj, list):
-        return [on_device(v, xp) for v in obj]
+        return [on_device(v, xp, uploaded) for v in obj]
     if isinstance(obj, dict):
-        return {k: on_device(v, xp) for k, v in obj.items()}
+        return {k: on_device(v, xp, uploaded) for k, v in obj.items()}
     if hasattr(obj, "__dataclass_fields__"):
-        return type(obj)(**{k: on_device(getattr(obj, k), xp) for k in obj.__dataclass_fields__})
+        return type(obj)(**{k: on_device(getattr(obj, k), xp, uploaded) for k in obj.__dataclass_fields__})
     return obj
+
 
 log = logging.getLogger(__name__)
 

@@ -167,3 +167,18 @@ def test_side_stream_forks_and_joins_by_events(fake_cupy):
     assert fake_cupy.log[-1] == ("main waits", "side#1")
     side.join()  # nothing new queued on the side: nothing to wait for
     assert len(fake_cupy.log) == 4 and not any(kind == "host waits" for kind, _ in fake_cupy.log)
+
+
+def test_an_array_met_twice_is_uploaded_once():
+    """A tied embedding and lm_head share one device copy."""
+    import types
+
+    from coordinator.model import on_device
+    from coordinator.weights import MLPWeights
+
+    uploads = []
+    fake = types.SimpleNamespace(asarray=lambda a: (uploads.append(a), a.copy())[1])
+    shared = np.ones((3, 2), np.float32)
+    moved = on_device([MLPWeights(gate=shared, up=shared, down=np.zeros((2, 3), np.float32))], fake)[0]
+    assert len(uploads) == 2
+    assert moved.gate is moved.up and moved.gate is not shared and moved.down.shape == (2, 3)
