@@ -1,22 +1,61 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU: install what is missing (the project with its
-# test and gpu extras) and run the GPU suite. One command:  ./tools/gpu_check.sh
+# On a machine with an NVIDIA GPU, the GPU suite (tests/test_gpu.py, `pytest -m gpu`) in one command:
+#   ./tools/gpu_check.sh [pytest arguments]
+# With network: makes .venv, installs the project with its test extra and the CuPy wheel that matches
+# the driver's CUDA (or $STRATA_CUPY_PACKAGE).
+# Without network (this workplace's GPU machines): runs on the machine's own python3 and its CuPy;
+# the few packages its image lacks travel as wheels in .whl/ (./tools/gpu_wheels.sh fetches them
+# beforehand where pip works) and are installed from there into a scratch folder.
 set -euo pipefail
-. "$(dirname "$0")/_venv.sh" test
-cd "$ROOT"
-if ! python -c "import cupy" 2>/dev/null; then
-  pkg="${STRATA_CUPY_PACKAGE:-}"
-  if [ -z "$pkg" ]; then
-    cuda_major=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -1)
-    case "${cuda_major:-12}" in 11) pkg=cupy-cuda11x ;; 12) pkg=cupy-cuda12x ;; *) pkg=cupy-cuda13x ;; esac
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+WHEELS="${STRATA_WHEELS:-$ROOT/.whl}"
+if [ -d "$WHEELS" ]; then
+  PY="${PYTHON:-python3}"
+  SITE="${TMPDIR:-/tmp}/strata-site"
+  echo "installing $(ls "$WHEELS" | wc -l) carried wheels from $WHEELS into $SITE" >&2
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+else
+  . "$ROOT/tools/_venv.sh" test
+  PY=python
+  if ! command -v nvidia-smi >/dev/null; then
+    echo "no NVIDIA driver here (nvidia-smi not found): CuPy is not installed and the GPU tests skip" >&2
+  elif ! "$PY" -c "import cupy" 2>/dev/null; then
+    pkg="${STRATA_CUPY_PACKAGE:-}"
+    if [ -z "$pkg" ]; then
+      cuda_major=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -1)
+      case "${cuda_major:-13}" in 11) pkg=cupy-cuda11x ;; 12) pkg=cupy-cuda12x ;; *) pkg=cupy-cuda13x ;; esac
+    fi
+    echo "installing $pkg" >&2
+    "$PY" -m pip install -q "$pkg"
   fi
-  echo "installing $pkg" >&2
-  python -m pip install -q "$pkg"
 fi
+cd "$ROOT"
 nvidia-smi -L || true
-python - <<'PY'
+"$PY" - <<'PY'
+import importlib
+import sys
+
+missing = []
+for name in ("numpy", "zmq", "posix_ipc", "psutil", "safetensors", "tokenizers", "setproctitle", "pytest",
+             "hypothesis"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"{name} {getattr(mod, '__version__', '?')}")
+    except Exception as exc:
+        missing.append(f"{name} ({exc})")
+if missing:
+    sys.exit("missing: " + ", ".join(missing) + ": where pip reaches PyPI, ./tools/gpu_wheels.sh fetches"
+             " the wheels into .whl/; carry that folder")
 from coordinator.backend import probe_cuda
+
 ok, why = probe_cuda()
 print("cuda usable:", ok, why)
+if ok:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    print("device 0:", props["name"].decode(), "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
 PY
-exec python -m pytest -m gpu -v tests/test_gpu.py "$@"
+exec "$PY" -m pytest -p no:cacheprovider -m gpu -v tests/test_gpu.py "$@"
