@@ -110,3 +110,44 @@ def test_device_experts_queue_on_their_own_stream_without_synchronising(model):
     assert side != 0 and side != cupy.cuda.Stream.null.ptr
     assert streams and set(streams) == {side}
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_device_experts_run_while_the_pool_computes(model):
+    """A gate queued on the side stream ahead of the device experts opens only when the coordinator asks the
+    pool for its partials. Had the coordinator waited on the device experts before that, the gate could not
+    open and would time out; with the overlap it opens every layer."""
+    import threading
+
+    with Engine.open(model, EngineConfig(device="cuda", pool="inproc", numa_split=True, nodes=2,
+                                         gpu_experts=6)) as eng:
+        dec, pool = eng.decoder, eng.pool
+        state = {"pool_work": False, "gate": None}
+        gated_layers, timed_out = [], []
+        submit, collect, device_experts = pool.submit, pool.collect, dec._device_experts
+
+        def spy_submit(req):
+            state["pool_work"] = True
+            submit(req)
+
+        def gated(*args):
+            if state["pool_work"]:  # this layer has CPU work: the device experts must not need it first
+                gate = state["gate"] = threading.Event()
+
+                def wait_for_collect(_arg, gate=gate):
+                    if not gate.wait(20):
+                        timed_out.append(args[0])
+
+                dec.side.stream.launch_host_func(wait_for_collect, None)
+                gated_layers.append(args[0])
+            return device_experts(*args)
+
+        def opening_collect(out=None):
+            state["pool_work"] = False
+            if state["gate"] is not None:
+                state["gate"].set()
+            return collect(out=out)
+
+        pool.submit, pool.collect, dec._device_experts = spy_submit, opening_collect, gated
+        eng.logits(PROMPT)
+    assert gated_layers, "no layer had both CPU and device work"
+    assert not timed_out, f"the coordinator waited on the device experts before collecting (layers {timed_out})"
