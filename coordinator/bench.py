@@ -16,6 +16,7 @@ placement and whether it is virtual. Ratios are computed within the run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -68,13 +69,15 @@ def layer_figures(timings, decode_only: bool = True) -> dict:
 
 def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 64, prompt_tokens: int = 256,
               rounds: int = 3, warmup_tokens: int = 4, membw_bytes: int | None = None, seed: int = 0,
-              spin_us: float = 0.0) -> dict:
+              spin_us: float = 0.0, device: dict | None = None) -> dict:
+    """``device``: EngineConfig fields of the device side (device, expert_profile, gpu_experts,
+    gpu_expert_memory), the same for every mode."""
     model_dir = Path(model_dir)
     membw_bytes = membw_bytes or 4 * l3_bytes()
     engines: dict[str, Engine] = {}
     try:
         for mode in modes:
-            engines[mode] = Engine.open(model_dir, mode_config(mode, nodes, spin_us))
+            engines[mode] = Engine.open(model_dir, dataclasses.replace(mode_config(mode, nodes, spin_us), **(device or {})))
         any_eng = next(iter(engines.values()))
         mcfg = any_eng.model_config
         rng = np.random.default_rng(seed)
@@ -97,7 +100,8 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 res["expert_loads"] += eng.decoder.stats.cpu_expert_loads - loads0
                 res["pairs"] += eng.decoder.stats.routed_pairs - pairs0
         report = {"model": str(model_dir), "arch": mcfg.arch, "spin_us": spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
-                  "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "modes": {}}
+                  "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(device or {}),
+                  "modes": {}}
         expert_bytes = 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 4
         for mode, eng in engines.items():
             res = results[mode]
@@ -167,6 +171,14 @@ def markdown(report: dict) -> str:
             lines.append(f"{mode}: overhead per layer = to worker {L['to_worker_us']['median']:.0f} us + in worker "
                          f"(decode, checks, reply) {L['in_worker_us']['median']:.0f} us + back "
                          f"{L['to_coordinator_us']['median']:.0f} us (medians)")
+    lines.append("")
+    for mode, m in report["modes"].items():
+        e = m["experts"]
+        placed = e["device_experts"]
+        lines.append(f"{mode}: device side {placed['backend']}, {placed['experts']} experts on it ({placed['chosen']}), "
+                     f"hit rate {_fmt(e['hit_rate'], '.1%')}, expert GB read: device {e['device_bytes_read'] / 1e9:.2f}, "
+                     f"CPU {e['cpu_bytes_read'] / 1e9:.2f}; waited: coordinator on pool "
+                     f"{e['coordinator_wait_on_pool_s']:.2f} s, pool on coordinator {e['pool_wait_on_coordinator_s']:.2f} s")
     lines.append("")
     for mode, m in report["modes"].items():
         for n in m["nodes"]:

@@ -32,13 +32,20 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--route-tail-skip", dest="route_tail_skip", type=float, default=None,
                    help="drop routed experts whose weight is below this (0 = off)")
     g.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
+    _add_device_flags(g)
+    g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+
+
+DEVICE_FLAGS = ("device", "expert_profile", "gpu_experts", "gpu_expert_memory")
+
+
+def _add_device_flags(g) -> None:
     g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"], help="where the device side runs")
     g.add_argument("--expert-profile", dest="expert_profile", default=None, help="a profile from `strata profile`")
     g.add_argument("--gpu-experts", dest="gpu_experts", type=int, default=None,
                    help="keep this many experts whole on the device (hottest with a profile)")
     g.add_argument("--gpu-expert-memory", dest="gpu_expert_memory", type=float, default=None,
                    help="or as many of the profile's hottest experts as fit in this many GB")
-    g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
 
 
 CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; the library defaults to inproc
@@ -212,8 +219,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise StrataError(f"--modes: unknown mode(s) {', '.join(bad)}; expected some of {', '.join(MODES)}")
+    device = {name: getattr(args, name) for name in DEVICE_FLAGS if getattr(args, name) is not None}
     report = run_bench(args.model, modes, nodes=args.nodes, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
-                       rounds=args.rounds, spin_us=args.spin_us)
+                       rounds=args.rounds, spin_us=args.spin_us, device=device)
     print(markdown(report))
     if args.json:
         write_json(report, args.json)
@@ -312,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spin-us", dest="spin_us", type=float,
                    default=float(os.environ.get("STRATA_POOL_SPIN_US", "0") or 0),
                    help="pool_spin_us for the process modes (default: STRATA_POOL_SPIN_US or 0)")
+    _add_device_flags(p.add_argument_group("device side, the same in every mode"))
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--plot", default=None, help="draw tokens/s and the bandwidth ratio (needs matplotlib)")
     p.set_defaults(func=cmd_bench)

@@ -50,6 +50,31 @@ def test_bytes_counted_equal_bytes_implied_by_routing(report):
     assert len(loads) == 1
 
 
+def test_hot_experts_from_a_profile_are_benched_in_every_mode(tmp_path, capsys):
+    """--expert-profile/--gpu-experts apply to every mode: the device serves a share of the pairs, the CPU
+    side reads fewer expert bytes than without them, and the counted bytes still match the routing."""
+    model = make_model(tmp_path / "m", seed=2)
+    prompts, profile = tmp_path / "prompts.txt", tmp_path / "profile.json"
+    prompts.write_text("hello world\nthe quick brown fox\n")
+    assert main(["profile", "--model", str(model), "--prompts", str(prompts), "--out", str(profile),
+                 "--max-new-tokens", "4", "--pool", "inproc"]) == 0
+    runs = {}
+    for name, extra in (("cpu only", []), ("hot", ["--expert-profile", str(profile), "--gpu-experts", "8"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["bench", "--model", str(model), "--modes", "inproc,split", "--tokens", "4", "--prompt-tokens",
+                     "6", "--rounds", "1", "--json", str(out), *extra]) == 0
+        runs[name] = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert "8 experts on it (profile" in text and "hit rate" in text
+    assert runs["hot"]["device"] == {"expert_profile": str(profile), "gpu_experts": 8}
+    for mode in ("inproc", "split"):
+        cold, hot = runs["cpu only"]["modes"][mode], runs["hot"]["modes"][mode]
+        assert cold["experts"]["hit_rate"] == 0 and cold["experts"]["device_experts"]["experts"] == 0
+        assert 0 < hot["experts"]["hit_rate"] < 1 and hot["experts"]["device_experts"]["experts"] == 8
+        assert hot["experts"]["device_bytes_read"] > 0
+        assert hot["bytes"]["counted"] == hot["bytes"]["implied_by_routing"] < cold["bytes"]["counted"]
+
+
 def test_nodes_are_described_and_virtual_nodes_labelled(report):
     split = report["modes"]["split"]["nodes"]
     assert [n["node"] for n in split] == [0, 1]
