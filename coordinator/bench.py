@@ -77,7 +77,8 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
     engines: dict[str, Engine] = {}
     try:
         for mode in modes:
-            engines[mode] = Engine.open(model_dir, dataclasses.replace(mode_config(mode, nodes, spin_us), **(device or {})))
+            config = dataclasses.replace(mode_config(mode, nodes, spin_us), **(device or {}))
+            engines[mode] = Engine.open(model_dir, config)
         any_eng = next(iter(engines.values()))
         mcfg = any_eng.model_config
         rng = np.random.default_rng(seed)

@@ -158,15 +158,17 @@ class Decoder:
             rows_dev = xp.asarray(rows)  # [T_cpu]
             x_cpu = self.staging.rows_to_host(x[rows_dev])  # [T_cpu, H] to the host (pinned with CuPy)
             self.pool.submit(PoolRequest(i, x_cpu, local.astype(np.int64), cpu_experts, cpu_w))
-        with self.side.run():  # ... queue ours on the device's side stream meanwhile
-            y_dev = self._device_experts(i, x, tokens[dev], experts[dev], pair_w[dev])
+        y_dev = None
+        if dev.any():
+            with self.side.run():  # ... queue ours on the device's side stream meanwhile
+                y_dev = self._device_experts(i, x, tokens[dev], experts[dev], pair_w[dev])
         if cpu_tokens.size:
             t0 = time.perf_counter_ns()
             partials = self.pool.collect(out=self.staging.partials_buffer((rows.size, x.shape[1])))  # [T_cpu, H]
             self.stats.pool_wait_ns += time.perf_counter_ns() - t0
             y[rows_dev] = self.staging.to_device(partials)  # Y_0 + Y_1 + ... in node order
-        self.side.join()
         if y_dev is not None:
+            self.side.join()
             y += y_dev  # then the device experts' output
         if lw.shared_expert is not None:
             se = lw.shared_expert
@@ -174,10 +176,8 @@ class Decoder:
         return y
 
     def _device_experts(self, i: int, x: np.ndarray, tokens: np.ndarray, experts: np.ndarray,
-                        weights: np.ndarray) -> np.ndarray | None:
-        """The device-resident experts' share of the layer, experts in ascending order; [T, H] or None."""
-        if not tokens.size:
-            return None
+                        weights: np.ndarray) -> np.ndarray:
+        """The device-resident experts' share of the layer [T, H], experts in ascending order."""
         xp = self.xp
         order = np.argsort(experts, kind="stable")  # pairs grouped by expert, token order kept within each
         ids, starts = np.unique(experts[order], return_index=True)

@@ -1,7 +1,7 @@
 """The array module of an array: CuPy for device arrays, NumPy otherwise.
 
 The decoder's ops call ``xp_of(x)`` so the same code runs on either. Host
-helpers move arrays across (``to_host``, ``to_device``).
+helpers move arrays across (``to_host``; ``HostStaging`` for the pool's traffic).
 """
 
 from __future__ import annotations
@@ -37,12 +37,8 @@ def to_host(a) -> np.ndarray:
     return np.asarray(a)
 
 
-def to_device(a, backend: str):
-    return module(backend).asarray(a)
-
-
-class PinnedBuffer:
-    """One reusable page-locked host buffer (CuPy), flat, grown as needed.
+class HostBuffer:
+    """One reusable host buffer, flat, grown as needed: page-locked with CuPy, plain with NumPy.
 
     ``view`` hands out its first ``prod(shape)`` elements. A copy that still reads
     the buffer on the device's queue is remembered as an event (``busy_until``),
@@ -50,22 +46,26 @@ class PinnedBuffer:
     overwritten under a transfer and the rest of the device keeps running.
     """
 
-    def __init__(self, what: str):
-        self.what = what  # for messages
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
         self._buf: np.ndarray | None = None
         self._busy = None  # cupy.cuda.Event of the last transfer reading the buffer
 
     def view(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        import cupyx
-
         if self._busy is not None:
             self._busy.synchronize()
             self._busy = None
-        n = int(np.prod(shape))
-        dtype = np.dtype(dtype)
+        n, dtype = int(np.prod(shape)), np.dtype(dtype)
         if self._buf is None or self._buf.size < n or self._buf.dtype != dtype:
-            self._buf = cupyx.empty_pinned((max(n, 1 << 16),), dtype=dtype)
+            self._buf = self._allocate(max(n, 1 << 16), dtype)
         return self._buf[:n].reshape(shape)
+
+    def _allocate(self, n: int, dtype: np.dtype) -> np.ndarray:
+        if not self.pinned:
+            return np.empty(n, dtype)
+        import cupyx
+
+        return cupyx.empty_pinned((n,), dtype=dtype)
 
     def busy_until(self, event) -> None:
         self._busy = event
@@ -79,14 +79,13 @@ class HostStaging:
     into one (``rows_to_host``), and the pool sums the nodes' partials straight
     into the other (``partials_buffer``), which ``to_device`` uploads on the
     current stream without waiting. With NumPy everything is already on the host:
-    rows come back as they are and the partials buffer is a plain array.
+    rows come back as they are and the partials buffer is a plain reused array.
     """
 
     def __init__(self, backend: str):
         self.backend = backend
-        self._rows = PinnedBuffer("rows to the pool")
-        self._partials = PinnedBuffer("partials from the pool")
-        self._host_partials: np.ndarray | None = None  # NumPy: reused the same way
+        self._rows = HostBuffer(pinned=True)  # CuPy only
+        self._partials = HostBuffer(pinned=backend == "cupy")
 
     def rows_to_host(self, a) -> np.ndarray:
         """Device rows [T, H] -> a host array (a pinned view with CuPy), complete on return."""
@@ -98,12 +97,7 @@ class HostStaging:
 
     def partials_buffer(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         """A host array [T, H] for the pool to sum into; with CuPy pinned, and free of any upload."""
-        if self.backend == "cupy":
-            return self._partials.view(shape, dtype)
-        n, dtype = int(np.prod(shape)), np.dtype(dtype)
-        if self._host_partials is None or self._host_partials.size < n or self._host_partials.dtype != dtype:
-            self._host_partials = np.empty(max(n, 1 << 12), dtype)
-        return self._host_partials[:n].reshape(shape)
+        return self._partials.view(shape, dtype)
 
     def to_device(self, host: np.ndarray):
         """The partials buffer onto the device: an asynchronous copy on the current stream (CuPy)."""
