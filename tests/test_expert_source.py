@@ -332,6 +332,16 @@ def test_node_store_slices_reassemble_the_expert(models):
 # --- errors and memory ------------------------------------------------------------------------
 
 
+def assert_load_refused(d, pattern: str) -> None:
+    """Loading the checkpoint in ``d`` fails with a CheckpointError matching ``pattern``."""
+    ckpt = Checkpoint(d)
+    try:
+        with pytest.raises(CheckpointError, match=pattern):
+            load_weights(load_model_config(d), ckpt)
+    finally:
+        ckpt.close()
+
+
 def test_missing_expert_tensor_is_named(tmp_path):
     d = make_model(tmp_path / "m", seed=SEED, **GEOMETRY)
     tensors = load_file(d / "model.safetensors")
@@ -339,12 +349,7 @@ def test_missing_expert_tensor_is_named(tmp_path):
     del tensors[gone]
     (d / "model.safetensors").unlink()
     save_file(tensors, d / "model.safetensors")
-    ckpt = Checkpoint(d)
-    try:
-        with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")):
-            load_weights(load_model_config(d), ckpt)
-    finally:
-        ckpt.close()
+    assert_load_refused(d, gone.replace(".", r"\."))
 
 
 def test_misshaped_expert_tensor_is_named(tmp_path):
@@ -354,12 +359,7 @@ def test_misshaped_expert_tensor_is_named(tmp_path):
     tensors[bad] = np.ascontiguousarray(tensors[bad].T)  # [I, H] instead of [H, I]
     (d / "model.safetensors").unlink()
     save_file(tensors, d / "model.safetensors")
-    ckpt = Checkpoint(d)
-    try:
-        with pytest.raises(CheckpointError, match=bad.replace(".", r"\.") + rf".*expected \[{HIDDEN}, {INTER}\]"):
-            load_weights(load_model_config(d), ckpt)
-    finally:
-        ckpt.close()
+    assert_load_refused(d, bad.replace(".", r"\.") + rf".*expected \[{HIDDEN}, {INTER}\]")
 
 
 def test_missing_fused_expert_tensor_is_named(models, tmp_path):
@@ -371,12 +371,7 @@ def test_missing_fused_expert_tensor_is_named(models, tmp_path):
     gone = "model.layers.1.mlp.experts.down_proj"
     del tensors[gone]
     save_checkpoint(d, tensors)
-    ckpt = Checkpoint(d)
-    try:
-        with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")):
-            load_weights(load_model_config(d), ckpt)
-    finally:
-        ckpt.close()
+    assert_load_refused(d, gone.replace(".", r"\."))
 
 
 def test_bf16_rows_are_converted_alone(models):
