@@ -8,17 +8,22 @@ Requests::
 
     {"type": "generate", "id": "r1", "prompt": "text"  |  "prompt_ids": [1, 2],
      "max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": null,
-     "stop": ["\\n\\n"], "stream": true}
+     "stop": ["\\n\\n"], "stream": true, "deadline_s": null}
     {"type": "cancel", "id": "r1"}
     {"type": "stats"}            {"type": "health"}
 
 Events::
 
     {"type": "token", "id": "r1", "text": "piece", "ids": [..]}           (stream=true)
-    {"type": "final", "id": "r1", "finish_reason": "length"|"eos"|"stop"|"cancelled",
+    {"type": "final", "id": "r1", "finish_reason": "length"|"eos"|"stop"|"cancelled"|"deadline",
      "text": "whole completion", "ids": [..], "usage": {"prompt_tokens": n, "completion_tokens": m}}
-    {"type": "error", "id": "r1"|null, "code": "bad_request"|"busy"|"too_long"|"engine"|"shutdown"|...,
+    {"type": "error", "id": "r1"|null, "code": "bad_request"|"busy"|"too_long"|"engine"|"shutdown"|"internal"|...,
      "message": "what went wrong"}
+
+``deadline_s`` (optional, seconds from arrival) ends a request that is not done
+by then with finish_reason "deadline" and the text made so far. Every string
+must be valid Unicode (no lone surrogates). A request the server cannot handle
+gets an error event; it never ends the server.
     {"type": "stats", ...}        {"type": "health", ...}
 """
 
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 MAX_ID_CHARS = 128
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
+MAX_DEADLINE_S = 7 * 24 * 3600.0
 
 
 class ApiError(ValueError):
@@ -61,6 +67,7 @@ class GenerateRequest:
     seed: int | None
     stop: tuple[str, ...]
     stream: bool
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class HealthRequest:
 
 
 GENERATE_FIELDS = {"type", "id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
-                   "stop", "stream"}
+                   "stop", "stream", "deadline_s"}
 
 
 def _int(doc: dict, key: str, default, lo: int, hi: int, rid) -> int:
@@ -103,20 +110,39 @@ def _float(doc: dict, key: str, default: float, lo: float, hi: float, rid, lo_op
     return float(v)
 
 
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in ``text`` (JSON's "\\ud800" decodes to one), or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        return exc.start
+
+
+def _text(value: str, key: str, rid) -> str:
+    at = lone_surrogate(value)
+    if at is not None:
+        raise ApiError("bad_request", f"'{key}' holds a lone UTF-16 surrogate at character {at}: it is not "
+                                      "valid Unicode text", rid)
+    return value
+
+
 def _id(doc: dict, required: bool = True) -> str | None:
     rid = doc.get("id")
     if rid is None and not required:
         return None
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_CHARS:
         raise ApiError("bad_request", f"'id' must be a non-empty string of at most {MAX_ID_CHARS} characters")
-    return rid
+    return _text(rid, "id", None)
 
 
 def decode_request(raw: bytes, limits: Limits):
     """One frame -> a typed request, or ApiError naming the field at fault."""
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise ApiError("bad_request", "request is nested too deeply to be a request") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
         raise ApiError("bad_request", f"request is not UTF-8 JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise ApiError("bad_request", "request must be a JSON object")
@@ -128,8 +154,11 @@ def decode_request(raw: bytes, limits: Limits):
     if kind == "cancel":
         return CancelRequest(_id(doc))
     if kind != "generate":
-        raise ApiError("bad_request", f"'type' must be one of generate, cancel, stats, health; got {kind!r}",
-                       doc.get("id") if isinstance(doc.get("id"), str) else None)
+        shown = repr(kind) if isinstance(kind, str) and len(kind) <= 64 else f"a {type(kind).__name__}"
+        rid = doc.get("id")
+        raise ApiError("bad_request", f"'type' must be one of generate, cancel, stats, health; got {shown}",
+                       rid if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS and lone_surrogate(rid) is None
+                       else None)
     rid = _id(doc)
     unknown = sorted(set(doc) - GENERATE_FIELDS)
     if unknown:
@@ -140,6 +169,7 @@ def decode_request(raw: bytes, limits: Limits):
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt:
             raise ApiError("bad_request", "'prompt' must be a non-empty string", rid)
+        _text(prompt, "prompt", rid)
         if len(prompt) > limits.max_prompt_chars:
             raise ApiError("too_long", f"'prompt' has {len(prompt)} characters; the limit is "
                                        f"{limits.max_prompt_chars}", rid)
@@ -158,6 +188,8 @@ def decode_request(raw: bytes, limits: Limits):
             isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
         raise ApiError("bad_request", f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} "
                                       f"non-empty strings of at most {MAX_STOP_CHARS} characters", rid)
+    for s in stop:
+        _text(s, "stop", rid)
     stream = doc.get("stream", True)
     if not isinstance(stream, bool):
         raise ApiError("bad_request", "'stream' must be true or false", rid)
@@ -169,6 +201,8 @@ def decode_request(raw: bytes, limits: Limits):
         top_k=_int(doc, "top_k", 0, 0, 1 << 20, rid),
         seed=_int(doc, "seed", None, 0, 2**63 - 1, rid),
         stop=tuple(stop), stream=stream,
+        deadline_s=None if doc.get("deadline_s") is None else _float(doc, "deadline_s", 0.0, 0.0, MAX_DEADLINE_S, rid,
+                                                                     lo_open=True),
     )
 
 

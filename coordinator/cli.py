@@ -32,6 +32,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--route-tail-skip", dest="route_tail_skip", type=float, default=None,
                    help="drop routed experts whose weight is below this (0 = off)")
     g.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
+    g.add_argument("--worker-hang-timeout", dest="worker_hang_timeout", type=float, default=None,
+                   help="seconds a node worker may stay silent on one layer before it is declared hung, killed and "
+                        "restarted (default: derived from the measured layer time, at least 10 s)")
+    g.add_argument("--worker-restart-window", dest="worker_restart_window", type=float, default=None,
+                   help="a second worker death within this many seconds is not restarted until it has passed "
+                        "(default 30)")
+    g.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=None,
+                   help="prompt tokens prefilled per serving step, interleaved with decoding (default 512)")
     _add_device_flags(g)
     g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
 

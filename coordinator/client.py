@@ -8,7 +8,10 @@
         final = gen.final              # the final event: finish_reason, usage, ids, text
 
 A server that does not answer within ``timeout`` seconds raises ServerTimeout;
-an error event raises RequestFailed with its code.
+an error event raises RequestFailed with its code. A request whose encoded
+frame is over the server's size limit raises RequestTooLarge before anything is
+sent; a server that closes the connection while a reply is awaited (libzmq does
+so for a frame over its ZMQ_MAXMSGSIZE) raises ServerDisconnected.
 """
 
 from __future__ import annotations
@@ -16,17 +19,43 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from typing import Iterator
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .errors import StrataError
+from .server import MAX_REQUEST_BYTES
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
 
 
 class ServerTimeout(StrataError):
     """No reply within the timeout: the server is down, stuck, or unreachable."""
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes ({n / (1 << 20):.1f} MiB)"
+
+
+class RequestTooLarge(StrataError):
+    """The encoded request is over the server's size limit; nothing was sent."""
+
+    def __init__(self, size: int, limit: int):
+        self.size, self.limit = size, limit
+        super().__init__(f"request of {_size(size)} is over the server's size limit of {_size(limit)}; "
+                         "nothing was sent")
+
+
+class ServerDisconnected(StrataError):
+    """The server closed the connection while a reply was awaited."""
+
+
+# A connection counts as up once its ZMTP handshake succeeded: a failed handshake (CURVE keys the
+# server refuses, no server yet) is reconnect noise, not a dropped request.
+_UP = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)
+_DOWN = zmq.EVENT_DISCONNECTED
 
 
 class RequestFailed(StrataError):
@@ -58,9 +87,11 @@ class Generation:
 
 
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = 30.0, curve_keys: str | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = 30.0, curve_keys: str | None = None,
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
         self.address = address
         self.timeout_ms = int(timeout * 1000)
+        self.max_request_bytes = max_request_bytes
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -71,6 +102,12 @@ class Client:
             pub, sec = load_certificate(os.path.join(curve_keys, "client.key_secret"))
             server_pub, _ = load_certificate(os.path.join(curve_keys, "server.key"))
             self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = pub, sec, server_pub
+        # Connection events, watched while a reply is awaited: a connection that drops then means the
+        # request or its reply is lost (libzmq drops an oversized frame by closing the connection).
+        self.monitor = self.sock.get_monitor_socket(_UP | _DOWN)
+        self._up = False  # a connection has completed its handshake and not dropped since
+        self._last_size = 0
+        self._closed = False
         self.sock.connect(address)
         self._ids = itertools.count(1)
 
@@ -81,20 +118,59 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(0)
         self.sock.close(0)
         self.ctx.term()
 
+    def _connection_events(self) -> bool:
+        """Read the queued monitor events; True when an up connection dropped among them."""
+        dropped = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == _UP:
+                self._up = True
+            elif event == _DOWN:
+                dropped |= self._up
+                self._up = False
+        return dropped
+
     def send(self, doc: dict) -> None:
+        data = json.dumps(doc).encode()
+        if len(data) > self.max_request_bytes:
+            raise RequestTooLarge(len(data), self.max_request_bytes)
+        self._connection_events()  # drops before this request are not about it
         try:
-            self.sock.send(json.dumps(doc).encode())
+            self.sock.send(data)
         except zmq.Again:
             raise ServerTimeout(f"cannot send to {self.address} within {self.timeout_ms / 1000:.0f}s") from None
+        self._last_size = len(data)
 
     def recv(self) -> dict:
-        if not self.sock.poll(self.timeout_ms):
-            raise ServerTimeout(f"no reply from {self.address} within {self.timeout_ms / 1000:.0f}s; "
-                                "is `strata serve` running there?")
-        return json.loads(self.sock.recv())
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while True:
+            if self.sock.poll(0):  # a reply that came before a drop is still delivered
+                return json.loads(self.sock.recv())
+            if self._connection_events():
+                if self.sock.poll(0):
+                    return json.loads(self.sock.recv())
+                raise ServerDisconnected(
+                    f"{self.address} closed the connection while a reply was awaited (the last request was "
+                    f"{_size(self._last_size)}): likely a request over the server's size limit of "
+                    f"{_size(MAX_REQUEST_BYTES)}, or the server stopping")
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not poller.poll(left_ms):
+                raise ServerTimeout(f"no reply from {self.address} within {self.timeout_ms / 1000:.0f}s; "
+                                    "is `strata serve` running there?")
 
     def _events(self, rid: str) -> Iterator[dict]:
         while True:

@@ -33,6 +33,9 @@ class EngineConfig:
     expert_profile: str | None = None  # path of a frozen expert profile (strata profile)
     gpu_experts: int | None = None  # keep this many experts whole on the device (hottest, or per layer by index)
     gpu_expert_memory: float | None = None  # or as many of the hottest as fit in this many GB
+    worker_hang_timeout: float | None = None  # seconds a node worker may stay silent on a layer; None = derived
+    worker_restart_window: float = 30.0  # a second worker death within this many seconds is not restarted at once
+    prefill_chunk: int = 512  # prompt tokens prefilled per serving step, interleaved with decode steps
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -66,6 +69,13 @@ class EngineConfig:
             raise ConfigValueError("give gpu_experts or gpu_expert_memory, not both")
         if self.gpu_expert_memory is not None and self.expert_profile is None:
             raise ConfigValueError("gpu_expert_memory places the hottest experts: it needs expert_profile")
+        if self.worker_hang_timeout is not None and (not isinstance(self.worker_hang_timeout, (int, float))
+                                                     or not self.worker_hang_timeout > 0):
+            raise ConfigValueError(f"worker_hang_timeout must be > 0 seconds or None, got {self.worker_hang_timeout!r}")
+        if not isinstance(self.worker_restart_window, (int, float)) or not self.worker_restart_window >= 0:
+            raise ConfigValueError(f"worker_restart_window must be >= 0 seconds, got {self.worker_restart_window!r}")
+        if not isinstance(self.prefill_chunk, int) or isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1:
+            raise ConfigValueError(f"prefill_chunk must be a positive number of tokens, got {self.prefill_chunk!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
             raise ConfigValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
 
@@ -81,6 +91,10 @@ def parse_bool(text: str) -> bool:
 
 def parse_optional_int(text: str) -> int | None:
     return None if text.strip() in ("", "auto") else int(text)
+
+
+def parse_optional_float(text: str) -> float | None:
+    return None if text.strip() in ("", "auto") else float(text)
 
 
 # field -> (environment variable, parser of its text)
@@ -99,6 +113,9 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "expert_profile": ("STRATA_EXPERT_PROFILE", str),
     "gpu_experts": ("STRATA_GPU_EXPERTS", parse_optional_int),
     "gpu_expert_memory": ("STRATA_GPU_EXPERT_MEMORY", float),
+    "worker_hang_timeout": ("STRATA_WORKER_HANG_TIMEOUT", parse_optional_float),
+    "worker_restart_window": ("STRATA_WORKER_RESTART_WINDOW", float),
+    "prefill_chunk": ("STRATA_PREFILL_CHUNK", int),
 }
 
 

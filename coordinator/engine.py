@@ -126,7 +126,8 @@ def build_pool(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolP
     from .process_pool import PoolOptions, ProcessPool
 
     options = PoolOptions(threads=config.worker_threads, spin_us=config.pool_spin_us, keep_shm=config.keep_shm,
-                          start_timeout_s=config.worker_start_timeout, max_tokens=max_seq_len)
+                          start_timeout_s=config.worker_start_timeout, max_tokens=max_seq_len,
+                          hang_timeout_s=config.worker_hang_timeout, restart_window_s=config.worker_restart_window)
     return ProcessPool(plan, nodes, worker_job(model_dir, ckpt, mcfg, plan, experts, max_seq_len, model_digest),
                        options)
 

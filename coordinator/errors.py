@@ -18,3 +18,10 @@ class ConfigValueError(StrataError, ValueError):
 
 
 __all__ = ["CheckpointError", "ConfigValueError", "ModelConfigError", "StrataError"]
+
+
+class StepInterrupted(StrataError):
+    """The serving loop stopped a step while it waited on the pool (the server is shutting down)."""
+
+
+__all__ += ["StepInterrupted"]

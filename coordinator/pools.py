@@ -55,6 +55,10 @@ class ExpertPool(abc.ABC):
     plan: PoolPlan
     record_timings: bool = False  # the benchmark turns this on
     timings: list[LayerTiming]
+    wait_hook = None  # a callable the pool calls now and then while it waits on other processes (the server's)
+
+    def maintain(self) -> None:
+        """Between steps: bring back what failed while idle (process pools restart dead workers)."""
 
     @abc.abstractmethod
     def submit(self, request: PoolRequest) -> None:
@@ -97,9 +101,7 @@ class InprocPool(ExpertPool):
         self.timings = []
 
     def submit(self, request: PoolRequest) -> None:
-        if self._pending is not None:
-            raise RuntimeError("submit() called twice without collect()")
-        self._pending = request
+        self._pending = request  # one left by a step that failed before its collect is dropped
 
     def collect(self, out: np.ndarray | None = None) -> np.ndarray:
         req, self._pending = self._pending, None

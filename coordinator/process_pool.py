@@ -7,9 +7,18 @@ and sums them in node order.
 
 A worker's death is seen three ways: its last words (a fatal ERROR), its
 process sentinel (a pidfd in the same poll as the socket), and a check before
-each send. All three surface as WorkerDied. The pool then restarts that worker
-once (it reattaches to its complete segment) and resends the request; a second
-death within RESTART_WINDOW_S fails the request with WorkerDied.
+each send. All three surface as WorkerDied. A worker that stays silent on a
+layer past the hang deadline (a setting, or derived from the layer times seen,
+with a floor) is declared hung and killed, which counts as a death. The pool
+restarts a dead worker (it reattaches to its complete segment) and resends the
+request; a second death within the restart window fails the request with
+WorkerDied and leaves the worker down until the window has passed, when the
+next request or ``maintain()`` starts it again. After any error the pool is
+clean: the next ``submit`` starts afresh.
+
+While it waits on the workers the pool calls ``wait_hook`` every
+HOOK_INTERVAL_S, so the server can answer health and see signals; the hook may
+raise (StepInterrupted) to abandon the wait.
 """
 
 from __future__ import annotations
@@ -34,14 +43,18 @@ from shm import segments
 from shm.plan import PoolPlan
 from shm.topology import Node
 
-from .errors import StrataError
+from .errors import StepInterrupted, StrataError
 from .pools import ExpertPool, LayerTiming, PoolRequest, sum_in_node_order
 
 log = logging.getLogger(__name__)
 
 RESTART_WINDOW_S = 30.0
 POLL_MS = 100
-SHUTDOWN_WAIT_S = 5.0
+SHUTDOWN_WAIT_S = 2.0  # for a worker to exit on SHUTDOWN; then SIGTERM (with SIGCONT), then SIGKILL
+HOOK_INTERVAL_S = 0.05
+HANG_FLOOR_S = 10.0  # a derived hang deadline is never below this ...
+HANG_FLOOR_PER_ROW_S = 0.01  # ... plus this per row of the layer's batch
+HANG_FACTOR = 50.0  # times the slowest per-row layer time seen so far
 
 
 class WorkerDied(StrataError):
@@ -76,6 +89,10 @@ class WorkerHandle:
     hello: dict = field(default_factory=dict)
     last_words: str = ""
     started: list[float] = field(default_factory=list)
+    deaths: list[float] = field(default_factory=list)  # monotonic times of this worker's deaths (hangs included)
+    death_seen: bool = False  # this incarnation's death is counted already
+    retry_at: float | None = None  # a refused restart is tried again from this monotonic time
+    last_error: str = ""
 
     @property
     def pid(self) -> int:
@@ -108,6 +125,8 @@ class PoolOptions:
     start_timeout_s: float = 600.0
     max_tokens: int = 65536
     use_numactl: bool = True
+    hang_timeout_s: float | None = None  # None: derived from the layer times seen, at least HANG_FLOOR_S
+    restart_window_s: float = RESTART_WINDOW_S
 
 
 def numactl_prefix(node: Node, use: bool) -> list[str]:
@@ -139,6 +158,9 @@ class ProcessPool(ExpertPool):
         self.sock.bind(self.endpoint)
         self.workers = [WorkerHandle(n, f"node{n.id}".encode()) for n in nodes]
         self._poller: zmq.Poller | None = None
+        self.wait_hook = None  # called every HOOK_INTERVAL_S while the pool waits on its workers
+        self._waiting: dict[int, float] = {}  # node -> monotonic time the current request was sent to it
+        self._row_s_max = 0.0  # slowest layer time per row seen, for the derived hang deadline
         self._rid = 0
         self._pending: PoolRequest | None = None
         self._backlog: list = []  # replies that arrived while a restarted worker was handshaking
@@ -174,7 +196,7 @@ class ProcessPool(ExpertPool):
             w.pidfd = os.pidfd_open(w.proc.pid)
         except (OSError, AttributeError):
             w.pidfd = None  # falls back to polling the process every POLL_MS
-        w.hello, w.last_words = {}, ""
+        w.hello, w.last_words, w.death_seen, w.retry_at = {}, "", False, None
         self._poller = None
         w.started.append(time.monotonic())
         log.info("started node worker %s pid %s: %s", n.id, w.proc.pid, " ".join(cmd))
@@ -216,6 +238,7 @@ class ProcessPool(ExpertPool):
             for w in dead:
                 if w.identity in waiting:
                     raise w.died()
+            self._call_hook()
 
     def _handle_unsolicited(self, frames, waiting: dict) -> None:
         w = self._by_identity(bytes(frames[0].buffer))
@@ -258,19 +281,95 @@ class ProcessPool(ExpertPool):
         try:
             self.sock.send_multipart([w.identity] + frames, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer is gone
-            if w.dead():
+            if w.dead() or self._reaped_soon(w):  # a kill races the send: its pipe closes before it is reaped
                 raise w.died() from None
-            raise PoolError(f"cannot send to node worker {w.node.id}: {exc}") from None
+            raise PoolError(f"cannot send to node worker {w.node.id} (pid {w.pid}): {exc}") from None
 
-    def _restart(self, w: WorkerHandle, died: WorkerDied) -> None:
-        recent = [t for t in w.started if time.monotonic() - t < RESTART_WINDOW_S]
-        if len(recent) >= 2:
+    @staticmethod
+    def _reaped_soon(w: WorkerHandle, timeout_s: float = 2.0) -> bool:
+        try:
+            w.proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def _call_hook(self) -> None:
+        if self.wait_hook is not None and time.monotonic() - self._hook_at >= HOOK_INTERVAL_S:
+            self._hook_at = time.monotonic()
+            self.wait_hook()
+
+    _hook_at = 0.0
+
+    # -- deaths and restarts -------------------------------------------------
+    def _recover(self, w: WorkerHandle, died: WorkerDied) -> None:
+        """Count a death and restart the worker, unless it is its second within the window (then raise)."""
+        now = time.monotonic()
+        if not w.death_seen:
+            w.death_seen = True
+            w.deaths.append(now)
+        w.last_error = str(died)
+        window = self.options.restart_window_s
+        if len([t for t in w.deaths if now - t < window]) >= 2:
+            w.retry_at = now + window
+            log.error("%s; it died twice within %.0fs: not restarting for %.0fs", died, window, window)
             raise WorkerDied(died.node, died.pid, died.status,
-                             f"it died again within {RESTART_WINDOW_S:.0f}s of a restart; not restarting")
+                             f"it died twice within {window:.0f}s; it is restarted once {window:.0f}s have passed")
         log.warning("%s; restarting it", died)
+        self._restart(w)
+
+    def _restart(self, w: WorkerHandle) -> None:
         self.stats["restarts"] += 1
         self._spawn(w)
-        self._handshake([w])
+        try:
+            self._handshake([w])
+        except StepInterrupted:
+            raise
+        except StrataError as exc:  # it did not come back: try again after the window
+            w.retry_at = time.monotonic() + self.options.restart_window_s
+            w.last_error = f"restart failed: {exc}"
+            if not w.dead():
+                w.proc.kill()
+                w.proc.wait()
+            w.death_seen = True
+            raise
+
+    def _ensure_running(self, w: WorkerHandle) -> None:
+        """The check before each send: a dead worker is restarted now, or refused while its window lasts."""
+        if not w.dead():
+            return
+        if w.retry_at is not None:
+            wait = w.retry_at - time.monotonic()
+            if wait > 0:
+                raise WorkerDied(w.node.id, w.pid, exit_status(w.proc.returncode if w.proc else None),
+                                 f"{w.last_error or 'it died'}; the next restart is tried in {wait:.0f}s")
+            log.info("node worker %s: its restart window has passed; starting it again", w.node.id)
+            w.retry_at = None
+            self._restart(w)
+            return
+        self._recover(w, w.died())
+
+    def maintain(self) -> None:
+        """Between steps: restart workers that died while idle, or whose refused restart is due."""
+        for w in self.workers:
+            if w.dead() and (w.retry_at is None or time.monotonic() >= w.retry_at):
+                try:
+                    self._ensure_running(w)
+                except StepInterrupted:
+                    raise
+                except StrataError as exc:
+                    log.error("node worker %s: %s", w.node.id, exc)
+
+    def _hang_deadline_s(self, rows: int) -> float:
+        if self.options.hang_timeout_s is not None:
+            return self.options.hang_timeout_s
+        return max(HANG_FLOOR_S + HANG_FLOOR_PER_ROW_S * rows, HANG_FACTOR * self._row_s_max * rows)
+
+    def _kill_hung(self, w: WorkerHandle, silent_s: float) -> WorkerDied:
+        log.error("node worker %s (pid %s) sent nothing for %.1fs on one layer: hung; killing it", w.node.id, w.pid,
+                  silent_s)
+        w.proc.kill()
+        w.proc.wait()
+        return WorkerDied(w.node.id, w.pid, f"hung (silent for {silent_s:.1f}s on one layer), killed")
 
     # -- the ExpertPool interface -------------------------------------------
     def _compute_frames(self, rid: int, req: PoolRequest) -> list:
@@ -278,19 +377,30 @@ class ProcessPool(ExpertPool):
                                           req.experts.astype(np.int32), req.weights.astype(np.float32)))
 
     def submit(self, request: PoolRequest) -> None:
-        if self._pending is not None:
-            raise PoolError("submit() called twice without collect()")
+        if self._pending is not None:  # the last step failed between submit and collect: its replies are stale
+            log.warning("request %s was never collected; dropping it", self._rid)
+            self._pending = None
         self._rid += 1
-        self._pending = request
         self._sent_at = time.perf_counter_ns()
         self._sent_mono = time.monotonic_ns()
+        self._waiting = {}
         frames = self._compute_frames(self._rid, request)
-        for w in self.workers:
-            try:
-                self._send(w, frames)
-            except WorkerDied as died:
-                self._restart(w, died)
-                self._send(w, frames)
+        try:
+            for w in self.workers:
+                self._send_or_recover(w, frames)
+        except BaseException:
+            self._waiting = {}
+            raise
+        self._pending = request
+
+    def _send_or_recover(self, w: WorkerHandle, frames: list) -> None:
+        self._ensure_running(w)
+        try:
+            self._send(w, frames)
+        except WorkerDied as died:
+            self._recover(w, died)
+            self._send(w, frames)
+        self._waiting[w.node.id] = time.monotonic()
 
     def collect(self, out: np.ndarray | None = None) -> np.ndarray:
         req, self._pending = self._pending, None
@@ -298,10 +408,32 @@ class ProcessPool(ExpertPool):
             raise PoolError("collect() without submit()")
         rid = self._rid
         collect_at = time.monotonic_ns()
-        last_sent = 0
         partials: dict[bytes, np.ndarray] = {}
-        compute: dict[bytes, tuple[int, int]] = {}
+        compute: dict[bytes, tuple[int, int, int]] = {}  # compute ns, bytes read, sent ns
         hops: dict[bytes, tuple[int, int, int]] = {}
+        try:
+            self._collect_into(req, rid, partials, compute, hops)
+        finally:
+            self._waiting = {}
+        last_sent = max(c[2] for c in compute.values())
+        wall = time.perf_counter_ns() - self._sent_at
+        self._row_s_max = max(self._row_s_max, wall / 1e9 / max(1, req.x.shape[0]))
+        self.stats["idle_ns"] += max(0, collect_at - last_sent) if last_sent else 0
+        self.stats["requests"] += 1
+        self.stats["wait_ns"] += wall
+        if self.record_timings:
+            order = [w.identity for w in self.workers]
+            self.timings.append(LayerTiming(req.layer, req.x.shape[0], wall,
+                                            tuple(compute[i][0] for i in order), tuple(compute[i][1] for i in order),
+                                            tuple(hops.get(i, (0, 0, 0))[0] for i in order),
+                                            tuple(hops.get(i, (0, 0, 0))[1] for i in order),
+                                            tuple(hops.get(i, (0, 0, 0))[2] for i in order)))
+        return sum_in_node_order([partials[w.identity] for w in self.workers], out)
+
+    def _collect_into(self, req: PoolRequest, rid: int, partials: dict, compute: dict, hops: dict) -> None:
+        """Wait for every worker's partial of request ``rid``; restart the dead and the hung and resend to them."""
+        deadline_s = self._hang_deadline_s(req.x.shape[0])
+        self._hook_at = time.monotonic()
         while len(partials) < len(self.workers):
             readable, dead = self._poll(0 if self._backlog else POLL_MS)
             if readable or self._backlog:
@@ -312,8 +444,8 @@ class ProcessPool(ExpertPool):
                     continue
                 if isinstance(msg, P.Result) and msg.request_id == rid:
                     partials[w.identity] = msg.y
-                    compute[w.identity] = (msg.compute_ns, msg.bytes_read)
-                    last_sent = max(last_sent, msg.sent_ns)
+                    compute[w.identity] = (msg.compute_ns, msg.bytes_read, msg.sent_ns)
+                    self._waiting.pop(w.node.id, None)
                     hops[w.identity] = (msg.received_ns - self._sent_mono,
                                         msg.sent_ns - msg.received_ns - msg.compute_ns,
                                         time.monotonic_ns() - msg.sent_ns)
@@ -328,20 +460,15 @@ class ProcessPool(ExpertPool):
             for w in dead:
                 if w.identity in partials:
                     continue  # its part of this request is done; the next send restarts it
-                self._restart(w, w.died())
-                self._send(w, self._compute_frames(rid, req))
-        wall = time.perf_counter_ns() - self._sent_at
-        self.stats["idle_ns"] += max(0, collect_at - last_sent) if last_sent else 0
-        self.stats["requests"] += 1
-        self.stats["wait_ns"] += wall
-        if self.record_timings:
-            order = [w.identity for w in self.workers]
-            self.timings.append(LayerTiming(req.layer, req.x.shape[0], wall,
-                                            tuple(compute[i][0] for i in order), tuple(compute[i][1] for i in order),
-                                            tuple(hops.get(i, (0, 0, 0))[0] for i in order),
-                                            tuple(hops.get(i, (0, 0, 0))[1] for i in order),
-                                            tuple(hops.get(i, (0, 0, 0))[2] for i in order)))
-        return sum_in_node_order([partials[w.identity] for w in self.workers], out)
+                self._recover(w, w.died())
+                self._send_or_recover(w, self._compute_frames(rid, req))
+            now = time.monotonic()
+            for w in self.workers:
+                sent = self._waiting.get(w.node.id)
+                if sent is not None and w.identity not in partials and now - sent > deadline_s:
+                    self._recover(w, self._kill_hung(w, now - sent))
+                    self._send_or_recover(w, self._compute_frames(rid, req))
+            self._call_hook()
 
     def _ask_all(self, frames: list, reply_type: type, rid: int) -> dict[bytes, object]:
         """Send the same message to every worker and wait for each one's reply of ``reply_type``."""
@@ -350,6 +477,7 @@ class ProcessPool(ExpertPool):
         got: dict[bytes, object] = {}
         while len(got) < len(self.workers):
             readable, dead = self._poll(POLL_MS)
+            self._call_hook()
             if dead:
                 raise dead[0].died()
             if readable:
@@ -379,10 +507,21 @@ class ProcessPool(ExpertPool):
 
     def health(self) -> list[dict]:
         return [{"node": w.node.id, "virtual": w.node.virtual, "pid": w.pid, "alive": not w.dead(),
-                 "restarts": len(w.started) - 1,
+                 "state": self._state(w), "restarts": len(w.started) - 1, "deaths": len(w.deaths),
+                 "last_error": w.last_error or None,
                  **{k: w.hello.get(k) for k in ("slice_rows", "threads", "placement", "reloaded", "segment",
                                                 "segment_bytes")}}
                 for w in self.workers]
+
+    def _state(self, w: WorkerHandle) -> str:
+        """ok | silent for N s on the current layer | down, restarted in N s | dead (restarted at the next request)."""
+        if not w.dead():
+            sent = self._waiting.get(w.node.id)
+            silent = time.monotonic() - sent if sent is not None else 0.0
+            return f"silent for {silent:.1f}s on the current layer" if silent >= 1.0 else "ok"
+        if w.retry_at is not None:
+            return f"down: restart refused, tried again in {max(0.0, w.retry_at - time.monotonic()):.0f}s"
+        return "dead: restarted at the next request"
 
     def _remove_orphan_segment(self, w: WorkerHandle) -> None:
         """A worker that died cannot unlink its segment; its parent does, unless asked to keep it."""
@@ -416,8 +555,9 @@ class ProcessPool(ExpertPool):
             except subprocess.TimeoutExpired:
                 log.warning("node worker %s (pid %s) did not stop; terminating", w.node.id, w.pid)
                 w.proc.terminate()
+                w.proc.send_signal(signal.SIGCONT)  # a stopped worker handles SIGTERM only once it runs
                 try:
-                    w.proc.wait(timeout=2.0)
+                    w.proc.wait(timeout=1.0)
                 except subprocess.TimeoutExpired:
                     w.proc.kill()
                     w.proc.wait()

@@ -1,10 +1,16 @@
 """Continuous batching of generate requests over one Engine, free of sockets.
 
-Each ``step`` admits queued requests (their prompts prefilled together), samples
-one token for every active sequence, emits its events, and runs one decode pass
-for all sequences still going, so the expert pool sees one batch per layer and a
-new request joins at the next step. The server drives it; tests drive it
-in-process.
+Each ``step`` admits queued requests (up to ``max_active`` prefilling and
+decoding sequences together) and runs ONE forward pass holding the next prompt
+chunks of the prefilling sequences, in admission order and at most
+``prefill_chunk`` prompt tokens in all (a sequence may get a partial chunk and
+go on in later steps), plus one decode token for every running sequence (the
+token sampled for it in the previous step). Then it samples one token for every
+running sequence and for each whose prompt finished in this pass, emits their
+events, and drops the finished ones. A long prompt is therefore prefilled across
+several steps while the running sequences keep getting a token every step, the
+expert pool sees one batch per layer, and a new request joins at the next step.
+The server drives it; tests drive it in-process.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from .api import ApiError, GenerateRequest, Limits
+from .errors import StepInterrupted
 from .kv_cache import KVCache
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder
@@ -39,6 +46,8 @@ class Sequence:
     text: str = ""  # completion text so far (stop strings cut it)
     emitted: int = 0  # characters of ``text`` already streamed
     logits: np.ndarray | None = None  # [V] for the next token
+    prefilled: int = 0  # prompt tokens already in ``cache`` (chunked prefill)
+    deadline: float | None = None  # monotonic time at which it ends with finish_reason "deadline"
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -53,19 +62,27 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine, emit: Emit, max_active: int = 8, max_queued: int = 32, limits: Limits = Limits()):
+    def __init__(self, engine, emit: Emit, max_active: int = 8, max_queued: int = 32, limits: Limits = Limits(),
+                 prefill_chunk: int | None = None):
         self.engine = engine
         self.limits = limits
         self.emit = emit
         self.max_active = max_active
         self.max_queued = max_queued
         self.queue: deque[Sequence] = deque()
-        self.active: list[Sequence] = []
+        self.prefill_chunk = engine.config.prefill_chunk if prefill_chunk is None else prefill_chunk
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
+        self.prefilling: list[Sequence] = []  # admitted, prompt not yet wholly in the cache (admission order)
+        self.active: list[Sequence] = []  # running: prompt cached, out_ids[-1] sampled but not yet in the cache
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "tokens": 0, "steps": 0,
-                      "busy_rejections": 0, "started": time.time(), "step_s": 0.0}
+                      "prefill_tokens": 0, "busy_rejections": 0, "started": time.time(), "step_s": 0.0}
 
     # -- admission -----------------------------------------------------------
-    def add(self, client: bytes, req: GenerateRequest) -> None:
+    def add(self, client: bytes, req: GenerateRequest, ids: list[int] | None = None,
+            arrived: float | None = None) -> None:
+        """Queue a request; ``ids`` are its text prompt's tokens when already tokenised (the server does that
+        off its loop), ``arrived`` the monotonic time its deadline counts from (default: now)."""
         if any(s.req.id == req.id and s.client == client for s in self.all()):
             raise ApiError("bad_request", f"request id {req.id!r} is already in flight", req.id)
         if len(self.queue) >= self.max_queued:
@@ -73,7 +90,11 @@ class Scheduler:
             raise ApiError("busy", f"the queue is full ({self.max_queued} requests waiting); retry later", req.id)
         eng = self.engine
         if req.prompt is not None:
-            ids = eng.encode(req.prompt)
+            if ids is None:
+                try:
+                    ids = eng.encode(req.prompt)
+                except Exception as exc:  # tokenizers raises plain Exceptions; a bad prompt is the request's fault
+                    raise ApiError("bad_request", f"the prompt cannot be tokenised: {exc}", req.id) from None
             if not ids:
                 raise ApiError("bad_request", "the prompt encodes to no tokens", req.id)
             if len(ids) > self.limits.max_prompt_tokens:
@@ -88,11 +109,21 @@ class Scheduler:
             code = "too_long" if "exceed" in str(exc) else "bad_request"
             raise ApiError(code, str(exc), req.id) from None
         stream = StreamDecoder(eng.codec) if eng.codec is not None else None
-        self.queue.append(Sequence(client, req, ids, sampler, eng.decoder.new_cache(), stream))
+        deadline = None if req.deadline_s is None else (time.monotonic() if arrived is None else arrived) + req.deadline_s
+        self.queue.append(Sequence(client, req, list(ids), sampler, eng.decoder.new_cache(), stream, deadline=deadline))
         self.stats["requests"] += 1
 
+    def expire(self, now: float) -> int:
+        """End the sequences whose deadline has passed (finish_reason "deadline"); how many."""
+        late = [s for s in self.all() if s.deadline is not None and now >= s.deadline]
+        for s in late:
+            if s.stream is not None:
+                s.text += s.stream.flush()
+            self._finish(s, "deadline")
+        return len(late)
+
     def all(self) -> list[Sequence]:
-        return list(self.queue) + self.active
+        return list(self.queue) + self.prefilling + self.active
 
     def cancel(self, client: bytes, rid: str) -> bool:
         for s in self.all():
@@ -117,33 +148,52 @@ class Scheduler:
     # -- stepping ------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return bool(self.queue or self.active)
+        return bool(self.queue or self.prefilling or self.active)
 
     def step(self) -> None:
+        """Admit, run one forward pass (prompt chunks + one decode token per running sequence), sample and emit."""
         t0 = time.perf_counter()
-        admitted = []
-        while self.queue and len(self.active) + len(admitted) < self.max_active:
-            admitted.append(self.queue.popleft())
+        while self.queue and len(self.prefilling) + len(self.active) < self.max_active:
+            self.prefilling.append(self.queue.popleft())
+        chunks: list[tuple[Sequence, int]] = []  # (prefilling sequence, prompt tokens it gets this step)
+        budget = self.prefill_chunk
+        for s in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, len(s.prompt_ids) - s.prefilled)
+            chunks.append((s, n))
+            budget -= n
+        decoding = list(self.active)
+        batch = [(np.asarray(s.prompt_ids[s.prefilled:s.prefilled + n], np.int64), s.cache) for s, n in chunks]
+        batch += [(np.array([s.out_ids[-1]], np.int64), s.cache) for s in decoding]
         try:
-            if admitted:
-                outs = self.engine.decoder.forward_batch(
-                    [(np.asarray(s.prompt_ids, np.int64), s.cache) for s in admitted])
-                for s, logits in zip(admitted, outs):
+            if not batch:
+                return
+            outs = self.engine.decoder.forward_batch(batch)
+            done = []
+            for (s, n), logits in zip(chunks, outs):
+                s.prefilled += n
+                self.stats["prefill_tokens"] += n
+                if s.prefilled == len(s.prompt_ids):
                     s.logits = logits[-1]
-                self.active.extend(admitted)
-            going = [s for s in self.active if self._advance(s)]
-            if going:
-                outs = self.engine.decoder.forward_batch(
-                    [(np.array([s.out_ids[-1]], np.int64), s.cache) for s in going])
-                for s, logits in zip(going, outs):
-                    s.logits = logits[-1]
-        except Exception as exc:  # the engine failed this step: every sequence in it ends with the cause
+                    done.append(s)
+            for s, logits in zip(decoding, outs[len(chunks):]):
+                s.logits = logits[-1]
+            for s in done:  # the prompt is cached: it samples its first token now and decodes from the next step
+                self.prefilling.remove(s)
+            self.active.extend(done)
+            for s in list(self.active):
+                self._advance(s)
+        except StepInterrupted:  # the server is shutting down: it fails every sequence next, nothing to emit here
+            raise
+        except Exception as exc:  # the engine failed this step: every admitted sequence ends with the cause
             log.exception("engine step failed")
             self.stats["errors"] += 1
-            failed = {id(s): s for s in admitted + self.active}  # each sequence once
+            failed = {id(s): s for s in self.prefilling + self.active}  # each sequence once
             for s in failed.values():
                 self.emit(s.client, {"type": "error", "id": s.req.id, "code": "engine",
                                      "message": f"{type(exc).__name__}: {exc}"})
+            self.prefilling = []
             self.active = []
             raise
         finally:
@@ -190,5 +240,7 @@ class Scheduler:
     def _remove(self, s: Sequence) -> None:
         if s in self.active:
             self.active.remove(s)
+        elif s in self.prefilling:
+            self.prefilling.remove(s)
         elif s in self.queue:
             self.queue.remove(s)

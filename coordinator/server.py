@@ -1,26 +1,40 @@
 """``strata serve``: the Scheduler behind a ZeroMQ ROUTER socket.
 
-One thread does everything: it drains incoming requests without blocking while
+One thread serves: it drains incoming requests without blocking while
 sequences are active (and waits up to POLL_MS when idle), then runs one
-scheduler step. Replies go out with ROUTER_MANDATORY, so a vanished client is
-noticed and its sequences freed; sends never block (SNDTIMEO). Messages are
-size-capped by MAXMSGSIZE and by a frame count and total size check here.
+scheduler step. A failure while handling one request is that request's own: it
+gets an error event and every other client carries on. While a step waits on
+the expert pool, the pool calls back (``wait_hook``) every few tens of
+milliseconds: health and stats are answered then, other requests wait for the
+step's end, and a SIGTERM abandons the step. Prompts are tokenised on a helper
+thread, after a byte-length check that refuses a prompt too long to fit.
+
+A client is gone when its connection closes (the socket monitor's
+DISCONNECTED event, matched to the client by the connection's descriptor) or
+when a reply cannot be delivered (ROUTER_MANDATORY); its sequences are
+cancelled. Sends never block (SNDTIMEO). Messages are size-capped by
+MAXMSGSIZE and by a frame count and total size check here.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
 import logging
 import signal
 import stat
+import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .api import (ApiError, CancelRequest, GenerateRequest, HealthRequest, Limits, StatsRequest, decode_request,
                   encode_event, error_event)
-from .errors import StrataError
+from .errors import StepInterrupted, StrataError
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -29,6 +43,8 @@ POLL_MS = 100
 MAX_FRAMES = 3  # [identity, (empty delimiter,) payload]
 MAX_REQUEST_BYTES = 4 << 20
 SEND_TIMEOUT_MS = 1000
+TOKENIZE_POLL_MS = 5  # how often an otherwise idle loop looks for finished tokenisations
+MAX_DEFERRED = 4096  # requests held for the end of a step; past this they wait in the socket
 
 
 class BindRefused(StrataError):
@@ -67,6 +83,67 @@ def prepare_ipc(address: str) -> None:
         raise BindRefused(f"ipc directory {parent} has mode {mode:o}; it must be private (chmod 700 {parent})")
 
 
+class ClientTracker:
+    """Which connection each client's requests came on, from the socket monitor.
+
+    The monitor reports ACCEPTED and DISCONNECTED with the connection's file
+    descriptor; a request carries the descriptor it came on (SRCFD). A
+    descriptor is reused after a close, so each one is paired with a count of
+    its ACCEPTED events: the monitor is read up to date before a client is
+    recorded, so a DISCONNECTED event ends only the clients of that connection.
+    """
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.accepted: dict[int, int] = {}  # fd -> connections accepted on it so far
+        self.connection: dict[bytes, tuple[int, int]] = {}  # client -> (fd, its accepted count)
+        self.gone: set[bytes] = set()
+
+    def drain(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            fd = event["value"]
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.accepted[fd] = self.accepted.get(fd, 0) + 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                closed = (fd, self.accepted.get(fd, 0))
+                for client in [c for c, conn in self.connection.items() if conn == closed]:
+                    del self.connection[client]
+                    self.gone.add(client)
+
+    def seen(self, client: bytes, frame: zmq.Frame) -> None:
+        self.drain()
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            return
+        self.connection[client] = (fd, self.accepted.get(fd, 0))
+        self.gone.discard(client)
+
+    def take_gone(self) -> set[bytes]:
+        self.drain()
+        gone, self.gone = self.gone, set()
+        return gone
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(0)
+
+
+@dataclass
+class Tokenizing:
+    """A text prompt being tokenised on the helper thread."""
+
+    client: bytes
+    req: GenerateRequest
+    arrived: float  # monotonic
+    future: concurrent.futures.Future
+
+
 class Server:
     def __init__(self, engine, address: str, limits: Limits = Limits(), max_active: int = 8, max_queued: int = 32,
                  curve_keys: str | None = None, insecure_remote: bool = False):
@@ -75,6 +152,7 @@ class Server:
             prepare_ipc(address)
         self.engine = engine
         self.limits = limits
+        self.max_queued = max_queued
         self.ctx = zmq.Context()
         self.auth = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -85,11 +163,19 @@ class Server:
             self.sock.setsockopt(opt, value)
         self.sock.bind(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.clients = ClientTracker(self.sock)
         self.scheduler = Scheduler(engine, self._emit, max_active, max_queued, limits)
         self.req_clients: set[bytes] = set()  # REQ sockets: replies need the empty delimiter back
         self.stopping = False
         self.engine_failed = False
+        self.last_error: str | None = None
         self.dead_clients: set[bytes] = set()
+        self.tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-tokenize")
+        self.tokenizing: list[Tokenizing] = []
+        self.deferred: deque[list] = deque()  # requests that came while a step waited on the pool
+        self.counts = {"internal_errors": 0, "gone_clients": 0, "deadline_expired": 0}
+        self.max_token_bytes = engine.codec.max_token_bytes() if engine.codec is not None else None
+        engine.pool.wait_hook = self._while_waiting
 
     def _setup_curve(self, keys: Path) -> None:
         from zmq.auth import load_certificate
@@ -120,39 +206,153 @@ class Server:
             self.dead_clients.add(client)
 
     # -- requests ------------------------------------------------------------
-    def handle(self, frames: list[bytes]) -> None:
-        client = frames[0]
-        self.dead_clients.discard(client)
-        if len(frames) > MAX_FRAMES or sum(len(f) for f in frames) > MAX_REQUEST_BYTES:
-            self._emit(client, error_event("bad_request", f"a request is one frame of at most {MAX_REQUEST_BYTES} "
-                                                          "bytes"))
-            return
-        payload = frames[-1]
-        if len(frames) == 3 and frames[1] != b"":
-            self._emit(client, error_event("bad_request", "a request is one frame"))
-            return
-        if len(frames) == 3:
-            self.req_clients.add(client)
+    def _receive(self, during_step: bool = False) -> None:
+        """Take what is waiting on the socket: handled now, or (during a step) health and stats only."""
+        for _ in range(256):
+            if during_step and len(self.deferred) >= MAX_DEFERRED:
+                return
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            client = frames[0].bytes
+            self.clients.seen(client, frames[-1])
+            self.dead_clients.discard(client)
+            raw = [f.bytes for f in frames]
+            if during_step and not self._is_probe(raw):
+                self.deferred.append(raw)
+            else:
+                self.handle(raw)
+
+    def _is_probe(self, frames: list[bytes]) -> bool:
+        """A small health or stats request, answered even in the middle of a step."""
+        if len(frames[-1]) > 256:
+            return False
         try:
-            req = decode_request(payload, self.limits)
-            if self.stopping:
-                raise ApiError("shutdown", "the server is shutting down", getattr(req, "id", None))
-            if isinstance(req, GenerateRequest):
-                self.scheduler.add(client, req)
-            elif isinstance(req, CancelRequest):
-                if not self.scheduler.cancel(client, req.id):
-                    raise ApiError("not_found", f"no request {req.id!r} in flight", req.id)
-            elif isinstance(req, StatsRequest):
-                self._emit(client, {"type": "stats", **self.stats()})
-            elif isinstance(req, HealthRequest):
-                self._emit(client, {"type": "health", **self.health()})
+            return isinstance(decode_request(frames[-1], self.limits), (HealthRequest, StatsRequest))
+        except Exception:
+            return False
+
+    def handle(self, frames: list[bytes]) -> None:
+        """One request; whatever goes wrong with it becomes its error event, never the server's end."""
+        client = frames[0]
+        rid = None
+        try:
+            if len(frames) > MAX_FRAMES or sum(len(f) for f in frames) > MAX_REQUEST_BYTES:
+                raise ApiError("bad_request", f"a request is one frame of at most {MAX_REQUEST_BYTES} bytes")
+            if len(frames) == 3 and frames[1] != b"":
+                raise ApiError("bad_request", "a request is one frame")
+            if len(frames) == 3:
+                self.req_clients.add(client)
+            req = decode_request(frames[-1], self.limits)
+            rid = getattr(req, "id", None)
+            self._dispatch(client, req)
         except ApiError as exc:
             self._emit(client, error_event(exc.code, exc.message, exc.request_id))
+        except Exception as exc:  # a defect: contained to this request, logged with its traceback
+            self.counts["internal_errors"] += 1
+            log.exception("request %r from client %s failed", rid, client.hex())
+            self._emit(client, error_event("internal", f"the server could not handle this request: "
+                                                       f"{type(exc).__name__}: {exc}", rid))
+
+    def _dispatch(self, client: bytes, req) -> None:
+        if self.stopping:
+            raise ApiError("shutdown", "the server is shutting down", getattr(req, "id", None))
+        if isinstance(req, GenerateRequest):
+            self._admit(client, req)
+        elif isinstance(req, CancelRequest):
+            if not (self._cancel_tokenizing(client, req.id) or self.scheduler.cancel(client, req.id)):
+                raise ApiError("not_found", f"no request {req.id!r} in flight", req.id)
+        elif isinstance(req, StatsRequest):
+            self._emit(client, {"type": "stats", **self.stats()})
+        elif isinstance(req, HealthRequest):
+            self._emit(client, {"type": "health", **self.health()})
+
+    def _admit(self, client: bytes, req: GenerateRequest) -> None:
+        """Token ids go to the scheduler now; text is checked by its byte length, then tokenised off the loop."""
+        if req.prompt is None:
+            self.scheduler.add(client, req)
+            return
+        if any(t.client == client and t.req.id == req.id for t in self.tokenizing):
+            raise ApiError("bad_request", f"request id {req.id!r} is already in flight", req.id)
+        if len(self.tokenizing) + len(self.scheduler.queue) >= self.max_queued:
+            self.scheduler.stats["busy_rejections"] += 1
+            raise ApiError("busy", f"the queue is full ({self.max_queued} requests waiting); retry later", req.id)
+        if self.engine.codec is None:
+            raise ApiError("bad_request", "this model has no tokenizer: send 'prompt_ids' instead of 'prompt'",
+                           req.id)
+        nbytes = len(req.prompt.encode("utf-8"))
+        least = -(-nbytes // self.max_token_bytes)
+        if least > self.limits.max_prompt_tokens:
+            raise ApiError("too_long", f"the prompt is {nbytes} bytes, so at least {least} tokens (no token of this "
+                                       f"tokenizer is longer than {self.max_token_bytes} bytes); the limit is "
+                                       f"{self.limits.max_prompt_tokens} tokens", req.id)
+        future = self.tokenizer.submit(self.engine.encode, req.prompt)
+        self.tokenizing.append(Tokenizing(client, req, time.monotonic(), future))
+
+    def _cancel_tokenizing(self, client: bytes, rid: str, reason: str = "cancelled") -> bool:
+        for t in self.tokenizing:
+            if t.client == client and t.req.id == rid:
+                self.tokenizing.remove(t)
+                t.future.cancel()
+                self._emit(client, {"type": "final", "id": rid, "finish_reason": reason, "text": "", "ids": [],
+                                    "usage": {"prompt_tokens": 0, "completion_tokens": 0}})
+                return True
+        return False
+
+    def _tokenized(self) -> None:
+        """Hand finished tokenisations to the scheduler, in arrival order."""
+        while self.tokenizing and self.tokenizing[0].future.done():
+            t = self.tokenizing.pop(0)
+            try:
+                try:
+                    ids = t.future.result()
+                except Exception as exc:
+                    raise ApiError("bad_request", f"the prompt cannot be tokenised: {exc}", t.req.id) from None
+                self.scheduler.add(t.client, t.req, ids=ids, arrived=t.arrived)
+            except ApiError as exc:
+                self._emit(t.client, error_event(exc.code, exc.message, exc.request_id))
+            except Exception as exc:
+                self.counts["internal_errors"] += 1
+                log.exception("request %r could not be queued", t.req.id)
+                self._emit(t.client, error_event("internal", f"{type(exc).__name__}: {exc}", t.req.id))
+
+    def _between_steps(self) -> None:
+        """Everything that must not change the scheduler in the middle of a step."""
+        while self.deferred:
+            self.handle(self.deferred.popleft())
+        self._tokenized()
+        gone = self.clients.take_gone() | self.dead_clients
+        for client in gone:
+            dropped = self.scheduler.drop_client(client)
+            dropped += sum(1 for t in self.tokenizing if t.client == client)
+            self.tokenizing = [t for t in self.tokenizing if t.client != client]
+            if dropped:
+                self.counts["gone_clients"] += 1
+                log.info("client %s went away; cancelled its %d request(s)", client.hex(), dropped)
+            self.req_clients.discard(client)
+        self.dead_clients.clear()
+        now = time.monotonic()
+        self.counts["deadline_expired"] += self.scheduler.expire(now)
+        for t in [t for t in self.tokenizing if t.req.deadline_s is not None and now > t.arrived + t.req.deadline_s]:
+            self._cancel_tokenizing(t.client, t.req.id, reason="deadline")
+            self.counts["deadline_expired"] += 1
+
+    def _while_waiting(self) -> None:
+        """The pool's wait hook: answer health and stats, see a stop."""
+        if self.sock.poll(0):
+            self._receive(during_step=True)
+        if self.stopping:
+            raise StepInterrupted("the server is shutting down")
 
     def stats(self) -> dict:
         s = dict(self.scheduler.stats)
-        s["queued"], s["active"] = len(self.scheduler.queue), len(self.scheduler.active)
+        sched = self.scheduler
+        s["queued"] = len(sched.queue) + len(self.tokenizing)  # waiting: being tokenised or for a slot
+        s["active"] = len(sched.prefilling) + len(sched.active)
+        s["tokenizing"], s["prefilling"] = len(self.tokenizing), len(sched.prefilling)
         s["tokens_per_s"] = s["tokens"] / s["step_s"] if s["step_s"] else None
+        s.update(self.counts)
         dstats = self.engine.decoder.stats
         s["routed_pairs"], s["skipped_pairs"] = dstats.routed_pairs, dstats.skipped_pairs
         s["experts"] = self.engine.expert_report()
@@ -162,10 +362,12 @@ class Server:
     def health(self) -> dict:
         pool = self.engine.pool
         nodes = pool.health() if hasattr(pool, "health") else [
-            {"node": n.id, "virtual": n.virtual, "alive": True} for n in self.engine.nodes]
-        ok = all(n.get("alive", True) for n in nodes) and not self.engine_failed
-        return {"ok": ok, "stopping": self.stopping, "pool": {"kind": self.engine.config.pool, "nodes": nodes,
-                                                             "plan": pool.plan.digest}}
+            {"node": n.id, "virtual": n.virtual, "alive": True, "state": "ok"} for n in self.engine.nodes]
+        problems = [f"node {n['node']}{' (virtual)' if n.get('virtual') else ''}: {n['state']}"
+                    for n in nodes if n.get("state", "ok") != "ok"]
+        ok = all(n.get("alive", True) for n in nodes) and not self.stopping
+        return {"ok": ok, "stopping": self.stopping, "problems": problems, "last_error": self.last_error,
+                "pool": {"kind": self.engine.config.pool, "nodes": nodes, "plan": pool.plan.digest}}
 
     # -- loop ----------------------------------------------------------------
     def request_stop(self, *_args) -> None:
@@ -174,29 +376,48 @@ class Server:
     def run(self) -> int:
         log.info("serving on %s", self.address)
         while not self.stopping:
-            timeout = 0 if self.scheduler.busy else POLL_MS
+            timeout = 0 if self.scheduler.busy else TOKENIZE_POLL_MS if self.tokenizing else POLL_MS
             if self.sock.poll(timeout):
-                for _ in range(256):  # drain what is waiting, then compute
-                    try:
-                        self.handle(self.sock.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-            for client in list(self.dead_clients):
-                self.scheduler.drop_client(client)
+                self._receive()
+            self._between_steps()
+            if not self.scheduler.busy:
+                self._maintain()
             if self.scheduler.busy and not self.stopping:
-                try:
-                    self.scheduler.step()
-                except Exception as exc:
-                    self.engine_failed = not self._engine_alive()
-                    log.error("step failed: %s", exc)
+                self._step()
         self.scheduler.fail_all("shutdown", "the server is shutting down")
+        for t in self.tokenizing:
+            self._emit(t.client, error_event("shutdown", "the server is shutting down", t.req.id))
+        self.tokenizing = []
         return 1 if self.engine_failed else 0
+
+    def _step(self) -> None:
+        try:
+            self.scheduler.step()
+            self.engine_failed = False
+        except StepInterrupted:
+            log.info("step abandoned: the server is stopping")
+        except Exception as exc:  # the scheduler has told each sequence of the step; the pool is clean again
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.engine_failed = not self._engine_alive()
+            log.error("step failed: %s", exc)
+
+    def _maintain(self) -> None:
+        try:
+            self.engine.pool.maintain()
+        except StepInterrupted:
+            pass
+        except Exception as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("pool maintenance failed: %s", exc)
 
     def _engine_alive(self) -> bool:
         pool = self.engine.pool
         return all(n.get("alive", True) for n in pool.health()) if hasattr(pool, "health") else True
 
     def close(self) -> None:
+        self.engine.pool.wait_hook = None
+        self.tokenizer.shutdown(wait=False, cancel_futures=True)
+        self.clients.close()
         self.sock.close(linger=500)  # let the last events (shutdown errors) out
         if self.auth is not None:
             self.auth.stop()

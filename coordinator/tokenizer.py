@@ -64,6 +64,20 @@ class TextCodec:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise TokenizerError(f"{path}: cannot be read as a tokenizers file: {exc}") from exc
 
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of input text that one token can stand for.
+
+        A token's vocabulary string is at least as long in UTF-8 as the text it covers (byte-level 'Ġ' is two
+        bytes for one, SentencePiece's '▁' three for one, '<0x41>' six for one); a normalizer may shrink text
+        up to 4x (a 4-byte character to one byte), so then the bound is 4x. So a text of N bytes is at least
+        N / max_token_bytes() tokens.
+        """
+        if not hasattr(self, "_max_token_bytes"):
+            longest = max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab(with_added_tokens=True)),
+                          default=1)
+            self._max_token_bytes = max(1, longest) * (4 if self.tokenizer.normalizer is not None else 1)
+        return self._max_token_bytes
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 

@@ -1,7 +1,9 @@
 """Opening one node's expert store: reattach to a complete segment, or make and fill one.
 
-The filling runs in the calling process (the pinned node worker), on threads
-pinned one per CPU of the node, so first touch puts every page on that node.
+The segment's pages are reserved at creation (posix_fallocate, so a full
+tmpfs is an ENOSPC error, not a SIGBUS later) by the calling process, the node
+worker, already pinned to its node: the kernel allocates them on that node. The
+filling then runs on threads pinned one per CPU of the node.
 """
 
 from __future__ import annotations

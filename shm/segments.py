@@ -17,6 +17,7 @@ command that clears it.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import mmap
@@ -44,6 +45,34 @@ STATE_WRITING, STATE_COMPLETE = 0, 1
 
 class SegmentError(RuntimeError):
     """A segment is missing, foreign, stale, half-written or cannot be made; the message says how to clear it."""
+
+
+class SegmentNoSpace(SegmentError):
+    """No room for a segment's bytes (in the node, the machine or /dev/shm); nothing of it was left behind.
+
+    ``needed`` and ``free`` are in bytes (``free`` None where unknown); ``errno`` is the
+    error the kernel gave when reserving the bytes failed (ENOSPC, ENOMEM, EFBIG), else None.
+    """
+
+    def __init__(self, message: str, needed: int, free: int | None, code: int | None = None):
+        super().__init__(message)
+        self.needed, self.free, self.errno = needed, free, code
+
+
+_BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: float) -> str:
+    """A size in the largest binary unit it reaches: '512 B', '512.0 KiB', '3.2 MiB', '1.50 GiB'."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    value = float(n)
+    for i, unit in enumerate(_BYTE_UNITS):
+        value /= 1024
+        digits = 1 if i < 2 else 2  # KiB, MiB: one decimal; GiB and up: two
+        if abs(round(value, digits)) < 1024 or i == len(_BYTE_UNITS) - 1:
+            return f"{value:.{digits}f} {unit}"
+    raise AssertionError("unreachable")
 
 
 def segment_name(model_digest: str, plan_digest: str, node: int) -> str:
@@ -181,13 +210,57 @@ def unlink(name: str) -> bool:
         return False
 
 
-def _map(name: str, create_size: int | None = None) -> mmap.mmap:
-    if create_size is None:
-        mem = posix_ipc.SharedMemory(name)
-    else:
-        mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=create_size)
+def _map(name: str) -> mmap.mmap:
+    mem = posix_ipc.SharedMemory(name)
     try:
         return mmap.mmap(mem.fd, mem.size)
+    finally:
+        mem.close_fd()
+
+
+def shm_free() -> int | None:
+    """Bytes free to us on the filesystem that holds the segments (None if there is none)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _no_room(name: str, size: int, exc: OSError) -> SegmentNoSpace:
+    free = shm_free()
+    have = f"{SHM_DIR} has {human_bytes(free)} ({free} bytes) free" if free is not None else f"{SHM_DIR} is gone"
+    why = {errno.ENOSPC: "no space left on device",
+           errno.ENOMEM: "out of memory to back it",
+           errno.EFBIG: "file too large for the filesystem"}[exc.errno]
+    return SegmentNoSpace(
+        f"cannot reserve segment {name}: it needs {human_bytes(size)} ({size} bytes) but {have} "
+        f"({errno.errorcode[exc.errno]}: {why}; another segment may have taken the room since it was checked); "
+        f"nothing was left behind. Free room in {SHM_DIR} (`strata shm list`; `strata shm clean --all` removes "
+        "leftovers), use more nodes, or place more experts on the GPU",
+        size, free, exc.errno)
+
+
+def _create_map(name: str, size: int) -> mmap.mmap:
+    """Make segment ``name`` (O_CREX: never someone else's), reserve all ``size`` bytes and map it.
+
+    The bytes are reserved with posix_fallocate before the map exists: tmpfs files are
+    sparse, so without it a full /dev/shm shows up later as SIGBUS on a write. On any
+    failure the segment this call made is unlinked again.
+    """
+    mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)  # raises before making anything
+    try:
+        try:
+            os.posix_fallocate(mem.fd, 0, size)  # also sets the size
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                unlink(name)
+                raise _no_room(name, size, exc) from exc
+            raise
+        return mmap.mmap(mem.fd, size)
+    except BaseException:
+        unlink(name)  # idempotent: already gone after a no-room refusal
+        raise
     finally:
         mem.close_fd()
 
@@ -210,16 +283,13 @@ def read_header(name: str) -> SegmentHeader:
 
 def check_room(nbytes: int, node_free: int | None, what: str) -> None:
     """Refuse, with the numbers, a segment that the node, the machine or /dev/shm cannot hold."""
-    gib = 2**30
     avail = psutil.virtual_memory().available
-    st = os.statvfs(SHM_DIR) if SHM_DIR.exists() else None
-    shm_free = st.f_bavail * st.f_frsize if st else None
-    for label, free in (("the node", node_free), ("the machine", avail), (str(SHM_DIR), shm_free)):
+    for label, free in (("the node", node_free), ("the machine", avail), (str(SHM_DIR), shm_free())):
         if free is not None and nbytes > free:
-            raise SegmentError(
-                f"{what} needs {nbytes / gib:.2f} GiB but {label} has {free / gib:.2f} GiB free; "
-                "free memory, use more nodes, or place more experts on the GPU"
-            )
+            raise SegmentNoSpace(
+                f"{what} needs {human_bytes(nbytes)} ({nbytes} bytes) but {label} has {human_bytes(free)} "
+                f"({free} bytes) free; free memory, use more nodes, or place more experts on the GPU",
+                nbytes, free)
 
 
 def create(name: str, node: int, model_digest: str, plan_digest: str, layout: dict, data_bytes: int,
@@ -231,15 +301,20 @@ def create(name: str, node: int, model_digest: str, plan_digest: str, layout: di
     header = SegmentHeader(LAYOUT_VERSION, hbytes, STATE_WRITING, pid, process_start_time(pid) or time.time(),
                            node, data_bytes, model_digest, plan_digest, layout)
     blob = pack_header(header)
+    size = hbytes + data_bytes
     try:
-        m = _map(name, hbytes + data_bytes)
+        m = _create_map(name, size)  # removes what it made if it fails
     except posix_ipc.ExistentialError:
         raise SegmentError(f"segment {name} already exists; {clear_hint(name)}") from None
-    except OSError as exc:
+    except (OSError, posix_ipc.Error) as exc:
+        raise SegmentError(f"cannot create segment {name} ({human_bytes(size)}): {exc}") from exc
+    try:
+        m[: len(blob)] = blob
+        return Segment(name, m, header, owner=True)
+    except BaseException:
+        m.close()
         unlink(name)
-        raise SegmentError(f"cannot create segment {name} ({(hbytes + data_bytes) / 2**30:.2f} GiB): {exc}") from exc
-    m[: len(blob)] = blob
-    return Segment(name, m, header, owner=True)
+        raise
 
 
 def attach(name: str, model_digest: str, plan_digest: str) -> Segment:

@@ -161,7 +161,7 @@ def test_killed_twice_fails_cleanly(tiny):
             eng.generate(PROMPT, max_new_tokens=10, stop_at_eos=False, on_token=kill_each)
     err = info.value
     assert err.node == 0 and err.pid == pids[-1] and "SIGKILL" in err.status
-    assert "died again" in str(err)
+    assert "died twice within" in str(err)
 
 
 def _raw_reply(pool, frames, name=""):

@@ -10,6 +10,7 @@ import pytest
 from coordinator.api import ApiError, Limits, decode_request
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
+from coordinator.errors import StepInterrupted
 from coordinator.make_model import EOS_ID, make_model
 from coordinator.scheduler import Scheduler
 
@@ -314,13 +315,14 @@ def test_engine_failure_reports_each_sequence_once(engine, monkeypatch):
 
     def failing(seqs, last_only=True):
         calls.append(len(seqs))
-        if len(calls) == 2:  # the first decode pass, right after the prefill of the admitted ones
+        if len(calls) == 2:  # the first decode pass (step 2), right after the step that prefilled the admitted ones
             raise RuntimeError("boom")
         return real(seqs, last_only)
 
     monkeypatch.setattr(engine.decoder, "forward_batch", failing)
     sched.add(b"c", request(id="a", prompt="abc", max_new_tokens=8))
     sched.add(b"c", request(id="b", prompt="xyz", max_new_tokens=8))
+    sched.step()  # one forward per step: the prefill (and the first tokens)
     with pytest.raises(RuntimeError):
         sched.step()
     assert sched.active == [] and sched.stats["errors"] == 1
@@ -353,3 +355,138 @@ def test_forward_batch_equals_separate_forwards(engine):
     assert [c.length for c in batch_caches] == [4, 8, 2]
     for g, w in zip(got2, want2):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
+
+
+# -- chunked prefill ---------------------------------------------------------
+
+LONG = "Once upon a time, in a land of mixtures of experts, " * 3  # 156 tokens: many chunks of 16
+
+
+class ForwardSpy:
+    """Stands in for decoder.forward_batch: per call, the prompt tokens each sequence in it gets (by request id)."""
+
+    def __init__(self, engine, sched: Scheduler, monkeypatch, fail_at: int | None = None, exc: Exception | None = None):
+        self.real = engine.decoder.forward_batch
+        self.sched = sched
+        self.calls: list[dict[str, int]] = []
+        self.fail_at, self.exc = fail_at, exc
+        monkeypatch.setattr(engine.decoder, "forward_batch", self)
+
+    def __call__(self, seqs, last_only=True):
+        by_cache = {id(s.cache): s for s in self.sched.all()}
+        if not all(id(cache) in by_cache for _, cache in seqs):  # a solo run (check_final): not the scheduler's
+            return self.real(seqs, last_only)
+        prefill = {}
+        for ids, cache in seqs:
+            s = by_cache[id(cache)]
+            if cache.length < len(s.prompt_ids):  # a prompt chunk, not a decode token
+                assert cache.length + len(ids) <= len(s.prompt_ids)
+                prefill[s.req.id] = len(ids)
+            else:
+                assert len(ids) == 1
+        self.calls.append(prefill)
+        if self.fail_at == len(self.calls):
+            raise self.exc
+        return self.real(seqs, last_only)
+
+
+def test_chunked_prefill_keeps_decode_going_and_equals_solo(engine, monkeypatch):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec, prefill_chunk=16)
+    spy = ForwardSpy(engine, sched, monkeypatch)
+    n_long = len(engine.encode(LONG))
+    assert n_long > 8 * 16
+    sched.add(b"c", request(id="short", prompt=PROMPTS[0], max_new_tokens=30))
+    sched.step()
+    assert [ev["type"] for ev in rec.of("short")] == ["token"]
+    sched.add(b"c", request(id="long", prompt=LONG, max_new_tokens=6))
+    prefill_steps = 0
+    for _ in range(MAX_STEPS):
+        if not sched.busy:
+            break
+        calls, short_before, long_before = len(spy.calls), len(rec.of("short")), len(rec.of("long"))
+        sched.step()
+        assert len(spy.calls) == calls + 1  # one forward per step
+        if "long" in spy.calls[-1]:
+            prefill_steps += 1
+            # decode is not blocked: the short request got its next token in this very step
+            assert [ev["type"] for ev in rec.of("short")[short_before:]] == ["token"]
+            prefilled = sum(c.get("long", 0) for c in spy.calls)
+            assert len(rec.of("long")) == long_before + (prefilled == n_long)  # first token once the prompt is in
+    assert not sched.busy
+    assert max(sum(c.values()) for c in spy.calls) == 16  # never more than the bound in one step
+    assert sum(c.get("long", 0) for c in spy.calls) == n_long
+    assert prefill_steps == -(-n_long // 16)
+    check_final(engine, rec.final("short"), PROMPTS[0], 30)
+    check_final(engine, rec.final("long"), LONG, 6)
+    assert rec.streamed("long") == rec.final("long")["text"]
+    assert sched.stats["prefill_tokens"] == n_long + len(engine.encode(PROMPTS[0]))
+
+
+def test_prefill_chunk_larger_than_the_prompt_prefills_it_in_one_step(engine, monkeypatch):
+    rec = Recorder()
+    n_long, n_other = len(engine.encode(LONG)), len(engine.encode(PROMPTS[6]))
+    assert n_other > 10
+    sched = Scheduler(engine, emit=rec, prefill_chunk=n_long + 10)
+    spy = ForwardSpy(engine, sched, monkeypatch)
+    sched.add(b"c", request(id="long", prompt=LONG, max_new_tokens=7))
+    sched.add(b"c", request(id="other", prompt=PROMPTS[6], max_new_tokens=8))
+    sched.step()
+    assert spy.calls == [{"long": n_long, "other": 10}]  # the whole prompt, then the rest of the bound
+    assert [ev["type"] for ev in rec.of("long")] == ["token"] and rec.of("other") == []
+    assert [s.req.id for s in sched.active] == ["long"] and [s.req.id for s in sched.prefilling] == ["other"]
+    sched.step()
+    assert spy.calls[1] == {"other": n_other - 10}
+    assert [ev["type"] for ev in rec.of("other")] == ["token"]
+    run_to_end(sched)
+    check_final(engine, rec.final("long"), LONG, 7)
+    check_final(engine, rec.final("other"), PROMPTS[6], 8)
+
+
+def test_engine_failure_during_chunked_prefill_reports_each_sequence_once(engine, monkeypatch):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec, prefill_chunk=16)
+    spy = ForwardSpy(engine, sched, monkeypatch, fail_at=4, exc=RuntimeError("boom"))
+    sched.add(b"c", request(id="short", prompt=PROMPTS[0], max_new_tokens=30))
+    sched.step()
+    sched.add(b"c", request(id="long", prompt=LONG, max_new_tokens=6))
+    sched.add(b"c", request(id="next", prompt=PROMPTS[1], max_new_tokens=6))  # admitted, waits for its first chunk
+    sched.step()
+    sched.step()
+    with pytest.raises(RuntimeError):
+        sched.step()
+    assert spy.calls[1:] == [{"long": 16}] * 3  # it failed in the middle of the long prompt's prefill
+    assert not sched.busy and sched.all() == [] and sched.prefilling == [] and sched.active == []
+    assert sched.stats["errors"] == 1
+    for rid in ("short", "long", "next"):
+        errors = [ev for ev in rec.of(rid) if ev["type"] == "error"]
+        assert [e["code"] for e in errors] == ["engine"] and "boom" in errors[0]["message"], (rid, errors)
+        assert rec.of(rid)[-1] is errors[0] and not any(ev["type"] == "final" for ev in rec.of(rid))
+    assert [ev["type"] for ev in rec.of("short")] == ["token"] * 3 + ["error"]
+
+
+def test_step_interrupted_emits_nothing_and_keeps_the_sequences(engine, monkeypatch):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec, max_active=2, prefill_chunk=16)
+    ForwardSpy(engine, sched, monkeypatch, fail_at=3, exc=StepInterrupted("the server is stopping"))
+    sched.add(b"c", request(id="short", prompt=PROMPTS[0], max_new_tokens=30))
+    sched.step()
+    sched.add(b"c", request(id="long", prompt=LONG, max_new_tokens=6))
+    sched.add(b"d", request(id="queued", prompt=PROMPTS[2], max_new_tokens=6))  # over max_active: stays queued
+    sched.step()
+    events = list(rec.events)
+    where = ([s.req.id for s in sched.queue], [s.req.id for s in sched.prefilling], [s.req.id for s in sched.active])
+    assert where == (["queued"], ["long"], ["short"])
+    assert sched.prefilling[0].prefilled == 16
+    with pytest.raises(StepInterrupted):
+        sched.step()
+    assert rec.events == events  # nothing emitted
+    assert ([s.req.id for s in sched.queue], [s.req.id for s in sched.prefilling],
+            [s.req.id for s in sched.active]) == where
+    assert sched.prefilling[0].prefilled == 16 and sched.stats["errors"] == 0
+    sched.fail_all("shutdown", "the server is shutting down")
+    for rid in ("short", "long", "queued"):
+        new = [ev for c, ev in rec.events[len(events):] if ev["id"] == rid]
+        assert [(ev["type"], ev["code"]) for ev in new] == [("error", "shutdown")], rid
+    assert len(rec.events) == len(events) + 3
+    assert not sched.busy and sched.all() == []

@@ -9,12 +9,14 @@ test if anything was.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
 import re
 import secrets
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -42,10 +44,12 @@ from shm.segments import (
     PREFIX,
     SHM_DIR,
     SegmentError,
+    SegmentNoSpace,
     attach,
     check_room,
     clean,
     create,
+    human_bytes,
     list_segments,
     open_or_create,
     owner_alive,
@@ -586,19 +590,22 @@ def test_check_room_refuses_more_than_the_machine_has():
     with pytest.raises(SegmentError) as err:
         check_room(nbytes=10**18, node_free=None, what="x")
     msg = str(err.value)
-    assert msg.startswith(f"x needs {10**18 / 2**30:.2f} GiB but the machine has ")
-    assert re.search(r"has \d+\.\d\d GiB free; free memory, use more nodes", msg)
+    assert msg.startswith(f"x needs 888.18 PiB ({10**18} bytes) but the machine has ")
+    assert re.search(r"has \d+\.\d+ [KMGT]iB \(\d+ bytes\) free; free memory, use more nodes", msg)
+    assert isinstance(err.value, SegmentNoSpace) and err.value.needed == 10**18
 
 
 def test_check_room_node_and_dev_shm(monkeypatch):
-    with pytest.raises(SegmentError, match=rf"seg needs {2**31 / 2**30:.2f} GiB but the node has 1.00 GiB free"):
+    with pytest.raises(SegmentNoSpace, match=rf"seg needs 2.00 GiB \({2**31} bytes\) but the node has 1.00 GiB "
+                                             rf"\({2**30} bytes\) free"):
         check_room(nbytes=2**31, node_free=2**30, what="seg")
     check_room(nbytes=4096, node_free=2**30, what="seg")  # fits: no error
     check_room(nbytes=4096, node_free=None, what="seg")
     st = os.statvfs(SHM_DIR)
     shm_free = st.f_bavail * st.f_frsize
     monkeypatch.setattr(segments.psutil, "virtual_memory", lambda: SimpleNamespace(available=2**62))
-    with pytest.raises(SegmentError, match=rf"but {re.escape(str(SHM_DIR))} has \d+\.\d\d GiB free"):
+    with pytest.raises(SegmentNoSpace, match=rf"but {re.escape(str(SHM_DIR))} has \d+\.\d+ [KMGT]iB \(\d+ bytes\) "
+                                             "free"):
         check_room(nbytes=shm_free + 2**30, node_free=None, what="seg")
 
 
@@ -614,7 +621,7 @@ def test_create_refuses_before_making_anything(shm_guard):
 
 def test_open_node_store_refuses_before_making_anything(tiny, shm_guard):
     digest = shm_guard.digest()
-    with pytest.raises(SegmentError, match=r"but the node has 0.00 GiB free"):
+    with pytest.raises(SegmentNoSpace, match=r"but the node has 1.0 KiB \(1024 bytes\) free"):
         tiny.open(0, digest, node_free=1024)
     assert shm_guard.mine() == []
 
@@ -641,3 +648,137 @@ def test_segment_we_may_not_open_is_listed_as_unreadable(shm_guard, monkeypatch,
     finally:
         monkeypatch.undo()
         unlink(name)
+
+
+# --- reserving a segment's bytes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, text", [
+    (0, "0 B"), (512, "512 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (512 * 2**10, "512.0 KiB"),
+    (int(3.2 * 2**20), "3.2 MiB"), (2**20 - 1, "1.0 MiB"), (int(1.5 * 2**30), "1.50 GiB"), (2**40, "1.00 TiB"),
+    (10**18, "888.18 PiB"),
+])
+def test_human_bytes(n, text):
+    assert human_bytes(n) == text
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.ENOMEM, errno.EFBIG])
+@pytest.mark.parametrize("how", ["create", "open_or_create"])
+def test_failed_reservation_is_a_clear_error_and_leaves_nothing(shm_guard, monkeypatch, code, how):
+    digest = shm_guard.digest()
+    name = segment_name(digest, PLAN_DIGEST, 0)
+    data_bytes = 3 * 2**20
+    needed = segments.header_bytes_for(LAYOUT) + data_bytes
+    calls = []
+
+    def full(fd, offset, length):
+        calls.append((shm_path(name).exists(), offset, length))
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(segments.os, "posix_fallocate", full)
+    make = create if how == "create" else lambda *a: open_or_create(*a)[0]
+    with pytest.raises(SegmentNoSpace) as err:
+        make(name, 0, digest, PLAN_DIGEST, LAYOUT, data_bytes)
+    assert calls == [(True, 0, needed)]  # reserved on the new segment, before anything was written
+    e = err.value
+    assert (e.needed, e.errno) == (needed, code)
+    msg = str(e)
+    assert msg.startswith(f"cannot reserve segment {name}: it needs 3.0 MiB ({needed} bytes) but {SHM_DIR} has ")
+    assert f"has {human_bytes(e.free)} ({e.free} bytes) free ({errno.errorcode[code]}: " in msg
+    assert "nothing was left behind" in msg and "0.00 GiB" not in msg
+    assert not shm_path(name).exists()
+    with pytest.raises(SegmentError, match="does not exist"):
+        read_header(name)
+
+
+@pytest.mark.parametrize("error, raised", [(OSError(errno.EIO, "I/O error"), SegmentError),
+                                           (KeyboardInterrupt(), KeyboardInterrupt)])
+def test_any_failure_while_creating_removes_the_segment(shm_guard, monkeypatch, error, raised):
+    digest = shm_guard.digest()
+    name = segment_name(digest, PLAN_DIGEST, 0)
+    seen = []
+
+    def broken_map(fd, size, *args, **kw):
+        seen.append(shm_path(name).stat().st_size)
+        raise error
+
+    monkeypatch.setattr(segments.mmap, "mmap", broken_map)
+    with pytest.raises(raised) as err:
+        create(name, 0, digest, PLAN_DIGEST, LAYOUT, 8192)
+    monkeypatch.undo()
+    if raised is SegmentError:
+        assert str(err.value).startswith(f"cannot create segment {name} (12.0 KiB): ")
+    assert seen == [segments.header_bytes_for(LAYOUT) + 8192]  # made and reserved, then removed
+    assert not shm_path(name).exists()
+
+
+# Two node workers sharing a small /dev/shm (a private 8 MiB tmpfs in a mount namespace of its own).
+# Worker A makes and fills a 5 MiB segment. Worker B wants 5 MiB too: once through the room check
+# (which now sees A's reserved bytes), once as the race in which B's check ran before A reserved
+# (the check is skipped). Without a reservation both B's get a sparse segment and die of SIGBUS filling it.
+SMALL_TMPFS_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from shm import segments
+    from shm.segments import SHM_DIR, open_or_create, segment_name
+
+    digest, plan = sys.argv[1:3]
+    layout, mib = {"kind": "test"}, 2**20
+    st = os.statvfs(SHM_DIR)
+    out = {"mounted": st.f_blocks * st.f_frsize}
+
+    def free():
+        st = os.statvfs(SHM_DIR)
+        return st.f_bavail * st.f_frsize
+
+    def worker_b(node):
+        name = segment_name(digest, plan, node)
+        try:
+            seg, _ = open_or_create(name, node, digest, plan, layout, 5 * mib)
+        except segments.SegmentError as exc:
+            return {"name": name, "type": type(exc).__name__, "message": str(exc),
+                    "errno": getattr(exc, "errno", None), "needed": getattr(exc, "needed", None),
+                    "free": getattr(exc, "free", None), "free_after": free(),
+                    "listing": sorted(os.listdir(SHM_DIR))}
+        seg.data[:] = 1  # fills it: SIGBUS where the bytes were never reserved
+        seg.close()
+        return {"name": name, "type": None}
+
+    a, _ = open_or_create(segment_name(digest, plan, 0), 0, digest, plan, layout, 5 * mib)
+    a.data[:] = 1
+    out["a"] = a.name
+    out["checked"] = worker_b(1)
+    segments.check_room = lambda *args, **kw: None
+    out["race"] = worker_b(2)
+    a.close()
+    out["listing"] = sorted(os.listdir(SHM_DIR))
+    print(json.dumps(out), flush=True)
+""")
+
+
+def test_full_small_tmpfs_is_enospc_naming_the_segment_and_leaves_nothing(shm_guard):
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("needs util-linux unshare and mount")
+    digest = shm_guard.digest()
+    setup = ('mount --make-rprivate / && mount -t tmpfs -o size=8m,mode=1777 tmpfs /dev/shm || exit 77; '
+             'exec "$0" -c "$1" "$2" "$3"')
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", setup, sys.executable, SMALL_TMPFS_SCRIPT, digest, PLAN_DIGEST],
+                          cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    if proc.returncode == 77 or (proc.returncode != 0 and not proc.stdout and proc.stderr.startswith("unshare:")):
+        pytest.skip(f"cannot mount a private tmpfs on /dev/shm here: {proc.stderr.strip()}")
+    # -SIGBUS: a worker filled a segment whose bytes were never reserved
+    assert proc.returncode == 0, f"child exited {proc.returncode}: {proc.stderr}"
+    out = json.loads(proc.stdout)
+    assert out["mounted"] == 8 * 2**20
+    needed = segments.header_bytes_for({"kind": "test"}) + 5 * 2**20  # A's size and B's
+    for case in ("checked", "race"):
+        r = out[case]
+        assert r["type"] == "SegmentNoSpace", r
+        assert r["needed"] == needed and r["free"] == 8 * 2**20 - needed
+        assert r["listing"] == [out["a"].lstrip("/")]  # B left nothing; A is still there
+        assert r["name"] in r["message"] and "0.00 GiB" not in r["message"]
+        assert f"needs 5.0 MiB ({needed} bytes) but {SHM_DIR} has 3.0 MiB ({r['free']} bytes) free" in r["message"]
+    race = out["race"]
+    assert race["errno"] == errno.ENOSPC and race["free_after"] == race["free"]
+    assert race["message"].startswith(f"cannot reserve segment {race['name']}: ")
+    assert "(ENOSPC: no space left on device;" in race["message"]
+    assert out["listing"] == []
