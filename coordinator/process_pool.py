@@ -92,6 +92,7 @@ class WorkerHandle:
     deaths: list[float] = field(default_factory=list)  # monotonic times of this worker's deaths (hangs included)
     death_seen: bool = False  # this incarnation's death is counted already
     retry_at: float | None = None  # a refused restart is tried again from this monotonic time
+    down_reason: str = ""  # why it is not restarted before retry_at
     last_error: str = ""
 
     @property
@@ -311,6 +312,7 @@ class ProcessPool(ExpertPool):
         window = self.options.restart_window_s
         if len([t for t in w.deaths if now - t < window]) >= 2:
             w.retry_at = now + window
+            w.down_reason = f"it died twice within {window:.0f}s"
             log.error("%s; it died twice within %.0fs: not restarting for %.0fs", died, window, window)
             raise WorkerDied(died.node, died.pid, died.status,
                              f"it died twice within {window:.0f}s; it is restarted once {window:.0f}s have passed")
@@ -327,6 +329,7 @@ class ProcessPool(ExpertPool):
         except StrataError as exc:  # it did not come back: try again after the window
             w.retry_at = time.monotonic() + self.options.restart_window_s
             w.last_error = f"restart failed: {exc}"
+            w.down_reason = f"its restart failed ({exc})"
             if not w.dead():
                 w.proc.kill()
                 w.proc.wait()
@@ -341,7 +344,7 @@ class ProcessPool(ExpertPool):
             wait = w.retry_at - time.monotonic()
             if wait > 0:
                 raise WorkerDied(w.node.id, w.pid, exit_status(w.proc.returncode if w.proc else None),
-                                 f"{w.last_error or 'it died'}; the next restart is tried in {wait:.0f}s")
+                                 f"{w.down_reason}; the next restart is tried in {wait:.0f}s")
             log.info("node worker %s: its restart window has passed; starting it again", w.node.id)
             w.retry_at = None
             self._restart(w)

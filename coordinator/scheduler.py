@@ -109,7 +109,8 @@ class Scheduler:
             code = "too_long" if "exceed" in str(exc) else "bad_request"
             raise ApiError(code, str(exc), req.id) from None
         stream = StreamDecoder(eng.codec) if eng.codec is not None else None
-        deadline = None if req.deadline_s is None else (time.monotonic() if arrived is None else arrived) + req.deadline_s
+        arrived = time.monotonic() if arrived is None else arrived
+        deadline = None if req.deadline_s is None else arrived + req.deadline_s
         self.queue.append(Sequence(client, req, list(ids), sampler, eng.decoder.new_cache(), stream, deadline=deadline))
         self.stats["requests"] += 1
 

@@ -8,14 +8,17 @@ import signal
 import time
 
 import numpy as np
+import psutil
 import pytest
+import zmq
 
 from coordinator import Engine, EngineConfig
 from coordinator.engine import build_inproc_pool, build_plan, pool_nodes, worker_job
 from coordinator.make_model import make_model
 from coordinator.model_config import load_model_config
 from coordinator.pools import PoolRequest
-from coordinator.process_pool import PoolOptions, ProcessPool, WorkerDied
+from coordinator.errors import StepInterrupted
+from coordinator.process_pool import PoolError, PoolOptions, ProcessPool, WorkerDied
 from coordinator.weights import load_weights
 from node_worker import protocol as P
 from shm.checkpoint import Checkpoint
@@ -322,3 +325,157 @@ def test_route_tail_skip_drops_low_weight_pairs_and_counts_them(tiny):
     assert np.max(np.abs(ref.forward(PROMPT) - skipped_logits)) < 2e-4
     ref.moe = original
     assert np.max(np.abs(ref.forward(PROMPT) - skipped_logits)) > 1e-3  # skipping changed the output
+
+
+# -- after any pool error the pool is clean (issue 11, item 2) -----------------
+
+
+def layer(pool, req):
+    pool.submit(req)
+    return pool.collect()
+
+
+def _layer_request(eng):
+    x = np.ones((2, eng.model_config.hidden_size), np.float32)
+    return PoolRequest(0, x, np.array([0, 1]), np.array([1, 2]), np.array([0.5, 0.5], np.float32))
+
+
+def test_a_failed_send_leaves_no_pending_state(tiny, monkeypatch):
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        pool, req = eng.pool, _layer_request(eng)
+        want = layer(pool, req)
+        real_send = pool.sock.send_multipart
+        calls = []
+
+        def refuse_second(frames, *a, **kw):  # node 1's send fails with the worker still alive
+            calls.append(frames[0])
+            if len(calls) == 2:
+                raise zmq.ZMQError(zmq.EHOSTUNREACH)
+            return real_send(frames, *a, **kw)
+
+        monkeypatch.setattr(pool.sock, "send_multipart", refuse_second)
+        with pytest.raises(PoolError, match="cannot send to node worker 1"):
+            pool.submit(req)
+        monkeypatch.setattr(pool.sock, "send_multipart", real_send)
+        # not "submit() called twice": the failed submit left nothing behind
+        assert np.array_equal(layer(pool, req), want)
+
+
+def test_send_racing_a_kill_restarts_the_worker(tiny, monkeypatch):
+    """The kill closes the pipe before the process is reaped: the send fails, the death is still found."""
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        pool, req = eng.pool, _layer_request(eng)
+        want = layer(pool, req)
+        w = pool.workers[1]
+        old_pid = w.pid
+        os.kill(w.pid, signal.SIGKILL)
+        real_send, real_dead = pool.sock.send_multipart, type(w).dead
+        state = {"raced": False}
+
+        def not_reaped_yet(self):
+            return False if self is w and not state["raced"] else real_dead(self)
+
+        def unreachable(frames, *a, **kw):
+            if frames[0] == w.identity and not state["raced"]:
+                state["raced"] = True
+                raise zmq.ZMQError(zmq.EHOSTUNREACH)
+            return real_send(frames, *a, **kw)
+
+        monkeypatch.setattr(type(w), "dead", not_reaped_yet)
+        monkeypatch.setattr(pool.sock, "send_multipart", unreachable)
+        assert np.array_equal(layer(pool, req), want)
+        assert state["raced"] and w.pid != old_pid and pool.health()[1]["deaths"] == 1
+
+
+def test_refused_restart_is_tried_again_after_its_window(tiny):
+    cfg = EngineConfig(pool="process", numa_split=True, nodes=2, worker_restart_window=600.0)
+    with Engine.open(tiny, cfg) as eng:
+        pool, req = eng.pool, _layer_request(eng)
+        want = layer(pool, req)
+        _kill(pool, 0)
+        assert np.array_equal(layer(pool, req), want)  # first death: restarted at the check before the send
+        _kill(pool, 0)
+        with pytest.raises(WorkerDied, match="died twice within 600s"):
+            pool.submit(req)
+        for _ in range(2):  # refused again while the window lasts, quickly, and never "called twice"
+            with pytest.raises(WorkerDied, match="next restart is tried in"):
+                pool.submit(req)
+        h = pool.health()[0]
+        assert not h["alive"] and h["state"].startswith("down: restart refused") and "SIGKILL" in h["last_error"]
+        pool.maintain()  # not due yet: stays down
+        assert not pool.health()[0]["alive"]
+        pool.workers[0].retry_at = time.monotonic() - 1  # the window has passed
+        pool.maintain()
+        h = pool.health()[0]
+        assert h["alive"] and h["state"] == "ok" and h["deaths"] == 2
+        assert np.array_equal(layer(pool, req), want)
+
+
+def test_deaths_not_starts_are_counted(tiny):
+    """Two deaths further apart than the window are each restarted; the start itself is no death."""
+    cfg = EngineConfig(pool="process", numa_split=True, nodes=2, worker_restart_window=600.0)
+    with Engine.open(tiny, cfg) as eng:
+        pool, req = eng.pool, _layer_request(eng)
+        want = layer(pool, req)
+        _kill(pool, 1)
+        assert np.array_equal(layer(pool, req), want)
+        w = pool.workers[1]
+        w.deaths = [t - 601 for t in w.deaths]  # the first death is now outside the window
+        _kill(pool, 1)
+        # its restart (a start within the window) does not count against it
+        assert np.array_equal(layer(pool, req), want)
+        assert pool.health()[1]["deaths"] == 2 and pool.health()[1]["restarts"] == 2
+
+
+def test_hung_worker_is_killed_restarted_and_the_layer_retried(tiny):
+    cfg = EngineConfig(pool="process", numa_split=True, nodes=2, worker_hang_timeout=1.0)
+    with Engine.open(tiny, cfg) as eng:
+        pool, req = eng.pool, _layer_request(eng)
+        want = layer(pool, req)
+        w = pool.workers[0]
+        stopped = w.pid
+        hook_calls = []
+        pool.wait_hook = lambda: hook_calls.append(pool.health()[0]["state"])
+        os.kill(stopped, signal.SIGSTOP)
+        pool.submit(req)
+        got = pool.collect()
+        assert np.array_equal(got, want)
+        assert w.pid != stopped and not psutil.pid_exists(stopped)  # killed and reaped
+        h = pool.health()[0]
+        assert h["deaths"] == 1 and "hung" in h["last_error"]
+        assert len(hook_calls) >= 5  # the caller was called back all the while
+
+
+def test_wait_hook_can_abandon_a_wait_and_the_pool_stays_usable(tiny):
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        pool, req = eng.pool, _layer_request(eng)
+        want = layer(pool, req)
+        w = pool.workers[1]
+        os.kill(w.pid, signal.SIGSTOP)
+
+        def stop_now():
+            raise StepInterrupted("stop")
+
+        pool.wait_hook = stop_now
+        pool.submit(req)
+        with pytest.raises(StepInterrupted):
+            pool.collect()
+        os.kill(w.pid, signal.SIGCONT)
+        pool.wait_hook = None
+        assert np.array_equal(layer(pool, req), want)  # the abandoned request's late reply is not taken for this one
+
+
+def test_close_ends_a_stopped_worker_quickly(tiny):
+    eng = Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2))
+    pids = [w.pid for w in eng.pool.workers]
+    segs = [w.hello.get("segment") for w in eng.pool.workers]
+    os.kill(pids[0], signal.SIGSTOP)
+    t0 = time.monotonic()
+    eng.close()
+    assert time.monotonic() - t0 < 5.0
+    for pid in pids:
+        assert not psutil.pid_exists(pid)
+    from shm import segments
+    for name in segs:
+        with pytest.raises(segments.SegmentError):
+            segments.read_header(name)

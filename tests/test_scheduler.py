@@ -490,3 +490,46 @@ def test_step_interrupted_emits_nothing_and_keeps_the_sequences(engine, monkeypa
         assert [(ev["type"], ev["code"]) for ev in new] == [("error", "shutdown")], rid
     assert len(rec.events) == len(events) + 3
     assert not sched.busy and sched.all() == []
+
+
+# -- deadlines and prompts that cannot be tokenised (issue 11) ------------------
+
+
+def test_deadline_ends_a_sequence_with_its_text_so_far(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, rec)
+    sched.add(b"c", request(id="late", prompt=PROMPTS[0], max_new_tokens=50, deadline_s=2.0), arrived=100.0)
+    sched.add(b"c", request(id="free", prompt=PROMPTS[1], max_new_tokens=5))
+    for _ in range(3):
+        sched.step()
+    assert sched.expire(101.9) == 0
+    assert sched.expire(102.0) == 1
+    late = rec.final("late")
+    assert late["finish_reason"] == "deadline" and late["ids"] == solo(engine, PROMPTS[0], len(late["ids"]))
+    assert 0 < len(late["ids"]) < 50 and late["text"] == engine.decode(late["ids"])
+    run_to_end(sched)
+    check_final(engine, rec.final("free"), PROMPTS[1], 5)
+
+
+def test_a_prompt_the_tokenizer_refuses_is_bad_request(engine, monkeypatch):
+    sched = Scheduler(engine, Recorder())
+
+    def refuse(text):
+        raise Exception("tokenizer failure")  # tokenizers raises plain Exceptions
+
+    monkeypatch.setattr(engine, "encode", refuse)
+    with pytest.raises(ApiError) as info:
+        sched.add(b"c", request(id="t", prompt="abc"))
+    assert info.value.code == "bad_request" and "tokenizer failure" in info.value.message
+    assert not sched.busy
+
+
+def test_given_ids_are_used_without_tokenising(engine, monkeypatch):
+    rec = Recorder()
+    sched = Scheduler(engine, rec)
+    ids = engine.encode(PROMPTS[2])
+    monkeypatch.setattr(engine, "encode", lambda text: pytest.fail("tokenised on the serving loop"))
+    sched.add(b"c", request(id="pre", prompt=PROMPTS[2], max_new_tokens=4), ids=ids)
+    run_to_end(sched)
+    monkeypatch.undo()
+    check_final(engine, rec.final("pre"), PROMPTS[2], 4)
