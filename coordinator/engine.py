@@ -13,21 +13,21 @@ import numpy as np
 
 from node_worker import NodeWorker
 from shm.checkpoint import Checkpoint
+from shm.expert_source import read_expert_slice
 from shm.expert_store import HeapExpertStore
 from shm.plan import NodeShare, PoolPlan, make_plan, plan_to_dict, single_node_plan
-from shm.expert_source import read_expert_slice
 from shm.topology import Node, format_cpulist, select_nodes
 
-from .backend import select_device
 from .config import EngineConfig
 from .errors import ConfigValueError, StrataError
-from .hot_experts import ExpertProfile, choose_device_experts
-from .model import Decoder
-from .model_config import ModelConfig, load_model_config
-from .pools import ExpertPool, InprocPool
-from .sampling import Sampler, SamplingParams
-from .tokenizer import TextCodec
-from .weights import MLPWeights, load_weights
+from .model.backend import select_device
+from .model.decoder import Decoder
+from .model.model_config import ModelConfig, load_model_config
+from .model.sampling import Sampler, SamplingParams
+from .model.tokenizer import TextCodec
+from .model.weights import MLPWeights, load_weights
+from .pool import ExpertPool, InprocPool
+from .pool.hot_experts import ExpertProfile, choose_device_experts
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def build_pool(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolP
                experts: dict, config: EngineConfig, max_seq_len: int, model_digest: str | None = None) -> ExpertPool:
     if config.pool == "inproc":
         return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads, nodes)
-    from .process_pool import PoolOptions, ProcessPool
+    from .pool.process import PoolOptions, ProcessPool
 
     options = PoolOptions(threads=config.worker_threads, spin_us=config.pool_spin_us, keep_shm=config.keep_shm,
                           start_timeout_s=config.worker_start_timeout, max_tokens=max_seq_len,

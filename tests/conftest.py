@@ -7,8 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from served import Served, start_server, stop_server
 
-from coordinator.make_model import make_model
+from coordinator.cli.make_model import make_model
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
 from shm.checkpoint import INDEX_NAME, Checkpoint
 from shm.checkpoint_writer import save_checkpoint
 
@@ -90,3 +93,47 @@ def nothing_left_behind():
     workers = [p for p in me.children(recursive=True) if is_worker(p)]
     assert not left, f"segments leaked by the suite: {left}"
     assert not workers, f"node worker processes left running: {[w.pid for w in workers]}"
+
+
+# -- `strata serve` as a subprocess: shared by test_server, test_server_faults, test_client_limits ----------
+
+
+@pytest.fixture(scope="module")
+def serve_model(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("serve") / "m", seed=0)
+
+
+@pytest.fixture(scope="module")
+def serve_engine(serve_model):
+    """The served model in this process: the reference for greedy outputs."""
+    eng = Engine.open(serve_model, EngineConfig(pool="inproc"))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def serve_logdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("serve-logs")
+
+
+@pytest.fixture(scope="module")
+def server(serve_model, serve_logdir):
+    """One shared inproc server with default limits."""
+    s = start_server(serve_model, serve_logdir)
+    yield s
+    assert stop_server(s) == 0, s.stderr()
+
+
+@pytest.fixture
+def serve(serve_model, serve_logdir):
+    """Start a server of one's own: ``serve(*flags, bind=..., pool=...)``; stopped with SIGTERM at teardown."""
+    started: list[Served] = []
+
+    def start(*args, **kwargs) -> Served:
+        s = start_server(serve_model, serve_logdir, *args, **kwargs)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        stop_server(s)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from coordinator.cli import main
-from coordinator.make_model import ModelTooLarge, bench_small, l3_bytes, make_model, parameter_count
+from coordinator.cli.main import main
+from coordinator.cli.make_model import ModelTooLarge, bench_small, l3_bytes, make_model, parameter_count
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_a_preset_that_does_not_fit_is_refused_before_writing(tmp_path):
 
 
 def test_parameter_count_of_real_geometry():
-    from coordinator.make_model import PRESETS
+    from coordinator.cli.make_model import PRESETS
 
     g = PRESETS["qwen3-30b-a3b"]()
     assert 30e9 < parameter_count("qwen3_moe", g) < 31.5e9  # Qwen3-30B-A3B has 30.5B parameters
@@ -110,7 +110,7 @@ def test_parameter_count_of_real_geometry():
 
 def test_plot_draws_a_png(report, tmp_path):
     pytest.importorskip("matplotlib")
-    from coordinator.bench import plot
+    from coordinator.cli.bench import plot
 
     out = tmp_path / "r.png"
     plot(report, str(out))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from coordinator import Engine, EngineConfig
-from coordinator.cli import main
+from coordinator.cli.main import main
+from coordinator.cli.make_model import EOS_ID
 from coordinator.config import ENV_VARS
-from coordinator.make_model import EOS_ID
 
 REPO = Path(__file__).resolve().parents[1]
 N = 12

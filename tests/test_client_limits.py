@@ -6,13 +6,12 @@ import json
 import time
 
 import pytest
+from served import start_server, stop_server
 
-from coordinator.client import Client, RequestTooLarge, ServerDisconnected
+from coordinator.cli.make_model import make_model
 from coordinator.errors import StrataError
-from coordinator.make_model import make_model
-from coordinator.server import MAX_REQUEST_BYTES
-
-from test_server import start_server, stop_server
+from coordinator.serving.client import Client, RequestTooLarge, ServerDisconnected
+from coordinator.serving.server import MAX_REQUEST_BYTES
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,15 @@ import json
 
 import numpy as np
 import pytest
+from reference import Reference
 
 from coordinator import Engine, EngineConfig
-from coordinator.backend import DeviceError, probe_cuda
-from coordinator.cli import main
+from coordinator.cli.main import main
+from coordinator.cli.make_model import make_model
 from coordinator.engine import expert_bytes
 from coordinator.errors import ConfigValueError
-from coordinator.hot_experts import ExpertProfile, ProfileError, choose_device_experts
-from coordinator.make_model import make_model
-from reference import Reference
+from coordinator.model.backend import DeviceError, probe_cuda
+from coordinator.pool.hot_experts import ExpertProfile, ProfileError, choose_device_experts
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114]
 

@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from coordinator import Engine
-from coordinator.make_model import make_model
-from shm.checkpoint import Checkpoint, INDEX_NAME, bf16_to_f32
+from coordinator.cli.make_model import make_model
+from shm.checkpoint import INDEX_NAME, Checkpoint, bf16_to_f32
 from shm.checkpoint_writer import f32_to_bf16, save_checkpoint
 
 PROMPT = [10, 200, 33, 47, 99, 5]

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from coordinator.make_model import make_model
-from coordinator.model_config import load_model_config
-from coordinator.weights import load_weights
+from coordinator.cli.make_model import make_model
+from coordinator.model.model_config import load_model_config
+from coordinator.model.weights import load_weights
 from shm.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from shm.expert_source import ExpertRefs, TensorRef, read_columns_t, read_expert_slice, read_rows
 from shm.node_store import open_node_store

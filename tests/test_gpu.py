@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from coordinator import Engine, EngineConfig
-from coordinator.backend import probe_cuda
-from coordinator.make_model import make_model
+from coordinator.cli.make_model import make_model
+from coordinator.model.backend import probe_cuda
 
 USABLE, WHY = probe_cuda()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]

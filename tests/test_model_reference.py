@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from reference import Reference
 
 from coordinator import Engine, EngineConfig
-from coordinator.make_model import make_model
-from reference import Reference
+from coordinator.cli.make_model import make_model
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # "Hello, world"
 

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from coordinator import ops
-from coordinator.sampling import Sampler, SamplingParams, filtered_probs
+from coordinator.model import ops
+from coordinator.model.sampling import Sampler, SamplingParams, filtered_probs
 
 rng = np.random.default_rng(0)
 

@@ -13,13 +13,13 @@ import pytest
 import zmq
 
 from coordinator import Engine, EngineConfig
+from coordinator.cli.make_model import make_model
 from coordinator.engine import build_inproc_pool, build_plan, pool_nodes, worker_job
-from coordinator.make_model import make_model
-from coordinator.model_config import load_model_config
-from coordinator.pools import PoolRequest
 from coordinator.errors import StepInterrupted
-from coordinator.process_pool import PoolError, PoolOptions, ProcessPool, WorkerDied
-from coordinator.weights import load_weights
+from coordinator.model.model_config import load_model_config
+from coordinator.model.weights import load_weights
+from coordinator.pool import PoolRequest
+from coordinator.pool.process import PoolError, PoolOptions, ProcessPool, WorkerDied
 from node_worker import protocol as P
 from shm.checkpoint import Checkpoint
 

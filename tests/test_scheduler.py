@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from coordinator.api import ApiError, Limits, decode_request
+from coordinator.cli.make_model import EOS_ID, make_model
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from coordinator.errors import StepInterrupted
-from coordinator.make_model import EOS_ID, make_model
-from coordinator.scheduler import Scheduler
+from coordinator.serving.api import ApiError, Limits, decode_request
+from coordinator.serving.scheduler import Scheduler
 
 MAX_STEPS = 500  # every loop over steps is bounded by this
 

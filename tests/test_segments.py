@@ -30,10 +30,10 @@ import posix_ipc
 import pytest
 
 import shm.node_store
-from coordinator.cli import main
-from coordinator.make_model import make_model
-from coordinator.model_config import load_model_config
-from coordinator.weights import load_weights
+from coordinator.cli.main import main
+from coordinator.cli.make_model import make_model
+from coordinator.model.model_config import load_model_config
+from coordinator.model.weights import load_weights
 from shm import segments
 from shm.checkpoint import Checkpoint
 from shm.expert_source import read_expert_slice
@@ -173,8 +173,8 @@ def stop(proc: subprocess.Popen) -> None:
 # A node worker stand-in: makes and fills node 0's segment, says so, then waits to be killed.
 OWNER_SCRIPT = textwrap.dedent("""
     import os, sys
-    from coordinator.model_config import load_model_config
-    from coordinator.weights import load_weights
+    from coordinator.model.model_config import load_model_config
+    from coordinator.model.weights import load_weights
     from shm.checkpoint import Checkpoint
     from shm.node_store import open_node_store
     from shm.plan import NodeShare, make_plan

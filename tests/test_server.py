@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import queue
 import shutil
 import signal
 import socket
@@ -14,184 +13,22 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import pytest
 import zmq
 import zmq.auth
+from served import (EXIT_TIMEOUT_S, PROMPTS, READY_TIMEOUT_S, REPO, check_final, greedy, launch, raw_dealer, recv_event,
+                    send_json, server_env, start_server, stop_server, wait_for)
 
-from coordinator.client import Client, RequestFailed, ServerTimeout
-from coordinator.config import ENV_VARS, EngineConfig
-from coordinator.engine import Engine
-from coordinator.make_model import EOS_ID, make_model
-
-REPO = Path(__file__).resolve().parents[1]
-READY_TIMEOUT_S = 60.0  # start-up: imports, model load, node workers
-EXIT_TIMEOUT_S = 30.0
-REPLY_TIMEOUT_MS = 10_000
-PROMPTS = ["Hello", "The quick brown fox", "abc", "zz top", "1234567", "a", "Once upon a time, there was", "MoE!"]
-
-
-def server_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in {var for var, _ in ENV_VARS.values()}}
-
-
-class Served:
-    """A running ``strata serve``: its process, the endpoint it printed, and its stderr file."""
-
-    def __init__(self, proc: subprocess.Popen, address: str, stderr: Path):
-        self.proc, self.address, self.stderr_path = proc, address, stderr
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-
-def _reader(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
-def launch(model: Path, logdir: Path, *args: str, pool: str = "inproc") -> subprocess.Popen:
-    err = open(logdir / f"serve-{time.monotonic_ns()}.err", "w")
-    cmd = [sys.executable, "-m", "coordinator", "serve", "--model", str(model), *args]
-    if pool is not None:
-        cmd += ["--pool", pool]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(), stdout=subprocess.PIPE, stderr=err, text=True)
-    proc.stderr_file = Path(err.name)  # type: ignore[attr-defined]
-    err.close()
-    return proc
-
-
-def start_server(model: Path, logdir: Path, *args: str, bind: str = "tcp://127.0.0.1:*",
-                 pool: str = "inproc") -> Served:
-    """Start ``strata serve`` and wait for its 'serving on <endpoint>' line on stdout."""
-    proc = launch(model, logdir, "--bind", bind, *args, pool=pool)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
-    try:
-        line = lines.get(timeout=READY_TIMEOUT_S)
-    except queue.Empty:
-        line = None
-    if not line or not line.startswith("serving on "):
-        stop_server(Served(proc, "", proc.stderr_file))
-        pytest.fail(f"server did not come up (stdout {line!r}): {proc.stderr_file.read_text()}")
-    return Served(proc, line.split("serving on ", 1)[1].strip(), proc.stderr_file)
-
-
-def stop_server(s: Served) -> int:
-    if s.proc.poll() is None:
-        s.proc.send_signal(signal.SIGTERM)
-        try:
-            s.proc.wait(timeout=EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
-            s.proc.wait(timeout=EXIT_TIMEOUT_S)
-            pytest.fail(f"server pid {s.proc.pid} ignored SIGTERM: {s.stderr()}")
-    if s.proc.stdout is not None:
-        s.proc.stdout.close()
-    return s.proc.returncode
-
-
-# -- fixtures ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("serve") / "m", seed=0)
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    """The same model in this process: the reference for greedy outputs."""
-    eng = Engine.open(model, EngineConfig(pool="inproc"))
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def logdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("serve-logs")
-
-
-@pytest.fixture(scope="module")
-def server(model, logdir):
-    """One shared inproc server with default limits."""
-    s = start_server(model, logdir)
-    yield s
-    assert stop_server(s) == 0, s.stderr()
-
-
-@pytest.fixture
-def serve(model, logdir):
-    """Start a server of one's own: ``serve(*flags, bind=..., pool=...)``; stopped with SIGTERM at teardown."""
-    started: list[Served] = []
-
-    def start(*args, **kwargs) -> Served:
-        s = start_server(model, logdir, *args, **kwargs)
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        stop_server(s)
-
-
-@contextmanager
-def raw_dealer(address: str, **sockopts):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    for opt, value in sockopts.items():
-        sock.setsockopt(getattr(zmq, opt), value)
-    sock.connect(address)
-    try:
-        yield sock
-    finally:
-        sock.close(0)
-        ctx.term()
-
-
-def recv_event(sock, timeout_ms: int = REPLY_TIMEOUT_MS) -> dict:
-    assert sock.poll(timeout_ms), f"no reply within {timeout_ms} ms"
-    return json.loads(sock.recv())
-
-
-def send_json(sock, doc: dict) -> None:
-    sock.send(json.dumps(doc).encode())
-
-
-def greedy(engine, prompt: str, n: int) -> list[int]:
-    return engine.generate(engine.encode(prompt), n, temperature=0.0, stop_at_eos=True)
-
-
-def check_final(engine, final: dict, prompt: str, n: int) -> None:
-    want = greedy(engine, prompt, n)
-    assert final["ids"] == want
-    assert final["text"] == engine.decode(want)
-    assert final["finish_reason"] == ("eos" if want[-1] == EOS_ID else "length")
-    assert final["usage"] == {"prompt_tokens": len(engine.encode(prompt)), "completion_tokens": len(want)}
-
-
-def wait_for(predicate, what: str, timeout_s: float = 15.0, max_tries: int = 20_000):
-    """Call predicate() (each call a server round trip) until it returns a truthy value; bounded."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    for _ in range(max_tries):
-        last = predicate()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            break
-    raise AssertionError(f"{what}: not reached within {timeout_s}s")
+from coordinator.serving.client import Client, RequestFailed, ServerTimeout
 
 
 # -- generation ----------------------------------------------------------------
 
 
-def test_one_client_generate_equals_engine_greedy(server, engine):
+def test_one_client_generate_equals_engine_greedy(server, serve_engine):
     with Client(server.address, timeout=10) as c:
         gen = c.generate(PROMPTS[1], max_new_tokens=12)
         pieces = list(gen)
@@ -199,10 +36,10 @@ def test_one_client_generate_equals_engine_greedy(server, engine):
     assert final is not None and final["id"] == gen.id
     assert len(pieces) >= 1
     assert "".join(pieces) == final["text"]
-    check_final(engine, final, PROMPTS[1], 12)
+    check_final(serve_engine, final, PROMPTS[1], 12)
 
 
-def test_eight_concurrent_clients_equal_solo_runs(server, engine):
+def test_eight_concurrent_clients_equal_solo_runs(server, serve_engine):
     lengths = [6 + (i * 5) % 7 for i in range(8)]
     results: dict[int, tuple[str, dict]] = {}
     errors: list[BaseException] = []
@@ -230,7 +67,7 @@ def test_eight_concurrent_clients_equal_solo_runs(server, engine):
     assert sorted(results) == list(range(8))
     tokens = 0
     for i, (text, final) in results.items():
-        check_final(engine, final, PROMPTS[i], lengths[i])
+        check_final(serve_engine, final, PROMPTS[i], lengths[i])
         assert text == final["text"]
         tokens += len(final["ids"])
     assert after["completed"] - before["completed"] == 8
@@ -238,7 +75,7 @@ def test_eight_concurrent_clients_equal_solo_runs(server, engine):
     assert after["steps"] - before["steps"] < tokens  # some steps decoded several requests together
 
 
-def test_cancel_mid_stream(server, engine):
+def test_cancel_mid_stream(server, serve_engine):
     with Client(server.address, timeout=10) as c:
         gen = c.generate(PROMPTS[0], max_new_tokens=3000)
         it = iter(gen)
@@ -248,7 +85,7 @@ def test_cancel_mid_stream(server, engine):
         final = gen.final
         assert final["finish_reason"] == "cancelled"
         assert 1 <= len(final["ids"]) < 3000
-        assert final["ids"] == greedy(engine, PROMPTS[0], len(final["ids"]))
+        assert final["ids"] == greedy(serve_engine, PROMPTS[0], len(final["ids"]))
         assert first + "".join(rest) == final["text"]
         # the request is gone: cancelling it again is an error naming it
         c.cancel(gen.id)
@@ -350,20 +187,20 @@ def test_oversized_multipart_is_bad_request(server):
 
 
 @pytest.fixture(scope="module")
-def small_limits(model, logdir):
-    s = start_server(model, logdir, "--max-new-tokens-limit", "16", "--max-prompt-tokens", "8")
+def small_limits(serve_model, serve_logdir):
+    s = start_server(serve_model, serve_logdir, "--max-new-tokens-limit", "16", "--max-prompt-tokens", "8")
     yield s
     assert stop_server(s) == 0, s.stderr()
 
 
-def test_max_new_tokens_over_the_limit_is_too_long(small_limits, engine):
+def test_max_new_tokens_over_the_limit_is_too_long(small_limits, serve_engine):
     with Client(small_limits.address, timeout=10) as c:
         with pytest.raises(RequestFailed) as info:
             list(c.generate("abc", max_new_tokens=17))
         assert info.value.code == "too_long" and "max_new_tokens" in info.value.message
         gen = c.generate("abc", max_new_tokens=16)
         list(gen)
-        check_final(engine, gen.final, "abc", 16)
+        check_final(serve_engine, gen.final, "abc", 16)
         with pytest.raises(RequestFailed) as info:  # --max-prompt-tokens 8 holds for token ids
             list(c.generate(list(range(65, 74)), max_new_tokens=4))
         assert info.value.code == "too_long" and "prompt_ids" in info.value.message
@@ -504,7 +341,7 @@ def short_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def test_ipc_bind_in_private_directory_works(serve, short_dir, engine):
+def test_ipc_bind_in_private_directory_works(serve, short_dir, serve_engine):
     sock_dir = short_dir / "priv"
     sock_dir.mkdir(mode=0o700)
     os.chmod(sock_dir, 0o700)
@@ -513,14 +350,14 @@ def test_ipc_bind_in_private_directory_works(serve, short_dir, engine):
     with Client(s.address, timeout=10) as c:
         gen = c.generate("abc", max_new_tokens=4)
         assert "".join(gen) == gen.final["text"]
-    check_final(engine, gen.final, "abc", 4)
+    check_final(serve_engine, gen.final, "abc", 4)
 
 
-def test_ipc_bind_in_open_directory_is_refused(model, logdir, short_dir):
+def test_ipc_bind_in_open_directory_is_refused(serve_model, serve_logdir, short_dir):
     sock_dir = short_dir / "open"
     sock_dir.mkdir()
     os.chmod(sock_dir, 0o755)
-    proc = launch(model, logdir, "--bind", f"ipc://{sock_dir}/strata.sock")
+    proc = launch(serve_model, serve_logdir, "--bind", f"ipc://{sock_dir}/strata.sock")
     try:
         out, _ = proc.communicate(timeout=READY_TIMEOUT_S)
     finally:
@@ -567,7 +404,7 @@ def curve_keys(tmp_path):
     return server_dir, good, stranger
 
 
-def test_curve_authenticates_clients(serve, curve_keys, engine):
+def test_curve_authenticates_clients(serve, curve_keys, serve_engine):
     server_dir, good, stranger = curve_keys
     s = serve("--curve-keys", str(server_dir))
     assert s.address.startswith("tcp://127.0.0.1:")
@@ -575,7 +412,7 @@ def test_curve_authenticates_clients(serve, curve_keys, engine):
         assert c.health()["ok"] is True
         gen = c.generate("abc", max_new_tokens=5)
         assert "".join(gen) == gen.final["text"]
-    check_final(engine, gen.final, "abc", 5)
+    check_final(serve_engine, gen.final, "abc", 5)
     with Client(s.address, timeout=1.5) as c:  # no keys at all
         with pytest.raises(ServerTimeout):
             c.health()

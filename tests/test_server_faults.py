@@ -9,20 +9,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 
 import psutil
 import pytest
 import zmq
+from served import EXIT_TIMEOUT_S, PROMPTS, check_final, greedy, raw_dealer, recv_event, send_json, wait_for
 
-from coordinator.api import GENERATE_FIELDS, Limits
-from coordinator.client import Client, RequestFailed
-from coordinator.server import Server
-
-from test_server import (EXIT_TIMEOUT_S, PROMPTS, check_final, greedy, raw_dealer, recv_event, send_json,  # noqa: F401
-                         start_server, stop_server, wait_for)
-from test_server import engine, logdir, model, serve, server  # noqa: F401  (fixtures)
+from coordinator.serving.api import GENERATE_FIELDS
+from coordinator.serving.client import Client, RequestFailed
+from coordinator.serving.server import Server
 
 TERMINAL = {"error", "final", "stats", "health"}
 
@@ -77,7 +73,7 @@ def hostile_frames() -> list[bytes]:
     return frames
 
 
-def test_hostile_frames_get_errors_and_the_server_keeps_serving(server, engine):
+def test_hostile_frames_get_errors_and_the_server_keeps_serving(server, serve_engine):
     frames = hostile_frames()
     assert len(frames) > 700
     replies = []
@@ -98,13 +94,13 @@ def test_hostile_frames_get_errors_and_the_server_keeps_serving(server, engine):
     with Client(server.address, timeout=10) as c:
         gen = c.generate(PROMPTS[0], max_new_tokens=6)
         list(gen)
-    check_final(engine, gen.final, PROMPTS[0], 6)
+    check_final(serve_engine, gen.final, PROMPTS[0], 6)
     assert health_of(server.address)["ok"]
 
 
-def test_a_defect_while_handling_is_that_requests_error(engine, monkeypatch):
+def test_a_defect_while_handling_is_that_requests_error(serve_engine, monkeypatch):
     """Whatever raises while one request is handled becomes its 'internal' error; the next request is served."""
-    srv = Server(engine, "tcp://127.0.0.1:*")
+    srv = Server(serve_engine, "tcp://127.0.0.1:*")
     sent = []
     monkeypatch.setattr(srv, "_emit", lambda client, ev: sent.append((client, ev)))
     try:
@@ -139,13 +135,13 @@ def kill_and_wait(pid: int) -> None:
 
 
 @pytest.mark.slow
-def test_kill_kill_again_wait_past_the_window_and_serve(serve, engine):
+def test_kill_kill_again_wait_past_the_window_and_serve(serve, serve_engine):
     s = serve("--numa-split", "--nodes", "2", "--worker-restart-window", "4", pool="process")
     with Client(s.address, timeout=30) as c:
         def generate_ok():
             gen = c.generate(PROMPTS[1], max_new_tokens=5)
             list(gen)
-            check_final(engine, gen.final, PROMPTS[1], 5)
+            check_final(serve_engine, gen.final, PROMPTS[1], 5)
 
         generate_ok()
         first = worker_pids(s.address)[0]
@@ -167,7 +163,7 @@ def test_kill_kill_again_wait_past_the_window_and_serve(serve, engine):
 
 
 @pytest.mark.slow
-def test_stopped_worker_health_answered_then_hang_killed_and_step_retried(serve, engine):
+def test_stopped_worker_health_answered_then_hang_killed_and_step_retried(serve, serve_engine):
     s = serve("--numa-split", "--nodes", "2", "--worker-hang-timeout", "3", pool="process")
     pid = worker_pids(s.address)[1]
     n = 24
@@ -190,7 +186,7 @@ def test_stopped_worker_health_answered_then_hang_killed_and_step_retried(serve,
                 os.kill(pid, signal.SIGCONT)
     final = events[-1]
     assert final["type"] == "final", final
-    check_final(engine, final, PROMPTS[6], n)
+    check_final(serve_engine, final, PROMPTS[6], n)
     node = health_of(s.address)["pool"]["nodes"][1]
     assert node["pid"] != pid and node["alive"] and "hung" in node["last_error"]
 
@@ -252,14 +248,14 @@ def test_disconnected_clients_are_cancelled_within_a_second(serve):
     assert st["gone_clients"] == 4 and st["tokens"] < 4 * 3000
 
 
-def test_deadline_ends_a_request_with_what_it_made(server, engine):
+def test_deadline_ends_a_request_with_what_it_made(server, serve_engine):
     with Client(server.address, timeout=30) as c:
         gen = c.generate(PROMPTS[0], max_new_tokens=3000, deadline_s=0.5, stream=False)
         list(gen)
     final = gen.final
     assert final["finish_reason"] == "deadline"
     assert 0 < len(final["ids"]) < 3000
-    assert final["ids"] == greedy(engine, PROMPTS[0], len(final["ids"]))
+    assert final["ids"] == greedy(serve_engine, PROMPTS[0], len(final["ids"]))
 
 
 # -- 6. head-of-line blocking ------------------------------------------------------
@@ -271,11 +267,11 @@ def test_megabyte_prompt_is_refused_by_its_byte_length_untokenised(server):
     assert ev["code"] == "too_long" and "1000000 bytes, so at least" in ev["message"]
 
 
-def test_long_tokenisation_does_not_hold_up_other_clients(serve, engine):
+def test_long_tokenisation_does_not_hold_up_other_clients(serve, serve_engine):
     text = "lorem ipsum dolor " * 55_000  # 990 kB, a token per byte with this tokenizer: about a second to tokenise
     nbytes = len(text.encode())
     limit = nbytes // 2  # passes the byte check, fails once tokenised
-    assert nbytes // engine.codec.max_token_bytes() <= limit
+    assert nbytes // serve_engine.codec.max_token_bytes() <= limit
     s = serve("--max-prompt-tokens", str(limit))
     with raw_dealer(s.address) as slow, raw_dealer(s.address) as fast:
         assert ask(fast, {"type": "health"})["ok"]  # connected

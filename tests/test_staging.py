@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from coordinator import Engine, EngineConfig
-from coordinator.make_model import make_model
-from coordinator.pools import sum_in_node_order
-from coordinator.xp import HostStaging, SideStream
+from coordinator.cli.make_model import make_model
+from coordinator.model.xp import HostStaging, SideStream
+from coordinator.pool import sum_in_node_order
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 
@@ -131,7 +131,7 @@ def fake_cupy(monkeypatch):
     import sys
     import types
 
-    import coordinator.xp as xp_module
+    import coordinator.model.xp as xp_module
 
     cuda = FakeCuda()
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
@@ -173,8 +173,8 @@ def test_an_array_met_twice_is_uploaded_once():
     """A tied embedding and lm_head share one device copy."""
     import types
 
-    from coordinator.model import on_device
-    from coordinator.weights import MLPWeights
+    from coordinator.model.decoder import on_device
+    from coordinator.model.weights import MLPWeights
 
     uploads = []
     fake = types.SimpleNamespace(asarray=lambda a: (uploads.append(a), a.copy())[1])

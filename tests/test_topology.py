@@ -511,7 +511,7 @@ def test_this_machine_virtual_nodes():
 
 
 def test_cli_topo_json(capsys):
-    from coordinator.cli import main
+    from coordinator.cli.main import main
 
     if len(select_nodes(None)) >= 3:
         pytest.skip("this machine has 3 or more NUMA nodes with CPUs; --nodes 3 would not be virtual")
@@ -527,7 +527,7 @@ def test_cli_topo_json(capsys):
 
 
 def test_cli_topo_table(capsys):
-    from coordinator.cli import main
+    from coordinator.cli.main import main
 
     assert main(["topo"]) == 0
     out = capsys.readouterr().out

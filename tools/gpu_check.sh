@@ -48,7 +48,7 @@ for name in ("numpy", "zmq", "posix_ipc", "psutil", "safetensors", "tokenizers",
 if missing:
     sys.exit("missing: " + ", ".join(missing) + ": where pip reaches PyPI, ./tools/gpu_wheels.sh fetches"
              " the wheels into .whl/; carry that folder")
-from coordinator.backend import probe_cuda
+from coordinator.model.backend import probe_cuda
 
 ok, why = probe_cuda()
 print("cuda usable:", ok, why)

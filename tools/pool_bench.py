@@ -15,7 +15,7 @@ import statistics
 import tempfile
 
 from coordinator import Engine, EngineConfig
-from coordinator.make_model import make_model
+from coordinator.cli.make_model import make_model
 
 MODES = {
     "inproc-split": dict(pool="inproc", numa_split=True),

@@ -40,8 +40,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from coordinator.client import Client, RequestFailed, ServerDisconnected, ServerTimeout  # noqa: E402
-from coordinator.make_model import make_model  # noqa: E402
+from coordinator.cli.make_model import make_model  # noqa: E402
+from coordinator.serving.client import Client, RequestFailed, ServerDisconnected, ServerTimeout  # noqa: E402
 
 PROMPTS = ["Hello", "The quick brown fox", "abc", "zz top", "1234567", "a", "Once upon a time, there was", "MoE!",
            "Numbers: 1, 2, 3", "x" * 40, "Split the experts by rows", "two sockets, one GPU"]

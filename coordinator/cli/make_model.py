@@ -16,7 +16,7 @@ import numpy as np
 
 from shm.checkpoint_writer import save_checkpoint
 
-from .tokenizer import byte_level_tokenizer
+from ..model.tokenizer import byte_level_tokenizer
 
 ARCH_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

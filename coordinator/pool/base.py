@@ -3,21 +3,19 @@
 ``submit`` hands one layer's CPU work to the pool and returns at once;
 ``collect`` returns the sum of the nodes' partial outputs, added in the plan's
 node order. Between the two the coordinator computes whatever runs on the
-device. ``InprocPool`` runs the node workers' own task code in this process and
-is the reference the process pool is compared with.
+device. Two implementations: ``InprocPool`` (inproc.py) runs the node workers'
+own task code in this process and is the reference the process pool
+(process.py) is compared with.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from node_worker import NodeWorker
-from node_worker.membw import read_bandwidth
 from shm.plan import PoolPlan
 
 log = logging.getLogger(__name__)
@@ -89,49 +87,3 @@ def sum_in_node_order(partials: list[np.ndarray], out: np.ndarray | None = None)
     for part in partials[1:]:
         out += part
     return out
-
-
-class InprocPool(ExpertPool):
-    def __init__(self, plan: PoolPlan, workers: list[NodeWorker]):
-        if [w.node for w in workers] != list(plan.node_ids):
-            raise ValueError("InprocPool needs one NodeWorker per plan node, in plan order")
-        self.plan = plan
-        self.workers = workers
-        self._pending: PoolRequest | None = None
-        self.timings = []
-
-    def submit(self, request: PoolRequest) -> None:
-        self._pending = request  # one left by a step that failed before its collect is dropped
-
-    def collect(self, out: np.ndarray | None = None) -> np.ndarray:
-        req, self._pending = self._pending, None
-        if req is None:
-            raise RuntimeError("collect() without submit()")
-        partials, compute, nbytes = [], [], []
-        t0 = time.perf_counter_ns()
-        for w in self.workers:
-            t, before = time.perf_counter_ns(), w.bytes_read
-            partials.append(w.compute(req.layer, req.x, req.tokens, req.experts, req.weights))
-            compute.append(time.perf_counter_ns() - t)
-            nbytes.append(w.bytes_read - before)
-        if self.record_timings:
-            self.timings.append(LayerTiming(req.layer, req.x.shape[0], time.perf_counter_ns() - t0,
-                                            tuple(compute), tuple(nbytes)))
-        return sum_in_node_order(partials, out)
-
-    def membw(self, nbytes: int, repeats: int = 3) -> dict:
-        # the nodes of this pool run one after another in this process: measure them that way
-        per_node = []
-        for w in self.workers:
-            seconds, gbps = read_bandwidth(w.runner, nbytes, repeats)
-            per_node.append({"node": w.node, "seconds": seconds, "gb_per_s": gbps, "threads": w.threads})
-        total = sum(p["seconds"] for p in per_node)
-        return {"gb_per_s": nbytes * len(per_node) / total / 1e9, "per_node": per_node}
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(w.bytes_read for w in self.workers)
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.close()

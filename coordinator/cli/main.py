@@ -11,8 +11,8 @@ from pathlib import Path
 
 from shm.checkpoint import CheckpointError
 
-from .config import ENV_VARS, resolve_config
-from .errors import StrataError
+from ..config import ENV_VARS, resolve_config
+from ..errors import StrataError
 
 log = logging.getLogger("strata")
 
@@ -90,8 +90,8 @@ def _prompt_ids(args: argparse.Namespace, engine) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .engine import Engine
-    from .tokenizer import StreamDecoder
+    from ..engine import Engine
+    from ..model.tokenizer import StreamDecoder
 
     config, sources = _engine_config(args)
     if args.print_config:
@@ -186,9 +186,9 @@ def cmd_shm_clean(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .api import Limits
-    from .engine import Engine
-    from .server import check_bind, serve
+    from ..engine import Engine
+    from ..serving.api import Limits
+    from ..serving.server import check_bind, serve
 
     config, sources = _engine_config(args)
     if args.print_config:
@@ -203,7 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from .client import Client
+    from ..serving.client import Client
 
     params = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stream=not args.json)
     if args.seed is not None:
@@ -239,7 +239,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .engine import Engine
+    from ..engine import Engine
 
     config, _ = _engine_config(args)
     prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from .errors import StrataError
+from ..errors import StrataError
 
 log = logging.getLogger(__name__)
 

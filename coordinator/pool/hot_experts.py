@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import StrataError
+from ..errors import StrataError
 
 PROFILE_FORMAT = "strata-expert-profile"
 PROFILE_VERSION = 1

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigValueError
+from ..errors import ConfigValueError
 from .ops import softmax
 
 

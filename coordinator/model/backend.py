@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from .errors import StrataError
+from ..errors import StrataError
 
 log = logging.getLogger(__name__)
 _warned = False

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelConfigError
+from ..errors import ModelConfigError
 
 ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",

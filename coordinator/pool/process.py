@@ -43,8 +43,8 @@ from shm import segments
 from shm.plan import PoolPlan
 from shm.topology import Node
 
-from .errors import StepInterrupted, StrataError
-from .pools import ExpertPool, LayerTiming, PoolRequest, sum_in_node_order
+from ..errors import StepInterrupted, StrataError
+from ..pool import ExpertPool, LayerTiming, PoolRequest, sum_in_node_order
 
 log = logging.getLogger(__name__)
 

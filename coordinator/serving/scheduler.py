@@ -23,11 +23,11 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import StepInterrupted
+from ..model.kv_cache import KVCache
+from ..model.sampling import Sampler, SamplingParams
+from ..model.tokenizer import StreamDecoder
 from .api import ApiError, GenerateRequest, Limits
-from .errors import StepInterrupted
-from .kv_cache import KVCache
-from .sampling import Sampler, SamplingParams
-from .tokenizer import StreamDecoder
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Python client of ``strata serve``.
 
-    from coordinator.client import Client
+    from coordinator.serving.client import Client
     with Client("tcp://127.0.0.1:5557") as c:
         gen = c.generate("Hello", max_new_tokens=32)
         for piece in gen:              # text chunks as they are made
@@ -25,7 +25,7 @@ from typing import Iterator
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .errors import StrataError
+from ..errors import StrataError
 from .server import MAX_REQUEST_BYTES
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"

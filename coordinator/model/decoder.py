@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..pool import ExpertPool, PoolRequest
 from . import ops
 from .kv_cache import KVCache
 from .model_config import ModelConfig
-from .pools import ExpertPool, PoolRequest
 from .weights import LayerWeights, ModelWeights
 from .xp import HostStaging, SideStream, module, to_host
 

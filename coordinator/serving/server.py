@@ -32,9 +32,9 @@ from urllib.parse import urlsplit
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ..errors import StepInterrupted, StrataError
 from .api import (ApiError, CancelRequest, GenerateRequest, HealthRequest, Limits, StatsRequest, decode_request,
                   encode_event, error_event)
-from .errors import StepInterrupted, StrataError
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import EngineConfig
-from .engine import Engine
+from ..config import EngineConfig
+from ..engine import Engine
 from .make_model import l3_bytes
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""The command line: ``strata`` (main.py), ``strata bench`` (bench.py), ``strata make-model`` (make_model.py)."""

@@ -1,0 +1,62 @@
+"""InprocPool: the node workers' own task code, run in the coordinator process.
+
+The reference for tests: the process pool on the same plan is bitwise equal to it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from node_worker import NodeWorker
+from node_worker.membw import read_bandwidth
+from shm.plan import PoolPlan
+
+from .base import ExpertPool, LayerTiming, PoolRequest, sum_in_node_order
+
+
+class InprocPool(ExpertPool):
+    def __init__(self, plan: PoolPlan, workers: list[NodeWorker]):
+        if [w.node for w in workers] != list(plan.node_ids):
+            raise ValueError("InprocPool needs one NodeWorker per plan node, in plan order")
+        self.plan = plan
+        self.workers = workers
+        self._pending: PoolRequest | None = None
+        self.timings = []
+
+    def submit(self, request: PoolRequest) -> None:
+        self._pending = request  # one left by a step that failed before its collect is dropped
+
+    def collect(self, out: np.ndarray | None = None) -> np.ndarray:
+        req, self._pending = self._pending, None
+        if req is None:
+            raise RuntimeError("collect() without submit()")
+        partials, compute, nbytes = [], [], []
+        t0 = time.perf_counter_ns()
+        for w in self.workers:
+            t, before = time.perf_counter_ns(), w.bytes_read
+            partials.append(w.compute(req.layer, req.x, req.tokens, req.experts, req.weights))
+            compute.append(time.perf_counter_ns() - t)
+            nbytes.append(w.bytes_read - before)
+        if self.record_timings:
+            self.timings.append(LayerTiming(req.layer, req.x.shape[0], time.perf_counter_ns() - t0,
+                                            tuple(compute), tuple(nbytes)))
+        return sum_in_node_order(partials, out)
+
+    def membw(self, nbytes: int, repeats: int = 3) -> dict:
+        # the nodes of this pool run one after another in this process: measure them that way
+        per_node = []
+        for w in self.workers:
+            seconds, gbps = read_bandwidth(w.runner, nbytes, repeats)
+            per_node.append({"node": w.node, "seconds": seconds, "gb_per_s": gbps, "threads": w.threads})
+        total = sum(p["seconds"] for p in per_node)
+        return {"gb_per_s": nbytes * len(per_node) / total / 1e9, "per_node": per_node}
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(w.bytes_read for w in self.workers)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
