@@ -15,6 +15,7 @@ from typing import Callable, Mapping
 from .errors import ConfigValueError
 
 POOLS = ("inproc", "process")
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")  # names logging.basicConfig takes
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class EngineConfig:
     worker_hang_timeout: float | None = None  # seconds a node worker may stay silent on a layer; None = derived
     worker_restart_window: float = 30.0  # a second worker death within this many seconds is not restarted at once
     prefill_chunk: int = 512  # prompt tokens prefilled per serving step, interleaved with decode steps
+    worker_log_level: str = "WARNING"  # logging level of the node worker processes (a LOG_LEVELS name)
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -78,6 +80,9 @@ class EngineConfig:
             raise ConfigValueError(f"prefill_chunk must be a positive number of tokens, got {self.prefill_chunk!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
             raise ConfigValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
+        if self.worker_log_level not in LOG_LEVELS:
+            raise ConfigValueError(f"worker_log_level must be one of {', '.join(LOG_LEVELS)}, "
+                                   f"got {self.worker_log_level!r}")
 
 
 def parse_bool(text: str) -> bool:
@@ -95,6 +100,10 @@ def parse_optional_int(text: str) -> int | None:
 
 def parse_optional_float(text: str) -> float | None:
     return None if text.strip() in ("", "auto") else float(text)
+
+
+def parse_log_level(text: str) -> str:
+    return text.strip().upper()
 
 
 # field -> (environment variable, parser of its text)
@@ -116,7 +125,15 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "worker_hang_timeout": ("STRATA_WORKER_HANG_TIMEOUT", parse_optional_float),
     "worker_restart_window": ("STRATA_WORKER_RESTART_WINDOW", float),
     "prefill_chunk": ("STRATA_PREFILL_CHUNK", int),
+    "worker_log_level": ("STRATA_WORKER_LOG", parse_log_level),
 }
+
+
+def _parse_env(var: str, parse: Callable[[str], object], environ: Mapping[str, str]) -> object:
+    try:
+        return parse(environ[var])
+    except ValueError as exc:
+        raise ConfigValueError(f"{var}={environ[var]!r}: {exc}") from None
 
 
 def resolve_config(
@@ -133,11 +150,7 @@ def resolve_config(
         if f.name in flags:
             values[f.name], sources[f.name] = flags[f.name], "flag"
         elif var in environ:
-            try:
-                values[f.name] = parse(environ[var])
-            except ValueError as exc:
-                raise ConfigValueError(f"{var}={environ[var]!r}: {exc}") from None
-            sources[f.name] = f"env {var}"
+            values[f.name], sources[f.name] = _parse_env(var, parse, environ), f"env {var}"
         elif defaults and f.name in defaults:
             values[f.name], sources[f.name] = defaults[f.name], "default (command line)"
         else:
@@ -146,3 +159,20 @@ def resolve_config(
     if unknown:
         raise ConfigValueError(f"unknown config field(s): {', '.join(unknown)}")
     return EngineConfig(**values), sources  # type: ignore[arg-type]
+
+
+def resolve_setting(name: str, flag: object = None, environ: Mapping[str, str] | None = None) -> object:
+    """One field's value, flag > variable > EngineConfig's default, parsed as in resolve_config and checked
+    by EngineConfig on its own; for a command that needs one setting, not an engine (``strata bench --spin-us``).
+    Only for fields whose checks stand alone (not ``nodes`` or ``gpu_expert_memory``)."""
+    if name not in ENV_VARS:
+        raise ConfigValueError(f"unknown config field: {name}")
+    var, parse = ENV_VARS[name]
+    environ = os.environ if environ is None else environ
+    if flag is not None:
+        value = flag
+    elif var in environ:
+        value = _parse_env(var, parse, environ)
+    else:
+        return getattr(EngineConfig(), name)
+    return getattr(EngineConfig(**{name: value}), name)

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from node_worker import NodeWorker
+from node_worker.job import ExpertJob, NodeJob, WorkerJob, max_message_bytes
 from shm.checkpoint import Checkpoint
 from shm.expert_source import read_expert_slice
 from shm.expert_store import HeapExpertStore
@@ -72,7 +73,7 @@ def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, exper
                    threads=threads or max(1, len(cpus.get(node, []))), cpus=cpus.get(node))
         for node in plan.node_ids
     ]
-    return InprocPool(plan, workers)
+    return InprocPool(plan, workers, nodes)
 
 
 def expert_bytes(mcfg: ModelConfig) -> int:
@@ -104,46 +105,47 @@ def cpu_set_digest(ckpt: Checkpoint, device_set) -> str:
 
 
 def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
-               max_tokens: int, model_digest: str | None = None) -> dict:
-    """What a node worker needs to build its store: plain JSON, since node_worker cannot import us."""
-    def ref(r):
-        return [r.name, r.expert, r.row_offset]
-
-    return {
-        "model_dir": str(model_dir.resolve()), "model_digest": model_digest or ckpt.digest(),
-        "hidden": mcfg.hidden_size,
-        "num_layers": mcfg.num_layers, "num_experts": mcfg.num_experts, "moe_layers": mcfg.moe_layers,
-        "intermediate": mcfg.moe_intermediate_size, "plan": plan_to_dict(plan), "max_tokens": max_tokens,
-        "experts": [[l, e, mcfg.moe_intermediate_size, ref(r.gate), ref(r.up), ref(r.down)]
-                    for (l, e), r in sorted(experts.items())],
-    }
+               nodes: list[Node], config: EngineConfig, max_tokens: int, model_digest: str | None = None) -> WorkerJob:
+    """What the node workers need to build their stores and serve (node_worker/job.py)."""
+    return WorkerJob(
+        model_dir=str(model_dir.resolve()), model_digest=model_digest or ckpt.digest(), hidden=mcfg.hidden_size,
+        num_layers=mcfg.num_layers, num_experts=mcfg.num_experts, intermediate=mcfg.moe_intermediate_size,
+        moe_layers=tuple(mcfg.moe_layers), plan=plan_to_dict(plan), max_tokens=max_tokens,
+        max_message_bytes=max_message_bytes(max_tokens, mcfg.hidden_size),
+        nodes=tuple(NodeJob(n.id, n.parent if n.virtual else n.id, tuple(n.cpus),
+                            config.worker_threads or len(n.cpus), n.mem_free or 0) for n in nodes),
+        experts=tuple(ExpertJob(l, e, mcfg.moe_intermediate_size, refs) for (l, e), refs in sorted(experts.items())),
+        spin_us=config.pool_spin_us, keep_shm=config.keep_shm, log_level=config.worker_log_level,
+    )
 
 
 def build_pool(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, nodes: list[Node],
                experts: dict, config: EngineConfig, max_seq_len: int, model_digest: str | None = None) -> ExpertPool:
     if config.pool == "inproc":
         return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads, nodes)
-    from .pool.process import PoolOptions, ProcessPool
+    from .pool.process import ProcessPool
 
-    options = PoolOptions(threads=config.worker_threads, spin_us=config.pool_spin_us, keep_shm=config.keep_shm,
-                          start_timeout_s=config.worker_start_timeout, max_tokens=max_seq_len,
-                          hang_timeout_s=config.worker_hang_timeout, restart_window_s=config.worker_restart_window)
-    return ProcessPool(plan, nodes, worker_job(model_dir, ckpt, mcfg, plan, experts, max_seq_len, model_digest),
-                       options)
+    job = worker_job(model_dir, ckpt, mcfg, plan, experts, nodes, config, max_seq_len, model_digest)
+    return ProcessPool(plan, nodes, job, config)
 
 
+@dataclass(eq=False)
 class Engine:
-    def __init__(self, model_dir: Path, config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint,
-                 decoder: Decoder, pool: ExpertPool, codec: TextCodec | None, nodes: list[Node]):
-        self.model_dir = model_dir
-        self.config = config
-        self.model_config = mcfg
-        self.ckpt = ckpt
-        self.decoder = decoder
-        self.pool = pool
-        self.codec = codec
-        self.nodes = nodes  # the pool's nodes, as the topology reported them
-        self.max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
+    """A loaded model with its pool (``Engine.open``); generation and text on top."""
+
+    model_dir: Path
+    config: EngineConfig
+    model_config: ModelConfig
+    ckpt: Checkpoint
+    decoder: Decoder
+    pool: ExpertPool
+    codec: TextCodec | None
+    nodes: list[Node]  # the pool's nodes, as the topology reported them
+    device_placement: dict = field(default_factory=dict)  # which experts the device side holds, and why
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len or self.model_config.max_position_embeddings
 
     @classmethod
     def open(cls, model_dir: str | Path, config: EngineConfig | None = None) -> "Engine":
@@ -170,10 +172,9 @@ class Engine:
         decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
-        engine = cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes)
-        engine.device_placement = {"backend": backend, "experts": len(device_set), "chosen": placement,
-                                   "bytes": len(device_set) * expert_bytes(mcfg)}
-        return engine
+        return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,
+                   {"backend": backend, "experts": len(device_set), "chosen": placement,
+                    "bytes": len(device_set) * expert_bytes(mcfg)})
 
     def expert_report(self) -> dict:
         """Hit rate and expert bytes read on each side, counted over this engine's life."""
@@ -183,7 +184,7 @@ class Engine:
                 "cpu_pairs": st.cpu_pairs, "routed_pairs": st.routed_pairs, "skipped_pairs": st.skipped_pairs,
                 "device_bytes_read": st.device_expert_loads * per, "cpu_bytes_read": st.cpu_expert_loads * per,
                 "coordinator_wait_on_pool_s": st.pool_wait_ns / 1e9,
-                "pool_wait_on_coordinator_s": getattr(self.pool, "stats", {}).get("idle_ns", 0) / 1e9}
+                "pool_wait_on_coordinator_s": self.pool.stats["idle_ns"] / 1e9}
 
     def profile(self) -> ExpertProfile:
         """The routing counted so far, as a frozen expert profile of this model."""

@@ -1,6 +1,7 @@
 """The node worker process: NodeWorker behind a DEALER socket, pinned to its node.
 
-Started by the coordinator as ``python -m node_worker --job FILE --node N ...``.
+Started by the coordinator as ``python -m node_worker --job FILE --node N
+--identity ID --parent-pid PID``; everything else is in the job (node_worker/job.py).
 It pins itself to its node's CPUs (or runs under numactl), names itself
 ``strata-node<N>``, opens or fills its segment, connects, says HELLO, and then
 answers COMPUTE and PING until SHUTDOWN. It dies with its parent: a watcher
@@ -13,7 +14,6 @@ words).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import select
@@ -25,12 +25,12 @@ from pathlib import Path
 import zmq
 
 from shm.checkpoint import Checkpoint
-from shm.expert_source import ExpertRefs, TensorRef
 from shm.node_store import open_node_store
 from shm.placement import segment_placement
 from shm.plan import plan_from_dict
 
 from . import protocol as P
+from .job import JobError, WorkerJob
 from .membw import read_bandwidth
 from .worker import NodeWorker
 
@@ -77,51 +77,51 @@ def _term(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def load_job(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-def expert_map(job: dict) -> dict:
-    def ref(r):
-        return TensorRef(r[0], r[1], r[2])
-
-    return {(l, e): (ExpertRefs(ref(g), ref(u), ref(d)), inter) for l, e, inter, g, u, d in job["experts"]}
+def load_job(path: Path, node: int) -> WorkerJob:
+    try:
+        job = WorkerJob.from_json(path.read_text())
+        job.node(node)
+        return job
+    except (OSError, JobError) as exc:
+        raise SystemExit(f"node worker {node}: cannot use the job {path}: {exc}") from None
 
 
 class WorkerProcess:
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.job = load_job(args.job)
-        self.node = args.node
-        self.cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
+    def __init__(self, job: WorkerJob, node: int, identity: str):
+        self.job = job
+        self.node = node
+        self.node_job = job.node(node)
+        self.cpus = list(self.node_job.cpus) or sorted(os.sched_getaffinity(0))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, (args.identity or f"node{self.node}").encode())
+        self.sock.setsockopt(zmq.IDENTITY, (identity or f"node{node}").encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         # No MAXMSGSIZE here: libzmq drops a connection that breaks it and the DEALER
         # does not come back. The peer is our own coordinator over a 0700 ipc path, so
         # the limit is checked per message instead, and answered with an ERROR.
-        self.max_message_bytes = self.job["max_message_bytes"]
-        self.sock.connect(args.endpoint)
+        self.max_message_bytes = job.max_message_bytes
+        self.moe_layers = set(job.moe_layers)
+        self.sock.connect(job.endpoint)
         self.worker: NodeWorker | None = None
-        self.spin_s = args.spin_us / 1e6
+        self.spin_s = job.spin_us / 1e6
+        self.handlers = {P.Compute: self.on_compute, P.MemBw: self.on_membw, P.Ping: self.on_ping}
 
     def send(self, frames: list) -> None:
         self.sock.send_multipart(frames, copy=False)
 
     def start(self) -> None:
-        job = self.job
-        plan = plan_from_dict(job["plan"])
-        ckpt = Checkpoint(job["model_dir"])
-        store, report = open_node_store(ckpt, plan, self.node, expert_map(job), job["hidden"], self.cpus,
-                                        model_digest=job["model_digest"], node_free=self.args.node_free or None)
-        store.segment.keep = self.args.keep_shm
-        self.worker = NodeWorker(self.node, store, job["hidden"], threads=self.args.threads, cpus=self.cpus)
-        placement = segment_placement(os.getpid(), report.segment, self.args.local_node)
-        rows = plan.slice_of(job["intermediate"], self.node)
+        job, nj = self.job, self.node_job
+        plan = plan_from_dict(job.plan)
+        ckpt = Checkpoint(job.model_dir)
+        store, report = open_node_store(ckpt, plan, self.node, job.expert_map(), job.hidden, self.cpus,
+                                        model_digest=job.model_digest, node_free=nj.node_free or None)
+        store.segment.keep = job.keep_shm
+        self.worker = NodeWorker(self.node, store, job.hidden, threads=nj.threads, cpus=self.cpus)
+        placement = segment_placement(os.getpid(), report.segment, nj.local_node)
+        rows = plan.slice_of(job.intermediate, self.node)
         self.send(P.encode_hello(P.Hello({
             "version": P.PROTOCOL_VERSION, "pid": os.getpid(), "node": self.node,
-            "model_digest": job["model_digest"], "plan_digest": plan.digest,
+            "model_digest": job.model_digest, "plan_digest": plan.digest,
             "slice_rows": [rows.start, rows.stop] if rows else None, "threads": self.worker.threads,
             "cpus": self.cpus, "segment": report.segment, "segment_bytes": report.bytes,
             "reloaded": report.reloaded, "load_s": report.seconds, "load_gb_per_s": report.gb_per_s,
@@ -154,34 +154,39 @@ class WorkerProcess:
         except P.ProtocolError as exc:
             self.send(P.encode_error(P.Error(0, False, f"node {self.node}: bad message: {exc}")))
             return True
-        if isinstance(msg, P.Compute):
-            job = self.job
-            try:
-                P.check_compute(msg, job["num_layers"], job["num_experts"], job["hidden"], job["max_tokens"])
-                if msg.layer not in self.moe_layers:
-                    raise P.ProtocolError(f"layer {msg.layer} is not a MoE layer")
-            except P.ProtocolError as exc:
-                self.send(P.encode_error(P.Error(msg.request_id, False, f"node {self.node}: bad COMPUTE: {exc}")))
-                return True
-            t0 = time.perf_counter_ns()
-            before = self.worker.bytes_read
-            y = self.worker.compute(msg.layer, msg.x, msg.tokens, msg.experts, msg.weights)
-            compute = time.perf_counter_ns() - t0
-            self.send(P.encode_result(P.Result(msg.request_id, y, compute, self.worker.bytes_read - before,
-                                               received, time.monotonic_ns())))
-        elif isinstance(msg, P.MemBw):
-            seconds, gbps = read_bandwidth(self.worker.runner, msg.nbytes, msg.repeats)
-            self.send(P.encode_membw_result(P.MemBwResult(msg.request_id, seconds, gbps)))
-        elif isinstance(msg, P.Ping):
-            self.send(P.encode_pong(P.Pong(msg.request_id)))
-        elif isinstance(msg, P.Shutdown):
+        if isinstance(msg, P.Shutdown):
             return False
-        else:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
             self.send(P.encode_error(P.Error(0, False, f"node {self.node}: unexpected {type(msg).__name__}")))
+        else:
+            handler(msg, received)
         return True
 
+    def on_compute(self, msg: P.Compute, received: int) -> None:
+        job = self.job
+        try:
+            P.check_compute(msg, job.num_layers, job.num_experts, job.hidden, job.max_tokens)
+            if msg.layer not in self.moe_layers:
+                raise P.ProtocolError(f"layer {msg.layer} is not a MoE layer")
+        except P.ProtocolError as exc:
+            self.send(P.encode_error(P.Error(msg.request_id, False, f"node {self.node}: bad COMPUTE: {exc}")))
+            return
+        t0 = time.perf_counter_ns()
+        before = self.worker.bytes_read
+        y = self.worker.compute(msg.layer, msg.x, msg.tokens, msg.experts, msg.weights)
+        compute = time.perf_counter_ns() - t0
+        self.send(P.encode_result(P.Result(msg.request_id, y, compute, self.worker.bytes_read - before,
+                                           received, time.monotonic_ns())))
+
+    def on_membw(self, msg: P.MemBw, received: int) -> None:
+        seconds, gbps = read_bandwidth(self.worker.runner, msg.nbytes, msg.repeats)
+        self.send(P.encode_membw_result(P.MemBwResult(msg.request_id, seconds, gbps)))
+
+    def on_ping(self, msg: P.Ping, received: int) -> None:
+        self.send(P.encode_pong(P.Pong(msg.request_id)))
+
     def serve(self) -> None:
-        self.moe_layers = set(self.job["moe_layers"])
         while True:
             frames = self.recv()
             if frames is not None and not self.handle(frames):
@@ -196,37 +201,28 @@ class WorkerProcess:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m node_worker")
-    p.add_argument("--job", type=Path, required=True, help="the coordinator's job file (JSON)")
-    p.add_argument("--node", type=int, required=True)
-    p.add_argument("--local-node", dest="local_node", type=int, default=None, help="real node of the memory")
-    p.add_argument("--cpus", default="", help="CPUs to pin to (default: the current affinity)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--endpoint", required=True)
-    p.add_argument("--identity", default="", help="the DEALER routing id (default node<N>)")
-    p.add_argument("--parent-pid", dest="parent_pid", type=int, required=True)
-    p.add_argument("--spin-us", dest="spin_us", type=float, default=0.0)
-    p.add_argument("--node-free", dest="node_free", type=int, default=0)
-    p.add_argument("--keep-shm", dest="keep_shm", action="store_true")
-    args = p.parse_args(argv)
-    if args.local_node is None:
-        args.local_node = args.node
-    return args
+    p.add_argument("--job", type=Path, required=True, help="the pool's job file (node_worker/job.py)")
+    p.add_argument("--node", type=int, required=True, help="which of the job's nodes this worker serves")
+    p.add_argument("--identity", default="", help="the DEALER routing id of this incarnation (default node<N>)")
+    p.add_argument("--parent-pid", dest="parent_pid", type=int, required=True, help="exit when this process does")
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=os.environ.get("STRATA_WORKER_LOG", "WARNING"),
-                        format=f"%(levelname)s node{args.node} %(name)s: %(message)s")
+    job = load_job(args.job, args.node)
+    logging.basicConfig(level=job.log_level, format=f"%(levelname)s node{args.node} %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _term)
     signal.signal(signal.SIGINT, _term)
     set_title(args.node)
     watch_parent(args.parent_pid)
-    if args.cpus:
+    cpus = job.node(args.node).cpus
+    if cpus:
         try:
-            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+            os.sched_setaffinity(0, set(cpus))
         except OSError as exc:
-            log.warning("cannot pin to CPUs %s: %s", args.cpus, exc)
-    proc = WorkerProcess(args)
+            log.warning("cannot pin to CPUs %s: %s", cpus, exc)
+    proc = WorkerProcess(job, args.node, args.identity)
     try:
         proc.start()
         proc.serve()

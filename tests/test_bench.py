@@ -8,6 +8,7 @@ import pytest
 
 from coordinator.cli.main import main
 from coordinator.cli.make_model import ModelTooLarge, bench_small, l3_bytes, make_model, parameter_count
+from shm.topology import real_nodes
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,9 @@ def test_every_mode_and_figure_is_reported(report):
         assert m["empty_round_trip_us"]["median"] > 0 and m["overhead_vs_floor"] is not None
         L = m["moe_layer_decode"]
         hops = L["to_worker_us"]["median"] + L["in_worker_us"]["median"] + L["to_coordinator_us"]["median"]
-        assert 0 < hops <= L["wall_us"]["max"]  # the hops fit inside the layer's wall time
+        # each node's hops fit inside the layer's wall time; each hop is the slowest node's, maybe not the same node
+        nodes = len(m["nodes"])
+        assert 0 < hops <= nodes * L["wall_us"]["max"]
     assert report["modes"]["inproc"]["moe_layer_decode"]["to_worker_us"]["n"] == 0
 
 
@@ -81,9 +84,10 @@ def test_nodes_are_described_and_virtual_nodes_labelled(report):
     rows = [n["slice_rows"] for n in split]
     assert rows[0][0] == 0 and rows[0][1] == rows[1][0] and rows[1][1] == 80  # the tiny model's I
     assert all(n["threads"] >= 1 and n["cpus"] for n in split)
-    assert all(n["virtual"] for n in split) or len({n["node"] for n in split}) == 2
+    virtual = len([n for n in real_nodes() if n.cpus]) < 2  # two nodes are cut from one when the machine has one
+    assert [n["virtual"] for n in split] == [virtual, virtual]
     single = report["modes"]["single"]["nodes"]
-    assert len(single) == 1 and single[0]["slice_rows"] == [0, 80]
+    assert len(single) == 1 and single[0]["slice_rows"] == [0, 80] and single[0]["virtual"] is False
 
 
 def test_bench_small_exceeds_the_cache_several_times():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 import os
 import signal
 import time
@@ -19,8 +20,9 @@ from coordinator.errors import StepInterrupted
 from coordinator.model.model_config import load_model_config
 from coordinator.model.weights import load_weights
 from coordinator.pool import PoolRequest
-from coordinator.pool.process import PoolError, PoolOptions, ProcessPool, WorkerDied
+from coordinator.pool.process import PoolError, ProcessPool, WorkerDied
 from node_worker import protocol as P
+from node_worker.job import WorkerJob
 from shm.checkpoint import Checkpoint
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
@@ -59,15 +61,17 @@ def pools_for(model_dir, nodes, threads):
     node_list = pool_nodes(cfg)
     plan = build_plan(mcfg, node_list)
     inproc = build_inproc_pool(ckpt, mcfg, plan, experts)
-    proc = ProcessPool(plan, node_list, worker_job(model_dir, ckpt, mcfg, plan, experts, 4096),
-                       PoolOptions(threads=threads))
+    proc = ProcessPool(plan, node_list, worker_job(model_dir, ckpt, mcfg, plan, experts, node_list, cfg, 4096), cfg)
     return mcfg, plan, inproc, proc
 
 
-COMPARISONS = []
+NODES_THREADS = list(itertools.product([2, 3], [1, 2, 3]))
+# tokens, experts per token, some experts on the device, layer (layer 1 collects into the coordinator's buffer)
+REQUESTS = list(itertools.product([1, 2, 5, 33], [1, 2, 8], [False, True], [0, 1]))
+MIN_COMPARISONS = 192
 
 
-@pytest.mark.parametrize("nodes,threads", list(itertools.product([2, 3], [1, 2, 3])))
+@pytest.mark.parametrize("nodes,threads", NODES_THREADS)
 def test_process_pool_is_bitwise_equal_to_inproc(uneven_model, nodes, threads):
     mcfg, plan, inproc, proc = pools_for(uneven_model, nodes, threads)
     try:
@@ -75,7 +79,7 @@ def test_process_pool_is_bitwise_equal_to_inproc(uneven_model, nodes, threads):
         assert {s.rows for s in plan.slices_for(200)} != {200 // nodes}  # uneven
         rng = np.random.default_rng(nodes * 10 + threads)
         E, H = mcfg.num_experts, mcfg.hidden_size
-        for T, k, device_resident, layer in itertools.product([1, 2, 5, 33], [1, 2, 8], [False, True], [0, 1]):
+        for T, k, device_resident, layer in REQUESTS:  # each one compared (an empty one is drawn again)
             cpu_experts = set(range(E)) - ({0, 3, 6} if device_resident else set())
             req = random_request(rng, layer, T, k, E, H, cpu_experts)
             while req.tokens.size == 0:  # all routed to the device: nothing for the pool
@@ -88,14 +92,15 @@ def test_process_pool_is_bitwise_equal_to_inproc(uneven_model, nodes, threads):
             assert got.shape == (T, H) and np.abs(want).max() > 0
             assert out is None or got is out
             assert np.array_equal(got, want), (nodes, threads, T, k, device_resident, layer)
-            COMPARISONS.append((nodes, threads, T, k, device_resident, layer))
     finally:
         proc.close()
         inproc.close()
 
 
 def test_enough_bitwise_comparisons_ran():
-    assert len(COMPARISONS) >= 192, len(COMPARISONS)
+    """Each parametrised run compares every one of REQUESTS: counted from the parametrisation itself, so
+    this holds when run alone, not only after the runs filled a global."""
+    assert len(NODES_THREADS) * len(REQUESTS) >= MIN_COMPARISONS, len(NODES_THREADS) * len(REQUESTS)
 
 
 def test_split_vs_unsplit_and_whole_generate(tiny):
@@ -123,8 +128,9 @@ def test_sigkill_mid_generation_restarts_and_output_is_identical(tiny):
     with Engine.open(tiny, cfg) as eng:
         want = eng.generate(PROMPT, max_new_tokens=10, stop_at_eos=False)
         old_pid = eng.pool.workers[1].pid
+        seen = []
 
-        def kill_at_third(token, seen=[]):
+        def kill_at_third(token):
             seen.append(token)
             if len(seen) == 3:
                 _kill(eng.pool, 1)
@@ -152,9 +158,9 @@ def test_death_between_submit_and_collect_is_seen_by_the_sentinel(tiny):
 
 def test_killed_twice_fails_cleanly(tiny):
     with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
-        pids = []
+        pids, seen = [], []
 
-        def kill_each(token, seen=[]):
+        def kill_each(token):
             seen.append(token)
             if len(seen) in (2, 3):
                 pids.append(eng.pool.workers[0].pid)
@@ -169,9 +175,9 @@ def test_killed_twice_fails_cleanly(tiny):
 
 def _raw_reply(pool, frames, name=""):
     w = pool.workers[0]
-    pool.sock.send_multipart([w.identity] + frames)
-    assert pool.sock.poll(5000), f"worker did not answer {name}"
-    reply = pool.sock.recv_multipart()
+    pool.channel.sock.send_multipart([w.identity] + frames)
+    assert pool.channel.sock.poll(5000), f"worker did not answer {name}"
+    reply = pool.channel.sock.recv_multipart()
     return P.decode(reply[1:])
 
 
@@ -199,7 +205,7 @@ def test_garbage_and_oversized_frames_get_error_replies_and_worker_keeps_serving
             assert isinstance(reply, P.Error) and not reply.fatal, name
             assert "bad" in reply.message, (name, reply.message)
         # a message beyond the size limit: refused with an error reply
-        big = pool.job["max_message_bytes"] + 1
+        big = pool.job.max_message_bytes + 1
         reply = _raw_reply(pool, [good[0], b"\0" * big], "oversized")
         assert isinstance(reply, P.Error) and "exceed" in reply.message
         assert np.array_equal(eng.logits(PROMPT), want)  # still serving, same numbers
@@ -286,8 +292,10 @@ def test_worker_sigterm_or_sigint_removes_its_segment(tiny, sig):
 
 def test_spin_setting_reaches_both_sides_and_changes_nothing(tiny):
     with Engine.open(tiny, EngineConfig(pool="process", pool_spin_us=200.0)) as eng:
-        assert eng.pool.options.spin_us == 200.0
-        assert "--spin-us" in eng.pool.workers[0].proc.args
+        assert eng.pool.channel.spin_s == 200e-6  # the coordinator's side
+        args = eng.pool.workers[0].proc.args
+        job = WorkerJob.from_json(open(args[args.index("--job") + 1]).read())  # what the worker reads
+        assert job.spin_us == 200.0
         spun = eng.logits(PROMPT)
     with Engine.open(tiny, EngineConfig(pool="inproc")) as eng:
         assert np.array_equal(eng.logits(PROMPT), spun)
@@ -335,16 +343,22 @@ def layer(pool, req):
     return pool.collect()
 
 
+@contextmanager
+def split_pool(model, **settings):
+    """A process pool over 2 (virtual) nodes, one layer's request, and its answer before any fault."""
+    with Engine.open(model, EngineConfig(pool="process", numa_split=True, nodes=2, **settings)) as eng:
+        req = _layer_request(eng)
+        yield eng.pool, req, layer(eng.pool, req)
+
+
 def _layer_request(eng):
     x = np.ones((2, eng.model_config.hidden_size), np.float32)
     return PoolRequest(0, x, np.array([0, 1]), np.array([1, 2]), np.array([0.5, 0.5], np.float32))
 
 
 def test_a_failed_send_leaves_no_pending_state(tiny, monkeypatch):
-    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
-        pool, req = eng.pool, _layer_request(eng)
-        want = layer(pool, req)
-        real_send = pool.sock.send_multipart
+    with split_pool(tiny) as (pool, req, want):
+        real_send = pool.channel.sock.send_multipart
         calls = []
 
         def refuse_second(frames, *a, **kw):  # node 1's send fails with the worker still alive
@@ -353,23 +367,21 @@ def test_a_failed_send_leaves_no_pending_state(tiny, monkeypatch):
                 raise zmq.ZMQError(zmq.EHOSTUNREACH)
             return real_send(frames, *a, **kw)
 
-        monkeypatch.setattr(pool.sock, "send_multipart", refuse_second)
+        monkeypatch.setattr(pool.channel.sock, "send_multipart", refuse_second)
         with pytest.raises(PoolError, match="cannot send to node worker 1"):
             pool.submit(req)
-        monkeypatch.setattr(pool.sock, "send_multipart", real_send)
+        monkeypatch.setattr(pool.channel.sock, "send_multipart", real_send)
         # not "submit() called twice": the failed submit left nothing behind
         assert np.array_equal(layer(pool, req), want)
 
 
 def test_send_racing_a_kill_restarts_the_worker(tiny, monkeypatch):
     """The kill closes the pipe before the process is reaped: the send fails, the death is still found."""
-    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
-        pool, req = eng.pool, _layer_request(eng)
-        want = layer(pool, req)
+    with split_pool(tiny) as (pool, req, want):
         w = pool.workers[1]
         old_pid = w.pid
         os.kill(w.pid, signal.SIGKILL)
-        real_send, real_dead = pool.sock.send_multipart, type(w).dead
+        real_send, real_dead = pool.channel.sock.send_multipart, type(w).dead
         state = {"raced": False}
 
         def not_reaped_yet(self):
@@ -382,16 +394,13 @@ def test_send_racing_a_kill_restarts_the_worker(tiny, monkeypatch):
             return real_send(frames, *a, **kw)
 
         monkeypatch.setattr(type(w), "dead", not_reaped_yet)
-        monkeypatch.setattr(pool.sock, "send_multipart", unreachable)
+        monkeypatch.setattr(pool.channel.sock, "send_multipart", unreachable)
         assert np.array_equal(layer(pool, req), want)
         assert state["raced"] and w.pid != old_pid and pool.health()[1]["deaths"] == 1
 
 
 def test_refused_restart_is_tried_again_after_its_window(tiny):
-    cfg = EngineConfig(pool="process", numa_split=True, nodes=2, worker_restart_window=600.0)
-    with Engine.open(tiny, cfg) as eng:
-        pool, req = eng.pool, _layer_request(eng)
-        want = layer(pool, req)
+    with split_pool(tiny, worker_restart_window=600.0) as (pool, req, want):
         _kill(pool, 0)
         assert np.array_equal(layer(pool, req), want)  # first death: restarted at the check before the send
         _kill(pool, 0)
@@ -413,10 +422,7 @@ def test_refused_restart_is_tried_again_after_its_window(tiny):
 
 def test_deaths_not_starts_are_counted(tiny):
     """Two deaths further apart than the window are each restarted; the start itself is no death."""
-    cfg = EngineConfig(pool="process", numa_split=True, nodes=2, worker_restart_window=600.0)
-    with Engine.open(tiny, cfg) as eng:
-        pool, req = eng.pool, _layer_request(eng)
-        want = layer(pool, req)
+    with split_pool(tiny, worker_restart_window=600.0) as (pool, req, want):
         _kill(pool, 1)
         assert np.array_equal(layer(pool, req), want)
         w = pool.workers[1]
@@ -428,10 +434,7 @@ def test_deaths_not_starts_are_counted(tiny):
 
 
 def test_hung_worker_is_killed_restarted_and_the_layer_retried(tiny):
-    cfg = EngineConfig(pool="process", numa_split=True, nodes=2, worker_hang_timeout=1.0)
-    with Engine.open(tiny, cfg) as eng:
-        pool, req = eng.pool, _layer_request(eng)
-        want = layer(pool, req)
+    with split_pool(tiny, worker_hang_timeout=1.0) as (pool, req, want):
         w = pool.workers[0]
         stopped = w.pid
         hook_calls = []
@@ -447,9 +450,7 @@ def test_hung_worker_is_killed_restarted_and_the_layer_retried(tiny):
 
 
 def test_wait_hook_can_abandon_a_wait_and_the_pool_stays_usable(tiny):
-    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
-        pool, req = eng.pool, _layer_request(eng)
-        want = layer(pool, req)
+    with split_pool(tiny) as (pool, req, want):
         w = pool.workers[1]
         os.kill(w.pid, signal.SIGSTOP)
 

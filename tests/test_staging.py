@@ -53,13 +53,17 @@ def test_numpy_staging_reuses_one_partials_buffer_and_passes_rows_through():
 
 
 def test_numpy_side_stream_runs_in_order():
+    """With NumPy there is no stream: run() records nothing for join() to wait on, and an error in the
+    block reaches the caller."""
     side = SideStream("numpy")
     assert side.stream is None
-    seen = []
     with side.run():
-        seen.append("device experts")
+        pass
+    assert side._done is None
     side.join()
-    assert seen == ["device experts"]
+    with pytest.raises(RuntimeError, match="device experts failed"):
+        with side.run():
+            raise RuntimeError("device experts failed")
 
 
 @pytest.mark.parametrize("pool", ["inproc", "process"])

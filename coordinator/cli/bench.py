@@ -107,23 +107,22 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
         for mode, eng in engines.items():
             res = results[mode]
             pool = eng.pool
-            floor = [pool.ping() * 1e6 for _ in range(100)] if hasattr(pool, "ping") else []
+            floor = [pool.ping() * 1e6 for _ in range(100)]  # in-process: a call's time, no sockets
             bw = pool.membw(membw_bytes)
             decode = layer_figures(res["timings"], decode_only=True)
             all_calls = layer_figures(res["timings"], decode_only=False)
             pool_gbps = decode["bytes_read"] / decode["compute_s"] / 1e9 if decode["compute_s"] else None
-            health = pool.health() if hasattr(pool, "health") else [
-                {"node": n, "threads": w.threads, "slice_rows": None, "placement": None}
-                for n, w in zip(pool.plan.node_ids, pool.workers)]
+            health = pool.health()
             node_info = {n.id: n for n in eng.nodes}
             report["modes"][mode] = {
                 "config": {"pool": eng.config.pool, "numa_split": eng.config.numa_split, "plan": pool.plan.digest},
                 "decode_tokens_per_s": summary(res["decode_tps"]),
                 "prefill_tokens_per_s": summary(res["prefill_tps"]),
                 "moe_layer_decode": decode,
-                "empty_round_trip_us": summary(floor) if floor else None,
+                "empty_round_trip_us": summary(floor),
                 "overhead_vs_floor": (decode["overhead_us"]["median"] / statistics.median(floor)
-                                      if floor and decode["overhead_us"]["median"] is not None else None),
+                                      if statistics.median(floor) > 0 and decode["overhead_us"]["median"] is not None
+                                      else None),
                 "pool_gb_per_s": pool_gbps,
                 "membw": bw,
                 "bandwidth_ratio": pool_gbps / bw["gb_per_s"] if pool_gbps else None,

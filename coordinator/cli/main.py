@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from shm.checkpoint import CheckpointError
 
-from ..config import ENV_VARS, resolve_config
+from ..config import ENV_VARS, EngineConfig, resolve_config, resolve_setting
 from ..errors import StrataError
+from ..serving.api import (DEFAULT_ADDRESS, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS,
+                           DEFAULT_MAX_QUEUED)
 
 log = logging.getLogger("strata")
 
@@ -228,8 +229,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if bad:
         raise StrataError(f"--modes: unknown mode(s) {', '.join(bad)}; expected some of {', '.join(MODES)}")
     device = {name: getattr(args, name) for name in DEVICE_FLAGS if getattr(args, name) is not None}
+    spin_us = resolve_setting("pool_spin_us", args.spin_us)  # --spin-us > STRATA_POOL_SPIN_US > EngineConfig's
     report = run_bench(args.model, modes, nodes=args.nodes, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
-                       rounds=args.rounds, spin_us=args.spin_us, device=device)
+                       rounds=args.rounds, spin_us=spin_us, device=device)
     print(markdown(report))
     if args.json:
         write_json(report, args.json)
@@ -295,11 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve the ZeroMQ client API")
     p.add_argument("--model", required=True, type=Path)
-    p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="tcp://HOST:PORT (loopback) or ipc://PATH")
-    p.add_argument("--max-active", dest="max_active", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--max-queued", dest="max_queued", type=int, default=32, help="waiting requests before 'busy'")
-    p.add_argument("--max-new-tokens-limit", dest="max_new_tokens_limit", type=int, default=4096)
-    p.add_argument("--max-prompt-tokens", dest="max_prompt_tokens", type=int, default=32768)
+    p.add_argument("--bind", default=DEFAULT_ADDRESS,
+                   help="tcp://HOST:PORT (loopback) or ipc://PATH (default %(default)s)")
+    p.add_argument("--max-active", dest="max_active", type=int, default=DEFAULT_MAX_ACTIVE,
+                   help="sequences decoded together (default %(default)s)")
+    p.add_argument("--max-queued", dest="max_queued", type=int, default=DEFAULT_MAX_QUEUED,
+                   help="waiting requests before 'busy' (default %(default)s)")
+    p.add_argument("--max-new-tokens-limit", dest="max_new_tokens_limit", type=int,
+                   default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
+                   help="the most max_new_tokens a request may ask for (default %(default)s)")
+    p.add_argument("--max-prompt-tokens", dest="max_prompt_tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
+                   help="the longest prompt accepted, in tokens (default %(default)s)")
     p.add_argument("--curve-keys", dest="curve_keys", default=None,
                    help="folder with server.key_secret and clients/*.key: CURVE authentication (ZAP)")
     p.add_argument("--insecure-remote", dest="insecure_remote", action="store_true",
@@ -309,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("client", help="send one prompt to a running server")
     p.add_argument("prompt")
-    p.add_argument("--address", default="tcp://127.0.0.1:5557")
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's endpoint (default %(default)s)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -325,9 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", dest="prompt_tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--spin-us", dest="spin_us", type=float,
-                   default=float(os.environ.get("STRATA_POOL_SPIN_US", "0") or 0),
-                   help="pool_spin_us for the process modes (default: STRATA_POOL_SPIN_US or 0)")
+    p.add_argument("--spin-us", dest="spin_us", type=float, default=None,
+                   help="pool_spin_us for the process modes (default: STRATA_POOL_SPIN_US, else "
+                        f"{EngineConfig.pool_spin_us:g})")
     _add_device_flags(p.add_argument_group("device side, the same in every mode"))
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--plot", default=None, help="draw tokens/s and the bandwidth ratio (needs matplotlib)")

@@ -43,6 +43,42 @@ def on_device(obj, xp, _uploaded: dict | None = None):
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, eq=False)
+class Pairs:
+    """(token, expert, weight) pairs of one MoE layer, in router order."""
+
+    tokens: np.ndarray  # [P] int64 row of the layer's x
+    experts: np.ndarray  # [P] int64
+    weights: np.ndarray  # [P] float32
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.size)
+
+    def __getitem__(self, mask: np.ndarray) -> Pairs:
+        return Pairs(self.tokens[mask], self.experts[mask], self.weights[mask])
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """One MoE layer's routing: what the router chose, what the tail skip dropped, and the kept
+    pairs split by where their expert lives."""
+
+    layer: int
+    chosen: np.ndarray  # [T*k] every expert the router chose, skipped ones included
+    skipped: int  # pairs dropped by route_tail_skip
+    device: Pairs  # served by device-resident experts
+    cpu: Pairs  # sent to the CPU pool
+
+
+@dataclass(frozen=True, eq=False)
+class CpuBatch:
+    """What went to the pool for one layer: the rows of x with CPU work (the request's rows, in order)."""
+
+    rows: np.ndarray  # [T_cpu] host
+    rows_dev: object  # the same on the device (xp array)
+
+
 @dataclass
 class RoutingStats:
     routed_pairs: int = 0  # (token, expert) pairs the router chose
@@ -58,6 +94,21 @@ class RoutingStats:
         served = self.device_pairs + self.cpu_pairs
         return self.device_pairs / served if served else None
     per_layer_expert: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [E] pair counts
+
+    def count(self, routing: Routing, num_experts: int) -> None:
+        """One layer's routing: the router's choices per expert, the skipped, and each side's pairs and experts."""
+        counts = self.per_layer_expert.setdefault(routing.layer, np.zeros(num_experts, np.int64))
+        counts += np.bincount(routing.chosen, minlength=num_experts)
+        self.routed_pairs += routing.chosen.size
+        self.skipped_pairs += routing.skipped
+        self.device_pairs += routing.device.size
+        self.cpu_pairs += routing.cpu.size
+        if routing.cpu.size:
+            self.cpu_expert_loads += int(np.unique(routing.cpu.experts).size)
+        self.device_expert_loads += int(np.unique(routing.device.experts).size)
+
+    def count_pool_wait(self, ns: int) -> None:
+        self.pool_wait_ns += ns
 
 
 class Decoder:
@@ -135,38 +186,14 @@ class Decoder:
         return out @ lw.o.T  # [N, H]
 
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray) -> np.ndarray:
-        cfg = self.cfg
-        T = x.shape[0]
-        ids, weights = ops.route_top_k(x @ lw.router.T, cfg.top_k, cfg.norm_topk_prob)  # [T, k] on the device
-        ids, weights = to_host(ids), to_host(weights)  # small: the pair bookkeeping runs on the host
-        tokens = np.repeat(np.arange(T, dtype=np.int64), cfg.top_k)  # [P]
-        experts, pair_w = ids.reshape(-1), weights.reshape(-1)  # [P]
-        self._count(i, experts)
-        if self.route_tail_skip > 0:
-            keep = pair_w >= self.route_tail_skip
-            self.stats.skipped_pairs += int(np.count_nonzero(~keep))
-            tokens, experts, pair_w = tokens[keep], experts[keep], pair_w[keep]
-        dev = self.on_device[i][experts]  # [P] pair served on the device
-        cpu_tokens, cpu_experts, cpu_w = tokens[~dev], experts[~dev], pair_w[~dev]
-        self.stats.device_pairs += int(np.count_nonzero(dev))
-        self.stats.cpu_pairs += int(cpu_tokens.size)
-        xp = self.xp
-        y = xp.zeros_like(x)  # [T, H]
-        if cpu_tokens.size:  # send the CPU work first ...
-            rows, local = np.unique(cpu_tokens, return_inverse=True)  # only tokens with CPU work travel
-            self.stats.cpu_expert_loads += int(np.unique(cpu_experts).size)
-            rows_dev = xp.asarray(rows)  # [T_cpu]
-            x_cpu = self.staging.rows_to_host(x[rows_dev])  # [T_cpu, H] to the host (pinned with CuPy)
-            self.pool.submit(PoolRequest(i, x_cpu, local.astype(np.int64), cpu_experts, cpu_w))
-        y_dev = None
-        if dev.any():
-            with self.side.run():  # ... queue ours on the device's side stream meanwhile
-                y_dev = self._device_experts(i, x, tokens[dev], experts[dev], pair_w[dev])
-        if cpu_tokens.size:
-            t0 = time.perf_counter_ns()
-            partials = self.pool.collect(out=self.staging.partials_buffer((rows.size, x.shape[1])))  # [T_cpu, H]
-            self.stats.pool_wait_ns += time.perf_counter_ns() - t0
-            y[rows_dev] = self.staging.to_device(partials)  # Y_0 + Y_1 + ... in node order
+        """route -> submit the CPU pairs -> device experts meanwhile -> collect -> sum."""
+        routing = self._route(i, lw, x)
+        self.stats.count(routing, self.cfg.num_experts)
+        y = self.xp.zeros_like(x)  # [T, H]
+        sent = self._submit_cpu(routing, x)  # the CPU work first ...
+        y_dev = self._device_side(routing, x)  # ... ours queued on the device's side stream meanwhile
+        if sent is not None:
+            y[sent.rows_dev] = self._collect_cpu(sent, x.shape[1])  # Y_0 + Y_1 + ... in node order
         if y_dev is not None:
             self.side.join()
             y += y_dev  # then the device experts' output
@@ -175,24 +202,58 @@ class Decoder:
             y = y + ops.sigmoid(x @ lw.shared_expert_gate.T) * ops.swiglu_mlp(x, se.gate, se.up, se.down)
         return y
 
-    def _device_experts(self, i: int, x: np.ndarray, tokens: np.ndarray, experts: np.ndarray,
-                        weights: np.ndarray) -> np.ndarray:
+    def _route(self, i: int, lw: LayerWeights, x: np.ndarray) -> Routing:
+        """The router's top-k pairs of every row, less the tail skip, split device / CPU."""
+        cfg = self.cfg
+        T = x.shape[0]
+        ids, weights = ops.route_top_k(x @ lw.router.T, cfg.top_k, cfg.norm_topk_prob)  # [T, k] on the device
+        ids, weights = to_host(ids), to_host(weights)  # small: the pair bookkeeping runs on the host
+        chosen = ids.reshape(-1)  # [P]
+        pairs = Pairs(np.repeat(np.arange(T, dtype=np.int64), cfg.top_k), chosen, weights.reshape(-1))
+        skipped = 0
+        if self.route_tail_skip > 0:
+            keep = pairs.weights >= self.route_tail_skip
+            skipped = int(np.count_nonzero(~keep))
+            pairs = pairs[keep]
+        dev = self.on_device[i][pairs.experts]  # [P] pair served on the device
+        return Routing(i, chosen, skipped, device=pairs[dev], cpu=pairs[~dev])
+
+    def _submit_cpu(self, routing: Routing, x: np.ndarray) -> CpuBatch | None:
+        """Send the layer's CPU pairs to the pool (only the rows with CPU work travel); None when there are none."""
+        cpu = routing.cpu
+        if not cpu.size:
+            return None
+        rows, local = np.unique(cpu.tokens, return_inverse=True)
+        rows_dev = self.xp.asarray(rows)  # [T_cpu]
+        x_cpu = self.staging.rows_to_host(x[rows_dev])  # [T_cpu, H] to the host (pinned with CuPy)
+        self.pool.submit(PoolRequest(routing.layer, x_cpu, local.astype(np.int64), cpu.experts, cpu.weights))
+        return CpuBatch(rows, rows_dev)
+
+    def _device_side(self, routing: Routing, x: np.ndarray):
+        """The device experts' share [T, H], queued on the side stream; None when the layer has no device pairs."""
+        if not routing.device.size:
+            return None
+        with self.side.run():
+            return self._device_experts(routing.layer, x, routing.device)
+
+    def _collect_cpu(self, sent: CpuBatch, hidden: int):
+        """The pool's sum of the nodes' partials for the sent rows [T_cpu, H], on the device."""
+        t0 = time.perf_counter_ns()
+        partials = self.pool.collect(out=self.staging.partials_buffer((sent.rows.size, hidden)))  # [T_cpu, H]
+        self.stats.count_pool_wait(time.perf_counter_ns() - t0)
+        return self.staging.to_device(partials)
+
+    def _device_experts(self, i: int, x: np.ndarray, pairs: Pairs) -> np.ndarray:
         """The device-resident experts' share of the layer [T, H], experts in ascending order."""
         xp = self.xp
-        order = np.argsort(experts, kind="stable")  # pairs grouped by expert, token order kept within each
-        ids, starts = np.unique(experts[order], return_index=True)
+        order = np.argsort(pairs.experts, kind="stable")  # pairs grouped by expert, token order kept within each
+        ids, starts = np.unique(pairs.experts[order], return_index=True)
         ends = np.append(starts[1:], order.size)
-        tokens_dev = xp.asarray(tokens[order])  # [P_dev] one upload per layer, not per expert
-        weights_dev = xp.asarray(weights[order])[:, None]  # [P_dev, 1]
+        tokens_dev = xp.asarray(pairs.tokens[order])  # [P_dev] one upload per layer, not per expert
+        weights_dev = xp.asarray(pairs.weights[order])[:, None]  # [P_dev, 1]
         y = xp.zeros_like(x)  # [T, H]
         for e, a, b in zip(ids.tolist(), starts.tolist(), ends.tolist()):
             t = tokens_dev[a:b]  # the tokens routed to expert e, each once
             mlp = self.device_experts[(i, e)]
             y[t] += weights_dev[a:b] * ops.swiglu_mlp(x[t], mlp.gate, mlp.up, mlp.down)
-            self.stats.device_expert_loads += 1
         return y
-
-    def _count(self, layer: int, experts: np.ndarray) -> None:
-        counts = self.stats.per_layer_expert.setdefault(layer, np.zeros(self.cfg.num_experts, np.int64))
-        counts += np.bincount(experts, minlength=self.cfg.num_experts)
-        self.stats.routed_pairs += experts.size

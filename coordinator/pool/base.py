@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 
@@ -49,14 +50,56 @@ class LayerTiming:
         return self.wall_ns - max(self.compute_ns)
 
 
+class NodeHealth(TypedDict):
+    """One node of a pool, as ``ExpertPool.health()`` reports it."""
+
+    node: int
+    virtual: bool
+    pid: int  # the process computing the node's share (this one for an in-process pool; -1 when none)
+    alive: bool
+    state: str  # "ok", or a sentence: "silent for 3.2s on the current layer", "down: ..."
+    restarts: int
+    deaths: int
+    last_error: str | None
+    slice_rows: list[int] | None  # [start, stop) of the node's rows of every expert, None when it holds none
+    threads: int | None
+    placement: dict | None  # the segment's page placement (process pools), else None
+    reloaded: bool | None  # the segment was loaded afresh rather than reattached (process pools)
+    segment: str | None  # shared-memory segment name (process pools)
+    segment_bytes: int | None
+
+
+class PoolStats(TypedDict):
+    """A pool's counters over its life (``ExpertPool.stats``); see ``new_pool_stats``."""
+
+    requests: int  # collect() calls answered
+    restarts: int  # worker restarts (process pools)
+    wait_ns: int  # submit -> partials summed, summed over requests
+    worker_compute_ns: list[int]  # per node, plan order: the nodes' own compute
+    idle_ns: int  # partials done before the coordinator came to collect them (process pools)
+
+
+def new_pool_stats(nodes: int) -> PoolStats:
+    return PoolStats(requests=0, restarts=0, wait_ns=0, worker_compute_ns=[0] * nodes, idle_ns=0)
+
+
 class ExpertPool(abc.ABC):
     plan: PoolPlan
     record_timings: bool = False  # the benchmark turns this on
     timings: list[LayerTiming]
+    stats: PoolStats  # set by each pool's __init__ (new_pool_stats)
     wait_hook = None  # a callable the pool calls now and then while it waits on other processes (the server's)
 
     def maintain(self) -> None:
         """Between steps: bring back what failed while idle (process pools restart dead workers)."""
+
+    @abc.abstractmethod
+    def health(self) -> list[NodeHealth]:
+        """One entry per node, plan order: is it alive, what state is it in, how often did it die."""
+
+    @abc.abstractmethod
+    def ping(self) -> float:
+        """One empty round trip to every node; seconds."""
 
     @abc.abstractmethod
     def submit(self, request: PoolRequest) -> None:

@@ -5,25 +5,31 @@ The reference for tests: the process pool on the same plan is bitwise equal to i
 
 from __future__ import annotations
 
+import os
 import time
+from typing import Sequence
 
 import numpy as np
 
 from node_worker import NodeWorker
 from node_worker.membw import read_bandwidth
 from shm.plan import PoolPlan
+from shm.topology import Node
 
-from .base import ExpertPool, LayerTiming, PoolRequest, sum_in_node_order
+from .base import ExpertPool, LayerTiming, NodeHealth, PoolRequest, new_pool_stats, sum_in_node_order
 
 
 class InprocPool(ExpertPool):
-    def __init__(self, plan: PoolPlan, workers: list[NodeWorker]):
+    def __init__(self, plan: PoolPlan, workers: list[NodeWorker], nodes: Sequence[Node] | None = None):
+        """``nodes``: the topology's nodes, to label virtual ones in health(); without them every node is real."""
         if [w.node for w in workers] != list(plan.node_ids):
             raise ValueError("InprocPool needs one NodeWorker per plan node, in plan order")
         self.plan = plan
         self.workers = workers
+        self.virtual = {n.id: n.virtual for n in nodes or ()}
         self._pending: PoolRequest | None = None
         self.timings = []
+        self.stats = new_pool_stats(len(workers))
 
     def submit(self, request: PoolRequest) -> None:
         self._pending = request  # one left by a step that failed before its collect is dropped
@@ -39,10 +45,34 @@ class InprocPool(ExpertPool):
             partials.append(w.compute(req.layer, req.x, req.tokens, req.experts, req.weights))
             compute.append(time.perf_counter_ns() - t)
             nbytes.append(w.bytes_read - before)
+        wall = time.perf_counter_ns() - t0
+        self.stats["requests"] += 1
+        self.stats["wait_ns"] += wall
+        for k, ns in enumerate(compute):
+            self.stats["worker_compute_ns"][k] += ns
         if self.record_timings:
-            self.timings.append(LayerTiming(req.layer, req.x.shape[0], time.perf_counter_ns() - t0,
-                                            tuple(compute), tuple(nbytes)))
+            self.timings.append(LayerTiming(req.layer, req.x.shape[0], wall, tuple(compute), tuple(nbytes)))
         return sum_in_node_order(partials, out)
+
+    def health(self) -> list[NodeHealth]:
+        """The nodes run in this process: alive while the process is, never restarted."""
+        sizes = list(self.plan.slices)
+        pid = os.getpid()
+        out = []
+        for w in self.workers:
+            rows = self.plan.slice_of(sizes[0], w.node) if len(sizes) == 1 else None
+            out.append(NodeHealth(node=w.node, virtual=self.virtual.get(w.node, False), pid=pid, alive=True,
+                                  state="ok", restarts=0, deaths=0, last_error=None,
+                                  slice_rows=[rows.start, rows.stop] if rows else None, threads=w.threads,
+                                  placement=None, reloaded=None, segment=None, segment_bytes=None))
+        return out
+
+    def ping(self) -> float:
+        """No sockets to cross: the time of one empty call per node; seconds."""
+        t0 = time.perf_counter()
+        for w in self.workers:
+            _pong(w)
+        return time.perf_counter() - t0
 
     def membw(self, nbytes: int, repeats: int = 3) -> dict:
         # the nodes of this pool run one after another in this process: measure them that way
@@ -60,3 +90,7 @@ class InprocPool(ExpertPool):
     def close(self) -> None:
         for w in self.workers:
             w.close()
+
+
+def _pong(_worker: NodeWorker) -> None:
+    """The empty call ping() times."""

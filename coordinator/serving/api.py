@@ -37,6 +37,15 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 
+# Serving defaults, set here and nowhere else: ``strata serve``/``strata client`` flags, Limits, Server,
+# Scheduler and Client take their defaults from these names.
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"  # the server's bind address and the client's
+DEFAULT_MAX_ACTIVE = 8  # sequences decoded together
+DEFAULT_MAX_QUEUED = 32  # waiting requests before 'busy'
+DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096  # the most max_new_tokens a request may ask for
+DEFAULT_MAX_PROMPT_TOKENS = 32768  # the longest prompt accepted, in tokens
+DEFAULT_MAX_PROMPT_CHARS = 1 << 20  # the longest text prompt accepted, in characters
+
 
 class ApiError(ValueError):
     """A request the server refuses; ``code`` goes into the error event."""
@@ -50,9 +59,9 @@ class ApiError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    max_new_tokens: int = 4096
-    max_prompt_tokens: int = 32768
-    max_prompt_chars: int = 1 << 20
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
 
 
 @dataclass(frozen=True)

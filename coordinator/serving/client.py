@@ -16,6 +16,7 @@ so for a frame over its ZMQ_MAXMSGSIZE) raises ServerDisconnected.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -26,9 +27,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StrataError
+from .api import DEFAULT_ADDRESS
 from .server import MAX_REQUEST_BYTES
-
-DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
 
 
 class ServerTimeout(StrataError):
@@ -121,10 +121,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
         self.monitor.close(0)
         self.sock.close(0)
         self.ctx.term()

@@ -27,7 +27,7 @@ from ..errors import StepInterrupted
 from ..model.kv_cache import KVCache
 from ..model.sampling import Sampler, SamplingParams
 from ..model.tokenizer import StreamDecoder
-from .api import ApiError, GenerateRequest, Limits
+from .api import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine, emit: Emit, max_active: int = 8, max_queued: int = 32, limits: Limits = Limits(),
-                 prefill_chunk: int | None = None):
+    def __init__(self, engine, emit: Emit, max_active: int = DEFAULT_MAX_ACTIVE, max_queued: int = DEFAULT_MAX_QUEUED,
+                 limits: Limits = Limits(), prefill_chunk: int | None = None):
         self.engine = engine
         self.limits = limits
         self.emit = emit

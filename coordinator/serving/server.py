@@ -33,8 +33,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StepInterrupted, StrataError
-from .api import (ApiError, CancelRequest, GenerateRequest, HealthRequest, Limits, StatsRequest, decode_request,
-                  encode_event, error_event)
+from .api import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, CancelRequest, GenerateRequest, HealthRequest,
+                  Limits, StatsRequest, decode_request, encode_event, error_event)
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -145,8 +145,8 @@ class Tokenizing:
 
 
 class Server:
-    def __init__(self, engine, address: str, limits: Limits = Limits(), max_active: int = 8, max_queued: int = 32,
-                 curve_keys: str | None = None, insecure_remote: bool = False):
+    def __init__(self, engine, address: str, limits: Limits = Limits(), max_active: int = DEFAULT_MAX_ACTIVE,
+                 max_queued: int = DEFAULT_MAX_QUEUED, curve_keys: str | None = None, insecure_remote: bool = False):
         check_bind(address, curve_keys is not None, insecure_remote)
         if address.startswith("ipc://"):
             prepare_ipc(address)
@@ -229,7 +229,7 @@ class Server:
         if len(frames[-1]) > 256:
             return False
         try:
-            return isinstance(decode_request(frames[-1], self.limits), (HealthRequest, StatsRequest))
+            return type(decode_request(frames[-1], self.limits)) in self._ANSWERED_DURING_STEP
         except Exception:
             return False
 
@@ -258,15 +258,20 @@ class Server:
     def _dispatch(self, client: bytes, req) -> None:
         if self.stopping:
             raise ApiError("shutdown", "the server is shutting down", getattr(req, "id", None))
-        if isinstance(req, GenerateRequest):
-            self._admit(client, req)
-        elif isinstance(req, CancelRequest):
-            if not (self._cancel_tokenizing(client, req.id) or self.scheduler.cancel(client, req.id)):
-                raise ApiError("not_found", f"no request {req.id!r} in flight", req.id)
-        elif isinstance(req, StatsRequest):
-            self._emit(client, {"type": "stats", **self.stats()})
-        elif isinstance(req, HealthRequest):
-            self._emit(client, {"type": "health", **self.health()})
+        handler = self._HANDLERS.get(type(req))
+        if handler is None:  # decode_request made a request type this table lacks: a defect of ours
+            raise TypeError(f"no handler for a {type(req).__name__}")
+        handler(self, client, req)
+
+    def _cancel(self, client: bytes, req: CancelRequest) -> None:
+        if not (self._cancel_tokenizing(client, req.id) or self.scheduler.cancel(client, req.id)):
+            raise ApiError("not_found", f"no request {req.id!r} in flight", req.id)
+
+    def _answer_stats(self, client: bytes, _req: StatsRequest) -> None:
+        self._emit(client, {"type": "stats", **self.stats()})
+
+    def _answer_health(self, client: bytes, _req: HealthRequest) -> None:
+        self._emit(client, {"type": "health", **self.health()})
 
     def _admit(self, client: bytes, req: GenerateRequest) -> None:
         """Token ids go to the scheduler now; text is checked by its byte length, then tokenised off the loop."""
@@ -289,6 +294,11 @@ class Server:
                                        f"{self.limits.max_prompt_tokens} tokens", req.id)
         future = self.tokenizer.submit(self.engine.encode, req.prompt)
         self.tokenizing.append(Tokenizing(client, req, time.monotonic(), future))
+
+    # request type -> its handler (client, request), and the types answered in the middle of a step
+    _HANDLERS = {GenerateRequest: _admit, CancelRequest: _cancel, StatsRequest: _answer_stats,
+                 HealthRequest: _answer_health}
+    _ANSWERED_DURING_STEP = frozenset({StatsRequest, HealthRequest})
 
     def _cancel_tokenizing(self, client: bytes, rid: str, reason: str = "cancelled") -> bool:
         for t in self.tokenizing:
@@ -361,11 +371,10 @@ class Server:
 
     def health(self) -> dict:
         pool = self.engine.pool
-        nodes = pool.health() if hasattr(pool, "health") else [
-            {"node": n.id, "virtual": n.virtual, "alive": True, "state": "ok"} for n in self.engine.nodes]
-        problems = [f"node {n['node']}{' (virtual)' if n.get('virtual') else ''}: {n['state']}"
-                    for n in nodes if n.get("state", "ok") != "ok"]
-        ok = all(n.get("alive", True) for n in nodes) and not self.stopping
+        nodes = pool.health()
+        problems = [f"node {n['node']}{' (virtual)' if n['virtual'] else ''}: {n['state']}"
+                    for n in nodes if n["state"] != "ok"]
+        ok = all(n["alive"] for n in nodes) and not self.stopping
         return {"ok": ok, "stopping": self.stopping, "problems": problems, "last_error": self.last_error,
                 "pool": {"kind": self.engine.config.pool, "nodes": nodes, "plan": pool.plan.digest}}
 
@@ -411,8 +420,7 @@ class Server:
             log.error("pool maintenance failed: %s", exc)
 
     def _engine_alive(self) -> bool:
-        pool = self.engine.pool
-        return all(n.get("alive", True) for n in pool.health()) if hasattr(pool, "health") else True
+        return all(n["alive"] for n in self.engine.pool.health())
 
     def close(self) -> None:
         self.engine.pool.wait_hook = None

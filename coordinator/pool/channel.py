@@ -1,0 +1,154 @@
+"""Channel: the coordinator's end of the node workers' sockets.
+
+One ROUTER socket bound on an ipc:// endpoint inside a private 0700 folder
+(``strata-pool-*`` in the temporary directory, which also holds the job file);
+each worker connects a DEALER whose routing id names the node and the
+incarnation. The channel sends and receives typed messages of
+node_worker/protocol.py, polls the socket together with other descriptors
+(the workers' pidfds), spinning ``spin_us`` first, and waits for the HELLOs
+of the start-up handshake. It knows nothing of processes: the supervisor does.
+
+The data path is ``send_compute`` / ``recv``: the boundary work replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterable
+
+import zmq
+
+from node_worker import protocol as P
+
+from ..errors import StrataError
+from .base import PoolRequest
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100  # the longest a wait blocks before it looks at deaths, hangs and the wait hook
+
+
+class PoolError(StrataError):
+    """A node worker refused a request or the pool could not start."""
+
+
+class PeerUnreachable(PoolError):
+    """A send found no connected peer of that identity (ROUTER_MANDATORY)."""
+
+
+class HandshakeTimeout(PoolError):
+    """Some workers did not say HELLO in time."""
+
+    def __init__(self, identities: list[bytes], timeout_s: float):
+        self.identities, self.timeout_s = identities, timeout_s
+        super().__init__(f"{', '.join(i.decode() for i in identities)} did not say hello within {timeout_s:.0f}s")
+
+
+def check_hello(info: dict, node: int, plan_digest: str, model_digest: str) -> list[str]:
+    """What in a worker's HELLO does not match this pool (empty when it all does)."""
+    want = {"version": P.PROTOCOL_VERSION, "plan_digest": plan_digest, "model_digest": model_digest, "node": node}
+    return [f"{key} {info.get(key)!r} != {value!r}" for key, value in want.items() if info.get(key) != value]
+
+
+class Channel:
+    def __init__(self, max_message_bytes: int, spin_us: float = 0.0):
+        self.spin_s = spin_us / 1e6
+        self.dir = Path(tempfile.mkdtemp(prefix="strata-pool-"))
+        os.chmod(self.dir, 0o700)
+        self.endpoint = f"ipc://{self.dir}/pool.sock"
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.LINGER, 0),
+                           (zmq.MAXMSGSIZE, max_message_bytes)):
+            self.sock.setsockopt(opt, value)
+        self.sock.bind(self.endpoint)
+        self.backlog: deque[tuple[bytes, object]] = deque()  # received while waiting for something else
+        self._poller: zmq.Poller | None = None
+        self._fds: tuple[int, ...] = ()
+
+    def write_file(self, name: str, text: str) -> Path:
+        path = self.dir / name
+        path.write_text(text)
+        return path
+
+    # -- sending -----------------------------------------------------------------
+    def send(self, identity: bytes, frames: list, flags: int = 0) -> None:
+        try:
+            self.sock.send_multipart([identity] + frames, flags, copy=False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer is gone
+            raise PeerUnreachable(f"no connected peer {identity.decode()} ({exc})") from None
+
+    @staticmethod
+    def compute_frames(request_id: int, request: PoolRequest) -> list:
+        """One layer's routed work, encoded once for every worker."""
+        return P.encode_compute(P.Compute(request_id, request.layer, request.x, request.tokens.astype("<i4"),
+                                          request.experts.astype("<i4"), request.weights.astype("<f4")))
+
+    # -- receiving ---------------------------------------------------------------
+    def poll(self, timeout_ms: int, fds: Iterable[int] = (), backlog: bool = True) -> tuple[bool, set[int]]:
+        """(a message is waiting, the fds that fired); polls the socket for ``spin_us`` before blocking.
+        With ``backlog`` a kept-back message counts as waiting."""
+        if backlog and self.backlog:
+            return True, set()
+        if self.spin_s and timeout_ms:
+            deadline = time.perf_counter() + self.spin_s
+            while time.perf_counter() < deadline:
+                if self.sock.poll(0):
+                    return True, set()
+        fds = tuple(fds)
+        if self._poller is None or fds != self._fds:  # built once per set of worker pidfds
+            self._poller, self._fds = zmq.Poller(), fds
+            self._poller.register(self.sock, zmq.POLLIN)
+            for fd in fds:
+                self._poller.register(fd, zmq.POLLIN)
+        events = dict(self._poller.poll(timeout_ms))
+        return self.sock in events, {fd for fd in fds if fd in events}
+
+    def recv(self) -> tuple[bytes, object]:
+        """The next (identity, typed message): what was kept back first, then the socket."""
+        if self.backlog:
+            return self.backlog.popleft()
+        return self._recv_socket()
+
+    def _recv_socket(self) -> tuple[bytes, object]:
+        frames = self.sock.recv_multipart(copy=False)
+        identity = bytes(frames[0].buffer)
+        try:
+            return identity, P.decode(frames[1:])
+        except P.ProtocolError as exc:
+            raise PoolError(f"{identity.decode(errors='replace')} sent a malformed message: {exc}") from None
+
+    def await_hellos(self, identities: set[bytes], timeout_s: float, fds: Callable[[], Iterable[int]],
+                     on_other: Callable[[bytes, object], bool], tick: Callable[[set[int]], None]) -> dict[bytes, dict]:
+        """Wait for a HELLO from each identity. Another message goes to ``on_other(identity, msg)`` and, unless
+        that returns True (consumed), is kept for later. ``tick(fired fds)`` runs after every poll and may
+        raise (a death, a stop)."""
+        hellos: dict[bytes, dict] = {}
+        kept = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(hellos) < len(identities):
+                if time.monotonic() > deadline:
+                    raise HandshakeTimeout(sorted(identities - set(hellos)), timeout_s)
+                readable, fired = self.poll(POLL_MS, fds(), backlog=False)
+                if readable:
+                    identity, msg = self._recv_socket()
+                    if isinstance(msg, P.Hello) and identity in identities:
+                        hellos[identity] = msg.info
+                    elif not on_other(identity, msg):
+                        kept.append((identity, msg))
+                tick(fired)
+        finally:
+            self.backlog.extend(kept)
+        return hellos
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
