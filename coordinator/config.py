@@ -12,9 +12,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from shm import formats
+
 from .errors import ConfigValueError
 
 POOLS = ("inproc", "process")
+EXPERT_DTYPES = (formats.AUTO, *formats.FORMATS)
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")  # names logging.basicConfig takes
 
 
@@ -38,6 +41,7 @@ class EngineConfig:
     worker_restart_window: float = 30.0  # a second worker death within this many seconds is not restarted at once
     prefill_chunk: int = 512  # prompt tokens prefilled per serving step, interleaved with decode steps
     worker_log_level: str = "WARNING"  # logging level of the node worker processes (a LOG_LEVELS name)
+    expert_dtype: str = "auto"  # how CPU experts are stored: auto | f32 | bf16 | q8 | q4 (shm/formats)
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -80,6 +84,8 @@ class EngineConfig:
             raise ConfigValueError(f"prefill_chunk must be a positive number of tokens, got {self.prefill_chunk!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
             raise ConfigValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise ConfigValueError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
         if self.worker_log_level not in LOG_LEVELS:
             raise ConfigValueError(f"worker_log_level must be one of {', '.join(LOG_LEVELS)}, "
                                    f"got {self.worker_log_level!r}")
@@ -126,6 +132,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "worker_restart_window": ("STRATA_WORKER_RESTART_WINDOW", float),
     "prefill_chunk": ("STRATA_PREFILL_CHUNK", int),
     "worker_log_level": ("STRATA_WORKER_LOG", parse_log_level),
+    "expert_dtype": ("STRATA_EXPERT_DTYPE", str),
 }
 
 

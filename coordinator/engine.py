@@ -13,6 +13,7 @@ import numpy as np
 
 from node_worker import NodeWorker
 from node_worker.job import ExpertJob, NodeJob, WorkerJob, max_message_bytes
+from shm import formats
 from shm.checkpoint import Checkpoint
 from shm.expert_source import read_expert_slice
 from shm.expert_store import HeapExpertStore
@@ -64,12 +65,13 @@ def build_plan(mcfg: ModelConfig, nodes: list[Node]) -> PoolPlan:
 
 
 def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
-                      threads: int | None = None, nodes: list[Node] | None = None) -> InprocPool:
-    """One NodeWorker per plan node in this process; threads default to the node's CPUs (1 without nodes)."""
+                      threads: int | None = None, nodes: list[Node] | None = None, fmt: str = "f32") -> InprocPool:
+    """One NodeWorker per plan node in this process, experts stored in ``fmt``; threads default to the node's
+    CPUs (1 without nodes)."""
     sized = {key: (refs, mcfg.moe_intermediate_size) for key, refs in experts.items()}
     cpus = {n.id: list(n.cpus) for n in nodes or []}
     workers = [
-        NodeWorker(node, HeapExpertStore.from_checkpoint(ckpt, plan, node, sized), mcfg.hidden_size,
+        NodeWorker(node, HeapExpertStore.from_checkpoint(ckpt, plan, node, sized, fmt), mcfg.hidden_size,
                    threads=threads or max(1, len(cpus.get(node, []))), cpus=cpus.get(node))
         for node in plan.node_ids
     ]
@@ -96,17 +98,29 @@ def whole_expert(ckpt: Checkpoint, refs, mcfg: ModelConfig) -> MLPWeights:
     return MLPWeights(part.gate, part.up, np.ascontiguousarray(part.down_t.T))
 
 
-def cpu_set_digest(ckpt: Checkpoint, device_set) -> str:
-    """Names the CPU side's contents: the model, less the experts kept on the device."""
-    if not device_set:
-        return ckpt.digest()
-    blob = (ckpt.digest() + repr(sorted(device_set))).encode()
+def cpu_set_digest(ckpt: Checkpoint, device_set, fmt: str = "f32") -> str:
+    """Names the CPU side's contents: the model, less the experts kept on the device, in its storage format."""
+    if not device_set and fmt == "f32":
+        return ckpt.digest()  # as before formats existed: f32 segments of older runs are reattached
+    blob = (ckpt.digest() + repr(sorted(device_set)) + (f"/{fmt}" if fmt != "f32" else "")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def expert_format(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, experts: dict) -> str:
+    """The storage format of the CPU experts: the setting, with ``auto`` resolved from the checkpoint's dtype."""
+    refs = next(iter(experts.values()), None)
+    dtype = ckpt.info(refs.gate.name).dtype if refs is not None else "F32"
+    try:
+        return formats.resolve(config.expert_dtype, dtype, mcfg.hidden_size).NAME
+    except formats.FormatError as exc:
+        raise ConfigValueError(f"{ckpt.dir}: {exc}") from None
+
+
 def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
-               nodes: list[Node], config: EngineConfig, max_tokens: int, model_digest: str | None = None) -> WorkerJob:
-    """What the node workers need to build their stores and serve (node_worker/job.py)."""
+               nodes: list[Node], config: EngineConfig, max_tokens: int, model_digest: str | None = None,
+               fmt: str | None = None) -> WorkerJob:
+    """What the node workers need to build their stores and serve (node_worker/job.py); ``fmt`` defaults to
+    the config's expert format for this checkpoint."""
     return WorkerJob(
         model_dir=str(model_dir.resolve()), model_digest=model_digest or ckpt.digest(), hidden=mcfg.hidden_size,
         num_layers=mcfg.num_layers, num_experts=mcfg.num_experts, intermediate=mcfg.moe_intermediate_size,
@@ -116,16 +130,17 @@ def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolP
                             config.worker_threads or len(n.cpus), n.mem_free or 0) for n in nodes),
         experts=tuple(ExpertJob(l, e, mcfg.moe_intermediate_size, refs) for (l, e), refs in sorted(experts.items())),
         spin_us=config.pool_spin_us, keep_shm=config.keep_shm, log_level=config.worker_log_level,
+        expert_format=fmt or expert_format(config, mcfg, ckpt, experts),
     )
 
 
 def build_pool(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, nodes: list[Node],
-               experts: dict, config: EngineConfig, max_seq_len: int, model_digest: str | None = None) -> ExpertPool:
+               experts: dict, config: EngineConfig, max_seq_len: int, model_digest: str, fmt: str) -> ExpertPool:
     if config.pool == "inproc":
-        return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads, nodes)
+        return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads, nodes, fmt)
     from .pool.process import ProcessPool
 
-    job = worker_job(model_dir, ckpt, mcfg, plan, experts, nodes, config, max_seq_len, model_digest)
+    job = worker_job(model_dir, ckpt, mcfg, plan, experts, nodes, config, max_seq_len, model_digest, fmt)
     return ProcessPool(plan, nodes, job, config)
 
 
@@ -142,6 +157,7 @@ class Engine:
     codec: TextCodec | None
     nodes: list[Node]  # the pool's nodes, as the topology reported them
     device_placement: dict = field(default_factory=dict)  # which experts the device side holds, and why
+    expert_format: str = "f32"  # how the CPU experts are stored (shm/formats)
 
     @property
     def max_seq_len(self) -> int:
@@ -167,22 +183,35 @@ class Engine:
         for size, node, reason in plan.left_out:
             log.warning("node %s holds no rows of size-%s experts: %s", node, size, reason)
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
+        fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
         pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
-                          cpu_set_digest(ckpt, device_set))
+                          cpu_set_digest(ckpt, device_set, fmt), fmt)
         decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
         return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,
                    {"backend": backend, "experts": len(device_set), "chosen": placement,
-                    "bytes": len(device_set) * expert_bytes(mcfg)})
+                    "bytes": len(device_set) * expert_bytes(mcfg)}, fmt)
+
+    def cpu_expert_bytes(self) -> int:
+        """Bytes of one whole routed expert (gate, up, down) in the CPU side's storage format."""
+        mcfg = self.model_config
+        return 3 * mcfg.moe_intermediate_size * formats.get(self.expert_format).row_bytes(mcfg.hidden_size)
+
+    def cpu_expert_weights(self) -> int:
+        """Weights of the routed experts held on the CPU side (all nodes together)."""
+        mcfg = self.model_config
+        cpu = len(mcfg.moe_layers) * mcfg.num_experts - self.device_placement.get("experts", 0)
+        return cpu * 3 * mcfg.moe_intermediate_size * mcfg.hidden_size
 
     def expert_report(self) -> dict:
         """Hit rate and expert bytes read on each side, counted over this engine's life."""
         st = self.decoder.stats
-        per = expert_bytes(self.model_config)
         return {"device_experts": self.device_placement, "hit_rate": st.hit_rate, "device_pairs": st.device_pairs,
                 "cpu_pairs": st.cpu_pairs, "routed_pairs": st.routed_pairs, "skipped_pairs": st.skipped_pairs,
-                "device_bytes_read": st.device_expert_loads * per, "cpu_bytes_read": st.cpu_expert_loads * per,
+                "expert_format": self.expert_format,
+                "device_bytes_read": st.device_expert_loads * expert_bytes(self.model_config),
+                "cpu_bytes_read": st.cpu_expert_loads * self.cpu_expert_bytes(),
                 "coordinator_wait_on_pool_s": st.pool_wait_ns / 1e9,
                 "pool_wait_on_coordinator_s": self.pool.stats["idle_ns"] / 1e9}
 
@@ -198,7 +227,8 @@ class Engine:
         """One line saying where the experts run, virtual nodes labelled as such."""
         parts = [f"node {n.id}{' (virtual)' if n.virtual else ''}: cpus {format_cpulist(n.cpus)}" for n in self.nodes]
         mode = "split by rows" if self.config.numa_split else "whole experts"
-        return f"pool {self.config.pool}, {mode}, plan {self.pool.plan.digest}; " + "; ".join(parts)
+        return (f"pool {self.config.pool}, {mode}, experts as {self.expert_format}, plan {self.pool.plan.digest}; "
+                + "; ".join(parts))
 
     def __enter__(self) -> "Engine":
         return self

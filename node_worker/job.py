@@ -14,6 +14,7 @@ every field's type and names the one at fault.
       max_tokens, max_message_bytes    per-request bounds the worker enforces
       endpoint                         the pool's ipc:// ROUTER endpoint
       spin_us, keep_shm, log_level     settings from EngineConfig
+      expert_format                    how the segment stores the experts (shm/formats)
       nodes: [NodeJob]                 per node: cpus, threads, real node of its memory, free bytes
       experts: [ExpertJob]             per (layer, expert): intermediate size, gate/up/down tensor refs
 """
@@ -92,6 +93,7 @@ class WorkerJob:
     spin_us: float = 0.0
     keep_shm: bool = False
     log_level: str = "WARNING"
+    expert_format: str = "f32"  # shm/formats: how the experts are stored in the segment
 
     def node(self, node: int) -> NodeJob:
         for n in self.nodes:
@@ -130,6 +132,7 @@ class WorkerJob:
             nodes=nodes, experts=tuple(ExpertJob.from_dict(e) for e in _list(doc, "experts")),
             endpoint=_typed(doc, "endpoint", str), spin_us=float(_typed(doc, "spin_us", (int, float))),
             keep_shm=_typed(doc, "keep_shm", bool), log_level=_typed(doc, "log_level", str),
+            expert_format=_typed(doc, "expert_format", str),
         )
 
 

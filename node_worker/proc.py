@@ -114,7 +114,8 @@ class WorkerProcess:
         plan = plan_from_dict(job.plan)
         ckpt = Checkpoint(job.model_dir)
         store, report = open_node_store(ckpt, plan, self.node, job.expert_map(), job.hidden, self.cpus,
-                                        model_digest=job.model_digest, node_free=nj.node_free or None)
+                                        model_digest=job.model_digest, node_free=nj.node_free or None,
+                                        fmt=job.expert_format)
         store.segment.keep = job.keep_shm
         self.worker = NodeWorker(self.node, store, job.hidden, threads=nj.threads, cpus=self.cpus)
         placement = segment_placement(os.getpid(), report.segment, nj.local_node)
@@ -124,7 +125,7 @@ class WorkerProcess:
             "model_digest": job.model_digest, "plan_digest": plan.digest,
             "slice_rows": [rows.start, rows.stop] if rows else None, "threads": self.worker.threads,
             "cpus": self.cpus, "segment": report.segment, "segment_bytes": report.bytes,
-            "reloaded": report.reloaded, "load_s": report.seconds, "load_gb_per_s": report.gb_per_s,
+            "reloaded": report.reloaded, "expert_format": job.expert_format, "load_s": report.seconds, "load_gb_per_s": report.gb_per_s,
             "placement": placement.as_dict() if placement else None,
         })))
 

@@ -5,7 +5,9 @@ sockets and signals. Work is cut into tasks of (expert, block of at most
 ``task_rows`` of the node's rows); the node's threads compute the tasks'
 contributions and the results are added in task order (experts ascending, row
 blocks ascending), so Y_n is a deterministic function of (weights, inputs,
-plan), independent of thread count, task order and timing.
+plan), independent of thread count, task order and timing. A task's rows are
+decoded from the store's format (shm/formats) to float32 first, so every format
+computes with exactly its dequantised weights, by the same BLAS calls as f32.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from shm import formats
 from shm.expert_source import ExpertSlice
 
 from .kernels import swiglu_partial
@@ -80,8 +83,9 @@ class NodeWorker:
         def run(i: int) -> np.ndarray:
             t = tasks[i]
             p = parts[t.group]
-            return swiglu_partial(xs[t.group], p.gate[t.start:t.stop], p.up[t.start:t.stop],
-                                  p.down_t[t.start:t.stop])  # [n, H]
+            fmt = formats.get(p.fmt)
+            return swiglu_partial(xs[t.group], *(formats.decoded(fmt, m[t.start:t.stop])  # [r, H] float32
+                                                 for m in (p.gate, p.up, p.down_t)))  # [n, H]
 
         contribs = self.runner.run(len(tasks), run)
         y = np.zeros((x.shape[0], self.hidden_size), dtype=np.float32)  # [T, H]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import formats
 from .checkpoint import Checkpoint
 
 
@@ -33,11 +34,13 @@ class ExpertRefs:
 
 @dataclass(frozen=True)
 class ExpertSlice:
-    """One node's rows of one expert, float32, each [R, H] and C-contiguous."""
+    """One node's rows of one expert in a storage format (shm/formats), each C-contiguous stored rows:
+    [R, H] float32 for f32 (the arrays are the weights), [R, H] uint16 for bf16, [R, row bytes] uint8."""
 
-    gate: np.ndarray  # [R, H] rows of W_gate
-    up: np.ndarray  # [R, H] rows of W_up
-    down_t: np.ndarray  # [R, H] = W_down[:, rows].T
+    gate: np.ndarray  # [R, .] rows of W_gate
+    up: np.ndarray  # [R, .] rows of W_up
+    down_t: np.ndarray  # [R, .] = W_down[:, rows].T
+    fmt: str = "f32"
 
     @property
     def rows(self) -> int:
@@ -97,17 +100,47 @@ def read_columns_t(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> n
     return _converted(*_columns_t(ckpt, ref, start, stop))
 
 
-def read_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int) -> ExpertSlice:
-    return ExpertSlice(
-        gate=read_rows(ckpt, refs.gate, start, stop),
-        up=read_rows(ckpt, refs.up, start, stop),
-        down_t=read_columns_t(ckpt, refs.down, start, stop),
-    )
+def read_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int, fmt: str = "f32") -> ExpertSlice:
+    """Rows [start, stop) of the expert, stored in format ``fmt`` (shm/formats)."""
+    if fmt == "f32":
+        return ExpertSlice(read_rows(ckpt, refs.gate, start, stop), read_rows(ckpt, refs.up, start, stop),
+                           read_columns_t(ckpt, refs.down, start, stop))
+    f = formats.get(fmt)
+    shape = (stop - start, f.row_bytes(ckpt_hidden(ckpt, refs)) // np.dtype(f.STORED_DTYPE).itemsize)
+    dest = ExpertSlice(*(np.empty(shape, f.STORED_DTYPE) for _ in range(3)), fmt=fmt)
+    write_expert_slice(ckpt, refs, start, stop, dest)
+    return dest
+
+
+def ckpt_hidden(ckpt: Checkpoint, refs: ExpertRefs) -> int:
+    """H of an expert: the gate matrix's row length."""
+    return int(ckpt.info(refs.gate.name).shape[-1])
 
 
 def write_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int, dest: ExpertSlice) -> int:
-    """Read the rows straight into the destination views (no intermediate copies); returns bytes written."""
-    convert_into(dest.gate, *_rows(ckpt, refs.gate, start, stop))
-    convert_into(dest.up, *_rows(ckpt, refs.up, start, stop))
-    convert_into(dest.down_t, *_columns_t(ckpt, refs.down, start, stop))
+    """Read the rows straight into the destination (f32: no intermediate copies; other formats through
+    float32 blocks of rows, encoded at once); returns bytes written."""
+    for sink, (raw, dtype) in ((dest.gate, _rows(ckpt, refs.gate, start, stop)),
+                               (dest.up, _rows(ckpt, refs.up, start, stop)),
+                               (dest.down_t, _columns_t(ckpt, refs.down, start, stop))):
+        store_into(sink, raw, dtype, dest.fmt)
     return dest.nbytes
+
+
+ENCODE_ROWS = 256  # rows converted to float32 at a time before encoding
+
+
+def store_into(dest: np.ndarray, raw: np.ndarray, dtype: str, fmt: str) -> None:
+    """Stored rows of format ``fmt`` <- checkpoint rows ``raw`` of ``dtype``. A BF16 source kept as bf16 is
+    copied bit for bit."""
+    if fmt == "f32":
+        convert_into(dest, raw, dtype)
+    elif fmt == "bf16" and dtype == "BF16":
+        dest[...] = raw
+    else:
+        f = formats.get(fmt)
+        block = np.empty((min(ENCODE_ROWS, raw.shape[0]), raw.shape[1]), np.float32)
+        for a in range(0, raw.shape[0], ENCODE_ROWS):
+            b = min(a + ENCODE_ROWS, raw.shape[0])
+            convert_into(block[: b - a], raw[a:b], dtype)
+            f.encode_into(dest[a:b], block[: b - a])

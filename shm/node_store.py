@@ -95,15 +95,17 @@ def open_node_store(
     cpus: list[int],
     model_digest: str | None = None,
     node_free: int | None = None,
+    fmt: str = "f32",
 ) -> tuple[SegmentExpertStore, LoadReport]:
-    """The node's store in its segment; ``experts`` maps (layer, e) -> (refs, intermediate size)."""
+    """The node's store in its segment, experts in format ``fmt``; ``experts`` maps (layer, e) -> (refs,
+    intermediate size)."""
     model_digest = model_digest or ckpt.digest()
     wanted = {}
     for (layer, e), (refs, inter) in experts.items():
         rows = plan.slice_of(inter, node)
         if rows is not None:
             wanted[(layer, e)] = (refs, rows.start, rows.stop)
-    layout, data_bytes = build_layout(((l, e, a, b) for (l, e), (_, a, b) in wanted.items()), hidden)
+    layout, data_bytes = build_layout(((l, e, a, b) for (l, e), (_, a, b) in wanted.items()), hidden, fmt)
     name = segment_name(model_digest, plan.digest, node)
     start = time.monotonic()
     segment, needs_fill = open_or_create(name, node, model_digest, plan.digest, layout, data_bytes, node_free)

@@ -119,3 +119,16 @@ def test_plot_draws_a_png(report, tmp_path):
     out = tmp_path / "r.png"
     plot(report, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("fmt, per_weight", [("bf16", 2.0), ("q4", 0.5625)])
+def test_each_format_reports_its_stored_bytes_and_reads(tmp_path, fmt, per_weight):
+    model = make_model(tmp_path / "m", seed=2)
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(model), "--modes", "inproc,split", "--nodes", "2", "--tokens", "3",
+                 "--prompt-tokens", "5", "--rounds", "1", "--expert-dtype", fmt, "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    for mode, m in modes.items():
+        assert m["expert_format"] == fmt == m["experts"]["expert_format"], mode
+        assert m["stored_bytes_per_weight"] == pytest.approx(per_weight, rel=0.05), mode  # 64-byte alignment aside
+        assert m["bytes"]["counted"] == m["bytes"]["implied_by_routing"] > 0, mode

@@ -53,14 +53,14 @@ def random_request(rng, layer, T, k, E, H, cpu_experts):
                        np.array(weights, np.float32))
 
 
-def pools_for(model_dir, nodes, threads):
-    cfg = EngineConfig(pool="process", numa_split=True, nodes=nodes, worker_threads=threads)
+def pools_for(model_dir, nodes, threads, fmt="f32"):
+    cfg = EngineConfig(pool="process", numa_split=True, nodes=nodes, worker_threads=threads, expert_dtype=fmt)
     mcfg = load_model_config(model_dir)
     ckpt = Checkpoint(model_dir)
     experts = load_weights(mcfg, ckpt).experts
     node_list = pool_nodes(cfg)
     plan = build_plan(mcfg, node_list)
-    inproc = build_inproc_pool(ckpt, mcfg, plan, experts)
+    inproc = build_inproc_pool(ckpt, mcfg, plan, experts, fmt=fmt)
     proc = ProcessPool(plan, node_list, worker_job(model_dir, ckpt, mcfg, plan, experts, node_list, cfg, 4096), cfg)
     return mcfg, plan, inproc, proc
 
@@ -69,14 +69,17 @@ NODES_THREADS = list(itertools.product([2, 3], [1, 2, 3]))
 # tokens, experts per token, some experts on the device, layer (layer 1 collects into the coordinator's buffer)
 REQUESTS = list(itertools.product([1, 2, 5, 33], [1, 2, 8], [False, True], [0, 1]))
 MIN_COMPARISONS = 192
+FORMATS = ["f32", "bf16", "q8", "q4"]
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("nodes,threads", NODES_THREADS)
-def test_process_pool_is_bitwise_equal_to_inproc(uneven_model, nodes, threads):
-    mcfg, plan, inproc, proc = pools_for(uneven_model, nodes, threads)
+def test_process_pool_is_bitwise_equal_to_inproc(uneven_model, nodes, threads, fmt):
+    mcfg, plan, inproc, proc = pools_for(uneven_model, nodes, threads, fmt)
     try:
         assert len(plan.slices_for(200)) == nodes
         assert {s.rows for s in plan.slices_for(200)} != {200 // nodes}  # uneven
+        assert {w.hello["expert_format"] for w in proc.workers} == {w.store.fmt for w in inproc.workers} == {fmt}
         rng = np.random.default_rng(nodes * 10 + threads)
         E, H = mcfg.num_experts, mcfg.hidden_size
         for T, k, device_resident, layer in REQUESTS:  # each one compared (an empty one is drawn again)
@@ -91,15 +94,15 @@ def test_process_pool_is_bitwise_equal_to_inproc(uneven_model, nodes, threads):
             got = proc.collect(out=out)
             assert got.shape == (T, H) and np.abs(want).max() > 0
             assert out is None or got is out
-            assert np.array_equal(got, want), (nodes, threads, T, k, device_resident, layer)
+            assert np.array_equal(got, want), (fmt, nodes, threads, T, k, device_resident, layer)
     finally:
         proc.close()
         inproc.close()
 
 
 def test_enough_bitwise_comparisons_ran():
-    """Each parametrised run compares every one of REQUESTS: counted from the parametrisation itself, so
-    this holds when run alone, not only after the runs filled a global."""
+    """Each parametrised run compares every one of REQUESTS, for every format: counted from the
+    parametrisation itself, so this holds when run alone, not only after the runs filled a global."""
     assert len(NODES_THREADS) * len(REQUESTS) >= MIN_COMPARISONS, len(NODES_THREADS) * len(REQUESTS)
 
 

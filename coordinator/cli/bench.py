@@ -70,8 +70,8 @@ def layer_figures(timings, decode_only: bool = True) -> dict:
 def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 64, prompt_tokens: int = 256,
               rounds: int = 3, warmup_tokens: int = 4, membw_bytes: int | None = None, seed: int = 0,
               spin_us: float = 0.0, device: dict | None = None) -> dict:
-    """``device``: EngineConfig fields of the device side (device, expert_profile, gpu_experts,
-    gpu_expert_memory), the same for every mode."""
+    """``device``: EngineConfig fields the same for every mode: the device side (device, expert_profile,
+    gpu_experts, gpu_expert_memory) and the experts' storage format (expert_dtype)."""
     model_dir = Path(model_dir)
     membw_bytes = membw_bytes or 4 * l3_bytes()
     engines: dict[str, Engine] = {}
@@ -103,8 +103,8 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
         report = {"model": str(model_dir), "arch": mcfg.arch, "spin_us": spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
                   "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(device or {}),
                   "modes": {}}
-        expert_bytes = 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 4
         for mode, eng in engines.items():
+            expert_bytes = eng.cpu_expert_bytes()
             res = results[mode]
             pool = eng.pool
             floor = [pool.ping() * 1e6 for _ in range(100)]  # in-process: a call's time, no sockets
@@ -114,6 +114,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
             pool_gbps = decode["bytes_read"] / decode["compute_s"] / 1e9 if decode["compute_s"] else None
             health = pool.health()
             node_info = {n.id: n for n in eng.nodes}
+            stored = sum(h["segment_bytes"] or 0 for h in health) or sum(w.store.nbytes for w in pool.workers)
             report["modes"][mode] = {
                 "config": {"pool": eng.config.pool, "numa_split": eng.config.numa_split, "plan": pool.plan.digest},
                 "decode_tokens_per_s": summary(res["decode_tps"]),
@@ -127,6 +128,8 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 "membw": bw,
                 "bandwidth_ratio": pool_gbps / bw["gb_per_s"] if pool_gbps else None,
                 "experts": eng.expert_report(),
+                "expert_format": eng.expert_format,
+                "stored_bytes_per_weight": stored / eng.cpu_expert_weights() if eng.cpu_expert_weights() else None,
                 "bytes": {"counted": all_calls["bytes_read"], "implied_by_routing": res["expert_loads"] * expert_bytes,
                           "expert_loads": res["expert_loads"], "routed_pairs": res["pairs"]},
                 "nodes": [{
@@ -171,6 +174,10 @@ def markdown(report: dict) -> str:
             lines.append(f"{mode}: overhead per layer = to worker {L['to_worker_us']['median']:.0f} us + in worker "
                          f"(decode, checks, reply) {L['in_worker_us']['median']:.0f} us + back "
                          f"{L['to_coordinator_us']['median']:.0f} us (medians)")
+    lines.append("")
+    for mode, m in report["modes"].items():
+        lines.append(f"{mode}: CPU experts stored as {m['expert_format']}, "
+                     f"{_fmt(m['stored_bytes_per_weight'], '.3f')} bytes a weight")
     lines.append("")
     for mode, m in report["modes"].items():
         e = m["experts"]

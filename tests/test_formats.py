@@ -1,0 +1,198 @@
+"""Expert storage formats (shm/formats): layouts read back by float64 references written from their
+descriptions, rounding bounds, bytes per weight, and the node's compute on each format's weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.errors import ConfigValueError
+from node_worker.worker import NodeWorker
+from shm import formats
+from shm.expert_source import ExpertSlice
+from shm.expert_store import HeapExpertStore
+
+H = 256
+ROWS = 48
+LIMITS = {"f32": 4.0, "bf16": 2.0, "q8": 1.07, "q4": 0.57}  # bytes per weight, issue 13
+
+
+def weights(seed: int = 0, rows: int = ROWS) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, H)).astype(np.float32) * 0.05
+    w[0, :32] = 0.0  # an all-zero block
+    w[1, 5] = 3.0  # an outlier sets its block's scale
+    w[2, 40] = -2.5
+    return w
+
+
+def encoded(fmt, w: np.ndarray) -> np.ndarray:
+    out = np.empty((w.shape[0], fmt.row_bytes(H) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+    fmt.encode_into(out, w)
+    return out
+
+
+# -- float64 readers written from the layouts drawn at the top of each module ----------------------------
+
+
+def ref_bf16(stored: np.ndarray) -> np.ndarray:
+    return (stored.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def ref_q8(stored: np.ndarray) -> np.ndarray:
+    out = np.empty((stored.shape[0], H))
+    for r, row in enumerate(stored):
+        q = row[:H].view(np.int8).astype(np.float64)
+        d = row[H:].view("<f2").astype(np.float64)
+        for i in range(H):
+            out[r, i] = d[i // 32] * q[i]
+    return out
+
+
+def ref_q4(stored: np.ndarray) -> np.ndarray:
+    out = np.empty((stored.shape[0], H))
+    for r, row in enumerate(stored):
+        d = row[H // 2:].view("<f2").astype(np.float64)
+        for b in range(H // 32):
+            for j in range(16):
+                byte = int(row[16 * b + j])
+                out[r, 32 * b + j] = d[b] * ((byte & 15) - 8)
+                out[r, 32 * b + j + 16] = d[b] * ((byte >> 4) - 8)
+    return out
+
+
+REFS = {"bf16": ref_bf16, "q8": ref_q8, "q4": ref_q4, "f32": lambda s: s.astype(np.float64)}
+
+
+@pytest.mark.parametrize("name", list(formats.FORMATS))
+def test_decode_is_the_layout_read_in_float64(name):
+    fmt = formats.get(name)
+    stored = encoded(fmt, weights())
+    np.testing.assert_array_equal(formats.decoded(fmt, stored), REFS[name](stored).astype(np.float32))
+
+
+@pytest.mark.parametrize("name", list(formats.FORMATS))
+def test_bytes_per_weight(name):
+    fmt = formats.get(name)
+    assert fmt.row_bytes(H) / H == fmt.BYTES_PER_WEIGHT <= LIMITS[name]
+    assert fmt.hidden_of(fmt.row_bytes(H) // np.dtype(fmt.STORED_DTYPE).itemsize) == H
+
+
+# q8: half a step of max|w|/127. q4: half a step of max|w|/8, but a value of the sign opposite to the largest
+# one can reach +8 steps, where only +7 exist: up to one step there (as ggml's Q4_0)
+@pytest.mark.parametrize("name, bound", [("q8", 0.5 / 127), ("q4", 1 / 8)])
+def test_rounding_error_is_within_the_block_scales_steps(name, bound):
+    w = weights(1)
+    dq = REFS[name](encoded(formats.get(name), w))
+    blocks = w.reshape(ROWS, H // 32, 32).astype(np.float64)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    err = np.abs(dq.reshape(blocks.shape) - blocks)
+    assert np.all(err <= amax * bound * 1.01 + 1e-12)  # f16 scales add well under 1 %
+    assert np.all(dq[0, :32] == 0)  # the all-zero block stays zero
+    assert dq[1, 5] == pytest.approx(3.0, rel=2e-3) and dq[2, 40] == pytest.approx(-2.5, rel=2e-3)
+
+
+def test_bf16_keeps_bf16_values_exactly_and_rounds_others_to_nearest_even():
+    largest = float(np.array([0x7F7F0000], np.uint32).view(np.float32)[0])  # the largest finite bfloat16
+    exact = np.array([[1.0, -2.5, 0.15625, largest] + [0.0] * (H - 4)], np.float32)
+    assert np.array_equal(formats.decoded(formats.bf16, encoded(formats.bf16, exact)), exact)
+    halfway = np.array([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-9], np.float32)  # ties to even, then below
+    padded = np.zeros((1, H), np.float32)
+    padded[0, :3] = halfway
+    got = formats.decoded(formats.bf16, encoded(formats.bf16, padded))[0, :3]
+    assert got.tolist() == [1.0, 1.0 + 4 * 2.0**-8, 1.0]
+    nan = np.full((1, H), np.nan, np.float32)
+    assert np.isnan(formats.decoded(formats.bf16, encoded(formats.bf16, nan))).all()
+
+
+@pytest.mark.parametrize("name", list(formats.FORMATS))
+def test_node_compute_equals_float64_swiglu_on_the_dequantised_weights(name):
+    fmt = formats.get(name)
+    rng = np.random.default_rng(3)
+    slices = {}
+    for e in range(3):
+        gate, up, down_t = (encoded(fmt, weights(10 * e + k)) for k in range(3))
+        slices[(0, e)] = ExpertSlice(gate, up, down_t, name)
+    worker = NodeWorker(0, HeapExpertStore(0, dict(slices), name), H, threads=2, task_rows=16)
+    try:
+        x = rng.standard_normal((4, H)).astype(np.float32)
+        tokens, experts = np.array([0, 0, 1, 2, 3, 3]), np.array([0, 2, 1, 0, 1, 2])
+        w = rng.random(6).astype(np.float32)
+        y = worker.compute(0, x, tokens, experts, w)
+    finally:
+        worker.close()
+    want = np.zeros((4, H))
+    for t, e, wt in zip(tokens, experts, w):
+        s = slices[(0, e)]
+        g, u, d = (REFS[name](m) for m in (s.gate, s.up, s.down_t))
+        a, b = g @ x[t].astype(np.float64), u @ x[t].astype(np.float64)
+        want[t] += wt * ((a / (1 + np.exp(-a)) * b) @ d)
+    np.testing.assert_allclose(y, want, rtol=2e-5, atol=2e-6)
+
+
+# -- the engine with each format ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    from coordinator.cli.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("fmt") / "m", seed=4, dtype="BF16", hidden_size=64)
+
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
+
+
+def test_bf16_store_of_a_bf16_checkpoint_is_bitwise_the_f32_store(bf16_model):
+    with Engine.open(bf16_model, EngineConfig(expert_dtype="f32")) as eng:
+        f32 = eng.logits(PROMPT)
+        f32_bytes = eng.pool.workers[0].store.nbytes
+    with Engine.open(bf16_model, EngineConfig()) as eng:  # auto: bf16 for a BF16 checkpoint
+        assert eng.expert_format == "bf16"
+        assert np.array_equal(eng.logits(PROMPT), f32)
+        assert eng.pool.workers[0].store.nbytes * 2 == f32_bytes
+
+
+@pytest.mark.parametrize("name, top1", [("q8", 1.0), ("q4", 0.5)])
+def test_quantised_stores_stay_close_to_f32(bf16_model, name, top1):
+    with Engine.open(bf16_model, EngineConfig(expert_dtype="f32")) as eng:
+        ref = eng.logits(PROMPT)
+    with Engine.open(bf16_model, EngineConfig(expert_dtype=name)) as eng:
+        got = eng.logits(PROMPT)
+        assert eng.expert_format == name and eng.pool.workers[0].store.fmt == name
+    agree = np.mean(got.argmax(-1) == ref.argmax(-1))
+    assert agree >= top1
+    assert not np.array_equal(got, ref)  # the experts really were quantised
+
+
+def test_unknown_format_and_a_hidden_size_off_the_block_are_named(tiny_model):
+    with pytest.raises(ConfigValueError, match="expert_dtype must be one of auto, f32, bf16, q8, q4"):
+        EngineConfig(expert_dtype="q3")
+    odd = tiny_model("odd", hidden_size=48, num_heads=3, num_kv_heads=1)
+    with pytest.raises(ConfigValueError, match="hidden size 48 is not a multiple of 32"):
+        Engine.open(odd, EngineConfig(expert_dtype="q8"))
+    with Engine.open(odd, EngineConfig(expert_dtype="bf16")) as eng:  # bf16 has no blocks
+        assert eng.expert_format == "bf16"
+
+
+def test_segment_bytes_per_format_and_a_leftover_of_another_format(bf16_model):
+    """bf16 segments take half the bytes of f32, q4 under a third of bf16; a kept f32 segment is another
+    segment (the format is part of its name), so starting in bf16 beside it neither reuses nor refuses it."""
+    from shm import segments
+
+    found = {}
+    try:
+        for name in ("f32", "bf16", "q4"):
+            cfg = EngineConfig(pool="process", expert_dtype=name, keep_shm=name == "f32")
+            with Engine.open(bf16_model, cfg) as eng:
+                node = eng.pool.health()[0]
+                found[name] = (node["segment"], node["segment_bytes"], node["reloaded"])
+                assert eng.pool.workers[0].hello["expert_format"] == name
+        assert segments.read_header(found["f32"][0]).layout["kind"] == "expert-slices/float32"  # kept, intact
+    finally:
+        segments.unlink(found["f32"][0])
+    (f32_seg, f32_bytes, _), (bf16_seg, bf16_bytes, bf16_loaded), (_, q4_bytes, _) = (found[n] for n in found)
+    assert bf16_seg != f32_seg and bf16_loaded  # filled anew, not the f32 segment reattached
+    assert bf16_bytes * 2 == f32_bytes and q4_bytes * 3 < bf16_bytes
