@@ -5,9 +5,15 @@ sockets and signals. Work is cut into tasks of (expert, block of at most
 ``task_rows`` of the node's rows); the node's threads compute the tasks'
 contributions and the results are added in task order (experts ascending, row
 blocks ascending), so Y_n is a deterministic function of (weights, inputs,
-plan), independent of thread count, task order and timing. A task's rows are
-decoded from the store's format (shm/formats) to float32 first, so every format
-computes with exactly its dequantised weights, by the same BLAS calls as f32.
+plan), independent of thread count, task order and timing.
+
+Two ways to compute a task, chosen by its group's token count alone (so the
+choice is a function of the inputs too): a group of at most
+ROW_KERNEL_MAX_TOKENS tokens (decode) goes with all such tasks of the layer
+into one compiled call that reads the store's format directly
+(node_worker/kernels/rows.py); a larger group (prefill) has its rows decoded
+to float32 and multiplied by BLAS on the node's threads. Either way every
+format computes with exactly its dequantised weights.
 """
 
 from __future__ import annotations
@@ -16,22 +22,33 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numba
 import numpy as np
 
 from shm import formats
 from shm.expert_source import ExpertSlice
 
 from .kernels import swiglu_partial
+from .kernels.common import HALF_TO_FLOAT
+from .kernels.rows import FORMAT_IDS, layer_rows, warm_up
 from .routing import group_by_expert
 from .tasks import TaskRunner
 
 log = logging.getLogger(__name__)
 
 TASK_ROWS = 1024  # rows of one expert per task: whole experts up to 1024 rows (tools/task_bench.py)
+ROW_KERNEL_MAX_TOKENS = 8  # groups of up to this many tokens take the compiled row kernel; larger ones BLAS
 
 
 class ExpertStore(Protocol):
+    """A node's expert slices in one buffer (shm/expert_store.py's BufferExpertStore)."""
+
     node: int
+    fmt: str  # shm/formats name
+    hidden: int
+    row_bytes: int
+    data: np.ndarray  # [bytes] uint8
+    offsets: dict[tuple[int, int], tuple[int, int, int]]  # (layer, expert) -> gate, up, down_t byte offsets
 
     def get(self, layer: int, expert: int) -> ExpertSlice | None: ...
 
@@ -54,6 +71,7 @@ class NodeWorker:
         self.task_rows = task_rows
         self.runner = TaskRunner(threads, cpus, name=f"node{node}")
         self.bytes_read = 0  # expert weight bytes touched, for the benchmark
+        warm_up()  # compiled (or loaded from the disk cache) now, not in the first request
 
     @property
     def threads(self) -> int:
@@ -68,7 +86,7 @@ class NodeWorker:
         weights: np.ndarray,  # [P] float32 routing weight
     ) -> np.ndarray:
         """This node's partial output Y_n [T, H] for the routed pairs."""
-        groups, parts, xs, tasks = [], [], [], []
+        groups, parts, tasks = [], [], []
         for group in group_by_expert(tokens, experts, weights):
             part = self.store.get(layer, group.expert)
             if part is None:  # this node holds no rows of the expert
@@ -76,24 +94,51 @@ class NodeWorker:
             k = len(groups)
             groups.append(group)
             parts.append(part)
-            xs.append(x[group.tokens])  # [n, H]
             for start in range(0, part.rows, self.task_rows):
                 tasks.append(Task(k, start, min(start + self.task_rows, part.rows)))
+        x = np.ascontiguousarray(x, np.float32)
+        few = [i for i, t in enumerate(tasks) if groups[t.group].tokens.size <= ROW_KERNEL_MAX_TOKENS]
+        many = [i for i, t in enumerate(tasks) if groups[t.group].tokens.size > ROW_KERNEL_MAX_TOKENS]
+        contribs: list[np.ndarray | None] = [None] * len(tasks)
+        for i, c in zip(few, self._row_kernel(layer, x, groups, [tasks[i] for i in few])):
+            contribs[i] = c
+        fmt = formats.get(self.store.fmt)
 
         def run(i: int) -> np.ndarray:
-            t = tasks[i]
+            t = tasks[many[i]]
             p = parts[t.group]
-            fmt = formats.get(p.fmt)
-            return swiglu_partial(xs[t.group], *(formats.decoded(fmt, m[t.start:t.stop])  # [r, H] float32
-                                                 for m in (p.gate, p.up, p.down_t)))  # [n, H]
+            return swiglu_partial(x[groups[t.group].tokens], *(formats.decoded(fmt, m[t.start:t.stop])  # [r, H]
+                                                              for m in (p.gate, p.up, p.down_t)))  # [n, H]
 
-        contribs = self.runner.run(len(tasks), run)
+        for i, c in zip(many, self.runner.run(len(many), run)):
+            contribs[i] = c
         y = np.zeros((x.shape[0], self.hidden_size), dtype=np.float32)  # [T, H]
-        for t, contrib in zip(tasks, contribs):
+        for t, contrib in zip(tasks, contribs):  # in task order: the same sum whoever computed what
             g = groups[t.group]
             y[g.tokens] += g.weights[:, None] * contrib
         self.bytes_read += sum(p.nbytes for p in parts)
         return y
+
+    def _row_kernel(self, layer: int, x: np.ndarray, groups: list, tasks: list[Task]) -> list[np.ndarray]:
+        """The tasks of small groups in one compiled call (node_worker/kernels/rows.py); their contributions."""
+        if not tasks:
+            return []
+        used = sorted({t.group for t in tasks})
+        index = {g: i for i, g in enumerate(used)}
+        sizes = [groups[g].tokens.size for g in used]
+        tok_stop = np.cumsum(sizes, dtype=np.int64)
+        tok_start = tok_stop - np.asarray(sizes, np.int64)
+        tokens = np.concatenate([groups[g].tokens for g in used]).astype(np.int64)
+        offsets = np.array([self.store.offsets[(layer, groups[g].expert)] for g in used], np.int64)  # [G, 3]
+        task_group = np.array([index[t.group] for t in tasks], np.int64)
+        task_rows = np.array([(t.start, t.stop) for t in tasks], np.int64).reshape(-1, 2)
+        lengths = np.array([groups[t.group].tokens.size * self.hidden_size for t in tasks], np.int64)
+        contrib_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        contrib = np.empty(int(lengths.sum()), np.float32)
+        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        layer_rows(FORMAT_IDS[self.store.fmt], self.store.data, self.hidden_size, self.store.row_bytes, x, tokens,
+                   tok_start, tok_stop, offsets, task_group, task_rows, contrib, contrib_start, HALF_TO_FLOAT)
+        return [contrib[a : a + n].reshape(-1, self.hidden_size) for a, n in zip(contrib_start, lengths)]
 
     def close(self) -> None:
         self.runner.close()

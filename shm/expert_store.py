@@ -16,7 +16,7 @@ import numpy as np
 
 from . import formats
 from .checkpoint import Checkpoint
-from .expert_source import ExpertRefs, ExpertSlice, read_expert_slice
+from .expert_source import ExpertRefs, ExpertSlice, ckpt_hidden, write_expert_slice
 from .plan import PoolPlan
 from .segments import Segment
 
@@ -33,44 +33,6 @@ def kind_format(kind: str) -> str | None:
         return None
     name = kind[len(LAYOUT_PREFIX):]
     return "f32" if name == "float32" else name
-
-
-class HeapExpertStore:
-    """(layer, expert) -> this node's ExpertSlice, held in ordinary process memory."""
-
-    def __init__(self, node: int, slices: dict[tuple[int, int], ExpertSlice], fmt: str = "f32"):
-        self.node = node
-        self.fmt = fmt
-        self._slices = slices
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        ckpt: Checkpoint,
-        plan: PoolPlan,
-        node: int,
-        experts: Mapping[tuple[int, int], tuple[ExpertRefs, int]],
-        fmt: str = "f32",
-    ) -> "HeapExpertStore":
-        """Read ``node``'s rows of every expert in format ``fmt``; ``experts`` maps (layer, e) -> (refs,
-        intermediate size)."""
-        slices: dict[tuple[int, int], ExpertSlice] = {}
-        for key, (refs, intermediate) in experts.items():
-            rows = plan.slice_of(intermediate, node)
-            if rows is not None:
-                slices[key] = read_expert_slice(ckpt, refs, rows.start, rows.stop, fmt)
-        return cls(node, slices, fmt)
-
-    def get(self, layer: int, expert: int) -> ExpertSlice | None:
-        """This node's slice of the expert, or None when the node holds no rows of it."""
-        return self._slices.get((layer, expert))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._slices.values())
-
-    def close(self) -> None:
-        self._slices.clear()
 
 
 def _align(n: int) -> int:
@@ -92,32 +54,35 @@ def build_layout(entries: Iterable[tuple[int, int, int, int]], hidden: int, fmt:
     return {"kind": layout_kind(fmt), "hidden": hidden, "experts": table}, offset
 
 
-class SegmentExpertStore:
-    """Zero-copy views of a segment's expert slices."""
+class BufferExpertStore:
+    """A node's expert slices in one byte buffer laid out by ``build_layout``: zero-copy views per expert, and
+    the buffer with its table for the compiled kernels (node_worker/kernels), which read every format from it."""
 
-    def __init__(self, node: int, segment: Segment):
+    def __init__(self, node: int, data: np.ndarray, layout: dict, name: str = "buffer"):
         self.node = node
-        self.segment = segment
-        layout = segment.header.layout
-        name = kind_format(layout.get("kind"))
-        if name not in formats.FORMATS:
-            raise ValueError(f"segment {segment.name} layout kind {layout.get('kind')!r} is not an expert store")
-        self.fmt = name
-        fmt = formats.get(name)
-        hidden = layout["hidden"]
-        data = segment.data
+        fmt_name = kind_format(layout.get("kind"))
+        if fmt_name not in formats.FORMATS:
+            raise ValueError(f"{name}: layout kind {layout.get('kind')!r} is not an expert store")
+        self.fmt = fmt_name
+        fmt = formats.get(fmt_name)
+        self.hidden = int(layout["hidden"])
+        self.row_bytes = fmt.row_bytes(self.hidden)
+        self.data = data  # [data bytes] uint8
         self._views: dict[tuple[int, int], ExpertSlice] = {}
         self.row_ranges: dict[tuple[int, int], tuple[int, int]] = {}
+        self.offsets: dict[tuple[int, int], tuple[int, int, int]] = {}  # (layer, e) -> gate, up, down_t byte offsets
         for layer, expert, start, stop, g, u, d in layout["experts"]:
-            size = (stop - start) * fmt.row_bytes(hidden)
+            size = (stop - start) * self.row_bytes
 
             def view(off: int) -> np.ndarray:
-                return formats.stored_view(fmt, data[off : off + size], stop - start, hidden)
+                return formats.stored_view(fmt, data[off : off + size], stop - start, self.hidden)
 
-            self._views[(layer, expert)] = ExpertSlice(view(g), view(u), view(d), name)
+            self._views[(layer, expert)] = ExpertSlice(view(g), view(u), view(d), fmt_name)
             self.row_ranges[(layer, expert)] = (start, stop)
+            self.offsets[(layer, expert)] = (g, u, d)
 
     def get(self, layer: int, expert: int) -> ExpertSlice | None:
+        """This node's slice of the expert, or None when the node holds no rows of it."""
         return self._views.get((layer, expert))
 
     def keys(self) -> list[tuple[int, int]]:
@@ -125,8 +90,67 @@ class SegmentExpertStore:
 
     @property
     def nbytes(self) -> int:
-        return self.segment.header.data_bytes
+        return int(self.data.nbytes)
 
     def close(self) -> None:
         self._views.clear()
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """nbytes of uint8, the first one ALIGN-aligned."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+class HeapExpertStore(BufferExpertStore):
+    """(layer, expert) -> this node's ExpertSlice, in one buffer of ordinary process memory laid out as a
+    segment would be."""
+
+    def __init__(self, node: int, slices: dict[tuple[int, int], ExpertSlice], fmt: str = "f32"):
+        hidden = formats.get(fmt).hidden_of(next(iter(slices.values())).gate.shape[1]) if slices else 0
+        layout, nbytes = build_layout(((l, e, 0, s.rows) for (l, e), s in slices.items()), hidden, fmt)
+        super().__init__(node, aligned_buffer(nbytes), layout, f"node {node} heap store")
+        for key, s in slices.items():
+            view = self._views[key]
+            for dest, src in ((view.gate, s.gate), (view.up, s.up), (view.down_t, s.down_t)):
+                dest[...] = src
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        ckpt: Checkpoint,
+        plan: PoolPlan,
+        node: int,
+        experts: Mapping[tuple[int, int], tuple[ExpertRefs, int]],
+        fmt: str = "f32",
+    ) -> BufferExpertStore:
+        """Read ``node``'s rows of every expert in format ``fmt``; ``experts`` maps (layer, e) -> (refs,
+        intermediate size)."""
+        wanted = {}
+        for key, (refs, intermediate) in experts.items():
+            rows = plan.slice_of(intermediate, node)
+            if rows is not None:
+                wanted[key] = (refs, rows.start, rows.stop)
+        hidden = max((ckpt_hidden(ckpt, refs) for refs, _, _ in wanted.values()), default=0)
+        layout, nbytes = build_layout(((l, e, a, b) for (l, e), (_, a, b) in wanted.items()), hidden, fmt)
+        store = BufferExpertStore(node, aligned_buffer(nbytes), layout, f"node {node} heap store")
+        for key, (refs, a, b) in wanted.items():
+            write_expert_slice(ckpt, refs, a, b, store.get(*key))  # straight into the buffer, no copies
+        return store
+
+
+class SegmentExpertStore(BufferExpertStore):
+    """Zero-copy views of a segment's expert slices."""
+
+    def __init__(self, node: int, segment: Segment):
+        self.segment = segment
+        super().__init__(node, segment.data, segment.header.layout, f"segment {segment.name}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.segment.header.data_bytes
+
+    def close(self) -> None:
+        super().close()
         self.segment.close()

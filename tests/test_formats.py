@@ -108,7 +108,8 @@ def test_bf16_keeps_bf16_values_exactly_and_rounds_others_to_nearest_even():
 
 
 @pytest.mark.parametrize("name", list(formats.FORMATS))
-def test_node_compute_equals_float64_swiglu_on_the_dequantised_weights(name):
+@pytest.mark.parametrize("tokens_per_expert", [1, 12])  # the compiled row kernel (decode); decoded rows + BLAS
+def test_node_compute_equals_float64_swiglu_on_the_dequantised_weights(name, tokens_per_expert):
     fmt = formats.get(name)
     rng = np.random.default_rng(3)
     slices = {}
@@ -117,13 +118,15 @@ def test_node_compute_equals_float64_swiglu_on_the_dequantised_weights(name):
         slices[(0, e)] = ExpertSlice(gate, up, down_t, name)
     worker = NodeWorker(0, HeapExpertStore(0, dict(slices), name), H, threads=2, task_rows=16)
     try:
-        x = rng.standard_normal((4, H)).astype(np.float32)
-        tokens, experts = np.array([0, 0, 1, 2, 3, 3]), np.array([0, 2, 1, 0, 1, 2])
-        w = rng.random(6).astype(np.float32)
+        T = 4 * tokens_per_expert
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        tokens = np.repeat(np.arange(T), 2)  # each token to two of the three experts
+        experts = np.array([(t % 3, (t + 1) % 3) for t in range(T)]).reshape(-1)
+        w = rng.random(2 * T).astype(np.float32)
         y = worker.compute(0, x, tokens, experts, w)
     finally:
         worker.close()
-    want = np.zeros((4, H))
+    want = np.zeros((T, H))
     for t, e, wt in zip(tokens, experts, w):
         s = slices[(0, e)]
         g, u, d = (REFS[name](m) for m in (s.gate, s.up, s.down_t))

@@ -1,0 +1,122 @@
+"""One compiled call per node per layer for the groups of few tokens (decode).
+
+Every task is (expert group g, a block of rows [a, b) of the node's slice of
+that expert). For each row the task decodes the gate and up rows of the
+store's format to float32 once and takes the dot products with each of the
+group's n token rows; then it adds the rows of W_down[:, R]ᵀ weighted by
+silu(gate) * up into its own contribution [n, H]. Tasks run in parallel
+(numba's threads, the node's CPUs: the dynamic schedule of prange); each
+writes only its own contribution, and the caller adds them in task order, so
+the result does not depend on the thread count or timing.
+
+Inputs (C-contiguous):
+    data            [bytes] uint8   the store's buffer (shm/expert_store.py's layout)
+    x               [T, H] float32  the layer's rows
+    tokens          [P] int64       rows of x, grouped: group g owns tokens[tok_start[g]:tok_stop[g]]
+    offsets         [G, 3] int64    byte offsets of group g's expert's gate, up and down_t matrices
+    task_group      [K] int64, task_rows [K, 2] int64: (group, row block) per task
+    contrib_start   [K] int64       where task k's [n, H] contribution starts in ``contrib`` (float32)
+    halves          [65536] float32 float16 bits -> value (common.HALF_TO_FLOAT), for the scales
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from . import bf16, f32, q4, q8
+from .common import HALF_TO_FLOAT, JIT
+
+FORMAT_IDS = {"f32": 0, "bf16": 1, "q8": 2, "q4": 3}
+
+
+@njit(inline="always", **JIT)
+def weights_row(fmt: int, data: np.ndarray, off: int, hidden: int, buf: np.ndarray, halves: np.ndarray) -> np.ndarray:
+    """Row at byte ``off`` as float32 [H]: f32 rows in place, the others decoded into ``buf``."""
+    if fmt == 0:
+        return f32.row(data, off, hidden)
+    if fmt == 1:
+        bf16.decode_row(data, off, hidden, buf)
+    elif fmt == 2:
+        q8.decode_row(data, off, hidden, buf, halves)
+    else:
+        q4.decode_row(data, off, hidden, buf, halves)
+    return buf
+
+
+@njit(inline="always", **JIT)
+def silu(s: np.float32) -> np.float32:
+    return s * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * s)))  # the tanh form of blas.py
+
+
+@njit(inline="always", **JIT)
+def dot4(w0, w1, w2, w3, x):
+    """Four rows' dot products with x at once: x is read once for the four."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for i in range(x.size):
+        xi = x[i]
+        a0 += w0[i] * xi
+        a1 += w1[i] * xi
+        a2 += w2[i] * xi
+        a3 += w3[i] * xi
+    return a0, a1, a2, a3
+
+
+ROWS = 4  # rows decoded and used together
+
+
+@njit(parallel=True, **JIT)
+def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, offsets, task_group, task_rows,
+               contrib, contrib_start, halves):
+    for k in prange(task_group.size):
+        g = task_group[k]
+        a, b = task_rows[k, 0], task_rows[k, 1]
+        t0, t1 = tok_start[g], tok_stop[g]
+        n = t1 - t0
+        bufs = np.empty((2 * ROWS, hidden), np.float32)  # decoded gate and up rows (formats other than f32)
+        h = np.empty((b - a + ROWS, n), np.float32)  # silu(gate) * up, per row and token
+        for r in range(a, b, ROWS):
+            m = min(ROWS, b - r)  # the last group of rows may be short: its missing rows repeat row r
+            gw0 = weights_row(fmt, data, offsets[g, 0] + r * row_bytes, hidden, bufs[0], halves)
+            gw1 = weights_row(fmt, data, offsets[g, 0] + (r + min(1, m - 1)) * row_bytes, hidden, bufs[1], halves)
+            gw2 = weights_row(fmt, data, offsets[g, 0] + (r + min(2, m - 1)) * row_bytes, hidden, bufs[2], halves)
+            gw3 = weights_row(fmt, data, offsets[g, 0] + (r + min(3, m - 1)) * row_bytes, hidden, bufs[3], halves)
+            uw0 = weights_row(fmt, data, offsets[g, 1] + r * row_bytes, hidden, bufs[4], halves)
+            uw1 = weights_row(fmt, data, offsets[g, 1] + (r + min(1, m - 1)) * row_bytes, hidden, bufs[5], halves)
+            uw2 = weights_row(fmt, data, offsets[g, 1] + (r + min(2, m - 1)) * row_bytes, hidden, bufs[6], halves)
+            uw3 = weights_row(fmt, data, offsets[g, 1] + (r + min(3, m - 1)) * row_bytes, hidden, bufs[7], halves)
+            for j in range(n):
+                xj = x[tokens[t0 + j]]
+                g0, g1, g2, g3 = dot4(gw0, gw1, gw2, gw3, xj)
+                u0, u1, u2, u3 = dot4(uw0, uw1, uw2, uw3, xj)
+                h[r - a, j] = silu(g0) * u0
+                h[r - a + 1, j] = silu(g1) * u1
+                h[r - a + 2, j] = silu(g2) * u2
+                h[r - a + 3, j] = silu(g3) * u3
+        out = contrib[contrib_start[k]:contrib_start[k] + n * hidden].reshape((n, hidden))
+        out[:, :] = 0
+        for r in range(a, b, ROWS):
+            m = min(ROWS, b - r)  # rows past b add nothing: their weights are 0
+            d0 = weights_row(fmt, data, offsets[g, 2] + r * row_bytes, hidden, bufs[0], halves)
+            d1 = weights_row(fmt, data, offsets[g, 2] + (r + min(1, m - 1)) * row_bytes, hidden, bufs[1], halves)
+            d2 = weights_row(fmt, data, offsets[g, 2] + (r + min(2, m - 1)) * row_bytes, hidden, bufs[2], halves)
+            d3 = weights_row(fmt, data, offsets[g, 2] + (r + min(3, m - 1)) * row_bytes, hidden, bufs[3], halves)
+            for j in range(n):
+                c0 = h[r - a, j]
+                c1 = h[r - a + 1, j] if m > 1 else np.float32(0.0)
+                c2 = h[r - a + 2, j] if m > 2 else np.float32(0.0)
+                c3 = h[r - a + 3, j] if m > 3 else np.float32(0.0)
+                row = out[j]
+                for i in range(hidden):
+                    row[i] += c0 * d0[i] + c1 * d1[i] + c2 * d2[i] + c3 * d3[i]
+
+
+def warm_up() -> None:
+    """Compile the kernel (about 20 s the first time on a machine) or load it from numba's disk cache (well
+    under a second), so that no request waits for it: node workers call this before they say hello."""
+    hidden = 32
+    data = np.zeros(3 * 4 * hidden, np.uint8)
+    one = np.zeros(1, np.int64)
+    layer_rows(0, data, hidden, 4 * hidden, np.zeros((1, hidden), np.float32), one, one, one + 1,
+               np.array([[0, 4 * hidden, 8 * hidden]], np.int64), one, np.array([[0, 1]], np.int64),
+               np.zeros(hidden, np.float32), one, HALF_TO_FLOAT)
