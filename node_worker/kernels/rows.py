@@ -31,17 +31,12 @@ FORMAT_IDS = {"f32": 0, "bf16": 1, "q8": 2, "q4": 3}
 
 
 @njit(inline="always", **JIT)
-def weights_row(fmt: int, data: np.ndarray, off: int, hidden: int, buf: np.ndarray, halves: np.ndarray) -> np.ndarray:
-    """Row at byte ``off`` as float32 [H]: f32 rows in place, the others decoded into ``buf``."""
-    if fmt == 0:
-        return f32.row(data, off, hidden)
-    if fmt == 1:
-        bf16.decode_row(data, off, hidden, buf)
-    elif fmt == 2:
+def decode_row(fmt: int, data: np.ndarray, off: int, hidden: int, buf: np.ndarray, halves: np.ndarray) -> None:
+    """The quantised formats' row at byte ``off`` as float32 into ``buf``."""
+    if fmt == 2:
         q8.decode_row(data, off, hidden, buf, halves)
     else:
         q4.decode_row(data, off, hidden, buf, halves)
-    return buf
 
 
 @njit(inline="always", **JIT)
@@ -51,7 +46,7 @@ def silu(s: np.float32) -> np.float32:
 
 @njit(inline="always", **JIT)
 def dot4(w0, w1, w2, w3, x):
-    """Four rows' dot products with x at once: x is read once for the four."""
+    """Four float32 rows' dot products with x at once: x is read once for the four."""
     a0 = a1 = a2 = a3 = np.float32(0.0)
     for i in range(x.size):
         xi = x[i]
@@ -62,7 +57,27 @@ def dot4(w0, w1, w2, w3, x):
     return a0, a1, a2, a3
 
 
-ROWS = 4  # rows decoded and used together
+@njit(inline="always", **JIT)
+def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x, bufs, halves):
+    """Dot products with x of the four rows at byte offsets o0..o3 of the store, in its format."""
+    if fmt == 0:
+        return f32.dot4(data, o0, o1, o2, o3, hidden, x)
+    if fmt == 1:
+        return bf16.dot4(data, o0, o1, o2, o3, hidden, x)
+    return dot4(bufs[0], bufs[1], bufs[2], bufs[3], x)  # decoded before, by decode4
+
+
+@njit(inline="always", **JIT)
+def decode4(fmt, data, o0, o1, o2, o3, hidden, bufs, halves) -> None:
+    """The quantised formats decode four rows into bufs (f32 and bf16 are read in place by their loops)."""
+    if fmt >= 2:
+        decode_row(fmt, data, o0, hidden, bufs[0], halves)
+        decode_row(fmt, data, o1, hidden, bufs[1], halves)
+        decode_row(fmt, data, o2, hidden, bufs[2], halves)
+        decode_row(fmt, data, o3, hidden, bufs[3], halves)
+
+
+ROWS = 4  # rows used together: the last group of a block may be short and repeats its first row (weight 0)
 
 
 @njit(parallel=True, **JIT)
@@ -73,42 +88,46 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
         a, b = task_rows[k, 0], task_rows[k, 1]
         t0, t1 = tok_start[g], tok_stop[g]
         n = t1 - t0
-        bufs = np.empty((2 * ROWS, hidden), np.float32)  # decoded gate and up rows (formats other than f32)
-        h = np.empty((b - a + ROWS, n), np.float32)  # silu(gate) * up, per row and token
+        gbufs = np.empty((ROWS, hidden), np.float32)  # decoded rows (q8, q4)
+        ubufs = np.empty((ROWS, hidden), np.float32)
+        h = np.zeros((b - a + ROWS, n), np.float32)  # silu(gate) * up, per row and token
         for r in range(a, b, ROWS):
-            m = min(ROWS, b - r)  # the last group of rows may be short: its missing rows repeat row r
-            gw0 = weights_row(fmt, data, offsets[g, 0] + r * row_bytes, hidden, bufs[0], halves)
-            gw1 = weights_row(fmt, data, offsets[g, 0] + (r + min(1, m - 1)) * row_bytes, hidden, bufs[1], halves)
-            gw2 = weights_row(fmt, data, offsets[g, 0] + (r + min(2, m - 1)) * row_bytes, hidden, bufs[2], halves)
-            gw3 = weights_row(fmt, data, offsets[g, 0] + (r + min(3, m - 1)) * row_bytes, hidden, bufs[3], halves)
-            uw0 = weights_row(fmt, data, offsets[g, 1] + r * row_bytes, hidden, bufs[4], halves)
-            uw1 = weights_row(fmt, data, offsets[g, 1] + (r + min(1, m - 1)) * row_bytes, hidden, bufs[5], halves)
-            uw2 = weights_row(fmt, data, offsets[g, 1] + (r + min(2, m - 1)) * row_bytes, hidden, bufs[6], halves)
-            uw3 = weights_row(fmt, data, offsets[g, 1] + (r + min(3, m - 1)) * row_bytes, hidden, bufs[7], halves)
+            m = min(ROWS, b - r)
+            step = (0, min(1, m - 1) * row_bytes, min(2, m - 1) * row_bytes, min(3, m - 1) * row_bytes)
+            og = offsets[g, 0] + r * row_bytes
+            ou = offsets[g, 1] + r * row_bytes
+            decode4(fmt, data, og, og + step[1], og + step[2], og + step[3], hidden, gbufs, halves)
+            decode4(fmt, data, ou, ou + step[1], ou + step[2], ou + step[3], hidden, ubufs, halves)
             for j in range(n):
                 xj = x[tokens[t0 + j]]
-                g0, g1, g2, g3 = dot4(gw0, gw1, gw2, gw3, xj)
-                u0, u1, u2, u3 = dot4(uw0, uw1, uw2, uw3, xj)
+                g0, g1, g2, g3 = rows_dot4(fmt, data, og, og + step[1], og + step[2], og + step[3], hidden, xj,
+                                           gbufs, halves)
+                u0, u1, u2, u3 = rows_dot4(fmt, data, ou, ou + step[1], ou + step[2], ou + step[3], hidden, xj,
+                                           ubufs, halves)
                 h[r - a, j] = silu(g0) * u0
-                h[r - a + 1, j] = silu(g1) * u1
-                h[r - a + 2, j] = silu(g2) * u2
-                h[r - a + 3, j] = silu(g3) * u3
+                if m > 1:
+                    h[r - a + 1, j] = silu(g1) * u1
+                if m > 2:
+                    h[r - a + 2, j] = silu(g2) * u2
+                if m > 3:
+                    h[r - a + 3, j] = silu(g3) * u3
         out = contrib[contrib_start[k]:contrib_start[k] + n * hidden].reshape((n, hidden))
         out[:, :] = 0
         for r in range(a, b, ROWS):
-            m = min(ROWS, b - r)  # rows past b add nothing: their weights are 0
-            d0 = weights_row(fmt, data, offsets[g, 2] + r * row_bytes, hidden, bufs[0], halves)
-            d1 = weights_row(fmt, data, offsets[g, 2] + (r + min(1, m - 1)) * row_bytes, hidden, bufs[1], halves)
-            d2 = weights_row(fmt, data, offsets[g, 2] + (r + min(2, m - 1)) * row_bytes, hidden, bufs[2], halves)
-            d3 = weights_row(fmt, data, offsets[g, 2] + (r + min(3, m - 1)) * row_bytes, hidden, bufs[3], halves)
+            m = min(ROWS, b - r)  # h of the rows past b is 0: they add nothing
+            step = (0, min(1, m - 1) * row_bytes, min(2, m - 1) * row_bytes, min(3, m - 1) * row_bytes)
+            od = offsets[g, 2] + r * row_bytes
+            decode4(fmt, data, od, od + step[1], od + step[2], od + step[3], hidden, gbufs, halves)
             for j in range(n):
-                c0 = h[r - a, j]
-                c1 = h[r - a + 1, j] if m > 1 else np.float32(0.0)
-                c2 = h[r - a + 2, j] if m > 2 else np.float32(0.0)
-                c3 = h[r - a + 3, j] if m > 3 else np.float32(0.0)
-                row = out[j]
-                for i in range(hidden):
-                    row[i] += c0 * d0[i] + c1 * d1[i] + c2 * d2[i] + c3 * d3[i]
+                c0, c1, c2, c3 = h[r - a, j], h[r - a + 1, j], h[r - a + 2, j], h[r - a + 3, j]
+                if fmt == 0:
+                    f32.axpy4(data, od, od + step[1], od + step[2], od + step[3], hidden, c0, c1, c2, c3, out[j])
+                elif fmt == 1:
+                    bf16.axpy4(data, od, od + step[1], od + step[2], od + step[3], hidden, c0, c1, c2, c3, out[j])
+                else:
+                    row = out[j]
+                    for i in range(hidden):
+                        row[i] += c0 * gbufs[0, i] + c1 * gbufs[1, i] + c2 * gbufs[2, i] + c3 * gbufs[3, i]
 
 
 def warm_up() -> None:
