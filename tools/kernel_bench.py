@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""One node's decode compute per format: NodeWorker.compute of one token routed to 8 experts.
+
+    .venv/bin/python tools/kernel_bench.py [--formats f32,bf16,q8,q4] [--hidden 2048] [--inter 768] [--threads 2]
+
+The same 8 experts every call (Qwen3-30B-A3B's expert geometry by default), so
+the figure is the kernel's speed with the weights as warm as the caches keep
+them; `strata bench` gives the speed inside whole decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from node_worker.worker import NodeWorker  # noqa: E402
+from shm import formats  # noqa: E402
+from shm.expert_source import ExpertSlice  # noqa: E402
+from shm.expert_store import HeapExpertStore  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", default="f32,bf16,q8,q4")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    H, I, E = args.hidden, args.inter, args.experts
+    rng = np.random.default_rng(0)
+    print("| format | ms per layer | Gweights/s | GB/s of stored weights |\n|---|---|---|---|")
+    for name in args.formats.split(","):
+        fmt = formats.get(name)
+        slices = {}
+        for e in range(E):
+            mats = []
+            for _ in range(3):
+                stored = np.empty((I, fmt.row_bytes(H) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+                fmt.encode_into(stored, (rng.standard_normal((I, H)) * 0.02).astype(np.float32))
+                mats.append(stored)
+            slices[(0, e)] = ExpertSlice(*mats, name)
+        worker = NodeWorker(0, HeapExpertStore(0, slices, name), H, threads=args.threads)
+        try:
+            x = rng.standard_normal((1, H)).astype(np.float32)
+            tokens, experts, weights = np.zeros(E, np.int64), np.arange(E), np.full(E, 1 / E, np.float32)
+            worker.compute(0, x, tokens, experts, weights)
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                worker.compute(0, x, tokens, experts, weights)
+            dt = (time.perf_counter() - t0) / args.calls
+        finally:
+            worker.close()
+        n = E * 3 * I * H
+        print(f"| {name} | {dt * 1e3:.2f} | {n / dt / 1e9:.2f} | {n * fmt.BYTES_PER_WEIGHT / dt / 1e9:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
