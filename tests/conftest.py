@@ -69,7 +69,13 @@ def nothing_left_behind():
 
     from shm.segments import SegmentError, owner_alive, read_header
 
+    import tempfile
+
+    from coordinator.pool.channel import POOL_DIR_PREFIX, pool_dir_owner_alive
+
+    tmp = Path(tempfile.gettempdir())
     before = {p.name for p in Path("/dev/shm").glob("strata.*")}
+    dirs_before = set(tmp.glob(POOL_DIR_PREFIX + "*"))
     yield
     me = psutil.Process(os.getpid())
     ours = {os.getpid()} | {p.pid for p in me.children(recursive=True)}
@@ -91,7 +97,16 @@ def nothing_left_behind():
             return False
 
     workers = [p for p in me.children(recursive=True) if is_worker(p)]
+    def owner_pid(folder: Path) -> int | None:
+        try:
+            return json.loads((folder / "owner.json").read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    dirs_left = sorted(str(d) for d in set(tmp.glob(POOL_DIR_PREFIX + "*")) - dirs_before
+                       if owner_pid(d) in ours or not pool_dir_owner_alive(d))
     assert not left, f"segments leaked by the suite: {left}"
+    assert not dirs_left, f"pool folders leaked by the suite: {dirs_left}"
     assert not workers, f"node worker processes left running: {[w.pid for w in workers]}"
 
 

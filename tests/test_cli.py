@@ -220,3 +220,27 @@ def test_generate_print_config_uses_env(model, capsys, monkeypatch):
     assert main(["generate", "--model", str(model), "--prompt-ids", "1", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert any(line.split()[:2] == ["nodes", "2"] and "env STRATA_NODES" in line for line in out.splitlines())
+
+
+def test_shm_clean_all_removes_pool_folders_of_gone_coordinators_only(tmp_path, monkeypatch, capsys):
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from coordinator.cli.main import main
+    from shm.segments import process_start_time
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone_start = process_start_time(gone.pid) or 0.0
+    gone.wait()
+    for name, owner in (("strata-pool-dead", {"pid": gone.pid, "start": gone_start}),
+                        ("strata-pool-live", {"pid": os.getpid(), "start": process_start_time(os.getpid())})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "owner.json").write_text(json.dumps(owner))
+    main(["shm", "clean", "--all"])
+    out = capsys.readouterr().out
+    assert not (tmp_path / "strata-pool-dead").exists() and "strata-pool-dead: removed" in out
+    assert (tmp_path / "strata-pool-live").exists() and "strata-pool-live" not in out

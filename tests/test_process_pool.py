@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
+import json
 import os
 import signal
+import tempfile
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -253,8 +256,13 @@ def test_coordinator_sigkill_takes_workers_and_next_start_reattaches(tiny):
             coord.kill()
         coord.stdin.close()
         coord.stdout.close()
+    killed_dirs = [d for d in Path(tempfile.gettempdir()).glob("strata-pool-*")
+                   if json.loads((d / "owner.json").read_text())["pid"] == coord.pid]
+    assert len(killed_dirs) == 1  # a SIGKILL leaves its pool folder ...
     with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
         assert eng.logits([1, 2, 3]).shape[0] == 3
+        assert not killed_dirs[0].exists()  # ... and the next start removes it, its owner being gone
+        assert eng.pool.channel.dir.exists()
 
 
 def test_next_start_handles_segments_a_sigkill_left(tiny):

@@ -180,12 +180,17 @@ def cmd_shm_list(args: argparse.Namespace) -> int:
 def cmd_shm_clean(args: argparse.Namespace) -> int:
     from shm.segments import clean
 
+    from ..pool.channel import remove_stale_pool_dirs
+
     if not args.all and not args.names:
         print("strata: error: name the segments to remove, or pass --all", file=sys.stderr)
         return 2
     results = clean(None if args.all else args.names, force=args.force)
     for name, what in results:
         print(f"{name}: {what}")
+    if args.all:
+        for folder in remove_stale_pool_dirs():
+            print(f"{folder}: removed (its coordinator is gone)")
     return 1 if any(w.startswith("kept") or w == "no such segment" for _, w in results) else 0
 
 
@@ -368,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_shm_list)
     p = shm_sub.add_parser("clean", help="remove segments (only dead owners' unless --force)")
     p.add_argument("names", nargs="*")
-    p.add_argument("--all", action="store_true")
+    p.add_argument("--all", action="store_true",
+                   help="every segment of a dead owner, and the pool folders (/tmp/strata-pool-*) of dead coordinators")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_shm_clean)
 

@@ -1,7 +1,10 @@
 """Channel: the coordinator's end of the node workers' sockets.
 
 One ROUTER socket bound on an ipc:// endpoint inside a private 0700 folder
-(``strata-pool-*`` in the temporary directory, which also holds the job file);
+(``strata-pool-*`` in the temporary directory, which also holds the job file
+and ``owner.json``, the pid and start time of the coordinator that made it:
+a folder whose owner is gone, say after a SIGKILL, is removed by the next
+pool that starts and by ``strata shm clean``, the rule segments follow);
 each worker connects a DEALER whose routing id names the node and the
 incarnation. The channel sends and receives typed messages of
 node_worker/protocol.py, polls the socket together with other descriptors
@@ -13,6 +16,7 @@ The data path is ``send_compute`` / ``recv``: the boundary work replaces it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -22,9 +26,11 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable
 
+import psutil
 import zmq
 
 from node_worker import protocol as P
+from shm.segments import process_start_time
 
 from ..errors import StrataError
 from .base import PoolRequest
@@ -32,6 +38,8 @@ from .base import PoolRequest
 log = logging.getLogger(__name__)
 
 POLL_MS = 100  # the longest a wait blocks before it looks at deaths, hangs and the wait hook
+POOL_DIR_PREFIX = "strata-pool-"
+OWNER_FILE = "owner.json"
 
 
 class PoolError(StrataError):
@@ -56,11 +64,39 @@ def check_hello(info: dict, node: int, plan_digest: str, model_digest: str) -> l
     return [f"{key} {info.get(key)!r} != {value!r}" for key, value in want.items() if info.get(key) != value]
 
 
+def pool_dir_owner_alive(folder: Path) -> bool:
+    """True while the coordinator that made ``folder`` runs (pid reuse ruled out by its start time). A folder
+    from before owner records counts as alive while a node worker's command line names it."""
+    try:
+        owner = json.loads((folder / OWNER_FILE).read_text())
+        start = process_start_time(int(owner["pid"]))
+        return start is not None and abs(start - float(owner["start"])) < 1.0
+    except FileNotFoundError:
+        return any(str(folder) in " ".join(p.info["cmdline"] or ())
+                   for p in psutil.process_iter(["cmdline"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # unreadable: nobody can be using it as ours
+
+
+def remove_stale_pool_dirs(tmp: Path | None = None) -> list[Path]:
+    """Remove the pool folders whose coordinator is gone; the ones removed."""
+    removed = []
+    for folder in sorted(Path(tmp or tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*")):
+        if folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid() \
+                and not pool_dir_owner_alive(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+            log.info("removed %s, left by a coordinator that is gone", folder)
+    return removed
+
+
 class Channel:
     def __init__(self, max_message_bytes: int, spin_us: float = 0.0):
         self.spin_s = spin_us / 1e6
-        self.dir = Path(tempfile.mkdtemp(prefix="strata-pool-"))
+        remove_stale_pool_dirs()
+        self.dir = Path(tempfile.mkdtemp(prefix=POOL_DIR_PREFIX))
         os.chmod(self.dir, 0o700)
+        self.write_file(OWNER_FILE, json.dumps({"pid": os.getpid(), "start": process_start_time(os.getpid())}))
         self.endpoint = f"ipc://{self.dir}/pool.sock"
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
