@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from . import common
 from .common import JIT
 
 
@@ -16,21 +17,12 @@ def row(data: np.ndarray, off: int, hidden: int) -> np.ndarray:
 
 @njit(inline="always", **JIT)
 def dot4(data, o0, o1, o2, o3, hidden, x):
-    """The dot products with x of the four rows at byte offsets o0..o3; x is read once for the four."""
-    w0, w1, w2, w3 = row(data, o0, hidden), row(data, o1, hidden), row(data, o2, hidden), row(data, o3, hidden)
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for i in range(hidden):
-        xi = x[i]
-        a0 += w0[i] * xi
-        a1 += w1[i] * xi
-        a2 += w2[i] * xi
-        a3 += w3[i] * xi
-    return a0, a1, a2, a3
+    """The dot products with x of the four rows at byte offsets o0..o3."""
+    return common.dot4(row(data, o0, hidden), row(data, o1, hidden), row(data, o2, hidden), row(data, o3, hidden), x)
 
 
 @njit(inline="always", **JIT)
 def axpy4(data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out):
     """out += c0 * row0 + c1 * row1 + c2 * row2 + c3 * row3."""
-    w0, w1, w2, w3 = row(data, o0, hidden), row(data, o1, hidden), row(data, o2, hidden), row(data, o3, hidden)
-    for i in range(hidden):
-        out[i] += c0 * w0[i] + c1 * w1[i] + c2 * w2[i] + c3 * w3[i]
+    common.axpy4(c0, row(data, o0, hidden), c1, row(data, o1, hidden), c2, row(data, o2, hidden), c3,
+                 row(data, o3, hidden), out)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import bf16, f32, q4, q8
+from . import bf16, common, f32, q4, q8
 from .common import HALF_TO_FLOAT, JIT
 
 FORMAT_IDS = {"f32": 0, "bf16": 1, "q8": 2, "q4": 3}
@@ -45,26 +45,13 @@ def silu(s: np.float32) -> np.float32:
 
 
 @njit(inline="always", **JIT)
-def dot4(w0, w1, w2, w3, x):
-    """Four float32 rows' dot products with x at once: x is read once for the four."""
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for i in range(x.size):
-        xi = x[i]
-        a0 += w0[i] * xi
-        a1 += w1[i] * xi
-        a2 += w2[i] * xi
-        a3 += w3[i] * xi
-    return a0, a1, a2, a3
-
-
-@njit(inline="always", **JIT)
 def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x, bufs, halves):
     """Dot products with x of the four rows at byte offsets o0..o3 of the store, in its format."""
     if fmt == 0:
         return f32.dot4(data, o0, o1, o2, o3, hidden, x)
     if fmt == 1:
         return bf16.dot4(data, o0, o1, o2, o3, hidden, x)
-    return dot4(bufs[0], bufs[1], bufs[2], bufs[3], x)  # decoded before, by decode4
+    return common.dot4(bufs[0], bufs[1], bufs[2], bufs[3], x)  # decoded before, by decode4
 
 
 @njit(inline="always", **JIT)
@@ -125,9 +112,7 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
                 elif fmt == 1:
                     bf16.axpy4(data, od, od + step[1], od + step[2], od + step[3], hidden, c0, c1, c2, c3, out[j])
                 else:
-                    row = out[j]
-                    for i in range(hidden):
-                        row[i] += c0 * gbufs[0, i] + c1 * gbufs[1, i] + c2 * gbufs[2, i] + c3 * gbufs[3, i]
+                    common.axpy4(c0, gbufs[0], c1, gbufs[1], c2, gbufs[2], c3, gbufs[3], out[j])
 
 
 def warm_up() -> None:
