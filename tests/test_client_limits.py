@@ -11,7 +11,7 @@ from served import start_server, stop_server
 from coordinator.cli.make_model import make_model
 from coordinator.errors import StrataError
 from coordinator.serving.client import Client, RequestTooLarge, ServerDisconnected
-from coordinator.serving.server import MAX_REQUEST_BYTES
+from coordinator.serving.api import MAX_REQUEST_BYTES
 
 
 @pytest.fixture(scope="module")

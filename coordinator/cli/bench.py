@@ -114,7 +114,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
             pool_gbps = decode["bytes_read"] / decode["compute_s"] / 1e9 if decode["compute_s"] else None
             health = pool.health()
             node_info = {n.id: n for n in eng.nodes}
-            stored = sum(h["segment_bytes"] or 0 for h in health) or sum(w.store.nbytes for w in pool.workers)
+            stored = sum(h["segment_bytes"] or 0 for h in health)  # each node's store, in a segment or the heap
             report["modes"][mode] = {
                 "config": {"pool": eng.config.pool, "numa_split": eng.config.numa_split, "plan": pool.plan.digest},
                 "decode_tokens_per_s": summary(res["decode_tps"]),

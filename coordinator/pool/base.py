@@ -66,7 +66,7 @@ class NodeHealth(TypedDict):
     placement: dict | None  # the segment's page placement (process pools), else None
     reloaded: bool | None  # the segment was loaded afresh rather than reattached (process pools)
     segment: str | None  # shared-memory segment name (process pools)
-    segment_bytes: int | None
+    segment_bytes: int | None  # bytes of the node's expert store: its segment, or its heap buffer (in-process)
 
 
 class PoolStats(TypedDict):

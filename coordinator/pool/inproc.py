@@ -64,7 +64,8 @@ class InprocPool(ExpertPool):
             out.append(NodeHealth(node=w.node, virtual=self.virtual.get(w.node, False), pid=pid, alive=True,
                                   state="ok", restarts=0, deaths=0, last_error=None,
                                   slice_rows=[rows.start, rows.stop] if rows else None, threads=w.threads,
-                                  placement=None, reloaded=None, segment=None, segment_bytes=None))
+                                  placement=None, reloaded=None, segment=None,
+                                  segment_bytes=w.store.nbytes))
         return out
 
     def ping(self) -> float:

@@ -45,6 +45,7 @@ DEFAULT_MAX_QUEUED = 32  # waiting requests before 'busy'
 DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096  # the most max_new_tokens a request may ask for
 DEFAULT_MAX_PROMPT_TOKENS = 32768  # the longest prompt accepted, in tokens
 DEFAULT_MAX_PROMPT_CHARS = 1 << 20  # the longest text prompt accepted, in characters
+MAX_REQUEST_BYTES = 4 << 20  # one request frame; the server refuses more (libzmq MAXMSGSIZE)
 
 
 class ApiError(ValueError):

@@ -27,8 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StrataError
-from .api import DEFAULT_ADDRESS
-from .server import MAX_REQUEST_BYTES
+from .api import DEFAULT_ADDRESS, MAX_REQUEST_BYTES
 
 
 class ServerTimeout(StrataError):

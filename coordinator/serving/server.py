@@ -33,7 +33,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StepInterrupted, StrataError
-from .api import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, CancelRequest, GenerateRequest, HealthRequest,
+from .api import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, MAX_REQUEST_BYTES, ApiError, CancelRequest, GenerateRequest, HealthRequest,
                   Limits, StatsRequest, decode_request, encode_event, error_event)
 from .scheduler import Scheduler
 
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 100
 MAX_FRAMES = 3  # [identity, (empty delimiter,) payload]
-MAX_REQUEST_BYTES = 4 << 20
 SEND_TIMEOUT_MS = 1000
 TOKENIZE_POLL_MS = 5  # how often an otherwise idle loop looks for finished tokenisations
 MAX_DEFERRED = 4096  # requests held for the end of a step; past this they wait in the socket
