@@ -18,6 +18,7 @@ from .errors import ConfigValueError
 
 POOLS = ("inproc", "process")
 EXPERT_DTYPES = (formats.AUTO, *formats.FORMATS)
+DENSE_DTYPES = tuple(formats.FORMATS)
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")  # names logging.basicConfig takes
 
 
@@ -42,6 +43,7 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per serving step, interleaved with decode steps
     worker_log_level: str = "WARNING"  # logging level of the node worker processes (a LOG_LEVELS name)
     expert_dtype: str = "auto"  # how CPU experts are stored: auto | f32 | bf16 | q8 | q4 (shm/formats)
+    dense_dtype: str = "f32"  # the CPU device side's dense matrices (no GPU): f32 | bf16 | q8 | q4
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -86,6 +88,8 @@ class EngineConfig:
             raise ConfigValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
         if self.expert_dtype not in EXPERT_DTYPES:
             raise ConfigValueError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
+        if self.dense_dtype not in DENSE_DTYPES:
+            raise ConfigValueError(f"dense_dtype must be one of {', '.join(DENSE_DTYPES)}, got {self.dense_dtype!r}")
         if self.worker_log_level not in LOG_LEVELS:
             raise ConfigValueError(f"worker_log_level must be one of {', '.join(LOG_LEVELS)}, "
                                    f"got {self.worker_log_level!r}")
@@ -133,6 +137,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "prefill_chunk": ("STRATA_PREFILL_CHUNK", int),
     "worker_log_level": ("STRATA_WORKER_LOG", parse_log_level),
     "expert_dtype": ("STRATA_EXPERT_DTYPE", str),
+    "dense_dtype": ("STRATA_DENSE_DTYPE", str),
 }
 
 

@@ -23,6 +23,7 @@ from shm.topology import Node, format_cpulist, select_nodes
 from .config import EngineConfig
 from .errors import ConfigValueError, StrataError
 from .model.backend import select_device
+from .model.packed import pack_dense
 from .model.decoder import Decoder
 from .model.model_config import ModelConfig, load_model_config
 from .model.sampling import Sampler, SamplingParams
@@ -175,6 +176,12 @@ class Engine:
         ckpt = Checkpoint(model_dir)
         weights = load_weights(mcfg, ckpt)
         backend = select_device(config.device)
+        if config.dense_dtype != "f32":
+            if backend != "numpy":
+                raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
+                                       "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")
+            log.info("dense matrices stored as %s: %.2f GB", config.dense_dtype,
+                     pack_dense(weights, formats.get(config.dense_dtype)) / 1e9)
         device_set, placement = device_expert_set(mcfg, ckpt, config)
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}

@@ -29,7 +29,6 @@ from shm import formats
 from shm.expert_source import ExpertSlice
 
 from .kernels import swiglu_partial
-from .kernels.common import HALF_TO_FLOAT
 from .kernels.rows import FORMAT_IDS, layer_rows, warm_up
 from .routing import group_by_expert
 from .tasks import TaskRunner
@@ -137,7 +136,7 @@ class NodeWorker:
         contrib = np.empty(int(lengths.sum()), np.float32)
         numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         layer_rows(FORMAT_IDS[self.store.fmt], self.store.data, self.hidden_size, self.store.row_bytes, x, tokens,
-                   tok_start, tok_stop, offsets, task_group, task_rows, contrib, contrib_start, HALF_TO_FLOAT)
+                   tok_start, tok_stop, offsets, task_group, task_rows, contrib, contrib_start)
         return [contrib[a : a + n].reshape(-1, self.hidden_size) for a, n in zip(contrib_start, lengths)]
 
     def close(self) -> None:

@@ -132,3 +132,15 @@ def test_each_format_reports_its_stored_bytes_and_reads(tmp_path, fmt, per_weigh
         assert m["expert_format"] == fmt == m["experts"]["expert_format"], mode
         assert m["stored_bytes_per_weight"] == pytest.approx(per_weight, rel=0.05), mode  # 64-byte alignment aside
         assert m["bytes"]["counted"] == m["bytes"]["implied_by_routing"] > 0, mode
+
+
+def test_quality_against_f32_is_reported_for_the_formats(tmp_path):
+    """q8 experts + q8 dense matrices against the f32 computation: figures that show the quantisation."""
+    model = make_model(tmp_path / "m", seed=3)
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(model), "--modes", "inproc", "--tokens", "2", "--prompt-tokens", "4",
+                 "--rounds", "1", "--expert-dtype", "q8", "--dense-dtype", "q8", "--device", "cpu",
+                 "--quality-positions", "16", "--json", str(out)]) == 0
+    q = json.loads(out.read_text())["quality"]
+    assert (q["expert_format"], q["dense_format"], q["positions"]) == ("q8", "q8", 16)
+    assert 0 < q["max_rel_logits_error"] < 0.05 and 0 < q["mean_kl"] < 1e-2 and q["top1_agreement"] >= 0.9

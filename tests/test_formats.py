@@ -199,3 +199,49 @@ def test_segment_bytes_per_format_and_a_leftover_of_another_format(bf16_model):
     (f32_seg, f32_bytes, _), (bf16_seg, bf16_bytes, bf16_loaded), (_, q4_bytes, _) = (found[n] for n in found)
     assert bf16_seg != f32_seg and bf16_loaded  # filled anew, not the f32 segment reattached
     assert bf16_bytes * 2 == f32_bytes and q4_bytes * 3 < bf16_bytes
+
+
+# -- dense matrices of the CPU device side (dense_dtype) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(formats.FORMATS))
+def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name):
+    """The row loops (up to 8 tokens) and the decoded tiles + BLAS (more) on 37 rows (the last group of four
+    cut short); f32 and bf16 rows of 50 values end in a partial block of 18."""
+    from coordinator.model.packed import PackedMatrix
+
+    fmt = formats.get(name)
+    R, K = 37, (H if fmt.BLOCK > 1 else 50)
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((R, K)) * 0.05).astype(np.float32)
+    packed = PackedMatrix.encode(w, fmt)
+    ref_w = REFS[name](np.frombuffer(packed.data, fmt.STORED_DTYPE).reshape(R, -1))  # [R, K] float64
+    assert np.array_equal(packed.decoded(), ref_w.astype(np.float32))
+    assert packed.nbytes == R * fmt.row_bytes(K)
+    for T in (1, 3, 9, 20):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        y = x @ packed.T
+        assert y.shape == (T, R) and y.dtype == np.float32
+        np.testing.assert_allclose(y, x.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-5)
+    x3 = rng.standard_normal((2, 3, K)).astype(np.float32)  # leading axes kept
+    np.testing.assert_allclose(x3 @ packed.T, x3.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, top1", [("bf16", 1.0), ("q8", 1.0), ("q4", 0.5)])
+def test_dense_dtype_stores_the_dense_matrices_and_stays_close_to_f32(bf16_model, name, top1):
+    from coordinator.model.packed import PackedMatrix
+
+    with Engine.open(bf16_model, EngineConfig(device="cpu")) as eng:
+        ref = eng.logits(PROMPT)
+    with Engine.open(bf16_model, EngineConfig(device="cpu", dense_dtype=name)) as eng:
+        w = eng.decoder.w
+        assert isinstance(w.lm_head, PackedMatrix) and w.lm_head.fmt.NAME == name
+        assert all(isinstance(getattr(layer, m), PackedMatrix) for layer in w.layers for m in "qkvo")
+        assert isinstance(w.layers[0].router, np.ndarray)  # the router stays float32
+        got = eng.logits(PROMPT)
+    assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= top1
+    assert not np.array_equal(got, ref)
+    if name == "bf16":  # a BF16 checkpoint's weights exactly: only the order of the sums differs
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigValueError, match="dense_dtype must be one of f32, bf16, q8, q4"):
+        EngineConfig(dense_dtype="auto")

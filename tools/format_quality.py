@@ -22,19 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator import Engine, EngineConfig  # noqa: E402
-
-
-def log_softmax(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
-def compare(ref: np.ndarray, got: np.ndarray) -> dict:
-    lp, lq = log_softmax(ref), log_softmax(got)
-    return {"max_rel_logits_error": float(np.abs(got - ref).max() / np.abs(ref).max()),
-            "mean_kl": float((np.exp(lp) * (lp - lq)).sum(axis=-1).mean()),
-            "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).mean()), "positions": int(ref.shape[0])}
+from coordinator.quality import compare_logits  # noqa: E402
 
 
 def main() -> int:
@@ -51,7 +39,7 @@ def main() -> int:
             rng = np.random.default_rng(args.seed)
             prompt = rng.integers(0, min(eng.model_config.vocab_size, 256), args.positions).tolist()
             logits[fmt] = eng.logits(prompt)
-    report = {fmt: compare(logits["f32"], z) for fmt, z in logits.items() if fmt != "f32"}
+    report = {fmt: compare_logits(logits["f32"], z) for fmt, z in logits.items() if fmt != "f32"}
     print("| format | max rel logits error | mean KL | top-1 agreement |\n|---|---|---|---|")
     for fmt, r in report.items():
         print(f"| {fmt} | {r['max_rel_logits_error']:.2e} | {r['mean_kl']:.2e} | {r['top1_agreement']:.1%} |")

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..engine import Engine
+from ..quality import compare_logits
 from .make_model import l3_bytes
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,11 @@ def layer_figures(timings, decode_only: bool = True) -> dict:
 
 def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 64, prompt_tokens: int = 256,
               rounds: int = 3, warmup_tokens: int = 4, membw_bytes: int | None = None, seed: int = 0,
-              spin_us: float = 0.0, device: dict | None = None) -> dict:
+              spin_us: float = 0.0, device: dict | None = None, quality_positions: int = 0) -> dict:
     """``device``: EngineConfig fields the same for every mode: the device side (device, expert_profile,
-    gpu_experts, gpu_expert_memory) and the experts' storage format (expert_dtype)."""
+    gpu_experts, gpu_expert_memory) and the storage formats (expert_dtype, dense_dtype).
+    ``quality_positions``: also compare the first mode's logits over that many prompt positions with an
+    f32 computation of the same checkpoint (f32 experts and dense matrices, in-process)."""
     model_dir = Path(model_dir)
     membw_bytes = membw_bytes or 4 * l3_bytes()
     engines: dict[str, Engine] = {}
@@ -138,6 +141,8 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                     "local_share": (h.get("placement") or {}).get("local_share"),
                 } for h in health],
             }
+        if quality_positions:
+            report["quality"] = measure_quality(model_dir, any_eng, quality_positions, seed, device or {})
         base = report["modes"].get("inproc", {}).get("decode_tokens_per_s", {}).get("median")
         for mode, m in report["modes"].items():
             med = m["decode_tokens_per_s"]["median"]
@@ -146,6 +151,19 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
     finally:
         for eng in engines.values():
             eng.close()
+
+
+def measure_quality(model_dir: Path, eng: Engine, positions: int, seed: int, device: dict) -> dict:
+    """The engine's logits against an f32 computation of the same checkpoint, over one prompt."""
+    rng = np.random.default_rng(seed + 1)
+    prompt = rng.integers(0, min(eng.model_config.vocab_size, 256), positions).tolist()
+    got = eng.logits(prompt)
+    ref_config = EngineConfig(pool="inproc", expert_dtype="f32", dense_dtype="f32",
+                              **{k: v for k, v in device.items() if k not in ("expert_dtype", "dense_dtype")})
+    with Engine.open(model_dir, ref_config) as ref:
+        want = ref.logits(prompt)
+    return {"expert_format": eng.expert_format, "dense_format": eng.config.dense_dtype,
+            "reference": "f32 experts and dense matrices, in-process", **compare_logits(want, got)}
 
 
 def _fmt(v, spec=".1f") -> str:
@@ -178,6 +196,11 @@ def markdown(report: dict) -> str:
     for mode, m in report["modes"].items():
         lines.append(f"{mode}: CPU experts stored as {m['expert_format']}, "
                      f"{_fmt(m['stored_bytes_per_weight'], '.3f')} bytes a weight")
+    q = report.get("quality")
+    if q:
+        lines.append(f"quality of experts {q['expert_format']} + dense {q['dense_format']} against {q['reference']}, "
+                     f"{q['positions']} positions: max rel logits error {q['max_rel_logits_error']:.2e}, mean KL "
+                     f"{q['mean_kl']:.2e}, top-1 agreement {q['top1_agreement']:.1%}")
     lines.append("")
     for mode, m in report["modes"].items():
         e = m["experts"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shm.checkpoint import CheckpointError
 
-from ..config import ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config, resolve_setting
+from ..config import DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config, resolve_setting
 from ..errors import StrataError
 from ..serving.api import (DEFAULT_ADDRESS, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS,
                            DEFAULT_MAX_QUEUED)
@@ -42,6 +42,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-dtype", dest="expert_dtype", default=None, choices=list(EXPERT_DTYPES),
                    help="how the CPU experts are stored: auto (bf16 for a BF16 checkpoint, else f32), f32, bf16, "
                         "q8 (8-bit, f16 scale per 32) or q4 (4-bit, f16 scale per 32) (STRATA_EXPERT_DTYPE)")
+    g.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
+                   help="without a GPU, how the dense matrices (attention, dense and shared MLPs, lm_head) are stored "
+                        "and read: f32 (default), bf16, q8, q4, as llama.cpp keeps a quantised file's "
+                        "(STRATA_DENSE_DTYPE)")
     g.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=None,
                    help="prompt tokens prefilled per serving step, interleaved with decoding (default 512)")
     _add_device_flags(g)
@@ -236,11 +240,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise StrataError(f"--modes: unknown mode(s) {', '.join(bad)}; expected some of {', '.join(MODES)}")
-    device = {name: getattr(args, name) for name in DEVICE_FLAGS + ("expert_dtype",)
+    device = {name: getattr(args, name) for name in DEVICE_FLAGS + ("expert_dtype", "dense_dtype")
               if getattr(args, name) is not None}
     spin_us = resolve_setting("pool_spin_us", args.spin_us)  # --spin-us > STRATA_POOL_SPIN_US > EngineConfig's
     report = run_bench(args.model, modes, nodes=args.nodes, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
-                       rounds=args.rounds, spin_us=spin_us, device=device)
+                       rounds=args.rounds, spin_us=spin_us, device=device, quality_positions=args.quality_positions)
     print(markdown(report))
     if args.json:
         write_json(report, args.json)
@@ -348,6 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flags(p.add_argument_group("device side, the same in every mode"))
     p.add_argument("--expert-dtype", dest="expert_dtype", default=None, choices=list(EXPERT_DTYPES),
                    help="how the CPU experts are stored in every mode (default: auto)")
+    p.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
+                   help="without a GPU, how the dense matrices are stored in every mode (default: f32)")
+    p.add_argument("--quality-positions", dest="quality_positions", type=int, default=128,
+                   help="compare the logits over this many positions with an f32 computation of the same "
+                        "checkpoint (max relative error, mean KL, top-1 agreement); 0: skip (default 128)")
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--plot", default=None, help="draw tokens/s and the bandwidth ratio (needs matplotlib)")
     p.set_defaults(func=cmd_bench)

@@ -1,43 +1,36 @@
-"""What the per-format row decoders share: numba's options and the float16 scale table."""
+"""What the compiled kernels share: numba's options and where their compiled code is kept.
+
+numba's disk cache checks only the stamp of the file that holds a jitted
+function, not of the modules whose intrinsics it inlines (simd.py, the format
+readers): an edited reader would be served from a stale cache. So the cache
+lives in a folder named by a digest of every kernel source, under the user's
+cache folder (or NUMBA_CACHE_DIR when set): a change of any kernel compiles
+anew, and a copy of the project elsewhere reuses the same compiled code.
+"""
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+import hashlib
+import os
+from pathlib import Path
 
-JIT = dict(nogil=True, cache=True, fastmath=True)  # compiled once per machine, kept in numba's disk cache
+import numba
 
-# float16 bits -> float32, for every one of the 65536 bit patterns (256 KiB): a scale is one lookup
-HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-
-
-@intrinsic
-def as_float(typingctx, bits):
-    """float32 with these 32 bits (a register bitcast: the vectorizer keeps it in the loop)."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return sig, codegen
+JIT = dict(nogil=True, cache=True, fastmath=True)  # compiled once per machine, kept in the disk cache below
 
 
-@njit(inline="always", **JIT)
-def dot4(w0, w1, w2, w3, x):
-    """Four float32 rows' dot products with x at once: x is read once for the four."""
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for i in range(x.size):
-        xi = x[i]
-        a0 += w0[i] * xi
-        a1 += w1[i] * xi
-        a2 += w2[i] * xi
-        a3 += w3[i] * xi
-    return a0, a1, a2, a3
+def sources_digest() -> str:
+    digest = hashlib.sha256(numba.__version__.encode())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
-@njit(inline="always", **JIT)
-def axpy4(c0, w0, c1, w1, c2, w2, c3, w3, out):
-    """out += c0 * w0 + c1 * w1 + c2 * w2 + c3 * w3 (float32 rows)."""
-    for i in range(out.size):
-        out[i] += c0 * w0[i] + c1 * w1[i] + c2 * w2[i] + c3 * w3[i]
+def cache_dir() -> Path:
+    root = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "strata-numa", "numba")
+    return Path(root) / f"kernels-{sources_digest()}"
+
+
+CACHE_DIR = cache_dir()
+numba.config.CACHE_DIR = str(CACHE_DIR)  # read when a cache=True function is decorated: import this module first

@@ -1,28 +1,21 @@
-"""f32 rows (shm/formats/f32.py): H float32, used in place."""
+"""f32 rows (shm/formats/f32.py) for simd.py's loops: read in place.
+
+    row of H weights: bytes [0, 4H) float32 w[i]; block b = w[32 b : 32 b + 32]; a partial last block
+    (H not a multiple of 32) is read value by value
+"""
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+from .ir import F32, LANES, VF, const, vec_load
 
-from . import common
-from .common import JIT
+SCALED = False  # no per-block scale
 
 
-@njit(inline="always", **JIT)
-def row(data: np.ndarray, off: int, hidden: int) -> np.ndarray:
-    """The row at byte ``off`` of ``data`` as float32 [H], in place (no decoding, no copy)."""
-    return data[off:off + 4 * hidden].view(np.float32)
+def block(builder, row, b, hidden):
+    """<32 x float> block b of the row at byte pointer ``row``."""
+    return vec_load(builder, builder.gep(row, [builder.mul(b, const(4 * LANES))]), VF), None
 
 
-@njit(inline="always", **JIT)
-def dot4(data, o0, o1, o2, o3, hidden, x):
-    """The dot products with x of the four rows at byte offsets o0..o3."""
-    return common.dot4(row(data, o0, hidden), row(data, o1, hidden), row(data, o2, hidden), row(data, o3, hidden), x)
-
-
-@njit(inline="always", **JIT)
-def axpy4(data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out):
-    """out += c0 * row0 + c1 * row1 + c2 * row2 + c3 * row3."""
-    common.axpy4(c0, row(data, o0, hidden), c1, row(data, o1, hidden), c2, row(data, o2, hidden), c3,
-                 row(data, o3, hidden), out)
+def value(builder, row, i):
+    """float w[i] (the partial last block)."""
+    return builder.load(builder.gep(builder.bitcast(row, F32.as_pointer()), [i]), align=1)

@@ -1,24 +1,28 @@
-"""q4 rows (shm/formats/q4.py): 16 bytes of nibbles per block of 32 (low: j, high: j + 16), then H/32
-float16 scales."""
+"""q4 rows (shm/formats/q4.py) for simd.py's loops.
+
+    row of H weights, nb = H / 32 blocks:
+      bytes [0, H/2)            16 bytes per block b: byte j = (q[32 b + j] + 8) | (q[32 b + j + 16] + 8) << 4
+      bytes [H/2, H/2 + 2 nb)   float16 d[b]
+    block b = d[b] * float(q[32 b : 32 b + 32]): low nibbles are values 0..15, high nibbles 16..31, so the
+    16 bytes give the block in order as (low, high) without any interleaving
+"""
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+from llvmlite import ir
 
-from .common import JIT
+from .ir import I8, I32, LANES, VF, const, half_scale, vec_load
 
-BLOCK = 32
+SCALED = True
+HALF = LANES // 2
+V16 = ir.VectorType(I8, HALF)
+V32 = ir.VectorType(I8, LANES)
 
 
-@njit(inline="always", **JIT)
-def decode_row(data: np.ndarray, off: int, hidden: int, buf: np.ndarray, halves: np.ndarray) -> None:
-    """buf [H] float32 <- d[i // 32] * (nibble - 8) of the row at byte ``off``."""
-    packed = data[off:off + hidden // 2]
-    scales = data[off + hidden // 2:off + hidden // 2 + 2 * (hidden // BLOCK)].view(np.uint16)
-    for b in range(hidden // BLOCK):
-        d = halves[scales[b]]  # the float16 scale, by table
-        for j in range(BLOCK // 2):
-            v = packed[(BLOCK // 2) * b + j]
-            buf[BLOCK * b + j] = np.float32(np.int32(v & np.uint8(15)) - 8) * d
-            buf[BLOCK * b + j + BLOCK // 2] = np.float32(np.int32(v >> np.uint8(4)) - 8) * d
+def block(builder, row, b, hidden):
+    packed = vec_load(builder, builder.gep(row, [builder.mul(b, const(HALF))]), V16)
+    low = builder.and_(packed, ir.Constant(V16, [15] * HALF))
+    high = builder.lshr(packed, ir.Constant(V16, [4] * HALF))
+    q = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
+    q = builder.sub(q, ir.Constant(V32, [8] * LANES))
+    return builder.sitofp(q, VF), half_scale(builder, row, builder.udiv(hidden, const(2)), b)

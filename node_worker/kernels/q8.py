@@ -1,21 +1,21 @@
-"""q8 rows (shm/formats/q8.py): H int8 values, then H/32 float16 scales."""
+"""q8 rows (shm/formats/q8.py) for simd.py's loops.
+
+    row of H weights, nb = H / 32 blocks:
+      bytes [0, H)          int8 q[i]
+      bytes [H, H + 2 nb)   float16 d[b]
+    block b = d[b] * float(q[32 b : 32 b + 32]): the int8 values widened to <32 x float>, the scale
+    returned apart so that the loop multiplies it in once per block
+"""
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+from llvmlite import ir
 
-from .common import JIT
+from .ir import I8, LANES, VF, const, half_scale, vec_load
 
-BLOCK = 32
+SCALED = True
 
 
-@njit(inline="always", **JIT)
-def decode_row(data: np.ndarray, off: int, hidden: int, buf: np.ndarray, halves: np.ndarray) -> None:
-    """buf [H] float32 <- d[i // 32] * q[i] of the row at byte ``off``."""
-    q = data[off:off + hidden].view(np.int8)
-    scales = data[off + hidden:off + hidden + 2 * (hidden // BLOCK)].view(np.uint16)
-    for b in range(hidden // BLOCK):
-        d = halves[scales[b]]  # the float16 scale, by table
-        for j in range(BLOCK):
-            buf[BLOCK * b + j] = np.float32(q[BLOCK * b + j]) * d
+def block(builder, row, b, hidden):
+    q = vec_load(builder, builder.gep(row, [builder.mul(b, const(LANES))]), ir.VectorType(I8, LANES))
+    return builder.sitofp(q, VF), half_scale(builder, row, hidden, b)

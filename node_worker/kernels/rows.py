@@ -1,9 +1,9 @@
 """One compiled call per node per layer for the groups of few tokens (decode).
 
 Every task is (expert group g, a block of rows [a, b) of the node's slice of
-that expert). For each row the task decodes the gate and up rows of the
-store's format to float32 once and takes the dot products with each of the
-group's n token rows; then it adds the rows of W_down[:, R]ᵀ weighted by
+that expert). Four rows at a time, the task takes the dot products of the gate
+and up rows with each of the group's n token rows, reading the store's format
+in place (simd.py: each block widened and scaled in registers); then it adds the rows of W_down[:, R]ᵀ weighted by
 silu(gate) * up into its own contribution [n, H]. Tasks run in parallel
 (numba's threads, the node's CPUs: the dynamic schedule of prange); each
 writes only its own contribution, and the caller adds them in task order, so
@@ -16,7 +16,6 @@ Inputs (C-contiguous):
     offsets         [G, 3] int64    byte offsets of group g's expert's gate, up and down_t matrices
     task_group      [K] int64, task_rows [K, 2] int64: (group, row block) per task
     contrib_start   [K] int64       where task k's [n, H] contribution starts in ``contrib`` (float32)
-    halves          [65536] float32 float16 bits -> value (common.HALF_TO_FLOAT), for the scales
 """
 
 from __future__ import annotations
@@ -24,19 +23,23 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import bf16, common, f32, q4, q8
-from .common import HALF_TO_FLOAT, JIT
+from . import simd
+from .common import JIT
 
 FORMAT_IDS = {"f32": 0, "bf16": 1, "q8": 2, "q4": 3}
 
 
 @njit(inline="always", **JIT)
-def decode_row(fmt: int, data: np.ndarray, off: int, hidden: int, buf: np.ndarray, halves: np.ndarray) -> None:
-    """The quantised formats' row at byte ``off`` as float32 into ``buf``."""
-    if fmt == 2:
-        q8.decode_row(data, off, hidden, buf, halves)
+def row_decode(fmt, data, o, hidden, out) -> None:
+    """out [H] float32 <- the row at byte offset o of the store, dequantised (exactly shm.formats' decode)."""
+    if fmt == 0:
+        simd.decode_f32(data, o, hidden, out)
+    elif fmt == 1:
+        simd.decode_bf16(data, o, hidden, out)
+    elif fmt == 2:
+        simd.decode_q8(data, o, hidden, out)
     else:
-        q4.decode_row(data, off, hidden, buf, halves)
+        simd.decode_q4(data, o, hidden, out)
 
 
 @njit(inline="always", **JIT)
@@ -45,23 +48,28 @@ def silu(s: np.float32) -> np.float32:
 
 
 @njit(inline="always", **JIT)
-def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x, bufs, halves):
+def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x):
     """Dot products with x of the four rows at byte offsets o0..o3 of the store, in its format."""
     if fmt == 0:
-        return f32.dot4(data, o0, o1, o2, o3, hidden, x)
+        return simd.dot4_f32(data, o0, o1, o2, o3, hidden, x)
     if fmt == 1:
-        return bf16.dot4(data, o0, o1, o2, o3, hidden, x)
-    return common.dot4(bufs[0], bufs[1], bufs[2], bufs[3], x)  # decoded before, by decode4
+        return simd.dot4_bf16(data, o0, o1, o2, o3, hidden, x)
+    if fmt == 2:
+        return simd.dot4_q8(data, o0, o1, o2, o3, hidden, x)
+    return simd.dot4_q4(data, o0, o1, o2, o3, hidden, x)
 
 
 @njit(inline="always", **JIT)
-def decode4(fmt, data, o0, o1, o2, o3, hidden, bufs, halves) -> None:
-    """The quantised formats decode four rows into bufs (f32 and bf16 are read in place by their loops)."""
-    if fmt >= 2:
-        decode_row(fmt, data, o0, hidden, bufs[0], halves)
-        decode_row(fmt, data, o1, hidden, bufs[1], halves)
-        decode_row(fmt, data, o2, hidden, bufs[2], halves)
-        decode_row(fmt, data, o3, hidden, bufs[3], halves)
+def rows_axpy4(fmt, data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out) -> None:
+    """out += c0 * row0 + ... + c3 * row3, the rows at byte offsets o0..o3 of the store, in its format."""
+    if fmt == 0:
+        simd.axpy4_f32(data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out)
+    elif fmt == 1:
+        simd.axpy4_bf16(data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out)
+    elif fmt == 2:
+        simd.axpy4_q8(data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out)
+    else:
+        simd.axpy4_q4(data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out)
 
 
 ROWS = 4  # rows used together: the last group of a block may be short and repeats its first row (weight 0)
@@ -69,28 +77,22 @@ ROWS = 4  # rows used together: the last group of a block may be short and repea
 
 @njit(parallel=True, **JIT)
 def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, offsets, task_group, task_rows,
-               contrib, contrib_start, halves):
+               contrib, contrib_start):
     for k in prange(task_group.size):
         g = task_group[k]
         a, b = task_rows[k, 0], task_rows[k, 1]
         t0, t1 = tok_start[g], tok_stop[g]
         n = t1 - t0
-        gbufs = np.empty((ROWS, hidden), np.float32)  # decoded rows (q8, q4)
-        ubufs = np.empty((ROWS, hidden), np.float32)
         h = np.zeros((b - a + ROWS, n), np.float32)  # silu(gate) * up, per row and token
         for r in range(a, b, ROWS):
             m = min(ROWS, b - r)
             step = (0, min(1, m - 1) * row_bytes, min(2, m - 1) * row_bytes, min(3, m - 1) * row_bytes)
             og = offsets[g, 0] + r * row_bytes
             ou = offsets[g, 1] + r * row_bytes
-            decode4(fmt, data, og, og + step[1], og + step[2], og + step[3], hidden, gbufs, halves)
-            decode4(fmt, data, ou, ou + step[1], ou + step[2], ou + step[3], hidden, ubufs, halves)
             for j in range(n):
                 xj = x[tokens[t0 + j]]
-                g0, g1, g2, g3 = rows_dot4(fmt, data, og, og + step[1], og + step[2], og + step[3], hidden, xj,
-                                           gbufs, halves)
-                u0, u1, u2, u3 = rows_dot4(fmt, data, ou, ou + step[1], ou + step[2], ou + step[3], hidden, xj,
-                                           ubufs, halves)
+                g0, g1, g2, g3 = rows_dot4(fmt, data, og, og + step[1], og + step[2], og + step[3], hidden, xj)
+                u0, u1, u2, u3 = rows_dot4(fmt, data, ou, ou + step[1], ou + step[2], ou + step[3], hidden, xj)
                 h[r - a, j] = silu(g0) * u0
                 if m > 1:
                     h[r - a + 1, j] = silu(g1) * u1
@@ -104,15 +106,9 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
             m = min(ROWS, b - r)  # h of the rows past b is 0: they add nothing
             step = (0, min(1, m - 1) * row_bytes, min(2, m - 1) * row_bytes, min(3, m - 1) * row_bytes)
             od = offsets[g, 2] + r * row_bytes
-            decode4(fmt, data, od, od + step[1], od + step[2], od + step[3], hidden, gbufs, halves)
             for j in range(n):
                 c0, c1, c2, c3 = h[r - a, j], h[r - a + 1, j], h[r - a + 2, j], h[r - a + 3, j]
-                if fmt == 0:
-                    f32.axpy4(data, od, od + step[1], od + step[2], od + step[3], hidden, c0, c1, c2, c3, out[j])
-                elif fmt == 1:
-                    bf16.axpy4(data, od, od + step[1], od + step[2], od + step[3], hidden, c0, c1, c2, c3, out[j])
-                else:
-                    common.axpy4(c0, gbufs[0], c1, gbufs[1], c2, gbufs[2], c3, gbufs[3], out[j])
+                rows_axpy4(fmt, data, od, od + step[1], od + step[2], od + step[3], hidden, c0, c1, c2, c3, out[j])
 
 
 def warm_up() -> None:
@@ -123,4 +119,4 @@ def warm_up() -> None:
     one = np.zeros(1, np.int64)
     layer_rows(0, data, hidden, 4 * hidden, np.zeros((1, hidden), np.float32), one, one, one + 1,
                np.array([[0, 4 * hidden, 8 * hidden]], np.int64), one, np.array([[0, 1]], np.int64),
-               np.zeros(hidden, np.float32), one, HALF_TO_FLOAT)
+               np.zeros(hidden, np.float32), one)

@@ -1,0 +1,118 @@
+"""Dense matrices of the CPU device side stored in an expert format (``dense_dtype``).
+
+Without a GPU the coordinator's device side is NumPy, and each decode step
+reads every dense matrix once: attention, the dense and shared MLPs and, the
+largest, the lm_head ([V, H]: 1.2 GB a token at float32 for a 152k vocabulary).
+llama.cpp keeps these quantised as the file gives them; ``dense_dtype`` does
+the same here: the matrix is stored once in a shm/formats format and
+multiplied by the same compiled row loops as the experts
+(node_worker/kernels/dense.py). The router, the norms and the embedding stay
+float32: they are small, or read one row at a time.
+
+A PackedMatrix stands where the float32 array stood: the decoder's
+``x @ w.T`` works unchanged (``.T`` gives a transposed view whose
+``__rmatmul__`` runs the kernel), so the model code has one form for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from types import ModuleType
+
+import numpy as np
+
+from node_worker.kernels import dense
+from node_worker.kernels.rows import FORMAT_IDS
+
+FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles of TILE rows and BLAS
+TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
+
+
+class PackedMatrix:
+    """W [R, K] in a storage format; ``x @ packed.T`` = x · Wᵀ."""
+
+    __array_ufunc__ = None  # ndarray @ PackedMatrix.T defers to __rmatmul__ instead of converting
+
+    def __init__(self, fmt: ModuleType, stored: np.ndarray, shape: tuple[int, int]):
+        self.fmt = fmt
+        self.shape = shape  # [R, K]
+        self.data = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)  # [R * row_bytes]
+        self.row_bytes = fmt.row_bytes(shape[1])
+        self.fmt_id = FORMAT_IDS[fmt.NAME]
+
+    @classmethod
+    def encode(cls, w: np.ndarray, fmt: ModuleType) -> PackedMatrix:
+        R, K = w.shape
+        stored = np.empty((R, fmt.row_bytes(K) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+        for r in range(0, R, 4 * TILE):  # float32 copies of a few tiles at a time, not of the whole matrix
+            fmt.encode_into(stored[r:r + 4 * TILE], np.asarray(w[r:r + 4 * TILE], np.float32))
+        return cls(fmt, stored, (R, K))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def T(self) -> _Transposed:
+        return _Transposed(self)
+
+    def decoded(self) -> np.ndarray:
+        """W as float32 [R, K] (tests, and the reference computations)."""
+        out = np.empty(self.shape, np.float32)
+        dense.decode_rows(self.fmt_id, self.data, 0, self.row_bytes, 0, out)
+        return out
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x [..., K] -> x · Wᵀ [..., R]."""
+        R, K = self.shape
+        lead = x.shape[:-1]
+        x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
+        out = np.empty((x2.shape[0], R), np.float32)  # [T, R]
+        if x2.shape[0] <= FEW_TOKENS:
+            dense.matmul_rows(self.fmt_id, self.data, 0, self.row_bytes, R, K, x2, out)
+        else:
+            tile = np.empty((min(TILE, R), K), np.float32)
+            for r in range(0, R, TILE):
+                n = min(TILE, R - r)
+                dense.decode_rows(self.fmt_id, self.data, 0, self.row_bytes, r, tile[:n])
+                np.matmul(x2, tile[:n].T, out=out[:, r:r + n])
+        return out.reshape(*lead, R)
+
+
+class _Transposed:
+    __array_ufunc__ = None
+
+    def __init__(self, matrix: PackedMatrix):
+        self.matrix = matrix
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        return self.matrix.matmul_t(x)
+
+
+def pack_dense(weights, fmt: ModuleType) -> int:
+    """Store the model's dense matrices (attention, dense and shared MLPs, lm_head) in ``fmt``, in place;
+    returns their bytes. A matrix whose rows do not fall on the format's blocks stays float32."""
+    total = 0
+
+    def pack(obj, name):
+        nonlocal total
+        w = getattr(obj, name)
+        if isinstance(w, np.ndarray) and w.ndim == 2 and w.shape[1] % fmt.BLOCK == 0:
+            setattr(obj, name, PackedMatrix.encode(w, fmt))
+            total += getattr(obj, name).nbytes
+        elif w is not None:
+            total += w.nbytes
+
+    for layer in weights.layers:
+        for name in ("q", "k", "v", "o"):
+            pack(layer, name)
+        for mlp in (layer.dense_mlp, layer.shared_expert):
+            if mlp is not None:
+                for f in fields(mlp):
+                    pack(mlp, f.name)
+    if weights.lm_head is weights.embed:  # tied: the embedding keeps its float32 rows for the lookup
+        weights.lm_head = PackedMatrix.encode(weights.embed, fmt)
+        total += weights.lm_head.nbytes
+    else:
+        pack(weights, "lm_head")
+    return total

@@ -1,0 +1,51 @@
+"""Whole stored matrices times a few token rows, and stored rows decoded for BLAS.
+
+A dense matrix W [R, K] stored in a format (shm/formats: rows of K weights,
+``row_bytes`` apart from byte ``base`` of ``data``) serves the coordinator's
+CPU device side (coordinator/model/packed.py) the way the expert kernels serve
+the pool: x [T, K] -> x·Wᵀ [T, R] in one compiled call, four rows at a time,
+rows split over numba's threads.
+
+    matmul_rows(fmt, data, base, row_bytes, R, K, x, out)   out [T, R] = x [T, K] · Wᵀ  (T small)
+    decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .common import JIT
+from .rows import row_decode, rows_dot4
+
+
+@njit(parallel=True, **JIT)
+def matmul_rows(fmt, data, base, row_bytes, R, K, x, out):
+    for q in prange((R + 3) // 4):
+        r = 4 * q
+        o = base + r * row_bytes  # rows past R repeat row R - 1: computed, not stored
+        o1 = base + min(r + 1, R - 1) * row_bytes
+        o2 = base + min(r + 2, R - 1) * row_bytes
+        o3 = base + min(r + 3, R - 1) * row_bytes
+        for t in range(x.shape[0]):
+            a0, a1, a2, a3 = rows_dot4(fmt, data, o, o1, o2, o3, K, x[t])
+            out[t, r] = a0
+            if r + 1 < R:
+                out[t, r + 1] = a1
+            if r + 2 < R:
+                out[t, r + 2] = a2
+            if r + 3 < R:
+                out[t, r + 3] = a3
+
+
+@njit(parallel=True, **JIT)
+def decode_rows(fmt, data, base, row_bytes, first, out):
+    for i in prange(out.shape[0]):
+        row_decode(fmt, data, base + (first + i) * row_bytes, out.shape[1], out[i])
+
+
+def warm_up() -> None:
+    """Compile both (or load them from the disk cache) before the first request."""
+    data = np.zeros(4 * 32, np.uint8)
+    matmul_rows(0, data, 0, 4 * 32, 1, 32, np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32))
+    decode_rows(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
