@@ -25,10 +25,10 @@ from typing import Protocol, Sequence
 import numba
 import numpy as np
 
-from shm import formats
 from shm.expert_source import ExpertSlice
 
-from .kernels import swiglu_partial
+from .kernels import dense, swiglu_partial
+from .kernels.dense import decode_rows_serial
 from .kernels.rows import FORMAT_IDS, layer_rows, warm_up
 from .routing import group_by_expert
 from .tasks import TaskRunner
@@ -71,6 +71,7 @@ class NodeWorker:
         self.runner = TaskRunner(threads, cpus, name=f"node{node}")
         self.bytes_read = 0  # expert weight bytes touched, for the benchmark
         warm_up()  # compiled (or loaded from the disk cache) now, not in the first request
+        dense.warm_up()
 
     @property
     def threads(self) -> int:
@@ -101,12 +102,17 @@ class NodeWorker:
         contribs: list[np.ndarray | None] = [None] * len(tasks)
         for i, c in zip(few, self._row_kernel(layer, x, groups, [tasks[i] for i in few])):
             contribs[i] = c
-        fmt = formats.get(self.store.fmt)
+        fmt_id = FORMAT_IDS[self.store.fmt]
+
+        def decoded(stored: np.ndarray) -> np.ndarray:  # stored rows [r, ...] -> float32 [r, H]
+            out = np.empty((stored.shape[0], self.hidden_size), np.float32)
+            decode_rows_serial(fmt_id, stored.reshape(-1).view(np.uint8), 0, self.store.row_bytes, 0, out)
+            return out
 
         def run(i: int) -> np.ndarray:
             t = tasks[many[i]]
             p = parts[t.group]
-            return swiglu_partial(x[groups[t.group].tokens], *(formats.decoded(fmt, m[t.start:t.stop])  # [r, H]
+            return swiglu_partial(x[groups[t.group].tokens], *(decoded(m[t.start:t.stop])  # [r, H]
                                                               for m in (p.gate, p.up, p.down_t)))  # [n, H]
 
         for i, c in zip(many, self.runner.run(len(many), run)):

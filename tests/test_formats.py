@@ -245,3 +245,21 @@ def test_dense_dtype_stores_the_dense_matrices_and_stays_close_to_f32(bf16_model
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ConfigValueError, match="dense_dtype must be one of f32, bf16, q8, q4"):
         EngineConfig(dense_dtype="auto")
+
+
+@pytest.mark.parametrize("name", ["q8", "q4"])
+def test_compiled_encoder_writes_the_numpy_encoders_bytes(name):
+    """The fill's compiled quantiser (node_worker/kernels/encode.py) against the format's NumPy definition,
+    on blocks with zeros, outliers, ties of magnitude and values at the float16 scale's limits."""
+    from node_worker.kernels.encode import encode_into
+
+    fmt = formats.get(name)
+    w = weights(7, rows=64)
+    w[3, :32] = 0.5
+    w[3, 7] = -0.5  # equal magnitudes: the first one sets q4's sign
+    w[4, 64:96] = 1e-9  # a scale that rounds to a float16 subnormal or zero
+    w[5, 96:128] = 6e4  # near float16's largest
+    w[6, 128:160] = np.linspace(-1, 1, 32)  # values on the half steps
+    got = np.empty_like(encoded(fmt, w))
+    encode_into(fmt, got, w)
+    assert np.array_equal(got, encoded(fmt, w))

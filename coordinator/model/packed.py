@@ -22,6 +22,7 @@ from types import ModuleType
 import numpy as np
 
 from node_worker.kernels import dense
+from node_worker.kernels.encode import encode_into
 from node_worker.kernels.rows import FORMAT_IDS
 
 FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles of TILE rows and BLAS
@@ -45,7 +46,7 @@ class PackedMatrix:
         R, K = w.shape
         stored = np.empty((R, fmt.row_bytes(K) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
         for r in range(0, R, 4 * TILE):  # float32 copies of a few tiles at a time, not of the whole matrix
-            fmt.encode_into(stored[r:r + 4 * TILE], np.asarray(w[r:r + 4 * TILE], np.float32))
+            encode_into(fmt, stored[r:r + 4 * TILE], np.asarray(w[r:r + 4 * TILE], np.float32))
         return cls(fmt, stored, (R, K))
 
     @property

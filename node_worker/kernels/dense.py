@@ -8,6 +8,8 @@ rows split over numba's threads.
 
     matmul_rows(fmt, data, base, row_bytes, R, K, x, out)   out [T, R] = x [T, K] · Wᵀ  (T small)
     decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
+    decode_rows_serial(...)                                  the same on the calling thread alone (for
+                                                             callers that run on threads of their own)
 """
 
 from __future__ import annotations
@@ -44,8 +46,15 @@ def decode_rows(fmt, data, base, row_bytes, first, out):
         row_decode(fmt, data, base + (first + i) * row_bytes, out.shape[1], out[i])
 
 
+@njit(**JIT)
+def decode_rows_serial(fmt, data, base, row_bytes, first, out):
+    for i in range(out.shape[0]):
+        row_decode(fmt, data, base + (first + i) * row_bytes, out.shape[1], out[i])
+
+
 def warm_up() -> None:
     """Compile both (or load them from the disk cache) before the first request."""
     data = np.zeros(4 * 32, np.uint8)
     matmul_rows(0, data, 0, 4 * 32, 1, 32, np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32))
     decode_rows(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
+    decode_rows_serial(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
