@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import formats
+from .formats.encode import encode_into as compiled_encode_into
 from .checkpoint import Checkpoint
 
 
@@ -138,11 +139,9 @@ def store_into(dest: np.ndarray, raw: np.ndarray, dtype: str, fmt: str) -> None:
     elif fmt == "bf16" and dtype == "BF16":
         dest[...] = raw
     else:
-        from node_worker.kernels.encode import encode_into  # compiled; the same bytes as f.encode_into
-
         f = formats.get(fmt)
         block = np.empty((min(ENCODE_ROWS, raw.shape[0]), raw.shape[1]), np.float32)
         for a in range(0, raw.shape[0], ENCODE_ROWS):
             b = min(a + ENCODE_ROWS, raw.shape[0])
             convert_into(block[: b - a], raw[a:b], dtype)
-            encode_into(f, dest[a:b], block[: b - a])
+            compiled_encode_into(f, dest[a:b], block[: b - a])

@@ -249,9 +249,9 @@ def test_dense_dtype_stores_the_dense_matrices_and_stays_close_to_f32(bf16_model
 
 @pytest.mark.parametrize("name", ["q8", "q4"])
 def test_compiled_encoder_writes_the_numpy_encoders_bytes(name):
-    """The fill's compiled quantiser (node_worker/kernels/encode.py) against the format's NumPy definition,
+    """The fill's compiled quantiser (shm/formats/encode.py) against the format's NumPy definition,
     on blocks with zeros, outliers, ties of magnitude and values at the float16 scale's limits."""
-    from node_worker.kernels.encode import encode_into
+    from shm.formats.encode import encode_into
 
     fmt = formats.get(name)
     w = weights(7, rows=64)

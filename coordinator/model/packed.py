@@ -22,7 +22,7 @@ from types import ModuleType
 import numpy as np
 
 from node_worker.kernels import dense
-from node_worker.kernels.encode import encode_into
+from shm.formats.encode import encode_into
 from node_worker.kernels.rows import FORMAT_IDS
 
 FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles of TILE rows and BLAS

@@ -9,7 +9,8 @@ q8 and q4 are encoded in two compiled passes around one NumPy step:
 
 No fastmath: each step is the IEEE float32 operation the NumPy encoder does, so
 the bytes are identical (tests/test_formats.py checks it); bf16 and f32 stay
-NumPy (one vectorised bit operation or a copy).
+NumPy (one vectorised bit operation or a copy). Used by the fill
+(shm/expert_source.py) and the dense matrices (coordinator/model/packed.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .common import JIT
-
-EXACT = dict(JIT, fastmath=False)
+EXACT = dict(nogil=True, cache=True)  # no fastmath; one source file, so numba's own cache check suffices
 BLOCK = 32
 
 
