@@ -27,7 +27,7 @@ import numpy as np
 
 from shm.expert_source import ExpertSlice
 
-from .kernels import dense, swiglu_partial
+from .kernels import dense, simd, swiglu_partial
 from .kernels.dense import decode_rows_serial
 from .kernels.rows import FORMAT_IDS, layer_rows, warm_up
 from .routing import group_by_expert
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 TASK_ROWS = 1024  # rows of one expert per task: whole experts up to 1024 rows (tools/task_bench.py)
 ROW_KERNEL_MAX_TOKENS = 8  # groups of up to this many tokens take the compiled row kernel; larger ones BLAS
+assert ROW_KERNEL_MAX_TOKENS <= simd.MAX_TOKENS  # the kernel's per-token accumulators
 
 
 class ExpertStore(Protocol):

@@ -263,3 +263,26 @@ def test_compiled_encoder_writes_the_numpy_encoders_bytes(name):
     got = np.empty_like(encoded(fmt, w))
     encode_into(fmt, got, w)
     assert np.array_equal(got, encoded(fmt, w))
+
+
+@pytest.mark.parametrize("name", ["f32", "bf16"])
+@pytest.mark.parametrize("tokens_per_expert", [1, 3])  # one token: four rows at a time; 2..8: one row, n tokens
+def test_row_kernel_on_rows_ending_in_a_partial_block(name, tokens_per_expert):
+    """f32 and bf16 have no blocks: a hidden size of 50 leaves 18 values after the vector loop."""
+    fmt, hidden = formats.get(name), 50
+    rng = np.random.default_rng(8)
+    mats = []
+    for _ in range(3):
+        stored = np.empty((9, fmt.row_bytes(hidden) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+        fmt.encode_into(stored, (rng.standard_normal((9, hidden)) * 0.1).astype(np.float32))
+        mats.append(stored)
+    worker = NodeWorker(0, HeapExpertStore(0, {(0, 0): ExpertSlice(*mats, name)}, name), hidden, threads=1)
+    try:
+        x = rng.standard_normal((tokens_per_expert, hidden)).astype(np.float32)
+        tokens = np.arange(tokens_per_expert)
+        y = worker.compute(0, x, tokens, np.zeros_like(tokens), np.ones(tokens_per_expert, np.float32))
+    finally:
+        worker.close()
+    g, u, d = (formats.decoded(fmt, m).astype(np.float64) for m in mats)
+    a, b = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
+    np.testing.assert_allclose(y, (a / (1 + np.exp(-a)) * b) @ d, rtol=2e-5, atol=2e-6)

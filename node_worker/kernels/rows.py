@@ -1,9 +1,10 @@
 """One compiled call per node per layer for the groups of few tokens (decode).
 
 Every task is (expert group g, a block of rows [a, b) of the node's slice of
-that expert). Four rows at a time, the task takes the dot products of the gate
-and up rows with each of the group's n token rows, reading the store's format
-in place (simd.py: each block widened and scaled in registers); then it adds the rows of W_down[:, R]ᵀ weighted by
+that expert). For one token, four rows at a time, the task takes the dot
+products of the gate and up rows with the token's row, reading the store's
+format in place (simd.py: each block widened and scaled in registers); for n
+of 2..8 tokens (prefill) one row at a time, each block widened once for the n; then it adds the rows of W_down[:, R]ᵀ weighted by
 silu(gate) * up into its own contribution [n, H]. Tasks run in parallel
 (numba's threads, the node's CPUs: the dynamic schedule of prange); each
 writes only its own contribution, and the caller adds them in task order, so
@@ -72,6 +73,48 @@ def rows_axpy4(fmt, data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out) -> None:
         simd.axpy4_q4(data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out)
 
 
+@njit(inline="always", **JIT)
+def row_dotn(fmt, data, o, hidden, xg, out) -> None:
+    """out [n] = xg [n, H] · the row at byte offset o (n <= simd.MAX_TOKENS)."""
+    if fmt == 0:
+        simd.dotn_f32(data, o, hidden, xg, out)
+    elif fmt == 1:
+        simd.dotn_bf16(data, o, hidden, xg, out)
+    elif fmt == 2:
+        simd.dotn_q8(data, o, hidden, xg, out)
+    else:
+        simd.dotn_q4(data, o, hidden, xg, out)
+
+
+@njit(inline="always", **JIT)
+def row_axpyn(fmt, data, o, hidden, c, out) -> None:
+    """out [n, H] += c [n] ⊗ the row at byte offset o."""
+    if fmt == 0:
+        simd.axpyn_f32(data, o, hidden, c, out)
+    elif fmt == 1:
+        simd.axpyn_bf16(data, o, hidden, c, out)
+    elif fmt == 2:
+        simd.axpyn_q8(data, o, hidden, c, out)
+    else:
+        simd.axpyn_q4(data, o, hidden, c, out)
+
+
+@njit(inline="always", **JIT)
+def task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, a, b, out) -> None:
+    """A task of n >= 2 tokens (xg [n, H], gathered): row by row, each block widened once for all n."""
+    n = xg.shape[0]
+    h = np.empty((b - a, n), np.float32)  # silu(gate) * up, per row and token
+    gv = np.empty(n, np.float32)
+    uv = np.empty(n, np.float32)
+    for r in range(a, b):
+        row_dotn(fmt, data, og + r * row_bytes, hidden, xg, gv)
+        row_dotn(fmt, data, ou + r * row_bytes, hidden, xg, uv)
+        for j in range(n):
+            h[r - a, j] = silu(gv[j]) * uv[j]
+    for r in range(a, b):
+        row_axpyn(fmt, data, od + r * row_bytes, hidden, h[r - a], out)
+
+
 ROWS = 4  # rows used together: the last group of a block may be short and repeats its first row (weight 0)
 
 
@@ -83,6 +126,14 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
         a, b = task_rows[k, 0], task_rows[k, 1]
         t0, t1 = tok_start[g], tok_stop[g]
         n = t1 - t0
+        out = contrib[contrib_start[k]:contrib_start[k] + n * hidden].reshape((n, hidden))
+        out[:, :] = 0
+        if n > 1:  # prefill's small groups
+            xg = np.empty((n, hidden), np.float32)
+            for j in range(n):
+                xg[j] = x[tokens[t0 + j]]
+            task_tokens(fmt, data, hidden, row_bytes, xg, offsets[g, 0], offsets[g, 1], offsets[g, 2], a, b, out)
+            continue
         h = np.zeros((b - a + ROWS, n), np.float32)  # silu(gate) * up, per row and token
         for r in range(a, b, ROWS):
             m = min(ROWS, b - r)
@@ -100,8 +151,6 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
                     h[r - a + 2, j] = silu(g2) * u2
                 if m > 3:
                     h[r - a + 3, j] = silu(g3) * u3
-        out = contrib[contrib_start[k]:contrib_start[k] + n * hidden].reshape((n, hidden))
-        out[:, :] = 0
         for r in range(a, b, ROWS):
             m = min(ROWS, b - r)  # h of the rows past b is 0: they add nothing
             step = (0, min(1, m - 1) * row_bytes, min(2, m - 1) * row_bytes, min(3, m - 1) * row_bytes)

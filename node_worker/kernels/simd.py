@@ -15,6 +15,12 @@ Two intrinsics per format, each on four rows at byte offsets o0..o3 of ``data``:
     dot4_F(data, o0, o1, o2, o3, hidden, x)             -> (x·w0, x·w1, x·w2, x·w3)    x [H] float32
     axpy4_F(data, o0, o1, o2, o3, hidden, c0..c3, out)  out [H] float32 += Σ c_r w_r
 
+and two on one row with n token rows at once (2 <= n <= MAX_TOKENS; prefill's groups), the
+block widened once and used for every token:
+
+    dotn_F(data, o, hidden, xg, out)                    out [n] float32 = xg [n, H] · w
+    axpyn_F(data, o, hidden, c, out)                    out [n, H] += c [n] ⊗ w
+
 and one that writes a row out as float32 (for BLAS on many tokens):
 
     decode_F(data, o, hidden, out)                      out [H] float32 = w
@@ -137,6 +143,93 @@ def _make_axpy4(fmt: ModuleType):
     return axpy4
 
 
+MAX_TOKENS = 8  # token rows of dotn/axpyn: their accumulators live in one [8 x <32 x float>] array
+
+
+def _row_major(builder, ptr, t, width, i):
+    """&ptr[t * width + i] for a float pointer."""
+    return builder.gep(ptr, [builder.add(builder.mul(t, width), i)])
+
+
+def _make_dotn(fmt: ModuleType):
+    @intrinsic
+    def dotn(typingctx, data, o, hidden, xg, out):
+        sig = types.void(data, o, hidden, xg, out)
+
+        def codegen(context, builder, signature, args):
+            data_v, o, hidden_v, xg_v, out_v = args
+            row = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
+            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[3], xg_v), F32.as_pointer())
+            outp = builder.bitcast(_byte_ptr(context, builder, signature.args[4], out_v), F32.as_pointer())
+            n = context.make_array(signature.args[4])(context, builder, out_v).nitems
+            accs = cgutils.alloca_once(builder, VF, size=MAX_TOKENS)  # [n] <32 x float>
+            with cgutils.for_range(builder, n) as t:
+                builder.store(ir.Constant(VF, [0.0] * LANES), builder.gep(accs, [t.index]))
+            nb = builder.udiv(hidden_v, const(LANES))
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                w = _scaled_block(builder, fmt, row, b, hidden_v)  # widened once for the n tokens
+                with cgutils.for_range(builder, n) as t:
+                    xptr = _row_major(builder, xp, t.index, hidden_v, builder.mul(b, const(LANES)))
+                    xv = builder.load(builder.bitcast(xptr, VF.as_pointer()), align=4)
+                    acc = builder.gep(accs, [t.index])
+                    builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xv, flags=FAST), flags=FAST), acc)
+            with cgutils.for_range(builder, n) as t:
+                builder.store(_reduce(builder, builder.load(builder.gep(accs, [t.index]))),
+                              builder.gep(outp, [t.index]), align=4)
+            if not fmt.SCALED:
+                with _tail(builder, hidden_v, nb) as (i, _):
+                    w = fmt.value(builder, row, i)
+                    with cgutils.for_range(builder, n) as t:
+                        optr = builder.gep(outp, [t.index])
+                        xi = builder.load(_row_major(builder, xp, t.index, hidden_v, i), align=4)
+                        builder.store(builder.fadd(builder.load(optr), builder.fmul(w, xi, flags=FAST), flags=FAST),
+                                      optr, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dotn
+
+
+def _make_axpyn(fmt: ModuleType):
+    @intrinsic
+    def axpyn(typingctx, data, o, hidden, c, out):
+        sig = types.void(data, o, hidden, c, out)
+
+        def codegen(context, builder, signature, args):
+            data_v, o, hidden_v, c_v, out_v = args
+            row = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
+            cp = builder.bitcast(_byte_ptr(context, builder, signature.args[3], c_v), F32.as_pointer())
+            outp = builder.bitcast(_byte_ptr(context, builder, signature.args[4], out_v), F32.as_pointer())
+            n = context.make_array(signature.args[3])(context, builder, c_v).nitems
+            nb = builder.udiv(hidden_v, const(LANES))
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                w, d = fmt.block(builder, row, b, hidden_v)
+                with cgutils.for_range(builder, n) as t:
+                    c = builder.load(builder.gep(cp, [t.index]), align=4)
+                    scale = c if d is None else builder.fmul(c, d, flags=FAST)
+                    optr = builder.bitcast(_row_major(builder, outp, t.index, hidden_v, builder.mul(b, const(LANES))),
+                                           VF.as_pointer())
+                    total = builder.fadd(builder.load(optr, align=4),
+                                         builder.fmul(w, _splat(builder, scale), flags=FAST), flags=FAST)
+                    builder.store(total, optr, align=4)
+            if not fmt.SCALED:
+                with _tail(builder, hidden_v, nb) as (i, _):
+                    w = fmt.value(builder, row, i)
+                    with cgutils.for_range(builder, n) as t:
+                        c = builder.load(builder.gep(cp, [t.index]), align=4)
+                        optr = _row_major(builder, outp, t.index, hidden_v, i)
+                        builder.store(builder.fadd(builder.load(optr), builder.fmul(w, c, flags=FAST), flags=FAST),
+                                      optr, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return axpyn
+
+
 def _make_decode(fmt: ModuleType):
     @intrinsic
     def decode(typingctx, data, o, hidden, out):
@@ -164,3 +257,5 @@ def _make_decode(fmt: ModuleType):
 dot4_f32, dot4_bf16, dot4_q8, dot4_q4 = (_make_dot4(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
 axpy4_f32, axpy4_bf16, axpy4_q8, axpy4_q4 = (_make_axpy4(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
 decode_f32, decode_bf16, decode_q8, decode_q4 = (_make_decode(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
+dotn_f32, dotn_bf16, dotn_q8, dotn_q4 = (_make_dotn(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
+axpyn_f32, axpyn_bf16, axpyn_q8, axpyn_q4 = (_make_axpyn(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
