@@ -3,8 +3,13 @@
 Started by the coordinator as ``python -m node_worker --job FILE --node N
 --identity ID --parent-pid PID``; everything else is in the job (node_worker/job.py).
 It pins itself to its node's CPUs (or runs under numactl), names itself
-``strata-node<N>``, opens or fills its segment, connects, says HELLO, and then
-answers COMPUTE and PING until SHUTDOWN. It dies with its parent: a watcher
+``strata-node<N>``, opens or fills its segment, maps the pool's data-path
+segment (shm/pool_io.py), connects, says HELLO, and then serves until SHUTDOWN:
+layers (and empty round trips) arrive through the data-path segment and its
+doorbell, the rest (STREAM reads, shutdown, anything malformed) over the socket.
+One thread waits on both: it spins ``spin_us`` on the request word, then sleeps
+on its doorbell (a futex) for at most POLL_S, and looks at the socket whenever
+it wakes; the coordinator rings the doorbell after each socket message too. It dies with its parent: a watcher
 thread waits on the parent's pidfd and sends this process SIGTERM, whose
 handler unwinds through the clean-up (the segment goes unless --keep-shm).
 An exception that ends the process is sent first as a fatal ERROR (its last
@@ -22,8 +27,10 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import zmq
 
+from shm import doorbell, pool_io, segments
 from shm.checkpoint import Checkpoint
 from shm.node_store import open_node_store
 from shm.placement import segment_placement
@@ -35,7 +42,7 @@ from .membw import read_bandwidth
 from .worker import NodeWorker
 
 log = logging.getLogger(__name__)
-POLL_MS = 500
+POLL_S = 0.1  # the longest sleep on the doorbell before the socket is looked at anyway
 
 
 def set_title(node: int) -> None:
@@ -87,8 +94,9 @@ def load_job(path: Path, node: int) -> WorkerJob:
 
 
 class WorkerProcess:
-    def __init__(self, job: WorkerJob, node: int, identity: str):
+    def __init__(self, job: WorkerJob, node: int, identity: str, parent_pid: int | None = None):
         self.job = job
+        self.parent_pid = parent_pid
         self.node = node
         self.node_job = job.node(node)
         self.cpus = list(self.node_job.cpus) or sorted(os.sched_getaffinity(0))
@@ -103,6 +111,10 @@ class WorkerProcess:
         self.moe_layers = set(job.moe_layers)
         self.sock.connect(job.endpoint)
         self.worker: NodeWorker | None = None
+        self.io: pool_io.PoolIo | None = None
+        self.index = [n.node for n in job.nodes].index(node)  # this node's line and partial in the segment
+        self.done_seq = 0
+        self.num_experts = job.num_experts
         self.spin_s = job.spin_us / 1e6
         self.handlers = {P.Compute: self.on_compute, P.MemBw: self.on_membw, P.Ping: self.on_ping}
 
@@ -118,6 +130,10 @@ class WorkerProcess:
                                         fmt=job.expert_format)
         store.segment.keep = job.keep_shm
         self.worker = NodeWorker(self.node, store, job.hidden, threads=nj.threads, cpus=self.cpus)
+        if job.pool_io:
+            self.io = pool_io.attach(job.pool_io, job.model_digest, plan.digest)
+            doorbell.warm_up()
+            self.done_seq = self.io.done(self.index)
         placement = segment_placement(os.getpid(), report.segment, nj.local_node)
         rows = plan.slice_of(job.intermediate, self.node)
         self.send(P.encode_hello(P.Hello({
@@ -130,7 +146,7 @@ class WorkerProcess:
         })))
 
     def recv(self):
-        """The next message, spinning ``spin_us`` before blocking; None on timeout."""
+        """The next socket message, spinning ``spin_us`` before blocking; None on timeout (no data path)."""
         if self.spin_s:
             deadline = time.perf_counter() + self.spin_s
             while time.perf_counter() < deadline:
@@ -138,9 +154,65 @@ class WorkerProcess:
                     return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     pass
-        if self.sock.poll(POLL_MS):
+        if self.sock.poll(int(POLL_S * 1000)):
             return self.sock.recv_multipart(copy=False)
         return None
+
+    def wait(self) -> None:
+        """Until the coordinator asks for something new or rings: spin, then sleep on the doorbell."""
+        io, k = self.io, self.index
+        seen = io.my_bell_count(k)
+        if io.asked(k) != self.done_seq:
+            return
+        if self.spin_s:
+            deadline = time.perf_counter() + self.spin_s
+            while time.perf_counter() < deadline:
+                if io.asked(k) != self.done_seq or io.my_bell_count(k) != seen:
+                    return
+        io.wait_my_bell(k, seen, POLL_S)
+
+    def on_request(self) -> None:
+        """The request the data path asks this node for: check its fixed fields and arrays, compute into
+        this node's partial in the segment, ring back."""
+        io, k, job = self.io, self.index, self.job
+        seq = io.asked(k)
+        received = time.monotonic_ns()
+        layer, T, Pn, kind = (int(v) for v in io.request[pool_io.REQ_LAYER:pool_io.REQ_KIND + 1])
+        compute_ns = bytes_read = 0
+        problem = ""
+        if kind == pool_io.KIND_COMPUTE:
+            problem = self.check_request(layer, T, Pn)
+            if not problem:
+                t0 = time.perf_counter_ns()
+                before = self.worker.bytes_read
+                self.worker.compute(layer, io.x[:T], io.tokens[:Pn], io.experts[:Pn], io.weights[:Pn], out=io.y[k])
+                compute_ns, bytes_read = time.perf_counter_ns() - t0, self.worker.bytes_read - before
+        elif kind != pool_io.KIND_PING:
+            problem = f"unknown request kind {kind}"
+        if problem:
+            log.error("node %s: bad request %s: %s", self.node, seq, problem)
+        io.finish(k, seq, pool_io.STATUS_ERROR if problem else pool_io.STATUS_OK, compute_ns, bytes_read, received,
+                  f"node {self.node}: bad request: {problem}" if problem else "")
+        self.done_seq = seq
+
+    def check_request(self, layer: int, T: int, Pn: int) -> str:
+        """What is wrong with a request's fixed fields and routing arrays ('' when nothing)."""
+        lay = self.io.layout
+        if not 0 < T <= lay.max_tokens:
+            return f"{T} rows outside [1, {lay.max_tokens}]"
+        if not 0 <= Pn <= lay.max_pairs:
+            return f"{Pn} pairs outside [0, {lay.max_pairs}]"
+        if layer not in self.moe_layers:
+            return f"layer {layer} is not a MoE layer"
+        if Pn:
+            tokens, experts, weights = self.io.tokens[:Pn], self.io.experts[:Pn], self.io.weights[:Pn]
+            if tokens.min() < 0 or tokens.max() >= T:
+                return f"token index out of range [0, {T})"
+            if experts.min() < 0 or experts.max() >= self.num_experts:
+                return f"expert id out of range [0, {self.num_experts})"
+            if not np.isfinite(weights).all():
+                return "routing weights must be finite"
+        return ""
 
     def handle(self, frames) -> bool:
         """Answer one message; False on SHUTDOWN."""
@@ -188,12 +260,25 @@ class WorkerProcess:
         self.send(P.encode_pong(P.Pong(msg.request_id)))
 
     def serve(self) -> None:
+        if self.io is None:  # no data path: everything over the socket
+            while True:
+                frames = self.recv()
+                if frames is not None and not self.handle(frames):
+                    return
         while True:
-            frames = self.recv()
-            if frames is not None and not self.handle(frames):
-                return
+            self.wait()
+            if self.io.asked(self.index) != self.done_seq:
+                self.on_request()
+            while self.sock.poll(0):  # control messages, and anything malformed, over the socket
+                if not self.handle(self.sock.recv_multipart(copy=False)):
+                    return
 
     def close(self) -> None:
+        if self.io is not None:
+            self.io.close()
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                # the coordinator, the data path's owner, is gone (SIGKILL): its segment goes with the workers
+                segments.unlink(self.io.segment.name)
         if self.worker is not None:
             self.worker.close()
         self.sock.close(linger=500)  # let last words out, never block for long
@@ -223,7 +308,7 @@ def main(argv=None) -> int:
             os.sched_setaffinity(0, set(cpus))
         except OSError as exc:
             log.warning("cannot pin to CPUs %s: %s", cpus, exc)
-    proc = WorkerProcess(job, args.node, args.identity)
+    proc = WorkerProcess(job, args.node, args.identity, args.parent_pid)
     try:
         proc.start()
         proc.serve()

@@ -85,8 +85,9 @@ class NodeWorker:
         tokens: np.ndarray,  # [P] row of x for each routed pair
         experts: np.ndarray,  # [P] expert id
         weights: np.ndarray,  # [P] float32 routing weight
+        out: np.ndarray | None = None,  # [>= T, H] float32: written in place (the pool's shared segment)
     ) -> np.ndarray:
-        """This node's partial output Y_n [T, H] for the routed pairs."""
+        """This node's partial output Y_n [T, H] for the routed pairs (``out[:T]`` when given)."""
         groups, parts, tasks = [], [], []
         for group in group_by_expert(tokens, experts, weights):
             part = self.store.get(layer, group.expert)
@@ -118,7 +119,11 @@ class NodeWorker:
 
         for i, c in zip(many, self.runner.run(len(many), run)):
             contribs[i] = c
-        y = np.zeros((x.shape[0], self.hidden_size), dtype=np.float32)  # [T, H]
+        if out is None:
+            y = np.zeros((x.shape[0], self.hidden_size), dtype=np.float32)  # [T, H]
+        else:
+            y = out[: x.shape[0]]
+            y[...] = 0
         for t, contrib in zip(tasks, contribs):  # in task order: the same sum whoever computed what
             g = groups[t.group]
             y[g.tokens] += g.weights[:, None] * contrib

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -242,6 +243,8 @@ def test_coordinator_sigkill_takes_workers_and_next_start_reattaches(tiny):
         pids = [int(p) for p in coord.stdout.readline().split()]
         assert len(pids) == 2
         workers = [psutil.Process(p) for p in pids]
+        assert [s.name.startswith("/strata.pool.") for s in list_segments()
+                if s.header and s.header.owner_pid == coord.pid] == [True]  # its data path, mapped by both
         coord.kill()
         coord.wait(timeout=5)
         t0 = time.monotonic()
@@ -251,6 +254,8 @@ def test_coordinator_sigkill_takes_workers_and_next_start_reattaches(tiny):
         # SIGTERM from the parent watch: they ran their clean-up, so no segment is left
         left = [s for s in list_segments() if s.header and s.header.owner_pid in pids]
         assert left == []
+        # the data path's segment, the dead coordinator's, goes with its workers
+        assert [s.name for s in list_segments() if s.header and s.header.owner_pid == coord.pid] == []
     finally:
         if coord.poll() is None:
             coord.kill()
@@ -367,47 +372,46 @@ def _layer_request(eng):
     return PoolRequest(0, x, np.array([0, 1]), np.array([1, 2]), np.array([0.5, 0.5], np.float32))
 
 
-def test_a_failed_send_leaves_no_pending_state(tiny, monkeypatch):
+def test_a_failed_ask_leaves_no_pending_state(tiny, monkeypatch):
+    """Node 1 cannot be asked (its restart refused): submit raises, and the next one starts afresh."""
     with split_pool(tiny) as (pool, req, want):
-        real_send = pool.channel.sock.send_multipart
-        calls = []
+        real = pool.supervisor.ensure_running
 
-        def refuse_second(frames, *a, **kw):  # node 1's send fails with the worker still alive
-            calls.append(frames[0])
-            if len(calls) == 2:
-                raise zmq.ZMQError(zmq.EHOSTUNREACH)
-            return real_send(frames, *a, **kw)
+        def refuse_node1(w):
+            if w is pool.workers[1]:
+                raise WorkerDied(1, w.pid, "exited", "its restart was refused")
+            real(w)
 
-        monkeypatch.setattr(pool.channel.sock, "send_multipart", refuse_second)
-        with pytest.raises(PoolError, match="cannot send to node worker 1"):
+        monkeypatch.setattr(pool.supervisor, "ensure_running", refuse_node1)
+        with pytest.raises(WorkerDied, match="its restart was refused"):
             pool.submit(req)
-        monkeypatch.setattr(pool.channel.sock, "send_multipart", real_send)
+        monkeypatch.setattr(pool.supervisor, "ensure_running", real)
         # not "submit() called twice": the failed submit left nothing behind
         assert np.array_equal(layer(pool, req), want)
 
 
-def test_send_racing_a_kill_restarts_the_worker(tiny, monkeypatch):
-    """The kill closes the pipe before the process is reaped: the send fails, the death is still found."""
+def test_ask_racing_a_kill_restarts_the_worker(tiny, monkeypatch):
+    """Killed, but not yet seen dead when it is asked (the check before the ask passes): its pidfd shows the
+    death while the coordinator waits; it is restarted and asked again."""
     with split_pool(tiny) as (pool, req, want):
         w = pool.workers[1]
         old_pid = w.pid
-        os.kill(w.pid, signal.SIGKILL)
-        real_send, real_dead = pool.channel.sock.send_multipart, type(w).dead
-        state = {"raced": False}
+        real_dead, real_ask = type(w).dead, pool.io.ask
+        state = {"asked": False}
 
         def not_reaped_yet(self):
-            return False if self is w and not state["raced"] else real_dead(self)
+            return False if self is w and not state["asked"] else real_dead(self)
 
-        def unreachable(frames, *a, **kw):
-            if frames[0] == w.identity and not state["raced"]:
-                state["raced"] = True
-                raise zmq.ZMQError(zmq.EHOSTUNREACH)
-            return real_send(frames, *a, **kw)
+        def ask(index, seq):
+            if index == 1:
+                state["asked"] = True
+            real_ask(index, seq)
 
         monkeypatch.setattr(type(w), "dead", not_reaped_yet)
-        monkeypatch.setattr(pool.channel.sock, "send_multipart", unreachable)
+        monkeypatch.setattr(pool.io, "ask", ask)
+        os.kill(w.pid, signal.SIGKILL)
         assert np.array_equal(layer(pool, req), want)
-        assert state["raced"] and w.pid != old_pid and pool.health()[1]["deaths"] == 1
+        assert state["asked"] and w.pid != old_pid and pool.health()[1]["deaths"] == 1
 
 
 def test_refused_restart_is_tried_again_after_its_window(tiny):
@@ -491,3 +495,64 @@ def test_close_ends_a_stopped_worker_quickly(tiny):
     for name in segs:
         with pytest.raises(segments.SegmentError):
             segments.read_header(name)
+
+
+def test_worker_killed_while_the_coordinator_spins(tiny):
+    """The coordinator spins on the partials (a 60 s spin budget) when the worker dies mid-layer: the death is
+    seen within the spin, the worker restarted and asked again, and the result is the same."""
+    cfg = EngineConfig(pool="process", numa_split=True, nodes=2, pool_spin_us=60e6)
+    with Engine.open(tiny, cfg) as eng:
+        x = np.ones((2, eng.model_config.hidden_size), np.float32)
+        req = PoolRequest(0, x, np.array([0, 1]), np.array([1, 2]), np.array([0.5, 0.5], np.float32))
+        eng.pool.submit(req)
+        want = eng.pool.collect()
+        w = eng.pool.workers[1]
+        os.kill(w.pid, signal.SIGSTOP)  # asked, it cannot answer
+        eng.pool.submit(req)
+        os.kill(w.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        got = eng.pool.collect()
+        assert time.monotonic() - t0 < 30  # not after the spin: while it
+        assert np.array_equal(got, want) and eng.pool.stats["restarts"] == 1
+
+
+SPINNING_COORDINATOR = """
+import sys
+from coordinator import Engine, EngineConfig
+eng = Engine.open(sys.argv[1], EngineConfig(pool="process", numa_split=True, nodes=2, pool_spin_us=60e6))
+eng.logits([1, 2, 3])
+print(" ".join(str(w.pid) for w in eng.pool.workers), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_coordinator_killed_while_its_workers_spin(tiny):
+    """Workers spinning on their request words (a 60 s spin budget) when the coordinator is SIGKILLed: they
+    exit within 5 s and leave no segment, the data path's included."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from shm.segments import list_segments
+
+    coord = subprocess.Popen([sys.executable, "-c", SPINNING_COORDINATOR, str(tiny)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in coord.stdout.readline().split()]
+        workers = [psutil.Process(p) for p in pids]
+        assert all(p.status() == psutil.STATUS_RUNNING for p in workers)  # spinning, not asleep
+        coord.kill()
+        coord.wait(timeout=5)
+        gone, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive, f"workers still running 5 s after the coordinator died: {[p.pid for p in alive]}"
+        owners = set(pids) | {coord.pid}
+        assert [s.name for s in list_segments() if s.header and s.header.owner_pid in owners] == []
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+        coord.stdin.close()
+        coord.stdout.close()
+    for d in Path(tempfile.gettempdir()).glob("strata-pool-*"):  # the pool folder its SIGKILL left
+        if json.loads((d / "owner.json").read_text())["pid"] == coord.pid:
+            shutil.rmtree(d)

@@ -124,6 +124,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 "prefill_tokens_per_s": summary(res["prefill_tps"]),
                 "moe_layer_decode": decode,
                 "empty_round_trip_us": summary(floor),
+                "overhead_per_token": per_token_overhead(decode, len(mcfg.moe_layers), res["decode_tps"]),
                 "overhead_vs_floor": (decode["overhead_us"]["median"] / statistics.median(floor)
                                       if statistics.median(floor) > 0 and decode["overhead_us"]["median"] is not None
                                       else None),
@@ -151,6 +152,16 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
     finally:
         for eng in engines.values():
             eng.close()
+
+
+def per_token_overhead(decode: dict, moe_layers: int, decode_tps: list[float]) -> dict:
+    """The boundary's cost per decode step: the median overhead per MoE layer times the MoE layers a token
+    crosses, and its share of the median decode step."""
+    per_layer = decode["overhead_us"]["median"]
+    if per_layer is None or not decode_tps:
+        return {"us": None, "share_of_step": None, "moe_layers": moe_layers}
+    step_us = 1e6 / statistics.median(decode_tps)
+    return {"us": per_layer * moe_layers, "share_of_step": per_layer * moe_layers / step_us, "moe_layers": moe_layers}
 
 
 def measure_quality(model_dir: Path, eng: Engine, positions: int, seed: int, device: dict) -> dict:
@@ -185,6 +196,12 @@ def markdown(report: dict) -> str:
             f"| {_fmt(p['median'])} | {_fmt(L['wall_us']['median'], '.0f')} | {_fmt(L['compute_us']['median'], '.0f')} "
             f"| {_fmt(L['overhead_us']['median'], '.0f')} | {_fmt(rtt, '.0f')} | {_fmt(m['overhead_vs_floor'], '.2f')} "
             f"| {_fmt(m['pool_gb_per_s'])} | {_fmt(m['membw']['gb_per_s'])} | {_fmt(m['bandwidth_ratio'], '.2f')} |")
+    lines.append("")
+    for mode, m in report["modes"].items():
+        o = m["overhead_per_token"]
+        if o["us"] is not None:
+            lines.append(f"{mode}: boundary overhead per token = {o['us']:.0f} us over {o['moe_layers']} MoE layers, "
+                         f"{o['share_of_step']:.1%} of the decode step")
     lines.append("")
     for mode, m in report["modes"].items():
         L = m["moe_layer_decode"]

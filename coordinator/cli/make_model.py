@@ -79,6 +79,10 @@ PRESETS = {
                                       num_kv_heads=4, head_dim=128, num_experts=128, top_k=8,
                                       moe_intermediate_size=768, dense_intermediate_size=6144,
                                       rope_theta=1e6, max_position_embeddings=40960),
+    # many MoE layers of small experts: a decode step is mostly the pool's boundary, crossed 48 times a token
+    "deep": lambda: Geometry(vocab_size=320, hidden_size=512, num_layers=48, num_heads=8, num_kv_heads=2,
+                             head_dim=64, num_experts=32, top_k=4, moe_intermediate_size=256,
+                             dense_intermediate_size=1024),
     "mixtral-8x7b": lambda: Geometry(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                                      head_dim=128, num_experts=8, top_k=2, moe_intermediate_size=14336,
                                      rms_norm_eps=1e-5, max_position_embeddings=32768),

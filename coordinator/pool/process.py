@@ -1,11 +1,17 @@
 """ProcessPool: the node workers as processes; only ``submit`` and ``collect`` live here.
 
-The channel (channel.py) carries the messages, the supervisor (supervisor.py)
-keeps the workers alive. ``submit`` sends the layer's work to every worker
-(restarting a dead one first), ``collect`` waits for their partials, resending
-to a worker restarted meanwhile or declared hung (silent past the hang
-deadline: a setting, or derived from the layer times seen, with a floor), and
-sums them in node order. After any error the pool is clean: the next
+The data path is a shared-memory segment the pool owns (shm/pool_io.py): X and
+the routing are written there once for every node, each node's doorbell is
+rung, and each worker writes its partial in place and rings back. The channel
+(channel.py) carries the rest over ZeroMQ (the handshake, errors, last words,
+STREAM reads, shutdown); the supervisor (supervisor.py) keeps the workers
+alive. ``submit`` asks every worker (restarting a dead one first), ``collect``
+spins ``pool_spin_us`` on the partials' sequence numbers, then sleeps on its
+doorbell in slices of SLICE_S, between which it looks for deaths (the pidfds),
+last words and errors (the socket) and hangs (silent past the hang deadline: a
+setting, or derived from the layer times seen, with a floor); a worker
+restarted meanwhile or declared hung is asked again. The partials are summed in
+node order. After any error the pool is clean: the next
 ``submit`` starts afresh. While it waits, the pool calls ``wait_hook`` every
 few tens of milliseconds (the server answers health and sees signals then; the
 hook may raise StepInterrupted to abandon the wait).
@@ -21,6 +27,7 @@ import numpy as np
 
 from node_worker import protocol as P
 from node_worker.job import WorkerJob
+from shm import doorbell, pool_io
 from shm.plan import PoolPlan
 from shm.topology import Node
 
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 HANG_FLOOR_S = 10.0  # a derived hang deadline is never below this ...
 HANG_FLOOR_PER_ROW_S = 0.01  # ... plus this per row of the layer's batch
 HANG_FACTOR = 50.0  # times the slowest per-row layer time seen so far
+SLICE_S = 0.01  # the longest sleep on the doorbell between looks at the workers' health and the socket
 
 __all__ = ["PoolError", "ProcessPool", "WorkerDied"]
 
@@ -45,19 +53,33 @@ class ProcessPool(ExpertPool):
         self.plan = plan
         self.hang_timeout_s = config.worker_hang_timeout
         self.channel = Channel(job.max_message_bytes, config.pool_spin_us)
-        self.job = replace(job, endpoint=self.channel.endpoint)
+        self.spin_s = config.pool_spin_us / 1e6
+        self.closed = False
+        self.io: pool_io.PoolIo | None = None
+        try:
+            doorbell.warm_up()
+            for name in pool_io.remove_stale():
+                log.info("removed %s: its coordinator is gone", name)
+            self.io = pool_io.create(pool_io.PoolIoLayout(len(nodes), job.max_tokens, job.max_tokens * job.num_experts,
+                                                          job.hidden), job.model_digest, plan.digest)
+        except BaseException:
+            self.channel.close()
+            raise
+        self.job = replace(job, endpoint=self.channel.endpoint, pool_io=self.io.segment.name)
         job_path = self.channel.write_file("job.json", self.job.to_json())
         self.supervisor = Supervisor(nodes, self.channel, job_path, plan.digest, job.model_digest,
                                      config.worker_start_timeout, config.worker_restart_window, config.keep_shm)
         self.workers = self.supervisor.workers
+        self.index = {w.node.id: i for i, w in enumerate(self.workers)}  # node -> its line in the segment
+        self.supervisor.on_spawn = lambda w: self.io.cancel(self.index[w.node.id])
+        self.supervisor.on_sent = lambda w: doorbell.ring(self.io.node_bells[self.index[w.node.id]], 0)
         self._waiting: dict[int, float] = {}  # node -> monotonic time the current request was sent to it
         self._row_s_max = 0.0  # slowest layer time per row seen, for the derived hang deadline
         self._rid = 0
         self._pending: PoolRequest | None = None
         self.timings = []
         self.stats = new_pool_stats(len(nodes))
-        self.closed = False
-        self._handlers = {P.Result: self._on_result, P.Error: self._on_error, P.Hello: self._on_hello}
+        self._handlers = {P.Error: self._on_error, P.Hello: self._on_hello}
         try:
             self.supervisor.start_all()
         except BaseException:
@@ -81,17 +103,19 @@ class ProcessPool(ExpertPool):
         self._sent_at = time.perf_counter_ns()
         self._sent_mono = time.monotonic_ns()
         self._waiting = {}
-        frames = self.channel.compute_frames(self._rid, request)
+        self.io.post(self._rid, request.layer, request.x, request.tokens, request.experts, request.weights)
         try:
             for w in self.workers:
-                self._send_to(w, frames)
+                self._ask(w, self._rid)
         except BaseException:
             self._waiting = {}
             raise
         self._pending = request
 
-    def _send_to(self, w: WorkerHandle, frames: list) -> None:
-        self.supervisor.send_or_recover(w, frames)
+    def _ask(self, w: WorkerHandle, seq: int) -> None:
+        """Ask one worker for request ``seq`` (already in the segment), restarting it first when it is dead."""
+        self.supervisor.ensure_running(w)
+        self.io.ask(self.index[w.node.id], seq)
         self._waiting[w.node.id] = time.monotonic()
 
     def collect(self, out: np.ndarray | None = None) -> np.ndarray:
@@ -99,61 +123,81 @@ class ProcessPool(ExpertPool):
         if req is None:
             raise PoolError("collect() without submit()")
         collect_at = time.monotonic_ns()
-        self._got: dict[bytes, P.Result] = {}
-        self._arrived: dict[bytes, int] = {}  # monotonic ns each partial came in
+        T = req.x.shape[0]
         try:
-            self._wait_for_partials(req, self._rid)
+            arrived = self._wait_for_partials(self._rid, T)
         finally:
             self._waiting = {}
-        got = self._got
         wall = time.perf_counter_ns() - self._sent_at
-        self._row_s_max = max(self._row_s_max, wall / 1e9 / max(1, req.x.shape[0]))
-        last_sent = max(r.sent_ns for r in got.values())
-        self.stats["idle_ns"] += max(0, collect_at - last_sent)
+        self._row_s_max = max(self._row_s_max, wall / 1e9 / max(1, T))
+        lines = [self.io.node_lines[i] for i in range(len(self.workers))]
+        self.stats["idle_ns"] += max(0, collect_at - max(int(line[pool_io.NODE_SENT_NS]) for line in lines))
         self.stats["requests"] += 1
         self.stats["wait_ns"] += wall
         self.stats["restarts"] = self.supervisor.restarts
-        order = [got[w.identity] for w in self.workers]
-        for i, r in enumerate(order):
-            self.stats["worker_compute_ns"][i] += r.compute_ns
+        compute = tuple(int(line[pool_io.NODE_COMPUTE_NS]) for line in lines)
+        for i, c in enumerate(compute):
+            self.stats["worker_compute_ns"][i] += c
         if self.record_timings:
+            received = tuple(int(line[pool_io.NODE_RECEIVED_NS]) for line in lines)
+            sent = tuple(int(line[pool_io.NODE_SENT_NS]) for line in lines)
             self.timings.append(LayerTiming(
-                req.layer, req.x.shape[0], wall, tuple(r.compute_ns for r in order),
-                tuple(r.bytes_read for r in order), tuple(r.received_ns - self._sent_mono for r in order),
-                tuple(r.sent_ns - r.received_ns - r.compute_ns for r in order),
-                tuple(self._arrived[w.identity] - got[w.identity].sent_ns for w in self.workers)))
-        return sum_in_node_order([r.y for r in order], out)
+                req.layer, T, wall, compute, tuple(int(line[pool_io.NODE_BYTES]) for line in lines),
+                tuple(r - self._sent_mono for r in received),
+                tuple(s - r - c for s, r, c in zip(sent, received, compute)),
+                tuple(a - s for a, s in zip(arrived, sent))))
+        return sum_in_node_order([self.io.y[i][:T] for i in range(len(self.workers))], out)
 
-    def _wait_for_partials(self, req: PoolRequest, rid: int) -> None:
-        """Every worker's partial of request ``rid``; the dead and the hung are restarted and sent it again."""
-        sup = self.supervisor
-        deadline_s = self._hang_deadline_s(req.x.shape[0])
+    def _wait_for_partials(self, seq: int, rows: int) -> list[int]:
+        """Every worker's answer to request ``seq`` (monotonic ns each was seen); spins, then sleeps on the
+        doorbell; the dead and the hung are restarted and asked again. An error answer raises PoolError."""
+        io, sup = self.io, self.supervisor
+        deadline_s = self._hang_deadline_s(rows)
         sup.reset_hook_timer()
-        while len(self._got) < len(self.workers):
-            readable, fired = self.channel.poll(POLL_MS, sup.pidfds())
-            if readable:
-                identity, msg = self.channel.recv()
-                w = sup.by_identity(identity)
-                handler = self._handlers.get(type(msg))
-                if w is not None and handler is not None:
-                    handler(w, msg, rid)
-            for w in sup.dead_among(fired):
-                if w.identity not in self._got:  # done with this request: the next send restarts it
-                    sup.recover(w, w.died())
-                    self._send_to(w, self.channel.compute_frames(rid, req))
-            now = time.monotonic()
-            for w in self.workers:
-                sent = self._waiting.get(w.node.id)
-                if sent is not None and now - sent > deadline_s:
-                    sup.recover(w, sup.kill_hung(w, now - sent))
-                    self._send_to(w, self.channel.compute_frames(rid, req))
-            sup.call_hook()
+        pending = set(range(len(self.workers)))
+        arrived = [0] * len(self.workers)
+        spin_until = time.perf_counter() + self.spin_s
+        look_at = time.monotonic() + SLICE_S
+        while True:
+            seen = io.bell_count()
+            for i in list(pending):
+                if io.done(i) == seq:
+                    pending.discard(i)
+                    arrived[i] = time.monotonic_ns()
+                    self._waiting.pop(self.workers[i].node.id, None)
+                    if io.node_lines[i][pool_io.NODE_STATUS] != pool_io.STATUS_OK:
+                        raise PoolError(io.error_message(i))
+            if not pending:
+                return arrived
+            if time.perf_counter() >= spin_until:
+                io.wait_bell(seen, SLICE_S)
+            if time.monotonic() >= look_at or io.bell_count() == seen and time.perf_counter() >= spin_until:
+                look_at = time.monotonic() + SLICE_S  # quiet, or spinning for a while: look at the workers
+                self._look_at_workers(seq, pending, deadline_s)
 
-    def _on_result(self, w: WorkerHandle, msg: P.Result, rid: int) -> None:
-        if msg.request_id == rid:
-            self._arrived[w.identity] = time.monotonic_ns()
-            self._got[w.identity] = msg
-            self._waiting.pop(w.node.id, None)
+    def _look_at_workers(self, seq: int, pending: set[int], deadline_s: float) -> None:
+        """Between sleeps: the socket (last words, errors), deaths (pidfds), hangs, the wait hook."""
+        sup = self.supervisor
+        readable, fired = self.channel.poll(0, sup.pidfds())
+        while readable:
+            identity, msg = self.channel.recv()
+            w = sup.by_identity(identity)
+            handler = self._handlers.get(type(msg))
+            if w is not None and handler is not None:
+                handler(w, msg, seq)
+            readable, more = self.channel.poll(0, sup.pidfds())
+            fired |= more
+        for w in sup.dead_among(fired):
+            if self.index[w.node.id] in pending:  # done with this request: the next ask restarts it
+                sup.recover(w, w.died())
+                self._ask(w, seq)
+        now = time.monotonic()
+        for w in self.workers:
+            sent = self._waiting.get(w.node.id)
+            if sent is not None and now - sent > deadline_s:
+                sup.recover(w, sup.kill_hung(w, now - sent))
+                self._ask(w, seq)
+        sup.call_hook()
 
     def _on_error(self, w: WorkerHandle, msg: P.Error, rid: int) -> None:
         if msg.fatal:
@@ -199,10 +243,17 @@ class ProcessPool(ExpertPool):
         return {"gb_per_s": nbytes * len(per_node) / slowest / 1e9, "per_node": per_node}
 
     def ping(self) -> float:
-        """One empty round trip to every worker over the pool's sockets; seconds."""
+        """One empty round trip to every worker over the data path (the doorbells, nothing computed); seconds."""
         self._rid += 1
         t0 = time.perf_counter()
-        self._ask_all(P.encode_ping(P.Ping(self._rid)), P.Pong, self._rid)
+        self.io.post(self._rid, 0, self.io.x[:0], self.io.tokens[:0], self.io.experts[:0], self.io.weights[:0],
+                     kind=pool_io.KIND_PING)
+        try:
+            for w in self.workers:
+                self._ask(w, self._rid)
+            self._wait_for_partials(self._rid, 1)
+        finally:
+            self._waiting = {}
         return time.perf_counter() - t0
 
     def health(self) -> list[NodeHealth]:
@@ -216,5 +267,9 @@ class ProcessPool(ExpertPool):
         if self.closed:
             return
         self.closed = True
-        self.supervisor.close()
-        self.channel.close()
+        try:
+            self.supervisor.close()
+            self.channel.close()
+        finally:
+            if self.io is not None:
+                self.io.close()

@@ -127,6 +127,8 @@ class Supervisor:
         self.workers = [WorkerHandle(n, f"node{n.id}".encode()) for n in nodes]
         self.restarts = 0
         self.wait_hook: Callable[[], None] | None = None  # called every HOOK_INTERVAL_S while waiting
+        self.on_spawn: Callable[[WorkerHandle], None] | None = None  # before a worker (re)starts
+        self.on_sent: Callable[[WorkerHandle], None] | None = None  # after a socket message to a worker
         self._hook_at = 0.0
 
     # -- start ---------------------------------------------------------------------
@@ -137,6 +139,8 @@ class Supervisor:
 
     def _spawn(self, w: WorkerHandle) -> None:
         n = w.node
+        if self.on_spawn is not None:
+            self.on_spawn(w)
         w.close_pidfd()
         # a fresh identity per incarnation: a dead predecessor's pipe can never take its messages
         w.identity = f"node{n.id}.{len(w.started)}".encode()
@@ -218,6 +222,8 @@ class Supervisor:
             if w.dead() or w.reaped_within(REAP_TIMEOUT_S):
                 raise w.died() from None
             raise PoolError(f"cannot send to node worker {w.node.id} (pid {w.pid}): {exc}") from None
+        if self.on_sent is not None:
+            self.on_sent(w)
 
     def send_or_recover(self, w: WorkerHandle, frames: list) -> None:
         """Send, restarting the worker first (or on the way) when it is dead."""
@@ -322,6 +328,8 @@ class Supervisor:
             if not w.dead():
                 try:
                     self.channel.send(w.identity, P.encode_shutdown(), zmq.NOBLOCK)
+                    if self.on_sent is not None:
+                        self.on_sent(w)
                 except PeerUnreachable:
                     w.proc.terminate()
         deadline = time.monotonic() + SHUTDOWN_WAIT_S

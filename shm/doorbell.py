@@ -1,0 +1,145 @@
+"""Waking another process through a word of shared memory: atomics and the Linux futex.
+
+A doorbell is a 32-bit counter in a shared mapping. The ringer bumps it
+atomically and wakes whoever sleeps on it; a sleeper reads the count, checks
+its condition, and sleeps only while the count is still what it read (so a ring
+between the check and the sleep is never lost). Both sides may spin on the
+condition first (``spin_s``); sleeping is a futex wait on the word, woken by
+the kernel directly: measured here 3 µs for a round trip between two processes
+against 53 µs for a ZeroMQ ipc round trip (tools/ and the issue note).
+
+The loads and stores of the sequence numbers that say "the data is written"
+are acquire/release atomics (LLVM's, through numba), so the data written
+before a release store is seen by the reader of that store on any CPU, not
+only on x86's ordered stores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import time
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+# -- atomics on int64 and uint32 words of a NumPy array ------------------------------------------------------
+
+
+def _element_ptr(context, builder, aryty, ary, index):
+    a = context.make_array(aryty)(context, builder, ary)
+    return builder.gep(a.data, [index])
+
+
+@intrinsic
+def _load_acquire(typingctx, ary, index):
+    sig = ary.dtype(ary, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1])
+        return builder.load_atomic(ptr, "acquire", signature.args[0].dtype.bitwidth // 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_release(typingctx, ary, index, value):
+    sig = types.void(ary, types.intp, ary.dtype)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1])
+        builder.store_atomic(args[2], ptr, "release", signature.args[0].dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, ary, index, value):
+    sig = ary.dtype(ary, types.intp, ary.dtype)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1])
+        return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
+
+    return sig, codegen
+
+
+_OPTS = dict(nogil=True, cache=True)
+
+
+@njit(**_OPTS)
+def load_acquire(ary, index):
+    return _load_acquire(ary, index)
+
+
+@njit(**_OPTS)
+def store_release(ary, index, value):
+    _store_release(ary, index, value)
+
+
+@njit(**_OPTS)
+def fetch_add(ary, index, value):
+    return _fetch_add(ary, index, value)
+
+
+def warm_up() -> None:
+    """Compile (or load) the atomics for the array types the pool uses."""
+    for dtype in (np.int64, np.uint32):
+        a = np.zeros(2, dtype)
+        store_release(a, 0, a.dtype.type(1))
+        fetch_add(a, 1, a.dtype.type(1))
+        assert load_acquire(a, 0) == 1 and a[1] == 1
+
+
+# -- futex ---------------------------------------------------------------------------------------------------
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
+FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not the _PRIVATE forms: the word is shared between processes
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_available() -> bool:
+    return _SYS_FUTEX is not None
+
+
+def word_address(words: np.ndarray, index: int) -> int:
+    """The address of uint32 ``words[index]`` (the array must stay mapped while it is used)."""
+    return words.ctypes.data + 4 * index
+
+
+def futex_wait(address: int, expected: int, timeout_s: float) -> None:
+    """Sleep while the uint32 at ``address`` equals ``expected``, at most ``timeout_s`` (the GIL is released).
+    Returns on a wake, a changed value, a signal or the timeout alike: the caller checks its condition."""
+    if _SYS_FUTEX is None:
+        time.sleep(min(timeout_s, 0.0005))  # no futex on this platform: a short nap
+        return
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), FUTEX_WAIT, ctypes.c_uint32(expected & 0xFFFFFFFF),
+                  ctypes.byref(ts), None, 0)
+
+
+def futex_wake(address: int, count: int = 1 << 30) -> None:
+    if _SYS_FUTEX is not None:
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), FUTEX_WAKE, count, None, None, 0)
+
+
+def ring(words: np.ndarray, index: int) -> None:
+    """Bump doorbell ``words[index]`` and wake its sleepers."""
+    fetch_add(words, index, np.uint32(1))
+    futex_wake(word_address(words, index))
+
+
+def wait_ring(words: np.ndarray, index: int, seen: int, timeout_s: float) -> None:
+    """Sleep until doorbell ``words[index]`` moves past ``seen`` (a count read before checking), or the timeout."""
+    futex_wait(word_address(words, index), seen, timeout_s)
+
+
+__all__ = ["fetch_add", "futex_available", "load_acquire", "ring", "store_release", "wait_ring", "warm_up"]
