@@ -174,7 +174,7 @@ class WorkerProcess:
     def on_request(self) -> None:
         """The request the data path asks this node for: check its fixed fields and arrays, compute into
         this node's partial in the segment, ring back."""
-        io, k, job = self.io, self.index, self.job
+        io, k = self.io, self.index
         seq = io.asked(k)
         received = time.monotonic_ns()
         layer, T, Pn, kind = (int(v) for v in io.request[pool_io.REQ_LAYER:pool_io.REQ_KIND + 1])

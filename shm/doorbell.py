@@ -21,7 +21,6 @@ import platform
 import time
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-import zmq
 
 from coordinator import Engine, EngineConfig
 from coordinator.cli.make_model import make_model
@@ -24,7 +23,7 @@ from coordinator.errors import StepInterrupted
 from coordinator.model.model_config import load_model_config
 from coordinator.model.weights import load_weights
 from coordinator.pool import PoolRequest
-from coordinator.pool.process import PoolError, ProcessPool, WorkerDied
+from coordinator.pool.process import ProcessPool, WorkerDied
 from node_worker import protocol as P
 from node_worker.job import WorkerJob
 from shm.checkpoint import Checkpoint
