@@ -133,6 +133,7 @@ class WorkerProcess:
         if job.pool_io:
             self.io = pool_io.attach(job.pool_io, job.model_digest, plan.digest)
             doorbell.warm_up()
+            pool_io.check_routing(self.io.tokens[:0], self.io.experts[:0], self.io.weights[:0], 1, 1)  # compiled
             self.done_seq = self.io.done(self.index)
         placement = segment_placement(os.getpid(), report.segment, nj.local_node)
         rows = plan.slice_of(job.intermediate, self.node)
@@ -204,14 +205,11 @@ class WorkerProcess:
             return f"{Pn} pairs outside [0, {lay.max_pairs}]"
         if layer not in self.moe_layers:
             return f"layer {layer} is not a MoE layer"
-        if Pn:
-            tokens, experts, weights = self.io.tokens[:Pn], self.io.experts[:Pn], self.io.weights[:Pn]
-            if tokens.min() < 0 or tokens.max() >= T:
-                return f"token index out of range [0, {T})"
-            if experts.min() < 0 or experts.max() >= self.num_experts:
-                return f"expert id out of range [0, {self.num_experts})"
-            if not np.isfinite(weights).all():
-                return "routing weights must be finite"
+        bad = pool_io.check_routing(self.io.tokens[:Pn], self.io.experts[:Pn], self.io.weights[:Pn], T,
+                                    self.num_experts)
+        if bad:
+            return (f"token index out of range [0, {T})", f"expert id out of range [0, {self.num_experts})",
+                    "routing weights must be finite")[bad - 1]
         return ""
 
     def handle(self, frames) -> bool:

@@ -23,7 +23,7 @@ from coordinator.errors import StepInterrupted
 from coordinator.model.model_config import load_model_config
 from coordinator.model.weights import load_weights
 from coordinator.pool import PoolRequest
-from coordinator.pool.process import ProcessPool, WorkerDied
+from coordinator.pool.process import PoolError, ProcessPool, WorkerDied
 from node_worker import protocol as P
 from node_worker.job import WorkerJob
 from shm.checkpoint import Checkpoint
@@ -555,3 +555,33 @@ def test_coordinator_killed_while_its_workers_spin(tiny):
     for d in Path(tempfile.gettempdir()).glob("strata-pool-*"):  # the pool folder its SIGKILL left
         if json.loads((d / "owner.json").read_text())["pid"] == coord.pid:
             shutil.rmtree(d)
+
+
+def test_a_bad_request_in_the_data_path_gets_an_error_and_the_worker_serves_on(tiny):
+    """Requests written straight into the data-path segment with bad fields (rows past the limit, a layer that
+    is not MoE, an expert id out of range, a NaN weight, an unknown kind): each is refused by the worker's
+    fixed-size checks with a PoolError naming the problem, and the next good request is answered."""
+    from shm import pool_io
+
+    with split_pool(tiny) as (pool, req, want):
+        io = pool.io
+        cases = {
+            "rows outside": dict(T=io.layout.max_tokens + 1),
+            "not a MoE layer": dict(layer=10_000),
+            "expert id out of range": dict(experts=[1, 99]),
+            "routing weights must be finite": dict(weights=[0.5, np.nan]),
+            "unknown request kind 7": dict(kind=7),
+        }
+        for problem, bad in cases.items():
+            pool._rid += 1
+            io.post(pool._rid, bad.get("layer", req.layer), req.x, req.tokens, np.array(bad.get("experts", req.experts)),
+                    np.array(bad.get("weights", req.weights), np.float32), kind=bad.get("kind", pool_io.KIND_COMPUTE))
+            if "T" in bad:
+                io.request[pool_io.REQ_T] = bad["T"]
+            for w in pool.workers:
+                pool._ask(w, pool._rid)
+            with pytest.raises(PoolError, match=problem):
+                pool._wait_for_partials(pool._rid, 2)
+            pool._waiting = {}
+        assert np.array_equal(layer(pool, req), want)
+        assert all(h["alive"] and h["restarts"] == 0 for h in pool.health())
