@@ -27,7 +27,7 @@ class Node:
     id: int  # node number (a virtual node's own index)
     cpus: tuple[int, ...]  # CPUs usable by this process
     mem_total: int | None  # bytes; a virtual node reports its share of the real node
-    mem_free: int | None
+    mem_free: int | None  # bytes available: free plus reclaimable page cache and slab (as MemAvailable)
     virtual: bool = False
     parent: int | None = None  # the real node a virtual one was cut from
     shares_cpus: bool = False  # a virtual node that had to share CPUs (more nodes than CPUs)
@@ -70,17 +70,24 @@ def format_cpulist(cpus: tuple[int, ...] | list[int]) -> str:
     return ",".join(out)
 
 
+RECLAIMABLE = ("Active(file)", "Inactive(file)", "SReclaimable")  # page cache and reclaimable slab
+
+
 def _meminfo(path: Path) -> tuple[int | None, int | None]:
-    """(MemTotal, MemFree) in bytes from a node's meminfo, or (None, None)."""
+    """(MemTotal, available) in bytes from a node's meminfo, or (None, None). Available is MemFree plus the
+    node's reclaimable file pages and slab, as the kernel's MemAvailable counts them: a page cache full of
+    recently read checkpoints is room, not a reason to refuse a segment."""
     try:
         text = path.read_text()
     except OSError:
         return None, None
     values = {}
-    for key in ("MemTotal", "MemFree"):
-        m = re.search(rf"{key}:\s+(\d+)\s*kB", text)
+    for key in ("MemTotal", "MemFree", *RECLAIMABLE):
+        m = re.search(rf"{re.escape(key)}:\s+(\d+)\s*kB", text)
         values[key] = int(m.group(1)) * 1024 if m else None
-    return values["MemTotal"], values["MemFree"]
+    if values["MemFree"] is None:
+        return values["MemTotal"], None
+    return values["MemTotal"], values["MemFree"] + sum(values[k] or 0 for k in RECLAIMABLE)
 
 
 def usable_cpus(sys_root: Path = DEFAULT_SYS) -> set[int]:

@@ -541,3 +541,17 @@ if __name__ == "__main__":
         shutil.rmtree(FIXTURES / name, ignore_errors=True)
         write_tree(FIXTURES / name, machine)
         print("wrote", FIXTURES / name)
+
+
+def test_available_memory_counts_reclaimable_page_cache(tmp_path):
+    """A page cache full of recently read files is room: MemFree 3.2 GB with 15 GB of file pages and 1 GB
+    of reclaimable slab is 19.2 GB available (issue 18: a 24 GB machine refused a 4.5 GB segment)."""
+    from shm.topology import _meminfo
+
+    kb = 1000 * 1000
+    path = tmp_path / "meminfo"
+    path.write_text("\n".join(f"Node 0 {k}: {v} kB" for k, v in (
+        ("MemTotal", 24 * kb), ("MemFree", 3_200_000), ("Active(file)", 10 * kb), ("Inactive(file)", 5 * kb),
+        ("Shmem", 2 * kb), ("SReclaimable", 1 * kb))) + "\n")
+    total, available = _meminfo(path)
+    assert total == 24 * kb * 1024 and available == (3_200_000 + 16 * kb) * 1024
