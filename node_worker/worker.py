@@ -7,13 +7,12 @@ contributions and the results are added in task order (experts ascending, row
 blocks ascending), so Y_n is a deterministic function of (weights, inputs,
 plan), independent of thread count, task order and timing.
 
-Two ways to compute a task, chosen by its group's token count alone (so the
-choice is a function of the inputs too): a group of at most
-ROW_KERNEL_MAX_TOKENS tokens (decode) goes with all such tasks of the layer
-into one compiled call that reads the store's format directly
-(node_worker/kernels/rows.py); a larger group (prefill) has its rows decoded
-to float32 and multiplied by BLAS on the node's threads. Either way every
-format computes with exactly its dequantised weights.
+Every task of the layer, whatever its group's token count, goes into one
+compiled call that reads the store's format directly
+(node_worker/kernels/rows.py: one token, or up to 8 at a time for prefill's
+groups), on numba's threads, the GIL released; every format computes with
+exactly its dequantised weights. (Decoding the rows to float32 for BLAS was
+3x slower on groups of 16 tokens: tools/kernel_bench.py --tokens 16.)
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ import numpy as np
 
 from shm.expert_source import ExpertSlice
 
-from .kernels import dense, simd, swiglu_partial
-from .kernels.dense import decode_rows_serial
+from .kernels import dense
 from .kernels.rows import FORMAT_IDS, layer_rows, warm_up
 from .routing import group_by_expert
 from .tasks import TaskRunner
@@ -36,8 +34,6 @@ from .tasks import TaskRunner
 log = logging.getLogger(__name__)
 
 TASK_ROWS = 1024  # rows of one expert per task: whole experts up to 1024 rows (tools/task_bench.py)
-ROW_KERNEL_MAX_TOKENS = 8  # groups of up to this many tokens take the compiled row kernel; larger ones BLAS
-assert ROW_KERNEL_MAX_TOKENS <= simd.MAX_TOKENS  # the kernel's per-token accumulators
 
 
 class ExpertStore(Protocol):
@@ -99,26 +95,7 @@ class NodeWorker:
             for start in range(0, part.rows, self.task_rows):
                 tasks.append(Task(k, start, min(start + self.task_rows, part.rows)))
         x = np.ascontiguousarray(x, np.float32)
-        few = [i for i, t in enumerate(tasks) if groups[t.group].tokens.size <= ROW_KERNEL_MAX_TOKENS]
-        many = [i for i, t in enumerate(tasks) if groups[t.group].tokens.size > ROW_KERNEL_MAX_TOKENS]
-        contribs: list[np.ndarray | None] = [None] * len(tasks)
-        for i, c in zip(few, self._row_kernel(layer, x, groups, [tasks[i] for i in few])):
-            contribs[i] = c
-        fmt_id = FORMAT_IDS[self.store.fmt]
-
-        def decoded(stored: np.ndarray) -> np.ndarray:  # stored rows [r, ...] -> float32 [r, H]
-            out = np.empty((stored.shape[0], self.hidden_size), np.float32)
-            decode_rows_serial(fmt_id, stored.reshape(-1).view(np.uint8), 0, self.store.row_bytes, 0, out)
-            return out
-
-        def run(i: int) -> np.ndarray:
-            t = tasks[many[i]]
-            p = parts[t.group]
-            return swiglu_partial(x[groups[t.group].tokens], *(decoded(m[t.start:t.stop])  # [r, H]
-                                                              for m in (p.gate, p.up, p.down_t)))  # [n, H]
-
-        for i, c in zip(many, self.runner.run(len(many), run)):
-            contribs[i] = c
+        contribs = self._row_kernel(layer, x, groups, tasks)
         if out is None:
             y = np.zeros((x.shape[0], self.hidden_size), dtype=np.float32)  # [T, H]
         else:

@@ -108,7 +108,8 @@ def test_bf16_keeps_bf16_values_exactly_and_rounds_others_to_nearest_even():
 
 
 @pytest.mark.parametrize("name", list(formats.FORMATS))
-@pytest.mark.parametrize("tokens_per_expert", [1, 12])  # the compiled row kernel (decode); decoded rows + BLAS
+# T = 4 tokens: groups of 2-3 (padded to 4), 8: 5-6 (to 8), 16: 10-11 (8 + 4), 48: 32 (8s); one token: test below
+@pytest.mark.parametrize("tokens_per_expert", [1, 2, 4, 12])
 def test_node_compute_equals_float64_swiglu_on_the_dequantised_weights(name, tokens_per_expert):
     fmt = formats.get(name)
     rng = np.random.default_rng(3)

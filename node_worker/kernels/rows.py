@@ -1,11 +1,15 @@
-"""One compiled call per node per layer for the groups of few tokens (decode).
+"""One compiled call per node per layer: every routed expert's rows, decode and prefill.
 
 Every task is (expert group g, a block of rows [a, b) of the node's slice of
 that expert). For one token, four rows at a time, the task takes the dot
 products of the gate and up rows with the token's row, reading the store's
-format in place (simd.py: each block widened and scaled in registers); for n
-of 2..8 tokens (prefill) one row at a time, each block widened once for the n; then it adds the rows of W_down[:, R]ᵀ weighted by
-silu(gate) * up into its own contribution [n, H]. Tasks run in parallel
+format in place (simd.py: each block widened and scaled in registers), then it
+adds the rows of W_down[:, R]ᵀ weighted by silu(gate) * up into its own
+contribution [1, H]. For n >= 2 tokens (prefill) the gate and up rows go one
+at a time, each block widened once for up to 8 tokens (their accumulators in
+registers), and the contribution [n, H] is built from tiles of 32 down rows,
+column block by column block, each block summing the tile's rows in
+registers (a tile stays in cache while every chunk of tokens reads it). Tasks run in parallel
 (numba's threads, the node's CPUs: the dynamic schedule of prange); each
 writes only its own contribution, and the caller adds them in task order, so
 the result does not depend on the thread count or timing.
@@ -74,45 +78,48 @@ def rows_axpy4(fmt, data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out) -> None:
 
 
 @njit(inline="always", **JIT)
-def row_dotn(fmt, data, o, hidden, xg, out) -> None:
-    """out [n] = xg [n, H] · the row at byte offset o (n <= simd.MAX_TOKENS)."""
-    if fmt == 0:
-        simd.dotn_f32(data, o, hidden, xg, out)
-    elif fmt == 1:
-        simd.dotn_bf16(data, o, hidden, xg, out)
-    elif fmt == 2:
-        simd.dotn_q8(data, o, hidden, xg, out)
-    else:
-        simd.dotn_q4(data, o, hidden, xg, out)
+def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out) -> None:
+    """out [n, R + 1] <- xg [n, H] · the R rows from byte offset o (n a multiple of 4): two rows and four
+    tokens at a time (x read once for the two rows, four tokens' x in L1); an odd last row fills column R."""
+    n = xg.shape[0]
+    for r in range(0, rows, 2):
+        step = row_bytes if r + 1 < rows else 0
+        for t0 in range(0, n, 4):
+            simd.dot2r4(fmt, data, o + r * row_bytes, step, hidden, xg, t0, out, r)
 
 
 @njit(inline="always", **JIT)
-def row_axpyn(fmt, data, o, hidden, c, out) -> None:
-    """out [n, H] += c [n] ⊗ the row at byte offset o."""
-    if fmt == 0:
-        simd.axpyn_f32(data, o, hidden, c, out)
-    elif fmt == 1:
-        simd.axpyn_bf16(data, o, hidden, c, out)
-    elif fmt == 2:
-        simd.axpyn_q8(data, o, hidden, c, out)
-    else:
-        simd.axpyn_q4(data, o, hidden, c, out)
+def cols_chunks(fmt, data, o, row_bytes, rows, hidden, h, h_col, out) -> None:
+    """out [n, H] += h[:, h_col:h_col + R] · the R rows from byte offset o, n a multiple of 4: tokens 8 at a
+    time, then 4."""
+    n, h_stride = h.shape[0], h.shape[1]
+    for t0 in range(0, n - 7, 8):
+        simd.cols8(fmt, data, o, row_bytes, rows, hidden, h, h_stride, h_col, t0, out)
+    if n % 8:
+        simd.cols4(fmt, data, o, row_bytes, rows, hidden, h, h_stride, h_col, n - 4, out)
+
+
+DOWN_TILE = 32  # W_down rows summed per pass over out: the tile stays in cache while every token chunk reads it
 
 
 @njit(inline="always", **JIT)
 def task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, a, b, out) -> None:
-    """A task of n >= 2 tokens (xg [n, H], gathered): row by row, each block widened once for all n."""
+    """A task of n tokens, a multiple of 4 (xg [n, H], gathered): gate and up row by row, each block widened
+    once for 8 (or 4) tokens; then W_down's rows, 32 at a time, summed column block by column block into
+    out [n, H]."""
     n = xg.shape[0]
-    h = np.empty((b - a, n), np.float32)  # silu(gate) * up, per row and token
-    gv = np.empty(n, np.float32)
-    uv = np.empty(n, np.float32)
-    for r in range(a, b):
-        row_dotn(fmt, data, og + r * row_bytes, hidden, xg, gv)
-        row_dotn(fmt, data, ou + r * row_bytes, hidden, xg, uv)
-        for j in range(n):
-            h[r - a, j] = silu(gv[j]) * uv[j]
-    for r in range(a, b):
-        row_axpyn(fmt, data, od + r * row_bytes, hidden, h[r - a], out)
+    R = b - a
+    gate = np.empty((n, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
+    up = np.empty((n, R + 1), np.float32)
+    dot_chunks(fmt, data, og + a * row_bytes, row_bytes, R, hidden, xg, gate)
+    dot_chunks(fmt, data, ou + a * row_bytes, row_bytes, R, hidden, xg, up)
+    h = np.empty((n, R), np.float32)  # silu(gate) * up, per token and row
+    for j in range(n):
+        for r in range(R):
+            h[j, r] = silu(gate[j, r]) * up[j, r]
+    out[:, :] = 0
+    for r in range(a, b, DOWN_TILE):
+        cols_chunks(fmt, data, od + r * row_bytes, row_bytes, min(DOWN_TILE, b - r), hidden, h, r - a, out)
 
 
 ROWS = 4  # rows used together: the last group of a block may be short and repeats its first row (weight 0)
@@ -127,13 +134,16 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
         t0, t1 = tok_start[g], tok_stop[g]
         n = t1 - t0
         out = contrib[contrib_start[k]:contrib_start[k] + n * hidden].reshape((n, hidden))
-        out[:, :] = 0
-        if n > 1:  # prefill's small groups
-            xg = np.empty((n, hidden), np.float32)
+        if n > 1:  # prefill's groups, padded with rows of zeros to a multiple of 4 tokens
+            padded = (n + 3) // 4 * 4
+            xg = np.zeros((padded, hidden), np.float32)
             for j in range(n):
                 xg[j] = x[tokens[t0 + j]]
-            task_tokens(fmt, data, hidden, row_bytes, xg, offsets[g, 0], offsets[g, 1], offsets[g, 2], a, b, out)
+            yg = np.empty((padded, hidden), np.float32)
+            task_tokens(fmt, data, hidden, row_bytes, xg, offsets[g, 0], offsets[g, 1], offsets[g, 2], a, b, yg)
+            out[:, :] = yg[:n]
             continue
+        out[:, :] = 0
         h = np.zeros((b - a + ROWS, n), np.float32)  # silu(gate) * up, per row and token
         for r in range(a, b, ROWS):
             m = min(ROWS, b - r)

@@ -15,11 +15,16 @@ Two intrinsics per format, each on four rows at byte offsets o0..o3 of ``data``:
     dot4_F(data, o0, o1, o2, o3, hidden, x)             -> (x·w0, x·w1, x·w2, x·w3)    x [H] float32
     axpy4_F(data, o0, o1, o2, o3, hidden, c0..c3, out)  out [H] float32 += Σ c_r w_r
 
-and two on one row with n token rows at once (2 <= n <= MAX_TOKENS; prefill's groups), the
-block widened once and used for every token:
+and two for groups of several tokens (prefill), K = 8 or 4 token rows at once from t0 (their
+K accumulators unrolled into registers), the format a run-time argument (its FORMATS index):
 
-    dotn_F(data, o, hidden, xg, out)                    out [n] float32 = xg [n, H] · w
-    axpyn_F(data, o, hidden, c, out)                    out [n, H] += c [n] ⊗ w
+    dotK(fmt, data, o, hidden, xg, t0, out)             out[t0:t0+K] = xg[t0:t0+K] · w     (one row, each
+                                                        block widened once for the K tokens)
+    colsK(fmt, data, o, row_bytes, R, hidden, h, h_stride, h_col, t0, out)
+                                                        out[t0:t0+K, :] += h[t0:t0+K, h_col:h_col+R] · W[:R]
+                                                        (R rows row_bytes apart: column block by column
+                                                        block, R rows summed in registers, each block of
+                                                        out loaded and stored once)
 
 and one that writes a row out as float32 (for BLAS on many tokens):
 
@@ -41,7 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import bf16, f32, q4, q8
-from .ir import F32, I8, I32, LANES, VF, const
+from .ir import F32, I8, I32, I64, LANES, VF, const
 
 FAST = ("fast",)
 FORMATS: dict[str, ModuleType] = {"f32": f32, "bf16": bf16, "q8": q8, "q4": q4}
@@ -143,7 +148,7 @@ def _make_axpy4(fmt: ModuleType):
     return axpy4
 
 
-MAX_TOKENS = 8  # token rows of dotn/axpyn: their accumulators live in one [8 x <32 x float>] array
+CHUNKS = (8, 4)  # token rows taken together by dotk/colsk (the caller pads its tokens to a multiple of 4)
 
 
 def _row_major(builder, ptr, t, width, i):
@@ -151,83 +156,155 @@ def _row_major(builder, ptr, t, width, i):
     return builder.gep(ptr, [builder.add(builder.mul(t, width), i)])
 
 
-def _make_dotn(fmt: ModuleType):
+def _zero():
+    return ir.Constant(VF, [0.0] * LANES)
+
+
+def _fma(builder, acc, w, xv):
+    return builder.fadd(acc, builder.fmul(w, xv, flags=FAST), flags=FAST)
+
+
+def _per_format(context, builder, fmt_type, fmt_value, emit) -> None:
+    """emit(format module) for the format whose FORMATS index is the run-time value ``fmt_value``."""
+    index = context.cast(builder, fmt_value, fmt_type, types.int64)
+    done = builder.append_basic_block("format.done")
+    switch = builder.switch(index, done)
+    for i, name in enumerate(FORMATS):
+        block = builder.append_basic_block(f"format.{name}")
+        switch.add_case(const(i), block)
+        builder.position_at_end(block)
+        emit(FORMATS[name])
+        builder.branch(done)
+    builder.position_at_end(done)
+
+
+def _make_dotk(NR: int, K: int):
     @intrinsic
-    def dotn(typingctx, data, o, hidden, xg, out):
-        sig = types.void(data, o, hidden, xg, out)
+    def dotk(typingctx, fmt, data, o, row_step, hidden, xg, t0, out, col):
+        """out[t0 + t, col + j] = xg[t0 + t] · the row at byte offset o + j row_step, t < K, j < NR (any format:
+        fmt = its FORMATS index; out [n, >= col + NR] float32)."""
+        sig = types.void(fmt, data, o, row_step, hidden, xg, t0, out, col)
 
         def codegen(context, builder, signature, args):
-            data_v, o, hidden_v, xg_v, out_v = args
-            row = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
-            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[3], xg_v), F32.as_pointer())
-            outp = builder.bitcast(_byte_ptr(context, builder, signature.args[4], out_v), F32.as_pointer())
-            n = context.make_array(signature.args[4])(context, builder, out_v).nitems
-            accs = cgutils.alloca_once(builder, VF, size=MAX_TOKENS)  # [n] <32 x float>
-            with cgutils.for_range(builder, n) as t:
-                builder.store(ir.Constant(VF, [0.0] * LANES), builder.gep(accs, [t.index]))
-            nb = builder.udiv(hidden_v, const(LANES))
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                w = _scaled_block(builder, fmt, row, b, hidden_v)  # widened once for the n tokens
-                with cgutils.for_range(builder, n) as t:
-                    xptr = _row_major(builder, xp, t.index, hidden_v, builder.mul(b, const(LANES)))
-                    xv = builder.load(builder.bitcast(xptr, VF.as_pointer()), align=4)
-                    acc = builder.gep(accs, [t.index])
-                    builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xv, flags=FAST), flags=FAST), acc)
-            with cgutils.for_range(builder, n) as t:
-                builder.store(_reduce(builder, builder.load(builder.gep(accs, [t.index]))),
-                              builder.gep(outp, [t.index]), align=4)
-            if not fmt.SCALED:
-                with _tail(builder, hidden_v, nb) as (i, _):
-                    w = fmt.value(builder, row, i)
-                    with cgutils.for_range(builder, n) as t:
-                        optr = builder.gep(outp, [t.index])
-                        xi = builder.load(_row_major(builder, xp, t.index, hidden_v, i), align=4)
-                        builder.store(builder.fadd(builder.load(optr), builder.fmul(w, xi, flags=FAST), flags=FAST),
-                                      optr, align=4)
+            fmt_v, data_v, o, row_step, hidden_v, xg_v, t0, out_v, col = args
+            base = _byte_ptr(context, builder, signature.args[1], data_v)
+            rows = [builder.gep(base, [builder.add(o, builder.mul(row_step, const(j)))]) for j in range(NR)]
+            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], xg_v), F32.as_pointer())
+            out = context.make_array(signature.args[7])(context, builder, out_v)
+            outp = builder.bitcast(out.data, F32.as_pointer())
+            width = builder.extract_value(out.shape, 1)
+            tok = [builder.add(t0, const(t)) for t in range(K)]
+            dests = [[_row_major(builder, outp, t, width, builder.add(col, const(j))) for j in range(NR)] for t in tok]
+            _per_format(context, builder, signature.args[0], fmt_v,
+                        lambda fmt: _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return dotn
+    return dotk
 
 
-def _make_axpyn(fmt: ModuleType):
+def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
+    nb = builder.udiv(hidden_v, const(LANES))
+    # the NR x K accumulators are SSA values (both loops unrolled here), so LLVM keeps them in registers
+    entry = builder.basic_block
+    loop_bb = builder.append_basic_block("dotk.loop")
+    body_bb = builder.append_basic_block("dotk.body")
+    done_bb = builder.append_basic_block("dotk.done")
+    builder.branch(loop_bb)
+    builder.position_at_end(loop_bb)
+    b = builder.phi(I64)
+    accs = [[builder.phi(VF) for _ in rows] for _ in tok]  # [K][NR]
+    b.add_incoming(const(0), entry)
+    for acc in (a for per_t in accs for a in per_t):
+        acc.add_incoming(_zero(), entry)
+    builder.cbranch(builder.icmp_unsigned("<", b, nb), body_bb, done_bb)
+    builder.position_at_end(body_bb)
+    ws = [_scaled_block(builder, fmt, row, b, hidden_v) for row in rows]  # each widened once for the K tokens
+    col = builder.mul(b, const(LANES))
+    for t, per_t in zip(tok, accs):
+        xv = builder.load(builder.bitcast(_row_major(builder, xp, t, hidden_v, col), VF.as_pointer()), align=4)
+        for w, acc in zip(ws, per_t):  # one load of x for the NR rows
+            acc.add_incoming(_fma(builder, acc, w, xv), builder.basic_block)
+    b.add_incoming(builder.add(b, const(1)), builder.basic_block)
+    builder.branch(loop_bb)
+    builder.position_at_end(done_bb)
+    sums = [[cgutils.alloca_once_value(builder, _reduce(builder, acc)) for acc in per_t] for per_t in accs]
+    if not fmt.SCALED:
+        with _tail(builder, hidden_v, nb) as (i, _):
+            wis = [fmt.value(builder, row, i) for row in rows]
+            for t, per_t in zip(tok, sums):
+                xi = builder.load(_row_major(builder, xp, t, hidden_v, i), align=4)
+                for wi, acc in zip(wis, per_t):
+                    builder.store(builder.fadd(builder.load(acc), builder.fmul(wi, xi, flags=FAST), flags=FAST), acc)
+    for per_t, per_dest in zip(sums, dests):
+        for acc, dest in zip(per_t, per_dest):
+            builder.store(builder.load(acc), dest, align=4)
+
+
+def _make_colsk(K: int):
     @intrinsic
-    def axpyn(typingctx, data, o, hidden, c, out):
-        sig = types.void(data, o, hidden, c, out)
+    def colsk(typingctx, fmt, data, o, row_bytes, rows, hidden, h, h_stride, h_col, t0, out):
+        """out[t0 + t, :] += Σ_r h[t0 + t, h_col + r] · row r (R rows row_bytes apart from byte o), t < K, h
+        h_stride floats a token; column block by column block, each summing the R rows in registers."""
+        sig = types.void(fmt, data, o, row_bytes, rows, hidden, h, h_stride, h_col, t0, out)
 
         def codegen(context, builder, signature, args):
-            data_v, o, hidden_v, c_v, out_v = args
-            row = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
-            cp = builder.bitcast(_byte_ptr(context, builder, signature.args[3], c_v), F32.as_pointer())
-            outp = builder.bitcast(_byte_ptr(context, builder, signature.args[4], out_v), F32.as_pointer())
-            n = context.make_array(signature.args[3])(context, builder, c_v).nitems
-            nb = builder.udiv(hidden_v, const(LANES))
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                w, d = fmt.block(builder, row, b, hidden_v)
-                with cgutils.for_range(builder, n) as t:
-                    c = builder.load(builder.gep(cp, [t.index]), align=4)
-                    scale = c if d is None else builder.fmul(c, d, flags=FAST)
-                    optr = builder.bitcast(_row_major(builder, outp, t.index, hidden_v, builder.mul(b, const(LANES))),
-                                           VF.as_pointer())
-                    total = builder.fadd(builder.load(optr, align=4),
-                                         builder.fmul(w, _splat(builder, scale), flags=FAST), flags=FAST)
-                    builder.store(total, optr, align=4)
-            if not fmt.SCALED:
-                with _tail(builder, hidden_v, nb) as (i, _):
-                    w = fmt.value(builder, row, i)
-                    with cgutils.for_range(builder, n) as t:
-                        c = builder.load(builder.gep(cp, [t.index]), align=4)
-                        optr = _row_major(builder, outp, t.index, hidden_v, i)
-                        builder.store(builder.fadd(builder.load(optr), builder.fmul(w, c, flags=FAST), flags=FAST),
-                                      optr, align=4)
+            fmt_v, data_v, o, row_bytes, rows, hidden_v, h_v, h_stride, h_col, t0, out_v = args
+            first = builder.gep(_byte_ptr(context, builder, signature.args[1], data_v), [o])
+            hp = builder.bitcast(_byte_ptr(context, builder, signature.args[6], h_v), F32.as_pointer())
+            outp = builder.bitcast(_byte_ptr(context, builder, signature.args[10], out_v), F32.as_pointer())
+            tok = [builder.add(t0, const(t)) for t in range(K)]
+            hrows = [_row_major(builder, hp, t, h_stride, h_col) for t in tok]  # &h[t, h_col]
+            _per_format(context, builder, signature.args[0], fmt_v,
+                        lambda fmt: _emit_colsk(builder, fmt, first, row_bytes, rows, hrows, outp, hidden_v, tok))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return axpyn
+    return colsk
+
+
+def _emit_colsk(builder, fmt, first, row_bytes, rows, hrows, outp, hidden_v, tok) -> None:
+    nb = builder.udiv(hidden_v, const(LANES))
+    with cgutils.for_range(builder, nb) as blocks:  # one column block of out at a time, for the K tokens
+        cb = blocks.index
+        col = builder.mul(cb, const(LANES))
+        optrs = [builder.bitcast(_row_major(builder, outp, t, hidden_v, col), VF.as_pointer()) for t in tok]
+        start = [builder.load(p, align=4) for p in optrs]
+        entry = builder.basic_block
+        loop_bb = builder.append_basic_block("colsk.loop")
+        body_bb = builder.append_basic_block("colsk.body")
+        done_bb = builder.append_basic_block("colsk.done")
+        builder.branch(loop_bb)
+        builder.position_at_end(loop_bb)
+        r = builder.phi(I64)
+        accs = [builder.phi(VF) for _ in tok]
+        r.add_incoming(const(0), entry)
+        for acc, v in zip(accs, start):
+            acc.add_incoming(v, entry)
+        builder.cbranch(builder.icmp_unsigned("<", r, rows), body_bb, done_bb)
+        builder.position_at_end(body_bb)
+        w = _scaled_block(builder, fmt, builder.gep(first, [builder.mul(r, row_bytes)]), cb, hidden_v)
+        for hrow, acc in zip(hrows, accs):
+            c = builder.load(builder.gep(hrow, [r]), align=4)
+            acc.add_incoming(_fma(builder, acc, w, _splat(builder, c)), builder.basic_block)
+        r.add_incoming(builder.add(r, const(1)), builder.basic_block)
+        builder.branch(loop_bb)
+        builder.position_at_end(done_bb)
+        for p, acc in zip(optrs, accs):
+            builder.store(acc, p, align=4)
+    if not fmt.SCALED:
+        with _tail(builder, hidden_v, nb) as (i, _):
+            sums = [cgutils.alloca_once_value(builder, builder.load(_row_major(builder, outp, t, hidden_v, i), align=4))
+                    for t in tok]
+            with cgutils.for_range(builder, rows) as rr:
+                wi = fmt.value(builder, builder.gep(first, [builder.mul(rr.index, row_bytes)]), i)
+                for hrow, acc in zip(hrows, sums):
+                    c = builder.load(builder.gep(hrow, [rr.index]), align=4)
+                    builder.store(builder.fadd(builder.load(acc), builder.fmul(wi, c, flags=FAST), flags=FAST), acc)
+            for t, acc in zip(tok, sums):
+                builder.store(builder.load(acc), _row_major(builder, outp, t, hidden_v, i), align=4)
 
 
 def _make_decode(fmt: ModuleType):
@@ -257,5 +334,6 @@ def _make_decode(fmt: ModuleType):
 dot4_f32, dot4_bf16, dot4_q8, dot4_q4 = (_make_dot4(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
 axpy4_f32, axpy4_bf16, axpy4_q8, axpy4_q4 = (_make_axpy4(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
 decode_f32, decode_bf16, decode_q8, decode_q4 = (_make_decode(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
-dotn_f32, dotn_bf16, dotn_q8, dotn_q4 = (_make_dotn(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
-axpyn_f32, axpyn_bf16, axpyn_q8, axpyn_q4 = (_make_axpyn(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
+dot8 = _make_dotk(1, 8)
+dot2r4 = _make_dotk(2, 4)
+cols8, cols4 = (_make_colsk(k) for k in CHUNKS)
