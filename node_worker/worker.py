@@ -5,7 +5,9 @@ sockets and signals. Work is cut into tasks of (expert, block of at most
 ``task_rows`` of the node's rows); the node's threads compute the tasks'
 contributions and the results are added in task order (experts ascending, row
 blocks ascending), so Y_n is a deterministic function of (weights, inputs,
-plan), independent of thread count, task order and timing.
+plan), independent of thread count, task order and timing. All of it, the
+grouping of the routed pairs included, is one compiled call
+(node_worker/kernels/layer.py); Python only looks up the layer's expert table.
 
 Every task of the layer, whatever its group's token count, goes into one
 compiled call that reads the store's format directly
@@ -18,7 +20,6 @@ exactly its dequantised weights. (Decoding the rows to float32 for BLAS was
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numba
@@ -27,8 +28,8 @@ import numpy as np
 from shm.expert_source import ExpertSlice
 
 from .kernels import dense
-from .kernels.rows import FORMAT_IDS, layer_rows, warm_up
-from .routing import group_by_expert
+from .kernels.layer import layer_moe, warm_up
+from .kernels.rows import FORMAT_IDS
 from .tasks import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,6 @@ class ExpertStore(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class Task:
-    group: int  # index into the request's expert groups
-    start: int  # rows [start, stop) of the node's slice of that expert
-    stop: int
-
-
 class NodeWorker:
     def __init__(self, node: int, store: ExpertStore, hidden_size: int, threads: int = 1,
                  cpus: Sequence[int] | None = None, task_rows: int = TASK_ROWS):
@@ -67,6 +61,7 @@ class NodeWorker:
         self.task_rows = task_rows
         self.runner = TaskRunner(threads, cpus, name=f"node{node}")
         self.bytes_read = 0  # expert weight bytes touched, for the benchmark
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> expert offsets [E, 3], rows [E]
         warm_up()  # compiled (or loaded from the disk cache) now, not in the first request
         dense.warm_up()
 
@@ -84,49 +79,30 @@ class NodeWorker:
         out: np.ndarray | None = None,  # [>= T, H] float32: written in place (the pool's shared segment)
     ) -> np.ndarray:
         """This node's partial output Y_n [T, H] for the routed pairs (``out[:T]`` when given)."""
-        groups, parts, tasks = [], [], []
-        for group in group_by_expert(tokens, experts, weights):
-            part = self.store.get(layer, group.expert)
-            if part is None:  # this node holds no rows of the expert
-                continue
-            k = len(groups)
-            groups.append(group)
-            parts.append(part)
-            for start in range(0, part.rows, self.task_rows):
-                tasks.append(Task(k, start, min(start + self.task_rows, part.rows)))
+        offsets, rows = self._table(layer)
         x = np.ascontiguousarray(x, np.float32)
-        contribs = self._row_kernel(layer, x, groups, tasks)
-        if out is None:
-            y = np.zeros((x.shape[0], self.hidden_size), dtype=np.float32)  # [T, H]
-        else:
-            y = out[: x.shape[0]]
-            y[...] = 0
-        for t, contrib in zip(tasks, contribs):  # in task order: the same sum whoever computed what
-            g = groups[t.group]
-            y[g.tokens] += g.weights[:, None] * contrib
-        self.bytes_read += sum(p.nbytes for p in parts)
+        y = np.empty((x.shape[0], self.hidden_size), np.float32) if out is None else out[: x.shape[0]]
+        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        nbytes = layer_moe(FORMAT_IDS[self.store.fmt], self.store.data, self.hidden_size, self.store.row_bytes, x,
+                           np.ascontiguousarray(tokens, np.int64), np.ascontiguousarray(experts, np.int64),
+                           np.ascontiguousarray(weights, np.float32), offsets, rows, self.task_rows, y)
+        if nbytes < 0:
+            raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {x.shape[0]})")
+        self.bytes_read += nbytes
         return y
 
-    def _row_kernel(self, layer: int, x: np.ndarray, groups: list, tasks: list[Task]) -> list[np.ndarray]:
-        """The tasks of small groups in one compiled call (node_worker/kernels/rows.py); their contributions."""
-        if not tasks:
-            return []
-        used = sorted({t.group for t in tasks})
-        index = {g: i for i, g in enumerate(used)}
-        sizes = [groups[g].tokens.size for g in used]
-        tok_stop = np.cumsum(sizes, dtype=np.int64)
-        tok_start = tok_stop - np.asarray(sizes, np.int64)
-        tokens = np.concatenate([groups[g].tokens for g in used]).astype(np.int64)
-        offsets = np.array([self.store.offsets[(layer, groups[g].expert)] for g in used], np.int64)  # [G, 3]
-        task_group = np.array([index[t.group] for t in tasks], np.int64)
-        task_rows = np.array([(t.start, t.stop) for t in tasks], np.int64).reshape(-1, 2)
-        lengths = np.array([groups[t.group].tokens.size * self.hidden_size for t in tasks], np.int64)
-        contrib_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        contrib = np.empty(int(lengths.sum()), np.float32)
-        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
-        layer_rows(FORMAT_IDS[self.store.fmt], self.store.data, self.hidden_size, self.store.row_bytes, x, tokens,
-                   tok_start, tok_stop, offsets, task_group, task_rows, contrib, contrib_start)
-        return [contrib[a : a + n].reshape(-1, self.hidden_size) for a, n in zip(contrib_start, lengths)]
+    def _table(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's expert table, built once: byte offsets [E, 3] and the node's rows [E] (0: none held)."""
+        table = self._tables.get(layer)
+        if table is None:
+            held = {e: off for (lay, e), off in self.store.offsets.items() if lay == layer}
+            E = max(held, default=-1) + 1
+            offsets, rows = np.zeros((E, 3), np.int64), np.zeros(E, np.int64)
+            for e, off in held.items():
+                offsets[e] = off
+                rows[e] = self.store.get(layer, e).rows
+            table = self._tables[layer] = (offsets, rows)
+        return table
 
     def close(self) -> None:
         self.runner.close()

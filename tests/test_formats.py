@@ -287,3 +287,21 @@ def test_row_kernel_on_rows_ending_in_a_partial_block(name, tokens_per_expert):
     g, u, d = (formats.decoded(fmt, m).astype(np.float64) for m in mats)
     a, b = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
     np.testing.assert_allclose(y, (a / (1 + np.exp(-a)) * b) @ d, rtol=2e-5, atol=2e-6)
+
+
+def test_node_compute_refuses_a_negative_expert_or_a_token_outside_x_and_skips_experts_it_lacks():
+    """The compiled layer call checks the routing before it indexes anything."""
+    fmt = formats.get("q8")
+    slices = {(0, 0): ExpertSlice(*(encoded(fmt, weights(k)) for k in range(3)), "q8")}
+    worker = NodeWorker(0, HeapExpertStore(0, slices, "q8"), H, threads=1)
+    try:
+        x = np.ones((2, H), np.float32)
+        one = np.ones(1, np.float32)
+        with pytest.raises(ValueError, match="negative expert"):
+            worker.compute(0, x, np.array([0]), np.array([-1]), one)
+        with pytest.raises(ValueError, match=r"token outside \[0, 2\)"):
+            worker.compute(0, x, np.array([2]), np.array([0]), one)
+        y = worker.compute(0, x, np.array([0, 1]), np.array([7, 0]), np.ones(2, np.float32))  # no rows of 7
+        assert not y[0].any() and y[1].any()
+    finally:
+        worker.close()

@@ -168,14 +168,3 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
             for j in range(n):
                 c0, c1, c2, c3 = h[r - a, j], h[r - a + 1, j], h[r - a + 2, j], h[r - a + 3, j]
                 rows_axpy4(fmt, data, od, od + step[1], od + step[2], od + step[3], hidden, c0, c1, c2, c3, out[j])
-
-
-def warm_up() -> None:
-    """Compile the kernel (about 20 s the first time on a machine) or load it from numba's disk cache (well
-    under a second), so that no request waits for it: node workers call this before they say hello."""
-    hidden = 32
-    data = np.zeros(3 * 4 * hidden, np.uint8)
-    one = np.zeros(1, np.int64)
-    layer_rows(0, data, hidden, 4 * hidden, np.zeros((1, hidden), np.float32), one, one, one + 1,
-               np.array([[0, 4 * hidden, 8 * hidden]], np.int64), one, np.array([[0, 1]], np.int64),
-               np.zeros(hidden, np.float32), one)

@@ -1,0 +1,107 @@
+"""A node's whole MoE layer in one compiled call: group, cut into tasks, compute, weigh and sum.
+
+The routed pairs (token, expert, weight) [P] are sorted by (expert, token);
+each expert the node holds rows of becomes a group, cut into tasks of at most
+``task_rows`` rows (rows.py computes every task's contribution in parallel);
+then the contributions are weighed and added into y serially, in task order
+(experts ascending, row blocks ascending, tokens ascending), so y is the same
+bits whatever the thread count or timing. Nothing here touches a Python
+object: the per-layer tables are arrays.
+
+    offsets [E, 3] int64    byte offsets of expert e's gate, up and down_t matrices in the store
+    rows    [E] int64       the node's rows of expert e (0, or e >= E: it holds none)
+
+Returns the expert bytes the layer read, or -1 when an expert id is negative or a token is outside
+[0, T) (nothing is computed then).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .common import JIT
+from .rows import layer_rows
+
+
+@njit(**JIT)
+def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets, rows, task_rows, y) -> int:
+    E = rows.size
+    P = experts.size
+    T = x.shape[0]
+    for p in range(P):
+        if experts[p] < 0 or tokens[p] < 0 or tokens[p] >= T:
+            return -1
+    order = np.argsort(experts * T + tokens, kind="mergesort")  # [P] by expert, then token
+    # groups: runs of one expert that the node holds rows of
+    starts = np.empty(P, np.int64)  # where group g's pairs start in the sorted order
+    group_expert = np.empty(P, np.int64)
+    G = 0
+    p = 0
+    while p < P:
+        e = experts[order[p]]
+        q = p
+        while q < P and experts[order[q]] == e:
+            q += 1
+        if e < E and rows[e] > 0:
+            starts[G] = p
+            group_expert[G] = e
+            G += 1
+        p = q
+    tok_start = np.empty(G, np.int64)
+    tok_stop = np.empty(G, np.int64)
+    sorted_tokens = np.empty(P, np.int64)
+    sorted_weights = np.empty(P, np.float32)
+    n_pairs = 0
+    n_tasks = 0
+    for g in range(G):
+        e = group_expert[g]
+        tok_start[g] = n_pairs
+        p = starts[g]
+        while p < P and experts[order[p]] == e:
+            sorted_tokens[n_pairs] = tokens[order[p]]
+            sorted_weights[n_pairs] = weights[order[p]]
+            n_pairs += 1
+            p += 1
+        tok_stop[g] = n_pairs
+        n_tasks += (rows[e] + task_rows - 1) // task_rows
+    group_offsets = np.empty((G, 3), np.int64)
+    task_group = np.empty(n_tasks, np.int64)
+    task_span = np.empty((n_tasks, 2), np.int64)
+    contrib_start = np.empty(n_tasks, np.int64)
+    k = 0
+    total = 0
+    nbytes = 0
+    for g in range(G):
+        e = group_expert[g]
+        group_offsets[g] = offsets[e]
+        nbytes += 3 * rows[e] * row_bytes
+        for a in range(0, rows[e], task_rows):
+            task_group[k] = g
+            task_span[k, 0] = a
+            task_span[k, 1] = min(a + task_rows, rows[e])
+            contrib_start[k] = total
+            total += (tok_stop[g] - tok_start[g]) * hidden
+            k += 1
+    contrib = np.empty(total, np.float32)
+    layer_rows(fmt, data, hidden, row_bytes, x, sorted_tokens, tok_start, tok_stop, group_offsets, task_group,
+               task_span, contrib, contrib_start)
+    y[:, :] = 0
+    for k in range(n_tasks):  # in task order: the same sum whoever computed what
+        g = task_group[k]
+        c = contrib_start[k]
+        for j in range(tok_stop[g] - tok_start[g]):
+            t = sorted_tokens[tok_start[g] + j]
+            w = sorted_weights[tok_start[g] + j]
+            for i in range(hidden):
+                y[t, i] += w * contrib[c + j * hidden + i]
+    return nbytes
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) before the first request."""
+    hidden = 32
+    data = np.zeros(3 * 4 * hidden, np.uint8)
+    layer_moe(0, data, hidden, 4 * hidden, np.zeros((1, hidden), np.float32), np.zeros(1, np.int64),
+              np.zeros(1, np.int64), np.ones(1, np.float32), np.array([[0, 4 * hidden, 8 * hidden]], np.int64),
+              np.ones(1, np.int64), 1024, np.zeros((1, hidden), np.float32))
