@@ -27,7 +27,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import zmq
 
 from shm import doorbell, pool_io, segments
