@@ -1,0 +1,66 @@
+"""GGUF tensor rows in the expert stores' formats, repacked without loss (the first piece of GGUF loading).
+
+ggml's Q8_0 and Q4_0 compute exactly as the stores' q8 and q4 (shm/formats):
+blocks of 32 along the row, one float16 scale d per block, weight = d * q.
+Only the byte order differs:
+
+    Q8_0 block, 34 bytes:   float16 d | int8 q[32]
+    Q4_0 block, 18 bytes:   float16 d | uint8 qs[16]    qs[j] = (q[j] + 8) | (q[j + 16] + 8) << 4
+    q8 row:                 int8 q of every block      | float16 d of every block
+    q4 row:                 16 bytes qs of every block  | float16 d of every block
+
+So a row of the file becomes a stored row by moving bytes, and a node
+computes with exactly the file's dequantised weights (gguf.quants.dequantize),
+never a second quantisation of them. BF16 and F32 rows are the bf16 and f32
+formats byte for byte; F16 rows widen to f32 exactly.
+
+    repack(raw, ggml_type, hidden) -> (format name, stored rows [R, ...] of the format's STORED_DTYPE)
+        raw: uint8 [R, the file's bytes per row], the rows of one 2-D slice of a tensor
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import formats
+
+# ggml type ids (gguf.GGMLQuantizationType; fixed by the file format) -> the store format that holds them exactly
+F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
+LOSSLESS = {F32: "f32", F16: "f32", Q4_0: "q4", Q8_0: "q8", BF16: "bf16"}
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q8_0: "Q8_0", BF16: "BF16"}
+BLOCK = 32
+BLOCK_BYTES = {Q8_0: 2 + BLOCK, Q4_0: 2 + BLOCK // 2}  # one block: the float16 scale, then the values
+
+
+def file_row_bytes(ggml_type: int, hidden: int) -> int:
+    """Bytes of one row of ``hidden`` values in the file."""
+    if ggml_type in BLOCK_BYTES:
+        return hidden // BLOCK * BLOCK_BYTES[ggml_type]
+    return hidden * {F32: 4, F16: 2, BF16: 2}[ggml_type]
+
+
+def repack(raw: np.ndarray, ggml_type: int, hidden: int) -> tuple[str, np.ndarray]:
+    """The file's rows [R, file_row_bytes] (uint8) -> (format name, the stored rows as shm.formats holds them)."""
+    name = LOSSLESS.get(ggml_type)
+    if name is None:
+        raise ValueError(f"ggml type {ggml_type} has no lossless store format (supported: "
+                         f"{', '.join(TYPE_NAMES[t] for t in LOSSLESS)})")
+    if ggml_type in BLOCK_BYTES and hidden % BLOCK:
+        raise ValueError(f"{TYPE_NAMES[ggml_type]} rows of {hidden} values: not a whole number of {BLOCK}-blocks")
+    raw = np.ascontiguousarray(raw, np.uint8)
+    R = raw.shape[0]
+    if raw.shape != (R, file_row_bytes(ggml_type, hidden)):
+        raise ValueError(f"{TYPE_NAMES[ggml_type]} rows of {hidden} values take {file_row_bytes(ggml_type, hidden)} "
+                         f"bytes, got {raw.shape[1]}")
+    fmt = formats.get(name)
+    if ggml_type == F16:
+        return name, raw.view(np.float16).astype(np.float32)
+    if ggml_type in (F32, BF16):
+        return name, raw.copy().view(fmt.STORED_DTYPE)
+    blocks = raw.reshape(R, hidden // BLOCK, BLOCK_BYTES[ggml_type])  # [R, nb, block bytes]
+    values = blocks[:, :, 2:].reshape(R, -1)  # [R, H] int8 (q8) or [R, H / 2] nibble pairs (q4)
+    scales = blocks[:, :, :2].reshape(R, -1)  # [R, 2 nb] float16 bytes
+    out = np.empty((R, fmt.row_bytes(hidden)), np.uint8)
+    out[:, : values.shape[1]] = values
+    out[:, values.shape[1]:] = scales
+    return name, out
