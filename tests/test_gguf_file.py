@@ -1,0 +1,120 @@
+"""GGUF files named and checked: metadata -> config.json keys, tensor names -> Hugging Face names, clear errors.
+
+The files are written here with the gguf package's own writer from a tiny checkpoint of make-model, the
+routed experts stacked and quantised to Q8_0 by gguf.quants, as llama.cpp's converter lays them out.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from coordinator.cli.make_model import make_model
+from coordinator.model.model_config import load_model_config, parse_model_config
+from shm.checkpoint import Checkpoint
+from shm.gguf_file import GLOBAL_TENSORS, LAYER_TENSORS, GgufError, GgufFile
+
+HF_TO_GGUF = {**{hf: g for g, hf in GLOBAL_TENSORS.items()}, **{hf: g for g, hf in LAYER_TENSORS.items()}}
+
+
+def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0) -> None:
+    """The checkpoint as llama.cpp's converter writes it: stacked experts (Q8_0), everything else F32."""
+    cfg = json.loads((ckpt_dir / "config.json").read_text())
+    ck = Checkpoint(ckpt_dir)
+    w = gguf.GGUFWriter(str(path), arch)
+    for add, key in ((w.add_block_count, "num_hidden_layers"), (w.add_context_length, "max_position_embeddings"),
+                     (w.add_embedding_length, "hidden_size"), (w.add_feed_forward_length, "intermediate_size"),
+                     (w.add_expert_feed_forward_length, "moe_intermediate_size"),
+                     (w.add_head_count, "num_attention_heads"), (w.add_head_count_kv, "num_key_value_heads"),
+                     (w.add_key_length, "head_dim"), (w.add_value_length, "head_dim"),
+                     (w.add_layer_norm_rms_eps, "rms_norm_eps"), (w.add_rope_freq_base, "rope_theta"),
+                     (w.add_expert_count, "num_experts"), (w.add_expert_used_count, "num_experts_per_tok"),
+                     (w.add_vocab_size, "vocab_size")):
+        add(cfg[key])
+    w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", False)))
+    E = cfg["num_experts"]
+    for i in range(cfg["num_hidden_layers"]):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            stacked = np.stack([ck.float32(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight") for e in range(E)])
+            name = f"blk.{i}.{HF_TO_GGUF[f'mlp.experts.{proj}']}"
+            w.add_tensor(name, gguf.quants.quantize(stacked, Q.Q8_0), raw_dtype=Q.Q8_0)
+    for name in ck.names():
+        if ".experts." in name:
+            continue
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            gname = f"blk.{i}.{HF_TO_GGUF[rest]}"
+        else:
+            gname = HF_TO_GGUF[name]
+        w.add_tensor(gname, np.ascontiguousarray(ck.float32(name)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ck.close()
+    if drop:
+        data = path.read_bytes()
+        path.write_bytes(data[:-drop])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    ckpt = make_model(root / "m", seed=5, hidden_size=64, moe_intermediate_size=96)  # Q8_0 rows: 32s
+    write_gguf(ckpt, root / "m.gguf")
+    return ckpt, root / "m.gguf"
+
+
+def test_the_metadata_gives_the_checkpoints_model_config(model):
+    ckpt, path = model
+    got = parse_model_config(GgufFile(path).config())
+    want = load_model_config(ckpt)
+    for field in ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "rms_norm_eps", "rope_theta", "num_experts", "top_k", "norm_topk_prob", "moe_intermediate_size",
+                  "qk_norm", "tie_word_embeddings", "sparse_layers"):
+        assert getattr(got, field) == getattr(want, field), field
+
+
+def test_every_tensor_has_its_hugging_face_name_and_the_values_of_the_checkpoint(model):
+    ckpt, path = model
+    f = GgufFile(path)
+    names = f.hf_names()
+    ck = Checkpoint(ckpt)
+    try:
+        per_expert = {n for n in ck.names() if ".experts." in n}
+        assert set(names) == (set(ck.names()) - per_expert) | {
+            f"model.layers.{i}.mlp.experts.{p}" for i in range(f.config()["num_hidden_layers"])
+            for p in ("gate_proj", "up_proj", "down_proj")}
+        for hf, g in names.items():
+            if ".experts." not in hf:
+                assert f.type_name(g) == "F32"
+                assert np.array_equal(f.float32(g), ck.float32(hf)), hf
+        gate = f.float32(names["model.layers.0.mlp.experts.gate_proj"])  # [E, I, H], Q8_0 dequantised
+        want = ck.float32("model.layers.0.mlp.experts.1.gate_proj.weight")
+        assert gate.shape[1:] == want.shape
+        np.testing.assert_allclose(gate[1], want, atol=np.abs(want).max() / 127)  # within a Q8_0 step
+        assert not np.array_equal(gate[1], want)  # and truly quantised
+    finally:
+        ck.close()
+
+
+def test_a_truncated_file_an_unknown_architecture_and_a_missing_part_are_named(model, tmp_path):
+    ckpt, _ = model
+    cut = tmp_path / "cut.gguf"
+    write_gguf(ckpt, cut, drop=1000)
+    with pytest.raises(GgufError, match="cut.gguf.*truncated"):
+        GgufFile(cut)
+    other = tmp_path / "other.gguf"
+    write_gguf(ckpt, other, arch="gpt2")
+    with pytest.raises(GgufError, match="architecture 'gpt2' is not supported; expected one of qwen3moe"):
+        GgufFile(other)
+    first = tmp_path / "big-00001-of-00002.gguf"
+    first.write_bytes(other.read_bytes())
+    with pytest.raises(GgufError, match="split in 2 parts, missing big-00002-of-00002.gguf"):
+        GgufFile(first)
+    with pytest.raises(GgufError, match="no such file"):
+        GgufFile(tmp_path / "absent.gguf")
