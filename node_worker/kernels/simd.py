@@ -15,12 +15,14 @@ Two intrinsics per format, each on four rows at byte offsets o0..o3 of ``data``:
     dot4_F(data, o0, o1, o2, o3, hidden, x)             -> (x·w0, x·w1, x·w2, x·w3)    x [H] float32
     axpy4_F(data, o0, o1, o2, o3, hidden, c0..c3, out)  out [H] float32 += Σ c_r w_r
 
-and two for groups of several tokens (prefill), K = 8 or 4 token rows at once from t0 (their
-K accumulators unrolled into registers), the format a run-time argument (its FORMATS index):
+and two for groups of several tokens (prefill), the format a run-time argument (its FORMATS
+index), their accumulators unrolled into registers:
 
-    dotK(fmt, data, o, hidden, xg, t0, out)             out[t0:t0+K] = xg[t0:t0+K] · w     (one row, each
-                                                        block widened once for the K tokens)
-    colsK(fmt, data, o, row_bytes, R, hidden, h, h_stride, h_col, t0, out)
+    dot2r4(fmt, data, o, row_step, hidden, xg, t0, out, col)
+                                                        out[t0 + t, col + j] = xg[t0 + t] · the row at
+                                                        o + j row_step, t < 4, j < 2 (each block widened
+                                                        once for the four tokens, x read once for both rows)
+    colsK(fmt, data, o, row_bytes, R, hidden, h, h_stride, h_col, t0, out)      K = 8 or 4
                                                         out[t0:t0+K, :] += h[t0:t0+K, h_col:h_col+R] · W[:R]
                                                         (R rows row_bytes apart: column block by column
                                                         block, R rows summed in registers, each block of
@@ -148,7 +150,7 @@ def _make_axpy4(fmt: ModuleType):
     return axpy4
 
 
-CHUNKS = (8, 4)  # token rows taken together by dotk/colsk (the caller pads its tokens to a multiple of 4)
+CHUNKS = (8, 4)  # token rows taken together by colsK (the caller pads its tokens to a multiple of 4)
 
 
 def _row_major(builder, ptr, t, width, i):
@@ -334,6 +336,5 @@ def _make_decode(fmt: ModuleType):
 dot4_f32, dot4_bf16, dot4_q8, dot4_q4 = (_make_dot4(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
 axpy4_f32, axpy4_bf16, axpy4_q8, axpy4_q4 = (_make_axpy4(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
 decode_f32, decode_bf16, decode_q8, decode_q4 = (_make_decode(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
-dot8 = _make_dotk(1, 8)
 dot2r4 = _make_dotk(2, 4)
 cols8, cols4 = (_make_colsk(k) for k in CHUNKS)
