@@ -5,16 +5,15 @@ sockets and signals. Work is cut into tasks of (expert, block of at most
 ``task_rows`` of the node's rows); the node's threads compute the tasks'
 contributions and the results are added in task order (experts ascending, row
 blocks ascending), so Y_n is a deterministic function of (weights, inputs,
-plan), independent of thread count, task order and timing. All of it, the
-grouping of the routed pairs included, is one compiled call
-(node_worker/kernels/layer.py); Python only looks up the layer's expert table.
+plan), independent of thread count, task order and timing.
 
-Every task of the layer, whatever its group's token count, goes into one
-compiled call that reads the store's format directly
-(node_worker/kernels/rows.py: one token, or up to 8 at a time for prefill's
-groups), on numba's threads, the GIL released; every format computes with
-exactly its dequantised weights. (Decoding the rows to float32 for BLAS was
-3x slower on groups of 16 tokens: tools/kernel_bench.py --tokens 16.)
+All of it, the grouping of the routed pairs included, is one compiled call
+(node_worker/kernels/layer.py, the rows in kernels/rows.py) that reads the
+store's format directly on numba's threads, the GIL released, whatever a
+group's token count; every format computes with exactly its dequantised
+weights. Python only looks up the layer's expert table. (Decoding the rows to
+float32 for BLAS, the old prefill path, was 3x slower on groups of 16 tokens:
+tools/kernel_bench.py --tokens 16.)
 """
 
 from __future__ import annotations

@@ -33,38 +33,29 @@ def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets
         if experts[p] < 0 or tokens[p] < 0 or tokens[p] >= T:
             return -1
     order = np.argsort(experts * T + tokens, kind="mergesort")  # [P] by expert, then token
-    # groups: runs of one expert that the node holds rows of
-    starts = np.empty(P, np.int64)  # where group g's pairs start in the sorted order
+    # groups: the runs of one expert in that order, kept where the node holds rows of the expert
     group_expert = np.empty(P, np.int64)
-    G = 0
+    tok_start = np.empty(P, np.int64)  # group g's pairs: sorted_tokens[tok_start[g]:tok_stop[g]]
+    tok_stop = np.empty(P, np.int64)
+    sorted_tokens = np.empty(P, np.int64)
+    sorted_weights = np.empty(P, np.float32)
+    G = n_pairs = n_tasks = 0
     p = 0
     while p < P:
         e = experts[order[p]]
-        q = p
-        while q < P and experts[order[q]] == e:
-            q += 1
-        if e < E and rows[e] > 0:
-            starts[G] = p
-            group_expert[G] = e
-            G += 1
-        p = q
-    tok_start = np.empty(G, np.int64)
-    tok_stop = np.empty(G, np.int64)
-    sorted_tokens = np.empty(P, np.int64)
-    sorted_weights = np.empty(P, np.float32)
-    n_pairs = 0
-    n_tasks = 0
-    for g in range(G):
-        e = group_expert[g]
-        tok_start[g] = n_pairs
-        p = starts[g]
+        held = e < E and rows[e] > 0
+        tok_start[G] = n_pairs
         while p < P and experts[order[p]] == e:
-            sorted_tokens[n_pairs] = tokens[order[p]]
-            sorted_weights[n_pairs] = weights[order[p]]
-            n_pairs += 1
+            if held:
+                sorted_tokens[n_pairs] = tokens[order[p]]
+                sorted_weights[n_pairs] = weights[order[p]]
+                n_pairs += 1
             p += 1
-        tok_stop[g] = n_pairs
-        n_tasks += (rows[e] + task_rows - 1) // task_rows
+        if held:
+            group_expert[G] = e
+            tok_stop[G] = n_pairs
+            n_tasks += (rows[e] + task_rows - 1) // task_rows
+            G += 1
     group_offsets = np.empty((G, 3), np.int64)
     task_group = np.empty(n_tasks, np.int64)
     task_span = np.empty((n_tasks, 2), np.int64)

@@ -5,11 +5,12 @@ that expert). For one token, four rows at a time, the task takes the dot
 products of the gate and up rows with the token's row, reading the store's
 format in place (simd.py: each block widened and scaled in registers), then it
 adds the rows of W_down[:, R]ᵀ weighted by silu(gate) * up into its own
-contribution [1, H]. For n >= 2 tokens (prefill) the gate and up rows go one
-at a time, each block widened once for up to 8 tokens (their accumulators in
-registers), and the contribution [n, H] is built from tiles of 32 down rows,
-column block by column block, each block summing the tile's rows in
-registers (a tile stays in cache while every chunk of tokens reads it). Tasks run in parallel
+contribution [1, H]. For n >= 2 tokens (prefill, padded to a multiple of 4)
+the gate and up rows go two at a time against four tokens (each block widened
+once for the four, their accumulators in registers), and the contribution
+[n, H] is built from tiles of 32 down rows, column block by column block,
+each block summing the tile's rows in registers (a tile stays in cache while
+every chunk of tokens reads it). Tasks run in parallel
 (numba's threads, the node's CPUs: the dynamic schedule of prange); each
 writes only its own contribution, and the caller adds them in task order, so
 the result does not depend on the thread count or timing.
@@ -104,9 +105,8 @@ DOWN_TILE = 32  # W_down rows summed per pass over out: the tile stays in cache 
 
 @njit(inline="always", **JIT)
 def task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, a, b, out) -> None:
-    """A task of n tokens, a multiple of 4 (xg [n, H], gathered): gate and up row by row, each block widened
-    once for 8 (or 4) tokens; then W_down's rows, 32 at a time, summed column block by column block into
-    out [n, H]."""
+    """A task of n tokens, a multiple of 4 (xg [n, H], gathered): gate and up two rows by four tokens at a
+    time; then W_down's rows, 32 at a time, summed column block by column block into out [n, H]."""
     n = xg.shape[0]
     R = b - a
     gate = np.empty((n, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
@@ -139,9 +139,10 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
             xg = np.zeros((padded, hidden), np.float32)
             for j in range(n):
                 xg[j] = x[tokens[t0 + j]]
-            yg = np.empty((padded, hidden), np.float32)
+            yg = out if padded == n else np.empty((padded, hidden), np.float32)
             task_tokens(fmt, data, hidden, row_bytes, xg, offsets[g, 0], offsets[g, 1], offsets[g, 2], a, b, yg)
-            out[:, :] = yg[:n]
+            if padded != n:
+                out[:, :] = yg[:n]
             continue
         out[:, :] = 0
         h = np.zeros((b - a + ROWS, n), np.float32)  # silu(gate) * up, per row and token

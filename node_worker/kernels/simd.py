@@ -166,6 +166,29 @@ def _fma(builder, acc, w, xv):
     return builder.fadd(acc, builder.fmul(w, xv, flags=FAST), flags=FAST)
 
 
+def _register_loop(builder, count, inits, step) -> list:
+    """``for i in range(count): values = step(i, values)`` with the values (vectors) as SSA phis, so LLVM keeps
+    them in registers where an alloca'd accumulator would go through memory; returns the final values."""
+    entry = builder.basic_block
+    loop_bb, body_bb, done_bb = (builder.append_basic_block(f"regloop.{s}") for s in ("head", "body", "done"))
+    builder.branch(loop_bb)
+    builder.position_at_end(loop_bb)
+    i = builder.phi(I64)
+    i.add_incoming(const(0), entry)
+    values = [builder.phi(v.type) for v in inits]
+    for phi, v in zip(values, inits):
+        phi.add_incoming(v, entry)
+    builder.cbranch(builder.icmp_unsigned("<", i, count), body_bb, done_bb)
+    builder.position_at_end(body_bb)
+    updated = step(i, values)
+    for phi, v in zip(values, updated):
+        phi.add_incoming(v, builder.basic_block)
+    i.add_incoming(builder.add(i, const(1)), builder.basic_block)
+    builder.branch(loop_bb)
+    builder.position_at_end(done_bb)
+    return values
+
+
 def _per_format(context, builder, fmt_type, fmt_value, emit) -> None:
     """emit(format module) for the format whose FORMATS index is the run-time value ``fmt_value``."""
     index = context.cast(builder, fmt_value, fmt_type, types.int64)
@@ -208,29 +231,19 @@ def _make_dotk(NR: int, K: int):
 
 def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
     nb = builder.udiv(hidden_v, const(LANES))
-    # the NR x K accumulators are SSA values (both loops unrolled here), so LLVM keeps them in registers
-    entry = builder.basic_block
-    loop_bb = builder.append_basic_block("dotk.loop")
-    body_bb = builder.append_basic_block("dotk.body")
-    done_bb = builder.append_basic_block("dotk.done")
-    builder.branch(loop_bb)
-    builder.position_at_end(loop_bb)
-    b = builder.phi(I64)
-    accs = [[builder.phi(VF) for _ in rows] for _ in tok]  # [K][NR]
-    b.add_incoming(const(0), entry)
-    for acc in (a for per_t in accs for a in per_t):
-        acc.add_incoming(_zero(), entry)
-    builder.cbranch(builder.icmp_unsigned("<", b, nb), body_bb, done_bb)
-    builder.position_at_end(body_bb)
-    ws = [_scaled_block(builder, fmt, row, b, hidden_v) for row in rows]  # each widened once for the K tokens
-    col = builder.mul(b, const(LANES))
-    for t, per_t in zip(tok, accs):
-        xv = builder.load(builder.bitcast(_row_major(builder, xp, t, hidden_v, col), VF.as_pointer()), align=4)
-        for w, acc in zip(ws, per_t):  # one load of x for the NR rows
-            acc.add_incoming(_fma(builder, acc, w, xv), builder.basic_block)
-    b.add_incoming(builder.add(b, const(1)), builder.basic_block)
-    builder.branch(loop_bb)
-    builder.position_at_end(done_bb)
+    NR = len(rows)
+
+    def step(b, accs):  # accs [K * NR], token-major
+        ws = [_scaled_block(builder, fmt, row, b, hidden_v) for row in rows]  # each widened once for the K tokens
+        col = builder.mul(b, const(LANES))
+        out = []
+        for t, k in zip(tok, range(0, len(accs), NR)):
+            xv = builder.load(builder.bitcast(_row_major(builder, xp, t, hidden_v, col), VF.as_pointer()), align=4)
+            out += [_fma(builder, acc, w, xv) for w, acc in zip(ws, accs[k:k + NR])]  # one load of x, NR rows
+        return out
+
+    flat = _register_loop(builder, nb, [_zero()] * (len(tok) * NR), step)
+    accs = [flat[k:k + NR] for k in range(0, len(flat), NR)]  # [K][NR]
     sums = [[cgutils.alloca_once_value(builder, _reduce(builder, acc)) for acc in per_t] for per_t in accs]
     if not fmt.SCALED:
         with _tail(builder, hidden_v, nb) as (i, _):
@@ -274,26 +287,13 @@ def _emit_colsk(builder, fmt, first, row_bytes, rows, hrows, outp, hidden_v, tok
         col = builder.mul(cb, const(LANES))
         optrs = [builder.bitcast(_row_major(builder, outp, t, hidden_v, col), VF.as_pointer()) for t in tok]
         start = [builder.load(p, align=4) for p in optrs]
-        entry = builder.basic_block
-        loop_bb = builder.append_basic_block("colsk.loop")
-        body_bb = builder.append_basic_block("colsk.body")
-        done_bb = builder.append_basic_block("colsk.done")
-        builder.branch(loop_bb)
-        builder.position_at_end(loop_bb)
-        r = builder.phi(I64)
-        accs = [builder.phi(VF) for _ in tok]
-        r.add_incoming(const(0), entry)
-        for acc, v in zip(accs, start):
-            acc.add_incoming(v, entry)
-        builder.cbranch(builder.icmp_unsigned("<", r, rows), body_bb, done_bb)
-        builder.position_at_end(body_bb)
-        w = _scaled_block(builder, fmt, builder.gep(first, [builder.mul(r, row_bytes)]), cb, hidden_v)
-        for hrow, acc in zip(hrows, accs):
-            c = builder.load(builder.gep(hrow, [r]), align=4)
-            acc.add_incoming(_fma(builder, acc, w, _splat(builder, c)), builder.basic_block)
-        r.add_incoming(builder.add(r, const(1)), builder.basic_block)
-        builder.branch(loop_bb)
-        builder.position_at_end(done_bb)
+
+        def step(r, accs):
+            w = _scaled_block(builder, fmt, builder.gep(first, [builder.mul(r, row_bytes)]), cb, hidden_v)
+            return [_fma(builder, acc, w, _splat(builder, builder.load(builder.gep(hrow, [r]), align=4)))
+                    for hrow, acc in zip(hrows, accs)]
+
+        accs = _register_loop(builder, rows, start, step)
         for p, acc in zip(optrs, accs):
             builder.store(acc, p, align=4)
     if not fmt.SCALED:
