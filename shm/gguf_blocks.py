@@ -21,36 +21,41 @@ formats byte for byte; F16 rows widen to f32 exactly.
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import formats
 
-# ggml type ids (gguf.GGMLQuantizationType; fixed by the file format) -> the store format that holds them exactly
-F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
-LOSSLESS = {F32: "f32", F16: "f32", Q4_0: "q4", Q8_0: "q8", BF16: "bf16"}
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q8_0: "Q8_0", BF16: "BF16"}
+F32, F16, Q4_0, Q8_0, BF16 = (GGMLQuantizationType[n] for n in ("F32", "F16", "Q4_0", "Q8_0", "BF16"))
+LOSSLESS = {F32: "f32", F16: "f32", Q4_0: "q4", Q8_0: "q8", BF16: "bf16"}  # ggml type -> the store format
 BLOCK = 32
-BLOCK_BYTES = {Q8_0: 2 + BLOCK, Q4_0: 2 + BLOCK // 2}  # one block: the float16 scale, then the values
+BLOCK_BYTES = {t: GGML_QUANT_SIZES[t][1] for t in (Q8_0, Q4_0)}  # one block: the float16 scale, then the values
 
 
 def file_row_bytes(ggml_type: int, hidden: int) -> int:
-    """Bytes of one row of ``hidden`` values in the file."""
-    if ggml_type in BLOCK_BYTES:
-        return hidden // BLOCK * BLOCK_BYTES[ggml_type]
-    return hidden * {F32: 4, F16: 2, BF16: 2}[ggml_type]
+    """Bytes of one row of ``hidden`` values in the file (gguf's block sizes)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return hidden // block * size
+
+
+def _name(ggml_type: int) -> str:
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"ggml type {ggml_type}"
 
 
 def repack(raw: np.ndarray, ggml_type: int, hidden: int) -> tuple[str, np.ndarray]:
     """The file's rows [R, file_row_bytes] (uint8) -> (format name, the stored rows as shm.formats holds them)."""
     name = LOSSLESS.get(ggml_type)
     if name is None:
-        raise ValueError(f"ggml type {ggml_type} has no lossless store format (supported: "
-                         f"{', '.join(TYPE_NAMES[t] for t in LOSSLESS)})")
+        raise ValueError(f"{_name(ggml_type)} has no lossless store format (supported: "
+                         f"{', '.join(t.name for t in LOSSLESS)})")
     if ggml_type in BLOCK_BYTES and hidden % BLOCK:
-        raise ValueError(f"{TYPE_NAMES[ggml_type]} rows of {hidden} values: not a whole number of {BLOCK}-blocks")
+        raise ValueError(f"{_name(ggml_type)} rows of {hidden} values: not a whole number of {BLOCK}-blocks")
     raw = np.ascontiguousarray(raw, np.uint8)
     R = raw.shape[0]
     if raw.shape != (R, file_row_bytes(ggml_type, hidden)):
-        raise ValueError(f"{TYPE_NAMES[ggml_type]} rows of {hidden} values take {file_row_bytes(ggml_type, hidden)} "
+        raise ValueError(f"{_name(ggml_type)} rows of {hidden} values take {file_row_bytes(ggml_type, hidden)} "
                          f"bytes, got {raw.shape[1]}")
     fmt = formats.get(name)
     if ggml_type == F16:
