@@ -11,6 +11,7 @@ from llvmlite import ir
 from .ir import F32, I16, I32, LANES, VF, const, vec_load
 
 SCALED = False
+BLOCK_BYTES = 64  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
 VI32 = ir.VectorType(I32, LANES)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from .ir import F32, LANES, VF, const, vec_load
 
 SCALED = False  # no per-block scale
+BLOCK_BYTES = 128  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
 
 
 def block(builder, row, b, hidden):

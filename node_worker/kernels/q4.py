@@ -14,6 +14,7 @@ from llvmlite import ir
 from .ir import I8, I32, LANES, VF, const, half_scale, vec_load
 
 SCALED = True
+BLOCK_BYTES = 18  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
 HALF = LANES // 2
 V16 = ir.VectorType(I8, HALF)
 V32 = ir.VectorType(I8, LANES)

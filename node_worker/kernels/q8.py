@@ -14,6 +14,7 @@ from llvmlite import ir
 from .ir import I8, LANES, VF, const, half_scale, vec_load
 
 SCALED = True
+BLOCK_BYTES = 34  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
 
 
 def block(builder, row, b, hidden):

@@ -50,7 +50,7 @@ def row_decode(fmt, data, o, hidden, out) -> None:
 
 @njit(inline="always", **JIT)
 def silu(s: np.float32) -> np.float32:
-    return s * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * s)))  # the tanh form of blas.py
+    return s * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * s)))  # the tanh form of coordinator/model/ops.py
 
 
 @njit(inline="always", **JIT)
