@@ -96,7 +96,7 @@ def device_expert_set(mcfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig)
 
 def whole_expert(ckpt: Checkpoint, refs, mcfg: ModelConfig) -> MLPWeights:
     part = read_expert_slice(ckpt, refs, 0, mcfg.moe_intermediate_size)
-    return MLPWeights(part.gate, part.up, np.ascontiguousarray(part.down_t.T))
+    return MLPWeights(part.gate, part.up, part.down)
 
 
 def cpu_set_digest(ckpt: Checkpoint, device_set, fmt: str = "f32") -> str:

@@ -1,11 +1,10 @@
 """NodeWorker: one node's expert compute, free of processes and sockets.
 
 The in-process pool drives it directly; the node worker process wraps it with
-sockets and signals. Work is cut into tasks of (expert, block of at most
-``task_rows`` of the node's rows); the node's threads compute the tasks'
-contributions and the results are added in task order (experts ascending, row
-blocks ascending), so Y_n is a deterministic function of (weights, inputs,
-plan), independent of thread count, task order and timing.
+sockets and signals. Each routed expert the node holds rows of is a task; the
+node's threads compute the tasks' contributions and the results are added in
+task order (experts ascending), so Y_n is a deterministic function of
+(weights, inputs, plan), independent of thread count, task order and timing.
 
 All of it, the grouping of the routed pairs included, is one compiled call
 (node_worker/kernels/layer.py, the rows in kernels/rows.py) that reads the
@@ -33,9 +32,6 @@ from .tasks import TaskRunner
 
 log = logging.getLogger(__name__)
 
-TASK_ROWS = 1024  # rows of one expert per task: whole experts up to 1024 rows (tools/task_bench.py)
-
-
 class ExpertStore(Protocol):
     """A node's expert slices in one buffer (shm/expert_store.py's BufferExpertStore)."""
 
@@ -44,7 +40,7 @@ class ExpertStore(Protocol):
     hidden: int
     row_bytes: int
     data: np.ndarray  # [bytes] uint8
-    offsets: dict[tuple[int, int], tuple[int, int, int]]  # (layer, expert) -> gate, up, down_t byte offsets
+    offsets: dict[tuple[int, int], tuple[int, int, int]]  # (layer, expert) -> gate, up, down byte offsets
 
     def get(self, layer: int, expert: int) -> ExpertSlice | None: ...
 
@@ -53,11 +49,10 @@ class ExpertStore(Protocol):
 
 class NodeWorker:
     def __init__(self, node: int, store: ExpertStore, hidden_size: int, threads: int = 1,
-                 cpus: Sequence[int] | None = None, task_rows: int = TASK_ROWS):
+                 cpus: Sequence[int] | None = None):
         self.node = node
         self.store = store
         self.hidden_size = hidden_size
-        self.task_rows = task_rows
         self.runner = TaskRunner(threads, cpus, name=f"node{node}")
         self.bytes_read = 0  # expert weight bytes touched, for the benchmark
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> expert offsets [E, 3], rows [E]
@@ -84,7 +79,7 @@ class NodeWorker:
         numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         nbytes = layer_moe(FORMAT_IDS[self.store.fmt], self.store.data, self.hidden_size, self.store.row_bytes, x,
                            np.ascontiguousarray(tokens, np.int64), np.ascontiguousarray(experts, np.int64),
-                           np.ascontiguousarray(weights, np.float32), offsets, rows, self.task_rows, y)
+                           np.ascontiguousarray(weights, np.float32), offsets, rows, y)
         if nbytes < 0:
             raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {x.shape[0]})")
         self.bytes_read += nbytes

@@ -2,8 +2,11 @@
 
 Only rows ``start..stop`` of W_gate and W_up, and columns ``start..stop`` of
 W_down, are touched in the memory-mapped files; they are converted to float32
-and returned in the node's storage layout (``down_t`` is W_down[:, rows]
-transposed, so each intermediate row's H weights are contiguous).
+and returned in the node's storage layout: gate and up [R, H] (a row per
+intermediate row, blocks along H), down [H, R] = W_down[:, rows] (a row per
+output value, its R weights contiguous, blocks along the intermediate axis as
+GGUF files quantise ffn_down, so a file's blocks are kept as they are and
+every matrix is computed by the same dot-product loops).
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ class ExpertRefs:
 @dataclass(frozen=True)
 class ExpertSlice:
     """One node's rows of one expert in a storage format (shm/formats), each C-contiguous stored rows:
-    [R, H] float32 for f32 (the arrays are the weights), [R, H] uint16 for bf16, [R, row bytes] uint8."""
+    float32 for f32 (the arrays are the weights), uint16 for bf16, row bytes of uint8 for q8 and q4."""
 
-    gate: np.ndarray  # [R, .] rows of W_gate
+    gate: np.ndarray  # [R, .] rows of W_gate (H weights each)
     up: np.ndarray  # [R, .] rows of W_up
-    down_t: np.ndarray  # [R, .] = W_down[:, rows].T
+    down: np.ndarray  # [H, .] = W_down[:, rows] (R weights each, zeros to whole blocks: formats.down_width)
     fmt: str = "f32"
 
     @property
@@ -49,7 +52,7 @@ class ExpertSlice:
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down_t.nbytes
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
 def _matrix(ckpt: Checkpoint, ref: TensorRef) -> tuple[np.ndarray, str]:
@@ -79,10 +82,10 @@ def _rows(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> tuple[np.n
     return raw[ref.row_offset + start : ref.row_offset + stop], dtype
 
 
-def _columns_t(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> tuple[np.ndarray, str]:
-    """Storage view of columns [start, stop) of an [H, I] matrix, transposed to [R, H], and its dtype."""
+def _columns(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> tuple[np.ndarray, str]:
+    """Storage view of columns [start, stop) of an [H, I] matrix ([H, R]), and its dtype."""
     raw, dtype = _matrix(ckpt, ref)
-    return raw[:, start:stop].T, dtype
+    return raw[:, start:stop], dtype
 
 
 def _converted(view: np.ndarray, dtype: str) -> np.ndarray:
@@ -96,19 +99,22 @@ def read_rows(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> np.nda
     return _converted(*_rows(ckpt, ref, start, stop))
 
 
-def read_columns_t(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> np.ndarray:
-    """Columns [start, stop) of an [H, I] matrix, transposed: float32 [R, H]."""
-    return _converted(*_columns_t(ckpt, ref, start, stop))
+def read_columns(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> np.ndarray:
+    """Columns [start, stop) of an [H, I] matrix: float32 [H, R]."""
+    return _converted(*_columns(ckpt, ref, start, stop))
 
 
 def read_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int, fmt: str = "f32") -> ExpertSlice:
     """Rows [start, stop) of the expert, stored in format ``fmt`` (shm/formats)."""
     if fmt == "f32":
         return ExpertSlice(read_rows(ckpt, refs.gate, start, stop), read_rows(ckpt, refs.up, start, stop),
-                           read_columns_t(ckpt, refs.down, start, stop))
+                           read_columns(ckpt, refs.down, start, stop))
     f = formats.get(fmt)
-    shape = (stop - start, f.row_bytes(ckpt_hidden(ckpt, refs)) // np.dtype(f.STORED_DTYPE).itemsize)
-    dest = ExpertSlice(*(np.empty(shape, f.STORED_DTYPE) for _ in range(3)), fmt=fmt)
+    hidden, rows = ckpt_hidden(ckpt, refs), stop - start
+    width = f.row_bytes(hidden) // np.dtype(f.STORED_DTYPE).itemsize
+    down_width = f.row_bytes(formats.down_width(f, rows)) // np.dtype(f.STORED_DTYPE).itemsize
+    dest = ExpertSlice(np.empty((rows, width), f.STORED_DTYPE), np.empty((rows, width), f.STORED_DTYPE),
+                       np.empty((hidden, down_width), f.STORED_DTYPE), fmt=fmt)
     write_expert_slice(ckpt, refs, start, stop, dest)
     return dest
 
@@ -123,7 +129,7 @@ def write_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int
     float32 blocks of rows, encoded at once); returns bytes written."""
     for sink, (raw, dtype) in ((dest.gate, _rows(ckpt, refs.gate, start, stop)),
                                (dest.up, _rows(ckpt, refs.up, start, stop)),
-                               (dest.down_t, _columns_t(ckpt, refs.down, start, stop))):
+                               (dest.down, _columns(ckpt, refs.down, start, stop))):
         store_into(sink, raw, dtype, dest.fmt)
     return dest.nbytes
 
@@ -132,16 +138,17 @@ ENCODE_ROWS = 256  # rows converted to float32 at a time before encoding
 
 
 def store_into(dest: np.ndarray, raw: np.ndarray, dtype: str, fmt: str) -> None:
-    """Stored rows of format ``fmt`` <- checkpoint rows ``raw`` of ``dtype``. A BF16 source kept as bf16 is
-    copied bit for bit."""
+    """Stored rows of format ``fmt`` <- checkpoint rows ``raw`` of ``dtype``, zeros past raw's width when a row
+    holds more weights (W_down's rows padded to whole blocks). A BF16 source kept as bf16 is copied bit for bit."""
     if fmt == "f32":
         convert_into(dest, raw, dtype)
     elif fmt == "bf16" and dtype == "BF16":
         dest[...] = raw
     else:
         f = formats.get(fmt)
-        block = np.empty((min(ENCODE_ROWS, raw.shape[0]), raw.shape[1]), np.float32)
+        width = f.hidden_of(dest.shape[1])
+        block = np.zeros((min(ENCODE_ROWS, raw.shape[0]), width), np.float32)  # [rows, width]: zeros past raw's
         for a in range(0, raw.shape[0], ENCODE_ROWS):
             b = min(a + ENCODE_ROWS, raw.shape[0])
-            convert_into(block[: b - a], raw[a:b], dtype)
+            convert_into(block[: b - a, : raw.shape[1]], raw[a:b], dtype)
             compiled_encode_into(f, dest[a:b], block[: b - a])

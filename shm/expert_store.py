@@ -1,11 +1,13 @@
 """Where one node's expert slices live.
 
 ``HeapExpertStore`` keeps them in this process's memory. ``SegmentExpertStore``
-keeps them in the node's shared-memory segment: per expert, its gate rows, up
-rows and transposed down columns, each [R, H] weights stored in the engine's
-format (shm/formats: f32, bf16, q8, q4), 64-byte aligned, at the offsets of the
-layout table stored in the segment header (whose kind names the format), so any
-process that maps the segment sees the same zero-copy views.
+keeps them in the node's shared-memory segment: per expert, its gate and up
+rows [R, H] and its down columns W_down[:, R] as [H, R] (shm/expert_source.py),
+stored in the engine's format (shm/formats: f32, bf16, q8, q4; a row of down
+holds R weights padded with zeros to whole blocks), 64-byte aligned,
+at the offsets of the layout table stored in the segment header (whose kind
+names the format), so any process that maps the segment sees the same
+zero-copy views.
 """
 
 from __future__ import annotations
@@ -42,15 +44,16 @@ def _align(n: int) -> int:
 def build_layout(entries: Iterable[tuple[int, int, int, int]], hidden: int, fmt: str = "f32") -> tuple[dict, int]:
     """entries (layer, expert, row start, row stop) -> (layout table, data bytes), matrices in format ``fmt``.
 
-    Table rows are [layer, expert, start, stop, gate offset, up offset, down_t offset].
+    Table rows are [layer, expert, start, stop, gate offset, up offset, down offset].
     """
-    row = formats.get(fmt).row_bytes(hidden)
+    f = formats.get(fmt)
+    row = f.row_bytes(hidden)
     table, offset = [], 0
     for layer, expert, start, stop in sorted(entries):
         matrix = (stop - start) * row
         gate, up, down = offset, _align(offset + matrix), _align(_align(offset + matrix) + matrix)
         table.append([layer, expert, start, stop, gate, up, down])
-        offset = _align(down + matrix)
+        offset = _align(down + hidden * f.row_bytes(formats.down_width(f, stop - start)))
     return {"kind": layout_kind(fmt), "hidden": hidden, "experts": table}, offset
 
 
@@ -70,14 +73,15 @@ class BufferExpertStore:
         self.data = data  # [data bytes] uint8
         self._views: dict[tuple[int, int], ExpertSlice] = {}
         self.row_ranges: dict[tuple[int, int], tuple[int, int]] = {}
-        self.offsets: dict[tuple[int, int], tuple[int, int, int]] = {}  # (layer, e) -> gate, up, down_t byte offsets
+        self.offsets: dict[tuple[int, int], tuple[int, int, int]] = {}  # (layer, e) -> gate, up, down byte offsets
         for layer, expert, start, stop, g, u, d in layout["experts"]:
-            size = (stop - start) * self.row_bytes
+            R = stop - start
 
-            def view(off: int) -> np.ndarray:
-                return formats.stored_view(fmt, data[off : off + size], stop - start, self.hidden)
+            def view(off: int, rows: int, width: int) -> np.ndarray:
+                return formats.stored_view(fmt, data[off : off + rows * fmt.row_bytes(width)], rows, width)
 
-            self._views[(layer, expert)] = ExpertSlice(view(g), view(u), view(d), fmt_name)
+            self._views[(layer, expert)] = ExpertSlice(view(g, R, self.hidden), view(u, R, self.hidden),
+                                                       view(d, self.hidden, formats.down_width(fmt, R)), fmt_name)
             self.row_ranges[(layer, expert)] = (start, stop)
             self.offsets[(layer, expert)] = (g, u, d)
 
@@ -113,7 +117,7 @@ class HeapExpertStore(BufferExpertStore):
         super().__init__(node, aligned_buffer(nbytes), layout, f"node {node} heap store")
         for key, s in slices.items():
             view = self._views[key]
-            for dest, src in ((view.gate, s.gate), (view.up, s.up), (view.down_t, s.down_t)):
+            for dest, src in ((view.gate, s.gate), (view.up, s.up), (view.down, s.down)):
                 dest[...] = src
 
     @classmethod

@@ -123,7 +123,8 @@ def test_plot_draws_a_png(report, tmp_path):
 
 @pytest.mark.parametrize("fmt, per_weight", [("bf16", 2.0), ("q4", 0.5625)])
 def test_each_format_reports_its_stored_bytes_and_reads(tmp_path, fmt, per_weight):
-    model = make_model(tmp_path / "m", seed=2)
+    # 96 = 3 whole blocks: no slice's W_down rows are padded (80 would pad the last node's 16 to 32)
+    model = make_model(tmp_path / "m", seed=2, moe_intermediate_size=96)
     out = tmp_path / "r.json"
     assert main(["bench", "--model", str(model), "--modes", "inproc,split", "--nodes", "2", "--tokens", "3",
                  "--prompt-tokens", "5", "--rounds", "1", "--expert-dtype", fmt, "--json", str(out)]) == 0

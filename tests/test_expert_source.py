@@ -22,7 +22,7 @@ from coordinator.cli.make_model import make_model
 from coordinator.model.model_config import load_model_config
 from coordinator.model.weights import load_weights
 from shm.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
-from shm.expert_source import ExpertRefs, TensorRef, read_columns_t, read_expert_slice, read_rows
+from shm.expert_source import ExpertRefs, TensorRef, read_columns, read_expert_slice, read_rows
 from shm.node_store import open_node_store
 from shm.plan import NodeShare, make_plan
 from shm.segments import SHM_DIR
@@ -172,13 +172,13 @@ def test_sharded_file_holds_the_same_values(models):
 
 def check_slice(sl, gate, up, down, start, stop):
     rows, hidden = stop - start, gate.shape[1]
-    for part in (sl.gate, sl.up, sl.down_t):
+    for part, shape in ((sl.gate, (rows, hidden)), (sl.up, (rows, hidden)), (sl.down, (hidden, rows))):
         assert part.dtype == np.float32
-        assert part.shape == (rows, hidden)
+        assert part.shape == shape
         assert part.flags.c_contiguous
     np.testing.assert_array_equal(sl.gate, gate[start:stop])
     np.testing.assert_array_equal(sl.up, up[start:stop])
-    np.testing.assert_array_equal(sl.down_t, down[:, start:stop].T)
+    np.testing.assert_array_equal(sl.down, down[:, start:stop])
     assert sl.rows == rows
     assert sl.nbytes == 3 * rows * hidden * 4
 
@@ -200,7 +200,7 @@ def test_node_rows_equal_slices_of_whole_tensors(models, variant, count):
         # the nodes' slices put together are the whole expert, exactly
         np.testing.assert_array_equal(np.concatenate([p.gate for p in parts]), gate)
         np.testing.assert_array_equal(np.concatenate([p.up for p in parts]), up)
-        np.testing.assert_array_equal(np.concatenate([p.down_t for p in parts]).T, down)
+        np.testing.assert_array_equal(np.concatenate([p.down for p in parts], axis=1), down)
 
 
 def test_reads_do_not_write_the_checkpoint(models):
@@ -209,8 +209,8 @@ def test_reads_do_not_write_the_checkpoint(models):
     sl = read_expert_slice(m.ckpt, refs, 0, 32)
     # F32 rows may be views of the read-only map; they must not be writable into the file
     assert not sl.gate.flags.writeable or not np.shares_memory(sl.gate, m.ckpt.raw(refs.gate.name))
-    assert sl.down_t.flags.writeable  # a transposed copy
-    assert not np.shares_memory(sl.down_t, m.ckpt.raw(refs.down.name))
+    assert sl.down.flags.writeable  # a copy of the columns
+    assert not np.shares_memory(sl.down, m.ckpt.raw(refs.down.name))
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
@@ -268,7 +268,7 @@ def test_read_rows_and_columns_of_a_plain_tensor(models):
     whole = m.ref[name]
     ref = TensorRef(name)
     np.testing.assert_array_equal(read_rows(m.ckpt, ref, 5, 9), whole[5:9])
-    np.testing.assert_array_equal(read_columns_t(m.ckpt, ref, 3, 40), whole[:, 3:40].T)
+    np.testing.assert_array_equal(read_columns(m.ckpt, ref, 3, 40), whole[:, 3:40])
     np.testing.assert_array_equal(read_rows(m.ckpt, TensorRef(name, row_offset=10), 0, 4), whole[10:14])
 
 
@@ -295,7 +295,7 @@ def test_node_store_views_equal_the_slices(models, variant, count):
                 view = store.get(*key)
                 want = read_expert_slice(m.ckpt, refs, rows.start, rows.stop)
                 assert store.row_ranges[key] == (rows.start, rows.stop)
-                for got, exp in ((view.gate, want.gate), (view.up, want.up), (view.down_t, want.down_t)):
+                for got, exp in ((view.gate, want.gate), (view.up, want.up), (view.down, want.down)):
                     assert got.dtype == np.float32 and got.shape == exp.shape
                     np.testing.assert_array_equal(got, exp)
                     assert got.flags.c_contiguous
@@ -321,7 +321,7 @@ def test_node_store_slices_reassemble_the_expert(models):
             gate, up, down = m.whole(refs)
             np.testing.assert_array_equal(np.concatenate([s.get(*key).gate for s in stores]), gate)
             np.testing.assert_array_equal(np.concatenate([s.get(*key).up for s in stores]), up)
-            np.testing.assert_array_equal(np.concatenate([s.get(*key).down_t for s in stores]).T, down)
+            np.testing.assert_array_equal(np.concatenate([s.get(*key).down for s in stores], axis=1), down)
         assert len({s.segment.name for s in stores}) == 3
     finally:
         for s in stores:

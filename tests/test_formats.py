@@ -15,7 +15,7 @@ from shm.expert_source import ExpertSlice
 from shm.expert_store import HeapExpertStore
 
 H = 256
-ROWS = 48
+ROWS = 64  # an expert's rows: whole 32-blocks, as W_down's rows [H, R] need in q8 and q4
 LIMITS = {"f32": 4.0, "bf16": 2.0, "q8": 1.07, "q4": 0.57}  # bytes per weight, issue 13
 
 
@@ -29,9 +29,15 @@ def weights(seed: int = 0, rows: int = ROWS) -> np.ndarray:
 
 
 def encoded(fmt, w: np.ndarray) -> np.ndarray:
-    out = np.empty((w.shape[0], fmt.row_bytes(H) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+    out = np.empty((w.shape[0], fmt.row_bytes(w.shape[1]) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
     fmt.encode_into(out, w)
     return out
+
+
+def expert(fmt, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stored gate [ROWS, H], up [ROWS, H] and down [H, ROWS] of a random expert."""
+    return (encoded(fmt, weights(seed)), encoded(fmt, weights(seed + 1)),
+            encoded(fmt, np.ascontiguousarray(weights(seed + 2).T)))
 
 
 # -- float64 readers written from the layouts drawn at the top of each module ----------------------------
@@ -42,20 +48,22 @@ def ref_bf16(stored: np.ndarray) -> np.ndarray:
 
 
 def ref_q8(stored: np.ndarray) -> np.ndarray:
-    out = np.empty((stored.shape[0], H))
+    n = stored.shape[1] * 32 // 34  # weights a row
+    out = np.empty((stored.shape[0], n))
     for r, row in enumerate(stored):
-        q = row[:H].view(np.int8).astype(np.float64)
-        d = row[H:].view("<f2").astype(np.float64)
-        for i in range(H):
+        q = row[:n].view(np.int8).astype(np.float64)
+        d = row[n:].view("<f2").astype(np.float64)
+        for i in range(n):
             out[r, i] = d[i // 32] * q[i]
     return out
 
 
 def ref_q4(stored: np.ndarray) -> np.ndarray:
-    out = np.empty((stored.shape[0], H))
+    n = stored.shape[1] * 32 // 18
+    out = np.empty((stored.shape[0], n))
     for r, row in enumerate(stored):
-        d = row[H // 2:].view("<f2").astype(np.float64)
-        for b in range(H // 32):
+        d = row[n // 2:].view("<f2").astype(np.float64)
+        for b in range(n // 32):
             for j in range(16):
                 byte = int(row[16 * b + j])
                 out[r, 32 * b + j] = d[b] * ((byte & 15) - 8)
@@ -115,9 +123,8 @@ def test_node_compute_equals_float64_swiglu_on_the_dequantised_weights(name, tok
     rng = np.random.default_rng(3)
     slices = {}
     for e in range(3):
-        gate, up, down_t = (encoded(fmt, weights(10 * e + k)) for k in range(3))
-        slices[(0, e)] = ExpertSlice(gate, up, down_t, name)
-    worker = NodeWorker(0, HeapExpertStore(0, dict(slices), name), H, threads=2, task_rows=16)
+        slices[(0, e)] = ExpertSlice(*expert(fmt, 10 * e), name)
+    worker = NodeWorker(0, HeapExpertStore(0, dict(slices), name), H, threads=2)
     try:
         T = 4 * tokens_per_expert
         x = rng.standard_normal((T, H)).astype(np.float32)
@@ -130,9 +137,9 @@ def test_node_compute_equals_float64_swiglu_on_the_dequantised_weights(name, tok
     want = np.zeros((T, H))
     for t, e, wt in zip(tokens, experts, w):
         s = slices[(0, e)]
-        g, u, d = (REFS[name](m) for m in (s.gate, s.up, s.down_t))
+        g, u, d = (REFS[name](m) for m in (s.gate, s.up, s.down))  # [R, H], [R, H], [H, R]
         a, b = g @ x[t].astype(np.float64), u @ x[t].astype(np.float64)
-        want[t] += wt * ((a / (1 + np.exp(-a)) * b) @ d)
+        want[t] += wt * (d @ (a / (1 + np.exp(-a)) * b))
     np.testing.assert_allclose(y, want, rtol=2e-5, atol=2e-6)
 
 
@@ -267,15 +274,17 @@ def test_compiled_encoder_writes_the_numpy_encoders_bytes(name):
 
 
 @pytest.mark.parametrize("name", ["f32", "bf16"])
-@pytest.mark.parametrize("tokens_per_expert", [1, 3])  # one token: four rows at a time; 2..8: one row, n tokens
-def test_row_kernel_on_rows_ending_in_a_partial_block(name, tokens_per_expert):
-    """f32 and bf16 have no blocks: a hidden size of 50 leaves 18 values after the vector loop."""
-    fmt, hidden = formats.get(name), 50
+@pytest.mark.parametrize("tokens_per_expert", [1, 3])  # one token: four rows at a time; 3: padded to 4 tokens
+@pytest.mark.parametrize("hidden", [50, 51])
+def test_row_kernel_on_rows_ending_in_a_partial_block(name, tokens_per_expert, hidden):
+    """f32 and bf16 have no blocks: a hidden size of 50 leaves 18 values after the vector loop, W_down's rows
+    of 9 weights are all tail, and 51 rows of W_down leave an odd last row (and a short group of 4)."""
+    fmt = formats.get(name)
     rng = np.random.default_rng(8)
     mats = []
-    for _ in range(3):
-        stored = np.empty((9, fmt.row_bytes(hidden) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
-        fmt.encode_into(stored, (rng.standard_normal((9, hidden)) * 0.1).astype(np.float32))
+    for rows, width in ((9, hidden), (9, hidden), (hidden, 9)):  # gate, up [R, H]; down [H, R]
+        stored = np.empty((rows, fmt.row_bytes(width) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+        fmt.encode_into(stored, (rng.standard_normal((rows, width)) * 0.1).astype(np.float32))
         mats.append(stored)
     worker = NodeWorker(0, HeapExpertStore(0, {(0, 0): ExpertSlice(*mats, name)}, name), hidden, threads=1)
     try:
@@ -286,13 +295,13 @@ def test_row_kernel_on_rows_ending_in_a_partial_block(name, tokens_per_expert):
         worker.close()
     g, u, d = (formats.decoded(fmt, m).astype(np.float64) for m in mats)
     a, b = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
-    np.testing.assert_allclose(y, (a / (1 + np.exp(-a)) * b) @ d, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(y, (a / (1 + np.exp(-a)) * b) @ d.T, rtol=2e-5, atol=2e-6)
 
 
 def test_node_compute_refuses_a_negative_expert_or_a_token_outside_x_and_skips_experts_it_lacks():
     """The compiled layer call checks the routing before it indexes anything."""
     fmt = formats.get("q8")
-    slices = {(0, 0): ExpertSlice(*(encoded(fmt, weights(k)) for k in range(3)), "q8")}
+    slices = {(0, 0): ExpertSlice(*expert(fmt, 0), "q8")}
     worker = NodeWorker(0, HeapExpertStore(0, slices, "q8"), H, threads=1)
     try:
         x = np.ones((2, H), np.float32)

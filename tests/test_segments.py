@@ -130,7 +130,7 @@ def tiny(tmp_path):
 
 
 def snapshot(store) -> dict:
-    return {k: tuple(np.array(a) for a in (v.gate, v.up, v.down_t)) for k in store.keys() for v in [store.get(*k)]}
+    return {k: tuple(np.array(a) for a in (v.gate, v.up, v.down)) for k in store.keys() for v in [store.get(*k)]}
 
 
 def assert_store_equals(store, expected: dict) -> None:
@@ -139,7 +139,7 @@ def assert_store_equals(store, expected: dict) -> None:
         got = store.get(*key)
         np.testing.assert_array_equal(got.gate, want.gate)
         np.testing.assert_array_equal(got.up, want.up)
-        np.testing.assert_array_equal(got.down_t, want.down_t)
+        np.testing.assert_array_equal(got.down, want.down)
 
 
 def listed(name: str, capsys) -> dict:
@@ -231,7 +231,7 @@ def sigkill(proc: subprocess.Popen) -> None:
 
 def test_fill_then_reattach_without_reload(tiny, shm_guard, monkeypatch):
     digest = shm_guard.digest()
-    expected = {k: tuple(np.array(a) for a in (v.gate, v.up, v.down_t)) for k, v in tiny.expected(0).items()}
+    expected = {k: tuple(np.array(a) for a in (v.gate, v.up, v.down)) for k, v in tiny.expected(0).items()}
     store, report = tiny.open(0, digest)
     try:
         assert report.reloaded and report.threads >= 1

@@ -1,14 +1,13 @@
 """A node's whole MoE layer in one compiled call: group, cut into tasks, compute, weigh and sum.
 
 The routed pairs (token, expert, weight) [P] are sorted by (expert, token);
-each expert the node holds rows of becomes a group, cut into tasks of at most
-``task_rows`` rows (rows.py computes every task's contribution in parallel);
-then the contributions are weighed and added into y serially, in task order
-(experts ascending, row blocks ascending, tokens ascending), so y is the same
-bits whatever the thread count or timing. Nothing here touches a Python
-object: the per-layer tables are arrays.
+each expert the node holds rows of becomes a group, a task (rows.py computes
+every group's contribution in parallel); then the contributions are weighed
+and added into y serially, in group order (experts ascending, tokens
+ascending), so y is the same bits whatever the thread count or timing. Nothing
+here touches a Python object: the per-layer tables are arrays.
 
-    offsets [E, 3] int64    byte offsets of expert e's gate, up and down_t matrices in the store
+    offsets [E, 3] int64    byte offsets of expert e's gate, up and down matrices in the store
     rows    [E] int64       the node's rows of expert e (0, or e >= E: it holds none)
 
 Returns the expert bytes the layer read, or -1 when an expert id is negative or a token is outside
@@ -21,11 +20,11 @@ import numpy as np
 from numba import njit
 
 from .common import JIT
-from .rows import layer_rows
+from .rows import down_width, layer_rows, row_bytes_of
 
 
 @njit(**JIT)
-def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets, rows, task_rows, y) -> int:
+def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets, rows, y) -> int:
     E = rows.size
     P = experts.size
     T = x.shape[0]
@@ -39,7 +38,7 @@ def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets
     tok_stop = np.empty(P, np.int64)
     sorted_tokens = np.empty(P, np.int64)
     sorted_weights = np.empty(P, np.float32)
-    G = n_pairs = n_tasks = 0
+    G = n_pairs = 0
     p = 0
     while p < P:
         e = experts[order[p]]
@@ -54,33 +53,25 @@ def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets
         if held:
             group_expert[G] = e
             tok_stop[G] = n_pairs
-            n_tasks += (rows[e] + task_rows - 1) // task_rows
             G += 1
     group_offsets = np.empty((G, 3), np.int64)
-    task_group = np.empty(n_tasks, np.int64)
-    task_span = np.empty((n_tasks, 2), np.int64)
-    contrib_start = np.empty(n_tasks, np.int64)
-    k = 0
+    group_rows = np.empty(G, np.int64)
+    contrib_start = np.empty(G, np.int64)
     total = 0
     nbytes = 0
     for g in range(G):
         e = group_expert[g]
         group_offsets[g] = offsets[e]
-        nbytes += 3 * rows[e] * row_bytes
-        for a in range(0, rows[e], task_rows):
-            task_group[k] = g
-            task_span[k, 0] = a
-            task_span[k, 1] = min(a + task_rows, rows[e])
-            contrib_start[k] = total
-            total += (tok_stop[g] - tok_start[g]) * hidden
-            k += 1
+        group_rows[g] = rows[e]
+        nbytes += 2 * rows[e] * row_bytes + hidden * row_bytes_of(fmt, down_width(fmt, rows[e]))
+        contrib_start[g] = total
+        total += (tok_stop[g] - tok_start[g]) * hidden
     contrib = np.empty(total, np.float32)
-    layer_rows(fmt, data, hidden, row_bytes, x, sorted_tokens, tok_start, tok_stop, group_offsets, task_group,
-               task_span, contrib, contrib_start)
+    layer_rows(fmt, data, hidden, row_bytes, x, sorted_tokens, tok_start[:G], tok_stop[:G], group_offsets, group_rows,
+               contrib, contrib_start)
     y[:, :] = 0
-    for k in range(n_tasks):  # in task order: the same sum whoever computed what
-        g = task_group[k]
-        c = contrib_start[k]
+    for g in range(G):  # in group order: the same sum whoever computed what
+        c = contrib_start[g]
         for j in range(tok_stop[g] - tok_start[g]):
             t = sorted_tokens[tok_start[g] + j]
             w = sorted_weights[tok_start[g] + j]
@@ -95,4 +86,4 @@ def warm_up() -> None:
     data = np.zeros(3 * 4 * hidden, np.uint8)
     layer_moe(0, data, hidden, 4 * hidden, np.zeros((1, hidden), np.float32), np.zeros(1, np.int64),
               np.zeros(1, np.int64), np.ones(1, np.float32), np.array([[0, 4 * hidden, 8 * hidden]], np.int64),
-              np.ones(1, np.int64), 1024, np.zeros((1, hidden), np.float32))
+              np.ones(1, np.int64), np.zeros((1, hidden), np.float32))

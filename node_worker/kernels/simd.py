@@ -10,23 +10,18 @@ row, which is reduced once at the end of the row. The IR names no instruction
 set: LLVM lowers ``<32 x float>`` to four AVX2 registers, two AVX-512 ones, or
 whatever the host has, so nothing assumes a vector width.
 
-Two intrinsics per format, each on four rows at byte offsets o0..o3 of ``data``:
+One intrinsic per format on four rows at byte offsets o0..o3 of ``data`` (decode: every matrix of an expert,
+and the dense matrices, is read as rows taken in dot products; the rows two calls ahead are prefetched):
 
     dot4_F(data, o0, o1, o2, o3, hidden, x)             -> (x·w0, x·w1, x·w2, x·w3)    x [H] float32
-    axpy4_F(data, o0, o1, o2, o3, hidden, c0..c3, out)  out [H] float32 += Σ c_r w_r
 
-and two for groups of several tokens (prefill), the format a run-time argument (its FORMATS
-index), their accumulators unrolled into registers:
+one for groups of several tokens (prefill), the format a run-time argument (its FORMATS index), its
+accumulators unrolled into registers:
 
     dot2r4(fmt, data, o, row_step, hidden, xg, t0, out, col)
                                                         out[t0 + t, col + j] = xg[t0 + t] · the row at
                                                         o + j row_step, t < 4, j < 2 (each block widened
                                                         once for the four tokens, x read once for both rows)
-    colsK(fmt, data, o, row_bytes, R, hidden, h, h_stride, h_col, t0, out)      K = 8 or 4
-                                                        out[t0:t0+K, :] += h[t0:t0+K, h_col:h_col+R] · W[:R]
-                                                        (R rows row_bytes apart: column block by column
-                                                        block, R rows summed in registers, each block of
-                                                        out loaded and stored once)
 
 and one that writes a row out as float32 (for BLAS on many tokens):
 
@@ -133,46 +128,6 @@ def _make_dot4(fmt: ModuleType):
     return dot4
 
 
-def _make_axpy4(fmt: ModuleType):
-    @intrinsic
-    def axpy4(typingctx, data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out):
-        sig = types.void(data, o0, o1, o2, o3, hidden, c0, c1, c2, c3, out)
-
-        def codegen(context, builder, signature, args):
-            data_v, offsets, hidden_v, coefs, out_v = args[0], args[1:5], args[5], args[6:10], args[10]
-            base = _byte_ptr(context, builder, signature.args[0], data_v)
-            rows = [builder.gep(base, [o]) for o in offsets]
-            outp = builder.bitcast(_byte_ptr(context, builder, signature.args[10], out_v), F32.as_pointer())
-            coefs = [context.cast(builder, c, t, types.float32) for c, t in zip(coefs, signature.args[6:10])]
-            nb = builder.udiv(hidden_v, const(LANES))
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                optr = builder.bitcast(builder.gep(outp, [builder.mul(b, const(LANES))]), VF.as_pointer())
-                total = builder.load(optr, align=4)
-                _prefetch_ahead(builder, fmt, rows, b)
-                for row, c in zip(rows, coefs):
-                    w, d = fmt.block(builder, row, b, hidden_v)
-                    scale = c if d is None else builder.fmul(c, d, flags=FAST)
-                    total = builder.fadd(total, builder.fmul(w, _splat(builder, scale), flags=FAST), flags=FAST)
-                builder.store(total, optr, align=4)
-            if not fmt.SCALED:
-                with _tail(builder, hidden_v, nb) as (i, _):
-                    optr = builder.gep(outp, [i])
-                    total = builder.load(optr, align=4)
-                    for row, c in zip(rows, coefs):
-                        total = builder.fadd(total, builder.fmul(fmt.value(builder, row, i), c, flags=FAST),
-                                             flags=FAST)
-                    builder.store(total, optr, align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return axpy4
-
-
-CHUNKS = (8, 4)  # token rows taken together by colsK (the caller pads its tokens to a multiple of 4)
-
-
 def _row_major(builder, ptr, t, width, i):
     """&ptr[t * width + i] for a float pointer."""
     return builder.gep(ptr, [builder.add(builder.mul(t, width), i)])
@@ -277,58 +232,6 @@ def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
             builder.store(builder.load(acc), dest, align=4)
 
 
-def _make_colsk(K: int):
-    @intrinsic
-    def colsk(typingctx, fmt, data, o, row_bytes, rows, hidden, h, h_stride, h_col, t0, out):
-        """out[t0 + t, :] += Σ_r h[t0 + t, h_col + r] · row r (R rows row_bytes apart from byte o), t < K, h
-        h_stride floats a token; column block by column block, each summing the R rows in registers."""
-        sig = types.void(fmt, data, o, row_bytes, rows, hidden, h, h_stride, h_col, t0, out)
-
-        def codegen(context, builder, signature, args):
-            fmt_v, data_v, o, row_bytes, rows, hidden_v, h_v, h_stride, h_col, t0, out_v = args
-            first = builder.gep(_byte_ptr(context, builder, signature.args[1], data_v), [o])
-            hp = builder.bitcast(_byte_ptr(context, builder, signature.args[6], h_v), F32.as_pointer())
-            outp = builder.bitcast(_byte_ptr(context, builder, signature.args[10], out_v), F32.as_pointer())
-            tok = [builder.add(t0, const(t)) for t in range(K)]
-            hrows = [_row_major(builder, hp, t, h_stride, h_col) for t in tok]  # &h[t, h_col]
-            _per_format(context, builder, signature.args[0], fmt_v,
-                        lambda fmt: _emit_colsk(builder, fmt, first, row_bytes, rows, hrows, outp, hidden_v, tok))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return colsk
-
-
-def _emit_colsk(builder, fmt, first, row_bytes, rows, hrows, outp, hidden_v, tok) -> None:
-    nb = builder.udiv(hidden_v, const(LANES))
-    with cgutils.for_range(builder, nb) as blocks:  # one column block of out at a time, for the K tokens
-        cb = blocks.index
-        col = builder.mul(cb, const(LANES))
-        optrs = [builder.bitcast(_row_major(builder, outp, t, hidden_v, col), VF.as_pointer()) for t in tok]
-        start = [builder.load(p, align=4) for p in optrs]
-
-        def step(r, accs):
-            w = _scaled_block(builder, fmt, builder.gep(first, [builder.mul(r, row_bytes)]), cb, hidden_v)
-            return [_fma(builder, acc, w, _splat(builder, builder.load(builder.gep(hrow, [r]), align=4)))
-                    for hrow, acc in zip(hrows, accs)]
-
-        accs = _register_loop(builder, rows, start, step)
-        for p, acc in zip(optrs, accs):
-            builder.store(acc, p, align=4)
-    if not fmt.SCALED:
-        with _tail(builder, hidden_v, nb) as (i, _):
-            sums = [cgutils.alloca_once_value(builder, builder.load(_row_major(builder, outp, t, hidden_v, i), align=4))
-                    for t in tok]
-            with cgutils.for_range(builder, rows) as rr:
-                wi = fmt.value(builder, builder.gep(first, [builder.mul(rr.index, row_bytes)]), i)
-                for hrow, acc in zip(hrows, sums):
-                    c = builder.load(builder.gep(hrow, [rr.index]), align=4)
-                    builder.store(builder.fadd(builder.load(acc), builder.fmul(wi, c, flags=FAST), flags=FAST), acc)
-            for t, acc in zip(tok, sums):
-                builder.store(builder.load(acc), _row_major(builder, outp, t, hidden_v, i), align=4)
-
-
 def _make_decode(fmt: ModuleType):
     @intrinsic
     def decode(typingctx, data, o, hidden, out):
@@ -354,7 +257,5 @@ def _make_decode(fmt: ModuleType):
 
 
 dot4_f32, dot4_bf16, dot4_q8, dot4_q4 = (_make_dot4(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
-axpy4_f32, axpy4_bf16, axpy4_q8, axpy4_q4 = (_make_axpy4(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
 decode_f32, decode_bf16, decode_q8, decode_q4 = (_make_decode(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
 dot2r4 = _make_dotk(2, 4)
-cols8, cols4 = (_make_colsk(k) for k in CHUNKS)

@@ -1,9 +1,10 @@
 """Expert storage formats: how one row of an expert matrix is laid out in a node's store.
 
-Every expert matrix is stored as [R, H] rows (gate and up rows, and the
-transposed down columns), so a row holds H contiguous weights along the hidden
-axis and every format's blocks run along it: any row slice of the plan falls
-on block boundaries, and H must be a multiple of the format's block.
+Every expert matrix is stored as rows: gate and up [R, H] (H weights along the
+hidden axis), down [H, R] (W_down's columns of the node's slice: R weights
+along the intermediate axis, padded with zeros to whole blocks). Every
+format's blocks run along the row, so the plan's slices (multiples of 32 rows)
+fall on block boundaries, and H must be a multiple of the format's block.
 
     f32    4 bytes a weight: float32, as today                         (f32.py)
     bf16   2 bytes a weight: bfloat16, the top half of a float32       (bf16.py)
@@ -49,6 +50,13 @@ def resolve(name: str, checkpoint_dtype: str, hidden: int) -> ModuleType:
         raise FormatError(f"expert format {name} stores blocks of {fmt.BLOCK} weights along the hidden axis; "
                           f"this model's hidden size {hidden} is not a multiple of {fmt.BLOCK}")
     return fmt
+
+
+def down_width(fmt: ModuleType, rows: int) -> int:
+    """Weights in a stored row of W_down [H, R]: R rounded up to whole blocks (a slice that ends in a partial
+    block, the last node's when the intermediate size is not a multiple of 32, is padded with zero weights,
+    which the kernels multiply by zeros past R)."""
+    return -(-rows // fmt.BLOCK) * fmt.BLOCK
 
 
 def stored_view(fmt: ModuleType, raw: np.ndarray, rows: int, hidden: int) -> np.ndarray:
