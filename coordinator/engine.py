@@ -14,8 +14,9 @@ import numpy as np
 from node_worker import NodeWorker
 from node_worker.job import ExpertJob, NodeJob, WorkerJob, max_message_bytes
 from shm import formats
-from shm.checkpoint import Checkpoint
+from shm.checkpoint import Checkpoint, is_block_dtype
 from shm.expert_source import read_expert_slice
+from shm.gguf_checkpoint import GgufCheckpoint, gguf_path
 from shm.expert_store import HeapExpertStore
 from shm.plan import NodeShare, PoolPlan, make_plan, plan_to_dict, single_node_plan
 from shm.topology import Node, format_cpulist, select_nodes
@@ -25,7 +26,7 @@ from .errors import ConfigValueError, StrataError
 from .model.backend import select_device
 from .model.packed import pack_dense
 from .model.decoder import Decoder
-from .model.model_config import ModelConfig, load_model_config
+from .model.model_config import ModelConfig, load_model_config, parse_model_config
 from .model.sampling import Sampler, SamplingParams
 from .model.tokenizer import TextCodec
 from .model.weights import MLPWeights, load_weights
@@ -110,11 +111,17 @@ def cpu_set_digest(ckpt: Checkpoint, device_set, fmt: str = "f32") -> str:
 def expert_format(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, experts: dict) -> str:
     """The storage format of the CPU experts: the setting, with ``auto`` resolved from the checkpoint's dtype."""
     refs = next(iter(experts.values()), None)
-    dtype = ckpt.info(refs.gate.name).dtype if refs is not None else "F32"
+    dtypes = ({m: ckpt.info(r.name).dtype for m, r in (("gate", refs.gate), ("up", refs.up), ("down", refs.down))}
+              if refs is not None else {"gate": "F32"})
     try:
-        return formats.resolve(config.expert_dtype, dtype, mcfg.hidden_size).NAME
+        chosen = {m: formats.resolve(config.expert_dtype, d, mcfg.hidden_size).NAME for m, d in dtypes.items()}
     except formats.FormatError as exc:
         raise ConfigValueError(f"{ckpt.dir}: {exc}") from None
+    if len(set(chosen.values())) > 1 and any(is_block_dtype(d) for d in dtypes.values()):
+        raise ConfigValueError(f"{ckpt.dir}: the experts' matrices are stored as "
+                               f"{', '.join(f'{m} {d}' for m, d in dtypes.items())}; no one format keeps them all "
+                               "exactly: choose --expert-dtype (q8, q4, bf16 or f32) to convert them")
+    return chosen["gate"]
 
 
 def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
@@ -171,9 +178,15 @@ class Engine:
             raise ConfigValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         model_dir = Path(model_dir)
         start = time.perf_counter()
-        mcfg = load_model_config(model_dir)
-        codec = TextCodec.load(model_dir)
-        ckpt = Checkpoint(model_dir)
+        gguf = gguf_path(model_dir)
+        if gguf is None:
+            mcfg = load_model_config(model_dir)
+            codec = TextCodec.load(model_dir)
+            ckpt = Checkpoint(model_dir)
+        else:  # a GGUF file: the config from its metadata, a tokenizer.json beside it if there is one
+            ckpt = GgufCheckpoint(gguf)
+            mcfg = parse_model_config(ckpt.config(), gguf.parent)
+            codec = TextCodec.load(gguf.parent)
         weights = load_weights(mcfg, ckpt)
         backend = select_device(config.device)
         if config.dense_dtype != "f32":

@@ -30,7 +30,7 @@ from pathlib import Path
 import zmq
 
 from shm import doorbell, pool_io, segments
-from shm.checkpoint import Checkpoint
+from shm.gguf_checkpoint import open_checkpoint
 from shm.node_store import open_node_store
 from shm.placement import segment_placement
 from shm.plan import plan_from_dict
@@ -123,7 +123,7 @@ class WorkerProcess:
     def start(self) -> None:
         job, nj = self.job, self.node_job
         plan = plan_from_dict(job.plan)
-        ckpt = Checkpoint(job.model_dir)
+        ckpt = open_checkpoint(job.model_dir)
         store, report = open_node_store(ckpt, plan, self.node, job.expert_map(), job.hidden, self.cpus,
                                         model_digest=job.model_digest, node_free=nj.node_free or None,
                                         fmt=job.expert_format)

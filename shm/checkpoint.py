@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 log = logging.getLogger(__name__)
 
@@ -261,10 +262,17 @@ class Checkpoint:
             st.close()
 
 
+def is_block_dtype(dtype: str) -> bool:
+    """A ggml block type (Q8_0, Q4_K, ...): a GGUF file's quantised tensor (shm/gguf_checkpoint.py)."""
+    t = GGMLQuantizationType.__members__.get(dtype)
+    return t is not None and GGML_QUANT_SIZES[t][0] > 1
+
+
 def check_shape(info: TensorInfo, shape: tuple[int, ...] | None) -> None:
-    if info.dtype not in FLOAT_DTYPES:
+    if info.dtype not in FLOAT_DTYPES and not is_block_dtype(info.dtype):
         raise CheckpointError(
-            f"tensor {info.name!r} has dtype {info.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+            f"tensor {info.name!r} has dtype {info.dtype}; expected one of {', '.join(FLOAT_DTYPES)} "
+            "(or a ggml block type in a GGUF file)"
         )
     if shape is not None and tuple(info.shape) != tuple(shape):
         raise CheckpointError(f"tensor {info.name!r} has shape {list(info.shape)}; expected {list(shape)}")

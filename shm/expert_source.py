@@ -17,7 +17,9 @@ import numpy as np
 
 from . import formats
 from .formats.encode import encode_into as compiled_encode_into
-from .checkpoint import Checkpoint
+from . import gguf_blocks
+from .checkpoint import Checkpoint, is_block_dtype
+from .gguf_checkpoint import block_float32, block_geometry
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,12 @@ def convert_into(dest: np.ndarray, raw: np.ndarray, dtype: str) -> None:
     """dest (float32) <- raw storage of the same shape, converted in one pass with no temporary.
 
     BF16 is the top half of a float32: its bits go to the high uint16 of each
-    little-endian float32 and the low half is zeroed.
+    little-endian float32 and the low half is zeroed. A GGUF block type's rows
+    (uint8 [..., row bytes]) are dequantised as gguf.quants reads them.
     """
-    if dtype == "BF16":
+    if is_block_dtype(dtype):
+        dest[...] = block_float32(raw, dtype)
+    elif dtype == "BF16":
         halves = dest.view(np.uint16).reshape(*dest.shape, 2)  # [..., (low, high)]
         halves[..., 0] = 0
         halves[..., 1] = raw
@@ -83,13 +88,28 @@ def _rows(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> tuple[np.n
 
 
 def _columns(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> tuple[np.ndarray, str]:
-    """Storage view of columns [start, stop) of an [H, I] matrix ([H, R]), and its dtype."""
+    """Storage view of columns [start, stop) of an [H, I] matrix ([H, R]), and its dtype; for a GGUF block
+    type, the bytes of the blocks that hold them (the slice must fall on the type's block boundaries)."""
     raw, dtype = _matrix(ckpt, ref)
-    return raw[:, start:stop], dtype
+    geometry = block_geometry(dtype) if is_block_dtype(dtype) else None
+    if geometry is None:
+        return raw[:, start:stop], dtype
+    values, nbytes = geometry
+    if start % values or stop % values:
+        raise ValueError(f"{ref.name}: columns [{start}, {stop}) of {dtype} rows cut its {values}-value blocks")
+    return raw[:, start // values * nbytes : stop // values * nbytes], dtype
+
+
+def values_shape(raw: np.ndarray, dtype: str) -> tuple[int, ...]:
+    """The shape of the weights a storage view holds (a GGUF block type's rows hold more values than bytes)."""
+    if not is_block_dtype(dtype):
+        return raw.shape
+    values, nbytes = block_geometry(dtype)
+    return (*raw.shape[:-1], raw.shape[-1] // nbytes * values)
 
 
 def _converted(view: np.ndarray, dtype: str) -> np.ndarray:
-    out = np.empty(view.shape, np.float32)
+    out = np.empty(values_shape(view, dtype), np.float32)
     convert_into(out, view, dtype)
     return out
 
@@ -140,7 +160,12 @@ ENCODE_ROWS = 256  # rows converted to float32 at a time before encoding
 def store_into(dest: np.ndarray, raw: np.ndarray, dtype: str, fmt: str) -> None:
     """Stored rows of format ``fmt`` <- checkpoint rows ``raw`` of ``dtype``, zeros past raw's width when a row
     holds more weights (W_down's rows padded to whole blocks). A BF16 source kept as bf16 is copied bit for bit."""
-    if fmt == "f32":
+    if is_block_dtype(dtype) and gguf_blocks.LOSSLESS.get(gguf_blocks.ggml_type(dtype)) == fmt:
+        width = formats.get(fmt).hidden_of(dest.shape[1])
+        for a in range(0, raw.shape[0], ENCODE_ROWS):  # the file's blocks, their bytes moved (no rounding)
+            b = min(a + ENCODE_ROWS, raw.shape[0])
+            dest[a:b] = gguf_blocks.repack(raw[a:b], gguf_blocks.ggml_type(dtype), width)[1]
+    elif fmt == "f32":
         convert_into(dest, raw, dtype)
     elif fmt == "bf16" and dtype == "BF16":
         dest[...] = raw
@@ -150,5 +175,5 @@ def store_into(dest: np.ndarray, raw: np.ndarray, dtype: str, fmt: str) -> None:
         block = np.zeros((min(ENCODE_ROWS, raw.shape[0]), width), np.float32)  # [rows, width]: zeros past raw's
         for a in range(0, raw.shape[0], ENCODE_ROWS):
             b = min(a + ENCODE_ROWS, raw.shape[0])
-            convert_into(block[: b - a, : raw.shape[1]], raw[a:b], dtype)
+            convert_into(block[: b - a, : values_shape(raw, dtype)[1]], raw[a:b], dtype)
             compiled_encode_into(f, dest[a:b], block[: b - a])

@@ -31,6 +31,11 @@ BLOCK = 32
 BLOCK_BYTES = {t: GGML_QUANT_SIZES[t][1] for t in (Q8_0, Q4_0)}  # one block: the float16 scale, then the values
 
 
+def ggml_type(name: str) -> GGMLQuantizationType:
+    """The ggml type of a tensor type name (Q8_0, BF16, ...)."""
+    return GGMLQuantizationType[name]
+
+
 def file_row_bytes(ggml_type: int, hidden: int) -> int:
     """Bytes of one row of ``hidden`` values in the file (gguf's block sizes)."""
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]

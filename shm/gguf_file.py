@@ -1,4 +1,4 @@
-"""A GGUF file (or a split set) named and checked as the engine will need it (issue 15, the reader's first piece).
+"""A GGUF file (or a split set) named and checked as the engine needs it (issue 15).
 
 The ``gguf`` package (llama.cpp's own reader) parses the header and maps the
 tensors. This module turns the metadata into the config.json keys the engine
@@ -14,8 +14,7 @@ the file, the tensor and the type, before anything loads:
         .shape(name)        numpy order (the reverse of ggml's ne)
         .float32(name)      the tensor dequantised (gguf.quants), numpy order
 
-Not yet wired into the engine: a file's ffn_down_exps blocks run along the
-intermediate axis, which the stores hold transposed today (see the issue 15 note).
+shm/gguf_checkpoint.py reads it as a Checkpoint for the engine and the node workers.
 """
 
 from __future__ import annotations

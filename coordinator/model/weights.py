@@ -92,6 +92,15 @@ def expert_refs(cfg: ModelConfig, r: _Reader, layer: int) -> dict[int, ExpertRef
     _, moe = _prefix(cfg, layer)
     H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     names = ("w1", "w3", "w2") if cfg.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    stacked_gate = f"{moe}.experts.gate_proj"
+    if stacked_gate in r.ckpt:
+        # a GGUF file's ffn_{gate,up,down}_exps (shm/gguf_checkpoint.py): gate, up [E, I, H], down [E, H, I]
+        stacked_up, stacked_down = f"{moe}.experts.up_proj", f"{moe}.experts.down_proj"
+        r.expect(stacked_gate, (E, I, H))
+        r.expect(stacked_up, (E, I, H))
+        r.expect(stacked_down, (E, H, I))
+        return {e: ExpertRefs(TensorRef(stacked_gate, e), TensorRef(stacked_up, e), TensorRef(stacked_down, e))
+                for e in range(E)}
     fused_gate_up = f"{moe}.experts.gate_up_proj"
     if fused_gate_up in r.ckpt and f"{moe}.experts.0.{names[0]}.weight" not in r.ckpt:
         # transformers 5 layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]

@@ -42,9 +42,20 @@ def get(name: str) -> ModuleType:
 
 def resolve(name: str, checkpoint_dtype: str, hidden: int) -> ModuleType:
     """The format to store experts in. ``auto`` keeps the checkpoint's weights exactly in the fewest bytes:
-    bf16 for a BF16 checkpoint, f32 for F16 and F32 ones (bf16 would round F16's mantissa)."""
+    bf16 for a BF16 checkpoint, f32 for F16 and F32 ones (bf16 would round F16's mantissa), q8 and q4 for a
+    GGUF file's Q8_0 and Q4_0 blocks (shm/gguf_blocks.py); another GGUF block type needs a chosen format."""
     if name == AUTO:
-        name = "bf16" if checkpoint_dtype == "BF16" else "f32"
+        from ..checkpoint import is_block_dtype
+        from ..gguf_blocks import LOSSLESS, ggml_type
+
+        if is_block_dtype(checkpoint_dtype):
+            name = LOSSLESS.get(ggml_type(checkpoint_dtype))
+            if name is None:
+                raise FormatError(f"the experts are {checkpoint_dtype} blocks, which no store format holds exactly "
+                                  "yet: choose --expert-dtype (q8, q4, bf16 or f32) to convert them (a second "
+                                  "rounding)")
+        else:
+            name = "bf16" if checkpoint_dtype == "BF16" else "f32"
     fmt = get(name)
     if hidden % fmt.BLOCK:
         raise FormatError(f"expert format {name} stores blocks of {fmt.BLOCK} weights along the hidden axis; "

@@ -1,0 +1,139 @@
+"""The engine on a GGUF file (issue 15): the file's expert blocks kept as they are, computed on exactly their
+dequantised weights, in process and split over two virtual nodes; the choices it cannot make, named.
+
+The reference is a safetensors checkpoint written from the same file's dequantised tensors (gguf.quants), run
+with f32 experts: the GGUF engine must agree with it to float rounding, while the store holds the file's
+blocks (checked byte for byte against the file, not against a quantisation of ours).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from coordinator.cli.make_model import make_model
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.errors import ConfigValueError
+from shm import formats
+from shm.checkpoint_writer import save_checkpoint
+from shm.expert_store import HeapExpertStore
+from shm.gguf_blocks import repack
+from shm.gguf_checkpoint import GgufCheckpoint, gguf_path
+from shm.gguf_file import GgufError
+from shm.plan import NodeShare, make_plan
+
+from gguf_writer import write_gguf
+
+PROMPT = [3, 17, 42, 5, 99, 7]
+
+
+def dequantised_checkpoint(gguf_file, config_src, out):
+    """A safetensors folder holding the GGUF's tensors dequantised, experts one by one as transformers names them."""
+    ck = GgufCheckpoint(gguf_file)
+    tensors = {}
+    for name in ck.names():
+        w = ck.float32(name)
+        if name.endswith((".experts.gate_proj", ".experts.up_proj", ".experts.down_proj")):
+            base, proj = name.rsplit(".", 1)
+            for e in range(w.shape[0]):
+                tensors[f"{base}.{e}.{proj}.weight"] = w[e]
+        else:
+            tensors[name] = w
+    save_checkpoint(out, tensors, "F32")
+    for extra in ("config.json", "generation_config.json", "tokenizer.json"):
+        shutil.copy(config_src / extra, out / extra)
+    return out
+
+
+@pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q4_0])
+def files(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"gguf-{request.param.name}")
+    ckpt = make_model(root / "m", seed=7, hidden_size=64, moe_intermediate_size=96)  # 3 blocks of 32: 2 nodes
+    path = root / "dir" / "m.gguf"
+    path.parent.mkdir()
+    write_gguf(ckpt, path, experts=request.param)
+    shutil.copy(ckpt / "tokenizer.json", path.parent / "tokenizer.json")
+    return request.param, path, dequantised_checkpoint(path, ckpt, root / "deq")
+
+
+def logits(eng: Engine, ids) -> np.ndarray:
+    return eng.decoder.forward(np.asarray(ids, np.int64), eng.decoder.new_cache())
+
+
+def test_the_store_holds_the_files_blocks_byte_for_byte(files):
+    qtype, path, _ = files
+    ck = GgufCheckpoint(path)
+    fmt = {Q.Q8_0: "q8", Q.Q4_0: "q4"}[qtype]
+    cfg = ck.config()
+    I, H = cfg["moe_intermediate_size"], cfg["hidden_size"]
+    plan = make_plan([NodeShare(0, 1), NodeShare(1, 2)], [I])  # node 1 holds twice node 0's rows
+    from coordinator.model.model_config import parse_model_config
+    from coordinator.model.weights import load_weights
+    experts = {k: (refs, I) for k, refs in load_weights(parse_model_config(cfg), ck).experts.items()}
+    for node in (0, 1):
+        rows = plan.slice_of(I, node)
+        store = HeapExpertStore.from_checkpoint(ck, plan, node, experts, fmt)
+        try:
+            for layer, e in [(0, 0), (1, 3)]:
+                got = store.get(layer, e)
+                gate, down = ck.raw(f"model.layers.{layer}.mlp.experts.gate_proj")[e], \
+                    ck.raw(f"model.layers.{layer}.mlp.experts.down_proj")[e]
+                per_block = {Q.Q8_0: 34, Q.Q4_0: 18}[qtype]
+                assert np.array_equal(got.gate, repack(gate[rows.start:rows.stop], qtype, H)[1])
+                cols = slice(rows.start // 32 * per_block, rows.stop // 32 * per_block)
+                assert np.array_equal(got.down, repack(down[:, cols], qtype, rows.stop - rows.start)[1])
+                # and so the weights the kernels compute with are the file's, dequantised by gguf.quants
+                want = ck.float32(f"model.layers.{layer}.mlp.experts.down_proj")[e][:, rows.start:rows.stop]
+                assert np.array_equal(formats.decoded(formats.get(fmt), got.down), want)
+        finally:
+            store.close()
+
+
+def test_engine_on_the_file_agrees_with_its_dequantised_weights_and_split_is_bitwise_in_process(files):
+    qtype, path, deq = files
+    with Engine.open(deq, EngineConfig(pool="inproc", expert_dtype="f32")) as ref:
+        want = logits(ref, PROMPT)
+        want_ids = ref.generate(PROMPT, max_new_tokens=6, stop_at_eos=False)
+    with Engine.open(path, EngineConfig(pool="inproc")) as eng:
+        assert eng.expert_format == {Q.Q8_0: "q8", Q.Q4_0: "q4"}[qtype]  # auto: the file's blocks, kept
+        inproc = logits(eng, PROMPT)
+        assert eng.generate(PROMPT, max_new_tokens=6, stop_at_eos=False) == want_ids
+    np.testing.assert_allclose(inproc, want, rtol=1e-4, atol=1e-5)
+    split = dict(numa_split=True, nodes=2)  # the same plan in process and in two worker processes
+    with Engine.open(path, EngineConfig(pool="inproc", **split)) as eng:
+        inproc_split = logits(eng, PROMPT)
+    with Engine.open(path.parent, EngineConfig(pool="process", **split)) as eng:  # the folder names the file
+        assert [n.virtual for n in eng.nodes] == [True, True]
+        assert np.array_equal(logits(eng, PROMPT), inproc_split)
+    np.testing.assert_allclose(inproc_split, want, rtol=1e-4, atol=1e-5)
+
+
+def test_block_types_without_an_exact_store_format_ask_for_one(tmp_path):
+    ckpt = make_model(tmp_path / "m", seed=8, hidden_size=64, moe_intermediate_size=96)
+    path = tmp_path / "q41.gguf"
+    write_gguf(ckpt, path, experts=Q.Q4_1)
+    with pytest.raises(ConfigValueError, match=r"Q4_1 blocks.*choose --expert-dtype"):
+        Engine.open(path, EngineConfig(pool="inproc"))
+    with Engine.open(path, EngineConfig(pool="inproc", expert_dtype="bf16")) as eng:  # converted, as asked
+        assert eng.expert_format == "bf16" and logits(eng, PROMPT[:2]).shape[0] == 2
+    mixed = tmp_path / "mixed.gguf"
+    write_gguf(ckpt, mixed, experts=Q.Q8_0, down=Q.Q4_0)
+    with pytest.raises(ConfigValueError, match=r"gate Q8_0, up Q8_0, down Q4_0; no one format keeps them all"):
+        Engine.open(mixed, EngineConfig(pool="inproc"))
+
+
+def test_a_model_path_names_one_gguf_file(tmp_path):
+    assert gguf_path(tmp_path) is None  # an empty folder: not GGUF (the safetensors reader names what is missing)
+    (tmp_path / "a.gguf").write_bytes(b"")
+    assert gguf_path(tmp_path) == tmp_path / "a.gguf"
+    (tmp_path / "b-00001-of-00002.gguf").write_bytes(b"")
+    (tmp_path / "b-00002-of-00002.gguf").write_bytes(b"")
+    with pytest.raises(GgufError, match=r"holds 2 GGUF models \(a.gguf, b-00001-of-00002.gguf\)"):
+        gguf_path(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    assert gguf_path(tmp_path) is None  # a Hugging Face folder, whatever else it holds
