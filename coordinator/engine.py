@@ -26,6 +26,7 @@ from .errors import ConfigValueError, StrataError
 from .model.backend import select_device
 from .model.packed import pack_dense
 from .model.decoder import Decoder
+from .model.gguf_tokenizer import gguf_codec
 from .model.model_config import ModelConfig, load_model_config, parse_model_config
 from .model.sampling import Sampler, SamplingParams
 from .model.tokenizer import TextCodec
@@ -183,10 +184,10 @@ class Engine:
             mcfg = load_model_config(model_dir)
             codec = TextCodec.load(model_dir)
             ckpt = Checkpoint(model_dir)
-        else:  # a GGUF file: the config from its metadata, a tokenizer.json beside it if there is one
+        else:  # a GGUF file: the config and the tokenizer from its metadata
             ckpt = GgufCheckpoint(gguf)
             mcfg = parse_model_config(ckpt.config(), gguf.parent)
-            codec = TextCodec.load(gguf.parent)
+            codec = gguf_codec(ckpt.file.metadata, gguf)
         weights = load_weights(mcfg, ckpt)
         backend = select_device(config.device)
         if config.dense_dtype != "f32":

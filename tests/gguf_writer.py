@@ -14,13 +14,29 @@ from shm.gguf_file import GLOBAL_TENSORS, LAYER_TENSORS
 HF_TO_GGUF = {**{hf: g for g, hf in GLOBAL_TENSORS.items()}, **{hf: g for g, hf in LAYER_TENSORS.items()}}
 
 
+def add_tokenizer(w: gguf.GGUFWriter, tok, pre: str = "qwen2", model: str = "gpt2") -> None:
+    """A `tokenizers` byte-level BPE tokenizer as llama.cpp's converter writes it (tokenizer.ggml.*)."""
+    vocab = tok.get_vocab(with_added_tokens=True)  # {token: id}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    special = {a.content for a in tok.get_added_tokens_decoder().values() if a.special}
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+
+
 def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q = Q.Q8_0,
-               down: Q | None = None) -> None:
+               down: Q | None = None, tokenizer=None, pre: str = "qwen2") -> None:
     """The checkpoint as llama.cpp's converter writes it: stacked experts (``experts``, ``down`` for
-    ffn_down_exps when given), everything else F32."""
+    ffn_down_exps when given), everything else F32; ``tokenizer`` (a `tokenizers` Tokenizer) in the metadata."""
     cfg = json.loads((ckpt_dir / "config.json").read_text())
     ck = Checkpoint(ckpt_dir)
     w = gguf.GGUFWriter(str(path), arch)
+    if tokenizer is not None:
+        add_tokenizer(w, tokenizer, pre)
     for add, key in ((w.add_block_count, "num_hidden_layers"), (w.add_context_length, "max_position_embeddings"),
                      (w.add_embedding_length, "hidden_size"), (w.add_feed_forward_length, "intermediate_size"),
                      (w.add_expert_feed_forward_length, "moe_intermediate_size"),

@@ -1,0 +1,89 @@
+"""A GGUF file's tokenizer (its ``tokenizer.ggml.*`` metadata) as a `tokenizers` Tokenizer, as llama.cpp reads it.
+
+    tokenizer.ggml.model        "gpt2": byte-level BPE (Qwen, DeepSeek, GLM): built here
+                                "llama" (SentencePiece: Mixtral, Llama 2) and others: not yet, named
+    tokenizer.ggml.pre          which split regex runs before BPE, by name (llama.cpp's llama-vocab.cpp):
+                                PRE_REGEX below; an unknown name is refused, never guessed
+    tokenizer.ggml.tokens       the vocabulary, in id order (byte-level strings: GPT-2's byte alphabet)
+    tokenizer.ggml.token_type   per token: 1 normal, 2 unknown, 3 control (special), 4 user-defined, 5 unused,
+                                6 byte
+    tokenizer.ggml.merges       "left right" per merge, in rank order
+
+Control tokens become special added tokens (matched whole in the text, skipped when decoding with
+skip_special_tokens), user-defined ones plain added tokens, as llama.cpp treats them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from .tokenizer import TextCodec, TokenizerError
+
+log = logging.getLogger(__name__)
+
+CONTROL, USER_DEFINED = 3, 4
+
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), the same strings Hugging Face's tokenizer.json files hold
+GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+         r"\s+(?!\S)|\s+")
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_REGEX = {"default": GPT2, "gpt-2": GPT2, "gpt2": GPT2, "qwen2": QWEN2, "llama3": LLAMA3, "llama-bpe": LLAMA3}
+IGNORE_MERGES = {"llama3", "llama-bpe"}  # a piece that is itself a token is taken whole (llama.cpp, and HF's files)
+
+
+def has_tokenizer(metadata: dict) -> bool:
+    return "tokenizer.ggml.tokens" in metadata
+
+
+def gguf_tokenizer(metadata: dict, source: str = "the GGUF file") -> Tokenizer:
+    """The Tokenizer the metadata describes; TokenizerError naming what is not supported."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise TokenizerError(f"{source}: tokenizer model {kind!r} is not supported yet (only byte-level BPE, "
+                             "'gpt2'); put the model's tokenizer.json beside the file")
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    if pre not in PRE_REGEX:
+        raise TokenizerError(f"{source}: pre-tokenizer {pre!r} is not supported yet (known: "
+                             f"{', '.join(sorted(PRE_REGEX))}); put the model's tokenizer.json beside the file")
+    tokens = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
+    types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    if len(types) != len(tokens):
+        raise TokenizerError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    if any(len(m) != 2 for m in merges):
+        raise TokenizerError(f"{source}: a merge is not two tokens separated by a space")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise TokenizerError(f"{source}: the vocabulary repeats a token")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in IGNORE_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_REGEX[pre]), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+    return tok
+
+
+def gguf_codec(metadata: dict, path: Path) -> TextCodec | None:
+    """The tokenizer of the GGUF file at ``path``: its metadata's (as llama.cpp uses it), else a tokenizer.json
+    beside the file, else None (token ids only). Metadata of a kind not supported yet, with no tokenizer.json
+    beside, is an error that says so."""
+    beside = TextCodec.load(path.parent)
+    if not has_tokenizer(metadata):
+        return beside
+    try:
+        return TextCodec(gguf_tokenizer(metadata, str(path)))
+    except TokenizerError as exc:
+        if beside is None:
+            raise
+        log.info("%s; using %s", exc, path.parent / "tokenizer.json")
+        return beside
