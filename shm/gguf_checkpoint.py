@@ -9,7 +9,8 @@ digest). This module gives it for a GGUF file, on top of shm/gguf_file.py:
     info.dtype      F32, F16 and BF16 as safetensors names them; a block type by its ggml name (Q8_0, Q4_K, ...)
     raw(name)       a view of the mapped file: float32 / float16 / uint16 (BF16) [numpy shape]; a block type as
                     uint8 [*shape[:-1], bytes of a row] (each row's blocks, as the file has them)
-    float32(name)   dequantised exactly as gguf.quants reads it
+    float32(name)   dequantised exactly as gguf.quants reads it (a Mixtral file's q and k rows un-permuted:
+                    the converter interleaves each head's rotary halves for ggml's rope)
 
 Expert rows of a block type are handed to the stores as the file's bytes
 (shm/expert_source.py), which repacks them without loss (shm/gguf_blocks.py)
@@ -30,7 +31,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from .checkpoint import Checkpoint, CheckpointError, TensorInfo, check_shape, to_float32
-from .gguf_file import GgufError, GgufFile
+from .gguf_file import GgufError, GgufFile, unpermute_qk
 
 STORAGE = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # ggml float types -> numpy storage
 
@@ -116,14 +117,20 @@ class GgufCheckpoint:
         return data.view(np.uint8).reshape(*info.shape[:-1], info.shape[-1] // values * nbytes)
 
     def float32(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor as float32 (a Mixtral file's q and k rows back in Hugging Face's order)."""
         info = self.info(name)
         check_shape(info, shape)
         if info.dtype in STORAGE:
-            return to_float32(self.raw(name), info.dtype)
-        return block_float32(self.raw(name), info.dtype).reshape(info.shape)
+            out = to_float32(self.raw(name), info.dtype)
+        else:
+            out = block_float32(self.raw(name), info.dtype).reshape(info.shape)
+        heads = self.file.qk_heads(self.index[name])
+        return out if heads is None else unpermute_qk(out, heads)
 
     def rows(self, name: str, start: int, stop: int, *, axis: int = 0) -> np.ndarray:
         info = self.info(name)
+        if self.file.qk_heads(self.index[name]) is not None:  # permuted rows: whole, then cut
+            return np.ascontiguousarray(np.take(self.float32(name), range(start, stop), axis=axis))
         raw = self.raw(name)
         if info.dtype not in STORAGE and axis in (-1, raw.ndim - 1):
             raise CheckpointError(f"tensor {name} ({info.dtype}): its blocks run along the last axis; read whole rows")

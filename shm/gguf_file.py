@@ -31,6 +31,7 @@ SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", True),
     "qwen2moe": ("Qwen2MoeForCausalLM", False),
+    "llama": ("MixtralForCausalLM", True),  # with experts (llama.expert_count): Mixtral
 }
 
 # per-layer GGUF tensor -> Hugging Face name (after "model.layers.{i}.")
@@ -58,8 +59,20 @@ LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Mixtral's names differ (block_sparse_moe); its q and k rows are permuted by the converter (unpermute_qk)
+MIXTRAL_TENSORS = {**LAYER_TENSORS, "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+                   "ffn_gate_exps.weight": "block_sparse_moe.experts.gate_proj",
+                   "ffn_up_exps.weight": "block_sparse_moe.experts.up_proj",
+                   "ffn_down_exps.weight": "block_sparse_moe.experts.down_proj"}
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}
+
+
+def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of convert_hf_to_gguf.py's LlamaModel.permute: q or k rows [heads * head_dim, H] back in
+    Hugging Face's order (each head's two rotary halves apart, not interleaved)."""
+    return np.ascontiguousarray(w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+                                .reshape(w.shape))
 
 
 class GgufError(ValueError):
@@ -117,6 +130,8 @@ class GgufFile:
         if self.arch not in ARCHITECTURES:
             raise GgufError(f"{self.path}: architecture {self.arch!r} is not supported; expected one of "
                             f"{', '.join(ARCHITECTURES)}")
+        if self.arch == "llama" and not self._meta("expert_count", 0):
+            raise GgufError(f"{self.path}: a llama model without experts (llama.expert_count): not a MoE model")
 
     def _meta(self, key: str, default: object = ...) -> object:
         full = f"{self.arch}.{key}"
@@ -149,12 +164,16 @@ class GgufFile:
             "max_position_embeddings": int(self._meta("context_length")),
             "num_experts": int(self._meta("expert_count")),
             "num_experts_per_tok": int(self._meta("expert_used_count")),
-            "moe_intermediate_size": int(self._meta("expert_feed_forward_length")),
-            "intermediate_size": int(self._meta("feed_forward_length", self._meta("expert_feed_forward_length"))),
-            "norm_topk_prob": bool(self._meta("expert_weights_norm", norm_default)),
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "hidden_act": "silu",
         }
+        if self.arch == "llama":  # Mixtral: the experts' size is the feed-forward length
+            cfg["num_local_experts"] = cfg.pop("num_experts")
+            cfg["intermediate_size"] = int(self._meta("feed_forward_length"))
+        else:
+            cfg["moe_intermediate_size"] = int(self._meta("expert_feed_forward_length"))
+            cfg["intermediate_size"] = int(self._meta("feed_forward_length", cfg["moe_intermediate_size"]))
+            cfg["norm_topk_prob"] = bool(self._meta("expert_weights_norm", norm_default))
         if self.arch == "qwen2moe":
             cfg["shared_expert_intermediate_size"] = int(self._meta("expert_shared_feed_forward_length"))
         scaling = self._meta("rope.scaling.type", "none")
@@ -168,16 +187,28 @@ class GgufFile:
 
     def hf_names(self) -> dict[str, str]:
         """{Hugging Face name: GGUF name} for every tensor of the file; an unknown tensor is an error."""
+        layer_tensors = MIXTRAL_TENSORS if self.arch == "llama" else LAYER_TENSORS
         names = {}
         for name in self.tensors:
             if name in GLOBAL_TENSORS:
                 names[GLOBAL_TENSORS[name]] = name
                 continue
             m = re.match(r"^blk\.(\d+)\.(.+)$", name)
-            if m is None or m[2] not in LAYER_TENSORS:
+            if m is None or m[2] not in layer_tensors or (self.arch == "llama" and m[2] == "ffn_gate.weight"):
                 raise GgufError(f"{self.tensors[name][0]}: tensor {name} is not one a {self.arch} model has")
-            names[f"model.layers.{m[1]}.{LAYER_TENSORS[m[2]]}"] = name
+            names[f"model.layers.{m[1]}.{layer_tensors[m[2]]}"] = name
         return names
+
+    def qk_heads(self, name: str) -> int | None:
+        """For a Mixtral (llama) file, the heads over which the converter permuted this q or k matrix's rows
+        (rotary halves interleaved for ggml's rope); None for every other tensor."""
+        if self.arch != "llama":
+            return None
+        if name.endswith(".attn_q.weight"):
+            return int(self._meta("attention.head_count"))
+        if name.endswith(".attn_k.weight"):
+            return int(self._meta("attention.head_count_kv", self._meta("attention.head_count")))
+        return None
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Numpy order: ggml's ne reversed ([E, I, H] for ffn_gate_exps)."""
@@ -194,7 +225,9 @@ class GgufFile:
         except NotImplementedError as exc:
             raise GgufError(f"{self.tensors[name][0]}: tensor {name} has type {t.tensor_type.name}, which cannot be "
                             f"read ({exc})") from exc
-        return np.asarray(out, np.float32).reshape(self.shape(name))
+        out = np.asarray(out, np.float32).reshape(self.shape(name))
+        heads = self.qk_heads(name)
+        return out if heads is None else unpermute_qk(out, heads)
 
     def _tensor(self, name: str):
         if name not in self.tensors:

@@ -35,13 +35,14 @@ PROMPT = [3, 17, 42, 5, 99, 7]
 def dequantised_checkpoint(gguf_file, config_src, out):
     """A safetensors folder holding the GGUF's tensors dequantised, experts one by one as transformers names them."""
     ck = GgufCheckpoint(gguf_file)
+    mixtral = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if ck.file.arch == "llama" else None
     tensors = {}
     for name in ck.names():
         w = ck.float32(name)
         if name.endswith((".experts.gate_proj", ".experts.up_proj", ".experts.down_proj")):
             base, proj = name.rsplit(".", 1)
             for e in range(w.shape[0]):
-                tensors[f"{base}.{e}.{proj}.weight"] = w[e]
+                tensors[f"{base}.{e}.{mixtral[proj] if mixtral else proj}.weight"] = w[e]
         else:
             tensors[name] = w
     save_checkpoint(out, tensors, "F32")
@@ -113,6 +114,26 @@ def test_engine_on_the_file_agrees_with_its_dequantised_weights_and_split_is_bit
     np.testing.assert_allclose(inproc_split, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch, gguf_arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe")])
+def test_mixtral_and_qwen2_moe_files(tmp_path, arch, gguf_arch):
+    """Mixtral as llama.cpp writes it (arch llama, q and k rows permuted for ggml's rope), Qwen2-MoE with its
+    shared expert: the same logits as the safetensors checkpoint they came from, to the experts' Q8_0 rounding,
+    and exactly those of the file's dequantised weights."""
+    ckpt = make_model(tmp_path / "m", arch=arch, seed=11, hidden_size=64, moe_intermediate_size=96)
+    path = tmp_path / "m.gguf"
+    write_gguf(ckpt, path, arch=gguf_arch, experts=Q.Q8_0)
+    deq = dequantised_checkpoint(path, ckpt, tmp_path / "deq")
+    with Engine.open(path, EngineConfig(pool="inproc")) as eng, \
+            Engine.open(deq, EngineConfig(pool="inproc", expert_dtype="f32")) as ref, \
+            Engine.open(ckpt, EngineConfig(pool="inproc")) as orig:
+        assert eng.model_config.arch == arch
+        got = logits(eng, PROMPT)
+        np.testing.assert_allclose(got, logits(ref, PROMPT), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got, logits(orig, PROMPT), atol=0.05)  # Q8_0 experts against the originals
+        assert eng.generate(PROMPT, max_new_tokens=5, stop_at_eos=False) == \
+            ref.generate(PROMPT, max_new_tokens=5, stop_at_eos=False)
+
+
 def test_block_types_without_an_exact_store_format_ask_for_one(tmp_path):
     ckpt = make_model(tmp_path / "m", seed=8, hidden_size=64, moe_intermediate_size=96)
     path = tmp_path / "q41.gguf"
@@ -125,6 +146,21 @@ def test_block_types_without_an_exact_store_format_ask_for_one(tmp_path):
     write_gguf(ckpt, mixed, experts=Q.Q8_0, down=Q.Q4_0)
     with pytest.raises(ConfigValueError, match=r"gate Q8_0, up Q8_0, down Q4_0; no one format keeps them all"):
         Engine.open(mixed, EngineConfig(pool="inproc"))
+
+
+def test_a_split_set_opened_by_its_first_part_is_the_whole_file(tmp_path):
+    ckpt = make_model(tmp_path / "m", seed=12, hidden_size=64, moe_intermediate_size=96)
+    write_gguf(ckpt, tmp_path / "one.gguf")
+    (tmp_path / "parts").mkdir()
+    write_gguf(ckpt, tmp_path / "parts" / "m.gguf", split_max_tensors=12)
+    parts = sorted(p.name for p in (tmp_path / "parts").iterdir())
+    assert len(parts) >= 3 and parts[0].startswith("m-00001-of-")
+    with Engine.open(tmp_path / "one.gguf", EngineConfig(pool="inproc")) as one, \
+            Engine.open(tmp_path / "parts" / parts[0], EngineConfig(pool="inproc")) as split:
+        assert np.array_equal(logits(split, PROMPT), logits(one, PROMPT))
+    (tmp_path / "parts" / parts[1]).unlink()
+    with pytest.raises(GgufError, match=f"missing {parts[1]}"):
+        Engine.open(tmp_path / "parts" / parts[0], EngineConfig(pool="inproc"))
 
 
 def test_a_model_path_names_one_gguf_file(tmp_path):

@@ -77,6 +77,12 @@ def test_what_is_not_supported_is_named_and_a_tokenizer_json_beside_stands_in(ck
     with pytest.raises(TokenizerError, match="2 tokens but 1 token types"):
         gguf_tokenizer({**meta, "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": ["a", "b"],
                         "tokenizer.ggml.token_type": [1]})
+    # a merge whose pieces are not tokens (llama.cpp's converter can write one) is left out, as llama.cpp ignores it
+    good = {**meta, "tokenizer.ggml.pre": "qwen2"}
+    bad = {**good, "tokenizer.ggml.merges": ["zq9 xw8"] + list(meta["tokenizer.ggml.merges"])}
+    assert "zq9" not in tok.get_vocab()
+    assert gguf_tokenizer(bad).encode(TEXTS[0]).ids == gguf_tokenizer(good).encode(TEXTS[0]).ids == \
+        tok.encode(TEXTS[0]).ids
     shutil.copy(ckpt / "tokenizer.json", odd.parent / "tokenizer.json")
     beside = gguf_codec(meta, odd)
     assert beside.tokenizer.to_str() == TextCodec.load(ckpt).tokenizer.to_str()

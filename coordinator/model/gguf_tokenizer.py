@@ -60,6 +60,11 @@ def gguf_tokenizer(metadata: dict, source: str = "the GGUF file") -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise TokenizerError(f"{source}: the vocabulary repeats a token")
+    usable = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
+    if len(usable) < len(merges):  # llama.cpp falls back to the bytes of a merge that makes no token; so does this
+        log.warning("%s: %d of %d merges make or use a piece that is not in the vocabulary; left out", source,
+                    len(merges) - len(usable), len(merges))
+        merges = usable
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in IGNORE_MERGES))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PRE_REGEX[pre]), behavior="isolated", invert=False),
