@@ -82,6 +82,13 @@ class GgufCheckpoint:
         self.dir = self.path.parent
         self.index = self.file.hf_names()  # {Hugging Face name: GGUF name}
         self._infos: dict[str, TensorInfo] = {}
+        for name in self.index:  # a type nothing here can read is named now, before any worker starts
+            info = self.info(name)
+            if info.dtype not in STORAGE:
+                try:
+                    block_float32(self.raw(name).reshape(-1, self.raw(name).shape[-1])[:1], info.dtype)
+                except CheckpointError as exc:
+                    raise GgufError(f"{info.file}: tensor {self.index[name]} has type {info.dtype}: {exc}") from None
 
     def config(self) -> dict:
         """config.json's keys, from the file's metadata."""

@@ -71,8 +71,14 @@ def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q
             qtype = down if hf_proj == "down_proj" and down is not None else experts
             if qtype == Q.F32:
                 w.add_tensor(name, stacked)
-            else:
-                w.add_tensor(name, gguf.quants.quantize(stacked, qtype), raw_dtype=qtype)
+                continue
+            try:
+                blocks = gguf.quants.quantize(stacked, qtype)
+            except NotImplementedError:  # a type gguf.quants cannot write: random bytes of the right size
+                values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+                shape = (*stacked.shape[:-1], stacked.shape[-1] // values * nbytes)
+                blocks = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+            w.add_tensor(name, blocks, raw_dtype=qtype)
     for name in ck.names():
         if ".experts." in name:
             continue

@@ -142,6 +142,10 @@ def test_block_types_without_an_exact_store_format_ask_for_one(tmp_path):
         Engine.open(path, EngineConfig(pool="inproc"))
     with Engine.open(path, EngineConfig(pool="inproc", expert_dtype="bf16")) as eng:  # converted, as asked
         assert eng.expert_format == "bf16" and logits(eng, PROMPT[:2]).shape[0] == 2
+    unreadable = tmp_path / "q81.gguf"  # Q8_1 is an intermediate type gguf.quants does not read
+    write_gguf(ckpt, unreadable, experts=Q.Q8_1)
+    with pytest.raises(GgufError, match=r"q81.gguf: tensor blk.0.ffn_gate_exps.weight has type Q8_1"):
+        Engine.open(unreadable, EngineConfig(pool="process", expert_dtype="q8"))  # before any worker starts
     mixed = tmp_path / "mixed.gguf"
     write_gguf(ckpt, mixed, experts=Q.Q8_0, down=Q.Q4_0)
     with pytest.raises(ConfigValueError, match=r"gate Q8_0, up Q8_0, down Q4_0; no one format keeps them all"):
