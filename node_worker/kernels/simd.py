@@ -11,7 +11,8 @@ set: LLVM lowers ``<32 x float>`` to four AVX2 registers, two AVX-512 ones, or
 whatever the host has, so nothing assumes a vector width.
 
 One intrinsic per format on four rows at byte offsets o0..o3 of ``data`` (decode: every matrix of an expert,
-and the dense matrices, is read as rows taken in dot products; the rows two calls ahead are prefetched):
+and the dense matrices, is read as rows taken in dot products; the rows two calls ahead are prefetched, as
+dot2r4 prefetches the rows four pairs ahead):
 
     dot4_F(data, o0, o1, o2, o3, hidden, x)             -> (x·w0, x·w1, x·w2, x·w3)    x [H] float32
 
@@ -74,7 +75,8 @@ def _prefetch_ahead(builder, fmt, rows, b) -> None:
 
     A row is 1-4 KiB: too short a stream for the hardware prefetcher to ramp up on, and four rows read side by
     side look like four streams. Measured out of cache (2 threads, 76k rows x 2048): q8 9.5 -> 15 G weights/s,
-    q4 12 -> 17, bf16 9 -> 10.5. A prefetch never faults, so reading past the data's end is harmless."""
+    q4 12 -> 17, bf16 9 -> 10.5; a prefill MoE layer (64 tokens, 64 experts x 768 x 2048): q8 and q4 about 22 %
+    faster, bf16 unchanged. A prefetch never faults, so reading past the data's end is harmless."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
                                                                                            I32]), "llvm.prefetch.p0i8")
     step = builder.sub(builder.ptrtoint(rows[1], I64), builder.ptrtoint(rows[0], I64))
@@ -209,6 +211,7 @@ def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
     NR = len(rows)
 
     def step(b, accs):  # accs [K * NR], token-major
+        _prefetch_ahead(builder, fmt, rows, b)  # the rows four pairs on (the first chunk of tokens brings them)
         ws = [_scaled_block(builder, fmt, row, b, hidden_v) for row in rows]  # each widened once for the K tokens
         col = builder.mul(b, const(LANES))
         out = []
