@@ -95,7 +95,7 @@ def test_the_store_holds_the_files_blocks_byte_for_byte(files):
             store.close()
 
 
-def test_engine_on_the_file_agrees_with_its_dequantised_weights_and_split_is_bitwise_in_process(files):
+def test_engine_on_the_file_agrees_with_its_dequantised_weights_single_and_split_bitwise_in_process(files):
     qtype, path, deq = files
     with Engine.open(deq, EngineConfig(pool="inproc", expert_dtype="f32")) as ref:
         want = logits(ref, PROMPT)
@@ -105,6 +105,8 @@ def test_engine_on_the_file_agrees_with_its_dequantised_weights_and_split_is_bit
         inproc = logits(eng, PROMPT)
         assert eng.generate(PROMPT, max_new_tokens=6, stop_at_eos=False) == want_ids
     np.testing.assert_allclose(inproc, want, rtol=1e-4, atol=1e-5)
+    with Engine.open(path, EngineConfig(pool="process")) as eng:  # single: one worker process, whole experts
+        assert np.array_equal(logits(eng, PROMPT), inproc)
     split = dict(numa_split=True, nodes=2)  # the same plan in process and in two worker processes
     with Engine.open(path, EngineConfig(pool="inproc", **split)) as eng:
         inproc_split = logits(eng, PROMPT)
