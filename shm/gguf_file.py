@@ -97,7 +97,7 @@ def part_paths(path: str | Path) -> list[Path]:
     return parts
 
 
-def _value(field):
+def metadata_value(field):
     """A metadata field as a Python value (str, number, bool or list); a float32 as the shortest decimal that
     reads back to it (1e-06, not 9.99999997e-07: the value the converter was given)."""
     value = field.contents()
@@ -118,7 +118,7 @@ class GgufFile:
                 raise GgufError(f"{part}: not a readable GGUF file ({exc}); truncated or not GGUF?") from exc
             for key, field in reader.fields.items():
                 if not key.startswith("GGUF."):
-                    self.metadata.setdefault(key, _value(field))
+                    self.metadata.setdefault(key, metadata_value(field))
             for t in reader.tensors:
                 if t.name in self.tensors:
                     raise GgufError(f"{part}: tensor {t.name} is also in {self.tensors[t.name][0].name}")

@@ -1,13 +1,17 @@
 """A GGUF file's tokenizer (its ``tokenizer.ggml.*`` metadata) as a `tokenizers` Tokenizer, as llama.cpp reads it.
 
-    tokenizer.ggml.model        "gpt2": byte-level BPE (Qwen, DeepSeek, GLM): built here
-                                "llama" (SentencePiece: Mixtral, Llama 2) and others: not yet, named
+    tokenizer.ggml.model        "gpt2": byte-level BPE (Qwen, DeepSeek, GLM)
+                                "llama": SentencePiece BPE (Mixtral, Llama 2): pieces with scores, "▁" for a
+                                space, unknown characters as <0xXX> byte tokens
+                                others: not yet, named
     tokenizer.ggml.pre          which split regex runs before BPE, by name (llama.cpp's llama-vocab.cpp):
                                 PRE_REGEX below; an unknown name is refused, never guessed
     tokenizer.ggml.tokens       the vocabulary, in id order (byte-level strings: GPT-2's byte alphabet)
     tokenizer.ggml.token_type   per token: 1 normal, 2 unknown, 3 control (special), 4 user-defined, 5 unused,
                                 6 byte
-    tokenizer.ggml.merges       "left right" per merge, in rank order
+    tokenizer.ggml.merges       "left right" per merge, in rank order (gpt2)
+    tokenizer.ggml.scores       per token, its score (llama: the piece merged first has the highest)
+    tokenizer.ggml.add_space_prefix     llama: a "▁" before the text (default true)
 
 Control tokens become special added tokens (matched whole in the text, skipped when decoding with
 skip_special_tokens), user-defined ones plain added tokens, as llama.cpp treats them.
@@ -18,13 +22,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from .tokenizer import TextCodec, TokenizerError
 
 log = logging.getLogger(__name__)
 
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
+SPACE = "\u2581"  # SentencePiece's "▁"
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), the same strings Hugging Face's tokenizer.json files hold
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -43,23 +48,35 @@ def has_tokenizer(metadata: dict) -> bool:
 def gguf_tokenizer(metadata: dict, source: str = "the GGUF file") -> Tokenizer:
     """The Tokenizer the metadata describes; TokenizerError naming what is not supported."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise TokenizerError(f"{source}: tokenizer model {kind!r} is not supported yet (only byte-level BPE, "
-                             "'gpt2'); put the model's tokenizer.json beside the file")
+    if kind not in ("gpt2", "llama"):
+        raise TokenizerError(f"{source}: tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' and "
+                             "SentencePiece 'llama' are); put the model's tokenizer.json beside the file")
+    tokens = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
+    types = list(metadata.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
+    if len(types) != len(tokens):
+        raise TokenizerError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise TokenizerError(f"{source}: the vocabulary repeats a token")
+    if kind == "llama":
+        tok = _sentencepiece(metadata, tokens, types, vocab, source)
+    else:
+        tok = _byte_level(metadata, vocab, source)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ttype in zip(tokens, types) if ttype == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ttype in zip(tokens, types) if ttype == USER_DEFINED])
+    return tok
+
+
+def _byte_level(metadata: dict, vocab: dict[str, int], source: str) -> Tokenizer:
     pre = str(metadata.get("tokenizer.ggml.pre", "default"))
     if pre not in PRE_REGEX:
         raise TokenizerError(f"{source}: pre-tokenizer {pre!r} is not supported yet (known: "
                              f"{', '.join(sorted(PRE_REGEX))}); put the model's tokenizer.json beside the file")
-    tokens = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
-    types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    if len(types) != len(tokens):
-        raise TokenizerError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     if any(len(m) != 2 for m in merges):
         raise TokenizerError(f"{source}: a merge is not two tokens separated by a space")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise TokenizerError(f"{source}: the vocabulary repeats a token")
     usable = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
     if len(usable) < len(merges):  # llama.cpp falls back to the bytes of a merge that makes no token; so does this
         log.warning("%s: %d of %d merges make or use a piece that is not in the vocabulary; left out", source,
@@ -71,10 +88,33 @@ def gguf_tokenizer(metadata: dict, source: str = "the GGUF file") -> Tokenizer:
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types) if kind == CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+    return tok
+
+
+def _sentencepiece(metadata: dict, tokens: list[str], types: list[int], vocab: dict[str, int],
+                   source: str) -> Tokenizer:
+    """llama.cpp's SentencePiece BPE: the adjacent pair whose joined piece scores highest is joined first (the
+    leftmost on a tie). As BPE merges: every split of a normal piece into two pieces, ranked by the joined
+    piece's score (as transformers converts a SentencePiece model); characters outside the vocabulary fall
+    back to their <0xXX> byte tokens."""
+    scores = list(metadata.get("tokenizer.ggml.scores", []))
+    if len(scores) != len(tokens):
+        raise TokenizerError(f"{source}: {len(tokens)} tokens but {len(scores)} scores")
+    merges = []  # (left, right, score of left + right), in id order, then by (id of left, id of right)
+    for piece, ttype, score in zip(tokens, types, scores):
+        if ttype != NORMAL or len(piece) < 2:
+            continue
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges += [(left, right, score) for left, right in sorted(splits, key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))]
+    merges.sort(key=lambda m: -m[2])  # stable: ties keep the order above
+    unknown = next((t for t, ttype in zip(tokens, types) if ttype == UNKNOWN), None)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], unk_token=unknown,
+                               byte_fallback=True, fuse_unk=True))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    spaces = normalizers.Replace(" ", SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if prefix else spaces
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tok
 
 
