@@ -132,3 +132,20 @@ def test_sampling_params_refuse_bad_values():
     for bad in (dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5)):
         with pytest.raises(ConfigValueError):
             SamplingParams(**bad)
+
+
+def test_host_rms_norm_and_top_k_equal_the_numpy_forms():
+    """host_ops' compiled loops (NumPy float32 C-contiguous rows) against ops.py's NumPy forms (taken here
+    through Fortran-ordered copies, which the compiled path declines)."""
+    x = rng.standard_normal((5, 3, 64)).astype(np.float32)  # q_norm's [T, heads, hd] too
+    w = rng.standard_normal(64).astype(np.float32)
+    np.testing.assert_allclose(ops.rms_norm(x, w, 1e-6), ops.rms_norm(np.asfortranarray(x), w, 1e-6), rtol=2e-6,
+                               atol=1e-7)
+    for normalize in (True, False):
+        logits = rng.standard_normal((7, 40)).astype(np.float32) * 3
+        logits[0, 5] = logits[0, 9] = logits[0, 30] = 50.0  # a three-way tie: the lower ids first
+        ids, weights = ops.route_top_k(logits, 4, normalize)
+        want_ids, want_w = ops.route_top_k(np.asfortranarray(logits), 4, normalize)
+        assert ids.dtype == np.int64 and weights.dtype == np.float32
+        assert np.array_equal(ids, want_ids) and ids[0, :3].tolist() == [5, 9, 30]
+        np.testing.assert_allclose(weights, want_w, rtol=1e-6, atol=1e-7)

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import host_ops
 from .xp import xp_of
+
+
+def _host_rows(*arrays: np.ndarray) -> bool:
+    """NumPy float32 C-contiguous arrays: host_ops' compiled loops take them."""
+    return all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x [..., D] -> x / sqrt(mean(x²) + eps) * weight."""
+    if _host_rows(x, weight) and x.ndim >= 1 and x.size:
+        out = np.empty_like(x)
+        host_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, np.float32(eps), out.reshape(-1, x.shape[-1]))
+        return out
     xp = xp_of(x)
     variance = xp.mean(xp.square(x), axis=-1, keepdims=True)
     return (x / xp.sqrt(variance + np.float32(eps))) * weight
@@ -88,6 +98,11 @@ def route_top_k(router_logits: np.ndarray, k: int, normalize: bool) -> tuple[np.
     Softmax over all experts, the k largest probabilities (ties to the lower id),
     renormalised to sum to one when ``normalize``.
     """
+    if _host_rows(router_logits) and router_logits.ndim == 2 and 1 <= k <= router_logits.shape[1]:
+        T = router_logits.shape[0]
+        ids, weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
+        host_ops.top_k(router_logits, k, normalize, ids, weights)
+        return ids, weights
     xp = xp_of(router_logits)
     probs = softmax(router_logits.astype(np.float32), axis=-1)  # [T, E]
     ids = xp.argsort(-probs, axis=-1, kind="stable")[:, :k] if xp is np else xp.argsort(-probs, axis=-1)[:, :k]
