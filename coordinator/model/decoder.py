@@ -103,9 +103,11 @@ class RoutingStats:
         self.skipped_pairs += routing.skipped
         self.device_pairs += routing.device.size
         self.cpu_pairs += routing.cpu.size
-        if routing.cpu.size:
-            self.cpu_expert_loads += int(np.unique(routing.cpu.experts).size)
-        self.device_expert_loads += int(np.unique(routing.device.experts).size)
+        if routing.cpu.size:  # distinct experts: a bincount, not a sort (np.unique), on every layer
+            self.cpu_expert_loads += int(np.count_nonzero(np.bincount(routing.cpu.experts, minlength=num_experts)))
+        if routing.device.size:
+            self.device_expert_loads += int(np.count_nonzero(np.bincount(routing.device.experts,
+                                                                         minlength=num_experts)))
 
     def count_pool_wait(self, ns: int) -> None:
         self.pool_wait_ns += ns
@@ -223,7 +225,10 @@ class Decoder:
         cpu = routing.cpu
         if not cpu.size:
             return None
-        rows, local = np.unique(cpu.tokens, return_inverse=True)
+        if cpu.tokens.min() == cpu.tokens.max():  # one token (decode): no sort
+            rows, local = cpu.tokens[:1].copy(), np.zeros(cpu.size, np.int64)
+        else:
+            rows, local = np.unique(cpu.tokens, return_inverse=True)
         rows_dev = self.xp.asarray(rows)  # [T_cpu]
         x_cpu = self.staging.rows_to_host(x[rows_dev])  # [T_cpu, H] to the host (pinned with CuPy)
         self.pool.submit(PoolRequest(routing.layer, x_cpu, local.astype(np.int64), cpu.experts, cpu.weights))
