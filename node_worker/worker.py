@@ -23,6 +23,7 @@ from typing import Protocol, Sequence
 import numba
 import numpy as np
 
+from shm import formats
 from shm.expert_source import ExpertSlice
 
 from .kernels import dense
@@ -73,29 +74,33 @@ class NodeWorker:
         out: np.ndarray | None = None,  # [>= T, H] float32: written in place (the pool's shared segment)
     ) -> np.ndarray:
         """This node's partial output Y_n [T, H] for the routed pairs (``out[:T]`` when given)."""
-        offsets, rows = self._table(layer)
+        offsets, shapes = self._table(layer)
         x = np.ascontiguousarray(x, np.float32)
         y = np.empty((x.shape[0], self.hidden_size), np.float32) if out is None else out[: x.shape[0]]
         numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         nbytes = layer_moe(FORMAT_IDS[self.store.fmt], self.store.data, self.hidden_size, self.store.row_bytes, x,
                            np.ascontiguousarray(tokens, np.int64), np.ascontiguousarray(experts, np.int64),
-                           np.ascontiguousarray(weights, np.float32), offsets, rows, y)
+                           np.ascontiguousarray(weights, np.float32), offsets, shapes, y)
         if nbytes < 0:
             raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {x.shape[0]})")
         self.bytes_read += nbytes
         return y
 
     def _table(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """The layer's expert table, built once: byte offsets [E, 3] and the node's rows [E] (0: none held)."""
+        """The layer's expert table, built once: byte offsets [E, 3] and shapes [E, 3]: the node's rows R (0: none
+        held), the weights in a stored row of down (R in whole blocks) and that row's bytes (shm.formats')."""
         table = self._tables.get(layer)
         if table is None:
+            fmt = formats.get(self.store.fmt)
             held = {e: off for (lay, e), off in self.store.offsets.items() if lay == layer}
             E = max(held, default=-1) + 1
-            offsets, rows = np.zeros((E, 3), np.int64), np.zeros(E, np.int64)
+            offsets, shapes = np.zeros((E, 3), np.int64), np.zeros((E, 3), np.int64)
             for e, off in held.items():
                 offsets[e] = off
-                rows[e] = self.store.get(layer, e).rows
-            table = self._tables[layer] = (offsets, rows)
+                R = self.store.get(layer, e).rows
+                width = formats.down_width(fmt, R)
+                shapes[e] = (R, width, fmt.row_bytes(width))
+            table = self._tables[layer] = (offsets, shapes)
         return table
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ ascending), so y is the same bits whatever the thread count or timing. Nothing
 here touches a Python object: the per-layer tables are arrays.
 
     offsets [E, 3] int64    byte offsets of expert e's gate, up and down matrices in the store
-    rows    [E] int64       the node's rows of expert e (0, or e >= E: it holds none)
+    shapes  [E, 3] int64    the node's rows R of expert e (0, or e >= E: it holds none), the weights in a stored
+                            row of its down [H, R] (R in whole blocks) and that row's bytes
 
 Returns the expert bytes the layer read, or -1 when an expert id is negative or a token is outside
 [0, T) (nothing is computed then).
@@ -20,12 +21,12 @@ import numpy as np
 from numba import njit
 
 from .common import JIT
-from .rows import down_width, layer_rows, row_bytes_of
+from .rows import layer_rows
 
 
 @njit(**JIT)
-def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets, rows, y) -> int:
-    E = rows.size
+def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets, shapes, y) -> int:
+    E = shapes.shape[0]
     P = experts.size
     T = x.shape[0]
     for p in range(P):
@@ -42,7 +43,7 @@ def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets
     p = 0
     while p < P:
         e = experts[order[p]]
-        held = e < E and rows[e] > 0
+        held = e < E and shapes[e, 0] > 0
         tok_start[G] = n_pairs
         while p < P and experts[order[p]] == e:
             if held:
@@ -55,19 +56,19 @@ def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets
             tok_stop[G] = n_pairs
             G += 1
     group_offsets = np.empty((G, 3), np.int64)
-    group_rows = np.empty(G, np.int64)
+    group_shapes = np.empty((G, 3), np.int64)
     contrib_start = np.empty(G, np.int64)
     total = 0
     nbytes = 0
     for g in range(G):
         e = group_expert[g]
         group_offsets[g] = offsets[e]
-        group_rows[g] = rows[e]
-        nbytes += 2 * rows[e] * row_bytes + hidden * row_bytes_of(fmt, down_width(fmt, rows[e]))
+        group_shapes[g] = shapes[e]
+        nbytes += 2 * shapes[e, 0] * row_bytes + hidden * shapes[e, 2]
         contrib_start[g] = total
         total += (tok_stop[g] - tok_start[g]) * hidden
     contrib = np.empty(total, np.float32)
-    layer_rows(fmt, data, hidden, row_bytes, x, sorted_tokens, tok_start[:G], tok_stop[:G], group_offsets, group_rows,
+    layer_rows(fmt, data, hidden, row_bytes, x, sorted_tokens, tok_start[:G], tok_stop[:G], group_offsets, group_shapes,
                contrib, contrib_start)
     y[:, :] = 0
     for g in range(G):  # in group order: the same sum whoever computed what
@@ -86,4 +87,4 @@ def warm_up() -> None:
     data = np.zeros(3 * 4 * hidden, np.uint8)
     layer_moe(0, data, hidden, 4 * hidden, np.zeros((1, hidden), np.float32), np.zeros(1, np.int64),
               np.zeros(1, np.int64), np.ones(1, np.float32), np.array([[0, 4 * hidden, 8 * hidden]], np.int64),
-              np.ones(1, np.int64), np.zeros((1, hidden), np.float32))
+              np.array([[1, 1, 4]], np.int64), np.zeros((1, hidden), np.float32))  # one f32 row, down [32, 1]

@@ -16,7 +16,8 @@ Inputs (C-contiguous):
     x               [T, H] float32  the layer's rows
     tokens          [P] int64       rows of x, grouped: group g owns tokens[tok_start[g]:tok_stop[g]]
     offsets         [G, 3] int64    byte offsets of group g's expert's gate [R, H], up [R, H] and down [H, R]
-    rows            [G] int64       R of group g's expert
+    shapes          [G, 3] int64    group g's expert: its rows R, the weights in a stored row of down (R in
+                                    whole blocks: shm.formats.down_width) and that row's bytes
     contrib_start   [G] int64       where group g's [n, H] contribution starts in ``contrib`` (float32)
 """
 
@@ -46,7 +47,7 @@ def row_decode(fmt, data, o, hidden, out) -> None:
 
 @njit(inline="always", **JIT)
 def silu(s: np.float32) -> np.float32:
-    return s * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * s)))  # the tanh form of coordinator/model/ops.py
+    return s * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * s)))  # ops.py's tanh form
 
 
 @njit(inline="always", **JIT)
@@ -59,24 +60,6 @@ def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x):
     if fmt == 2:
         return simd.dot4_q8(data, o0, o1, o2, o3, hidden, x)
     return simd.dot4_q4(data, o0, o1, o2, o3, hidden, x)
-
-
-@njit(inline="always", **JIT)
-def row_bytes_of(fmt, n):
-    """Bytes of a stored row of n weights (shm/formats' row_bytes; n a multiple of 32 for q8 and q4)."""
-    if fmt == 0:
-        return 4 * n
-    if fmt == 1:
-        return 2 * n
-    if fmt == 2:
-        return n + 2 * (n // 32)
-    return n // 2 + 2 * (n // 32)
-
-
-@njit(inline="always", **JIT)
-def down_width(fmt, R):
-    """Weights in a stored row of W_down [H, R]: R in whole blocks for q8 and q4 (shm/formats.down_width)."""
-    return R if fmt < 2 else (R + 31) // 32 * 32
 
 
 @njit(inline="always", **JIT)
@@ -109,7 +92,7 @@ def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out) -> None:
 
 
 @njit(inline="always", **JIT)
-def task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, R, out) -> None:
+def task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, R, width, down_bytes, out) -> None:
     """A group of n tokens, a multiple of 4 (xg [n, H], gathered): gate and up two rows by four tokens at a
     time, then W_down's H rows (R weights each) the same way against silu(gate) * up [n, R] into out [n, H]."""
     n = xg.shape[0]
@@ -117,23 +100,22 @@ def task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, R, out) -> None:
     up = np.empty((n, R + 1), np.float32)
     dot_chunks(fmt, data, og, row_bytes, R, hidden, xg, gate)
     dot_chunks(fmt, data, ou, row_bytes, R, hidden, xg, up)
-    width = down_width(fmt, R)
     h = np.zeros((n, width), np.float32)  # silu(gate) * up, per token and row (zeros past R)
     for j in range(n):
         for r in range(R):
             h[j, r] = silu(gate[j, r]) * up[j, r]
     if hidden % 2 == 0:
-        dot_chunks(fmt, data, od, row_bytes_of(fmt, width), hidden, width, h, out)
+        dot_chunks(fmt, data, od, down_bytes, hidden, width, h, out)
     else:
         wide = np.empty((n, hidden + 1), np.float32)  # the odd last row's repeat lands in the extra column
-        dot_chunks(fmt, data, od, row_bytes_of(fmt, width), hidden, width, h, wide)
+        dot_chunks(fmt, data, od, down_bytes, hidden, width, h, wide)
         out[:, :] = wide[:, :hidden]
 
 
 @njit(parallel=True, **JIT)
-def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, offsets, rows, contrib, contrib_start):
+def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start):
     for g in prange(tok_start.size):
-        R = rows[g]
+        R, width, down_bytes = shapes[g, 0], shapes[g, 1], shapes[g, 2]
         t0, t1 = tok_start[g], tok_stop[g]
         n = t1 - t0
         out = contrib[contrib_start[g]:contrib_start[g] + n * hidden].reshape((n, hidden))
@@ -144,16 +126,15 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
             for j in range(n):
                 xg[j] = x[tokens[t0 + j]]
             yg = out if padded == n else np.empty((padded, hidden), np.float32)
-            task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, R, yg)
+            task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, R, width, down_bytes, yg)
             if padded != n:
                 out[:, :] = yg[:n]
             continue
         xj = x[tokens[t0]]
-        width = down_width(fmt, R)
         gate = np.zeros(width, np.float32)  # [R], then silu(gate) * up (zeros past R)
         up = np.empty(R, np.float32)
         rows_dot(fmt, data, og, row_bytes, R, hidden, xj, gate)
         rows_dot(fmt, data, ou, row_bytes, R, hidden, xj, up)
         for r in range(R):
             gate[r] = silu(gate[r]) * up[r]
-        rows_dot(fmt, data, od, row_bytes_of(fmt, width), hidden, width, gate, out[0])
+        rows_dot(fmt, data, od, down_bytes, hidden, width, gate, out[0])
