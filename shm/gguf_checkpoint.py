@@ -31,7 +31,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from .checkpoint import Checkpoint, CheckpointError, TensorInfo, check_shape, to_float32
-from .gguf_file import GgufError, GgufFile, unpermute_qk
+from .gguf_file import GgufError, GgufFile
 
 STORAGE = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # ggml float types -> numpy storage
 
@@ -85,8 +85,9 @@ class GgufCheckpoint:
         for name in self.index:  # a type nothing here can read is named now, before any worker starts
             info = self.info(name)
             if info.dtype not in STORAGE:
+                raw = self.raw(name)
                 try:
-                    block_float32(self.raw(name).reshape(-1, self.raw(name).shape[-1])[:1], info.dtype)
+                    block_float32(raw.reshape(-1, raw.shape[-1])[:1], info.dtype)
                 except CheckpointError as exc:
                     raise GgufError(f"{info.file}: tensor {self.index[name]} has type {info.dtype}: {exc}") from None
 
@@ -125,14 +126,8 @@ class GgufCheckpoint:
 
     def float32(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The tensor as float32 (a Mixtral file's q and k rows back in Hugging Face's order)."""
-        info = self.info(name)
-        check_shape(info, shape)
-        if info.dtype in STORAGE:
-            out = to_float32(self.raw(name), info.dtype)
-        else:
-            out = block_float32(self.raw(name), info.dtype).reshape(info.shape)
-        heads = self.file.qk_heads(self.index[name])
-        return out if heads is None else unpermute_qk(out, heads)
+        check_shape(self.info(name), shape)
+        return self.file.float32(self.index[name])
 
     def rows(self, name: str, start: int, stop: int, *, axis: int = 0) -> np.ndarray:
         info = self.info(name)

@@ -7,12 +7,12 @@ Hugging Face names the engine reads, and refuses what it cannot use, naming
 the file, the tensor and the type, before anything loads:
 
     GgufFile(path)          path: file.gguf, or the first of name-00001-of-0000N.gguf
-        .arch               general.architecture ("qwen3moe", "qwen2moe")
+        .arch               general.architecture ("qwen3moe", "qwen2moe", "llama" with experts: Mixtral)
         .config()           {config.json key: value}
         .hf_names()         {Hugging Face tensor name: GGUF tensor name}; routed experts stacked:
                             model.layers.{i}.mlp.experts.{gate,up,down}_proj  [E, I, H] / [E, H, I]
         .shape(name)        numpy order (the reverse of ggml's ne)
-        .float32(name)      the tensor dequantised (gguf.quants), numpy order
+        .float32(name)      the tensor dequantised (gguf.quants), numpy order (Mixtral's q and k un-permuted)
 
 shm/gguf_checkpoint.py reads it as a Checkpoint for the engine and the node workers.
 """

@@ -122,12 +122,12 @@ def gguf_codec(metadata: dict, path: Path) -> TextCodec | None:
     """The tokenizer of the GGUF file at ``path``: its metadata's (as llama.cpp uses it), else a tokenizer.json
     beside the file, else None (token ids only). Metadata of a kind not supported yet, with no tokenizer.json
     beside, is an error that says so."""
-    beside = TextCodec.load(path.parent)
     if not has_tokenizer(metadata):
-        return beside
+        return TextCodec.load(path.parent)
     try:
         return TextCodec(gguf_tokenizer(metadata, str(path)))
     except TokenizerError as exc:
+        beside = TextCodec.load(path.parent)
         if beside is None:
             raise
         log.info("%s; using %s", exc, path.parent / "tokenizer.json")
