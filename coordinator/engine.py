@@ -14,11 +14,11 @@ import numpy as np
 from node_worker import NodeWorker
 from node_worker.job import ExpertJob, NodeJob, WorkerJob, max_message_bytes
 from shm import formats
-from shm.checkpoint import Checkpoint, is_block_dtype
+from shm.checkpoint import Checkpoint
 from shm.expert_source import read_expert_slice
 from shm.gguf_checkpoint import GgufCheckpoint, gguf_path
-from shm.expert_store import HeapExpertStore
-from shm.plan import NodeShare, PoolPlan, make_plan, plan_to_dict, single_node_plan
+from shm.expert_store import HeapExpertStore, matrix_bytes
+from shm.plan import DEFAULT_BLOCK, NodeShare, PoolPlan, make_plan, plan_to_dict, single_node_plan
 from shm.topology import Node, format_cpulist, select_nodes
 
 from .config import EngineConfig
@@ -59,12 +59,14 @@ def pool_nodes(config: EngineConfig) -> list[Node]:
     return select_nodes(config.nodes)
 
 
-def build_plan(mcfg: ModelConfig, nodes: list[Node]) -> PoolPlan:
-    """One slice per node, sized by the node's CPUs; a single node holds whole experts."""
+def build_plan(mcfg: ModelConfig, nodes: list[Node], fmt: str = "f32") -> PoolPlan:
+    """One slice per node, sized by the node's CPUs, cut on the experts' down-format blocks (at least 32 rows;
+    256 for a GGUF file's K blocks, whose rows the nodes keep as they are); a single node holds whole experts."""
     sizes = [mcfg.moe_intermediate_size]
     if len(nodes) == 1:
         return single_node_plan(sizes, node=nodes[0].id, workers=len(nodes[0].cpus))
-    return make_plan([NodeShare(n.id, len(n.cpus)) for n in nodes], sizes)
+    block = max(DEFAULT_BLOCK, formats.ExpertFormats.parse(fmt).down_block)
+    return make_plan([NodeShare(n.id, len(n.cpus)) for n in nodes], sizes, block)
 
 
 def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
@@ -110,19 +112,25 @@ def cpu_set_digest(ckpt: Checkpoint, device_set, fmt: str = "f32") -> str:
 
 
 def expert_format(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, experts: dict) -> str:
-    """The storage format of the CPU experts: the setting, with ``auto`` resolved from the checkpoint's dtype."""
-    refs = next(iter(experts.values()), None)
-    dtypes = ({m: ckpt.info(r.name).dtype for m, r in (("gate", refs.gate), ("up", refs.up), ("down", refs.down))}
-              if refs is not None else {"gate": "F32"})
-    try:
-        chosen = {m: formats.resolve(config.expert_dtype, d, mcfg.hidden_size).NAME for m, d in dtypes.items()}
-    except formats.FormatError as exc:
-        raise ConfigValueError(f"{ckpt.dir}: {exc}") from None
-    if len(set(chosen.values())) > 1 and any(is_block_dtype(d) for d in dtypes.values()):
-        raise ConfigValueError(f"{ckpt.dir}: the experts' matrices are stored as "
-                               f"{', '.join(f'{m} {d}' for m, d in dtypes.items())}; no one format keeps them all "
-                               "exactly: choose --expert-dtype (q8, q4, bf16 or f32) to convert them")
-    return chosen["gate"]
+    """How the CPU experts are stored, as an ExpertFormats spec (shm/formats): the setting for every matrix, or
+    with ``auto`` each layer's gate, up and down resolved from their tensors' dtypes (a GGUF file's blocks kept
+    as they are: a Q4_K_M file's Q4_K and Q6_K matrices each in their own format)."""
+    first = {}  # layer -> the refs of one of its experts (a layer's experts share their tensors' dtypes)
+    for (layer, _), refs in sorted(experts.items()):
+        first.setdefault(layer, refs)
+    triples = {}
+    for layer, refs in first.items():
+        chosen = []
+        for matrix, ref in (("gate", refs.gate), ("up", refs.up), ("down", refs.down)):
+            dtype = ckpt.info(ref.name).dtype
+            try:
+                chosen.append(formats.resolve(config.expert_dtype, dtype, mcfg.hidden_size).NAME)
+            except formats.FormatError as exc:
+                raise ConfigValueError(f"{ckpt.dir}: layer {layer} {matrix} ({ref.name}, {dtype}): {exc}") from None
+        triples[layer] = tuple(chosen)
+    if not triples:
+        return formats.resolve(config.expert_dtype, "F32", mcfg.hidden_size).NAME
+    return formats.ExpertFormats.of_layers(triples).spec
 
 
 def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
@@ -200,11 +208,11 @@ class Engine:
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         nodes = pool_nodes(config)
-        plan = build_plan(mcfg, nodes)
+        fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
+        plan = build_plan(mcfg, nodes, fmt)
         for size, node, reason in plan.left_out:
             log.warning("node %s holds no rows of size-%s experts: %s", node, size, reason)
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
-        fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
         pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
                           cpu_set_digest(ckpt, device_set, fmt), fmt)
         decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
@@ -214,10 +222,14 @@ class Engine:
                    {"backend": backend, "experts": len(device_set), "chosen": placement,
                     "bytes": len(device_set) * expert_bytes(mcfg)}, fmt)
 
-    def cpu_expert_bytes(self) -> int:
-        """Bytes of one whole routed expert (gate, up, down) in the CPU side's storage format."""
+    def cpu_expert_bytes(self) -> float:
+        """Bytes of one whole routed expert (gate, up, down) in the CPU side's storage formats (the mean over
+        the MoE layers where they differ)."""
         mcfg = self.model_config
-        return 3 * mcfg.moe_intermediate_size * formats.get(self.expert_format).row_bytes(mcfg.hidden_size)
+        spec = formats.ExpertFormats.parse(self.expert_format)
+        sizes = [sum(matrix_bytes(spec.of(layer), mcfg.moe_intermediate_size, mcfg.hidden_size))
+                 for layer in mcfg.moe_layers]
+        return sum(sizes) / max(1, len(sizes))
 
     def cpu_expert_weights(self) -> int:
         """Weights of the routed experts held on the CPU side (all nodes together)."""

@@ -28,7 +28,7 @@ from shm.expert_source import ExpertSlice
 
 from .kernels import dense
 from .kernels.layer import layer_moe, warm_up
-from .kernels.rows import FORMAT_IDS
+from .kernels.rows import FORMAT_IDS, SHAPE
 from .tasks import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -37,9 +37,9 @@ class ExpertStore(Protocol):
     """A node's expert slices in one buffer (shm/expert_store.py's BufferExpertStore)."""
 
     node: int
-    fmt: str  # shm/formats name
+    fmt: str  # shm/formats' ExpertFormats spec
+    formats: formats.ExpertFormats
     hidden: int
-    row_bytes: int
     data: np.ndarray  # [bytes] uint8
     offsets: dict[tuple[int, int], tuple[int, int, int]]  # (layer, expert) -> gate, up, down byte offsets
 
@@ -78,28 +78,30 @@ class NodeWorker:
         x = np.ascontiguousarray(x, np.float32)
         y = np.empty((x.shape[0], self.hidden_size), np.float32) if out is None else out[: x.shape[0]]
         numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
-        nbytes = layer_moe(FORMAT_IDS[self.store.fmt], self.store.data, self.hidden_size, self.store.row_bytes, x,
-                           np.ascontiguousarray(tokens, np.int64), np.ascontiguousarray(experts, np.int64),
-                           np.ascontiguousarray(weights, np.float32), offsets, shapes, y)
+        nbytes = layer_moe(self.store.data, self.hidden_size, x, np.ascontiguousarray(tokens, np.int64),
+                           np.ascontiguousarray(experts, np.int64), np.ascontiguousarray(weights, np.float32),
+                           offsets, shapes, y)
         if nbytes < 0:
             raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {x.shape[0]})")
         self.bytes_read += nbytes
         return y
 
     def _table(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """The layer's expert table, built once: byte offsets [E, 3] and shapes [E, 3]: the node's rows R (0: none
-        held), the weights in a stored row of down (R in whole blocks) and that row's bytes (shm.formats')."""
+        """The layer's expert table, built once: byte offsets [E, 3] and shapes [E, 8] (kernels/rows.py's SHAPE:
+        the node's rows R, 0 for none held; each matrix's format and stored row bytes, shm.formats')."""
         table = self._tables.get(layer)
         if table is None:
-            fmt = formats.get(self.store.fmt)
+            gate, up, down = (formats.get(n) for n in self.store.formats.of(layer))
+            H = self.hidden_size
             held = {e: off for (lay, e), off in self.store.offsets.items() if lay == layer}
             E = max(held, default=-1) + 1
-            offsets, shapes = np.zeros((E, 3), np.int64), np.zeros((E, 3), np.int64)
+            offsets, shapes = np.zeros((E, 3), np.int64), np.zeros((E, len(SHAPE)), np.int64)
             for e, off in held.items():
                 offsets[e] = off
                 R = self.store.get(layer, e).rows
-                width = formats.down_width(fmt, R)
-                shapes[e] = (R, width, fmt.row_bytes(width))
+                width = formats.down_width(down, R)
+                shapes[e] = (R, FORMAT_IDS[gate.NAME], gate.row_bytes(H), FORMAT_IDS[up.NAME], up.row_bytes(H),
+                             FORMAT_IDS[down.NAME], width, down.row_bytes(width))
             table = self._tables[layer] = (offsets, shapes)
         return table
 

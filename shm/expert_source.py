@@ -40,13 +40,17 @@ class ExpertRefs:
 
 @dataclass(frozen=True)
 class ExpertSlice:
-    """One node's rows of one expert in a storage format (shm/formats), each C-contiguous stored rows:
-    float32 for f32 (the arrays are the weights), uint16 for bf16, row bytes of uint8 for q8 and q4."""
+    """One node's rows of one expert in storage formats (shm/formats), each C-contiguous stored rows:
+    float32 for f32 (the arrays are the weights), uint16 for bf16, row bytes of uint8 for the others."""
 
     gate: np.ndarray  # [R, .] rows of W_gate (H weights each)
     up: np.ndarray  # [R, .] rows of W_up
     down: np.ndarray  # [H, .] = W_down[:, rows] (R weights each, zeros to whole blocks: formats.down_width)
-    fmt: str = "f32"
+    fmt: str = "f32"  # one format, or gate/up/down formats (an ExpertFormats spec of one triple)
+
+    @property
+    def formats(self) -> formats.Triple:
+        return formats.ExpertFormats.parse(self.fmt).default
 
     @property
     def rows(self) -> int:
@@ -125,16 +129,18 @@ def read_columns(ckpt: Checkpoint, ref: TensorRef, start: int, stop: int) -> np.
 
 
 def read_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int, fmt: str = "f32") -> ExpertSlice:
-    """Rows [start, stop) of the expert, stored in format ``fmt`` (shm/formats)."""
+    """Rows [start, stop) of the expert, stored in format ``fmt`` (shm/formats; or gate/up/down formats)."""
     if fmt == "f32":
         return ExpertSlice(read_rows(ckpt, refs.gate, start, stop), read_rows(ckpt, refs.up, start, stop),
                            read_columns(ckpt, refs.down, start, stop))
-    f = formats.get(fmt)
+    g, u, d = (formats.get(n) for n in formats.ExpertFormats.parse(fmt).default)
     hidden, rows = ckpt_hidden(ckpt, refs), stop - start
-    width = f.row_bytes(hidden) // np.dtype(f.STORED_DTYPE).itemsize
-    down_width = f.row_bytes(formats.down_width(f, rows)) // np.dtype(f.STORED_DTYPE).itemsize
-    dest = ExpertSlice(np.empty((rows, width), f.STORED_DTYPE), np.empty((rows, width), f.STORED_DTYPE),
-                       np.empty((hidden, down_width), f.STORED_DTYPE), fmt=fmt)
+
+    def stored(f, count: int, weights: int) -> np.ndarray:
+        return np.empty((count, f.row_bytes(weights) // np.dtype(f.STORED_DTYPE).itemsize), f.STORED_DTYPE)
+
+    dest = ExpertSlice(stored(g, rows, hidden), stored(u, rows, hidden), stored(d, hidden, formats.down_width(d, rows)),
+                       fmt=fmt)
     write_expert_slice(ckpt, refs, start, stop, dest)
     return dest
 
@@ -147,10 +153,10 @@ def ckpt_hidden(ckpt: Checkpoint, refs: ExpertRefs) -> int:
 def write_expert_slice(ckpt: Checkpoint, refs: ExpertRefs, start: int, stop: int, dest: ExpertSlice) -> int:
     """Read the rows straight into the destination (f32: no intermediate copies; other formats through
     float32 blocks of rows, encoded at once); returns bytes written."""
-    for sink, (raw, dtype) in ((dest.gate, _rows(ckpt, refs.gate, start, stop)),
-                               (dest.up, _rows(ckpt, refs.up, start, stop)),
-                               (dest.down, _columns(ckpt, refs.down, start, stop))):
-        store_into(sink, raw, dtype, dest.fmt)
+    for sink, (raw, dtype), fmt in zip((dest.gate, dest.up, dest.down),
+                                       (_rows(ckpt, refs.gate, start, stop), _rows(ckpt, refs.up, start, stop),
+                                        _columns(ckpt, refs.down, start, stop)), dest.formats):
+        store_into(sink, raw, dtype, fmt)
     return dest.nbytes
 
 

@@ -3,11 +3,12 @@
 ``HeapExpertStore`` keeps them in this process's memory. ``SegmentExpertStore``
 keeps them in the node's shared-memory segment: per expert, its gate and up
 rows [R, H] and its down columns W_down[:, R] as [H, R] (shm/expert_source.py),
-stored in the engine's format (shm/formats: f32, bf16, q8, q4; a row of down
-holds R weights padded with zeros to whole blocks), 64-byte aligned,
-at the offsets of the layout table stored in the segment header (whose kind
-names the format), so any process that maps the segment sees the same
-zero-copy views.
+stored in the engine's formats (shm/formats: f32, bf16, q8, q4, or a GGUF
+file's q4k, q5k, q6k blocks; per layer and matrix as ExpertFormats says; a
+row of down holds R weights padded with zeros to whole blocks), 64-byte
+aligned, at the offsets of the layout table stored in the segment header
+(whose kind is the formats' spec), so any process that maps the segment sees
+the same zero-copy views.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ ALIGN = 64
 LAYOUT_PREFIX = "expert-slices/"
 
 
-def layout_kind(fmt: str) -> str:
-    return LAYOUT_PREFIX + ("float32" if fmt == "f32" else fmt)  # f32 keeps the kind older segments carry
+def layout_kind(spec: str) -> str:
+    return LAYOUT_PREFIX + ("float32" if spec == "f32" else spec)  # f32 keeps the kind older segments carry
 
 
 def kind_format(kind: str) -> str | None:
@@ -41,20 +42,27 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def build_layout(entries: Iterable[tuple[int, int, int, int]], hidden: int, fmt: str = "f32") -> tuple[dict, int]:
-    """entries (layer, expert, row start, row stop) -> (layout table, data bytes), matrices in format ``fmt``.
+def matrix_bytes(triple: formats.Triple, rows: int, hidden: int) -> tuple[int, int, int]:
+    """Stored bytes of an expert's gate [R, H], up [R, H] and down [H, R (whole blocks)] in these formats."""
+    g, u, d = (formats.get(n) for n in triple)
+    return rows * g.row_bytes(hidden), rows * u.row_bytes(hidden), hidden * d.row_bytes(formats.down_width(d, rows))
+
+
+def build_layout(entries: Iterable[tuple[int, int, int, int]], hidden: int, spec: str = "f32") -> tuple[dict, int]:
+    """entries (layer, expert, row start, row stop) -> (layout table, data bytes), matrices in the formats of
+    the ExpertFormats ``spec``.
 
     Table rows are [layer, expert, start, stop, gate offset, up offset, down offset].
     """
-    f = formats.get(fmt)
-    row = f.row_bytes(hidden)
+    plan = formats.ExpertFormats.parse(spec)
     table, offset = [], 0
     for layer, expert, start, stop in sorted(entries):
-        matrix = (stop - start) * row
-        gate, up, down = offset, _align(offset + matrix), _align(_align(offset + matrix) + matrix)
+        gate_bytes, up_bytes, down_bytes = matrix_bytes(plan.of(layer), stop - start, hidden)
+        gate, up = offset, _align(offset + gate_bytes)
+        down = _align(up + up_bytes)
         table.append([layer, expert, start, stop, gate, up, down])
-        offset = _align(down + hidden * f.row_bytes(formats.down_width(f, stop - start)))
-    return {"kind": layout_kind(fmt), "hidden": hidden, "experts": table}, offset
+        offset = _align(down + down_bytes)
+    return {"kind": layout_kind(plan.spec), "hidden": hidden, "experts": table}, offset
 
 
 class BufferExpertStore:
@@ -63,25 +71,28 @@ class BufferExpertStore:
 
     def __init__(self, node: int, data: np.ndarray, layout: dict, name: str = "buffer"):
         self.node = node
-        fmt_name = kind_format(layout.get("kind"))
-        if fmt_name not in formats.FORMATS:
-            raise ValueError(f"{name}: layout kind {layout.get('kind')!r} is not an expert store")
-        self.fmt = fmt_name
-        fmt = formats.get(fmt_name)
+        spec = kind_format(layout.get("kind"))
+        try:
+            self.formats = formats.ExpertFormats.parse(spec)
+        except formats.FormatError:
+            raise ValueError(f"{name}: layout kind {layout.get('kind')!r} is not an expert store") from None
+        self.fmt = spec
         self.hidden = int(layout["hidden"])
-        self.row_bytes = fmt.row_bytes(self.hidden)
         self.data = data  # [data bytes] uint8
         self._views: dict[tuple[int, int], ExpertSlice] = {}
         self.row_ranges: dict[tuple[int, int], tuple[int, int]] = {}
         self.offsets: dict[tuple[int, int], tuple[int, int, int]] = {}  # (layer, e) -> gate, up, down byte offsets
         for layer, expert, start, stop, g, u, d in layout["experts"]:
             R = stop - start
+            triple = self.formats.of(layer)
+            gf, uf, df = (formats.get(n) for n in triple)
 
-            def view(off: int, rows: int, width: int) -> np.ndarray:
+            def view(fmt, off: int, rows: int, width: int) -> np.ndarray:
                 return formats.stored_view(fmt, data[off : off + rows * fmt.row_bytes(width)], rows, width)
 
-            self._views[(layer, expert)] = ExpertSlice(view(g, R, self.hidden), view(u, R, self.hidden),
-                                                       view(d, self.hidden, formats.down_width(fmt, R)), fmt_name)
+            self._views[(layer, expert)] = ExpertSlice(
+                view(gf, g, R, self.hidden), view(uf, u, R, self.hidden),
+                view(df, d, self.hidden, formats.down_width(df, R)), formats.ExpertFormats(triple).spec)
             self.row_ranges[(layer, expert)] = (start, stop)
             self.offsets[(layer, expert)] = (g, u, d)
 
@@ -112,7 +123,8 @@ class HeapExpertStore(BufferExpertStore):
     segment would be."""
 
     def __init__(self, node: int, slices: dict[tuple[int, int], ExpertSlice], fmt: str = "f32"):
-        hidden = formats.get(fmt).hidden_of(next(iter(slices.values())).gate.shape[1]) if slices else 0
+        first = next(iter(slices.values()), None)
+        hidden = formats.get(first.formats[0]).hidden_of(first.gate.shape[1]) if first is not None else 0
         layout, nbytes = build_layout(((l, e, 0, s.rows) for (l, e), s in slices.items()), hidden, fmt)
         super().__init__(node, aligned_buffer(nbytes), layout, f"node {node} heap store")
         for key, s in slices.items():

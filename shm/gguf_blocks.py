@@ -9,7 +9,9 @@ Only the byte order differs:
     q8 row:                 int8 q of every block      | float16 d of every block
     q4 row:                 16 bytes qs of every block  | float16 d of every block
 
-So a row of the file becomes a stored row by moving bytes, and a node
+Q4_K, Q5_K and Q6_K rows are stored as they are (formats q4k, q5k, q6k: the
+kernels read the file's super-blocks of 256). So a row of the file becomes a
+stored row by moving bytes, and a node
 computes with exactly the file's dequantised weights (gguf.quants.dequantize),
 never a second quantisation of them. BF16 and F32 rows are the bf16 and f32
 formats byte for byte; F16 rows widen to f32 exactly.
@@ -26,7 +28,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from . import formats
 
 F32, F16, Q4_0, Q8_0, BF16 = (GGMLQuantizationType[n] for n in ("F32", "F16", "Q4_0", "Q8_0", "BF16"))
-LOSSLESS = {F32: "f32", F16: "f32", Q4_0: "q4", Q8_0: "q8", BF16: "bf16"}  # ggml type -> the store format
+AS_STORED = {GGMLQuantizationType[f.GGML]: f.NAME for f in formats.FILE_FORMATS.values()}  # Q4_K -> q4k, ...
+LOSSLESS = {F32: "f32", F16: "f32", Q4_0: "q4", Q8_0: "q8", BF16: "bf16", **AS_STORED}  # ggml type -> store format
 BLOCK = 32
 BLOCK_BYTES = {t: GGML_QUANT_SIZES[t][1] for t in (Q8_0, Q4_0)}  # one block: the float16 scale, then the values
 
@@ -55,8 +58,9 @@ def repack(raw: np.ndarray, ggml_type: int, hidden: int) -> tuple[str, np.ndarra
     if name is None:
         raise ValueError(f"{_name(ggml_type)} has no lossless store format (supported: "
                          f"{', '.join(t.name for t in LOSSLESS)})")
-    if ggml_type in BLOCK_BYTES and hidden % BLOCK:
-        raise ValueError(f"{_name(ggml_type)} rows of {hidden} values: not a whole number of {BLOCK}-blocks")
+    block = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0]
+    if hidden % block:
+        raise ValueError(f"{_name(ggml_type)} rows of {hidden} values: not a whole number of {block}-blocks")
     raw = np.ascontiguousarray(raw, np.uint8)
     R = raw.shape[0]
     if raw.shape != (R, file_row_bytes(ggml_type, hidden)):
@@ -65,7 +69,7 @@ def repack(raw: np.ndarray, ggml_type: int, hidden: int) -> tuple[str, np.ndarra
     fmt = formats.get(name)
     if ggml_type == F16:
         return name, raw.view(np.float16).astype(np.float32)
-    if ggml_type in (F32, BF16):
+    if ggml_type in (F32, BF16) or ggml_type in AS_STORED:
         return name, raw.copy().view(fmt.STORED_DTYPE)
     blocks = raw.reshape(R, hidden // BLOCK, BLOCK_BYTES[ggml_type])  # [R, nb, block bytes]
     values = blocks[:, :, 2:].reshape(R, -1)  # [R, H] int8 (q8) or [R, H / 2] nibble pairs (q4)

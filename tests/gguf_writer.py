@@ -34,11 +34,28 @@ def add_tokenizer(w: gguf.GGUFWriter, tok, pre: str = "qwen2", model: str = "gpt
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
 
 
+K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a super-block's float16 d (, dmin)
+
+
+def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1e-3) -> np.ndarray:
+    """Valid random blocks for a type gguf.quants cannot write: any value bytes (the K types' packed 6-bit and
+    int8 sub-scales too), but finite float16 super-block scales (std ``scale``), as a quantiser leaves them."""
+    raw = rng.integers(0, 256, shape, dtype=np.uint8)
+    if qtype in K_SCALES:
+        supers = raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
+        for at in K_SCALES[qtype]:
+            d = (rng.standard_normal(supers.shape[0]) * scale).astype(np.float16)
+            supers[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
 def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q = Q.Q8_0,
-               down: Q | None = None, tokenizer=None, pre: str = "qwen2", split_max_tensors: int = 0) -> None:
+               down: Q | dict[int, Q] | None = None, tokenizer=None, pre: str = "qwen2",
+               split_max_tensors: int = 0) -> None:
     """The checkpoint as llama.cpp's converter writes it: stacked experts (``experts``, ``down`` for
-    ffn_down_exps when given), everything else F32; ``tokenizer`` (a `tokenizers` Tokenizer) in the metadata;
-    ``split_max_tensors``: a split set, path's stem + -0000k-of-0000N.gguf (gguf-split's naming)."""
+    ffn_down_exps when given: one type, or per layer as llama.cpp's Q4_K_M mixes Q4_K and Q6_K), everything
+    else F32; ``tokenizer`` (a `tokenizers` Tokenizer) in the metadata; ``split_max_tensors``: a split set,
+    path's stem + -0000k-of-0000N.gguf (gguf-split's naming)."""
     cfg = json.loads((ckpt_dir / "config.json").read_text())
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     mixtral = cfg["model_type"] == "mixtral"  # written as llama.cpp writes Mixtral: arch "llama", q and k permuted
@@ -68,16 +85,18 @@ def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q
         for proj, hf_proj in zip(projs, ("gate_proj", "up_proj", "down_proj")):
             stacked = np.stack([ck.float32(f"model.layers.{i}.{moe}.experts.{e}.{proj}.weight") for e in range(E)])
             name = f"blk.{i}.{names[f'{moe}.experts.{hf_proj}']}"
-            qtype = down if hf_proj == "down_proj" and down is not None else experts
+            qtype = experts
+            if hf_proj == "down_proj" and down is not None:
+                qtype = down.get(i, experts) if isinstance(down, dict) else down
             if qtype == Q.F32:
                 w.add_tensor(name, stacked)
                 continue
             try:
                 blocks = gguf.quants.quantize(stacked, qtype)
-            except NotImplementedError:  # a type gguf.quants cannot write: random bytes of the right size
+            except NotImplementedError:  # a type gguf.quants cannot write: valid random blocks of the right size
                 values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
                 shape = (*stacked.shape[:-1], stacked.shape[-1] // values * nbytes)
-                blocks = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+                blocks = random_blocks(qtype, shape, np.random.default_rng(i), scale=1e-4)
             w.add_tensor(name, blocks, raw_dtype=qtype)
     for name in ck.names():
         if ".experts." in name:

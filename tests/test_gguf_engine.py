@@ -13,6 +13,7 @@ import shutil
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from coordinator.cli.make_model import make_model
@@ -51,13 +52,24 @@ def dequantised_checkpoint(gguf_file, config_src, out):
     return out
 
 
-@pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q4_0])
+# name -> (experts' type, ffn_down_exps' types by layer, the store formats auto chooses, model geometry)
+FILES = {
+    "Q8_0": (Q.Q8_0, {}, "q8", dict(hidden_size=64, moe_intermediate_size=96)),  # 3 blocks of 32: 2 nodes
+    "Q4_0": (Q.Q4_0, {}, "q4", dict(hidden_size=64, moe_intermediate_size=96)),
+    # as llama.cpp's Q4_K_M mixes them (Q6_K down in some layers; Q5_K as Q5_K_M has it): K blocks of 256
+    "Q4_K_M": (Q.Q4_K, {0: Q.Q6_K, 2: Q.Q5_K}, "q4k/q4k/q6k;1=q4k;2=q4k/q4k/q5k",
+               dict(hidden_size=256, moe_intermediate_size=512, num_layers=3)),
+}
+
+
+@pytest.fixture(scope="module", params=list(FILES))
 def files(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"gguf-{request.param.name}")
-    ckpt = make_model(root / "m", seed=7, hidden_size=64, moe_intermediate_size=96)  # 3 blocks of 32: 2 nodes
+    qtype, down, _, geometry = FILES[request.param]
+    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    ckpt = make_model(root / "m", seed=7, **geometry)
     path = root / "dir" / "m.gguf"
     path.parent.mkdir()
-    write_gguf(ckpt, path, experts=request.param)
+    write_gguf(ckpt, path, experts=qtype, down=down)
     shutil.copy(ckpt / "tokenizer.json", path.parent / "tokenizer.json")
     return request.param, path, dequantised_checkpoint(path, ckpt, root / "deq")
 
@@ -67,12 +79,13 @@ def logits(eng: Engine, ids) -> np.ndarray:
 
 
 def test_the_store_holds_the_files_blocks_byte_for_byte(files):
-    qtype, path, _ = files
+    name, path, _ = files
     ck = GgufCheckpoint(path)
-    fmt = {Q.Q8_0: "q8", Q.Q4_0: "q4"}[qtype]
+    fmt = FILES[name][2]
     cfg = ck.config()
     I, H = cfg["moe_intermediate_size"], cfg["hidden_size"]
-    plan = make_plan([NodeShare(0, 1), NodeShare(1, 2)], [I])  # node 1 holds twice node 0's rows
+    block = formats.ExpertFormats.parse(fmt).down_block
+    plan = make_plan([NodeShare(0, 1), NodeShare(1, 2)], [I], max(32, block))  # node 1: twice node 0's rows
     from coordinator.model.model_config import parse_model_config
     from coordinator.model.weights import load_weights
     experts = {k: (refs, I) for k, refs in load_weights(parse_model_config(cfg), ck).experts.items()}
@@ -80,17 +93,19 @@ def test_the_store_holds_the_files_blocks_byte_for_byte(files):
         rows = plan.slice_of(I, node)
         store = HeapExpertStore.from_checkpoint(ck, plan, node, experts, fmt)
         try:
-            for layer, e in [(0, 0), (1, 3)]:
+            for layer, e in [(0, 0), (1, 3), (2, 5)]:
                 got = store.get(layer, e)
-                gate, down = ck.raw(f"model.layers.{layer}.mlp.experts.gate_proj")[e], \
-                    ck.raw(f"model.layers.{layer}.mlp.experts.down_proj")[e]
-                per_block = {Q.Q8_0: 34, Q.Q4_0: 18}[qtype]
-                assert np.array_equal(got.gate, repack(gate[rows.start:rows.stop], qtype, H)[1])
-                cols = slice(rows.start // 32 * per_block, rows.stop // 32 * per_block)
-                assert np.array_equal(got.down, repack(down[:, cols], qtype, rows.stop - rows.start)[1])
+                gate_name, down_name = (f"model.layers.{layer}.mlp.experts.{m}" for m in ("gate_proj", "down_proj"))
+                gate, down = ck.raw(gate_name)[e], ck.raw(down_name)[e]
+                gate_type, down_type = (Q[ck.info(n).dtype] for n in (gate_name, down_name))
+                assert got.formats == formats.ExpertFormats.parse(fmt).of(layer)
+                assert np.array_equal(got.gate, repack(gate[rows.start:rows.stop], gate_type, H)[1])
+                values, per_block = GGML_QUANT_SIZES[down_type]
+                cols = slice(rows.start // values * per_block, rows.stop // values * per_block)
+                assert np.array_equal(got.down, repack(down[:, cols], down_type, rows.stop - rows.start)[1])
                 # and so the weights the kernels compute with are the file's, dequantised by gguf.quants
-                want = ck.float32(f"model.layers.{layer}.mlp.experts.down_proj")[e][:, rows.start:rows.stop]
-                assert np.array_equal(formats.decoded(formats.get(fmt), got.down), want)
+                want = ck.float32(down_name)[e][:, rows.start:rows.stop]
+                assert np.array_equal(formats.decoded(formats.get(got.formats[2]), got.down), want)
         finally:
             store.close()
 
@@ -101,7 +116,7 @@ def test_engine_on_the_file_agrees_with_its_dequantised_weights_single_and_split
         want = logits(ref, PROMPT)
         want_ids = ref.generate(PROMPT, max_new_tokens=6, stop_at_eos=False)
     with Engine.open(path, EngineConfig(pool="inproc")) as eng:
-        assert eng.expert_format == {Q.Q8_0: "q8", Q.Q4_0: "q4"}[qtype]  # auto: the file's blocks, kept
+        assert eng.expert_format == FILES[qtype][2]  # auto: the file's blocks, kept, each tensor's own type
         inproc = logits(eng, PROMPT)
         assert eng.generate(PROMPT, max_new_tokens=6, stop_at_eos=False) == want_ids
     np.testing.assert_allclose(inproc, want, rtol=1e-4, atol=1e-5)
@@ -148,10 +163,14 @@ def test_block_types_without_an_exact_store_format_ask_for_one(tmp_path):
     write_gguf(ckpt, unreadable, experts=Q.Q8_1)
     with pytest.raises(GgufError, match=r"q81.gguf: tensor blk.0.ffn_gate_exps.weight has type Q8_1"):
         Engine.open(unreadable, EngineConfig(pool="process", expert_dtype="q8"))  # before any worker starts
-    mixed = tmp_path / "mixed.gguf"
-    write_gguf(ckpt, mixed, experts=Q.Q8_0, down=Q.Q4_0)
-    with pytest.raises(ConfigValueError, match=r"gate Q8_0, up Q8_0, down Q4_0; no one format keeps them all"):
-        Engine.open(mixed, EngineConfig(pool="inproc"))
+    q41_down = tmp_path / "q41-down.gguf"  # a type with no exact format, in one matrix: that matrix named
+    write_gguf(ckpt, q41_down, experts=Q.Q8_0, down={1: Q.Q4_1})
+    with pytest.raises(ConfigValueError, match=r"layer 1 down \(model.layers.1.mlp.experts.down_proj, Q4_1\): "
+                                               r"the experts are Q4_1 blocks.*choose --expert-dtype"):
+        Engine.open(q41_down, EngineConfig(pool="inproc"))
+    with pytest.raises(ConfigValueError, match=r"layer 0 gate .*expert format q4k holds a GGUF file's Q4_K blocks "
+                                               r"as they are; these experts are Q8_0"):
+        Engine.open(q41_down, EngineConfig(pool="inproc", expert_dtype="q4k"))
 
 
 def test_a_split_set_opened_by_its_first_part_is_the_whole_file(tmp_path):

@@ -40,8 +40,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="a second worker death within this many seconds is not restarted until it has passed "
                         "(default 30)")
     g.add_argument("--expert-dtype", dest="expert_dtype", default=None, choices=list(EXPERT_DTYPES),
-                   help="how the CPU experts are stored: auto (bf16 for a BF16 checkpoint, else f32), f32, bf16, "
-                        "q8 (8-bit, f16 scale per 32) or q4 (4-bit, f16 scale per 32) (STRATA_EXPERT_DTYPE)")
+                   help="how the CPU experts are stored: auto (bf16 for a BF16 checkpoint, f32 for F16/F32, a GGUF "
+                        "file's Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks as they are, per tensor), f32, bf16, q8 (8-bit, f16 "
+                        "scale per 32), q4 (4-bit, f16 scale per 32), or q4k/q5k/q6k (a GGUF file's K blocks, only "
+                        "from that type) (STRATA_EXPERT_DTYPE)")
     g.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
                    help="without a GPU, how the dense matrices (attention, dense and shared MLPs, lm_head) are stored "
                         "and read: f32 (default), bf16, q8, q4, as llama.cpp keeps a quantised file's "

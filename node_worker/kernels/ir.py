@@ -24,3 +24,45 @@ def half_scale(builder: ir.IRBuilder, row: ir.Value, values_bytes: ir.Value, b: 
     scales = builder.bitcast(builder.gep(row, [values_bytes]), I16.as_pointer())
     bits = builder.load(builder.gep(scales, [b]), align=1)
     return builder.fpext(builder.bitcast(bits, ir.HalfType()), F32)
+
+
+EXACT = ("nnan",)  # a flag that allows no contraction: the fastmath pass leaves flagged operations as they are
+
+
+def splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType = VF) -> ir.Value:
+    """<n x value>."""
+    one = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                                  ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
+
+
+def byte_at(builder: ir.IRBuilder, ptr: ir.Value, index: ir.Value) -> ir.Value:
+    """The unsigned byte ptr[index] as an i32."""
+    return builder.zext(builder.load(builder.gep(ptr, [index]), align=1), I32)
+
+
+def half_at(builder: ir.IRBuilder, ptr: ir.Value) -> ir.Value:
+    """float32 of the float16 at the byte pointer ptr."""
+    bits = builder.load(builder.bitcast(ptr, I16.as_pointer()), align=1)
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), F32)
+
+
+def super_block(builder: ir.IRBuilder, row: ir.Value, b: ir.Value, super_bytes: int) -> tuple[ir.Value, ir.Value]:
+    """For the formats in super-blocks of 256 (8 groups of 32): (the byte pointer of the super-block holding
+    32-group b of the row, the group's index j in it)."""
+    base = builder.gep(row, [builder.mul(builder.udiv(b, const(8)), const(super_bytes))])
+    return base, builder.urem(b, const(8))
+
+
+def k_scale_min(builder: ir.IRBuilder, scales: ir.Value, j: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(sc[j], m[j]) as i32: the 6-bit pairs packed in 12 bytes as Q4_K and Q5_K pack them (shm/formats/q4k.py)."""
+    a = byte_at(builder, scales, j)  # s[j]
+    b = byte_at(builder, scales, builder.xor(j, const(4)))  # s[j + 4] for j < 4, s[j - 4] for j >= 4
+    c = byte_at(builder, scales, builder.add(builder.and_(j, const(3)), const(8)))  # s[j + 4] for j >= 4
+    i32 = lambda v: ir.Constant(I32, v)  # noqa: E731
+    low = builder.icmp_unsigned("<", j, const(4))
+    sc = builder.select(low, builder.and_(a, i32(63)),
+                        builder.or_(builder.and_(c, i32(15)), builder.shl(builder.lshr(b, i32(6)), i32(4))))
+    m = builder.select(low, builder.and_(b, i32(63)),
+                       builder.or_(builder.lshr(c, i32(4)), builder.shl(builder.lshr(a, i32(6)), i32(4))))
+    return sc, m

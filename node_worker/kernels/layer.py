@@ -8,8 +8,9 @@ ascending), so y is the same bits whatever the thread count or timing. Nothing
 here touches a Python object: the per-layer tables are arrays.
 
     offsets [E, 3] int64    byte offsets of expert e's gate, up and down matrices in the store
-    shapes  [E, 3] int64    the node's rows R of expert e (0, or e >= E: it holds none), the weights in a stored
-                            row of its down [H, R] (R in whole blocks) and that row's bytes
+    shapes  [E, 8] int64    expert e's matrices (rows.py's SHAPE columns): the node's rows R (0, or e >= E: it
+                            holds none); gate's and up's format (FORMAT_IDS) and bytes of a stored row; down's
+                            format, the weights in a stored row of its [H, R] (R in whole blocks), that row's bytes
 
 Returns the expert bytes the layer read, or -1 when an expert id is negative or a token is outside
 [0, T) (nothing is computed then).
@@ -25,7 +26,7 @@ from .rows import layer_rows
 
 
 @njit(**JIT)
-def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets, shapes, y) -> int:
+def layer_moe(data, hidden, x, tokens, experts, weights, offsets, shapes, y) -> int:
     E = shapes.shape[0]
     P = experts.size
     T = x.shape[0]
@@ -56,7 +57,7 @@ def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets
             tok_stop[G] = n_pairs
             G += 1
     group_offsets = np.empty((G, 3), np.int64)
-    group_shapes = np.empty((G, 3), np.int64)
+    group_shapes = np.empty((G, shapes.shape[1]), np.int64)
     contrib_start = np.empty(G, np.int64)
     total = 0
     nbytes = 0
@@ -64,12 +65,12 @@ def layer_moe(fmt, data, hidden, row_bytes, x, tokens, experts, weights, offsets
         e = group_expert[g]
         group_offsets[g] = offsets[e]
         group_shapes[g] = shapes[e]
-        nbytes += 2 * shapes[e, 0] * row_bytes + hidden * shapes[e, 2]
+        nbytes += shapes[e, 0] * (shapes[e, 2] + shapes[e, 4]) + hidden * shapes[e, 7]
         contrib_start[g] = total
         total += (tok_stop[g] - tok_start[g]) * hidden
     contrib = np.empty(total, np.float32)
-    layer_rows(fmt, data, hidden, row_bytes, x, sorted_tokens, tok_start[:G], tok_stop[:G], group_offsets, group_shapes,
-               contrib, contrib_start)
+    layer_rows(data, hidden, x, sorted_tokens, tok_start[:G], tok_stop[:G], group_offsets, group_shapes, contrib,
+               contrib_start)
     y[:, :] = 0
     for g in range(G):  # in group order: the same sum whoever computed what
         c = contrib_start[g]
@@ -85,6 +86,7 @@ def warm_up() -> None:
     """Compile (or load from the disk cache) before the first request."""
     hidden = 32
     data = np.zeros(3 * 4 * hidden, np.uint8)
-    layer_moe(0, data, hidden, 4 * hidden, np.zeros((1, hidden), np.float32), np.zeros(1, np.int64),
-              np.zeros(1, np.int64), np.ones(1, np.float32), np.array([[0, 4 * hidden, 8 * hidden]], np.int64),
-              np.array([[1, 1, 4]], np.int64), np.zeros((1, hidden), np.float32))  # one f32 row, down [32, 1]
+    layer_moe(data, hidden, np.zeros((1, hidden), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64),
+              np.ones(1, np.float32), np.array([[0, 4 * hidden, 8 * hidden]], np.int64),
+              np.array([[1, 0, 4 * hidden, 0, 4 * hidden, 0, 1, 4]], np.int64),
+              np.zeros((1, hidden), np.float32))  # one f32 row, down [32, 1]

@@ -16,8 +16,9 @@ Inputs (C-contiguous):
     x               [T, H] float32  the layer's rows
     tokens          [P] int64       rows of x, grouped: group g owns tokens[tok_start[g]:tok_stop[g]]
     offsets         [G, 3] int64    byte offsets of group g's expert's gate [R, H], up [R, H] and down [H, R]
-    shapes          [G, 3] int64    group g's expert: its rows R, the weights in a stored row of down (R in
-                                    whole blocks: shm.formats.down_width) and that row's bytes
+    shapes          [G, 8] int64    group g's expert: its rows R; gate's format (FORMAT_IDS) and bytes of a
+                                    stored row; up's; down's format, the weights in a stored row (R in whole
+                                    blocks: shm.formats.down_width) and that row's bytes (SHAPE names them)
     contrib_start   [G] int64       where group g's [n, H] contribution starts in ``contrib`` (float32)
 """
 
@@ -29,7 +30,9 @@ from numba import njit, prange
 from . import simd
 from .common import JIT
 
-FORMAT_IDS = {"f32": 0, "bf16": 1, "q8": 2, "q4": 3}
+FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6
+SHAPE = ("rows", "gate format", "gate row bytes", "up format", "up row bytes", "down format", "down row weights",
+         "down row bytes")  # the columns of an expert's shapes row
 
 
 @njit(inline="always", **JIT)
@@ -41,8 +44,14 @@ def row_decode(fmt, data, o, hidden, out) -> None:
         simd.decode_bf16(data, o, hidden, out)
     elif fmt == 2:
         simd.decode_q8(data, o, hidden, out)
-    else:
+    elif fmt == 3:
         simd.decode_q4(data, o, hidden, out)
+    elif fmt == 4:
+        simd.decode_q4k(data, o, hidden, out)
+    elif fmt == 5:
+        simd.decode_q5k(data, o, hidden, out)
+    else:
+        simd.decode_q6k(data, o, hidden, out)
 
 
 @njit(inline="always", **JIT)
@@ -59,7 +68,13 @@ def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x):
         return simd.dot4_bf16(data, o0, o1, o2, o3, hidden, x)
     if fmt == 2:
         return simd.dot4_q8(data, o0, o1, o2, o3, hidden, x)
-    return simd.dot4_q4(data, o0, o1, o2, o3, hidden, x)
+    if fmt == 3:
+        return simd.dot4_q4(data, o0, o1, o2, o3, hidden, x)
+    if fmt == 4:
+        return simd.dot4_q4k(data, o0, o1, o2, o3, hidden, x)
+    if fmt == 5:
+        return simd.dot4_q5k(data, o0, o1, o2, o3, hidden, x)
+    return simd.dot4_q6k(data, o0, o1, o2, o3, hidden, x)
 
 
 @njit(inline="always", **JIT)
@@ -92,30 +107,31 @@ def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out) -> None:
 
 
 @njit(inline="always", **JIT)
-def task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, R, width, down_bytes, out) -> None:
+def task_tokens(data, hidden, xg, og, ou, od, shape, out) -> None:
     """A group of n tokens, a multiple of 4 (xg [n, H], gathered): gate and up two rows by four tokens at a
     time, then W_down's H rows (R weights each) the same way against silu(gate) * up [n, R] into out [n, H]."""
+    R, width, fmt_d, down_bytes = shape[0], shape[6], shape[5], shape[7]
     n = xg.shape[0]
     gate = np.empty((n, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
     up = np.empty((n, R + 1), np.float32)
-    dot_chunks(fmt, data, og, row_bytes, R, hidden, xg, gate)
-    dot_chunks(fmt, data, ou, row_bytes, R, hidden, xg, up)
+    dot_chunks(shape[1], data, og, shape[2], R, hidden, xg, gate)
+    dot_chunks(shape[3], data, ou, shape[4], R, hidden, xg, up)
     h = np.zeros((n, width), np.float32)  # silu(gate) * up, per token and row (zeros past R)
     for j in range(n):
         for r in range(R):
             h[j, r] = silu(gate[j, r]) * up[j, r]
     if hidden % 2 == 0:
-        dot_chunks(fmt, data, od, down_bytes, hidden, width, h, out)
+        dot_chunks(fmt_d, data, od, down_bytes, hidden, width, h, out)
     else:
         wide = np.empty((n, hidden + 1), np.float32)  # the odd last row's repeat lands in the extra column
-        dot_chunks(fmt, data, od, down_bytes, hidden, width, h, wide)
+        dot_chunks(fmt_d, data, od, down_bytes, hidden, width, h, wide)
         out[:, :] = wide[:, :hidden]
 
 
 @njit(parallel=True, **JIT)
-def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start):
+def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start):
     for g in prange(tok_start.size):
-        R, width, down_bytes = shapes[g, 0], shapes[g, 1], shapes[g, 2]
+        R, width, down_bytes = shapes[g, 0], shapes[g, 6], shapes[g, 7]
         t0, t1 = tok_start[g], tok_stop[g]
         n = t1 - t0
         out = contrib[contrib_start[g]:contrib_start[g] + n * hidden].reshape((n, hidden))
@@ -126,15 +142,15 @@ def layer_rows(fmt, data, hidden, row_bytes, x, tokens, tok_start, tok_stop, off
             for j in range(n):
                 xg[j] = x[tokens[t0 + j]]
             yg = out if padded == n else np.empty((padded, hidden), np.float32)
-            task_tokens(fmt, data, hidden, row_bytes, xg, og, ou, od, R, width, down_bytes, yg)
+            task_tokens(data, hidden, xg, og, ou, od, shapes[g], yg)
             if padded != n:
                 out[:, :] = yg[:n]
             continue
         xj = x[tokens[t0]]
         gate = np.zeros(width, np.float32)  # [R], then silu(gate) * up (zeros past R)
         up = np.empty(R, np.float32)
-        rows_dot(fmt, data, og, row_bytes, R, hidden, xj, gate)
-        rows_dot(fmt, data, ou, row_bytes, R, hidden, xj, up)
+        rows_dot(shapes[g, 1], data, og, shapes[g, 2], R, hidden, xj, gate)
+        rows_dot(shapes[g, 3], data, ou, shapes[g, 4], R, hidden, xj, up)
         for r in range(R):
             gate[r] = silu(gate[r]) * up[r]
-        rows_dot(fmt, data, od, down_bytes, hidden, width, gate, out[0])
+        rows_dot(shapes[g, 5], data, od, down_bytes, hidden, width, gate, out[0])

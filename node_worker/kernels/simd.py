@@ -4,7 +4,9 @@ Numba's auto-vectorizer turns a block-scaled row (a float16 scale every 32
 values) into nested loops that reduce every block horizontally: measured 1.3–5.4
 G weights/s, a fraction of what the memory gives. Here each block of 32 values
 is one LLVM vector ``<32 x float>``: the format's module (f32.py, bf16.py,
-q8.py, q4.py) widens the block in registers and returns its scale apart, the
+q8.py, q4.py; q4k.py, q5k.py, q6k.py for a GGUF file's K blocks, a group of 32
+of their super-blocks of 256 at a time) widens the block in registers and
+returns its scale apart (or the weights whole, the K types), the
 loop multiplies the scale in once per block and accumulates into a vector per
 row, which is reduced once at the end of the row. The IR names no instruction
 set: LLVM lowers ``<32 x float>`` to four AVX2 registers, two AVX-512 ones, or
@@ -36,6 +38,7 @@ the in-process pool, the node workers and the dense matrices share these loops.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from types import ModuleType
 
 from llvmlite import ir
@@ -43,21 +46,15 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import bf16, f32, q4, q8
-from .ir import F32, I8, I32, I64, LANES, VF, const
+from . import bf16, f32, q4, q4k, q5k, q6k, q8
+from .ir import F32, I8, I32, I64, LANES, VF, const, splat
 
 FAST = ("fast",)
-FORMATS: dict[str, ModuleType] = {"f32": f32, "bf16": bf16, "q8": q8, "q4": q4}
+FORMATS: dict[str, ModuleType] = {"f32": f32, "bf16": bf16, "q8": q8, "q4": q4, "q4k": q4k, "q5k": q5k, "q6k": q6k}
 
 
 def _byte_ptr(context, builder, aryty, ary):
     return builder.bitcast(context.make_array(aryty)(context, builder, ary).data, I8.as_pointer())
-
-
-def _splat(builder, value):
-    one = builder.insert_element(ir.Constant(VF, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(VF, ir.Undefined),
-                                  ir.Constant(ir.VectorType(I32, LANES), [0] * LANES))
 
 
 def _reduce(builder, vec):
@@ -71,7 +68,8 @@ PREFETCH_ROWS = 8  # dot4/axpy4 prefetch the rows this many rows further on (two
 
 def _prefetch_ahead(builder, fmt, rows, b) -> None:
     """Prefetch, for each row, block b's share of the row PREFETCH_ROWS rows further on (rows o1 - o0 bytes
-    apart; stride BLOCK_BYTES, so the loop over a row's blocks covers that row's values and scales).
+    apart; stride BLOCK_BYTES, a row's bytes per 32 values (a fraction for Q6_K's 210-byte super-blocks), so the
+    loop over a row's blocks covers that row's values and scales).
 
     A row is 1-4 KiB: too short a stream for the hardware prefetcher to ramp up on, and four rows read side by
     side look like four streams. Measured out of cache (2 threads, 76k rows x 2048): q8 9.5 -> 15 G weights/s,
@@ -80,7 +78,9 @@ def _prefetch_ahead(builder, fmt, rows, b) -> None:
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
                                                                                            I32]), "llvm.prefetch.p0i8")
     step = builder.sub(builder.ptrtoint(rows[1], I64), builder.ptrtoint(rows[0], I64))
-    ahead = builder.add(builder.mul(step, const(PREFETCH_ROWS)), builder.mul(b, const(fmt.BLOCK_BYTES)))
+    stride = Fraction(fmt.BLOCK_BYTES)
+    within = builder.udiv(builder.mul(b, const(stride.numerator)), const(stride.denominator))
+    ahead = builder.add(builder.mul(step, const(PREFETCH_ROWS)), within)
     for row in rows:  # (address, read, keep in all caches, data)
         builder.call(fn, [builder.gep(row, [ahead]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
@@ -88,7 +88,7 @@ def _prefetch_ahead(builder, fmt, rows, b) -> None:
 def _scaled_block(builder, fmt, row, b, hidden):
     """Block b of a row as <32 x float> weights (the scale multiplied in)."""
     w, d = fmt.block(builder, row, b, hidden)
-    return w if d is None else builder.fmul(w, _splat(builder, d), flags=FAST)
+    return w if d is None else builder.fmul(w, splat(builder, d), flags=FAST)
 
 
 def _tail(builder, hidden, nb):
@@ -259,6 +259,7 @@ def _make_decode(fmt: ModuleType):
     return decode
 
 
-dot4_f32, dot4_bf16, dot4_q8, dot4_q4 = (_make_dot4(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
-decode_f32, decode_bf16, decode_q8, decode_q4 = (_make_decode(FORMATS[f]) for f in ("f32", "bf16", "q8", "q4"))
+dot4_f32, dot4_bf16, dot4_q8, dot4_q4, dot4_q4k, dot4_q5k, dot4_q6k = (_make_dot4(m) for m in FORMATS.values())
+decode_f32, decode_bf16, decode_q8, decode_q4, decode_q4k, decode_q5k, decode_q6k = (
+    _make_decode(m) for m in FORMATS.values())
 dot2r4 = _make_dotk(2, 4)

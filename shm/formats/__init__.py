@@ -11,6 +11,13 @@ fall on block boundaries, and H must be a multiple of the format's block.
     q8     1.0625 bytes a weight: int8 values, one f16 scale per 32     (q8.py)
     q4     0.5625 bytes a weight: 4-bit values, one f16 scale per 32    (q4.py)
 
+and a GGUF file's block types kept as the file has them (blocks of 256 along
+the row; filled only by copying the file's rows, never quantised from floats):
+
+    q4k    0.5625 bytes a weight: Q4_K                                 (q4k.py)
+    q5k    0.6875 bytes a weight: Q5_K                                 (q5k.py)
+    q6k    0.8203 bytes a weight: Q6_K                                 (q6k.py)
+
 A format module has NAME, BLOCK, ``row_bytes(H)``, ``encode_into(dest, src)``
 (float32 rows -> stored rows, at fill) and ``decode_into(dest, src)`` (stored
 rows -> float32, exactly the weights the kernels compute with). Stored rows are
@@ -19,13 +26,15 @@ an array [R, row_bytes(H)] of uint8 (float32 and uint16 views for f32, bf16).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 
-from . import bf16, f32, q4, q8
+from . import bf16, f32, q4, q4k, q5k, q6k, q8
 
-FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (f32, bf16, q8, q4)}
+FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (f32, bf16, q8, q4)}  # made from float weights too
+FILE_FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (q4k, q5k, q6k)}  # a GGUF file's blocks only
 AUTO = "auto"
 
 
@@ -35,15 +44,17 @@ class FormatError(ValueError):
 
 def get(name: str) -> ModuleType:
     try:
-        return FORMATS[name]
+        return FORMATS.get(name) or FILE_FORMATS[name]
     except KeyError:
-        raise FormatError(f"expert format {name!r} is not known; expected one of {', '.join(FORMATS)}") from None
+        raise FormatError(f"expert format {name!r} is not known; expected one of "
+                          f"{', '.join([*FORMATS, *FILE_FORMATS])}") from None
 
 
 def resolve(name: str, checkpoint_dtype: str, hidden: int) -> ModuleType:
     """The format to store experts in. ``auto`` keeps the checkpoint's weights exactly in the fewest bytes:
-    bf16 for a BF16 checkpoint, f32 for F16 and F32 ones (bf16 would round F16's mantissa), q8 and q4 for a
-    GGUF file's Q8_0 and Q4_0 blocks (shm/gguf_blocks.py); another GGUF block type needs a chosen format."""
+    bf16 for a BF16 checkpoint, f32 for F16 and F32 ones (bf16 would round F16's mantissa), q8, q4, q4k, q5k
+    and q6k for a GGUF file's Q8_0, Q4_0, Q4_K, Q5_K and Q6_K blocks (shm/gguf_blocks.py); another GGUF block
+    type needs a chosen format. A file format (q4k, ...) holds only its own GGUF type."""
     if name == AUTO:
         from ..checkpoint import is_block_dtype
         from ..gguf_blocks import LOSSLESS, ggml_type
@@ -57,10 +68,80 @@ def resolve(name: str, checkpoint_dtype: str, hidden: int) -> ModuleType:
         else:
             name = "bf16" if checkpoint_dtype == "BF16" else "f32"
     fmt = get(name)
+    if name in FILE_FORMATS and checkpoint_dtype != fmt.GGML:
+        raise FormatError(f"expert format {name} holds a GGUF file's {fmt.GGML} blocks as they are; these experts "
+                          f"are {checkpoint_dtype}: choose one of {', '.join(FORMATS)} (or auto)")
     if hidden % fmt.BLOCK:
         raise FormatError(f"expert format {name} stores blocks of {fmt.BLOCK} weights along the hidden axis; "
                           f"this model's hidden size {hidden} is not a multiple of {fmt.BLOCK}")
     return fmt
+
+
+Triple = tuple[str, str, str]  # the formats of an expert's (gate, up, down)
+
+
+@dataclass(frozen=True)
+class ExpertFormats:
+    """How every MoE layer's expert matrices are stored: one (gate, up, down) triple of format names for all
+    layers, with the layers that differ listed (a GGUF file keeps each tensor's own type: a Q4_K_M file has
+    Q6_K down matrices in some layers). Written as a spec string, in the worker job and the segment's kind:
+
+        q8                              every matrix q8
+        q4k/q4k/q6k                     every layer: gate q4k, up q4k, down q6k
+        q4k/q4k/q4k;0=q4k/q4k/q6k;7=... the first triple, but layer 0 (and 7, ...) as given
+    """
+
+    default: Triple
+    layers: tuple[tuple[int, Triple], ...] = ()  # (layer, triple) where it differs from the default, by layer
+
+    @classmethod
+    def parse(cls, spec: str) -> "ExpertFormats":
+        def triple(text: str) -> Triple:
+            names = text.split("/")
+            if len(names) == 1:
+                names *= 3
+            if len(names) != 3:
+                raise FormatError(f"expert formats {spec!r}: {text!r} is not one format or gate/up/down formats")
+            for n in names:
+                get(n)
+            return tuple(names)  # type: ignore[return-value]
+
+        head, *rest = str(spec).split(";")
+        layers = []
+        for item in rest:
+            layer, _, text = item.partition("=")
+            if not layer.isdigit():
+                raise FormatError(f"expert formats {spec!r}: {item!r} is not layer=formats")
+            layers.append((int(layer), triple(text)))
+        return cls(triple(head), tuple(sorted(layers)))
+
+    @classmethod
+    def of_layers(cls, triples: dict[int, Triple]) -> "ExpertFormats":
+        """The triples of every layer, the most common one (the first of equals) as the default."""
+        counts: dict[Triple, int] = {}
+        for t in triples.values():
+            counts[t] = counts.get(t, 0) + 1
+        default = max(counts, key=counts.get) if counts else ("f32",) * 3
+        return cls(default, tuple(sorted((l, t) for l, t in triples.items() if t != default)))
+
+    @property
+    def spec(self) -> str:
+        def text(t: Triple) -> str:
+            return t[0] if t[0] == t[1] == t[2] else "/".join(t)
+
+        return ";".join([text(self.default), *(f"{l}={text(t)}" for l, t in self.layers)])
+
+    def of(self, layer: int) -> Triple:
+        return dict(self.layers).get(layer, self.default)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted({n for t in (self.default, *(t for _, t in self.layers)) for n in t})
+
+    @property
+    def down_block(self) -> int:
+        """The largest block along W_down's rows: the plan cuts the intermediate axis on it."""
+        return max(get(t[2]).BLOCK for t in (self.default, *(t for _, t in self.layers)))
 
 
 def down_width(fmt: ModuleType, rows: int) -> int:
