@@ -145,7 +145,7 @@ class HeapExpertStore(BufferExpertStore):
         intermediate size)."""
         wanted = {}
         for key, (refs, intermediate) in experts.items():
-            rows = plan.slice_of(intermediate, node)
+            rows = plan.slice_of(intermediate, node, key[1])
             if rows is not None:
                 wanted[key] = (refs, rows.start, rows.stop)
         hidden = max((ckpt_hidden(ckpt, refs) for refs, _, _ in wanted.values()), default=0)

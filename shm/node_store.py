@@ -102,7 +102,7 @@ def open_node_store(
     model_digest = model_digest or ckpt.digest()
     wanted = {}
     for (layer, e), (refs, inter) in experts.items():
-        rows = plan.slice_of(inter, node)
+        rows = plan.slice_of(inter, node, e)
         if rows is not None:
             wanted[(layer, e)] = (refs, rows.start, rows.stop)
     layout, data_bytes = build_layout(((l, e, a, b) for (l, e), (_, a, b) in wanted.items()), hidden, fmt)

@@ -7,6 +7,14 @@ remainder; ties go to the later node). The rows past the last whole block go
 to the last node that holds rows. A node whose share rounds to zero rows is
 left out, with the reason recorded. Partial outputs are summed in the plan's
 node order.
+
+Turns: where blocks do not split evenly among nodes whose remainders tie
+(Qwen3-30B-A3B's 768 rows are 3 of a GGUF K type's 256-row blocks: 1.5 a node
+for two equal nodes), the spare block would always go to the same node and
+make it the slowest in every layer. So when every node holds at least one
+block, expert e takes turn e mod N (N nodes): the tie is broken starting from
+a different node each turn, and the spare blocks go round the tied nodes.
+Each expert's slices still cover 0..I contiguously in node order.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Iterable, Sequence
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: turns
 DEFAULT_BLOCK = 32
 
 
@@ -50,6 +58,8 @@ class PoolPlan:
     slices: dict[int, tuple[RowSlice, ...]] = field(hash=False)
     # (intermediate size, node, reason) for every node left out of a size
     left_out: tuple[tuple[int, int, str], ...] = ()
+    # intermediate size -> the slices of each turn (expert e takes turn e mod len), where the turns differ
+    turns: dict[int, tuple[tuple[RowSlice, ...], ...]] = field(default_factory=dict, hash=False)
 
     @property
     def digest(self) -> str:
@@ -58,6 +68,8 @@ class PoolPlan:
             "block": self.block,
             "nodes": [[n.node, n.workers] for n in self.nodes],
             "slices": {str(i): [[s.node, s.start, s.stop] for s in sl] for i, sl in sorted(self.slices.items())},
+            "turns": {str(i): [[[s.node, s.start, s.stop] for s in sl] for sl in turns]
+                      for i, turns in sorted(self.turns.items())},
         }
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
@@ -72,23 +84,32 @@ class PoolPlan:
         except KeyError:
             raise PlanError(f"the plan has no slices for intermediate size {intermediate}") from None
 
-    def slice_of(self, intermediate: int, node: int) -> RowSlice | None:
-        """The node's rows of an expert of this size, or None if it holds none."""
-        for s in self.slices_for(intermediate):
+    def slice_of(self, intermediate: int, node: int, expert: int = 0) -> RowSlice | None:
+        """The node's rows of expert ``expert`` (of this size), or None if it holds none."""
+        turns = self.turns.get(intermediate)
+        for s in turns[expert % len(turns)] if turns else self.slices_for(intermediate):
             if s.node == node:
                 return s
         return None
 
+    def mean_rows(self, intermediate: int, node: int) -> float:
+        """The node's rows of an expert of this size, averaged over the turns."""
+        turns = self.turns.get(intermediate) or (self.slices_for(intermediate),)
+        return sum(s.rows for sl in turns for s in sl if s.node == node) / len(turns)
 
-def split_rows(intermediate: int, shares: Sequence[NodeShare], block: int) -> tuple[list[RowSlice], list[tuple[int, str]]]:
-    """Cut ``0..intermediate`` into per-node slices; returns (slices, [(node, reason)])."""
+
+def split_rows(intermediate: int, shares: Sequence[NodeShare], block: int,
+               turn: int = 0) -> tuple[list[RowSlice], list[tuple[int, str]]]:
+    """Cut ``0..intermediate`` into per-node slices; returns (slices, [(node, reason)]). ``turn`` t: among
+    equal remainders the node t places before the later ones goes first (t = 0: the later node first)."""
     whole_blocks, tail_rows = divmod(intermediate, block)
     total_workers = sum(s.workers for s in shares)
     quotas = [Fraction(whole_blocks * s.workers, total_workers) for s in shares]
     blocks = [int(q) for q in quotas]
     spare = whole_blocks - sum(blocks)
-    # largest fractional part first; among equals the later node first
-    order = sorted(range(len(shares)), key=lambda k: (quotas[k] - blocks[k], k), reverse=True)
+    # largest fractional part first; among equals the later node first (counted from the turn's node)
+    n = len(shares)
+    order = sorted(range(n), key=lambda k: (quotas[k] - blocks[k], (k + turn) % n), reverse=True)
     for k in order[:spare]:
         blocks[k] += 1
     if tail_rows:
@@ -128,6 +149,7 @@ def make_plan(nodes: Sequence[NodeShare], intermediate_sizes: Iterable[int], blo
     if not sizes:
         raise PlanError("a plan needs at least one expert intermediate size")
     slices: dict[int, tuple[RowSlice, ...]] = {}
+    turns: dict[int, tuple[tuple[RowSlice, ...], ...]] = {}
     left_out: list[tuple[int, int, str]] = []
     for size in sizes:
         if size <= 0:
@@ -135,7 +157,10 @@ def make_plan(nodes: Sequence[NodeShare], intermediate_sizes: Iterable[int], blo
         cut, dropped = split_rows(size, nodes, block)
         slices[size] = tuple(cut)
         left_out.extend((size, node, reason) for node, reason in dropped)
-    return PoolPlan(tuple(nodes), block, slices, tuple(left_out))
+        rounds = [split_rows(size, nodes, block, t) for t in range(1, len(nodes))] if not dropped else []
+        if any(r[0] != cut for r in rounds) and not any(r[1] for r in rounds):  # every node holds rows each turn
+            turns[size] = (tuple(cut), *(tuple(r[0]) for r in rounds))
+    return PoolPlan(tuple(nodes), block, slices, tuple(left_out), turns)
 
 
 def single_node_plan(intermediate_sizes: Iterable[int], node: int = 0, workers: int = 1) -> PoolPlan:

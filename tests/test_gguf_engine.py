@@ -58,7 +58,7 @@ FILES = {
     "Q4_0": (Q.Q4_0, {}, "q4", dict(hidden_size=64, moe_intermediate_size=96)),
     # as llama.cpp's Q4_K_M mixes them (Q6_K down in some layers; Q5_K as Q5_K_M has it): K blocks of 256
     "Q4_K_M": (Q.Q4_K, {0: Q.Q6_K, 2: Q.Q5_K}, "q4k/q4k/q6k;1=q4k;2=q4k/q4k/q5k",
-               dict(hidden_size=256, moe_intermediate_size=512, num_layers=3)),
+               dict(hidden_size=256, moe_intermediate_size=768, num_layers=3)),  # 1.5 blocks a node: turns
 }
 
 
@@ -125,6 +125,10 @@ def test_engine_on_the_file_agrees_with_its_dequantised_weights_single_and_split
     split = dict(numa_split=True, nodes=2)  # the same plan in process and in two worker processes
     with Engine.open(path, EngineConfig(pool="inproc", **split)) as eng:
         inproc_split = logits(eng, PROMPT)
+        # the plan cuts on the down format's block (256 rows for K blocks), and 3 blocks go 1 + 2, then 2 + 1,
+        # expert by expert
+        assert eng.pool.plan.block == (256 if qtype == "Q4_K_M" else 32)
+        assert len(set(eng.pool.plan.turns[eng.model_config.moe_intermediate_size])) == 2
     with Engine.open(path.parent, EngineConfig(pool="process", **split)) as eng:  # the folder names the file
         assert [n.virtual for n in eng.nodes] == [True, True]
         assert np.array_equal(logits(eng, PROMPT), inproc_split)

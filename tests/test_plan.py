@@ -83,6 +83,22 @@ def check_size(plan: PoolPlan, size: int) -> None:
     for s in slices:
         assert plan.slice_of(size, s.node) == s
 
+    # turns: each a cut of its own with the same promises, every node holding rows, the first one the slices
+    turns = plan.turns.get(size)
+    if turns:
+        assert len(turns) == len(order) and turns[0] == slices and not dropped and len(set(turns)) > 1
+        for e, cut in enumerate(turns * 2):
+            assert [s.node for s in cut] == order
+            assert [r for s in cut for r in range(s.start, s.stop)] == list(range(size))
+            assert all(s.start % block == 0 and s.rows >= block for s in cut)
+            assert all(s.rows % block == 0 for s in cut[:-1]) and cut[-1].rows % block == tail
+            for s in cut:
+                assert abs(s.rows // block - Fraction(whole * weight[s.node], total)) < 1
+                assert plan.slice_of(size, s.node, e) == s
+        for node in order:  # over the turns, each node's mean is at least as close to its quota as turn 0's
+            quota = Fraction(size * weight[node], total)
+            assert abs(plan.mean_rows(size, node) - quota) <= abs(plan.slice_of(size, node).rows - quota) + 1e-9
+
 
 def check_plan(plan: PoolPlan, shares, sizes, block) -> None:
     assert plan.nodes == tuple(shares)
@@ -193,6 +209,21 @@ def test_ties_go_to_the_later_node():
     assert plan.slices_for(32) == (RowSlice(1, 0, 32),)
     assert plan.slices_for(40) == (RowSlice(1, 0, 40),)
     assert {(i, n) for i, n, _ in plan.left_out} == {(32, 0), (40, 0)}
+
+
+def test_a_spare_block_goes_round_the_tied_nodes_expert_by_expert():
+    """768 rows in 256-row blocks (a GGUF K type's) over two equal nodes: 1.5 blocks each. The spare block
+    goes to node 1 for even experts, node 0 for odd ones: 384 rows a node on average, not 256 and 512."""
+    plan = make_plan([NodeShare(0, 1), NodeShare(1, 1)], [768, 1024], block=256)
+    assert plan.turns[768] == ((RowSlice(0, 0, 256), RowSlice(1, 256, 768)),
+                               (RowSlice(0, 0, 512), RowSlice(1, 512, 768)))
+    assert [plan.slice_of(768, 0, e).rows for e in range(4)] == [256, 512, 256, 512]
+    assert plan.mean_rows(768, 0) == plan.mean_rows(768, 1) == 384
+    assert 1024 not in plan.turns  # an even split has one cut
+    assert plan.digest != make_plan([NodeShare(0, 1), NodeShare(1, 1)], [1024], block=256).digest
+    # a turn that would leave a node without rows is not taken: one block over two nodes stays with node 1
+    one = make_plan([NodeShare(0, 1), NodeShare(1, 1)], [256], block=256)
+    assert one.turns == {} and [s.node for s in one.slices_for(256)] == [1]
 
 
 def test_largest_remainder_wins_over_node_order():

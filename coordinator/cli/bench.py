@@ -139,8 +139,10 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 "nodes": [{
                     "node": h["node"], "virtual": node_info[h["node"]].virtual, "threads": h.get("threads"),
                     "cpus": list(node_info[h["node"]].cpus), "slice_rows": h.get("slice_rows"),
+                    "mean_rows": pool.plan.mean_rows(mcfg.moe_intermediate_size, h["node"]),
                     "local_share": (h.get("placement") or {}).get("local_share"),
                 } for h in health],
+                "balance": node_balance(res["timings"], pool.plan),
             }
         if quality_positions:
             report["quality"] = measure_quality(model_dir, any_eng, quality_positions, seed, device or {})
@@ -152,6 +154,17 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
     finally:
         for eng in engines.values():
             eng.close()
+
+
+def node_balance(timings, plan) -> dict:
+    """Each node's compute summed over the decode layer calls, and the slowest node's over the mean: the cost
+    of uneven slices (a GGUF K type's 256-row blocks: 768 rows are 1.5 blocks a node for two nodes; the plan's
+    turns give the spare block to each node in turn, expert by expert)."""
+    calls = [t for t in timings if t.tokens <= 1]
+    per_node = [sum(t.compute_ns[k] for t in calls) / 1e9 for k in range(len(plan.node_ids))] if calls else []
+    mean = sum(per_node) / len(per_node) if per_node else 0
+    return {"nodes": list(plan.node_ids), "compute_s": per_node,
+            "max_over_mean": max(per_node) / mean if mean else None}
 
 
 def per_token_overhead(decode: dict, moe_layers: int, decode_tps: list[float]) -> dict:
@@ -230,7 +243,13 @@ def markdown(report: dict) -> str:
     for mode, m in report["modes"].items():
         for n in m["nodes"]:
             lines.append(f"{mode}: node {n['node']} ({'virtual' if n['virtual'] else 'real'}), threads {n['threads']}, "
-                         f"rows {n['slice_rows']}, local pages {_fmt(n['local_share'], '.0%')}")
+                         f"rows {n['slice_rows']} of expert 0, {_fmt(n['mean_rows'], '.0f')} an expert on average, "
+                         f"local pages {_fmt(n['local_share'], '.0%')}")
+        b = m["balance"]
+        if len(b["nodes"]) > 1 and b["max_over_mean"] is not None:
+            lines.append(f"{mode}: decode compute per node " + ", ".join(
+                f"node {n} {c:.2f} s" for n, c in zip(b["nodes"], b["compute_s"]))
+                + f": slowest / mean {b['max_over_mean']:.2f}")
     return "\n".join(lines)
 
 
