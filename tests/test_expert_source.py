@@ -282,7 +282,6 @@ def test_node_store_views_equal_the_slices(models, variant, count):
     plan = plan_over(count)
     cpus = sorted(os.sched_getaffinity(0))
     for node in range(count):
-        rows = plan.slice_of(INTER, node)
         store, report = open_node_store(m.ckpt, plan, node, m.store_map(), m.cfg.hidden_size, cpus)
         path = SHM_DIR / report.segment.lstrip("/")
         try:
@@ -293,6 +292,7 @@ def test_node_store_views_equal_the_slices(models, variant, count):
             expected_bytes = 0
             for key, refs in m.experts.items():
                 view = store.get(*key)
+                rows = plan.slice_of(INTER, node, key[1])  # the expert's turn: 9 blocks over 2 nodes go 4 + 5, 5 + 4
                 want = read_expert_slice(m.ckpt, refs, rows.start, rows.stop)
                 assert store.row_ranges[key] == (rows.start, rows.stop)
                 for got, exp in ((view.gate, want.gate), (view.up, want.up), (view.down, want.down)):

@@ -118,8 +118,8 @@ class Tiny:
                                model_digest=digest, **kw)
 
     def expected(self, node: int):
-        rows = self.plan.slice_of(self.cfg.moe_intermediate_size, node)
-        return {k: read_expert_slice(self.ckpt, r, rows.start, rows.stop) for k, r in self.refs.items()}
+        slices = {k: self.plan.slice_of(self.cfg.moe_intermediate_size, node, k[1]) for k in self.refs}
+        return {k: read_expert_slice(self.ckpt, r, slices[k].start, slices[k].stop) for k, r in self.refs.items()}
 
 
 @pytest.fixture
