@@ -42,7 +42,8 @@ class EngineConfig:
     worker_restart_window: float = 30.0  # a second worker death within this many seconds is not restarted at once
     prefill_chunk: int = 512  # prompt tokens prefilled per serving step, interleaved with decode steps
     worker_log_level: str = "WARNING"  # logging level of the node worker processes (a LOG_LEVELS name)
-    expert_dtype: str = "auto"  # how CPU experts are stored: auto (as the file has them) | f32 | bf16 | q8 | q4 | q4k | q5k | q6k
+    # how CPU experts are stored: auto (as the file has them) | f32 | bf16 | q8 | q4 | q4k | q5k | q6k | iq4xs
+    expert_dtype: str = "auto"
     dense_dtype: str = "f32"  # the CPU device side's dense matrices (no GPU): f32 | bf16 | q8 | q4
 
     def __post_init__(self):

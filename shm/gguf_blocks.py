@@ -9,8 +9,8 @@ Only the byte order differs:
     q8 row:                 int8 q of every block      | float16 d of every block
     q4 row:                 16 bytes qs of every block  | float16 d of every block
 
-Q4_K, Q5_K and Q6_K rows are stored as they are (formats q4k, q5k, q6k: the
-kernels read the file's super-blocks of 256). So a row of the file becomes a
+Q4_K, Q5_K, Q6_K and IQ4_XS rows are stored as they are (formats q4k, q5k,
+q6k, iq4xs: the kernels read the file's super-blocks of 256). So a row of the file becomes a
 stored row by moving bytes, and a node
 computes with exactly the file's dequantised weights (gguf.quants.dequantize),
 never a second quantisation of them. BF16 and F32 rows are the bf16 and f32

@@ -34,7 +34,7 @@ def add_tokenizer(w: gguf.GGUFWriter, tok, pre: str = "qwen2", model: str = "gpt
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
 
 
-K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a super-block's float16 d (, dmin)
+K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}  # a super-block's float16 d (, dmin)
 
 
 def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1e-3) -> np.ndarray:

@@ -179,7 +179,8 @@ def test_quantised_stores_stay_close_to_f32(bf16_model, name, top1):
 
 
 def test_unknown_format_and_a_hidden_size_off_the_block_are_named(tiny_model):
-    with pytest.raises(ConfigValueError, match="expert_dtype must be one of auto, f32, bf16, q8, q4, q4k, q5k, q6k"):
+    with pytest.raises(ConfigValueError,
+                       match="expert_dtype must be one of auto, f32, bf16, q8, q4, q4k, q5k, q6k, iq4xs"):
         EngineConfig(expert_dtype="q3")
     odd = tiny_model("odd", hidden_size=48, num_heads=3, num_kv_heads=1)
     with pytest.raises(ConfigValueError, match="hidden size 48 is not a multiple of 32"):

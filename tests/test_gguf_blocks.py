@@ -32,7 +32,7 @@ def random_rows(ggml_type: int, rows: int, rng: np.random.Generator, hidden: int
 @pytest.mark.parametrize("ggml_type", sorted(gguf_blocks.LOSSLESS), ids=lambda t: t.name)
 def test_repacked_rows_dequantise_bit_exactly_as_gguf_reads_them(ggml_type):
     assert int(ggml_type) == {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "BF16": 30, "Q4_K": 12, "Q5_K": 13,
-                              "Q6_K": 14}[Q(ggml_type).name]  # the file's ids
+                              "Q6_K": 14, "IQ4_XS": 23}[Q(ggml_type).name]  # the file's ids
     raw = random_rows(ggml_type, 7, np.random.default_rng(ggml_type))
     name, stored = gguf_blocks.repack(raw, ggml_type, H)
     fmt = formats.get(name)
@@ -44,8 +44,8 @@ def test_repacked_rows_dequantise_bit_exactly_as_gguf_reads_them(ggml_type):
 
 
 def test_types_without_a_lossless_format_and_wrong_row_sizes_are_named():
-    with pytest.raises(ValueError, match="IQ4_XS has no lossless store format .*Q8_0"):
-        gguf_blocks.repack(np.zeros((1, 136), np.uint8), int(Q.IQ4_XS), H)
+    with pytest.raises(ValueError, match="IQ4_NL has no lossless store format .*Q8_0"):
+        gguf_blocks.repack(np.zeros((1, 144), np.uint8), int(Q.IQ4_NL), H)
     with pytest.raises(ValueError, match="Q6_K rows of 32 values: not a whole number of 256-blocks"):
         gguf_blocks.repack(np.zeros((1, 26), np.uint8), int(Q.Q6_K), 32)
     with pytest.raises(ValueError, match="Q8_0 rows of 256 values take 272 bytes, got 271"):
@@ -54,7 +54,7 @@ def test_types_without_a_lossless_format_and_wrong_row_sizes_are_named():
         gguf_blocks.repack(np.zeros((1, 20), np.uint8), gguf_blocks.Q4_0, 40)
 
 
-K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]  # the types in super-blocks of 256
 
 
 @pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
@@ -72,7 +72,7 @@ def test_compiled_readers_of_k_blocks_dequantise_bit_exactly(ggml_type):
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("triple", [(t, t, t) for t in K_TYPES] + [(Q.Q4_K, Q.Q5_K, Q.Q6_K)],
+@pytest.mark.parametrize("triple", [(t, t, t) for t in K_TYPES] + [(Q.Q4_K, Q.IQ4_XS, Q.Q6_K)],
                          ids=lambda t: "/".join(q.name for q in t))
 @pytest.mark.parametrize("tokens_per_expert", [1, 5])  # decode's four rows at a time; prefill's 2 rows x 4 tokens
 def test_node_compute_on_k_blocks_equals_float64_on_the_dequantised_weights(triple, tokens_per_expert):

@@ -25,8 +25,8 @@ def block(builder, row, b, hidden):
     h = builder.udiv(g, const(4))
     low_at = builder.add(builder.mul(h, const(64)), builder.mul(builder.and_(g, const(1)), const(32)))
     low_shift = builder.trunc(builder.mul(builder.and_(builder.udiv(g, const(2)), const(1)), const(4)), I8)
-    low = builder.and_(builder.lshr(vec_load(builder, builder.gep(base, [low_at]), V32), splat(builder, low_shift, V32)),
-                       ir.Constant(V32, [15] * LANES))
+    low = builder.and_(builder.lshr(vec_load(builder, builder.gep(base, [low_at]), V32),
+                                    splat(builder, low_shift, V32)), ir.Constant(V32, [15] * LANES))
     high_at = builder.add(const(128), builder.mul(h, const(32)))
     high_shift = builder.trunc(builder.mul(builder.and_(g, const(3)), const(2)), I8)
     high = builder.and_(builder.lshr(vec_load(builder, builder.gep(base, [high_at]), V32),

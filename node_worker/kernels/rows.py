@@ -30,7 +30,7 @@ from numba import njit, prange
 from . import simd
 from .common import JIT
 
-FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6
+FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7
 SHAPE = ("rows", "gate format", "gate row bytes", "up format", "up row bytes", "down format", "down row weights",
          "down row bytes")  # the columns of an expert's shapes row
 
@@ -50,8 +50,10 @@ def row_decode(fmt, data, o, hidden, out) -> None:
         simd.decode_q4k(data, o, hidden, out)
     elif fmt == 5:
         simd.decode_q5k(data, o, hidden, out)
-    else:
+    elif fmt == 6:
         simd.decode_q6k(data, o, hidden, out)
+    else:
+        simd.decode_iq4xs(data, o, hidden, out)
 
 
 @njit(inline="always", **JIT)
@@ -74,7 +76,9 @@ def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x):
         return simd.dot4_q4k(data, o0, o1, o2, o3, hidden, x)
     if fmt == 5:
         return simd.dot4_q5k(data, o0, o1, o2, o3, hidden, x)
-    return simd.dot4_q6k(data, o0, o1, o2, o3, hidden, x)
+    if fmt == 6:
+        return simd.dot4_q6k(data, o0, o1, o2, o3, hidden, x)
+    return simd.dot4_iq4xs(data, o0, o1, o2, o3, hidden, x)
 
 
 @njit(inline="always", **JIT)

@@ -4,7 +4,7 @@ Numba's auto-vectorizer turns a block-scaled row (a float16 scale every 32
 values) into nested loops that reduce every block horizontally: measured 1.3–5.4
 G weights/s, a fraction of what the memory gives. Here each block of 32 values
 is one LLVM vector ``<32 x float>``: the format's module (f32.py, bf16.py,
-q8.py, q4.py; q4k.py, q5k.py, q6k.py for a GGUF file's K blocks, a group of 32
+q8.py, q4.py; q4k.py, q5k.py, q6k.py, iq4xs.py for a GGUF file's blocks, a group of 32
 of their super-blocks of 256 at a time) widens the block in registers and
 returns its scale apart (or the weights whole, the K types), the
 loop multiplies the scale in once per block and accumulates into a vector per
@@ -46,11 +46,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import bf16, f32, q4, q4k, q5k, q6k, q8
+from . import bf16, f32, iq4xs, q4, q4k, q5k, q6k, q8
 from .ir import F32, I8, I32, I64, LANES, VF, const, splat
 
 FAST = ("fast",)
-FORMATS: dict[str, ModuleType] = {"f32": f32, "bf16": bf16, "q8": q8, "q4": q4, "q4k": q4k, "q5k": q5k, "q6k": q6k}
+FORMATS: dict[str, ModuleType] = {"f32": f32, "bf16": bf16, "q8": q8, "q4": q4, "q4k": q4k, "q5k": q5k, "q6k": q6k,
+                                  "iq4xs": iq4xs}
 
 
 def _byte_ptr(context, builder, aryty, ary):
@@ -259,7 +260,8 @@ def _make_decode(fmt: ModuleType):
     return decode
 
 
-dot4_f32, dot4_bf16, dot4_q8, dot4_q4, dot4_q4k, dot4_q5k, dot4_q6k = (_make_dot4(m) for m in FORMATS.values())
-decode_f32, decode_bf16, decode_q8, decode_q4, decode_q4k, decode_q5k, decode_q6k = (
+dot4_f32, dot4_bf16, dot4_q8, dot4_q4, dot4_q4k, dot4_q5k, dot4_q6k, dot4_iq4xs = (
+    _make_dot4(m) for m in FORMATS.values())
+decode_f32, decode_bf16, decode_q8, decode_q4, decode_q4k, decode_q5k, decode_q6k, decode_iq4xs = (
     _make_decode(m) for m in FORMATS.values())
 dot2r4 = _make_dotk(2, 4)

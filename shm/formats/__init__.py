@@ -17,6 +17,7 @@ the row; filled only by copying the file's rows, never quantised from floats):
     q4k    0.5625 bytes a weight: Q4_K                                 (q4k.py)
     q5k    0.6875 bytes a weight: Q5_K                                 (q5k.py)
     q6k    0.8203 bytes a weight: Q6_K                                 (q6k.py)
+    iq4xs  0.5313 bytes a weight: IQ4_XS                               (iq4xs.py)
 
 A format module has NAME, BLOCK, ``row_bytes(H)``, ``encode_into(dest, src)``
 (float32 rows -> stored rows, at fill) and ``decode_into(dest, src)`` (stored
@@ -31,10 +32,10 @@ from types import ModuleType
 
 import numpy as np
 
-from . import bf16, f32, q4, q4k, q5k, q6k, q8
+from . import bf16, f32, iq4xs, q4, q4k, q5k, q6k, q8
 
 FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (f32, bf16, q8, q4)}  # made from float weights too
-FILE_FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (q4k, q5k, q6k)}  # a GGUF file's blocks only
+FILE_FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (q4k, q5k, q6k, iq4xs)}  # a GGUF file's blocks only
 AUTO = "auto"
 
 
@@ -52,9 +53,9 @@ def get(name: str) -> ModuleType:
 
 def resolve(name: str, checkpoint_dtype: str, hidden: int) -> ModuleType:
     """The format to store experts in. ``auto`` keeps the checkpoint's weights exactly in the fewest bytes:
-    bf16 for a BF16 checkpoint, f32 for F16 and F32 ones (bf16 would round F16's mantissa), q8, q4, q4k, q5k
-    and q6k for a GGUF file's Q8_0, Q4_0, Q4_K, Q5_K and Q6_K blocks (shm/gguf_blocks.py); another GGUF block
-    type needs a chosen format. A file format (q4k, ...) holds only its own GGUF type."""
+    bf16 for a BF16 checkpoint, f32 for F16 and F32 ones (bf16 would round F16's mantissa), q8, q4, q4k,
+    q5k, q6k and iq4xs for a GGUF file's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS blocks (shm/gguf_blocks.py);
+    another GGUF block type needs a chosen format. A file format (q4k, ...) holds only its own GGUF type."""
     if name == AUTO:
         from ..checkpoint import is_block_dtype
         from ..gguf_blocks import LOSSLESS, ggml_type
