@@ -108,3 +108,39 @@ def test_node_compute_on_k_blocks_equals_float64_on_the_dequantised_weights(trip
     scale = np.abs(want).max()
     assert scale > 0 and not y[tokens_per_expert].any()  # the token routed nowhere gets nothing
     np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["byte shuffle", "select tree"])
+def test_both_iq4xs_level_lookups_give_the_levels(shuffle):
+    """IQ4_XS's 16 levels are looked up by pshufb where the host has SSSE3, else by a tree of selects: the
+    kernels compile only the host's choice, so each is compiled here on its own, on every index."""
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from node_worker.kernels import iq4xs
+    from node_worker.kernels.ir import I8, LANES
+
+    if shuffle and "ssse3" not in iq4xs._host_features():
+        pytest.skip("no SSSE3 byte shuffle on this host")
+    V32 = ir.VectorType(I8, LANES)
+
+    @intrinsic
+    def lookup(typingctx, idx, out):
+        def codegen(context, builder, sig, args):
+            src = context.make_array(sig.args[0])(context, builder, args[0]).data
+            dst = context.make_array(sig.args[1])(context, builder, args[1]).data
+            got = iq4xs.levels(builder, builder.load(builder.bitcast(src, V32.as_pointer()), align=1), shuffle)
+            builder.store(got, builder.bitcast(dst, V32.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(idx, out), codegen
+
+    @njit
+    def run(idx, out):
+        lookup(idx, out)
+
+    idx = np.array(list(range(16)) + list(range(15, -1, -1)), np.int8)  # every index in both halves
+    out = np.zeros(32, np.int8)
+    run(idx, out)
+    assert out.tolist() == [formats.get("iq4xs").KVALUES[i] for i in idx]

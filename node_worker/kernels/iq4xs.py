@@ -1,34 +1,45 @@
 """iq4xs rows (shm/formats/iq4xs.py: a GGUF file's IQ4_XS super-blocks of 256, 136 bytes) for simd.py's loops.
 
-    32-group b of the row: super-block b // 8 at byte 136 (b // 8), group j = b % 8 in it
+One loop step reads a super-block s (at byte 136 s) as 8 groups of 32, j a constant of the unrolled loop:
       scale     (scales_l nibble j | scales_h bits 2j..2j+1 << 4) - 32, an int8; d float16 at byte 0
       indices   the 16 bytes at 8 + 16 j: low nibbles the first 16 weights, high nibbles the next 16 (as q4.py)
     weights = (d * scale) * float(KVALUES[index]), as gguf.quants does it; returned whole.
 
-The 16-level lookup is a tree of vector selects on the index bits (15 selects
-of <32 x i8>, one bit a level): no gather, no instruction set named, so LLVM
-lowers it to byte blends at whatever width the host has.
+The 16-level lookup is a byte shuffle where the host has one (SSSE3's pshufb
+on x86: two per group), else a tree of vector selects on the index bits that
+LLVM lowers to byte blends at whatever width the host has.
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
-
+import llvmlite.binding as llvm
 from llvmlite import ir
+from numba.core import cgutils
 
 from shm.formats.iq4xs import KVALUES
 
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, byte_at, const, half_at, splat, super_block, vec_load
 
 SCALED = True
-BLOCK_BYTES = Fraction(136, 8)
+GROUPS = 8  # 32-groups a loop step reads: one super-block
+BLOCK_BYTES = 136  # bytes of the row per loop step: the prefetch's stride
 HALF = LANES // 2
 V16 = ir.VectorType(I8, HALF)
 V32 = ir.VectorType(I8, LANES)
 
 
-def _levels(builder, index):
-    """KVALUES[index] for a <32 x i8> of indices in [0, 16)."""
+def levels(builder, index, shuffle: bool | None = None):
+    """KVALUES[index] for a <32 x i8> of indices in [0, 16): a byte shuffle of the 16 levels where the host has
+    one (x86's SSSE3 pshufb, chosen when the kernels compile, so the disk cache holds it per CPU), else a tree
+    of vector selects on the index bits (15 selects of <32 x i8>, one bit a level). ``shuffle``: force one."""
+    if shuffle if shuffle is not None else "ssse3" in _host_features():
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16, [V16, V16]),
+                                            "llvm.x86.ssse3.pshuf.b.128")
+        halves = [builder.call(fn, [ir.Constant(V16, list(KVALUES)),
+                                    builder.shuffle_vector(index, index, ir.Constant(ir.VectorType(I32, HALF),
+                                                                                     list(range(k, k + HALF))))])
+                  for k in (0, HALF)]
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
     choices = [ir.Constant(V32, [v] * LANES) for v in KVALUES]
     for bit in range(4):
         chosen = builder.icmp_unsigned("!=", builder.and_(index, ir.Constant(V32, [1 << bit] * LANES)),
@@ -37,18 +48,24 @@ def _levels(builder, index):
     return choices[0]
 
 
-def block(builder, row, b, hidden):
-    base, j = super_block(builder, row, b, 136)
-    low = builder.lshr(byte_at(builder, base, builder.add(const(4), builder.udiv(j, const(2)))),
-                       builder.trunc(builder.mul(builder.and_(j, const(1)), const(4)), I32))
+def _host_features() -> set[str]:
+    features = llvm.get_host_cpu_features()
+    return {name for name, on in features.items() if on}
+
+
+def group(builder, row, s, j: int):
+    base = super_block(builder, row, s, BLOCK_BYTES)
+    low = byte_at(builder, base, const(4 + j // 2))
+    if j % 2:
+        low = builder.lshr(low, ir.Constant(I32, 4))
     high_bits = builder.zext(builder.load(builder.bitcast(builder.gep(base, [const(2)]), I16.as_pointer()), align=1),
                              I32)
-    high = builder.and_(builder.lshr(high_bits, builder.trunc(builder.mul(j, const(2)), I32)), ir.Constant(I32, 3))
+    high = builder.and_(builder.lshr(high_bits, ir.Constant(I32, 2 * j)), ir.Constant(I32, 3))
     scale = builder.sub(builder.or_(builder.and_(low, ir.Constant(I32, 15)), builder.shl(high, ir.Constant(I32, 4))),
                         ir.Constant(I32, 32))
     dl = builder.fmul(half_at(builder, base), builder.sitofp(scale, F32), flags=EXACT)
-    packed = vec_load(builder, builder.gep(base, [builder.add(const(8), builder.mul(j, const(16)))]), V16)
+    packed = vec_load(builder, builder.gep(base, [const(8 + 16 * j)]), V16)
     nibbles = builder.shuffle_vector(builder.and_(packed, ir.Constant(V16, [15] * HALF)),
                                      builder.lshr(packed, ir.Constant(V16, [4] * HALF)),
                                      ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
-    return builder.fmul(builder.sitofp(_levels(builder, nibbles), VF), splat(builder, dl), flags=EXACT), None
+    return builder.fmul(builder.sitofp(levels(builder, nibbles), VF), splat(builder, dl), flags=EXACT)

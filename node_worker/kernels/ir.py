@@ -47,22 +47,19 @@ def half_at(builder: ir.IRBuilder, ptr: ir.Value) -> ir.Value:
     return builder.fpext(builder.bitcast(bits, ir.HalfType()), F32)
 
 
-def super_block(builder: ir.IRBuilder, row: ir.Value, b: ir.Value, super_bytes: int) -> tuple[ir.Value, ir.Value]:
-    """For the formats in super-blocks of 256 (8 groups of 32): (the byte pointer of the super-block holding
-    32-group b of the row, the group's index j in it)."""
-    base = builder.gep(row, [builder.mul(builder.udiv(b, const(8)), const(super_bytes))])
-    return base, builder.urem(b, const(8))
+def super_block(builder: ir.IRBuilder, row: ir.Value, s: ir.Value, super_bytes: int) -> ir.Value:
+    """The byte pointer of super-block s of a row (the formats in super-blocks of 256: 8 groups of 32)."""
+    return builder.gep(row, [builder.mul(s, const(super_bytes))])
 
 
-def k_scale_min(builder: ir.IRBuilder, scales: ir.Value, j: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(sc[j], m[j]) as i32: the 6-bit pairs packed in 12 bytes as Q4_K and Q5_K pack them (shm/formats/q4k.py)."""
-    a = byte_at(builder, scales, j)  # s[j]
-    b = byte_at(builder, scales, builder.xor(j, const(4)))  # s[j + 4] for j < 4, s[j - 4] for j >= 4
-    c = byte_at(builder, scales, builder.add(builder.and_(j, const(3)), const(8)))  # s[j + 4] for j >= 4
+def k_scale_min(builder: ir.IRBuilder, scales: ir.Value, j: int) -> tuple[ir.Value, ir.Value]:
+    """(sc[j], m[j]) as i32 for a constant group j: the 6-bit pairs packed in 12 bytes as Q4_K and Q5_K pack
+    them (shm/formats/q4k.py)."""
     i32 = lambda v: ir.Constant(I32, v)  # noqa: E731
-    low = builder.icmp_unsigned("<", j, const(4))
-    sc = builder.select(low, builder.and_(a, i32(63)),
-                        builder.or_(builder.and_(c, i32(15)), builder.shl(builder.lshr(b, i32(6)), i32(4))))
-    m = builder.select(low, builder.and_(b, i32(63)),
-                       builder.or_(builder.lshr(c, i32(4)), builder.shl(builder.lshr(a, i32(6)), i32(4))))
+    at = lambda k: byte_at(builder, scales, const(k))  # noqa: E731
+    if j < 4:
+        return builder.and_(at(j), i32(63)), builder.and_(at(j + 4), i32(63))
+    c = at(j + 4)
+    sc = builder.or_(builder.and_(c, i32(15)), builder.shl(builder.lshr(at(j - 4), i32(6)), i32(4)))
+    m = builder.or_(builder.lshr(c, i32(4)), builder.shl(builder.lshr(at(j), i32(6)), i32(4)))
     return sc, m

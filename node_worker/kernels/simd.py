@@ -38,7 +38,6 @@ the in-process pool, the node workers and the dense matrices share these loops.
 
 from __future__ import annotations
 
-from fractions import Fraction
 from types import ModuleType
 
 from llvmlite import ir
@@ -68,9 +67,9 @@ PREFETCH_ROWS = 8  # dot4/axpy4 prefetch the rows this many rows further on (two
 
 
 def _prefetch_ahead(builder, fmt, rows, b) -> None:
-    """Prefetch, for each row, block b's share of the row PREFETCH_ROWS rows further on (rows o1 - o0 bytes
-    apart; stride BLOCK_BYTES, a row's bytes per 32 values (a fraction for Q6_K's 210-byte super-blocks), so the
-    loop over a row's blocks covers that row's values and scales).
+    """Prefetch, for each row, loop step b's share of the row PREFETCH_ROWS rows further on (rows o1 - o0 bytes
+    apart; stride BLOCK_BYTES, a row's bytes per loop step, so the loop over a row's blocks covers that row's
+    values and scales; a step of a super-block format covers several cache lines, each prefetched).
 
     A row is 1-4 KiB: too short a stream for the hardware prefetcher to ramp up on, and four rows read side by
     side look like four streams. Measured out of cache (2 threads, 76k rows x 2048): q8 9.5 -> 15 G weights/s,
@@ -79,17 +78,29 @@ def _prefetch_ahead(builder, fmt, rows, b) -> None:
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
                                                                                            I32]), "llvm.prefetch.p0i8")
     step = builder.sub(builder.ptrtoint(rows[1], I64), builder.ptrtoint(rows[0], I64))
-    stride = Fraction(fmt.BLOCK_BYTES)
-    within = builder.udiv(builder.mul(b, const(stride.numerator)), const(stride.denominator))
-    ahead = builder.add(builder.mul(step, const(PREFETCH_ROWS)), within)
+    ahead = builder.add(builder.mul(step, const(PREFETCH_ROWS)), builder.mul(b, const(fmt.BLOCK_BYTES)))
+    lines = -(-fmt.BLOCK_BYTES // 64) if _groups(fmt) > 1 else 1
     for row in rows:  # (address, read, keep in all caches, data)
-        builder.call(fn, [builder.gep(row, [ahead]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        for line in range(lines):
+            builder.call(fn, [builder.gep(row, [builder.add(ahead, const(64 * line))]), ir.Constant(I32, 0),
+                              ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _scaled_block(builder, fmt, row, b, hidden):
     """Block b of a row as <32 x float> weights (the scale multiplied in)."""
     w, d = fmt.block(builder, row, b, hidden)
     return w if d is None else builder.fmul(w, splat(builder, d), flags=FAST)
+
+
+def _groups(fmt) -> int:
+    """32-groups a loop step reads: 1, or a super-block format's GROUPS (8 of 32 for 256), unrolled so that
+    each group's position in its super-block (its nibble half, its scale's bits) is a constant."""
+    return getattr(fmt, "GROUPS", 1)
+
+
+def _weights(builder, fmt, row, i, j, hidden):
+    """<32 x float> weights of group j (a Python int < _groups(fmt)) of loop step i of a row."""
+    return _scaled_block(builder, fmt, row, i, hidden) if _groups(fmt) == 1 else fmt.group(builder, row, i, j)
 
 
 def _tail(builder, hidden, nb):
@@ -108,15 +119,19 @@ def _make_dot4(fmt: ModuleType):
             rows = [builder.gep(base, [o]) for o in offsets]
             xp = builder.bitcast(_byte_ptr(context, builder, signature.args[6], x_v), F32.as_pointer())
             nb = builder.udiv(hidden_v, const(LANES))
+            G = _groups(fmt)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES)) for _ in rows]
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                xv = builder.load(builder.bitcast(builder.gep(xp, [builder.mul(b, const(LANES))]), VF.as_pointer()),
-                                  align=4)  # [32] of x, shared by the four rows
-                _prefetch_ahead(builder, fmt, rows, b)
-                for row, acc in zip(rows, accs):
-                    w = _scaled_block(builder, fmt, row, b, hidden_v)
-                    builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xv, flags=FAST), flags=FAST), acc)
+            with cgutils.for_range(builder, builder.udiv(nb, const(G))) as loop:
+                i = loop.index
+                _prefetch_ahead(builder, fmt, rows, i)
+                for j in range(G):
+                    b = builder.add(builder.mul(i, const(G)), const(j))
+                    xv = builder.load(builder.bitcast(builder.gep(xp, [builder.mul(b, const(LANES))]),
+                                                      VF.as_pointer()), align=4)  # [32] of x, shared by the rows
+                    for row, acc in zip(rows, accs):
+                        w = _weights(builder, fmt, row, i, j, hidden_v)
+                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xv, flags=FAST), flags=FAST),
+                                      acc)
             sums = [cgutils.alloca_once_value(builder, _reduce(builder, builder.load(acc))) for acc in accs]
             if not fmt.SCALED:
                 with _tail(builder, hidden_v, nb) as (i, _):
@@ -211,17 +226,22 @@ def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
     nb = builder.udiv(hidden_v, const(LANES))
     NR = len(rows)
 
-    def step(b, accs):  # accs [K * NR], token-major
-        _prefetch_ahead(builder, fmt, rows, b)  # the rows four pairs on (the first chunk of tokens brings them)
-        ws = [_scaled_block(builder, fmt, row, b, hidden_v) for row in rows]  # each widened once for the K tokens
-        col = builder.mul(b, const(LANES))
-        out = []
-        for t, k in zip(tok, range(0, len(accs), NR)):
-            xv = builder.load(builder.bitcast(_row_major(builder, xp, t, hidden_v, col), VF.as_pointer()), align=4)
-            out += [_fma(builder, acc, w, xv) for w, acc in zip(ws, accs[k:k + NR])]  # one load of x, NR rows
-        return out
+    G = _groups(fmt)
 
-    flat = _register_loop(builder, nb, [_zero()] * (len(tok) * NR), step)
+    def step(i, accs):  # accs [K * NR], token-major
+        _prefetch_ahead(builder, fmt, rows, i)  # the rows four pairs on (the first chunk of tokens brings them)
+        for j in range(G):
+            ws = [_weights(builder, fmt, row, i, j, hidden_v) for row in rows]  # each widened once for K tokens
+            col = builder.mul(builder.add(builder.mul(i, const(G)), const(j)), const(LANES))
+            out = []
+            for t, k in zip(tok, range(0, len(accs), NR)):
+                xv = builder.load(builder.bitcast(_row_major(builder, xp, t, hidden_v, col), VF.as_pointer()),
+                                  align=4)
+                out += [_fma(builder, acc, w, xv) for w, acc in zip(ws, accs[k:k + NR])]  # one load of x, NR rows
+            accs = out
+        return accs
+
+    flat = _register_loop(builder, builder.udiv(nb, const(G)), [_zero()] * (len(tok) * NR), step)
     accs = [flat[k:k + NR] for k in range(0, len(flat), NR)]  # [K][NR]
     sums = [[cgutils.alloca_once_value(builder, _reduce(builder, acc)) for acc in per_t] for per_t in accs]
     if not fmt.SCALED:
@@ -246,10 +266,13 @@ def _make_decode(fmt: ModuleType):
             row = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
             outp = builder.bitcast(_byte_ptr(context, builder, signature.args[3], out_v), F32.as_pointer())
             nb = builder.udiv(hidden_v, const(LANES))
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                optr = builder.bitcast(builder.gep(outp, [builder.mul(b, const(LANES))]), VF.as_pointer())
-                builder.store(_scaled_block(builder, fmt, row, b, hidden_v), optr, align=4)
+            G = _groups(fmt)
+            with cgutils.for_range(builder, builder.udiv(nb, const(G))) as loop:
+                i = loop.index
+                for j in range(G):
+                    b = builder.add(builder.mul(i, const(G)), const(j))
+                    optr = builder.bitcast(builder.gep(outp, [builder.mul(b, const(LANES))]), VF.as_pointer())
+                    builder.store(_weights(builder, fmt, row, i, j, hidden_v), optr, align=4)
             if not fmt.SCALED:
                 with _tail(builder, hidden_v, nb) as (i, _):
                     builder.store(fmt.value(builder, row, i), builder.gep(outp, [i]), align=4)
