@@ -56,7 +56,12 @@ def pool_nodes(config: EngineConfig) -> list[Node]:
             raise ConfigValueError(f"pool_node {config.pool_node} is not a node with usable CPUs "
                                    f"(nodes: {', '.join(str(n.id) for n in real)})")
         return chosen
-    return select_nodes(config.nodes)
+    nodes = select_nodes(config.nodes)
+    if any(n.shares_cpus for n in nodes):
+        cpus = len({c for n in nodes for c in n.cpus})
+        raise ConfigValueError(f"nodes {config.nodes}: this process may use {cpus} CPUs, so a split runs at most "
+                               f"{cpus} nodes (one CPU each at least); ask for {cpus} or fewer")
+    return nodes
 
 
 def build_plan(mcfg: ModelConfig, nodes: list[Node], fmt: str = "f32") -> PoolPlan:
@@ -187,6 +192,7 @@ class Engine:
             raise ConfigValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         model_dir = Path(model_dir)
         start = time.perf_counter()
+        nodes = pool_nodes(config)  # before anything loads: a split the machine cannot run is refused at once
         gguf = gguf_path(model_dir)
         if gguf is None:
             mcfg = load_model_config(model_dir)
@@ -207,7 +213,6 @@ class Engine:
         device_set, placement = device_expert_set(mcfg, ckpt, config)
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
-        nodes = pool_nodes(config)
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
         plan = build_plan(mcfg, nodes, fmt)
         for size, node, reason in plan.left_out:

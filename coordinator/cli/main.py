@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,6 +20,63 @@ from ..serving.api import (DEFAULT_ADDRESS, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_
 log = logging.getLogger("strata")
 
 
+def _number(kind, name: str, low=None, high=None, low_open: bool = False):
+    """An argparse type: a number of ``kind`` within [low, high] ((low, high] when low_open), refused at parse
+    time, before anything loads, with the bound named (argparse exits 2)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if value != value or (low is not None and (value <= low if low_open else value < low)) or \
+                (high is not None and value > high):
+            bounds = f"{'(' if low_open else '['}{low if low is not None else '-inf'}, " \
+                     f"{high if high is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"{name} must be in {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def _text(name: str):
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"{name} is empty: give some text to continue")
+        return text
+
+    return parse
+
+
+def _writable_file(text: str) -> Path:
+    """An output path whose folder exists and can be written, checked before the run (not after it)."""
+    path = Path(text)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} is not writable")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    return path
+
+
+def _readable_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return path
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("strata-numa")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (flag > STRATA_* variable > default)")
     g.add_argument("--numa-split", dest="numa_split", action="store_true", default=None,
@@ -26,7 +85,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool", default=None, choices=["process", "inproc"],
                    help="process: one node worker process per node (the CLI default); inproc: in this process")
     g.add_argument("--pool-node", dest="pool_node", type=int, default=None, help="the node of non-split mode")
-    g.add_argument("--worker-threads", dest="worker_threads", type=int, default=None,
+    g.add_argument("-t", "--worker-threads", dest="worker_threads", type=_number(int, "--worker-threads", 1),
+                   default=None,
                    help="threads per node worker (default: the node's CPUs)")
     g.add_argument("--keep-shm", dest="keep_shm", action="store_true", default=None,
                    help="leave the segments in /dev/shm at exit for a fast restart")
@@ -83,6 +143,13 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     from .make_model import make_model
 
     overrides = {"num_layers": args.layers} if args.layers else {}
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        if not args.force:
+            raise StrataError(f"--out {args.out} is not an empty folder; pass --force to replace it whole")
+        if args.out.is_dir():
+            shutil.rmtree(args.out)  # whole: no shard or index of the old model left to be loaded with the new
+        else:
+            args.out.unlink()
     out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype,
                      max_shard_bytes=args.max_shard_bytes, **overrides)
     arch = json.loads((out / "config.json").read_text())["model_type"]
@@ -220,7 +287,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     from ..serving.client import Client
 
-    params = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stream=not args.json)
+    params = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, stream=not args.json)
     if args.seed is not None:
         params["seed"] = args.seed
     with Client(args.address, timeout=args.timeout, curve_keys=args.curve_keys) as c:
@@ -280,14 +348,32 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """generate's and client's sampling flags, the same names, checks and defaults."""
+    p.add_argument("-n", "--max-new-tokens", dest="max_new_tokens", type=_number(int, "--max-new-tokens", 1),
+                   default=max_new_tokens, help="the most tokens to generate (default %(default)s)")
+    p.add_argument("--temperature", type=_number(float, "--temperature", 0.0), default=0.0,
+                   help="0 is greedy (default %(default)s)")
+    p.add_argument("--top-k", dest="top_k", type=_number(int, "--top-k", 0), default=0,
+                   help="sample from the k most likely tokens; 0 = all (default %(default)s)")
+    p.add_argument("--top-p", dest="top_p", type=_number(float, "--top-p", 0.0, 1.0, low_open=True), default=1.0,
+                   help="sample from the smallest set of tokens whose probabilities reach p (default %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="for reproducible sampling (default: random)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="MoE decoding across NUMA nodes")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (also after the command)")
+    parser.add_argument("--version", action="version", version=f"strata {_version()}")
+    common = argparse.ArgumentParser(add_help=False)  # flags every command takes after its name too
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-model", help="write a deterministic random checkpoint")
+    p = sub.add_parser("make-model", help="write a deterministic random checkpoint", parents=[common])
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path, help="the folder to write (refused if it holds files)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", default=None, choices=["qwen3_moe", "mixtral", "qwen2_moe"],
                    help="default: the preset's own (qwen3_moe for tiny and bench-small)")
@@ -296,22 +382,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-bytes", dest="max_shard_bytes", type=int, default=2 << 30)
     p.set_defaults(func=cmd_make_model)
 
-    p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("--model", required=True, type=Path)
+    p = sub.add_parser("generate", help="generate text from a prompt", parents=[common])
+    p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-ids", dest="prompt_ids")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", dest="top_k", type=int, default=0)
-    p.add_argument("--top-p", dest="top_p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    src.add_argument("-p", "--prompt", type=_text("--prompt"), help="the prompt text")
+    src.add_argument("--prompt-ids", dest="prompt_ids", help="the prompt as comma-separated token ids")
+    _add_sampling_flags(p, max_new_tokens=32)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timing")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("serve", help="serve the ZeroMQ client API")
-    p.add_argument("--model", required=True, type=Path)
+    p = sub.add_parser("serve", help="serve the ZeroMQ client API", parents=[common])
+    p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     p.add_argument("--bind", default=DEFAULT_ADDRESS,
                    help="tcp://HOST:PORT (loopback) or ipc://PATH (default %(default)s)")
     p.add_argument("--max-active", dest="max_active", type=int, default=DEFAULT_MAX_ACTIVE,
@@ -330,19 +412,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("client", help="send one prompt to a running server")
-    p.add_argument("prompt")
+    p = sub.add_parser("client", help="send one prompt to a running server", parents=[common])
+    p.add_argument("prompt", type=_text("the prompt"))
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's endpoint (default %(default)s)")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    _add_sampling_flags(p, max_new_tokens=64)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--curve-keys", dest="curve_keys", default=None)
     p.add_argument("--json", action="store_true", help="print the final event as JSON")
     p.set_defaults(func=cmd_client)
 
-    p = sub.add_parser("bench", help="decode/prefill speed, pool overhead and bandwidth, modes side by side")
-    p.add_argument("--model", required=True, type=Path)
+    p = sub.add_parser("bench", help="decode/prefill speed, pool overhead and bandwidth, modes side by side",
+                       parents=[common])
+    p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     p.add_argument("--modes", default="inproc,single,split")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
@@ -359,37 +440,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quality-positions", dest="quality_positions", type=int, default=128,
                    help="compare the logits over this many positions with an f32 computation of the same "
                         "checkpoint (max relative error, mean KL, top-1 agreement); 0: skip (default 128)")
-    p.add_argument("--json", default=None, help="write every figure to this file")
-    p.add_argument("--plot", default=None, help="draw tokens/s and the bandwidth ratio (needs matplotlib)")
+    p.add_argument("--json", default=None, type=_writable_file, help="write every figure to this file")
+    p.add_argument("--plot", default=None, type=_writable_file,
+                   help="draw tokens/s and the bandwidth ratio into this PNG (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("profile", help="count the routing over prompts into a frozen expert profile")
-    p.add_argument("--model", required=True, type=Path)
-    p.add_argument("--prompts", required=True, type=Path, help="a text file, one prompt per line")
-    p.add_argument("--out", required=True, type=Path)
+    p = sub.add_parser("profile", help="count the routing over prompts into a frozen expert profile",
+                       parents=[common])
+    p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
+    p.add_argument("--prompts", required=True, type=_readable_file, help="a text file, one prompt per line")
+    p.add_argument("--out", required=True, type=_writable_file, help="the profile to write (JSON)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=16)
     _add_engine_flags(p)
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("topo", help="show the NUMA nodes, their CPUs and memory")
+    p = sub.add_parser("topo", help="show the NUMA nodes, their CPUs and memory", parents=[common])
     p.add_argument("--nodes", type=int, default=None, help="show the nodes a split over N would use (virtual if needed)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_topo)
 
     shm_p = sub.add_parser("shm", help="list or remove the shared-memory segments")
     shm_sub = shm_p.add_subparsers(dest="shm_command", required=True)
-    p = shm_sub.add_parser("list", help="segments with size, owner, model, plan, state")
+    p = shm_sub.add_parser("list", help="segments with size, owner, model, plan, state", parents=[common])
     p.add_argument("--placement", action="store_true", help="pages per node of each live owner's mapping")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_shm_list)
-    p = shm_sub.add_parser("clean", help="remove segments (only dead owners' unless --force)")
+    p = shm_sub.add_parser("clean", help="remove segments (only dead owners' unless --force)", parents=[common])
     p.add_argument("names", nargs="*")
     p.add_argument("--all", action="store_true",
                    help="every segment of a dead owner, and the pool folders (/tmp/strata-pool-*) of dead coordinators")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_shm_clean)
 
-    p = sub.add_parser("config", help="show the effective engine config and where each value came from")
+    p = sub.add_parser("config", help="show the effective engine config and where each value came from",
+                       parents=[common])
     _add_engine_flags(p)
     p.set_defaults(func=cmd_config)
     return parser
@@ -404,3 +488,6 @@ def main(argv: list[str] | None = None) -> int:
     except (StrataError, CheckpointError, ValueError) as exc:
         print(f"strata: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: end the line, no traceback, the shell's 128 + SIGINT
+        print(file=sys.stderr)
+        return 130

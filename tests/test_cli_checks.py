@@ -1,0 +1,112 @@
+"""Command-line mistakes caught before anything loads, and the habits of llama.cpp and vLLM users (issue 18).
+
+Each refusal is checked against a model path that does not exist: had the
+command started loading, the error would name the missing model instead of
+the mistake, so the message itself shows nothing was loaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from coordinator.cli.main import build_parser, main
+from coordinator.config import ENV_VARS
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for var, _ in ENV_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+
+
+def refused(capsys, *argv) -> str:
+    """Run the command; it must exit 2 (argparse's usage error, or strata's); returns stderr."""
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    return out.err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--temperature", "-1"], r"--temperature must be in [0.0, inf], got -1"),
+    (["--temperature", "nan"], r"--temperature must be in [0.0, inf], got nan"),
+    (["--top-p", "0"], r"--top-p must be in (0.0, 1.0], got 0"),
+    (["--top-p", "1.5"], r"--top-p must be in (0.0, 1.0], got 1.5"),
+    (["--top-k", "-3"], r"--top-k must be in [0, inf], got -3"),
+    (["-n", "0"], r"--max-new-tokens must be in [1, inf], got 0"),
+    (["--top-k", "two"], r"'two' is not an integer"),
+    (["-t", "0"], r"--worker-threads must be in [1, inf], got 0"),
+])
+def test_sampling_mistakes_are_refused_before_the_model_loads(tmp_path, capsys, flags, named):
+    err = refused(capsys, "generate", "--model", str(tmp_path / "absent"), "--prompt", "hi", *flags)
+    assert named in err and "absent" not in err
+
+
+def test_an_empty_prompt_is_refused_before_the_model_loads(tmp_path, capsys):
+    err = refused(capsys, "generate", "-m", str(tmp_path / "absent"), "-p", "")
+    assert "--prompt is empty" in err and "absent" not in err
+    err = refused(capsys, "client", "")
+    assert "the prompt is empty" in err
+
+
+def test_more_split_nodes_than_cpus_is_refused_with_the_limit_before_loading(tmp_path, capsys):
+    cpus = len(os.sched_getaffinity(0))
+    err = refused(capsys, "generate", "-m", str(tmp_path / "absent"), "-p", "hi", "--numa-split", "--nodes", "99")
+    assert f"nodes 99: this process may use {cpus} CPUs, so a split runs at most {cpus} nodes" in err
+    assert "absent" not in err  # the nodes were checked first: nothing was loaded, no worker started
+
+
+def test_outputs_into_a_missing_folder_and_missing_inputs_are_refused_before_the_run(tmp_path, capsys):
+    model = str(tmp_path / "absent")
+    err = refused(capsys, "bench", "-m", model, "--json", str(tmp_path / "no" / "r.json"))
+    assert f"folder {tmp_path / 'no'} does not exist" in err and "absent" not in err
+    err = refused(capsys, "bench", "-m", model, "--plot", str(tmp_path))
+    assert "is a folder; give a file name" in err
+    err = refused(capsys, "profile", "-m", model, "--prompts", str(tmp_path / "missing.txt"), "--out", "p.json")
+    assert "missing.txt: no such file" in err
+
+
+def test_make_model_refuses_a_folder_with_files_and_force_replaces_it_whole(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["make-model", "--out", str(out), "--seed", "1", "--layers", "1"]) == 0
+    (out / "stale-00009-of-00009.safetensors").write_bytes(b"old shard")
+    before = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    err = refused(capsys, "make-model", "--out", str(out), "--seed", "2", "--layers", "1")
+    assert f"--out {out} is not an empty folder; pass --force" in err
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing touched
+    assert main(["make-model", "--out", str(out), "--seed", "2", "--layers", "1", "--force"]) == 0
+    assert not (out / "stale-00009-of-00009.safetensors").exists()  # replaced whole, no old shard left
+    assert (out / "config.json").exists()
+
+
+def test_version_short_flags_and_verbose_after_the_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("strata ")
+    parser = build_parser()
+    args = parser.parse_args(["generate", "-m", "M", "-p", "hi", "-n", "3", "-t", "2", "-v"])
+    assert (str(args.model), args.prompt, args.max_new_tokens, args.worker_threads, args.verbose) == \
+        ("M", "hi", 3, 2, True)
+    assert parser.parse_args(["-v", "topo"]).verbose and parser.parse_args(["shm", "list", "-v"]).verbose
+    assert not parser.parse_args(["topo"]).verbose
+    args = parser.parse_args(["client", "hi", "--top-k", "5", "--top-p", "0.5", "-n", "7"])
+    assert (args.top_k, args.top_p, args.max_new_tokens) == (5, 0.5, 7)  # client's sampling flags: generate's
+
+
+def test_ctrl_c_ends_the_line_and_exits_130_without_a_traceback(tmp_path, capsys, monkeypatch):
+    from coordinator import engine
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.Engine, "open", interrupted)
+    assert main(["generate", "-m", str(tmp_path), "-p", "hi"]) == 130
+    out = capsys.readouterr()
+    assert out.err == "\n" and out.out == ""
