@@ -64,6 +64,25 @@ def pool_nodes(config: EngineConfig) -> list[Node]:
     return nodes
 
 
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """The model's configuration alone (config.json, or a GGUF file's metadata), without its weights."""
+    gguf = gguf_path(Path(model_dir))
+    if gguf is None:
+        return load_model_config(Path(model_dir))
+    return parse_model_config(GgufCheckpoint(gguf).config(), gguf.parent)
+
+
+def check_prompt_ids(mcfg: ModelConfig, ids: Sequence[int], max_new_tokens: int, max_seq_len: int | None) -> None:
+    """Token ids inside the vocabulary, and the prompt plus the new tokens within the context."""
+    bad = [t for t in ids if not 0 <= t < mcfg.vocab_size]
+    if bad:
+        raise ConfigValueError(f"token id {bad[0]} is outside the vocabulary [0, {mcfg.vocab_size})")
+    limit = max_seq_len or mcfg.max_position_embeddings
+    if len(ids) + max_new_tokens > limit:
+        raise ConfigValueError(f"{len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the maximum sequence "
+                               f"length {limit}")
+
+
 def build_plan(mcfg: ModelConfig, nodes: list[Node], fmt: str = "f32") -> PoolPlan:
     """One slice per node, sized by the node's CPUs, cut on the experts' down-format blocks (at least 32 rows;
     256 for a GGUF file's K blocks, whose rows the nodes keep as they are); a single node holds whole experts."""
@@ -202,15 +221,15 @@ class Engine:
             ckpt = GgufCheckpoint(gguf)
             mcfg = parse_model_config(ckpt.config(), gguf.parent)
             codec = gguf_codec(ckpt.file.metadata, gguf)
-        weights = load_weights(mcfg, ckpt)
         backend = select_device(config.device)
+        if config.dense_dtype != "f32" and backend != "numpy":
+            raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
+                                   "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")
+        device_set, placement = device_expert_set(mcfg, ckpt, config)  # a count the model cannot give: refused now
+        weights = load_weights(mcfg, ckpt)
         if config.dense_dtype != "f32":
-            if backend != "numpy":
-                raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
-                                       "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")
             log.info("dense matrices stored as %s: %.2f GB", config.dense_dtype,
                      pack_dense(weights, formats.get(config.dense_dtype)) / 1e9)
-        device_set, placement = device_expert_set(mcfg, ckpt, config)
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
@@ -265,8 +284,11 @@ class Engine:
         """One line saying where the experts run, virtual nodes labelled as such."""
         parts = [f"node {n.id}{' (virtual)' if n.virtual else ''}: cpus {format_cpulist(n.cpus)}" for n in self.nodes]
         mode = "split by rows" if self.config.numa_split else "whole experts"
+        placed = self.device_placement
+        device = (f"; device side {placed['backend']} holds {placed['experts']} experts whole ({placed['chosen']})"
+                  if placed.get("experts") else "")
         return (f"pool {self.config.pool}, {mode}, experts as {self.expert_format}, plan {self.pool.plan.digest}; "
-                + "; ".join(parts))
+                + "; ".join(parts) + device)
 
     def __enter__(self) -> "Engine":
         return self
@@ -295,14 +317,7 @@ class Engine:
             raise ConfigValueError("token_ids must be a non-empty sequence of integers")
         if not np.issubdtype(ids.dtype, np.integer):
             raise ConfigValueError(f"token_ids must be integers, got dtype {ids.dtype}")
-        vocab = self.model_config.vocab_size
-        bad = ids[(ids < 0) | (ids >= vocab)]
-        if bad.size:
-            raise ConfigValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
-        if ids.size + extra > self.max_seq_len:
-            raise ConfigValueError(
-                f"{ids.size} prompt tokens + {extra} new tokens exceed the maximum sequence length {self.max_seq_len}"
-            )
+        check_prompt_ids(self.model_config, ids.tolist(), extra, self.max_seq_len)
         return ids.astype(np.int64)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -324,9 +339,11 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.decoder.forward(ids, cache, last_only=True)[-1]  # [V]
         t1 = time.perf_counter()
+        first = None
         while len(out) < max_new_tokens:
             token = sampler(logits)
             out.append(token)
+            first = first or time.perf_counter()
             if on_token is not None:
                 on_token(token)
             if token in eos:
@@ -342,6 +359,7 @@ class Engine:
             "prefill_tokens_per_s": ids.size / (t1 - t0) if t1 > t0 else None,
             "decode_tokens": decode_steps, "decode_s": t2 - t1,
             "decode_tokens_per_s": decode_steps / (t2 - t1) if decode_steps and t2 > t1 else None,
+            "time_to_first_token_s": (first or t2) - t0,
         }
         return GenerationResult(ids.tolist(), out, reason, t1 - t0, t2 - t1, timings)
 

@@ -8,6 +8,7 @@ the mistake, so the message itself shows nothing was loaded.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -110,3 +111,67 @@ def test_ctrl_c_ends_the_line_and_exits_130_without_a_traceback(tmp_path, capsys
     assert main(["generate", "-m", str(tmp_path), "-p", "hi"]) == 130
     out = capsys.readouterr()
     assert out.err == "\n" and out.out == ""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "m"
+    assert main(["make-model", "--out", str(out), "--seed", "4", "--layers", "1"]) == 0
+    return out
+
+
+def test_prompt_ids_outside_the_vocabulary_or_the_context_are_refused_before_the_weights_load(tiny, capsys,
+                                                                                               monkeypatch):
+    from coordinator import engine
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the engine was opened")
+
+    monkeypatch.setattr(engine.Engine, "open", loaded)
+    err = refused(capsys, "generate", "-m", str(tiny), "--prompt-ids", "1,99999")
+    assert "token id 99999 is outside the vocabulary [0, 320)" in err
+    err = refused(capsys, "generate", "-m", str(tiny), "--prompt-ids", "1,2", "-n", "5000")
+    assert "2 prompt tokens + 5000 new tokens exceed the maximum sequence length 4096" in err
+    err = refused(capsys, "generate", "-m", str(tiny), "--prompt-ids", " , ")
+    assert "--prompt-ids is empty" in err
+
+
+def test_serve_on_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        err = refused(capsys, "serve", "-m", str(tmp_path / "absent"), "--bind", f"tcp://127.0.0.1:{port}")
+    finally:
+        sock.close(linger=0)
+    assert f"cannot bind tcp://127.0.0.1:{port}: Address already in use" in err and "absent" not in err
+
+
+def test_generate_ends_with_a_speed_line_on_stderr(tiny, capsys):
+    assert main(["generate", "-m", str(tiny), "--prompt-ids", "5,6,7", "-n", "4", "--pool", "inproc"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip()  # the text on stdout, the speed line apart on stderr
+    last = out.err.strip().splitlines()[-1]
+    assert re.fullmatch(r"prompt: 3 tokens in \d+\.\d\d s \(\d+\.\d tok/s\) \| decode: 3 tokens in \d+\.\d\d s "
+                        r"\(\d+\.\d tok/s\) \| time to first token \d+\.\d\d s", last), last
+
+
+def test_the_no_gpu_warning_comes_once_per_machine_state(tmp_path, monkeypatch, caplog):
+    from coordinator.model import backend
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(backend, "probe_cuda", lambda: (False, "CuPy is not installed"))
+
+    def levels() -> list[int]:
+        caplog.clear()
+        monkeypatch.setattr(backend, "_warned", False)  # a new process
+        with caplog.at_level("INFO", logger=backend.__name__):
+            assert backend.select_device("auto") == "numpy"
+        return [r.levelno for r in caplog.records if "no usable GPU" in r.getMessage()]
+
+    assert levels() == [30]  # WARNING the first time
+    assert levels() == [20]  # then INFO: seen with -v only
+    monkeypatch.setattr(backend, "probe_cuda", lambda: (False, "the CUDA driver does not answer"))
+    assert levels() == [30]  # a new reason warns again
+    assert backend.state_file().read_text() == "the CUDA driver does not answer"

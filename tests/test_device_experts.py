@@ -138,8 +138,23 @@ def test_gpu_expert_memory_never_places_more_than_it_allows(model, tmp_path, gb)
 def test_unprofiled_choice_is_per_layer_by_index_and_labelled():
     chosen, label = choose_device_experts([0, 1, 2], 8, 1, None, gpu_experts=7)
     assert chosen == {(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1)}
-    assert label.startswith("unprofiled")
+    assert label == "unprofiled, by index: experts 0-1 of every MoE layer and expert 2 of the first MoE layer"
     assert choose_device_experts([0], 8, 1, None) == (frozenset(), "none")
+    with pytest.raises(ValueError, match=r"gpu_experts 25: the model has 24 routed experts \(3 MoE layers x 8\); "
+                                         r"ask for 0 to 24"):
+        choose_device_experts([0, 1, 2], 8, 1, None, gpu_experts=25)
+
+
+def test_more_device_experts_than_the_model_has_are_refused_and_the_choice_is_said(model, capsys):
+    from coordinator.cli.main import main
+
+    assert main(["generate", "-m", str(model), "--prompt-ids", "3,4", "-n", "2", "--pool", "inproc",
+                 "--gpu-experts", "99"]) == 2
+    assert "gpu_experts 99: the model has 32 routed experts (4 MoE layers x 8)" in capsys.readouterr().err
+    assert main(["generate", "-m", str(model), "--prompt-ids", "3,4", "-n", "2", "--pool", "inproc",
+                 "--gpu-experts", "6"]) == 0
+    assert ("holds 6 experts whole (unprofiled, by index: expert 0 of every MoE layer and expert 1 of the first 2 "
+            "MoE layers)") in capsys.readouterr().err
 
 
 def test_device_selection_errors_name_what_is_missing(model):

@@ -157,26 +157,33 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_ids(args: argparse.Namespace, engine) -> list[int]:
-    if args.prompt_ids is not None:
-        try:
-            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise StrataError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
-    return engine.encode(args.prompt)
+def _given_ids(args: argparse.Namespace) -> list[int] | None:
+    """--prompt-ids as integers (None for a text prompt)."""
+    if args.prompt_ids is None:
+        return None
+    try:
+        ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    except ValueError:
+        raise StrataError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
+    if not ids:
+        raise StrataError("--prompt-ids is empty: give at least one token id")
+    return ids
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..engine import Engine
+    from ..engine import Engine, check_prompt_ids, read_model_config
     from ..model.tokenizer import StreamDecoder
 
     config, sources = _engine_config(args)
     if args.print_config:
         _print_config(config, sources)
         return 0
+    ids = _given_ids(args)
+    if ids is not None:  # checked against the configuration before the weights load
+        check_prompt_ids(read_model_config(args.model), ids, args.max_new_tokens, config.max_seq_len)
     with Engine.open(args.model, config) as engine:
         print(engine.pool_description(), file=sys.stderr)
-        ids = _prompt_ids(args, engine)
+        ids = ids if ids is not None else engine.encode(args.prompt)
         stream = StreamDecoder(engine.codec) if engine.codec is not None and not args.json else None
 
         def on_token(token: int) -> None:
@@ -203,7 +210,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(stream.flush() + "\n")
         else:
             print(",".join(str(t) for t in result.ids))
+        sys.stdout.flush()
+        print(speed_line(result.timings), file=sys.stderr)  # after the text, as llama.cpp ends a run
     return 0
+
+
+def speed_line(t: dict) -> str:
+    """llama.cpp's summary after a generation: prompt and decode speeds, time to the first token."""
+    def rate(tokens: int, seconds: float) -> str:
+        return f"{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s)" if seconds > 0 else f"{tokens} tokens"
+
+    return (f"prompt: {rate(t['prefill_tokens'], t['prefill_s'])} | decode: {rate(t['decode_tokens'], t['decode_s'])}"
+            f" | time to first token {t['time_to_first_token_s']:.2f} s")
 
 
 def cmd_topo(args: argparse.Namespace) -> int:

@@ -85,6 +85,9 @@ def choose_device_experts(moe_layers: list[int], num_experts: int, expert_bytes:
                           gpu_memory_bytes: int | None = None) -> tuple[frozenset[tuple[int, int]], str]:
     """(the (layer, expert) pairs kept whole on the device, how they were chosen)."""
     total = len(moe_layers) * num_experts
+    if gpu_experts is not None and not 0 <= gpu_experts <= total:
+        raise ValueError(f"gpu_experts {gpu_experts}: the model has {total} routed experts ({len(moe_layers)} MoE "
+                         f"layers x {num_experts}); ask for 0 to {total}")
     if gpu_experts is None and gpu_memory_bytes is None:
         return frozenset(), "none"
     budget = total if gpu_experts is None else min(gpu_experts, total)
@@ -96,7 +99,10 @@ def choose_device_experts(moe_layers: list[int], num_experts: int, expert_bytes:
         # unprofiled: per layer by index, the same number in every layer (earlier layers take the remainder)
         per, extra = divmod(budget, len(moe_layers))
         chosen = [(layer, e) for k, layer in enumerate(moe_layers) for e in range(per + (1 if k < extra else 0))]
-        return frozenset(chosen), "unprofiled (per layer by index)"
+        every = f"experts 0-{per - 1} of every MoE layer" if per > 1 else "expert 0 of every MoE layer" if per else ""
+        more = f"expert {per} of the first {extra} MoE layers" if extra > 1 else \
+            f"expert {per} of the first MoE layer" if extra else ""
+        return frozenset(chosen), f"unprofiled, by index: {' and '.join(p for p in (every, more) if p)}"
     ranked = sorted(((c, layer, e) for layer, row in profile.counts.items() for e, c in enumerate(row)),
                     key=lambda t: (-t[0], t[1], t[2]))  # hottest first; ties by layer, then expert
     return frozenset((layer, e) for _, layer, e in ranked[:budget]), "profiled (hottest over all layers)"

@@ -69,6 +69,13 @@ def check_bind(address: str, curve: bool, insecure_remote: bool) -> None:
             f"refusing to bind {address}: it is not a loopback address. Give --curve-keys DIR to "
             "authenticate clients with CURVE, or --insecure-remote to serve anyone who can reach it"
         )
+    probe = zmq.Context.instance().socket(zmq.ROUTER)  # the port taken now, not after the model has loaded
+    try:
+        probe.bind(address)
+    except zmq.ZMQError as exc:
+        raise BindRefused(f"cannot bind {address}: {exc.strerror} (is another server running there?)") from None
+    finally:
+        probe.close(linger=0)
 
 
 def prepare_ipc(address: str) -> None:
