@@ -234,8 +234,10 @@ class Engine:
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
         plan = build_plan(mcfg, nodes, fmt)
-        for size, node, reason in plan.left_out:
-            log.warning("node %s holds no rows of size-%s experts: %s", node, size, reason)
+        for size in sorted({size for size, _, _ in plan.left_out}):  # one line per expert size
+            idle = [(node, reason) for s, node, reason in plan.left_out if s == size]
+            log.warning("%d of %d nodes hold no rows of the size-%d experts and sit idle (node %s: %s)", len(idle),
+                        len(nodes), size, idle[0][0], idle[0][1])
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
         pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
                           cpu_set_digest(ckpt, device_set, fmt), fmt)

@@ -42,6 +42,9 @@ def gguf_path(path: str | Path) -> Path | None:
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         return path
+    if path.exists() and not path.is_dir():
+        raise GgufError(f"{path} is a file, not a model: give a checkpoint folder (config.json and safetensors) or "
+                        "a GGUF file (.gguf)")
     if path.is_dir() and not (path / "config.json").exists():
         firsts = sorted(p for p in path.glob("*.gguf") if "-of-" not in p.name or "-00001-of-" in p.name)
         if len(firsts) > 1:

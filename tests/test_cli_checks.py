@@ -97,8 +97,9 @@ def test_version_short_flags_and_verbose_after_the_command(capsys):
         ("M", "hi", 3, 2, True)
     assert parser.parse_args(["-v", "topo"]).verbose and parser.parse_args(["shm", "list", "-v"]).verbose
     assert not parser.parse_args(["topo"]).verbose
-    args = parser.parse_args(["client", "hi", "--top-k", "5", "--top-p", "0.5", "-n", "7"])
-    assert (args.top_k, args.top_p, args.max_new_tokens) == (5, 0.5, 7)  # client's sampling flags: generate's
+    args = parser.parse_args(["client", "hi", "--top-k", "5", "--top-p", "0.5", "-n", "7", "--stop", "a",
+                              "--stop", "b"])
+    assert (args.top_k, args.top_p, args.max_new_tokens, args.stop) == (5, 0.5, 7, ["a", "b"])  # generate's flags
 
 
 def test_ctrl_c_ends_the_line_and_exits_130_without_a_traceback(tmp_path, capsys, monkeypatch):
@@ -175,3 +176,43 @@ def test_the_no_gpu_warning_comes_once_per_machine_state(tmp_path, monkeypatch, 
     monkeypatch.setattr(backend, "probe_cuda", lambda: (False, "the CUDA driver does not answer"))
     assert levels() == [30]  # a new reason warns again
     assert backend.state_file().read_text() == "the CUDA driver does not answer"
+
+
+def test_a_model_path_naming_some_other_file_is_a_sentence_not_a_traceback(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model")
+    err = refused(capsys, "generate", "-m", str(notes), "-p", "hi")
+    assert f"{notes} is a file, not a model: give a checkpoint folder" in err and "Traceback" not in err
+
+
+def test_nodes_left_without_rows_are_reported_in_one_line(tmp_path, caplog):
+    from coordinator import Engine, EngineConfig
+    from coordinator.cli.make_model import make_model
+
+    model = make_model(tmp_path / "m", num_layers=1, moe_intermediate_size=32)  # one 32-row block for two nodes
+    with caplog.at_level("WARNING"), Engine.open(model, EngineConfig(pool="inproc", numa_split=True, nodes=2)):
+        pass
+    lines = [r.getMessage() for r in caplog.records if "hold no rows" in r.getMessage()]
+    assert lines == ["1 of 2 nodes hold no rows of the size-32 experts and sit idle (node 0: its share of 32 rows "
+                     "(1/2 of 1 whole 32-row blocks) rounds to zero rows)"]
+
+
+def test_every_option_has_help_and_make_model_lists_its_presets(capsys):
+    import argparse
+
+    from coordinator.cli.make_model import PRESETS
+
+    def actions(parser, path):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from actions(sub, [*path, name])
+            elif not isinstance(a, argparse._HelpAction):
+                yield " ".join(path), a
+
+    missing = [f"{where}: {a.option_strings or a.dest}" for where, a in actions(build_parser(), []) if not a.help]
+    assert missing == []
+    with pytest.raises(SystemExit):
+        main(["make-model", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in PRESETS) and "(default tiny)" in text

@@ -270,6 +270,21 @@ def test_health_and_stats(server):
     assert st["pool"] == h["pool"]
 
 
+def test_one_log_line_per_request_and_refusals_counted(serve):
+    s = serve()
+    with Client(s.address, timeout=10) as c:
+        refused_before = c.stats()["refused"]
+        gen = c.generate([5, 6, 7], max_new_tokens=3, id="logged-1")
+        list(gen)
+        with pytest.raises(Exception, match="max_new_tokens"):
+            list(c.generate([5], max_new_tokens=-1, id="refused-1"))
+        st = c.stats()
+    assert gen.final["finish_reason"] == "length" and st["refused"] == refused_before + 1
+    err = s.stderr()
+    assert "request logged-1: 3 prompt + 3 new tokens in " in err and ", length" in err  # shown without -v
+    assert "request refused-1 refused: bad_request" in err
+
+
 # -- shutdown ---------------------------------------------------------------------------
 
 
@@ -421,3 +436,17 @@ def test_curve_authenticates_clients(serve, curve_keys, serve_engine):
             c.health()
     with Client(s.address, timeout=10, curve_keys=str(good)) as c:  # still serving
         assert c.health()["ok"] is True
+
+
+def test_the_client_command_sends_generates_sampling_flags(server, capsys):
+    from coordinator.cli.main import main
+
+    assert main(["client", "Hello", "--address", server.address, "-n", "5", "--top-k", "1", "--top-p", "0.5",
+                 "--temperature", "0.7", "--seed", "3", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plain["finish_reason"] == "length" and len(plain["ids"]) == 5
+    stop = plain["text"][1:3]  # a stop string inside the answer cuts it there
+    assert main(["client", "Hello", "--address", server.address, "-n", "5", "--top-k", "1", "--temperature", "0.7",
+                 "--seed", "3", "--stop", stop, "--json"]) == 0
+    cut = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cut["finish_reason"] == "stop" and cut["text"] == plain["text"][:plain["text"].index(stop)]

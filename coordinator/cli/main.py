@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shm.checkpoint import CheckpointError
 
+from .make_model import PRESETS
 from ..config import DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config, resolve_setting
 from ..errors import StrataError
 from ..serving.api import (DEFAULT_ADDRESS, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS,
@@ -92,7 +93,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="leave the segments in /dev/shm at exit for a fast restart")
     g.add_argument("--route-tail-skip", dest="route_tail_skip", type=float, default=None,
                    help="drop routed experts whose weight is below this (0 = off)")
-    g.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=None)
+    g.add_argument("--max-seq-len", dest="max_seq_len", type=_number(int, "--max-seq-len", 1), default=None,
+                   help="the longest sequence, prompt and new tokens (default: the model's max_position_embeddings)")
     g.add_argument("--worker-hang-timeout", dest="worker_hang_timeout", type=float, default=None,
                    help="seconds a node worker may stay silent on one layer before it is declared hung, killed and "
                         "restarted (default: derived from the measured layer time, at least 10 s)")
@@ -218,7 +220,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def speed_line(t: dict) -> str:
     """llama.cpp's summary after a generation: prompt and decode speeds, time to the first token."""
     def rate(tokens: int, seconds: float) -> str:
-        return f"{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s)" if seconds > 0 else f"{tokens} tokens"
+        if seconds <= 0:
+            return f"{tokens} tokens"
+        return f"{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s)"
 
     return (f"prompt: {rate(t['prefill_tokens'], t['prefill_s'])} | decode: {rate(t['decode_tokens'], t['decode_s'])}"
             f" | time to first token {t['time_to_first_token_s']:.2f} s")
@@ -295,6 +299,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _print_config(config, sources)
         return 0
     check_bind(args.bind, args.curve_keys is not None, args.insecure_remote)  # before loading anything
+    logging.getLogger("coordinator.serving").setLevel(logging.INFO)  # one line per request, -v or not
     with Engine.open(args.model, config) as engine:
         print(engine.pool_description(), file=sys.stderr)
         limits = Limits(max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
@@ -309,6 +314,8 @@ def cmd_client(args: argparse.Namespace) -> int:
                   top_p=args.top_p, stream=not args.json)
     if args.seed is not None:
         params["seed"] = args.seed
+    if args.stop:
+        params["stop"] = args.stop
     with Client(args.address, timeout=args.timeout, curve_keys=args.curve_keys) as c:
         gen = c.generate(args.prompt, **params)
         for piece in gen:
@@ -389,15 +396,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="write a deterministic random checkpoint", parents=[common])
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="the geometry: " + ", ".join(PRESETS) + " (default %(default)s)")
     p.add_argument("--out", required=True, type=Path, help="the folder to write (refused if it holds files)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default %(default)s)")
     p.add_argument("--arch", default=None, choices=["qwen3_moe", "mixtral", "qwen2_moe"],
                    help="default: the preset's own (qwen3_moe for tiny and bench-small)")
-    p.add_argument("--dtype", default="F32", choices=["F32", "F16", "BF16"])
+    p.add_argument("--dtype", default="F32", choices=["F32", "F16", "BF16"],
+                   help="the checkpoint's tensor type (default %(default)s)")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    p.add_argument("--max-shard-bytes", dest="max_shard_bytes", type=int, default=2 << 30)
+    p.add_argument("--max-shard-bytes", dest="max_shard_bytes", type=int, default=2 << 30,
+                   help="cut the safetensors into shards of at most this size (default %(default)s)")
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("generate", help="generate text from a prompt", parents=[common])
@@ -431,22 +441,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("client", help="send one prompt to a running server", parents=[common])
-    p.add_argument("prompt", type=_text("the prompt"))
+    p.add_argument("prompt", type=_text("the prompt"), help="the prompt text")
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's endpoint (default %(default)s)")
     _add_sampling_flags(p, max_new_tokens=64)
-    p.add_argument("--timeout", type=float, default=30.0)
-    p.add_argument("--curve-keys", dest="curve_keys", default=None)
+    p.add_argument("--stop", action="append", default=None,
+                   help="end the answer before this text (repeatable; default: none)")
+    p.add_argument("--timeout", type=_number(float, "--timeout", 0.0, low_open=True), default=30.0,
+                   help="seconds to wait for the server before giving up (default %(default)s)")
+    p.add_argument("--curve-keys", dest="curve_keys", default=None,
+                   help="folder with server.key and client.key_secret: CURVE authentication (default: none)")
     p.add_argument("--json", action="store_true", help="print the final event as JSON")
     p.set_defaults(func=cmd_client)
 
     p = sub.add_parser("bench", help="decode/prefill speed, pool overhead and bandwidth, modes side by side",
                        parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
-    p.add_argument("--modes", default="inproc,single,split")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", dest="prompt_tokens", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--modes", default="inproc,single,split",
+                   help="comma-separated, measured side by side: inproc, single, split (default %(default)s)")
+    p.add_argument("--nodes", type=_number(int, "--nodes", 1), default=2,
+                   help="nodes of the split mode (default %(default)s)")
+    p.add_argument("--tokens", type=_number(int, "--tokens", 2), default=64,
+                   help="tokens decoded a round (default %(default)s)")
+    p.add_argument("--prompt-tokens", dest="prompt_tokens", type=_number(int, "--prompt-tokens", 1), default=256,
+                   help="prompt tokens prefilled a round (default %(default)s)")
+    p.add_argument("--rounds", type=_number(int, "--rounds", 1), default=3,
+                   help="interleaved rounds per mode (default %(default)s)")
     p.add_argument("--spin-us", dest="spin_us", type=float, default=None,
                    help="pool_spin_us for the process modes (default: STRATA_POOL_SPIN_US, else "
                         f"{EngineConfig.pool_spin_us:g})")
@@ -468,26 +487,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     p.add_argument("--prompts", required=True, type=_readable_file, help="a text file, one prompt per line")
     p.add_argument("--out", required=True, type=_writable_file, help="the profile to write (JSON)")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=16)
+    p.add_argument("-n", "--max-new-tokens", dest="max_new_tokens", type=_number(int, "--max-new-tokens", 1),
+                   default=16, help="tokens generated after each prompt (default %(default)s)")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("topo", help="show the NUMA nodes, their CPUs and memory", parents=[common])
     p.add_argument("--nodes", type=int, default=None, help="show the nodes a split over N would use (virtual if needed)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_topo)
 
     shm_p = sub.add_parser("shm", help="list or remove the shared-memory segments")
     shm_sub = shm_p.add_subparsers(dest="shm_command", required=True)
     p = shm_sub.add_parser("list", help="segments with size, owner, model, plan, state", parents=[common])
     p.add_argument("--placement", action="store_true", help="pages per node of each live owner's mapping")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_shm_list)
     p = shm_sub.add_parser("clean", help="remove segments (only dead owners' unless --force)", parents=[common])
-    p.add_argument("names", nargs="*")
+    p.add_argument("names", nargs="*", help="segment names (strata shm list shows them)")
     p.add_argument("--all", action="store_true",
                    help="every segment of a dead owner, and the pool folders (/tmp/strata-pool-*) of dead coordinators")
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--force", action="store_true", help="remove segments of live owners too")
     p.set_defaults(func=cmd_shm_clean)
 
     p = sub.add_parser("config", help="show the effective engine config and where each value came from",

@@ -48,6 +48,7 @@ class Sequence:
     logits: np.ndarray | None = None  # [V] for the next token
     prefilled: int = 0  # prompt tokens already in ``cache`` (chunked prefill)
     deadline: float | None = None  # monotonic time at which it ends with finish_reason "deadline"
+    started: float = field(default_factory=time.monotonic)  # when the scheduler took it
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -232,6 +233,8 @@ class Scheduler:
         return True
 
     def _finish(self, s: Sequence, reason: str) -> None:
+        log.info("request %s: %d prompt + %d new tokens in %.2f s, %s", s.req.id, len(s.prompt_ids), len(s.out_ids),
+                 time.monotonic() - s.started, reason)
         self.emit(s.client, {
             "type": "final", "id": s.req.id, "finish_reason": reason, "text": s.text, "ids": s.out_ids,
             "usage": {"prompt_tokens": len(s.prompt_ids), "completion_tokens": len(s.out_ids)},

@@ -179,7 +179,7 @@ class Server:
         self.tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-tokenize")
         self.tokenizing: list[Tokenizing] = []
         self.deferred: deque[list] = deque()  # requests that came while a step waited on the pool
-        self.counts = {"internal_errors": 0, "gone_clients": 0, "deadline_expired": 0}
+        self.counts = {"internal_errors": 0, "gone_clients": 0, "deadline_expired": 0, "refused": 0}
         self.max_token_bytes = engine.codec.max_token_bytes() if engine.codec is not None else None
         engine.pool.wait_hook = self._while_waiting
 
@@ -254,6 +254,8 @@ class Server:
             rid = getattr(req, "id", None)
             self._dispatch(client, req)
         except ApiError as exc:
+            self.counts["refused"] += 1
+            log.info("request %s refused: %s (%s)", exc.request_id, exc.code, exc.message)
             self._emit(client, error_event(exc.code, exc.message, exc.request_id))
         except Exception as exc:  # a defect: contained to this request, logged with its traceback
             self.counts["internal_errors"] += 1
