@@ -56,12 +56,19 @@ def pool_nodes(config: EngineConfig) -> list[Node]:
             raise ConfigValueError(f"pool_node {config.pool_node} is not a node with usable CPUs "
                                    f"(nodes: {', '.join(str(n.id) for n in real)})")
         return chosen
-    nodes = select_nodes(config.nodes)
-    if any(n.shares_cpus for n in nodes):
-        cpus = len({c for n in nodes for c in n.cpus})
-        raise ConfigValueError(f"nodes {config.nodes}: this process may use {cpus} CPUs, so a split runs at most "
-                               f"{cpus} nodes (one CPU each at least); ask for {cpus} or fewer")
-    return nodes
+    return select_nodes(config.nodes)
+
+
+def refuse_shared_cpus(nodes: int | None) -> None:
+    """The command line's limit: a split over more nodes than this process has CPUs is refused, with the limit
+    named (the library still builds such virtual nodes, sharing CPUs, for tests of many nodes on few CPUs)."""
+    if nodes is None:
+        return
+    chosen = select_nodes(nodes)
+    if any(n.shares_cpus for n in chosen):
+        cpus = len({c for n in chosen for c in n.cpus})
+        raise ConfigValueError(f"nodes {nodes}: this process may use {cpus} CPUs, so a split runs at most {cpus} "
+                               f"nodes (one CPU each at least); ask for {cpus} or fewer")
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
@@ -211,7 +218,7 @@ class Engine:
             raise ConfigValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         model_dir = Path(model_dir)
         start = time.perf_counter()
-        nodes = pool_nodes(config)  # before anything loads: a split the machine cannot run is refused at once
+        nodes = pool_nodes(config)  # before anything loads: a pool node that does not exist is refused at once
         gguf = gguf_path(model_dir)
         if gguf is None:
             mcfg = load_model_config(model_dir)

@@ -102,23 +102,23 @@ def test_version_short_flags_and_verbose_after_the_command(capsys):
     assert (args.top_k, args.top_p, args.max_new_tokens, args.stop) == (5, 0.5, 7, ["a", "b"])  # generate's flags
 
 
-def test_ctrl_c_ends_the_line_and_exits_130_without_a_traceback(tmp_path, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "m"
+    assert main(["make-model", "--out", str(out), "--seed", "4", "--layers", "1"]) == 0
+    return out
+
+
+def test_ctrl_c_ends_the_line_and_exits_130_without_a_traceback(tiny, capsys, monkeypatch):
     from coordinator import engine
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(engine.Engine, "open", interrupted)
-    assert main(["generate", "-m", str(tmp_path), "-p", "hi"]) == 130
+    assert main(["generate", "-m", str(tiny), "-p", "hi"]) == 130
     out = capsys.readouterr()
     assert out.err == "\n" and out.out == ""
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "m"
-    assert main(["make-model", "--out", str(out), "--seed", "4", "--layers", "1"]) == 0
-    return out
 
 
 def test_prompt_ids_outside_the_vocabulary_or_the_context_are_refused_before_the_weights_load(tiny, capsys,
@@ -135,6 +135,12 @@ def test_prompt_ids_outside_the_vocabulary_or_the_context_are_refused_before_the
     assert "2 prompt tokens + 5000 new tokens exceed the maximum sequence length 4096" in err
     err = refused(capsys, "generate", "-m", str(tiny), "--prompt-ids", " , ")
     assert "--prompt-ids is empty" in err
+    (tiny / "tokenizer.json").rename(tiny / "tokenizer.json.away")
+    try:
+        err = refused(capsys, "generate", "-m", str(tiny), "-p", "hello")
+    finally:
+        (tiny / "tokenizer.json.away").rename(tiny / "tokenizer.json")
+    assert f"{tiny} has no tokenizer.json; pass token ids (--prompt-ids) instead of text" in err
 
 
 def test_serve_on_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
@@ -216,3 +222,53 @@ def test_every_option_has_help_and_make_model_lists_its_presets(capsys):
         main(["make-model", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text for name in PRESETS) and "(default tiny)" in text
+
+
+def test_the_setup_script_installs_once_and_again_only_when_pyproject_changes():
+    """tools/_venv.sh (behind ./tools/demo.sh and ./tools/test.sh): a second run installs nothing (its stamp
+    is not rewritten) and prints nothing."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".venv" / "bin" / "python").exists():
+        pytest.skip("no .venv: the suite runs outside ./tools/test.sh")
+
+    def setup() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", ". tools/_venv.sh test && echo ready"], cwd=repo, capture_output=True,
+                              text=True, timeout=900)
+
+    assert setup().returncode == 0  # installs only if pyproject.toml changed since the stamp
+    stamp = repo / ".venv" / ".strata-installed-test"
+    before = stamp.stat().st_mtime_ns
+    again = setup()
+    assert (again.returncode, again.stdout, again.stderr) == (0, "ready\n", "")
+    assert stamp.stat().st_mtime_ns == before
+
+
+def test_shm_list_shows_a_dead_coordinators_pool_folder_and_clean_all_removes_it(capsys):
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from coordinator.pool.channel import OWNER_FILE, POOL_DIR_PREFIX
+
+    gone = subprocess.run(["true"])  # a finished process: its pid names no live coordinator
+    folder = Path(tempfile.mkdtemp(prefix=POOL_DIR_PREFIX))
+    try:
+        (folder / OWNER_FILE).write_text(json.dumps({"pid": 2**22 + 7, "start": 0.0}))
+        (folder / "job.json").write_text("{}")
+        assert gone.returncode == 0 and main(["shm", "list"]) == 0
+        assert f"{folder}  pool folder  coordinator gone: strata shm clean --all" in capsys.readouterr().out
+        assert main(["shm", "list", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert {"folder": str(folder), "owner_alive": False} in doc["pool_folders"]
+        main(["shm", "clean", "--all"])  # 1 if some live owner's segment is kept: not this test's business
+        assert f"{folder}: removed (its coordinator is gone)" in capsys.readouterr().out
+        assert not folder.exists()
+    finally:
+        if folder.exists():
+            import shutil
+
+            shutil.rmtree(folder)

@@ -131,9 +131,15 @@ def _add_device_flags(g) -> None:
 CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; the library defaults to inproc
 
 
-def _engine_config(args: argparse.Namespace):
+def _engine_config(args: argparse.Namespace, check: bool = True):
+    """The effective config; a split over more nodes than CPUs is refused here, before anything loads."""
+    from ..engine import refuse_shared_cpus
+
     flags = {name: getattr(args, name, None) for name in ENV_VARS}
-    return resolve_config(flags, defaults=CLI_DEFAULTS)
+    config, sources = resolve_config(flags, defaults=CLI_DEFAULTS)
+    if check and config.numa_split and not getattr(args, "print_config", False):
+        refuse_shared_cpus(config.nodes)
+    return config, sources
 
 
 def _print_config(config, sources) -> None:
@@ -173,6 +179,8 @@ def _given_ids(args: argparse.Namespace) -> list[int] | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from shm.gguf_checkpoint import gguf_path
+
     from ..engine import Engine, check_prompt_ids, read_model_config
     from ..model.tokenizer import StreamDecoder
 
@@ -183,6 +191,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = _given_ids(args)
     if ids is not None:  # checked against the configuration before the weights load
         check_prompt_ids(read_model_config(args.model), ids, args.max_new_tokens, config.max_seq_len)
+    elif gguf_path(args.model) is None and Path(args.model).is_dir() and not (args.model / "tokenizer.json").exists():
+        raise StrataError(f"{args.model} has no tokenizer.json; pass token ids (--prompt-ids) instead of text")
     with Engine.open(args.model, config) as engine:
         print(engine.pool_description(), file=sys.stderr)
         ids = ids if ids is not None else engine.encode(args.prompt)
@@ -254,9 +264,14 @@ def cmd_shm_list(args: argparse.Namespace) -> int:
                 placement = segment_placement(h.owner_pid, info.name, h.node)
                 row["placement"] = placement.as_dict() if placement else None
         rows.append(row)
+    from ..pool.channel import pool_dirs
+
+    folders = [{"folder": str(f), "owner_alive": alive} for f, alive in pool_dirs()]
     if args.json:
-        print(json.dumps({"segments": rows}, indent=2))
+        print(json.dumps({"segments": rows, "pool_folders": folders}, indent=2))
         return 0
+    for f in folders:  # a coordinator's private folder (job.json, the socket); a dead one's goes with shm clean --all
+        print(f"{f['folder']}  pool folder  coordinator {'alive' if f['owner_alive'] else 'gone: strata shm clean --all'}")
     if not rows:
         print("no strata segments in /dev/shm")
     for r in rows:
@@ -335,6 +350,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise StrataError(f"--modes: unknown mode(s) {', '.join(bad)}; expected some of {', '.join(MODES)}")
+    if "split" in modes:
+        from ..engine import refuse_shared_cpus
+
+        refuse_shared_cpus(args.nodes)
     device = {name: getattr(args, name) for name in DEVICE_FLAGS + ("expert_dtype", "dense_dtype")
               if getattr(args, name) is not None}
     spin_us = resolve_setting("pool_spin_us", args.spin_us)  # --spin-us > STRATA_POOL_SPIN_US > EngineConfig's
@@ -368,7 +387,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    config, sources = _engine_config(args)
+    config, sources = _engine_config(args, check=False)
     _print_config(config, sources)
     return 0
 

@@ -78,12 +78,18 @@ def pool_dir_owner_alive(folder: Path) -> bool:
         return False  # unreadable: nobody can be using it as ours
 
 
+def pool_dirs(tmp: Path | None = None) -> list[tuple[Path, bool]]:
+    """This user's pool folders (job.json, the socket) and whether their coordinator is alive."""
+    return [(folder, pool_dir_owner_alive(folder))
+            for folder in sorted(Path(tmp or tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*"))
+            if folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid()]
+
+
 def remove_stale_pool_dirs(tmp: Path | None = None) -> list[Path]:
     """Remove the pool folders whose coordinator is gone; the ones removed."""
     removed = []
-    for folder in sorted(Path(tmp or tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*")):
-        if folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid() \
-                and not pool_dir_owner_alive(folder):
+    for folder, alive in pool_dirs(tmp):
+        if not alive:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
             log.info("removed %s, left by a coordinator that is gone", folder)

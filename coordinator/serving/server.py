@@ -22,6 +22,7 @@ import concurrent.futures
 import ipaddress
 import logging
 import signal
+import socket
 import stat
 import time
 from collections import deque
@@ -69,13 +70,19 @@ def check_bind(address: str, curve: bool, insecure_remote: bool) -> None:
             f"refusing to bind {address}: it is not a loopback address. Give --curve-keys DIR to "
             "authenticate clients with CURVE, or --insecure-remote to serve anyone who can reach it"
         )
-    probe = zmq.Context.instance().socket(zmq.ROUTER)  # the port taken now, not after the model has loaded
     try:
-        probe.bind(address)
-    except zmq.ZMQError as exc:
-        raise BindRefused(f"cannot bind {address}: {exc.strerror} (is another server running there?)") from None
-    finally:
-        probe.close(linger=0)
+        port = parts.port
+    except ValueError:  # tcp://HOST:* (any free port) or a malformed one: zmq's bind will say
+        port = None
+    if port is not None:  # the port taken now, not after the model has loaded (closed at once, unlike zmq's)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as zmq binds: TIME_WAIT is no conflict
+            try:
+                probe.bind(("" if host == "*" else host, port))
+            except OSError as exc:
+                raise BindRefused(f"cannot bind {address}: {exc.strerror} (is another server running there?)") \
+                    from None
 
 
 def prepare_ipc(address: str) -> None:
