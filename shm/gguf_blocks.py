@@ -78,3 +78,20 @@ def repack(raw: np.ndarray, ggml_type: int, hidden: int) -> tuple[str, np.ndarra
     out[:, : values.shape[1]] = values
     out[:, values.shape[1]:] = scales
     return name, out
+
+
+SCALE_BYTES = {GGMLQuantizationType[n]: at for n, at in (("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,)),
+                                                           ("IQ4_XS", (0,)))}  # a super-block's float16 d (, dmin)
+
+
+def random_blocks(qtype: int, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1e-3) -> np.ndarray:
+    """Valid random blocks (benchmarks, and tests of the types gguf.quants cannot write): any value bytes (the K
+    types' packed 6-bit and int8 sub-scales too), but finite float16 super-block scales (std ``scale``), as a
+    quantiser leaves them. uint8 ``shape``, its last axis whole blocks."""
+    raw = rng.integers(0, 256, shape, dtype=np.uint8)
+    if qtype in SCALE_BYTES:
+        supers = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1])
+        for at in SCALE_BYTES[qtype]:
+            d = (rng.standard_normal(supers.shape[0]) * scale).astype(np.float16)
+            supers[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw

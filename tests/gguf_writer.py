@@ -9,6 +9,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from shm.checkpoint import Checkpoint
+from shm.gguf_blocks import random_blocks
 from shm.gguf_file import GLOBAL_TENSORS, LAYER_TENSORS, MIXTRAL_TENSORS
 
 HF_TO_GGUF = {**{hf: g for g, hf in GLOBAL_TENSORS.items()}, **{hf: g for g, hf in LAYER_TENSORS.items()}}
@@ -32,21 +33,6 @@ def add_tokenizer(w: gguf.GGUFWriter, tok, pre: str = "qwen2", model: str = "gpt
     w.add_token_list(tokens)
     w.add_token_types([3 if t in special else 1 for t in tokens])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-
-
-K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}  # a super-block's float16 d (, dmin)
-
-
-def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1e-3) -> np.ndarray:
-    """Valid random blocks for a type gguf.quants cannot write: any value bytes (the K types' packed 6-bit and
-    int8 sub-scales too), but finite float16 super-block scales (std ``scale``), as a quantiser leaves them."""
-    raw = rng.integers(0, 256, shape, dtype=np.uint8)
-    if qtype in K_SCALES:
-        supers = raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
-        for at in K_SCALES[qtype]:
-            d = (rng.standard_normal(supers.shape[0]) * scale).astype(np.float16)
-            supers[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
-    return raw
 
 
 def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q = Q.Q8_0,

@@ -10,7 +10,7 @@ from gguf import quants
 
 from shm import formats, gguf_blocks
 
-from gguf_writer import random_blocks
+from shm.gguf_blocks import random_blocks
 
 H = 256
 

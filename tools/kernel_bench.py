@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """One node's decode compute per format: NodeWorker.compute of one token routed to 8 experts.
 
-    .venv/bin/python tools/kernel_bench.py [--formats f32,bf16,q8,q4] [--hidden 2048] [--inter 768] [--threads 2]
+    .venv/bin/python tools/kernel_bench.py [--formats f32,bf16,q8,q4,q4k,q6k,iq4xs] [--hidden 2048] [--inter 768]
+                                           [--threads 2] [--experts 8] [--tokens 1]
 
-The same 8 experts every call (Qwen3-30B-A3B's expert geometry by default), so
+The same experts every call (Qwen3-30B-A3B's expert geometry by default), so
 the figure is the kernel's speed with the weights as warm as the caches keep
-them; `strata bench` gives the speed inside whole decode steps.
+them (--experts 48 and more: out of this machine's 105 MB LLC); `strata bench`
+gives the speed inside whole decode steps. A GGUF file format (q4k, q5k, q6k,
+iq4xs) is filled with valid random blocks of its type.
 """
 
 from __future__ import annotations
@@ -20,14 +23,25 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node_worker.worker import NodeWorker  # noqa: E402
-from shm import formats  # noqa: E402
+from shm import formats, gguf_blocks  # noqa: E402
 from shm.expert_source import ExpertSlice  # noqa: E402
 from shm.expert_store import HeapExpertStore  # noqa: E402
 
 
+def stored_rows(fmt, rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, stored row] of random weights in the format: encoded from floats, or a GGUF type's random blocks."""
+    if fmt.NAME in formats.FILE_FORMATS:
+        qtype = gguf_blocks.ggml_type(fmt.GGML)
+        return gguf_blocks.repack(gguf_blocks.random_blocks(qtype, (rows, gguf_blocks.file_row_bytes(qtype, width)),
+                                                            rng), qtype, width)[1]
+    stored = np.empty((rows, fmt.row_bytes(width) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+    fmt.encode_into(stored, (rng.standard_normal((rows, width)) * 0.02).astype(np.float32))
+    return stored
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--formats", default="f32,bf16,q8,q4")
+    ap.add_argument("--formats", default="f32,bf16,q8,q4,q4k,q6k,iq4xs")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--experts", type=int, default=8)
@@ -44,11 +58,7 @@ def main() -> int:
         fmt = formats.get(name)
         slices = {}
         for e in range(E):
-            mats = []
-            for _ in range(3):
-                stored = np.empty((I, fmt.row_bytes(H) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
-                fmt.encode_into(stored, (rng.standard_normal((I, H)) * 0.02).astype(np.float32))
-                mats.append(stored)
+            mats = [stored_rows(fmt, rows, width, rng) for rows, width in ((I, H), (I, H), (H, I))]  # gate, up, down
             slices[(0, e)] = ExpertSlice(*mats, name)
         worker = NodeWorker(0, HeapExpertStore(0, slices, name), H, threads=args.threads)
         try:
