@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import INDEX_NAME, SINGLE_NAME
+from .progress import Progress
 
 TAGS = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
@@ -64,16 +65,19 @@ def save_checkpoint(out_dir: Path, tensors: dict[str, np.ndarray], dtype: str = 
             size = 0
         shards[-1][name] = item
         size += item[1].nbytes
+    total = sum(arr.nbytes for _, arr in encoded.values())
     if len(shards) == 1:
         path = out_dir / SINGLE_NAME
         write_safetensors(path, shards[0])
         return [path]
+    progress = Progress(total, f"writing {out_dir}")
     paths, weight_map = [], {}
     for k, shard in enumerate(shards, 1):
         path = out_dir / f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         write_safetensors(path, shard)
+        progress.add(sum(arr.nbytes for _, arr in shard.values()))
         paths.append(path)
         weight_map.update({name: path.name for name in shard})
-    total = sum(arr.nbytes for _, arr in encoded.values())
+    progress.finish()
     (out_dir / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return paths

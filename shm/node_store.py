@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,10 +20,10 @@ from .checkpoint import Checkpoint
 from .expert_source import ExpertRefs, write_expert_slice
 from .expert_store import SegmentExpertStore, build_layout
 from .plan import PoolPlan
+from .progress import Progress
 from .segments import open_or_create, segment_name
 
 log = logging.getLogger(__name__)
-PROGRESS_AFTER_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -39,37 +37,6 @@ class LoadReport:
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-class _Progress:
-    def __init__(self, total: int, label: str):
-        self.total, self.label = total, label
-        self.done = 0
-        self.start = time.monotonic()
-        self.lock = threading.Lock()
-        self.shown = False
-        self.tty = sys.stderr.isatty()
-        self.next_quarter = 0.25  # without a terminal: one line per quarter
-
-    def add(self, nbytes: int) -> None:
-        with self.lock:
-            self.done += nbytes
-            elapsed = time.monotonic() - self.start
-            if elapsed < PROGRESS_AFTER_S:
-                return
-            frac = self.done / self.total if self.total else 1.0
-            rate = f"{self.done / elapsed / 1e9:5.2f} GB/s"
-            if self.tty:
-                self.shown = True
-                sys.stderr.write(f"\r{self.label} [{'#' * int(30 * frac):<30}] {frac:6.1%} {rate}")
-            elif frac >= self.next_quarter:
-                sys.stderr.write(f"{self.label}: {frac:.0%} {rate}\n")
-                self.next_quarter = int(frac * 4) / 4 + 0.25
-            sys.stderr.flush()
-
-    def finish(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")
 
 
 def _pinning_initializer(cpus: list[int]):
@@ -112,7 +79,7 @@ def open_node_store(
     try:
         store = SegmentExpertStore(node, segment)
         if needs_fill:
-            progress = _Progress(data_bytes, f"node {node}: loading experts")
+            progress = Progress(data_bytes, f"node {node}: loading experts")
             threads = max(1, len(cpus))
 
             def fill(key):

@@ -272,3 +272,23 @@ def test_shm_list_shows_a_dead_coordinators_pool_folder_and_clean_all_removes_it
             import shutil
 
             shutil.rmtree(folder)
+
+
+def test_steps_longer_than_two_seconds_show_progress_and_shorter_ones_stay_silent(tmp_path, capsys, monkeypatch):
+    """A clock that advances 1 s a reading: the weight load and make-model show their progress on stderr once
+    past PROGRESS_AFTER_S, a line a quarter when stderr is not a terminal; with the real clock, a tiny model's
+    steps stay silent."""
+    from coordinator import Engine, EngineConfig
+    from shm import progress
+
+    assert main(["make-model", "--out", str(tmp_path / "quiet"), "--layers", "2"]) == 0
+    assert capsys.readouterr().err == ""  # fast: nothing shown
+    clock = iter(range(10**6))
+    monkeypatch.setattr(progress.time, "monotonic", lambda: float(next(clock)))
+    assert main(["make-model", "--out", str(tmp_path / "m"), "--layers", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "make-model: drawing the weights: 50% 2 of 4 layers" in err and "100% 4 of 4 layers" in err
+    with Engine.open(tmp_path / "m", EngineConfig(pool="inproc")):
+        pass
+    err = capsys.readouterr().err
+    assert "loading the non-expert weights: 100%" in err and "tensors" in err

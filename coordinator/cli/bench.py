@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +91,8 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                                         "expert_loads": 0} for m in modes}
         for eng in engines.values():
             eng.generate(prompt[:8], max_new_tokens=warmup_tokens, stop_at_eos=False)
-        for _ in range(rounds):
+        for k in range(rounds):
+            print(f"bench: round {k + 1} of {rounds} ({', '.join(engines)})", file=sys.stderr, flush=True)
             for mode, eng in engines.items():  # interleaved: A B C A B C ...
                 pool = eng.pool
                 pool.record_timings, pool.timings = True, []

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from shm.checkpoint_writer import save_checkpoint
+from shm.progress import Progress
 
 from ..model.tokenizer import byte_level_tokenizer
 
@@ -185,7 +186,10 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
 
     H, hd = g.hidden_size, g.head_dim
     t: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((g.vocab_size, H)).astype(np.float32)}
+    progress = Progress(g.num_layers, "make-model: drawing the weights", unit="layers")
     for i in range(g.num_layers):
+        if i:
+            progress.add(1)
         p = f"model.layers.{i}"
         t[f"{p}.input_layernorm.weight"] = norm(H)
         t[f"{p}.post_attention_layernorm.weight"] = norm(H)
@@ -224,6 +228,8 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
         printable = np.zeros(g.vocab_size, bool)
         printable[32:127] = True
         t["lm_head.weight"] = mat(g.vocab_size, H) * np.where(printable, 1.0, 0.3).astype(np.float32)[:, None]
+    progress.add(1)
+    progress.finish()
     return t
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from shm.checkpoint import Checkpoint, CheckpointError, check_shape
 from shm.expert_source import ExpertRefs, TensorRef
+from shm.progress import Progress
 
 from .model_config import ModelConfig
 
@@ -61,13 +62,17 @@ def _prefix(cfg: ModelConfig, layer: int) -> tuple[str, str]:
 
 
 class _Reader:
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: Checkpoint, progress: Progress | None = None):
         self.ckpt = ckpt
+        self.progress = progress
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.ckpt:
             raise CheckpointError(f"missing tensor {name!r}: expected shape {list(shape)}")
-        return self.ckpt.float32(name, shape)
+        w = self.ckpt.float32(name, shape)
+        if self.progress is not None:
+            self.progress.add(1)
+        return w
 
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
         return self.get(name, shape) if present else None
@@ -122,7 +127,16 @@ def expert_refs(cfg: ModelConfig, r: _Reader, layer: int) -> dict[int, ExpertRef
 
 
 def load_weights(cfg: ModelConfig, ckpt: Checkpoint) -> ModelWeights:
-    r = _Reader(ckpt)
+    dense = sum(1 for name in ckpt.names() if ".experts." not in name)  # what is read now (experts: by the nodes)
+    progress = Progress(dense, "loading the non-expert weights", unit="tensors")
+    try:
+        return _load_weights(cfg, _Reader(ckpt, progress))
+    finally:
+        progress.finish()
+
+
+def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
+    ckpt = r.ckpt
     H, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
     layers: list[LayerWeights] = []
