@@ -71,12 +71,15 @@ def refuse_shared_cpus(nodes: int | None) -> None:
                                f"nodes (one CPU each at least); ask for {cpus} or fewer")
 
 
-def read_model_config(model_dir: Path) -> ModelConfig:
-    """The model's configuration alone (config.json, or a GGUF file's metadata), without its weights."""
+def open_source(model_dir: Path) -> tuple[Checkpoint | GgufCheckpoint, ModelConfig, TextCodec | None]:
+    """(checkpoint, configuration, tokenizer) of a model folder or GGUF file, its tensors not read yet."""
     gguf = gguf_path(Path(model_dir))
     if gguf is None:
-        return load_model_config(Path(model_dir))
-    return parse_model_config(GgufCheckpoint(gguf).config(), gguf.parent)
+        mcfg = load_model_config(Path(model_dir))  # first: a missing or broken config is the error to name
+        codec = TextCodec.load(model_dir)
+        return Checkpoint(model_dir), mcfg, codec
+    ckpt = GgufCheckpoint(gguf)
+    return ckpt, parse_model_config(ckpt.config(), gguf.parent), gguf_codec(ckpt.file.metadata, gguf)
 
 
 def check_prompt_ids(mcfg: ModelConfig, ids: Sequence[int], max_new_tokens: int, max_seq_len: int | None) -> None:
@@ -219,15 +222,7 @@ class Engine:
         model_dir = Path(model_dir)
         start = time.perf_counter()
         nodes = pool_nodes(config)  # before anything loads: a pool node that does not exist is refused at once
-        gguf = gguf_path(model_dir)
-        if gguf is None:
-            mcfg = load_model_config(model_dir)
-            codec = TextCodec.load(model_dir)
-            ckpt = Checkpoint(model_dir)
-        else:  # a GGUF file: the config and the tokenizer from its metadata
-            ckpt = GgufCheckpoint(gguf)
-            mcfg = parse_model_config(ckpt.config(), gguf.parent)
-            codec = gguf_codec(ckpt.file.metadata, gguf)
+        ckpt, mcfg, codec = open_source(model_dir)  # a GGUF file: the config and the tokenizer from its metadata
         backend = select_device(config.device)
         if config.dense_dtype != "f32" and backend != "numpy":
             raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,3 +50,19 @@ def segment_placement(pid: int, segment: str, local_node: int, proc: Path = Path
     except OSError:
         return None
     return Placement(segment, parse_numa_maps(text, segment), local_node)
+
+
+def owner_node(pid: int, node: int) -> int:
+    """The real node whose CPUs process ``pid`` runs on (all of its allowed CPUs in one node), else ``node``.
+
+    A segment's header names its plan node, which for a virtual node is not a
+    memory node: its pages are local when they sit on the real node under the
+    owner's CPUs, as the worker itself reports (its job's local node)."""
+    from .topology import real_nodes
+
+    try:
+        allowed = set(os.sched_getaffinity(pid))
+    except OSError:
+        return node
+    holding = [n.id for n in real_nodes(allowed=allowed) if n.cpus]
+    return holding[0] if len(holding) == 1 else node

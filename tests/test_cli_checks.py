@@ -135,12 +135,14 @@ def test_prompt_ids_outside_the_vocabulary_or_the_context_are_refused_before_the
     assert "2 prompt tokens + 5000 new tokens exceed the maximum sequence length 4096" in err
     err = refused(capsys, "generate", "-m", str(tiny), "--prompt-ids", " , ")
     assert "--prompt-ids is empty" in err
+    err = refused(capsys, "generate", "-m", str(tiny), "-p", "a" * 5000)  # byte-level: 5000 tokens
+    assert "5000 prompt tokens + 32 new tokens exceed the maximum sequence length 4096" in err
     (tiny / "tokenizer.json").rename(tiny / "tokenizer.json.away")
     try:
         err = refused(capsys, "generate", "-m", str(tiny), "-p", "hello")
     finally:
         (tiny / "tokenizer.json.away").rename(tiny / "tokenizer.json")
-    assert f"{tiny} has no tokenizer.json; pass token ids (--prompt-ids) instead of text" in err
+    assert f"{tiny} has no tokenizer; pass token ids (--prompt-ids) instead of text" in err
 
 
 def test_serve_on_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
@@ -292,3 +294,28 @@ def test_steps_longer_than_two_seconds_show_progress_and_shorter_ones_stay_silen
         pass
     err = capsys.readouterr().err
     assert "loading the non-expert weights: 100%" in err and "tensors" in err
+
+
+def test_shm_list_placement_judges_a_virtual_nodes_pages_by_its_owners_real_node(capsys):
+    """A segment of virtual node 1 (the plan's node id, not a memory node), its pages touched by its owner on
+    real node 0: local, as the worker reports it in bench, not 0 % for want of a memory node 1."""
+    import json
+
+    from shm import segments
+    from shm.placement import owner_node
+    from shm.topology import real_nodes
+
+    real = [n for n in real_nodes() if n.cpus]
+    if len(real) != 1:
+        pytest.skip("the test needs this process's CPUs on one real node")
+    name = f"/{segments.PREFIX}cli-placement-{os.getpid()}.node1"
+    seg = segments.create(name, 1, "m" * 16, "p" * 16, {"kind": "test"}, 1 << 20)
+    try:
+        seg.data[:] = 1  # first touch: the pages land on this process's node
+        assert owner_node(os.getpid(), 1) == real[0].id
+        assert main(["shm", "list", "--placement", "--json"]) == 0
+        row = [r for r in json.loads(capsys.readouterr().out)["segments"] if r["name"] == name][0]
+        assert row["node"] == 1 and row["placement"]["local_share"] == 1.0
+    finally:
+        seg.close()
+        segments.unlink(name)

@@ -179,23 +179,23 @@ def _given_ids(args: argparse.Namespace) -> list[int] | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from shm.gguf_checkpoint import gguf_path
-
-    from ..engine import Engine, check_prompt_ids, read_model_config
+    from ..engine import Engine, check_prompt_ids, open_source
     from ..model.tokenizer import StreamDecoder
 
     config, sources = _engine_config(args)
     if args.print_config:
         _print_config(config, sources)
         return 0
+    _, mcfg, codec = open_source(args.model)  # the prompt checked against the configuration before weights load
     ids = _given_ids(args)
-    if ids is not None:  # checked against the configuration before the weights load
-        check_prompt_ids(read_model_config(args.model), ids, args.max_new_tokens, config.max_seq_len)
-    elif gguf_path(args.model) is None and Path(args.model).is_dir() and not (args.model / "tokenizer.json").exists():
-        raise StrataError(f"{args.model} has no tokenizer.json; pass token ids (--prompt-ids) instead of text")
+    if ids is None:
+        if codec is None:
+            raise StrataError(f"{args.model} has no tokenizer; pass token ids (--prompt-ids) instead of text")
+        ids = codec.encode(args.prompt)
+    check_prompt_ids(mcfg, ids, args.max_new_tokens, config.max_seq_len)
     with Engine.open(args.model, config) as engine:
         print(engine.pool_description(), file=sys.stderr)
-        ids = ids if ids is not None else engine.encode(args.prompt)
+
         stream = StreamDecoder(engine.codec) if engine.codec is not None and not args.json else None
 
         def on_token(token: int) -> None:
@@ -250,7 +250,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 
 def cmd_shm_list(args: argparse.Namespace) -> int:
-    from shm.placement import segment_placement
+    from shm.placement import owner_node, segment_placement
     from shm.segments import list_segments
 
     rows = []
@@ -261,7 +261,7 @@ def cmd_shm_list(args: argparse.Namespace) -> int:
             row.update(node=h.node, owner_pid=h.owner_pid, owner_alive=info.owner_alive, model=h.model_digest,
                        plan=h.plan_digest, state="complete" if h.complete else "partial")
             if args.placement and info.owner_alive:
-                placement = segment_placement(h.owner_pid, info.name, h.node)
+                placement = segment_placement(h.owner_pid, info.name, owner_node(h.owner_pid, h.node))
                 row["placement"] = placement.as_dict() if placement else None
         rows.append(row)
     from ..pool.channel import pool_dirs
@@ -271,7 +271,8 @@ def cmd_shm_list(args: argparse.Namespace) -> int:
         print(json.dumps({"segments": rows, "pool_folders": folders}, indent=2))
         return 0
     for f in folders:  # a coordinator's private folder (job.json, the socket); a dead one's goes with shm clean --all
-        print(f"{f['folder']}  pool folder  coordinator {'alive' if f['owner_alive'] else 'gone: strata shm clean --all'}")
+        state = "alive" if f["owner_alive"] else "gone: strata shm clean --all"
+        print(f"{f['folder']}  pool folder  coordinator {state}")
     if not rows:
         print("no strata segments in /dev/shm")
     for r in rows:
