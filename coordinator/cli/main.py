@@ -82,17 +82,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (flag > STRATA_* variable > default)")
     g.add_argument("--numa-split", dest="numa_split", action="store_true", default=None,
                    help="cut every CPU expert by rows across the NUMA nodes (STRATA_NUMA_SPLIT)")
-    g.add_argument("--nodes", type=int, default=None, help="nodes in split mode; virtual when the machine has fewer")
+    g.add_argument("--nodes", type=int, default=None,
+                   help="nodes in split mode; virtual when the machine has fewer (default: every real node)")
     g.add_argument("--pool", default=None, choices=["process", "inproc"],
                    help="process: one node worker process per node (the CLI default); inproc: in this process")
-    g.add_argument("--pool-node", dest="pool_node", type=int, default=None, help="the node of non-split mode")
+    g.add_argument("--pool-node", dest="pool_node", type=int, default=None,
+                   help="the node of non-split mode (default 0)")
     g.add_argument("-t", "--worker-threads", dest="worker_threads", type=_number(int, "--worker-threads", 1),
                    default=None,
                    help="threads per node worker (default: the node's CPUs)")
     g.add_argument("--keep-shm", dest="keep_shm", action="store_true", default=None,
                    help="leave the segments in /dev/shm at exit for a fast restart")
     g.add_argument("--route-tail-skip", dest="route_tail_skip", type=float, default=None,
-                   help="drop routed experts whose weight is below this (0 = off)")
+                   help="drop routed experts whose weight is below this (0 = off) (default 0)")
     g.add_argument("--max-seq-len", dest="max_seq_len", type=_number(int, "--max-seq-len", 1), default=None,
                    help="the longest sequence, prompt and new tokens (default: the model's max_position_embeddings)")
     g.add_argument("--worker-hang-timeout", dest="worker_hang_timeout", type=float, default=None,
@@ -105,7 +107,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="how the CPU experts are stored: auto (bf16 for a BF16 checkpoint, f32 for F16/F32, a GGUF "
                         "file's Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks as they are, per tensor), f32, bf16, q8 (8-bit, f16 "
                         "scale per 32), q4 (4-bit, f16 scale per 32), or q4k/q5k/q6k (a GGUF file's K blocks, only "
-                        "from that type) (STRATA_EXPERT_DTYPE)")
+                        "from that type) (STRATA_EXPERT_DTYPE; default auto)")
     g.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
                    help="without a GPU, how the dense matrices (attention, dense and shared MLPs, lm_head) are stored "
                         "and read: f32 (default), bf16, q8, q4, as llama.cpp keeps a quantised file's "
@@ -120,12 +122,14 @@ DEVICE_FLAGS = ("device", "expert_profile", "gpu_experts", "gpu_expert_memory")
 
 
 def _add_device_flags(g) -> None:
-    g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"], help="where the device side runs")
-    g.add_argument("--expert-profile", dest="expert_profile", default=None, help="a profile from `strata profile`")
+    g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                   help="where the device side runs: auto (a GPU if usable), cpu, cuda (default auto)")
+    g.add_argument("--expert-profile", dest="expert_profile", default=None,
+                   help="a profile from `strata profile` (default: none)")
     g.add_argument("--gpu-experts", dest="gpu_experts", type=int, default=None,
-                   help="keep this many experts whole on the device (hottest with a profile)")
+                   help="keep this many experts whole on the device (hottest with a profile; default none)")
     g.add_argument("--gpu-expert-memory", dest="gpu_expert_memory", type=float, default=None,
-                   help="or as many of the profile's hottest experts as fit in this many GB")
+                   help="or as many of the profile's hottest experts as fit in this many GB (default: none)")
 
 
 CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; the library defaults to inproc
@@ -425,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the preset's own (qwen3_moe for tiny and bench-small)")
     p.add_argument("--dtype", default="F32", choices=["F32", "F16", "BF16"],
                    help="the checkpoint's tensor type (default %(default)s)")
-    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count (default: the preset's)")
     p.add_argument("--max-shard-bytes", dest="max_shard_bytes", type=int, default=2 << 30,
                    help="cut the safetensors into shards of at most this size (default %(default)s)")
     p.set_defaults(func=cmd_make_model)
