@@ -17,27 +17,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from .q4k import halves
+from . import file_blocks
+from .file_blocks import halves
 
 NAME = "iq4xs"
 GGML = "IQ4_XS"
-BLOCK = 256
+BLOCK = file_blocks.BLOCK
 SUPER_BYTES = 136
 STORED_DTYPE = np.uint8
 BYTES_PER_WEIGHT = SUPER_BYTES / BLOCK
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 
-
-def row_bytes(hidden: int) -> int:
-    return hidden // BLOCK * SUPER_BYTES
-
-
-def hidden_of(stored_width: int) -> int:
-    return stored_width // SUPER_BYTES * BLOCK
-
-
-def encode_into(dest: np.ndarray, src: np.ndarray) -> None:
-    raise ValueError(f"{NAME} holds a GGUF file's {GGML} blocks as they are; float weights are not quantised to it")
+row_bytes, hidden_of, encode_into = file_blocks.functions(NAME, GGML, SUPER_BYTES)
 
 
 def decode_into(dest: np.ndarray, src: np.ndarray) -> None:

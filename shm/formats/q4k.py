@@ -19,24 +19,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import file_blocks
+from .file_blocks import halves
+
 NAME = "q4k"
 GGML = "Q4_K"
-BLOCK = 256
+BLOCK = file_blocks.BLOCK
 SUPER_BYTES = 144
 STORED_DTYPE = np.uint8
 BYTES_PER_WEIGHT = SUPER_BYTES / BLOCK
 
-
-def row_bytes(hidden: int) -> int:
-    return hidden // BLOCK * SUPER_BYTES
-
-
-def hidden_of(stored_width: int) -> int:
-    return stored_width // SUPER_BYTES * BLOCK
-
-
-def encode_into(dest: np.ndarray, src: np.ndarray) -> None:
-    raise ValueError(f"{NAME} holds a GGUF file's {GGML} blocks as they are; float weights are not quantised to it")
+row_bytes, hidden_of, encode_into = file_blocks.functions(NAME, GGML, SUPER_BYTES)
 
 
 def scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -47,11 +40,6 @@ def scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = np.concatenate([low & 63, (tail & 15) | ((low >> 6) << 4)], axis=1)
     m = np.concatenate([high & 63, (tail >> 4) | ((high >> 6) << 4)], axis=1)
     return sc, m
-
-
-def halves(f16_bytes: np.ndarray) -> np.ndarray:
-    """[n, 2] uint8 little-endian float16 -> [n, 1] float32."""
-    return np.ascontiguousarray(f16_bytes).view(np.float16).astype(np.float32)
 
 
 def decode_into(dest: np.ndarray, src: np.ndarray) -> None:

@@ -17,26 +17,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from .q4k import halves, scale_min
+from . import file_blocks
+from .file_blocks import halves
+from .q4k import scale_min
 
 NAME = "q5k"
 GGML = "Q5_K"
-BLOCK = 256
+BLOCK = file_blocks.BLOCK
 SUPER_BYTES = 176
 STORED_DTYPE = np.uint8
 BYTES_PER_WEIGHT = SUPER_BYTES / BLOCK
 
-
-def row_bytes(hidden: int) -> int:
-    return hidden // BLOCK * SUPER_BYTES
-
-
-def hidden_of(stored_width: int) -> int:
-    return stored_width // SUPER_BYTES * BLOCK
-
-
-def encode_into(dest: np.ndarray, src: np.ndarray) -> None:
-    raise ValueError(f"{NAME} holds a GGUF file's {GGML} blocks as they are; float weights are not quantised to it")
+row_bytes, hidden_of, encode_into = file_blocks.functions(NAME, GGML, SUPER_BYTES)
 
 
 def decode_into(dest: np.ndarray, src: np.ndarray) -> None:
