@@ -215,14 +215,15 @@ class Engine:
         return self.config.max_seq_len or self.model_config.max_position_embeddings
 
     @classmethod
-    def open(cls, model_dir: str | Path, config: EngineConfig | None = None) -> "Engine":
+    def open(cls, model_dir: str | Path, config: EngineConfig | None = None, source: tuple | None = None) -> "Engine":
+        """``source``: open_source(model_dir)'s result when the caller has it already (not opened twice)."""
         config = config or EngineConfig()
         if not isinstance(config, EngineConfig):
             raise ConfigValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         model_dir = Path(model_dir)
         start = time.perf_counter()
         nodes = pool_nodes(config)  # before anything loads: a pool node that does not exist is refused at once
-        ckpt, mcfg, codec = open_source(model_dir)  # a GGUF file: the config and the tokenizer from its metadata
+        ckpt, mcfg, codec = source or open_source(model_dir)  # GGUF: the config and the tokenizer from its metadata
         backend = select_device(config.device)
         if config.dense_dtype != "f32" and backend != "numpy":
             raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "

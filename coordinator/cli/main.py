@@ -190,14 +190,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.print_config:
         _print_config(config, sources)
         return 0
-    _, mcfg, codec = open_source(args.model)  # the prompt checked against the configuration before weights load
+    source = open_source(args.model)  # the prompt checked against the configuration before the weights load
+    _, mcfg, codec = source
     ids = _given_ids(args)
     if ids is None:
         if codec is None:
             raise StrataError(f"{args.model} has no tokenizer; pass token ids (--prompt-ids) instead of text")
         ids = codec.encode(args.prompt)
     check_prompt_ids(mcfg, ids, args.max_new_tokens, config.max_seq_len)
-    with Engine.open(args.model, config) as engine:
+    with Engine.open(args.model, config, source) as engine:
         print(engine.pool_description(), file=sys.stderr)
 
         stream = StreamDecoder(engine.codec) if engine.codec is not None and not args.json else None
