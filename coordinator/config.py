@@ -19,6 +19,7 @@ from .errors import ConfigValueError
 POOLS = ("inproc", "process")
 EXPERT_DTYPES = (formats.AUTO, *formats.FORMATS, *formats.FILE_FORMATS)  # the last: a GGUF file's own blocks
 DENSE_DTYPES = tuple(formats.FORMATS)
+ACTIVATIONS = ("q8", "f32")  # node_worker/kernels/activations.py: int8 per block of 32, or float32 as they are
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")  # names logging.basicConfig takes
 
 
@@ -45,6 +46,9 @@ class EngineConfig:
     # how CPU experts are stored: auto (as the file has them) | f32 | bf16 | q8 | q4 | q4k | q5k | q6k | iq4xs
     expert_dtype: str = "auto"
     dense_dtype: str = "f32"  # the CPU device side's dense matrices (no GPU): f32 | bf16 | q8 | q4
+    # decode's dot products with quantised weights: "q8" multiplies them in integers by the activations
+    # quantised per block of 32 (as llama.cpp does); "f32" widens the weights to float (the reference)
+    activations: str = "q8"
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -91,6 +95,8 @@ class EngineConfig:
             raise ConfigValueError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
         if self.dense_dtype not in DENSE_DTYPES:
             raise ConfigValueError(f"dense_dtype must be one of {', '.join(DENSE_DTYPES)}, got {self.dense_dtype!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ConfigValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
         if self.worker_log_level not in LOG_LEVELS:
             raise ConfigValueError(f"worker_log_level must be one of {', '.join(LOG_LEVELS)}, "
                                    f"got {self.worker_log_level!r}")
@@ -139,6 +145,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "worker_log_level": ("STRATA_WORKER_LOG", parse_log_level),
     "expert_dtype": ("STRATA_EXPERT_DTYPE", str),
     "dense_dtype": ("STRATA_DENSE_DTYPE", str),
+    "activations": ("STRATA_ACTIVATIONS", str),
 }
 
 

@@ -104,14 +104,15 @@ def build_plan(mcfg: ModelConfig, nodes: list[Node], fmt: str = "f32") -> PoolPl
 
 
 def build_inproc_pool(ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, experts: dict,
-                      threads: int | None = None, nodes: list[Node] | None = None, fmt: str = "f32") -> InprocPool:
+                      threads: int | None = None, nodes: list[Node] | None = None, fmt: str = "f32",
+                      activations: str = EngineConfig.activations) -> InprocPool:
     """One NodeWorker per plan node in this process, experts stored in ``fmt``; threads default to the node's
     CPUs (1 without nodes)."""
     sized = {key: (refs, mcfg.moe_intermediate_size) for key, refs in experts.items()}
     cpus = {n.id: list(n.cpus) for n in nodes or []}
     workers = [
         NodeWorker(node, HeapExpertStore.from_checkpoint(ckpt, plan, node, sized, fmt), mcfg.hidden_size,
-                   threads=threads or max(1, len(cpus.get(node, []))), cpus=cpus.get(node))
+                   threads=threads or max(1, len(cpus.get(node, []))), cpus=cpus.get(node), activations=activations)
         for node in plan.node_ids
     ]
     return InprocPool(plan, workers, nodes)
@@ -181,14 +182,14 @@ def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolP
                             config.worker_threads or len(n.cpus), n.mem_free or 0) for n in nodes),
         experts=tuple(ExpertJob(l, e, mcfg.moe_intermediate_size, refs) for (l, e), refs in sorted(experts.items())),
         spin_us=config.pool_spin_us, keep_shm=config.keep_shm, log_level=config.worker_log_level,
-        expert_format=fmt or expert_format(config, mcfg, ckpt, experts),
+        expert_format=fmt or expert_format(config, mcfg, ckpt, experts), activations=config.activations,
     )
 
 
 def build_pool(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, nodes: list[Node],
                experts: dict, config: EngineConfig, max_seq_len: int, model_digest: str, fmt: str) -> ExpertPool:
     if config.pool == "inproc":
-        return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads, nodes, fmt)
+        return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads, nodes, fmt, config.activations)
     from .pool.process import ProcessPool
 
     job = worker_job(model_dir, ckpt, mcfg, plan, experts, nodes, config, max_seq_len, model_digest, fmt)
@@ -232,7 +233,7 @@ class Engine:
         weights = load_weights(mcfg, ckpt)
         if config.dense_dtype != "f32":
             log.info("dense matrices stored as %s: %.2f GB", config.dense_dtype,
-                     pack_dense(weights, formats.get(config.dense_dtype)) / 1e9)
+                     pack_dense(weights, formats.get(config.dense_dtype), config.activations == "q8") / 1e9)
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
@@ -325,10 +326,15 @@ class Engine:
         check_prompt_ids(self.model_config, ids.tolist(), extra, self.max_seq_len)
         return ids.astype(np.int64)
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """np.float32 [len(token_ids), vocab] for a fresh sequence."""
+    def logits(self, token_ids: Sequence[int], steps: bool = False) -> np.ndarray:
+        """np.float32 [len(token_ids), vocab] for a fresh sequence: one forward over the prompt, or with
+        ``steps`` one decode step a token (the path generation takes after the prompt)."""
         ids = self._check_ids(token_ids)
-        return self.decoder.forward(ids, self.decoder.new_cache()).astype(np.float32, copy=False)
+        if not steps:
+            return self.decoder.forward(ids, self.decoder.new_cache()).astype(np.float32, copy=False)
+        cache = self.decoder.new_cache()
+        return np.concatenate([self.decoder.forward(ids[i:i + 1], cache) for i in range(ids.size)]).astype(
+            np.float32, copy=False)
 
     def generate_full(self, token_ids: Sequence[int], max_new_tokens: int = 16, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,

@@ -94,6 +94,7 @@ class WorkerJob:
     keep_shm: bool = False
     log_level: str = "WARNING"
     expert_format: str = "f32"  # shm/formats: how the experts are stored in the segment
+    activations: str = "q8"  # EngineConfig.activations: integer dot products in decode, or float32
     pool_io: str = ""  # the pool's data-path segment (shm/pool_io.py), set by the pool
 
     def node(self, node: int) -> NodeJob:
@@ -134,6 +135,7 @@ class WorkerJob:
             endpoint=_typed(doc, "endpoint", str), spin_us=float(_typed(doc, "spin_us", (int, float))),
             keep_shm=_typed(doc, "keep_shm", bool), log_level=_typed(doc, "log_level", str),
             expert_format=_typed(doc, "expert_format", str), pool_io=_typed(doc, "pool_io", str),
+            activations=_typed(doc, "activations", str),
         )
 
 

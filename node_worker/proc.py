@@ -128,7 +128,8 @@ class WorkerProcess:
                                         model_digest=job.model_digest, node_free=nj.node_free or None,
                                         fmt=job.expert_format)
         store.segment.keep = job.keep_shm
-        self.worker = NodeWorker(self.node, store, job.hidden, threads=nj.threads, cpus=self.cpus)
+        self.worker = NodeWorker(self.node, store, job.hidden, threads=nj.threads, cpus=self.cpus,
+                                 activations=job.activations)
         if job.pool_io:
             self.io = pool_io.attach(job.pool_io, job.model_digest, plan.digest)
             doorbell.warm_up()

@@ -50,8 +50,10 @@ class ExpertStore(Protocol):
 
 class NodeWorker:
     def __init__(self, node: int, store: ExpertStore, hidden_size: int, threads: int = 1,
-                 cpus: Sequence[int] | None = None):
+                 cpus: Sequence[int] | None = None, activations: str = "q8"):
         self.node = node
+        self.activations = activations  # "q8": integer dot products where the format has integers; "f32"
+        self.int_act = activations == "q8"
         self.store = store
         self.hidden_size = hidden_size
         self.runner = TaskRunner(threads, cpus, name=f"node{node}")
@@ -80,7 +82,7 @@ class NodeWorker:
         numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         nbytes = layer_moe(self.store.data, self.hidden_size, x, np.ascontiguousarray(tokens, np.int64),
                            np.ascontiguousarray(experts, np.int64), np.ascontiguousarray(weights, np.float32),
-                           offsets, shapes, y)
+                           offsets, shapes, y, self.int_act)
         if nbytes < 0:
             raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {x.shape[0]})")
         self.bytes_read += nbytes

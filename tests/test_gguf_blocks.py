@@ -91,7 +91,8 @@ def test_node_compute_on_k_blocks_equals_float64_on_the_dequantised_weights(trip
     spec = formats.ExpertFormats(tuple(name for name, _ in stored)).spec
     assert spec == ("/".join(name for name, _ in stored) if len(set(triple)) > 1 else stored[0][0])
     expert = ExpertSlice(*(s for _, s in stored), spec)
-    worker = NodeWorker(0, HeapExpertStore(0, {(0, 0): expert, (0, 2): expert}, spec), H, threads=2)
+    worker = NodeWorker(0, HeapExpertStore(0, {(0, 0): expert, (0, 2): expert}, spec), H, threads=2,
+                        activations="f32")  # the float-activation path, the reference
     try:
         x = rng.standard_normal((tokens_per_expert + 1, H)).astype(np.float32)
         tokens = np.repeat(np.arange(tokens_per_expert), 2)  # every token to experts 0 and 2

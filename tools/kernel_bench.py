@@ -47,34 +47,36 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--activations", default="q8,f32", help="q8 (integer dot products), f32, or both")
     ap.add_argument("--tokens", type=int, default=1, help="tokens routed to every expert (1: decode; more: prefill)")
     args = ap.parse_args()
     H, I, E = args.hidden, args.inter, args.experts
     rng = np.random.default_rng(0)
     T = args.tokens
-    print(f"{T} token(s) per expert\n| format | ms per layer | Gweights/s | GB/s of stored weights | GFLOP/s |\n"
-          "|---|---|---|---|---|")
+    print(f"{T} token(s) per expert\n| format | activations | ms per layer | Gweights/s | GB/s of stored weights "
+          "| GFLOP/s |\n|---|---|---|---|---|---|")
     for name in args.formats.split(","):
         fmt = formats.get(name)
         slices = {}
         for e in range(E):
             mats = [stored_rows(fmt, rows, width, rng) for rows, width in ((I, H), (I, H), (H, I))]  # gate, up, down
             slices[(0, e)] = ExpertSlice(*mats, name)
-        worker = NodeWorker(0, HeapExpertStore(0, slices, name), H, threads=args.threads)
-        try:
-            x = rng.standard_normal((T, H)).astype(np.float32)  # [T, H]
-            tokens, experts = np.tile(np.arange(T), E), np.repeat(np.arange(E), T)  # [E*T]: every token to every expert
-            weights = np.full(E * T, 1 / E, np.float32)
+        store = HeapExpertStore(0, slices, name)
+        x = rng.standard_normal((T, H)).astype(np.float32)  # [T, H]
+        tokens, experts = np.tile(np.arange(T), E), np.repeat(np.arange(E), T)  # [E*T]: every token to every expert
+        weights = np.full(E * T, 1 / E, np.float32)
+        for acts in args.activations.split(","):
+            worker = NodeWorker(0, store, H, threads=args.threads, activations=acts)
             worker.compute(0, x, tokens, experts, weights)
             t0 = time.perf_counter()
             for _ in range(args.calls):
                 worker.compute(0, x, tokens, experts, weights)
             dt = (time.perf_counter() - t0) / args.calls
-        finally:
-            worker.close()
-        n = E * 3 * I * H
-        print(f"| {name} | {dt * 1e3:.2f} | {n / dt / 1e9:.2f} | {n * fmt.BYTES_PER_WEIGHT / dt / 1e9:.1f} "
-              f"| {2 * n * T / dt / 1e9:.1f} |")
+            worker.runner.close()
+            n = E * 3 * I * H
+            print(f"| {name} | {acts} | {dt * 1e3:.2f} | {n / dt / 1e9:.2f} | "
+                  f"{n * fmt.BYTES_PER_WEIGHT / dt / 1e9:.1f} | {2 * n * T / dt / 1e9:.1f} |")
+        store.close()
     return 0
 
 

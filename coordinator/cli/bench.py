@@ -73,9 +73,10 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
               rounds: int = 3, warmup_tokens: int = 4, membw_bytes: int | None = None, seed: int = 0,
               spin_us: float = 0.0, device: dict | None = None, quality_positions: int = 0) -> dict:
     """``device``: EngineConfig fields the same for every mode: the device side (device, expert_profile,
-    gpu_experts, gpu_expert_memory) and the storage formats (expert_dtype, dense_dtype).
-    ``quality_positions``: also compare the first mode's logits over that many prompt positions with an
-    f32 computation of the same checkpoint (f32 experts and dense matrices, in-process)."""
+    gpu_experts, gpu_expert_memory), the storage formats (expert_dtype, dense_dtype) and activations.
+    ``quality_positions``: also compare the first mode's logits over that many positions, one decode step
+    each, with an f32 computation of the same checkpoint (f32 experts, dense matrices and activations,
+    in-process)."""
     model_dir = Path(model_dir)
     membw_bytes = membw_bytes or 4 * l3_bytes()
     engines: dict[str, Engine] = {}
@@ -183,13 +184,18 @@ def measure_quality(model_dir: Path, eng: Engine, positions: int, seed: int, dev
     """The engine's logits against an f32 computation of the same checkpoint, over one prompt."""
     rng = np.random.default_rng(seed + 1)
     prompt = rng.integers(0, min(eng.model_config.vocab_size, 256), positions).tolist()
-    got = eng.logits(prompt)
-    ref_config = EngineConfig(pool="inproc", expert_dtype="f32", dense_dtype="f32",
-                              **{k: v for k, v in device.items() if k not in ("expert_dtype", "dense_dtype")})
+    got = eng.logits(prompt, steps=True)  # decode steps: where quantised activations are used
+    ref_config = EngineConfig(pool="inproc", expert_dtype="f32", dense_dtype="f32", activations="f32",
+                              **{k: v for k, v in device.items() if k not in QUALITY_SETTINGS})
     with Engine.open(model_dir, ref_config) as ref:
-        want = ref.logits(prompt)
+        want = ref.logits(prompt, steps=True)
     return {"expert_format": eng.expert_format, "dense_format": eng.config.dense_dtype,
-            "reference": "f32 experts and dense matrices, in-process", **compare_logits(want, got)}
+            "activations": eng.config.activations,
+            "reference": "f32 experts, dense matrices and activations, in-process, one decode step a position",
+            **compare_logits(want, got)}
+
+
+QUALITY_SETTINGS = ("expert_dtype", "dense_dtype", "activations")  # what the quality reference sets itself
 
 
 def _fmt(v, spec=".1f") -> str:
@@ -230,7 +236,8 @@ def markdown(report: dict) -> str:
                      f"{_fmt(m['stored_bytes_per_weight'], '.3f')} bytes a weight")
     q = report.get("quality")
     if q:
-        lines.append(f"quality of experts {q['expert_format']} + dense {q['dense_format']} against {q['reference']}, "
+        lines.append(f"quality of experts {q['expert_format']} + dense {q['dense_format']}, activations "
+                     f"{q['activations']}, against {q['reference']}, "
                      f"{q['positions']} positions: max rel logits error {q['max_rel_logits_error']:.2e}, mean KL "
                      f"{q['mean_kl']:.2e}, top-1 agreement {q['top1_agreement']:.1%}")
     lines.append("")

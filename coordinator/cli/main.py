@@ -13,7 +13,7 @@ from pathlib import Path
 from shm.checkpoint import CheckpointError
 
 from .make_model import PRESETS
-from ..config import DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config, resolve_setting
+from ..config import ACTIVATIONS, DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config, resolve_setting
 from ..errors import StrataError
 from ..serving.api import (DEFAULT_ADDRESS, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS,
                            DEFAULT_MAX_QUEUED)
@@ -112,6 +112,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="without a GPU, how the dense matrices (attention, dense and shared MLPs, lm_head) are stored "
                         "and read: f32 (default), bf16, q8, q4, as llama.cpp keeps a quantised file's "
                         "(STRATA_DENSE_DTYPE)")
+    _add_activations_flag(g)
     g.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=None,
                    help="prompt tokens prefilled per serving step, interleaved with decoding (default 512)")
     _add_device_flags(g)
@@ -119,6 +120,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 DEVICE_FLAGS = ("device", "expert_profile", "gpu_experts", "gpu_expert_memory")
+
+
+def _add_activations_flag(g) -> None:
+    g.add_argument("--activations", dest="activations", default=None, choices=list(ACTIVATIONS),
+                   help="decode's dot products with quantised experts and dense matrices: q8 multiplies the "
+                        "weights' integers by the activations quantised to int8 per block of 32, as llama.cpp "
+                        "does; f32 widens the weights to float32, the reference (STRATA_ACTIVATIONS; default q8)")
 
 
 def _add_device_flags(g) -> None:
@@ -360,7 +368,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..engine import refuse_shared_cpus
 
         refuse_shared_cpus(args.nodes)
-    device = {name: getattr(args, name) for name in DEVICE_FLAGS + ("expert_dtype", "dense_dtype")
+    device = {name: getattr(args, name) for name in DEVICE_FLAGS + ("expert_dtype", "dense_dtype", "activations")
               if getattr(args, name) is not None}
     spin_us = resolve_setting("pool_spin_us", args.spin_us)  # --spin-us > STRATA_POOL_SPIN_US > EngineConfig's
     report = run_bench(args.model, modes, nodes=args.nodes, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
@@ -499,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the CPU experts are stored in every mode (default: auto)")
     p.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
                    help="without a GPU, how the dense matrices are stored in every mode (default: f32)")
+    _add_activations_flag(p)
     p.add_argument("--quality-positions", dest="quality_positions", type=int, default=128,
                    help="compare the logits over this many positions with an f32 computation of the same "
                         "checkpoint (max relative error, mean KL, top-1 agreement); 0: skip (default 128)")

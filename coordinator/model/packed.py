@@ -34,20 +34,21 @@ class PackedMatrix:
 
     __array_ufunc__ = None  # ndarray @ PackedMatrix.T defers to __rmatmul__ instead of converting
 
-    def __init__(self, fmt: ModuleType, stored: np.ndarray, shape: tuple[int, int]):
+    def __init__(self, fmt: ModuleType, stored: np.ndarray, shape: tuple[int, int], int_act: bool = False):
         self.fmt = fmt
+        self.int_act = int_act  # few tokens: integer dot products on activations quantised per block (q8 and q4)
         self.shape = shape  # [R, K]
         self.data = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)  # [R * row_bytes]
         self.row_bytes = fmt.row_bytes(shape[1])
         self.fmt_id = FORMAT_IDS[fmt.NAME]
 
     @classmethod
-    def encode(cls, w: np.ndarray, fmt: ModuleType) -> PackedMatrix:
+    def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False) -> PackedMatrix:
         R, K = w.shape
         stored = np.empty((R, fmt.row_bytes(K) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
         for r in range(0, R, 4 * TILE):  # float32 copies of a few tiles at a time, not of the whole matrix
             encode_into(fmt, stored[r:r + 4 * TILE], np.asarray(w[r:r + 4 * TILE], np.float32))
-        return cls(fmt, stored, (R, K))
+        return cls(fmt, stored, (R, K), int_act)
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +71,7 @@ class PackedMatrix:
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         out = np.empty((x2.shape[0], R), np.float32)  # [T, R]
         if x2.shape[0] <= FEW_TOKENS:
-            dense.matmul_rows(self.fmt_id, self.data, 0, self.row_bytes, R, K, x2, out)
+            dense.matmul_rows(self.fmt_id, self.data, 0, self.row_bytes, R, K, x2, out, self.int_act)
         else:
             tile = np.empty((min(TILE, R), K), np.float32)
             for r in range(0, R, TILE):
@@ -90,16 +91,17 @@ class _Transposed:
         return self.matrix.matmul_t(x)
 
 
-def pack_dense(weights, fmt: ModuleType) -> int:
+def pack_dense(weights, fmt: ModuleType, int_act: bool = False) -> int:
     """Store the model's dense matrices (attention, dense and shared MLPs, lm_head) in ``fmt``, in place;
-    returns their bytes. A matrix whose rows do not fall on the format's blocks stays float32."""
+    returns their bytes. A matrix whose rows do not fall on the format's blocks stays float32. ``int_act``:
+    a few tokens take integer dot products (EngineConfig.activations q8)."""
     total = 0
 
     def pack(obj, name):
         nonlocal total
         w = getattr(obj, name)
         if isinstance(w, np.ndarray) and w.ndim == 2 and w.shape[1] % fmt.BLOCK == 0:
-            setattr(obj, name, PackedMatrix.encode(w, fmt))
+            setattr(obj, name, PackedMatrix.encode(w, fmt, int_act))
             total += getattr(obj, name).nbytes
         elif w is not None:
             total += w.nbytes
@@ -112,7 +114,7 @@ def pack_dense(weights, fmt: ModuleType) -> int:
                 for f in fields(mlp):
                     pack(mlp, f.name)
     if weights.lm_head is weights.embed:  # tied: the embedding keeps its float32 rows for the lookup
-        weights.lm_head = PackedMatrix.encode(weights.embed, fmt)
+        weights.lm_head = PackedMatrix.encode(weights.embed, fmt, int_act)
         total += weights.lm_head.nbytes
     else:
         pack(weights, "lm_head")

@@ -5,7 +5,8 @@ function, not of the modules whose intrinsics it inlines (simd.py, the format
 readers): an edited reader would be served from a stale cache. So the cache
 lives in a folder named by a digest of every kernel source, under the user's
 cache folder (or NUMBA_CACHE_DIR when set): a change of any kernel compiles
-anew, and a copy of the project elsewhere reuses the same compiled code.
+anew, and a copy of the project elsewhere reuses the same compiled code. A lowering of the integer dot
+products forced by STRATA_IDOT_LOWERING (idot.py) is part of the name too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def sources_digest() -> str:
-    digest = hashlib.sha256(numba.__version__.encode())
+    digest = hashlib.sha256(numba.__version__.encode() + os.environ.get("STRATA_IDOT_LOWERING", "").encode())
     for path in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]

@@ -6,7 +6,9 @@ CPU device side (coordinator/model/packed.py) the way the expert kernels serve
 the pool: x [T, K] -> x·Wᵀ [T, R] in one compiled call, four rows at a time,
 rows split over numba's threads.
 
-    matmul_rows(fmt, data, base, row_bytes, R, K, x, out)   out [T, R] = x [T, K] · Wᵀ  (T small)
+    matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act)
+                                                            out [T, R] = x [T, K] · Wᵀ  (T small; int_act:
+                                                            integer dot products for an integer format)
     decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
     decode_rows_serial(...)                                  the same on the calling thread alone (for
                                                              callers that run on threads of their own)
@@ -17,12 +19,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .activations import quantize_rows
 from .common import JIT
-from .rows import row_decode, rows_dot4
+from .rows import INT_FROM, row_decode, rows_dot4, rows_dot4i
 
 
 @njit(parallel=True, **JIT)
-def matmul_rows(fmt, data, base, row_bytes, R, K, x, out):
+def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
+    if int_act and fmt >= INT_FROM:
+        matmul_rows_int(fmt, data, base, row_bytes, R, K, x, out)
+        return
     for q in prange((R + 3) // 4):
         r = 4 * q
         o = base + r * row_bytes  # rows past R repeat row R - 1: computed, not stored
@@ -31,6 +37,28 @@ def matmul_rows(fmt, data, base, row_bytes, R, K, x, out):
         o3 = base + min(r + 3, R - 1) * row_bytes
         for t in range(x.shape[0]):
             a0, a1, a2, a3 = rows_dot4(fmt, data, o, o1, o2, o3, K, x[t])
+            out[t, r] = a0
+            if r + 1 < R:
+                out[t, r + 1] = a1
+            if r + 2 < R:
+                out[t, r + 2] = a2
+            if r + 3 < R:
+                out[t, r + 3] = a3
+
+
+@njit(parallel=True, **JIT)
+def matmul_rows_int(fmt, data, base, row_bytes, R, K, x, out):
+    """matmul_rows with x quantised per block of 32 (activations.py) and integer dot products (an integer
+    format: fmt >= INT_FROM)."""
+    xq, xd, xs = quantize_rows(x)
+    for q in prange((R + 3) // 4):
+        r = 4 * q
+        o = base + r * row_bytes
+        o1 = base + min(r + 1, R - 1) * row_bytes
+        o2 = base + min(r + 2, R - 1) * row_bytes
+        o3 = base + min(r + 3, R - 1) * row_bytes
+        for t in range(x.shape[0]):
+            a0, a1, a2, a3 = rows_dot4i(fmt, data, o, o1, o2, o3, K, xq[t], xd[t], xs[t])
             out[t, r] = a0
             if r + 1 < R:
                 out[t, r + 1] = a1
@@ -55,6 +83,6 @@ def decode_rows_serial(fmt, data, base, row_bytes, first, out):
 def warm_up() -> None:
     """Compile both (or load them from the disk cache) before the first request."""
     data = np.zeros(4 * 32, np.uint8)
-    matmul_rows(0, data, 0, 4 * 32, 1, 32, np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32))
+    matmul_rows(0, data, 0, 4 * 32, 1, 32, np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32), True)
     decode_rows(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
     decode_rows_serial(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))

@@ -53,8 +53,8 @@ def _host_features() -> set[str]:
     return {name for name, on in features.items() if on}
 
 
-def group(builder, row, s, j: int):
-    base = super_block(builder, row, s, BLOCK_BYTES)
+def _scale_and_indices(builder, base, j: int):
+    """(d * scale as float32, the <32 x i8> level indices) of group j of the super-block at ``base``."""
     low = byte_at(builder, base, const(4 + j // 2))
     if j % 2:
         low = builder.lshr(low, ir.Constant(I32, 4))
@@ -65,7 +65,19 @@ def group(builder, row, s, j: int):
                         ir.Constant(I32, 32))
     dl = builder.fmul(half_at(builder, base), builder.sitofp(scale, F32), flags=EXACT)
     packed = vec_load(builder, builder.gep(base, [const(8 + 16 * j)]), V16)
-    nibbles = builder.shuffle_vector(builder.and_(packed, ir.Constant(V16, [15] * HALF)),
-                                     builder.lshr(packed, ir.Constant(V16, [4] * HALF)),
-                                     ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
-    return builder.fmul(builder.sitofp(levels(builder, nibbles), VF), splat(builder, dl), flags=EXACT)
+    index = builder.shuffle_vector(builder.and_(packed, ir.Constant(V16, [15] * HALF)),
+                                   builder.lshr(packed, ir.Constant(V16, [4] * HALF)),
+                                   ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
+    return dl, index
+
+
+def group(builder, row, s, j: int):
+    base = super_block(builder, row, s, BLOCK_BYTES)
+    dl, index = _scale_and_indices(builder, base, j)
+    return builder.fmul(builder.sitofp(levels(builder, index), VF), splat(builder, dl), flags=EXACT)
+
+def igroup(builder, row, s, j: int, hidden):
+    """Group j for the integer path (idot.py): the levels (int8) signed, scale d (ls - 32), no offset."""
+    base = super_block(builder, row, s, BLOCK_BYTES)
+    dl, index = _scale_and_indices(builder, base, j)
+    return levels(builder, index), True, dl, None

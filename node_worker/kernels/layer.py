@@ -26,7 +26,7 @@ from .rows import layer_rows
 
 
 @njit(**JIT)
-def layer_moe(data, hidden, x, tokens, experts, weights, offsets, shapes, y) -> int:
+def layer_moe(data, hidden, x, tokens, experts, weights, offsets, shapes, y, int_act) -> int:
     E = shapes.shape[0]
     P = experts.size
     T = x.shape[0]
@@ -70,7 +70,7 @@ def layer_moe(data, hidden, x, tokens, experts, weights, offsets, shapes, y) -> 
         total += (tok_stop[g] - tok_start[g]) * hidden
     contrib = np.empty(total, np.float32)
     layer_rows(data, hidden, x, sorted_tokens, tok_start[:G], tok_stop[:G], group_offsets, group_shapes, contrib,
-               contrib_start)
+               contrib_start, int_act)
     y[:, :] = 0
     for g in range(G):  # in group order: the same sum whoever computed what
         c = contrib_start[g]
@@ -89,4 +89,4 @@ def warm_up() -> None:
     layer_moe(data, hidden, np.zeros((1, hidden), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64),
               np.ones(1, np.float32), np.array([[0, 4 * hidden, 8 * hidden]], np.int64),
               np.array([[1, 0, 4 * hidden, 0, 4 * hidden, 0, 1, 4]], np.int64),
-              np.zeros((1, hidden), np.float32))  # one f32 row, down [32, 1]
+              np.zeros((1, hidden), np.float32), True)  # one f32 row, down [32, 1]

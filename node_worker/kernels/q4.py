@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .ir import I8, I32, LANES, VF, const, half_scale, vec_load
+from .ir import F32, I8, I32, LANES, VF, const, half_scale, vec_load
 
 SCALED = True
 BLOCK_BYTES = 18  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
@@ -27,3 +27,14 @@ def block(builder, row, b, hidden):
     q = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
     q = builder.sub(q, ir.Constant(V32, [8] * LANES))
     return builder.sitofp(q, VF), half_scale(builder, row, builder.udiv(hidden, const(2)), b)
+
+
+def igroup(builder, row, b, j, hidden):
+    """Block b for the integer path (idot.py): the nibbles unsigned (q + 8, in [0, 15]), scale d[b], offset
+    8 d[b]: w = d q' - 8 d."""
+    packed = vec_load(builder, builder.gep(row, [builder.mul(b, const(HALF))]), V16)
+    low = builder.and_(packed, ir.Constant(V16, [15] * HALF))
+    high = builder.lshr(packed, ir.Constant(V16, [4] * HALF))
+    q = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
+    d = half_scale(builder, row, builder.udiv(hidden, const(2)), b)
+    return q, False, d, builder.fmul(d, ir.Constant(F32, 8.0))

@@ -41,3 +41,10 @@ def group(builder, row, s, j: int):
     q = nibbles(builder, builder.gep(base, [const(16 + 32 * (j // 2))]), j)
     w = builder.fmul(builder.uitofp(q, VF), splat(builder, scale), flags=EXACT)
     return builder.fsub(w, splat(builder, offset), flags=EXACT)
+
+
+def igroup(builder, row, s, j: int, hidden):
+    """Group j for the integer path (idot.py): the nibbles unsigned, scale d sc, offset dmin m."""
+    base = super_block(builder, row, s, BLOCK_BYTES)
+    scale, offset = scale_and_offset(builder, base, j)
+    return nibbles(builder, builder.gep(base, [const(16 + 32 * (j // 2))]), j), False, scale, offset

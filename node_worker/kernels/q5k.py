@@ -22,9 +22,21 @@ BLOCK_BYTES = 176
 def group(builder, row, s, j: int):
     base = super_block(builder, row, s, BLOCK_BYTES)
     scale, offset = scale_and_offset(builder, base, j)
+    w = builder.fmul(builder.uitofp(_quants(builder, base, j), VF), splat(builder, scale), flags=EXACT)
+    return builder.fsub(w, splat(builder, offset), flags=EXACT)
+
+
+def _quants(builder, base, j: int):
+    """The 32 5-bit values (0..31) of group j."""
     low = nibbles(builder, builder.gep(base, [const(48 + 32 * (j // 2))]), j)
     bits = builder.and_(vec_load(builder, builder.gep(base, [const(16)]), V32), ir.Constant(V32, [1 << j] * LANES))
     high = builder.shl(bits, ir.Constant(V32, [4 - j] * LANES)) if j <= 4 else \
         builder.lshr(bits, ir.Constant(V32, [j - 4] * LANES))  # the bit moved to 16's place
-    w = builder.fmul(builder.uitofp(builder.or_(low, high), VF), splat(builder, scale), flags=EXACT)
-    return builder.fsub(w, splat(builder, offset), flags=EXACT)
+    return builder.or_(low, high)
+
+
+def igroup(builder, row, s, j: int, hidden):
+    """Group j for the integer path (idot.py): the 5-bit values unsigned, scale d sc, offset dmin m."""
+    base = super_block(builder, row, s, BLOCK_BYTES)
+    scale, offset = scale_and_offset(builder, base, j)
+    return _quants(builder, base, j), False, scale, offset

@@ -20,8 +20,8 @@ GROUPS = 8
 BLOCK_BYTES = 210
 
 
-def group(builder, row, s, g: int):
-    base = super_block(builder, row, s, BLOCK_BYTES)
+def _quants(builder, base, g: int):
+    """q - 32 of group g: <32 x i8> in [-32, 31]."""
     h = g // 4
     low = vec_load(builder, builder.gep(base, [const(64 * h + 32 * (g % 2))]), V32)
     if (g // 2) % 2:
@@ -29,11 +29,34 @@ def group(builder, row, s, g: int):
     low = builder.and_(low, ir.Constant(V32, [15] * LANES))
     high = vec_load(builder, builder.gep(base, [const(128 + 32 * h)]), V32)
     high = builder.and_(builder.lshr(high, ir.Constant(V32, [2 * (g % 4)] * LANES)), ir.Constant(V32, [3] * LANES))
-    q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(V32, [4] * LANES))), ir.Constant(V32, [32] * LANES))
+    return builder.sub(builder.or_(low, builder.shl(high, ir.Constant(V32, [4] * LANES))),
+                       ir.Constant(V32, [32] * LANES))
+
+
+def _scales(builder, base, g: int):
+    """(d * scale) of group g's first 16 values and of its next 16, float32 as gguf.quants computes them."""
     d = half_at(builder, builder.gep(base, [const(208)]))
-    scales = [builder.fmul(d, builder.sitofp(builder.load(builder.gep(base, [const(192 + 2 * g + k)]), align=1), F32),
-                           flags=EXACT) for k in (0, 1)]
-    pair = builder.insert_element(builder.insert_element(ir.Constant(ir.VectorType(F32, 2), ir.Undefined), scales[0],
-                                                         ir.Constant(I32, 0)), scales[1], ir.Constant(I32, 1))
+    return [builder.fmul(d, builder.sitofp(builder.load(builder.gep(base, [const(192 + 2 * g + k)]), align=1), F32),
+                         flags=EXACT) for k in (0, 1)]
+
+
+def _pair(builder, a, b):
+    """<2 x float> (a, b)."""
+    pair = ir.Constant(ir.VectorType(F32, 2), ir.Undefined)
+    return builder.insert_element(builder.insert_element(pair, a, ir.Constant(I32, 0)), b, ir.Constant(I32, 1))
+
+
+def group(builder, row, s, g: int):
+    base = super_block(builder, row, s, BLOCK_BYTES)
+    pair = _pair(builder, *_scales(builder, base, g))
     halves = builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(I32, LANES), [0] * 16 + [1] * 16))
-    return builder.fmul(builder.sitofp(q, VF), halves, flags=EXACT)
+    return builder.fmul(builder.sitofp(_quants(builder, base, g), VF), halves, flags=EXACT)
+
+def igroup(builder, row, s, g: int, hidden):
+    """Group g for the integer path (idot.py): q - 32 signed, its two 16-value scales d sc as an <8 x float>
+    (idot's lanes 0-3 sum the first 16 products, 4-7 the next), no offset."""
+    base = super_block(builder, row, s, BLOCK_BYTES)
+    q, (s0, s1) = _quants(builder, base, g), _scales(builder, base, g)
+    lanes = builder.shuffle_vector(_pair(builder, s0, s1), _pair(builder, s0, s1),
+                                   ir.Constant(ir.VectorType(I32, LANES // 4), [0] * 4 + [1] * 4))
+    return q, True, lanes, None

@@ -27,10 +27,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import simd
+from . import isimd, simd
+from .activations import quantize_rows
 from .common import JIT
 
 FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7
+INT_FROM = FORMAT_IDS["q8"]  # formats from this id on have integers to multiply (isimd.INT_FORMATS)
+assert list(FORMAT_IDS)[INT_FROM:] == list(isimd.INT_FORMATS)
 SHAPE = ("rows", "gate format", "gate row bytes", "up format", "up row bytes", "down format", "down row weights",
          "down row bytes")  # the columns of an expert's shapes row
 
@@ -100,6 +103,44 @@ def rows_dot(fmt, data, o, row_bytes, rows, hidden, x, out) -> None:
 
 
 @njit(inline="always", **JIT)
+def rows_dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
+    """rows_dot4 for an integer format (fmt >= INT_FROM) against quantised activations (activations.py)."""
+    if fmt == 2:
+        return isimd.dot4i_q8(data, o0, o1, o2, o3, hidden, xq, xd, xs)
+    if fmt == 3:
+        return isimd.dot4i_q4(data, o0, o1, o2, o3, hidden, xq, xd, xs)
+    if fmt == 4:
+        return isimd.dot4i_q4k(data, o0, o1, o2, o3, hidden, xq, xd, xs)
+    if fmt == 5:
+        return isimd.dot4i_q5k(data, o0, o1, o2, o3, hidden, xq, xd, xs)
+    if fmt == 6:
+        return isimd.dot4i_q6k(data, o0, o1, o2, o3, hidden, xq, xd, xs)
+    return isimd.dot4i_iq4xs(data, o0, o1, o2, o3, hidden, xq, xd, xs)
+
+
+@njit(inline="always", **JIT)
+def rows_dot_any(fmt, int_act, data, o, row_bytes, rows, hidden, x, out) -> None:
+    """out[r] = x · row r as rows_dot, with x quantised per block (activations.py) and integer dot products
+    when int_act is set and the format has integers (fmt >= INT_FROM)."""
+    if not (int_act and fmt >= INT_FROM):
+        rows_dot(fmt, data, o, row_bytes, rows, hidden, x, out)
+        return
+    xq, xd, xs = quantize_rows(x[:hidden].reshape((1, hidden)))
+    for r in range(0, rows, 4):
+        m = min(4, rows - r)
+        o0 = o + r * row_bytes
+        a0, a1, a2, a3 = rows_dot4i(fmt, data, o0, o0 + min(1, m - 1) * row_bytes, o0 + min(2, m - 1) * row_bytes,
+                                    o0 + min(3, m - 1) * row_bytes, hidden, xq[0], xd[0], xs[0])
+        out[r] = a0
+        if m > 1:
+            out[r + 1] = a1
+        if m > 2:
+            out[r + 2] = a2
+        if m > 3:
+            out[r + 3] = a3
+
+
+@njit(inline="always", **JIT)
 def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out) -> None:
     """out [n, R + 1] <- xg [n, H] · the R rows from byte offset o (n a multiple of 4): two rows and four
     tokens at a time (x read once for the two rows, four tokens' x in L1); an odd last row fills column R."""
@@ -133,7 +174,7 @@ def task_tokens(data, hidden, xg, og, ou, od, shape, out) -> None:
 
 
 @njit(parallel=True, **JIT)
-def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start):
+def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start, int_act):
     for g in prange(tok_start.size):
         R, width, down_bytes = shapes[g, 0], shapes[g, 6], shapes[g, 7]
         t0, t1 = tok_start[g], tok_stop[g]
@@ -153,8 +194,8 @@ def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, co
         xj = x[tokens[t0]]
         gate = np.zeros(width, np.float32)  # [R], then silu(gate) * up (zeros past R)
         up = np.empty(R, np.float32)
-        rows_dot(shapes[g, 1], data, og, shapes[g, 2], R, hidden, xj, gate)
-        rows_dot(shapes[g, 3], data, ou, shapes[g, 4], R, hidden, xj, up)
+        rows_dot_any(shapes[g, 1], int_act, data, og, shapes[g, 2], R, hidden, xj, gate)
+        rows_dot_any(shapes[g, 3], int_act, data, ou, shapes[g, 4], R, hidden, xj, up)
         for r in range(R):
             gate[r] = silu(gate[r]) * up[r]
-        rows_dot(shapes[g, 5], data, od, down_bytes, hidden, width, gate, out[0])
+        rows_dot_any(shapes[g, 5], int_act, data, od, down_bytes, hidden, width, gate, out[0])

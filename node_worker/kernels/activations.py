@@ -1,0 +1,63 @@
+"""Activations quantised per block of 32 for the integer dot products (idot.py), as llama.cpp's Q8_0.
+
+    a row of K activations (K a multiple of 32), nb = K / 32 blocks:
+      xq [K]   int8     q[i] = round(x[i] / d[b]) in [-127, 127], b = i // 32 (ties to even)
+      xd [nb]  float32  d[b] = max |x| over block b / 127 (0 for a block of zeros)
+      xs [nb]  float32  d[b] * sum of q over block b: the block's sum as the quantised values give it, for the
+                        formats whose weights carry an offset (q4's 8, Q4_K's and Q5_K's mins)
+    the row as the kernels see it: x'[i] = d[b] * q[i]
+
+A finer grain than llama.cpp's Q8_K (one scale per 256 for the K types): every block of 32 keeps its own
+scale, so the quantised activations stay as close to x as Q8_0's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .common import JIT
+
+BLOCK = 32
+EXACT_JIT = dict(JIT, fastmath=False)  # no reciprocal for the division: the same bits as quantize_reference
+
+
+@njit(inline="always", **EXACT_JIT)
+def quantize_row(x, xq, xd, xs) -> None:
+    """x [K] float32 -> xq [K] int8, xd [K / 32], xs [K / 32] float32 (module docstring)."""
+    for b in range(x.size // BLOCK):
+        amax = np.float32(0.0)
+        for i in range(BLOCK * b, BLOCK * b + BLOCK):
+            amax = max(amax, abs(x[i]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        total = 0
+        for i in range(BLOCK * b, BLOCK * b + BLOCK):
+            q = min(max(np.round(x[i] * inv), np.float32(-127.0)), np.float32(127.0))
+            xq[i] = np.int8(q)
+            total += np.int32(q)
+        xd[b] = d
+        xs[b] = d * np.float32(total)
+
+
+@njit(inline="always", **EXACT_JIT)
+def quantize_rows(x):
+    """x [n, K] float32 -> (xq [n, K] int8, xd [n, K / 32], xs [n, K / 32] float32)."""
+    n, K = x.shape
+    xq = np.empty((n, K), np.int8)
+    xd = np.empty((n, K // BLOCK), np.float32)
+    xs = np.empty((n, K // BLOCK), np.float32)
+    for t in range(n):
+        quantize_row(x[t], xq[t], xd[t], xs[t])
+    return xq, xd, xs
+
+
+def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy form of quantize_rows (tests): x [n, K] -> (xq, xd, xs)."""
+    n, K = x.shape
+    blocks = x.reshape(n, K // BLOCK, BLOCK).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2)
+    d = amax / np.float32(127.0)
+    inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.clip(np.round(blocks * inv[..., None]), -127, 127)
+    return q.astype(np.int8).reshape(n, K), d, (d * q.sum(axis=2, dtype=np.int64).astype(np.float32)).astype(np.float32)

@@ -1,0 +1,130 @@
+"""The quantised formats' decode loop with int8 activations: simd.py's dot4, integer inside.
+
+The activations come quantised per block of 32 (activations.py: xq int8, xd its scales, xs its scaled
+sums). For each block of 32 weights a format's ``igroup`` gives its integers q, whether they are signed,
+its scale (a float, or an <8 x float> for a format with two scales in the block, Q6_K) and its offset
+(or None), with w = scale * q - offset; then per row
+
+    acc <8 x float> += float(idot(q, xq_b)) * (scale * xd[b])       (idot.py: 32 products, 8 lanes)
+    off float       += offset * xs[b]                                (only formats with an offset)
+    x · w = reduce(acc) - off
+
+which is x' · w on the quantised activations x' = xd ⊙ xq, exactly up to the float32 rounding of the
+scales and the sum. The f32 and bf16 formats have no integers to multiply and keep simd.py's loops.
+
+    dot4i_F(data, o0, o1, o2, o3, hidden, xq, xd, xs)   -> the four rows' dot products (decode)
+
+Decode only. Prefill's loop (simd.py's dot2r4) widens a block once for four tokens and two rows, so its
+float work per weight is two FMAs a token (AVX-512) against this loop's conversion and scaling per block
+and token: measured on this machine (tools/kernel_bench.py --tokens 8, q8, q4k, q6k, 2 threads), the
+integer form of dot2r4 was 5-15 % slower than the float one, and was not kept.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import idot
+from .ir import F32, I8, LANES, const, splat
+from .simd import FAST, FORMATS, _byte_ptr, _groups, _prefetch_ahead, _register_loop, _row_major
+
+INT_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "igroup")}
+V8F = ir.VectorType(F32, LANES // 4)
+V32 = ir.VectorType(I8, LANES)
+
+
+def _reduce8(builder, vec):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32, V8F]),
+                                        "llvm.vector.reduce.fadd.v8f32")
+    return builder.call(fn, [ir.Constant(F32, 0.0), vec])
+
+
+def _pointers(context, builder, sig_args, args):
+    """(int8 pointer of xq, float pointers of xd and xs)."""
+    xq, xd, xs = (_byte_ptr(context, builder, t, v) for t, v in zip(sig_args, args))
+    return xq, builder.bitcast(xd, F32.as_pointer()), builder.bitcast(xs, F32.as_pointer())
+
+
+def _block_scales(builder, scale, dx):
+    """<8 x float> scale * dx, for a float scale or an <8 x float> one."""
+    if isinstance(scale.type, ir.VectorType):
+        return builder.fmul(scale, splat(builder, dx, V8F), flags=FAST)
+    return splat(builder, builder.fmul(scale, dx, flags=FAST), V8F)
+
+
+class _Acc:
+    """One row's accumulators against one token: the <8 x float> of the scaled block sums, and the offsets."""
+
+    def __init__(self, vec, off):
+        self.vec, self.off = vec, off
+
+    def add(self, builder, q, signed, scale, offset, xv, dx, xsum) -> _Acc:
+        s = builder.sitofp(idot.dot(builder, q, xv, signed), V8F)
+        vec = builder.fadd(self.vec, builder.fmul(s, _block_scales(builder, scale, dx), flags=FAST), flags=FAST)
+        off = self.off if offset is None else builder.fadd(self.off, builder.fmul(offset, xsum, flags=FAST),
+                                                           flags=FAST)
+        return _Acc(vec, off)
+
+    def total(self, builder):
+        return builder.fsub(_reduce8(builder, self.vec), self.off, flags=FAST)
+
+
+def _zero_acc() -> _Acc:
+    return _Acc(ir.Constant(V8F, [0.0] * 8), ir.Constant(F32, 0.0))
+
+
+def _xblock(builder, xq, xd, xs, t, hidden, nb, b):
+    """Token t's block b: (<32 x i8> xq, float xd, float xs) from rows of ``hidden`` (xq) and nb (xd, xs)."""
+    xv = builder.load(builder.bitcast(_row_major(builder, xq, t, hidden, builder.mul(b, const(LANES))),
+                                      V32.as_pointer()), align=1)
+    return xv, builder.load(_row_major(builder, xd, t, nb, b), align=4), \
+        builder.load(_row_major(builder, xs, t, nb, b), align=4)
+
+
+def _emit_rows(builder, fmt, rows, x, tokens, hidden_v, accs_init):
+    """The loop over the rows' loop steps; accs [len(tokens) * len(rows)] token-major -> their totals."""
+    xq, xd, xs = x
+    nb = builder.udiv(hidden_v, const(LANES))
+    G = _groups(fmt)
+    NR = len(rows)
+
+    def step(i, flat):
+        accs = [_Acc(flat[2 * k], flat[2 * k + 1]) for k in range(len(flat) // 2)]
+        _prefetch_ahead(builder, fmt, rows, i)
+        for j in range(G):
+            b = builder.add(builder.mul(i, const(G)), const(j))
+            groups = [fmt.igroup(builder, row, i if G > 1 else b, j, hidden_v) for row in rows]
+            for k, t in enumerate(tokens):
+                xv, dx, xsum = _xblock(builder, xq, xd, xs, t, hidden_v, nb, b)
+                for r, (q, signed, scale, offset) in enumerate(groups):
+                    accs[k * NR + r] = accs[k * NR + r].add(builder, q, signed, scale, offset, xv, dx, xsum)
+        return [v for a in accs for v in (a.vec, a.off)]
+
+    init = [v for a in accs_init for v in (a.vec, a.off)]
+    flat = _register_loop(builder, builder.udiv(nb, const(G)), init, step)
+    return [_Acc(flat[2 * k], flat[2 * k + 1]).total(builder) for k in range(len(flat) // 2)]
+
+
+def _make_dot4i(fmt: ModuleType):
+    @intrinsic
+    def dot4i(typingctx, data, o0, o1, o2, o3, hidden, xq, xd, xs):
+        sig = types.UniTuple(types.float32, 4)(data, o0, o1, o2, o3, hidden, xq, xd, xs)
+
+        def codegen(context, builder, signature, args):
+            base = _byte_ptr(context, builder, signature.args[0], args[0])
+            rows = [builder.gep(base, [o]) for o in args[1:5]]
+            x = _pointers(context, builder, signature.args[6:9], args[6:9])
+            totals = _emit_rows(builder, fmt, rows, x, [const(0)], args[5], [_zero_acc() for _ in rows])
+            return context.make_tuple(builder, signature.return_type, totals)
+
+        return sig, codegen
+
+    return dot4i
+
+
+dot4i_q8, dot4i_q4, dot4i_q4k, dot4i_q5k, dot4i_q6k, dot4i_iq4xs = (_make_dot4i(m) for m in INT_FORMATS.values())
