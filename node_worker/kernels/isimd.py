@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from . import idot
 from .ir import F32, I8, LANES, const, splat
-from .simd import FAST, FORMATS, _byte_ptr, _groups, _prefetch_ahead, _register_loop, _row_major
+from .simd import FAST, FORMATS, _byte_ptr, _groups, _prefetch_ahead, _register_loop
 
 INT_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "igroup")}
 V8F = ir.VectorType(F32, LANES // 4)
@@ -78,36 +78,27 @@ def _zero_acc() -> _Acc:
     return _Acc(ir.Constant(V8F, [0.0] * 8), ir.Constant(F32, 0.0))
 
 
-def _xblock(builder, xq, xd, xs, t, hidden, nb, b):
-    """Token t's block b: (<32 x i8> xq, float xd, float xs) from rows of ``hidden`` (xq) and nb (xd, xs)."""
-    xv = builder.load(builder.bitcast(_row_major(builder, xq, t, hidden, builder.mul(b, const(LANES))),
-                                      V32.as_pointer()), align=1)
-    return xv, builder.load(_row_major(builder, xd, t, nb, b), align=4), \
-        builder.load(_row_major(builder, xs, t, nb, b), align=4)
-
-
-def _emit_rows(builder, fmt, rows, x, tokens, hidden_v, accs_init):
-    """The loop over the rows' loop steps; accs [len(tokens) * len(rows)] token-major -> their totals."""
+def _emit_rows(builder, fmt, rows, x, hidden_v):
+    """The loop over the rows' loop steps against one token's quantised activations -> the rows' totals."""
     xq, xd, xs = x
-    nb = builder.udiv(hidden_v, const(LANES))
-    G = _groups(fmt)
-    NR = len(rows)
 
     def step(i, flat):
-        accs = [_Acc(flat[2 * k], flat[2 * k + 1]) for k in range(len(flat) // 2)]
+        accs = [_Acc(flat[2 * k], flat[2 * k + 1]) for k in range(len(rows))]
         _prefetch_ahead(builder, fmt, rows, i)
-        for j in range(G):
-            b = builder.add(builder.mul(i, const(G)), const(j))
-            groups = [fmt.igroup(builder, row, i if G > 1 else b, j, hidden_v) for row in rows]
-            for k, t in enumerate(tokens):
-                xv, dx, xsum = _xblock(builder, xq, xd, xs, t, hidden_v, nb, b)
-                for r, (q, signed, scale, offset) in enumerate(groups):
-                    accs[k * NR + r] = accs[k * NR + r].add(builder, q, signed, scale, offset, xv, dx, xsum)
+        for j in range(_groups(fmt)):
+            b = builder.add(builder.mul(i, const(_groups(fmt))), const(j))  # block b of the row (32 values)
+            xv = builder.load(builder.bitcast(builder.gep(xq, [builder.mul(b, const(LANES))]), V32.as_pointer()),
+                              align=1)
+            dx, xsum = (builder.load(builder.gep(p, [b]), align=4) for p in (xd, xs))
+            for r, row in enumerate(rows):
+                q, signed, scale, offset = fmt.igroup(builder, row, i, j, hidden_v)
+                accs[r] = accs[r].add(builder, q, signed, scale, offset, xv, dx, xsum)
         return [v for a in accs for v in (a.vec, a.off)]
 
-    init = [v for a in accs_init for v in (a.vec, a.off)]
-    flat = _register_loop(builder, builder.udiv(nb, const(G)), init, step)
-    return [_Acc(flat[2 * k], flat[2 * k + 1]).total(builder) for k in range(len(flat) // 2)]
+    init = [v for _ in rows for v in (_zero_acc().vec, _zero_acc().off)]
+    flat = _register_loop(builder, builder.udiv(builder.udiv(hidden_v, const(LANES)), const(_groups(fmt))), init,
+                          step)
+    return [_Acc(flat[2 * k], flat[2 * k + 1]).total(builder) for k in range(len(rows))]
 
 
 def _make_dot4i(fmt: ModuleType):
@@ -119,7 +110,7 @@ def _make_dot4i(fmt: ModuleType):
             base = _byte_ptr(context, builder, signature.args[0], args[0])
             rows = [builder.gep(base, [o]) for o in args[1:5]]
             x = _pointers(context, builder, signature.args[6:9], args[6:9])
-            totals = _emit_rows(builder, fmt, rows, x, [const(0)], args[5], [_zero_acc() for _ in rows])
+            totals = _emit_rows(builder, fmt, rows, x, args[5])
             return context.make_tuple(builder, signature.return_type, totals)
 
         return sig, codegen
