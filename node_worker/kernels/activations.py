@@ -40,7 +40,7 @@ def quantize_row(x, xq, xd, xs) -> None:
         xs[b] = d * np.float32(total)
 
 
-@njit(inline="always", **EXACT_JIT)
+@njit(**EXACT_JIT)  # a call of its own, not inlined: its flags, not the caller's fastmath
 def quantize_rows(x):
     """x [n, K] float32 -> (xq [n, K] int8, xd [n, K / 32], xs [n, K / 32] float32)."""
     n, K = x.shape

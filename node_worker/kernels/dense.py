@@ -19,16 +19,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .activations import quantize_rows
 from .common import JIT
-from .rows import INT_FROM, row_decode, rows_dot4, rows_dot4i
+from .rows import INT_FROM, dot4, quantised_if, row_decode
 
 
 @njit(parallel=True, **JIT)
 def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
-    if int_act and fmt >= INT_FROM:
-        matmul_rows_int(fmt, data, base, row_bytes, R, K, x, out)
-        return
+    use_int = int_act and fmt >= INT_FROM  # integer dot products on x quantised per block
+    xq, xd, xs = quantised_if(use_int, x)
     for q in prange((R + 3) // 4):
         r = 4 * q
         o = base + r * row_bytes  # rows past R repeat row R - 1: computed, not stored
@@ -36,29 +34,7 @@ def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
         o2 = base + min(r + 2, R - 1) * row_bytes
         o3 = base + min(r + 3, R - 1) * row_bytes
         for t in range(x.shape[0]):
-            a0, a1, a2, a3 = rows_dot4(fmt, data, o, o1, o2, o3, K, x[t])
-            out[t, r] = a0
-            if r + 1 < R:
-                out[t, r + 1] = a1
-            if r + 2 < R:
-                out[t, r + 2] = a2
-            if r + 3 < R:
-                out[t, r + 3] = a3
-
-
-@njit(parallel=True, **JIT)
-def matmul_rows_int(fmt, data, base, row_bytes, R, K, x, out):
-    """matmul_rows with x quantised per block of 32 (activations.py) and integer dot products (an integer
-    format: fmt >= INT_FROM)."""
-    xq, xd, xs = quantize_rows(x)
-    for q in prange((R + 3) // 4):
-        r = 4 * q
-        o = base + r * row_bytes
-        o1 = base + min(r + 1, R - 1) * row_bytes
-        o2 = base + min(r + 2, R - 1) * row_bytes
-        o3 = base + min(r + 3, R - 1) * row_bytes
-        for t in range(x.shape[0]):
-            a0, a1, a2, a3 = rows_dot4i(fmt, data, o, o1, o2, o3, K, xq[t], xd[t], xs[t])
+            a0, a1, a2, a3 = dot4(fmt, use_int, data, o, o1, o2, o3, K, x[t], xq[t], xd[t], xs[t])
             out[t, r] = a0
             if r + 1 < R:
                 out[t, r + 1] = a1

@@ -85,24 +85,6 @@ def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x):
 
 
 @njit(inline="always", **JIT)
-def rows_dot(fmt, data, o, row_bytes, rows, hidden, x, out) -> None:
-    """out[r] = x · row r, r < rows (rows row_bytes apart from byte o, ``hidden`` weights each): four rows at a
-    time, a short last group repeating its last row (computed, not stored)."""
-    for r in range(0, rows, 4):
-        m = min(4, rows - r)
-        o0 = o + r * row_bytes
-        a0, a1, a2, a3 = rows_dot4(fmt, data, o0, o0 + min(1, m - 1) * row_bytes, o0 + min(2, m - 1) * row_bytes,
-                                   o0 + min(3, m - 1) * row_bytes, hidden, x)
-        out[r] = a0
-        if m > 1:
-            out[r + 1] = a1
-        if m > 2:
-            out[r + 2] = a2
-        if m > 3:
-            out[r + 3] = a3
-
-
-@njit(inline="always", **JIT)
 def rows_dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
     """rows_dot4 for an integer format (fmt >= INT_FROM) against quantised activations (activations.py)."""
     if fmt == 2:
@@ -119,18 +101,33 @@ def rows_dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
 
 
 @njit(inline="always", **JIT)
-def rows_dot_any(fmt, int_act, data, o, row_bytes, rows, hidden, x, out) -> None:
-    """out[r] = x · row r as rows_dot, with x quantised per block (activations.py) and integer dot products
-    when int_act is set and the format has integers (fmt >= INT_FROM)."""
-    if not (int_act and fmt >= INT_FROM):
-        rows_dot(fmt, data, o, row_bytes, rows, hidden, x, out)
-        return
-    xq, xd, xs = quantize_rows(x[:hidden].reshape((1, hidden)))
+def quantised_if(use_int, x):
+    """x [n, K] quantised per block (activations.py) when use_int, else the same three arrays empty ([n, 0])."""
+    return quantize_rows(x[:, :x.shape[1] if use_int else 0])
+
+
+@njit(inline="always", **JIT)
+def dot4(fmt, use_int, data, o0, o1, o2, o3, hidden, x, xq, xd, xs):
+    """The four rows' dot products with one token: integer ones against its quantised row (xq, xd, xs) when
+    use_int (an integer format, EngineConfig.activations q8), else float ones against x."""
+    if use_int:
+        return rows_dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
+    return rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x)
+
+
+@njit(inline="always", **JIT)
+def rows_dot(fmt, int_act, data, o, row_bytes, rows, hidden, x, out) -> None:
+    """out[r] = x · row r, r < rows (rows row_bytes apart from byte o, ``hidden`` weights each): four rows at a
+    time, a short last group repeating its last row (computed, not stored); integer dot products on x
+    quantised per block when int_act and the format has integers."""
+    use_int = int_act and fmt >= INT_FROM
+    xq, xd, xs = quantised_if(use_int, x[:hidden].reshape((1, hidden)))
     for r in range(0, rows, 4):
         m = min(4, rows - r)
         o0 = o + r * row_bytes
-        a0, a1, a2, a3 = rows_dot4i(fmt, data, o0, o0 + min(1, m - 1) * row_bytes, o0 + min(2, m - 1) * row_bytes,
-                                    o0 + min(3, m - 1) * row_bytes, hidden, xq[0], xd[0], xs[0])
+        a0, a1, a2, a3 = dot4(fmt, use_int, data, o0, o0 + min(1, m - 1) * row_bytes,
+                              o0 + min(2, m - 1) * row_bytes, o0 + min(3, m - 1) * row_bytes, hidden, x, xq[0], xd[0],
+                              xs[0])
         out[r] = a0
         if m > 1:
             out[r + 1] = a1
@@ -194,8 +191,8 @@ def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, co
         xj = x[tokens[t0]]
         gate = np.zeros(width, np.float32)  # [R], then silu(gate) * up (zeros past R)
         up = np.empty(R, np.float32)
-        rows_dot_any(shapes[g, 1], int_act, data, og, shapes[g, 2], R, hidden, xj, gate)
-        rows_dot_any(shapes[g, 3], int_act, data, ou, shapes[g, 4], R, hidden, xj, up)
+        rows_dot(shapes[g, 1], int_act, data, og, shapes[g, 2], R, hidden, xj, gate)
+        rows_dot(shapes[g, 3], int_act, data, ou, shapes[g, 4], R, hidden, xj, up)
         for r in range(R):
             gate[r] = silu(gate[r]) * up[r]
-        rows_dot_any(shapes[g, 5], int_act, data, od, down_bytes, hidden, width, gate, out[0])
+        rows_dot(shapes[g, 5], int_act, data, od, down_bytes, hidden, width, gate, out[0])
