@@ -12,7 +12,8 @@ its scale (a float, or an <8 x float> for a format with two scales in the block,
 which is x' · w on the quantised activations x' = xd ⊙ xq, exactly up to the float32 rounding of the
 scales and the sum. The f32 and bf16 formats have no integers to multiply and keep simd.py's loops.
 
-    dot4i_F(data, o0, o1, o2, o3, hidden, xq, xd, xs)   -> the four rows' dot products (decode)
+    dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)   -> the four rows' dot products (decode; fmt
+                                                            an integer format's FORMATS index)
 
 Decode only. Prefill's loop (simd.py's dot2r4) widens a block once for four tokens and two rows, so its
 float work per weight is two FMAs a token (AVX-512) against this loop's conversion and scaling per block
@@ -31,7 +32,7 @@ from numba.extending import intrinsic
 
 from . import idot
 from .ir import F32, I8, LANES, const, splat
-from .simd import FAST, FORMATS, _byte_ptr, _groups, _prefetch_ahead, _register_loop
+from .simd import FAST, FORMATS, _byte_ptr, _groups, _per_format, _prefetch_ahead, _register_loop
 
 INT_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "igroup")}
 V8F = ir.VectorType(F32, LANES // 4)
@@ -101,21 +102,22 @@ def _emit_rows(builder, fmt, rows, x, hidden_v):
     return [_Acc(flat[2 * k], flat[2 * k + 1]).total(builder) for k in range(len(rows))]
 
 
-def _make_dot4i(fmt: ModuleType):
-    @intrinsic
-    def dot4i(typingctx, data, o0, o1, o2, o3, hidden, xq, xd, xs):
-        sig = types.UniTuple(types.float32, 4)(data, o0, o1, o2, o3, hidden, xq, xd, xs)
+@intrinsic
+def dot4i(typingctx, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
+    """The four rows' dot products for the integer format whose FORMATS index is ``fmt`` (a run-time value)."""
+    sig = types.UniTuple(types.float32, 4)(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
 
-        def codegen(context, builder, signature, args):
-            base = _byte_ptr(context, builder, signature.args[0], args[0])
-            rows = [builder.gep(base, [o]) for o in args[1:5]]
-            x = _pointers(context, builder, signature.args[6:9], args[6:9])
-            totals = _emit_rows(builder, fmt, rows, x, args[5])
-            return context.make_tuple(builder, signature.return_type, totals)
+    def codegen(context, builder, signature, args):
+        base = _byte_ptr(context, builder, signature.args[1], args[1])
+        rows = [builder.gep(base, [o]) for o in args[2:6]]
+        x = _pointers(context, builder, signature.args[7:10], args[7:10])
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in rows]
 
-        return sig, codegen
+        def emit(fmt_module):
+            for total, dest in zip(_emit_rows(builder, fmt_module, rows, x, args[6]), sums):
+                builder.store(total, dest)
 
-    return dot4i
+        _per_format(context, builder, signature.args[0], args[0], emit, INT_FORMATS)
+        return context.make_tuple(builder, signature.return_type, [builder.load(s) for s in sums])
 
-
-dot4i_q8, dot4i_q4, dot4i_q4k, dot4i_q5k, dot4i_q6k, dot4i_iq4xs = (_make_dot4i(m) for m in INT_FORMATS.values())
+    return sig, codegen

@@ -85,22 +85,6 @@ def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x):
 
 
 @njit(inline="always", **JIT)
-def rows_dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
-    """rows_dot4 for an integer format (fmt >= INT_FROM) against quantised activations (activations.py)."""
-    if fmt == 2:
-        return isimd.dot4i_q8(data, o0, o1, o2, o3, hidden, xq, xd, xs)
-    if fmt == 3:
-        return isimd.dot4i_q4(data, o0, o1, o2, o3, hidden, xq, xd, xs)
-    if fmt == 4:
-        return isimd.dot4i_q4k(data, o0, o1, o2, o3, hidden, xq, xd, xs)
-    if fmt == 5:
-        return isimd.dot4i_q5k(data, o0, o1, o2, o3, hidden, xq, xd, xs)
-    if fmt == 6:
-        return isimd.dot4i_q6k(data, o0, o1, o2, o3, hidden, xq, xd, xs)
-    return isimd.dot4i_iq4xs(data, o0, o1, o2, o3, hidden, xq, xd, xs)
-
-
-@njit(inline="always", **JIT)
 def quantised_if(use_int, x):
     """x [n, K] quantised per block (activations.py) when use_int, else the same three arrays empty ([n, 0])."""
     return quantize_rows(x[:, :x.shape[1] if use_int else 0])
@@ -111,7 +95,7 @@ def dot4(fmt, use_int, data, o0, o1, o2, o3, hidden, x, xq, xd, xs):
     """The four rows' dot products with one token: integer ones against its quantised row (xq, xd, xs) when
     use_int (an integer format, EngineConfig.activations q8), else float ones against x."""
     if use_int:
-        return rows_dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
+        return isimd.dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
     return rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x)
 
 

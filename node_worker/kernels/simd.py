@@ -182,12 +182,15 @@ def _register_loop(builder, count, inits, step) -> list:
     return values
 
 
-def _per_format(context, builder, fmt_type, fmt_value, emit) -> None:
-    """emit(format module) for the format whose FORMATS index is the run-time value ``fmt_value``."""
+def _per_format(context, builder, fmt_type, fmt_value, emit, names=FORMATS) -> None:
+    """emit(format module) for the format whose FORMATS index is the run-time value ``fmt_value``, one of
+    ``names`` (others: nothing)."""
     index = context.cast(builder, fmt_value, fmt_type, types.int64)
     done = builder.append_basic_block("format.done")
     switch = builder.switch(index, done)
     for i, name in enumerate(FORMATS):
+        if name not in names:
+            continue
         block = builder.append_basic_block(f"format.{name}")
         switch.add_case(const(i), block)
         builder.position_at_end(block)
