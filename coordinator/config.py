@@ -18,7 +18,7 @@ from .errors import ConfigValueError
 
 POOLS = ("inproc", "process")
 EXPERT_DTYPES = (formats.AUTO, *formats.FORMATS, *formats.FILE_FORMATS)  # the last: a GGUF file's own blocks
-DENSE_DTYPES = tuple(formats.FORMATS)
+DENSE_DTYPES = (formats.AUTO, *formats.FORMATS)  # auto: a GGUF file's quantised matrices as it has them
 ACTIVATIONS = ("q8", "f32")  # node_worker/kernels/activations.py: int8 per block of 32, or float32 as they are
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")  # names logging.basicConfig takes
 
@@ -45,7 +45,9 @@ class EngineConfig:
     worker_log_level: str = "WARNING"  # logging level of the node worker processes (a LOG_LEVELS name)
     # how CPU experts are stored: auto (as the file has them) | f32 | bf16 | q8 | q4 | q4k | q5k | q6k | iq4xs
     expert_dtype: str = "auto"
-    dense_dtype: str = "f32"  # the CPU device side's dense matrices (no GPU): f32 | bf16 | q8 | q4
+    # the CPU device side's dense matrices (no GPU): auto (a GGUF file's quantised ones as the file has them,
+    # the rest float32; with a GPU all float32) | f32 | bf16 | q8 | q4
+    dense_dtype: str = "auto"
     # decode's dot products with quantised weights: "q8" multiplies them in integers by the activations
     # quantised per block of 32 (as llama.cpp does); "f32" widens the weights to float (the reference)
     activations: str = "q8"

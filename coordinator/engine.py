@@ -226,14 +226,15 @@ class Engine:
         nodes = pool_nodes(config)  # before anything loads: a pool node that does not exist is refused at once
         ckpt, mcfg, codec = source or open_source(model_dir)  # GGUF: the config and the tokenizer from its metadata
         backend = select_device(config.device)
-        if config.dense_dtype != "f32" and backend != "numpy":
+        if config.dense_dtype not in ("f32", formats.AUTO) and backend != "numpy":
             raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
                                    "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")
         device_set, placement = device_expert_set(mcfg, ckpt, config)  # a count the model cannot give: refused now
         weights = load_weights(mcfg, ckpt)
-        if config.dense_dtype != "f32":
+        if config.dense_dtype != "f32" and backend == "numpy":
+            fmt = None if config.dense_dtype == formats.AUTO else formats.get(config.dense_dtype)
             log.info("dense matrices stored as %s: %.2f GB", config.dense_dtype,
-                     pack_dense(weights, formats.get(config.dense_dtype), config.activations == "q8") / 1e9)
+                     pack_dense(weights, fmt, config.activations == "q8", ckpt) / 1e9)
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)

@@ -37,11 +37,12 @@ def add_tokenizer(w: gguf.GGUFWriter, tok, pre: str = "qwen2", model: str = "gpt
 
 def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q = Q.Q8_0,
                down: Q | dict[int, Q] | None = None, tokenizer=None, pre: str = "qwen2",
-               split_max_tensors: int = 0) -> None:
+               split_max_tensors: int = 0, dense: Q | None = None) -> None:
     """The checkpoint as llama.cpp's converter writes it: stacked experts (``experts``, ``down`` for
     ffn_down_exps when given: one type, or per layer as llama.cpp's Q4_K_M mixes Q4_K and Q6_K), everything
     else F32; ``tokenizer`` (a `tokenizers` Tokenizer) in the metadata; ``split_max_tensors``: a split set,
-    path's stem + -0000k-of-0000N.gguf (gguf-split's naming)."""
+    path's stem + -0000k-of-0000N.gguf (gguf-split's naming); ``dense``: the 2-D dense matrices (attention,
+    embedding, lm_head, shared experts) in this type, as llama.cpp's quantised files have them."""
     cfg = json.loads((ckpt_dir / "config.json").read_text())
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     mixtral = cfg["model_type"] == "mixtral"  # written as llama.cpp writes Mixtral: arch "llama", q and k permuted
@@ -95,7 +96,10 @@ def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q
         t = ck.float32(name)
         if mixtral and gname.endswith((".attn_q.weight", ".attn_k.weight")):
             t = permute(t, cfg["num_attention_heads" if gname.endswith("q.weight") else "num_key_value_heads"])
-        w.add_tensor(gname, np.ascontiguousarray(t))
+        if dense is not None and t.ndim == 2 and ".gate.weight" not in name:  # the router stays F32, as llama.cpp's
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(t), dense), raw_dtype=dense)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

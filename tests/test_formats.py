@@ -240,7 +240,8 @@ def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name):
 def test_dense_dtype_stores_the_dense_matrices_and_stays_close_to_f32(bf16_model, name, top1):
     from coordinator.model.packed import PackedMatrix
 
-    with Engine.open(bf16_model, EngineConfig(device="cpu")) as eng:
+    with Engine.open(bf16_model, EngineConfig(device="cpu")) as eng:  # auto: a safetensors model's stay float32
+        assert isinstance(eng.decoder.w.lm_head, np.ndarray) and isinstance(eng.decoder.w.layers[0].q, np.ndarray)
         ref = eng.logits(PROMPT)
     with Engine.open(bf16_model, EngineConfig(device="cpu", dense_dtype=name)) as eng:
         w = eng.decoder.w
@@ -252,8 +253,8 @@ def test_dense_dtype_stores_the_dense_matrices_and_stays_close_to_f32(bf16_model
     assert not np.array_equal(got, ref)
     if name == "bf16":  # a BF16 checkpoint's weights exactly: only the order of the sums differs
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ConfigValueError, match="dense_dtype must be one of f32, bf16, q8, q4"):
-        EngineConfig(dense_dtype="auto")
+    with pytest.raises(ConfigValueError, match="dense_dtype must be one of auto, f32, bf16, q8, q4"):
+        EngineConfig(dense_dtype="q3")
 
 
 @pytest.mark.parametrize("name", ["q8", "q4"])

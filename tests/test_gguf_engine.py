@@ -222,3 +222,30 @@ def test_integer_dots_keep_the_greedy_tokens_and_stay_near_the_float_path(files)
     # the rounding moves the logits by ~0.5 %; a near tie in a router may pick another expert at one position
     # of this random model (Q8_0's last: 16 %), as it may in llama.cpp, so the median is what is bounded
     assert 1e-6 < np.median(per_position) < 2e-2
+
+
+@pytest.mark.parametrize("dense", [Q.Q8_0, Q.Q4_0])
+def test_quantised_dense_matrices_are_read_as_the_file_has_them(tmp_path, dense):
+    """A file whose attention, embedding and lm_head are quantised (the router F32): without a GPU they are
+    kept as its blocks (dense_dtype auto), and computed with exactly the dequantised weights; f32 asks for
+    float32 copies."""
+    from coordinator.model.packed import PackedMatrix
+
+    ckpt = make_model(tmp_path / "m", seed=12, hidden_size=64, moe_intermediate_size=96)
+    path = tmp_path / "m.gguf"
+    write_gguf(ckpt, path, experts=Q.Q8_0, dense=dense)
+    deq = dequantised_checkpoint(path, ckpt, tmp_path / "deq")
+    want_format = {Q.Q8_0: "q8", Q.Q4_0: "q4"}[dense]
+    with Engine.open(path, EngineConfig(pool="inproc", device="cpu", activations="f32")) as eng, \
+            Engine.open(deq, EngineConfig(pool="inproc", device="cpu", activations="f32")) as ref:
+        w = eng.decoder.w
+        assert all(isinstance(getattr(layer, m), PackedMatrix) and getattr(layer, m).fmt.NAME == want_format
+                   for layer in w.layers for m in "qkvo")
+        assert isinstance(w.lm_head, PackedMatrix) and w.lm_head.fmt.NAME == want_format
+        assert isinstance(w.layers[0].router, np.ndarray) and isinstance(ref.decoder.w.layers[0].q, np.ndarray)
+        got, want = eng.logits(PROMPT, steps=True), ref.logits(PROMPT, steps=True)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        assert eng.generate(PROMPT, max_new_tokens=5, stop_at_eos=False) == \
+            ref.generate(PROMPT, max_new_tokens=5, stop_at_eos=False)
+    with Engine.open(path, EngineConfig(pool="inproc", device="cpu", dense_dtype="f32")) as eng:
+        assert isinstance(eng.decoder.w.lm_head, np.ndarray)

@@ -110,8 +110,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "from that type) (STRATA_EXPERT_DTYPE; default auto)")
     g.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
                    help="without a GPU, how the dense matrices (attention, dense and shared MLPs, lm_head) are stored "
-                        "and read: f32 (default), bf16, q8, q4, as llama.cpp keeps a quantised file's "
-                        "(STRATA_DENSE_DTYPE)")
+                        "and read: auto (a GGUF file's Q8_0/Q4_0/K/IQ4_XS matrices as the file has them, as "
+                        "llama.cpp reads them, the rest float32), f32, bf16, q8, q4 (STRATA_DENSE_DTYPE; default "
+                        "auto)")
     _add_activations_flag(g)
     g.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=None,
                    help="prompt tokens prefilled per serving step, interleaved with decoding (default 512)")
@@ -506,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-dtype", dest="expert_dtype", default=None, choices=list(EXPERT_DTYPES),
                    help="how the CPU experts are stored in every mode (default: auto)")
     p.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
-                   help="without a GPU, how the dense matrices are stored in every mode (default: f32)")
+                   help="without a GPU, how the dense matrices are stored in every mode (default: auto)")
     _add_activations_flag(p)
     p.add_argument("--quality-positions", dest="quality_positions", type=int, default=128,
                    help="compare the logits over this many positions with an f32 computation of the same "

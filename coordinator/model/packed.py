@@ -22,8 +22,10 @@ from types import ModuleType
 import numpy as np
 
 from node_worker.kernels import dense
-from shm.formats.encode import encode_into
+from node_worker.kernels.isimd import INT_FORMATS
 from node_worker.kernels.rows import FORMAT_IDS
+from shm import formats
+from shm.formats.encode import encode_into
 
 FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles of TILE rows and BLAS
 TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
@@ -91,20 +93,42 @@ class _Transposed:
         return self.matrix.matmul_t(x)
 
 
-def pack_dense(weights, fmt: ModuleType, int_act: bool = False) -> int:
+def file_blocks(ckpt, name: str, shape: tuple[int, int], int_act: bool) -> PackedMatrix | None:
+    """The tensor ``name`` of a GGUF file kept as the file's quantised blocks (Q8_0, Q4_0, the K types,
+    IQ4_XS: shm.gguf_blocks' lossless formats), or None: not a GGUF file, a float type, a type no format keeps,
+    or rows the loader reorders (a Mixtral file's permuted q and k)."""
+    from shm.gguf_blocks import LOSSLESS, ggml_type, repack
+
+    if not hasattr(ckpt, "file") or ckpt.file.qk_heads(ckpt.index[name]) is not None:
+        return None
+    qtype = ggml_type(ckpt.info(name).dtype)  # a GGUF tensor's type name is always ggml's
+    if LOSSLESS.get(qtype) not in INT_FORMATS:
+        return None
+    fmt_name, stored = repack(ckpt.raw(name).reshape(shape[0], -1), qtype, shape[1])
+    return PackedMatrix(formats.get(fmt_name), stored, shape, int_act)
+
+
+def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None) -> int:
     """Store the model's dense matrices (attention, dense and shared MLPs, lm_head) in ``fmt``, in place;
-    returns their bytes. A matrix whose rows do not fall on the format's blocks stays float32. ``int_act``:
-    a few tokens take integer dot products (EngineConfig.activations q8)."""
+    returns their bytes. A matrix whose rows do not fall on the format's blocks stays float32. ``fmt`` None
+    (dense_dtype auto): each matrix as ``ckpt``, a GGUF file, has it quantised (file_blocks), as llama.cpp
+    reads them; the others stay float32. ``int_act``: a few tokens take integer dot products
+    (EngineConfig.activations q8)."""
     total = 0
+
+    def packed(w: np.ndarray) -> PackedMatrix | None:
+        if fmt is None:
+            name = weights.names.get(id(w))
+            return None if name is None or ckpt is None else file_blocks(ckpt, name, w.shape, int_act)
+        return PackedMatrix.encode(w, fmt, int_act) if w.shape[1] % fmt.BLOCK == 0 else None
 
     def pack(obj, name):
         nonlocal total
         w = getattr(obj, name)
-        if isinstance(w, np.ndarray) and w.ndim == 2 and w.shape[1] % fmt.BLOCK == 0:
-            setattr(obj, name, PackedMatrix.encode(w, fmt, int_act))
-            total += getattr(obj, name).nbytes
-        elif w is not None:
-            total += w.nbytes
+        p = packed(w) if isinstance(w, np.ndarray) and w.ndim == 2 else None
+        if p is not None:
+            setattr(obj, name, p)
+        total += (p or w).nbytes if w is not None else 0
 
     for layer in weights.layers:
         for name in ("q", "k", "v", "o"):
@@ -114,7 +138,7 @@ def pack_dense(weights, fmt: ModuleType, int_act: bool = False) -> int:
                 for f in fields(mlp):
                     pack(mlp, f.name)
     if weights.lm_head is weights.embed:  # tied: the embedding keeps its float32 rows for the lookup
-        weights.lm_head = PackedMatrix.encode(weights.embed, fmt, int_act)
+        weights.lm_head = packed(weights.embed) or weights.embed
         total += weights.lm_head.nbytes
     else:
         pack(weights, "lm_head")

@@ -9,7 +9,7 @@ is named in the error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class ModelWeights:
     lm_head: np.ndarray  # [V, H] (the embedding when tied)
     layers: list[LayerWeights]
     experts: dict[tuple[int, int], ExpertRefs]  # (layer, expert) -> where its matrices are
+    names: dict[int, str] = field(default_factory=dict)  # id(a dense array above) -> its checkpoint tensor
 
 
 def _prefix(cfg: ModelConfig, layer: int) -> tuple[str, str]:
@@ -65,11 +66,13 @@ class _Reader:
     def __init__(self, ckpt: Checkpoint, progress: Progress | None = None):
         self.ckpt = ckpt
         self.progress = progress
+        self.names: dict[int, str] = {}  # id(array read) -> its tensor name
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.ckpt:
             raise CheckpointError(f"missing tensor {name!r}: expected shape {list(shape)}")
         w = self.ckpt.float32(name, shape)
+        self.names[id(w)] = name
         if self.progress is not None:
             self.progress.add(1)
         return w
@@ -179,4 +182,4 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
             f"{[V, H]} (config.json has tie_word_embeddings=false)"
         )
     return ModelWeights(embed=embed, final_norm=r.get("model.norm.weight", (H,)), lm_head=lm_head,
-                        layers=layers, experts=experts)
+                        layers=layers, experts=experts, names=r.names)
