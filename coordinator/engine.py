@@ -210,6 +210,7 @@ class Engine:
     nodes: list[Node]  # the pool's nodes, as the topology reported them
     device_placement: dict = field(default_factory=dict)  # which experts the device side holds, and why
     expert_format: str = "f32"  # how the CPU experts are stored (shm/formats)
+    dense_format: str = "f32"  # how the CPU device side's dense matrices are stored: formats and counts
 
     @property
     def max_seq_len(self) -> int:
@@ -231,10 +232,11 @@ class Engine:
                                    "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")
         device_set, placement = device_expert_set(mcfg, ckpt, config)  # a count the model cannot give: refused now
         weights = load_weights(mcfg, ckpt)
+        dense_format = "f32"
         if config.dense_dtype != "f32" and backend == "numpy":
             fmt = None if config.dense_dtype == formats.AUTO else formats.get(config.dense_dtype)
-            log.info("dense matrices stored as %s: %.2f GB", config.dense_dtype,
-                     pack_dense(weights, fmt, config.activations == "q8", ckpt) / 1e9)
+            nbytes, dense_format = pack_dense(weights, fmt, config.activations == "q8", ckpt)
+            log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
@@ -251,7 +253,7 @@ class Engine:
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
         return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,
                    {"backend": backend, "experts": len(device_set), "chosen": placement,
-                    "bytes": len(device_set) * expert_bytes(mcfg)}, fmt)
+                    "bytes": len(device_set) * expert_bytes(mcfg)}, fmt, dense_format)
 
     def cpu_expert_bytes(self) -> float:
         """Bytes of one whole routed expert (gate, up, down) in the CPU side's storage formats (the mean over

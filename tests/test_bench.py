@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -143,5 +144,6 @@ def test_quality_against_f32_is_reported_for_the_formats(tmp_path):
                  "--rounds", "1", "--expert-dtype", "q8", "--dense-dtype", "q8", "--device", "cpu",
                  "--quality-positions", "16", "--json", str(out)]) == 0
     q = json.loads(out.read_text())["quality"]
-    assert (q["expert_format"], q["dense_format"], q["positions"]) == ("q8", "q8", 16)
+    assert (q["expert_format"], q["positions"]) == ("q8", 16)
+    assert re.fullmatch(r"\d+ q8", q["dense_format"])  # every dense matrix in q8
     assert 0 < q["max_rel_logits_error"] < 0.05 and 0 < q["mean_kl"] < 1e-2 and q["top1_agreement"] >= 0.9

@@ -189,7 +189,7 @@ def measure_quality(model_dir: Path, eng: Engine, positions: int, seed: int, dev
                               **{k: v for k, v in device.items() if k not in QUALITY_SETTINGS})
     with Engine.open(model_dir, ref_config) as ref:
         want = ref.logits(prompt, steps=True)
-    return {"expert_format": eng.expert_format, "dense_format": eng.config.dense_dtype,
+    return {"expert_format": eng.expert_format, "dense_format": eng.dense_format,
             "activations": eng.config.activations,
             "reference": "f32 experts, dense matrices and activations, in-process, one decode step a position",
             **compare_logits(want, got)}

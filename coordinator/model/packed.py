@@ -108,13 +108,14 @@ def file_blocks(ckpt, name: str, shape: tuple[int, int], int_act: bool) -> Packe
     return PackedMatrix(formats.get(fmt_name), stored, shape, int_act)
 
 
-def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None) -> int:
+def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None) -> tuple[int, str]:
     """Store the model's dense matrices (attention, dense and shared MLPs, lm_head) in ``fmt``, in place;
-    returns their bytes. A matrix whose rows do not fall on the format's blocks stays float32. ``fmt`` None
+    returns their bytes and how many are in each format ("14 q4k, 3 q6k"). A matrix whose rows do not fall on the format's blocks stays float32. ``fmt`` None
     (dense_dtype auto): each matrix as ``ckpt``, a GGUF file, has it quantised (file_blocks), as llama.cpp
     reads them; the others stay float32. ``int_act``: a few tokens take integer dot products
     (EngineConfig.activations q8)."""
     total = 0
+    count: dict[str, int] = {}
 
     def packed(w: np.ndarray) -> PackedMatrix | None:
         if fmt is None:
@@ -122,13 +123,18 @@ def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None
             return None if name is None or ckpt is None else file_blocks(ckpt, name, w.shape, int_act)
         return PackedMatrix.encode(w, fmt, int_act) if w.shape[1] % fmt.BLOCK == 0 else None
 
-    def pack(obj, name):
+    def store(w):
+        """w packed (or itself, as it stays), counted."""
         nonlocal total
-        w = getattr(obj, name)
         p = packed(w) if isinstance(w, np.ndarray) and w.ndim == 2 else None
-        if p is not None:
-            setattr(obj, name, p)
-        total += (p or w).nbytes if w is not None else 0
+        total += (p or w).nbytes
+        key = p.fmt.NAME if p is not None else "f32"
+        count[key] = count.get(key, 0) + 1
+        return p or w
+
+    def pack(obj, name):
+        if getattr(obj, name) is not None:
+            setattr(obj, name, store(getattr(obj, name)))
 
     for layer in weights.layers:
         for name in ("q", "k", "v", "o"):
@@ -137,9 +143,6 @@ def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None
             if mlp is not None:
                 for f in fields(mlp):
                     pack(mlp, f.name)
-    if weights.lm_head is weights.embed:  # tied: the embedding keeps its float32 rows for the lookup
-        weights.lm_head = packed(weights.embed) or weights.embed
-        total += weights.lm_head.nbytes
-    else:
-        pack(weights, "lm_head")
-    return total
+    # tied: the embedding keeps its float32 rows for the lookup, lm_head its own packed copy
+    weights.lm_head = store(weights.embed if weights.lm_head is weights.embed else weights.lm_head)
+    return total, ", ".join(f"{n} {name}" for name, n in sorted(count.items(), key=lambda kv: -kv[1]))
