@@ -110,10 +110,10 @@ def file_blocks(ckpt, name: str, shape: tuple[int, int], int_act: bool) -> Packe
 
 def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None) -> tuple[int, str]:
     """Store the model's dense matrices (attention, dense and shared MLPs, lm_head) in ``fmt``, in place;
-    returns their bytes and how many are in each format ("14 q4k, 3 q6k"). A matrix whose rows do not fall on the format's blocks stays float32. ``fmt`` None
-    (dense_dtype auto): each matrix as ``ckpt``, a GGUF file, has it quantised (file_blocks), as llama.cpp
-    reads them; the others stay float32. ``int_act``: a few tokens take integer dot products
-    (EngineConfig.activations q8)."""
+    returns their bytes and how many are in each format ("14 q4k, 3 q6k"). A matrix whose rows do not fall on
+    the format's blocks stays float32. ``fmt`` None (dense_dtype auto): each matrix as ``ckpt``, a GGUF file,
+    has it quantised (file_blocks), as llama.cpp reads them; the others stay float32. ``int_act``: a few tokens
+    take integer dot products (EngineConfig.activations q8)."""
     total = 0
     count: dict[str, int] = {}
 
@@ -143,6 +143,5 @@ def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None
             if mlp is not None:
                 for f in fields(mlp):
                     pack(mlp, f.name)
-    # tied: the embedding keeps its float32 rows for the lookup, lm_head its own packed copy
-    weights.lm_head = store(weights.embed if weights.lm_head is weights.embed else weights.lm_head)
+    weights.lm_head = store(weights.lm_head)  # tied: a packed copy; the embedding keeps its rows for the lookup
     return total, ", ".join(f"{n} {name}" for name, n in sorted(count.items(), key=lambda kv: -kv[1]))
