@@ -1,6 +1,7 @@
-"""Integer dot products on activations quantised per block of 32 (activations.py, idot.py, isimd.py):
-the quantiser against its NumPy form, every lowering of the 32-product sum against exact integers, and the
-node's and the dense matrices' decode against float64 on the dequantised weights and quantised activations."""
+"""Integer dot products on quantised activations: per block of 32 for decode (activations.py, idot.py,
+isimd.py), per super-block of 256 for prefill's K types (isuper.py). The quantisers against their NumPy
+forms, every lowering of the integer sums against exact integers, and the node's and the dense matrices'
+results against float64 on the dequantised weights and the quantised activations."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from coordinator.config import EngineConfig
 from coordinator.errors import ConfigValueError
 from coordinator.model.packed import PackedMatrix
 from node_worker.kernels import idot
-from node_worker.kernels.activations import quantize_reference, quantize_rows
+from node_worker.kernels.activations import (quantize_reference, quantize_rows, quantize_rows_super,
+                                             quantize_super_reference)
 from node_worker.worker import NodeWorker
 from shm import formats
 from shm.expert_source import ExpertSlice
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from kernel_bench import stored_rows  # noqa: E402  (random rows of a format: encoded, or a GGUF type's blocks)
 
 INT_FORMATS = ["q8", "q4", "q4k", "q5k", "q6k", "iq4xs"]
+SUPER_FORMATS = ["q4k", "q5k", "q6k", "iq4xs"]  # prefill's integer loop (isuper.py)
 H, R = 512, 256  # two super-blocks of 256 along a row; down's rows [H, R] one
 
 
@@ -40,6 +43,25 @@ def dequantised(x: np.ndarray) -> np.ndarray:
     xq, xd, _ = quantize_reference(np.asarray(x, np.float32))
     n, K = x.shape
     return (xq.reshape(n, K // 32, 32) * xd[..., None].astype(np.float64)).reshape(n, K)
+
+
+def dequantised_super(x: np.ndarray) -> np.ndarray:
+    """float64 of xd * xq quantised per super-block, the activations as prefill's integer loop sees them."""
+    xq, xd, _ = quantize_super_reference(np.asarray(x, np.float32))
+    n, K = x.shape
+    return (xq.reshape(n, K // 256, 256) * xd[..., None].astype(np.float64)).reshape(n, K)
+
+
+def test_super_block_activations_are_the_numpy_form_and_within_half_a_step():
+    x = activations(np.random.default_rng(2), 5, 512)
+    x[1, 256:] = 0.0  # a super-block of zeros: scale 0
+    got, want = quantize_rows_super(x), quantize_super_reference(x)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and np.array_equal(g, w)
+    xq, xd, bs = got
+    assert np.abs(xq).max() == 127 and not xq[1, 256:].any() and xd[1, 1] == 0
+    assert np.all(np.abs(x - dequantised_super(x)) <= np.repeat(xd, 256, axis=1) / 2 * (1 + 1e-6))
+    assert np.array_equal(bs, xq.reshape(5, 32, 16).astype(np.int64).sum(axis=2))
 
 
 def test_quantised_activations_are_the_numpy_form_and_within_half_a_step():
@@ -101,6 +123,58 @@ def test_every_lowering_sums_the_products_exactly(lowering, signed):
         assert out.tolist() == (q * x).reshape(8, 4).sum(axis=1).tolist()
 
 
+def _host_has(lowering: str) -> bool:
+    features = {n for n, on in __import__("llvmlite.binding").binding.get_host_cpu_features().items() if on}
+    return {"vnni": {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features,
+            "avx2": "avx2" in features}.get(lowering, True)
+
+
+@pytest.mark.parametrize("lowering", idot.LOWERINGS)
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_every_lowering_of_the_scaled_pair_sums_is_exact(lowering, signed):
+    """pairs (q unsigned below 64, or signed int8, times int8) and scaled_add (times int16 scales, into
+    int32), each lowering compiled on its own, against exact integers, the extremes included."""
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from node_worker.kernels.ir import I8, I16, I32, LANES
+
+    if not _host_has(lowering):
+        pytest.skip(f"no {lowering} on this host")
+    V32, V16, V8 = ir.VectorType(I8, LANES), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+
+    @intrinsic
+    def scaled(typingctx, q, x, sc, acc, out):
+        def codegen(context, builder, sig, args):
+            q_p, x_p, s_p, a_p, o_p = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args, args))
+            load = lambda p, t: builder.load(builder.bitcast(p, t.as_pointer()), align=1)  # noqa: E731
+            pairs = idot.pairs(builder, load(q_p, V32), load(x_p, V32), signed, lowering)
+            got = idot.scaled_add(builder, load(a_p, V8), pairs, load(s_p, V16), lowering)
+            builder.store(got, builder.bitcast(o_p, V8.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(q, x, sc, acc, out), codegen
+
+    @njit
+    def run(q, x, sc, acc, out):
+        scaled(q, x, sc, acc, out)
+
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        q = rng.integers(-128, 128, 32) if signed else rng.integers(0, 64, 32)
+        x = rng.integers(-127, 128, 32)
+        sc, acc = rng.integers(-128, 128, 16), rng.integers(-2**28, 2**28, 8)
+        if trial == 0:  # the largest pairs, both signs, times the largest scales
+            q[:], x[::4], x[1::4], x[2::4], x[3::4] = (-128 if signed else 63), 127, 127, -127, -127
+            sc[::2], sc[1::2] = -128, 127
+        out = np.zeros(8, np.int32)
+        run(q.astype(np.int8 if signed else np.uint8).view(np.int8), x.astype(np.int8), sc.astype(np.int16),
+            acc.astype(np.int32), out)
+        pair_sums = (q * x).reshape(16, 2).sum(axis=1)
+        assert out.tolist() == (acc + (pair_sums * sc).reshape(8, 2).sum(axis=1)).tolist()
+
+
 def _float64_expert(mats, name, x):
     """float64 SwiGLU on the dequantised weights, with x and h quantised as the kernels quantise them."""
     g, u, d = (formats.decoded(formats.get(name), m).astype(np.float64) for m in mats)
@@ -134,6 +208,60 @@ def test_node_decode_with_integer_dots_equals_float64_on_the_quantised_activatio
     error = np.abs(got["q8"] - want).max()
     assert error <= 2e-6 * scale
     assert np.abs(got["f32"] - got["q8"]).max() > 100 * error
+
+
+def _float64_expert_super(mats, name, x):
+    """float64 SwiGLU on the dequantised weights, x and h quantised per super-block (prefill's form)."""
+    g, u, d = (formats.decoded(formats.get(name), m).astype(np.float64) for m in mats)
+    xs = dequantised_super(x)
+    a, b = xs @ g.T, xs @ u.T
+    h = (a / (1 + np.exp(-a)) * b).astype(np.float32)
+    return dequantised_super(h) @ d.T
+
+
+@pytest.mark.parametrize("per_expert", [3, 9], ids=["four-by-four", "eight-and-four"])
+@pytest.mark.parametrize("name", SUPER_FORMATS)
+def test_node_prefill_of_a_k_type_with_integer_dots_equals_float64(name, per_expert):
+    """Several tokens routed to each of two experts (prefill; padded to 4 and to 12: the loops by four and
+    by eight): within float32 rounding of float64 on the dequantised weights and the activations quantised
+    per super-block, and away from the float-activation result (so the integer loop is the one taken)."""
+    fmt = formats.get(name)
+    rng = np.random.default_rng(7)
+    experts = {(0, e): [stored_rows(fmt, rows, width, rng) for rows, width in ((R, H), (R, H), (H, R))]
+               for e in range(2)}
+    store = HeapExpertStore(0, {k: ExpertSlice(*m, name) for k, m in experts.items()}, name)
+    T = 2 * per_expert
+    x = activations(rng, T, H)
+    tokens, routed = np.arange(T), np.repeat([1, 0], per_expert)  # tokens [0, n) to expert 1, the rest to 0
+    weights = rng.uniform(0.5, 2.0, T).astype(np.float32)
+    got = {}
+    for acts in ("q8", "f32"):
+        worker = NodeWorker(0, store, H, threads=2, activations=acts)
+        got[acts] = worker.compute(0, x, tokens, routed, weights).copy()
+        worker.runner.close()
+    store.close()
+    want = np.concatenate([_float64_expert_super(experts[(0, e)], name, x[rows]) * weights[rows, None]
+                           for e, rows in ((1, slice(0, per_expert)), (0, slice(per_expert, T)))])
+    scale = np.abs(want).max()
+    error = np.abs(got["q8"] - want).max()
+    assert error <= 2e-6 * scale
+    assert np.abs(got["f32"] - got["q8"]).max() > 100 * error
+
+
+@pytest.mark.parametrize("tokens", [3, 13], ids=["four", "eight-and-eight"])
+@pytest.mark.parametrize("name", SUPER_FORMATS)
+def test_dense_matrix_several_tokens_of_a_k_type_in_integers_equals_float64(name, tokens):
+    rng = np.random.default_rng(8)
+    fmt = formats.get(name)
+    matrix = PackedMatrix(fmt, stored_rows(fmt, 70, 512, rng), (70, 512), int_act=True)
+    x = activations(rng, tokens, 512)
+    got = x @ matrix.T
+    want = dequantised_super(x) @ matrix.decoded().astype(np.float64).T
+    scale = np.abs(want).max()
+    error = np.abs(got - want).max()
+    assert got.shape == (tokens, 70) and error <= 2e-6 * scale
+    float_path = PackedMatrix(fmt, matrix.data, (70, 512))
+    assert np.abs((x @ float_path.T) - got).max() > 100 * error
 
 
 @pytest.mark.parametrize("name", ["q8", "q4"])

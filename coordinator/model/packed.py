@@ -23,7 +23,7 @@ import numpy as np
 
 from node_worker.kernels import dense
 from node_worker.kernels.isimd import INT_FORMATS
-from node_worker.kernels.rows import FORMAT_IDS
+from node_worker.kernels.rows import FORMAT_IDS, SUPER_IDS
 from shm import formats
 from shm.formats.encode import encode_into
 
@@ -38,7 +38,7 @@ class PackedMatrix:
 
     def __init__(self, fmt: ModuleType, stored: np.ndarray, shape: tuple[int, int], int_act: bool = False):
         self.fmt = fmt
-        self.int_act = int_act  # few tokens: integer dot products on activations quantised per block (q8 and q4)
+        self.int_act = int_act  # integer dot products on quantised activations (isimd.py; several tokens: isuper.py)
         self.shape = shape  # [R, K]
         self.data = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)  # [R * row_bytes]
         self.row_bytes = fmt.row_bytes(shape[1])
@@ -71,8 +71,15 @@ class PackedMatrix:
         R, K = self.shape
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
-        out = np.empty((x2.shape[0], R), np.float32)  # [T, R]
-        if x2.shape[0] <= FEW_TOKENS:
+        T = x2.shape[0]
+        if T > 1 and self.int_act and self.fmt_id in SUPER_IDS:  # a K type's integer loop, T padded to 4
+            padded = np.zeros((-(-T // 4) * 4, K), np.float32)
+            padded[:T] = x2
+            out = np.empty((padded.shape[0], R), np.float32)
+            dense.matmul_tokens_int(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
+            return out[:T].reshape(*lead, R)
+        out = np.empty((T, R), np.float32)  # [T, R]
+        if T <= FEW_TOKENS:
             dense.matmul_rows(self.fmt_id, self.data, 0, self.row_bytes, R, K, x2, out, self.int_act)
         else:
             tile = np.empty((min(TILE, R), K), np.float32)

@@ -8,7 +8,15 @@
     the row as the kernels see it: x'[i] = d[b] * q[i]
 
 A finer grain than llama.cpp's Q8_K (one scale per 256 for the K types): every block of 32 keeps its own
-scale, so the quantised activations stay as close to x as Q8_0's.
+scale, so the quantised activations stay as close to x as Q8_0's. That is decode's form.
+
+Prefill's (isuper.py, the K types against several tokens) is Q8_K's: one scale per super-block of 256, so
+that a super-block's products add up in integers, and the sums of every 16 values for the weights' offsets:
+
+    a row of K activations (K a multiple of 256), ns = K / 256 super-blocks:
+      xq [K]       int8     q[i] = round(x[i] / d[s]) in [-127, 127], s = i // 256 (ties to even)
+      xd [ns]      float32  d[s] = max |x| over super-block s / 127 (0 for one of zeros)
+      bs [K / 16]  int32    the sum of q over each 16 values
 """
 
 from __future__ import annotations
@@ -50,6 +58,41 @@ def quantize_rows(x):
     for t in range(n):
         quantize_row(x[t], xq[t], xd[t], xs[t])
     return xq, xd, xs
+
+
+SUPER = 256
+SUB = 16
+
+
+@njit(**EXACT_JIT)
+def quantize_rows_super(x):
+    """x [n, K] float32 -> (xq [n, K] int8, xd [n, K / 256] float32, bs [n, K / 16] int32) (module docstring)."""
+    n, K = x.shape
+    xq = np.empty((n, K), np.int8)
+    xd = np.empty((n, K // SUPER), np.float32)
+    bs = np.zeros((n, K // SUB), np.int32)
+    for t in range(n):
+        for s in range(K // SUPER):
+            amax = np.float32(0.0)
+            for i in range(SUPER * s, SUPER * s + SUPER):
+                amax = max(amax, abs(x[t, i]))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for i in range(SUPER * s, SUPER * s + SUPER):
+                q = min(max(np.round(x[t, i] * inv), np.float32(-127.0)), np.float32(127.0))
+                xq[t, i] = np.int8(q)
+                bs[t, i // SUB] += np.int32(q)
+            xd[t, s] = amax / np.float32(127.0)
+    return xq, xd, bs
+
+
+def quantize_super_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy form of quantize_rows_super (tests): x [n, K] -> (xq, xd, bs)."""
+    n, K = x.shape
+    blocks = x.reshape(n, K // SUPER, SUPER).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2)
+    inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.clip(np.round(blocks * inv[..., None]), -127, 127).astype(np.int8).reshape(n, K)
+    return q, amax / np.float32(127.0), q.reshape(n, K // SUB, SUB).sum(axis=2, dtype=np.int32)
 
 
 def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -9,6 +9,9 @@ rows split over numba's threads.
     matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act)
                                                             out [T, R] = x [T, K] · Wᵀ  (T small; int_act:
                                                             integer dot products for an integer format)
+    matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out)
+                                                            the same for a K type (rows.SUPER_IDS) and any T a
+                                                            multiple of 4, on x quantised per super-block
     decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
     decode_rows_serial(...)                                  the same on the calling thread alone (for
                                                              callers that run on threads of their own)
@@ -20,7 +23,8 @@ import numpy as np
 from numba import njit, prange
 
 from .common import JIT
-from .rows import INT_FROM, dot4, quantised_if, row_decode
+from .activations import quantize_rows_super
+from .rows import INT_FROM, dot4, quantised_if, row_decode, row_tokens_int
 
 
 @njit(parallel=True, **JIT)
@@ -45,6 +49,13 @@ def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
 
 
 @njit(parallel=True, **JIT)
+def matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out):
+    xq, xd, bs = quantize_rows_super(x)  # [T, K] once for every row
+    for r in prange(R):
+        row_tokens_int(fmt, data, base + r * row_bytes, row_bytes, K, xq, xd, bs, out, r)
+
+
+@njit(parallel=True, **JIT)
 def decode_rows(fmt, data, base, row_bytes, first, out):
     for i in prange(out.shape[0]):
         row_decode(fmt, data, base + (first + i) * row_bytes, out.shape[1], out[i])
@@ -60,5 +71,7 @@ def warm_up() -> None:
     """Compile both (or load them from the disk cache) before the first request."""
     data = np.zeros(4 * 32, np.uint8)
     matmul_rows(0, data, 0, 4 * 32, 1, 32, np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32), True)
+    matmul_tokens_int(4, np.zeros(144, np.uint8), 0, 144, 1, 256, np.zeros((4, 256), np.float32),
+                      np.zeros((4, 1), np.float32))
     decode_rows(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
     decode_rows_serial(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))

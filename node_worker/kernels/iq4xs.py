@@ -4,6 +4,7 @@ One loop step reads a super-block s (at byte 136 s) as 8 groups of 32, j a const
       scale     (scales_l nibble j | scales_h bits 2j..2j+1 << 4) - 32, an int8; d float16 at byte 0
       indices   the 16 bytes at 8 + 16 j: low nibbles the first 16 weights, high nibbles the next 16 (as q4.py)
     weights = (d * scale) * float(KVALUES[index]), as gguf.quants does it; returned whole.
+For prefill's integer loop (isuper.py): the levels signed (int8), scale an integer per group, d.
 
 The 16-level lookup is a byte shuffle where the host has one (SSSE3's pshufb
 on x86: two per group), else a tree of vector selects on the index bits that
@@ -53,8 +54,8 @@ def _host_features() -> set[str]:
     return {name for name, on in features.items() if on}
 
 
-def _scale_and_indices(builder, base, j: int):
-    """(d * scale as float32, the <32 x i8> level indices) of group j of the super-block at ``base``."""
+def _int_scale_and_indices(builder, base, j: int):
+    """(scale as i32, the <32 x i8> level indices) of group j of the super-block at ``base``."""
     low = byte_at(builder, base, const(4 + j // 2))
     if j % 2:
         low = builder.lshr(low, ir.Constant(I32, 4))
@@ -63,12 +64,17 @@ def _scale_and_indices(builder, base, j: int):
     high = builder.and_(builder.lshr(high_bits, ir.Constant(I32, 2 * j)), ir.Constant(I32, 3))
     scale = builder.sub(builder.or_(builder.and_(low, ir.Constant(I32, 15)), builder.shl(high, ir.Constant(I32, 4))),
                         ir.Constant(I32, 32))
-    dl = builder.fmul(half_at(builder, base), builder.sitofp(scale, F32), flags=EXACT)
     packed = vec_load(builder, builder.gep(base, [const(8 + 16 * j)]), V16)
     index = builder.shuffle_vector(builder.and_(packed, ir.Constant(V16, [15] * HALF)),
                                    builder.lshr(packed, ir.Constant(V16, [4] * HALF)),
                                    ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
-    return dl, index
+    return scale, index
+
+
+def _scale_and_indices(builder, base, j: int):
+    """(d * scale as float32, the <32 x i8> level indices) of group j of the super-block at ``base``."""
+    scale, index = _int_scale_and_indices(builder, base, j)
+    return builder.fmul(half_at(builder, base), builder.sitofp(scale, F32), flags=EXACT), index
 
 
 def group(builder, row, s, j: int):
@@ -76,8 +82,20 @@ def group(builder, row, s, j: int):
     dl, index = _scale_and_indices(builder, base, j)
     return builder.fmul(builder.sitofp(levels(builder, index), VF), splat(builder, dl), flags=EXACT)
 
+
 def igroup(builder, row, s, j: int, hidden):
     """Group j for the integer path (idot.py): the levels (int8) signed, scale d (ls - 32), no offset."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     dl, index = _scale_and_indices(builder, base, j)
     return levels(builder, index), True, dl, None
+
+
+def isuper(builder, row, s):
+    """Super-block s for prefill's integer loop (isuper.py): (d, no offset, [(levels, ls - 32 as <16 x i16>)],
+    signed levels)."""
+    base = super_block(builder, row, s, BLOCK_BYTES)
+    groups = []
+    for j in range(GROUPS):
+        scale, index = _int_scale_and_indices(builder, base, j)
+        groups.append((levels(builder, index), splat(builder, builder.trunc(scale, I16), ir.VectorType(I16, HALF))))
+    return half_at(builder, base), None, groups, None, True

@@ -15,10 +15,11 @@ scales and the sum. The f32 and bf16 formats have no integers to multiply and ke
     dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)   -> the four rows' dot products (decode; fmt
                                                             an integer format's FORMATS index)
 
-Decode only. Prefill's loop (simd.py's dot2r4) widens a block once for four tokens and two rows, so its
-float work per weight is two FMAs a token (AVX-512) against this loop's conversion and scaling per block
-and token: measured on this machine (tools/kernel_bench.py --tokens 8, q8, q4k, q6k, 2 threads), the
-integer form of dot2r4 was 5-15 % slower than the float one, and was not kept.
+Decode only. For several tokens the per-block conversion and scaling per token is as much float work
+as simd.py's dot2r4 spends (two FMAs a token per 32 weights, AVX-512): measured on this machine
+(tools/kernel_bench.py --tokens 8, q8, q4k, q6k, 2 threads), an integer dot2r4 in this form was 5-15 %
+slower than the float one. Prefill's integer loop for the K types (isuper.py) instead adds a super-block's
+products in integers, with the formats' integer scales, and converts once per 256.
 """
 
 from __future__ import annotations

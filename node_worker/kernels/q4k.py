@@ -5,13 +5,16 @@ One loop step reads a super-block s (at byte 144 s) as 8 groups of 32, j a const
       q         the nibbles of the 32 bytes at 16 + 32 (j // 2): low ones for even j, high for odd
     weights = (d * sc) * float(q) - (dmin * m), each operation as gguf.quants does it (no contraction: the
     weights are the file's bit for bit); returned whole, no scale apart.
+
+For prefill's integer loop (isuper.py) a super-block is d, dmin, and per group q with the integer sc, and
+the integer m of every 16 values: w = d sc q - dmin m.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
-from .ir import EXACT, F32, I8, LANES, VF, const, half_at, k_scale_min, splat, super_block, vec_load
+from .ir import EXACT, F32, I8, I16, I32, LANES, VF, const, half_at, k_scale_min, splat, super_block, vec_load
 
 SCALED = True  # whole blocks only (no partial last block to read value by value)
 GROUPS = 8  # 32-groups a loop step reads: one super-block
@@ -47,4 +50,42 @@ def igroup(builder, row, s, j: int, hidden):
     """Group j for the integer path (idot.py): the nibbles unsigned, scale d sc, offset dmin m."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     scale, offset = scale_and_offset(builder, base, j)
-    return nibbles(builder, builder.gep(base, [const(16 + 32 * (j // 2))]), j), False, scale, offset
+    return _quants(builder, base, j), False, scale, offset
+
+
+def _scales_and_mins(builder, packed):
+    """<16 x i8>: the 8 six-bit scales then the 8 mins of the 12 bytes at ``packed`` (ggml-quants' utmp
+    unpacking, on three 32-bit words)."""
+    word = lambda k: builder.load(builder.bitcast(builder.gep(packed, [const(4 * k)]), I32.as_pointer()),  # noqa: E731
+                                  align=1)
+    mask = lambda v: ir.Constant(I32, v)  # noqa: E731
+    u0, u1, u2 = word(0), word(1), word(2)
+    six, low4, top2 = mask(0x3F3F3F3F), mask(0x0F0F0F0F), mask(0x03030303)
+    scales_hi = builder.or_(builder.and_(u2, low4), builder.shl(builder.and_(builder.lshr(u0, mask(6)), top2), mask(4)))
+    mins_hi = builder.or_(builder.and_(builder.lshr(u2, mask(4)), low4),
+                          builder.shl(builder.and_(builder.lshr(u1, mask(6)), top2), mask(4)))
+    words = ir.Constant(ir.VectorType(I32, 4), ir.Undefined)
+    for k, w in enumerate((builder.and_(u0, six), scales_hi, builder.and_(u1, six), mins_hi)):
+        words = builder.insert_element(words, w, ir.Constant(I32, k))
+    return builder.bitcast(words, ir.VectorType(I8, 16))
+
+
+def int_scales(builder, base, quants):
+    """(d, dmin, [(q, sc <16 x i16>) for the 8 groups], m <16 x i32> per 16 values) of a Q4_K or Q5_K
+    super-block at ``base``, its values given by quants(builder, base, j)."""
+    both = _scales_and_mins(builder, builder.gep(base, [const(4)]))  # [16] u8: sc[0..8), m[0..8)
+    wide = builder.zext(both, ir.VectorType(I16, 16))
+    lanes = lambda idx: ir.Constant(ir.VectorType(I32, len(idx)), idx)  # noqa: E731
+    groups = [(quants(builder, base, j), builder.shuffle_vector(wide, wide, lanes([j] * 16))) for j in range(GROUPS)]
+    m16 = builder.zext(builder.shuffle_vector(both, both, lanes([8 + k // 2 for k in range(16)])),
+                       ir.VectorType(I32, 16))
+    return half_at(builder, base), half_at(builder, builder.gep(base, [const(2)])), groups, m16, False
+
+
+def _quants(builder, base, j: int):
+    return nibbles(builder, builder.gep(base, [const(16 + 32 * (j // 2))]), j)
+
+
+def isuper(builder, row, s):
+    """Super-block s for prefill's integer loop (isuper.py): int_scales."""
+    return int_scales(builder, super_block(builder, row, s, BLOCK_BYTES), _quants)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .ir import EXACT, LANES, VF, const, splat, super_block, vec_load
-from .q4k import V32, nibbles, scale_and_offset
+from .q4k import V32, int_scales, nibbles, scale_and_offset
 
 SCALED = True
 GROUPS = 8
@@ -40,3 +40,8 @@ def igroup(builder, row, s, j: int, hidden):
     base = super_block(builder, row, s, BLOCK_BYTES)
     scale, offset = scale_and_offset(builder, base, j)
     return _quants(builder, base, j), False, scale, offset
+
+
+def isuper(builder, row, s):
+    """Super-block s for prefill's integer loop (isuper.py): q4k.int_scales with the 5-bit values."""
+    return int_scales(builder, super_block(builder, row, s, BLOCK_BYTES), _quants)

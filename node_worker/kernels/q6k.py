@@ -6,13 +6,15 @@ h = g // 4:
       high 2 bits   bits 2 (g % 4) .. + 1 of the 32 bytes at 128 + 32 h
       scales        int8 at 192 + 2 g (the first 16 values) and 192 + 2 g + 1 (the next 16); d float16 at 208
     weights = (d * scale) * float(q - 32), as gguf.quants does it; returned whole.
+
+For prefill's integer loop (isuper.py): w = d sc q - d (32 sc), q unsigned, sc the 16 int8 scales.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
-from .ir import EXACT, F32, I32, LANES, VF, const, half_at, super_block, vec_load
+from .ir import EXACT, F32, I8, I16, I32, LANES, VF, const, half_at, super_block, vec_load
 from .q4k import V32
 
 SCALED = True
@@ -20,8 +22,8 @@ GROUPS = 8
 BLOCK_BYTES = 210
 
 
-def _quants(builder, base, g: int):
-    """q - 32 of group g: <32 x i8> in [-32, 31]."""
+def _unsigned(builder, base, g: int):
+    """q of group g: <32 x i8> in [0, 63]."""
     h = g // 4
     low = vec_load(builder, builder.gep(base, [const(64 * h + 32 * (g % 2))]), V32)
     if (g // 2) % 2:
@@ -29,8 +31,12 @@ def _quants(builder, base, g: int):
     low = builder.and_(low, ir.Constant(V32, [15] * LANES))
     high = vec_load(builder, builder.gep(base, [const(128 + 32 * h)]), V32)
     high = builder.and_(builder.lshr(high, ir.Constant(V32, [2 * (g % 4)] * LANES)), ir.Constant(V32, [3] * LANES))
-    return builder.sub(builder.or_(low, builder.shl(high, ir.Constant(V32, [4] * LANES))),
-                       ir.Constant(V32, [32] * LANES))
+    return builder.or_(low, builder.shl(high, ir.Constant(V32, [4] * LANES)))
+
+
+def _quants(builder, base, g: int):
+    """q - 32 of group g: <32 x i8> in [-32, 31]."""
+    return builder.sub(_unsigned(builder, base, g), ir.Constant(V32, [32] * LANES))
 
 
 def _scales(builder, base, g: int):
@@ -52,6 +58,7 @@ def group(builder, row, s, g: int):
     halves = builder.shuffle_vector(pair, pair, ir.Constant(ir.VectorType(I32, LANES), [0] * 16 + [1] * 16))
     return builder.fmul(builder.sitofp(_quants(builder, base, g), VF), halves, flags=EXACT)
 
+
 def igroup(builder, row, s, g: int, hidden):
     """Group g for the integer path (idot.py): q - 32 signed, its two 16-value scales d sc as an <8 x float>
     (idot's lanes 0-3 sum the first 16 products, 4-7 the next), no offset."""
@@ -60,3 +67,17 @@ def igroup(builder, row, s, g: int, hidden):
     lanes = builder.shuffle_vector(_pair(builder, s0, s1), _pair(builder, s0, s1),
                                    ir.Constant(ir.VectorType(I32, LANES // 4), [0] * 4 + [1] * 4))
     return q, True, lanes, None
+
+
+def isuper(builder, row, s):
+    """Super-block s for prefill's integer loop (isuper.py): (d, d, [(q, sc <16 x i16>)], 32 sc <16 x i32>,
+    unsigned)."""
+    base = super_block(builder, row, s, BLOCK_BYTES)
+    scales = vec_load(builder, builder.gep(base, [const(192)]), ir.VectorType(I8, 16))  # [16] int8
+    wide = builder.sext(scales, ir.VectorType(I16, 16))
+    groups = [(_unsigned(builder, base, g),
+               builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(I32, 16), [2 * g] * 8 + [2 * g + 1] * 8)))
+              for g in range(GROUPS)]
+    offsets = builder.shl(builder.sext(scales, ir.VectorType(I32, 16)), ir.Constant(ir.VectorType(I32, 16), [5] * 16))
+    d = half_at(builder, builder.gep(base, [const(208)]))
+    return d, d, groups, offsets, False

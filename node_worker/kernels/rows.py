@@ -7,7 +7,9 @@ and up rows [R, H] against the tokens' rows of x, then W_down's rows [H, R]
 against silu(gate) * up, giving the group's contribution [n, H]. One token
 (decode): four rows at a time. n >= 2 tokens (prefill, padded to a multiple of
 4): two rows by four tokens at a time, each block widened once for the four,
-their accumulators in registers. Tasks run in parallel (numba's threads, the
+their accumulators in registers; with integer activations (int_act), a K
+type's matrix is taken in integers instead, on the tokens quantised per
+super-block (isuper.py). Tasks run in parallel (numba's threads, the
 node's CPUs); each writes only its own contribution, and the caller adds them
 in group order, so the result does not depend on the thread count or timing.
 
@@ -27,13 +29,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import isimd, simd
-from .activations import quantize_rows
+from . import isimd, isuper, simd
+from .activations import quantize_rows, quantize_rows_super
 from .common import JIT
 
 FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7
 INT_FROM = FORMAT_IDS["q8"]  # formats from this id on have integers to multiply (isimd.INT_FORMATS)
 assert list(FORMAT_IDS)[INT_FROM:] == list(isimd.INT_FORMATS)
+SUPER_IDS = tuple(FORMAT_IDS[name] for name in isuper.SUPER_FORMATS)  # prefill's integer loop: q4k, q5k, q6k
+SUPER_FROM, SUPER_TO = SUPER_IDS[0], SUPER_IDS[-1] + 1
+assert SUPER_IDS == tuple(range(SUPER_FROM, SUPER_TO))
 SHAPE = ("rows", "gate format", "gate row bytes", "up format", "up row bytes", "down format", "down row weights",
          "down row bytes")  # the columns of an expert's shapes row
 
@@ -133,24 +138,56 @@ def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out) -> None:
 
 
 @njit(inline="always", **JIT)
-def task_tokens(data, hidden, xg, og, ou, od, shape, out) -> None:
-    """A group of n tokens, a multiple of 4 (xg [n, H], gathered): gate and up two rows by four tokens at a
-    time, then W_down's H rows (R weights each) the same way against silu(gate) * up [n, R] into out [n, H]."""
+def super_int(fmt, int_act) -> bool:
+    """Prefill's integer loop for this format (a K type, EngineConfig.activations q8)."""
+    return int_act and SUPER_FROM <= fmt < SUPER_TO
+
+
+@njit(inline="always", **JIT)
+def row_tokens_int(fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col) -> None:
+    """out[:, col] <- the quantised xq, xd, bs (quantize_rows_super of [n, H], n a multiple of 4) · the row at
+    byte offset o (rows row_bytes apart): eight tokens at a time, the last four by four (isuper.py)."""
+    n = xq.shape[0]
+    t0 = 0
+    while t0 + 8 <= n:
+        isuper.dot1r8s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
+        t0 += 8
+    if t0 < n:
+        isuper.dot1r4s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
+
+
+@njit(inline="always", **JIT)
+def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, out) -> None:
+    """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (n a multiple of 4): the integer loop on xg
+    quantised per super-block for a K type when int_act, else the float one (dot_chunks)."""
+    if super_int(fmt, int_act):
+        xq, xd, bs = quantize_rows_super(xg)
+        for r in range(rows):
+            row_tokens_int(fmt, data, o + r * row_bytes, row_bytes, hidden, xq, xd, bs, out, r)
+    else:
+        dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out)
+
+
+@njit(inline="always", **JIT)
+def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act) -> None:
+    """A group of n tokens, a multiple of 4 (xg [n, H], gathered): gate and up against the n tokens, then
+    W_down's H rows (R weights each) the same way against silu(gate) * up [n, R] into out [n, H]; a K type's
+    rows in integers when int_act (matrix_tokens)."""
     R, width, fmt_d, down_bytes = shape[0], shape[6], shape[5], shape[7]
     n = xg.shape[0]
     gate = np.empty((n, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
     up = np.empty((n, R + 1), np.float32)
-    dot_chunks(shape[1], data, og, shape[2], R, hidden, xg, gate)
-    dot_chunks(shape[3], data, ou, shape[4], R, hidden, xg, up)
+    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, gate)
+    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, up)
     h = np.zeros((n, width), np.float32)  # silu(gate) * up, per token and row (zeros past R)
     for j in range(n):
         for r in range(R):
             h[j, r] = silu(gate[j, r]) * up[j, r]
     if hidden % 2 == 0:
-        dot_chunks(fmt_d, data, od, down_bytes, hidden, width, h, out)
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, out)
     else:
         wide = np.empty((n, hidden + 1), np.float32)  # the odd last row's repeat lands in the extra column
-        dot_chunks(fmt_d, data, od, down_bytes, hidden, width, h, wide)
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, wide)
         out[:, :] = wide[:, :hidden]
 
 
@@ -168,7 +205,7 @@ def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, co
             for j in range(n):
                 xg[j] = x[tokens[t0 + j]]
             yg = out if padded == n else np.empty((padded, hidden), np.float32)
-            task_tokens(data, hidden, xg, og, ou, od, shapes[g], yg)
+            task_tokens(data, hidden, xg, og, ou, od, shapes[g], yg, int_act)
             if padded != n:
                 out[:, :] = yg[:n]
             continue
