@@ -48,8 +48,9 @@ class EngineConfig:
     # the CPU device side's dense matrices (no GPU): auto (a GGUF file's quantised ones as the file has them,
     # the rest float32; with a GPU all float32) | f32 | bf16 | q8 | q4
     dense_dtype: str = "auto"
-    # decode's dot products with quantised weights: "q8" multiplies them in integers by the activations
-    # quantised per block of 32 (as llama.cpp does); "f32" widens the weights to float (the reference)
+    # dot products with quantised weights: "q8" multiplies them in integers by the activations quantised to int8
+    # (as llama.cpp does): per block of 32 in decode, per super-block of 256 in a K type's or IQ4_XS's prefill;
+    # "f32" widens the weights to float (the reference)
     activations: str = "q8"
 
     def __post_init__(self):

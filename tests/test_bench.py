@@ -147,3 +147,5 @@ def test_quality_against_f32_is_reported_for_the_formats(tmp_path):
     assert (q["expert_format"], q["positions"]) == ("q8", 16)
     assert re.fullmatch(r"\d+ q8", q["dense_format"])  # every dense matrix in q8
     assert 0 < q["max_rel_logits_error"] < 0.05 and 0 < q["mean_kl"] < 1e-2 and q["top1_agreement"] >= 0.9
+    p = q["prefill"]  # the same positions in one pass
+    assert p["positions"] == 16 and 0 < p["max_rel_logits_error"] < 0.05 and 0 < p["mean_kl"] < 1e-2

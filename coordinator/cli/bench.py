@@ -181,18 +181,21 @@ def per_token_overhead(decode: dict, moe_layers: int, decode_tps: list[float]) -
 
 
 def measure_quality(model_dir: Path, eng: Engine, positions: int, seed: int, device: dict) -> dict:
-    """The engine's logits against an f32 computation of the same checkpoint, over one prompt."""
+    """The engine's logits against an f32 computation of the same checkpoint, over one prompt: one decode step
+    a position, and (under "prefill") the prompt in one pass, as prefill computes it."""
     rng = np.random.default_rng(seed + 1)
     prompt = rng.integers(0, min(eng.model_config.vocab_size, 256), positions).tolist()
     got = eng.logits(prompt, steps=True)  # decode steps: where quantised activations are used
+    got_prefill = eng.logits(prompt)  # [positions, V] in one pass: prefill's kernels
     ref_config = EngineConfig(pool="inproc", expert_dtype="f32", dense_dtype="f32", activations="f32",
                               **{k: v for k, v in device.items() if k not in QUALITY_SETTINGS})
     with Engine.open(model_dir, ref_config) as ref:
         want = ref.logits(prompt, steps=True)
+        want_prefill = ref.logits(prompt)
     return {"expert_format": eng.expert_format, "dense_format": eng.dense_format,
             "activations": eng.config.activations,
             "reference": "f32 experts, dense matrices and activations, in-process, one decode step a position",
-            **compare_logits(want, got)}
+            **compare_logits(want, got), "prefill": compare_logits(want_prefill, got_prefill)}
 
 
 QUALITY_SETTINGS = ("expert_dtype", "dense_dtype", "activations")  # what the quality reference sets itself
@@ -240,6 +243,10 @@ def markdown(report: dict) -> str:
                      f"{q['activations']}, against {q['reference']}, "
                      f"{q['positions']} positions: max rel logits error {q['max_rel_logits_error']:.2e}, mean KL "
                      f"{q['mean_kl']:.2e}, top-1 agreement {q['top1_agreement']:.1%}")
+        p = q["prefill"]
+        lines.append(f"quality of the same in one prefill pass over the {p['positions']} positions: max rel logits "
+                     f"error {p['max_rel_logits_error']:.2e}, mean KL {p['mean_kl']:.2e}, top-1 agreement "
+                     f"{p['top1_agreement']:.1%}")
     lines.append("")
     for mode, m in report["modes"].items():
         e = m["experts"]

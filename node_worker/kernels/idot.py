@@ -1,7 +1,7 @@
 """Integer dot products of a block of 32 weights with 32 int8 activations, in LLVM IR.
 
-The quantised formats' kernels (simd.py's ``dot4i``/``dot2r4i``) take the
-activations quantised per block of 32 (activations.py) and multiply the
+The quantised formats' decode kernel (isimd.py's ``dot4i``) takes the
+activations quantised per block of 32 (activations.py) and multiplies the
 weights' small integers by them in integers, as llama.cpp does: a block's 32
 products summed four by four into <8 x i32>, converted to float once and
 scaled by (weight scale × activation scale). The float path widens every
