@@ -72,7 +72,7 @@ class PackedMatrix:
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         T = x2.shape[0]
-        if T > 1 and self.int_act and self.fmt_id in SUPER_IDS:  # a K type's integer loop, T padded to 4
+        if T > 1 and self.int_act and self.fmt_id in SUPER_IDS:  # a K type's or IQ4_XS's integer loop, T padded to 4
             padded = np.zeros((-(-T // 4) * 4, K), np.float32)
             padded[:T] = x2
             out = np.empty((padded.shape[0], R), np.float32)

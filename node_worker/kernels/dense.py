@@ -10,7 +10,7 @@ rows split over numba's threads.
                                                             out [T, R] = x [T, K] · Wᵀ  (T small; int_act:
                                                             integer dot products for an integer format)
     matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out)
-                                                            the same for a K type (rows.SUPER_IDS) and any T a
+                                                            the same for a K type or IQ4_XS (rows.SUPER_IDS) and any T a
                                                             multiple of 4, on x quantised per super-block
     decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
     decode_rows_serial(...)                                  the same on the calling thread alone (for

@@ -8,8 +8,8 @@ against silu(gate) * up, giving the group's contribution [n, H]. One token
 (decode): four rows at a time. n >= 2 tokens (prefill, padded to a multiple of
 4): two rows by four tokens at a time, each block widened once for the four,
 their accumulators in registers; with integer activations (int_act), a K
-type's matrix is taken in integers instead, on the tokens quantised per
-super-block (isuper.py). Tasks run in parallel (numba's threads, the
+type's or IQ4_XS's matrix is taken in integers instead, on the tokens
+quantised per super-block (isuper.py). Tasks run in parallel (numba's threads, the
 node's CPUs); each writes only its own contribution, and the caller adds them
 in group order, so the result does not depend on the thread count or timing.
 
@@ -36,7 +36,7 @@ from .common import JIT
 FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7
 INT_FROM = FORMAT_IDS["q8"]  # formats from this id on have integers to multiply (isimd.INT_FORMATS)
 assert list(FORMAT_IDS)[INT_FROM:] == list(isimd.INT_FORMATS)
-SUPER_IDS = tuple(FORMAT_IDS[name] for name in isuper.SUPER_FORMATS)  # prefill's integer loop: q4k, q5k, q6k
+SUPER_IDS = tuple(FORMAT_IDS[name] for name in isuper.SUPER_FORMATS)  # prefill's integer loop: the K types, iq4xs
 SUPER_FROM, SUPER_TO = SUPER_IDS[0], SUPER_IDS[-1] + 1
 assert SUPER_IDS == tuple(range(SUPER_FROM, SUPER_TO))
 SHAPE = ("rows", "gate format", "gate row bytes", "up format", "up row bytes", "down format", "down row weights",
@@ -139,7 +139,7 @@ def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out) -> None:
 
 @njit(inline="always", **JIT)
 def super_int(fmt, int_act) -> bool:
-    """Prefill's integer loop for this format (a K type, EngineConfig.activations q8)."""
+    """Prefill's integer loop for this format (a K type or IQ4_XS, EngineConfig.activations q8)."""
     return int_act and SUPER_FROM <= fmt < SUPER_TO
 
 
@@ -159,7 +159,7 @@ def row_tokens_int(fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col) -> Non
 @njit(inline="always", **JIT)
 def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, out) -> None:
     """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (n a multiple of 4): the integer loop on xg
-    quantised per super-block for a K type when int_act, else the float one (dot_chunks)."""
+    quantised per super-block for a K type or IQ4_XS when int_act, else the float one (dot_chunks)."""
     if super_int(fmt, int_act):
         xq, xd, bs = quantize_rows_super(xg)
         for r in range(rows):
@@ -172,7 +172,7 @@ def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, out) -> No
 def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act) -> None:
     """A group of n tokens, a multiple of 4 (xg [n, H], gathered): gate and up against the n tokens, then
     W_down's H rows (R weights each) the same way against silu(gate) * up [n, R] into out [n, H]; a K type's
-    rows in integers when int_act (matrix_tokens)."""
+    or IQ4_XS's rows in integers when int_act (matrix_tokens)."""
     R, width, fmt_d, down_bytes = shape[0], shape[6], shape[5], shape[7]
     n = xg.shape[0]
     gate = np.empty((n, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
