@@ -244,3 +244,23 @@ def test_shm_clean_all_removes_pool_folders_of_gone_coordinators_only(tmp_path, 
     out = capsys.readouterr().out
     assert not (tmp_path / "strata-pool-dead").exists() and "strata-pool-dead: removed" in out
     assert (tmp_path / "strata-pool-live").exists() and "strata-pool-live" not in out
+
+
+@pytest.mark.parametrize("given, expected", [(None, "4"), ("12", "12")], ids=["default", "user's"])
+def test_openblas_threads_sleep_at_once_unless_the_user_says_otherwise(given, expected):
+    """coordinator sets OPENBLAS_THREAD_TIMEOUT before NumPy loads OpenBLAS (whose idle threads otherwise spin
+    on the CPUs the kernels take next); a value the user set stays."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if given is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    code = ("import builtins, os\n"
+            "real, seen = builtins.__import__, []\n"
+            "def spy(name, *args, **kwargs):\n"
+            "    if name.split('.')[0] == 'numpy' and not seen:\n"
+            "        seen.append(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = spy\n"
+            "import coordinator\n"
+            "print(seen[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [expected]  # its value when NumPy was first imported
