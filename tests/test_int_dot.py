@@ -264,6 +264,20 @@ def test_dense_matrix_several_tokens_of_a_k_type_in_integers_equals_float64(name
     assert np.abs((x @ float_path.T) - got).max() > 100 * error
 
 
+def test_dense_matrix_of_many_tokens_takes_blas_on_decoded_rows():
+    """From INT_TOKENS rows of x on, BLAS on the decoded rows is faster than the integer loop (packed.py's
+    measurement): the same bits as with float activations."""
+    from coordinator.model.packed import INT_TOKENS
+
+    rng = np.random.default_rng(9)
+    fmt = formats.get("q4k")
+    stored = stored_rows(fmt, 70, 512, rng)
+    x = activations(rng, INT_TOKENS, 512)
+    int_act, float_act = (PackedMatrix(fmt, stored, (70, 512), int_act=flag) for flag in (True, False))
+    assert np.array_equal(x @ int_act.T, x @ float_act.T)
+    assert not np.array_equal(x[:-1] @ int_act.T, x[:-1] @ float_act.T)  # one row fewer: the integer loop
+
+
 @pytest.mark.parametrize("name", ["q8", "q4"])
 def test_dense_matrix_few_tokens_with_integer_dots_equals_float64(name):
     rng = np.random.default_rng(6)

@@ -28,6 +28,10 @@ from shm import formats
 from shm.formats.encode import encode_into
 
 FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles of TILE rows and BLAS
+# a K type's or IQ4_XS's integer loop (isuper.py) below this many rows of x, BLAS on decoded tiles from it on.
+# Measured on the Q4_K_M file's q4k attention matrices, 2 threads, GFLOP/s integer / BLAS: 4096 x 2048 at
+# 16, 32, 64, 128 tokens 93 / 37, 92 / 67, 95 / 113, 100 / 143; 512 x 2048 61 / 37, 64 / 65, 65 / 118, 67 / 132
+INT_TOKENS = 48
 TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
 
 
@@ -72,7 +76,7 @@ class PackedMatrix:
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         T = x2.shape[0]
-        if T > 1 and self.int_act and self.fmt_id in SUPER_IDS:  # a K type's or IQ4_XS's integer loop, T padded to 4
+        if 1 < T < INT_TOKENS and self.int_act and self.fmt_id in SUPER_IDS:  # the integer loop, T padded to 4
             padded = np.zeros((-(-T // 4) * 4, K), np.float32)
             padded[:T] = x2
             out = np.empty((padded.shape[0], R), np.float32)
