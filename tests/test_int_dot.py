@@ -175,13 +175,31 @@ def test_every_lowering_of_the_scaled_pair_sums_is_exact(lowering, signed):
         assert out.tolist() == (acc + (pair_sums * sc).reshape(8, 2).sum(axis=1)).tolist()
 
 
-def _float64_expert(mats, name, x):
-    """float64 SwiGLU on the dequantised weights, with x and h quantised as the kernels quantise them."""
+def _float64_expert(mats, name, x, quantised=dequantised):
+    """float64 SwiGLU on the dequantised weights, with x and h quantised as the kernels quantise them
+    (``quantised``: decode's grain, or dequantised_super for prefill's)."""
     g, u, d = (formats.decoded(formats.get(name), m).astype(np.float64) for m in mats)
-    xs = dequantised(x)
+    xs = quantised(x)
     a, b = xs @ g.T, xs @ u.T
     h = (a / (1 + np.exp(-a)) * b).astype(np.float32)
-    return dequantised(h) @ d.T
+    return quantised(h) @ d.T
+
+
+def _node_output(store, activations, x, tokens, routed, weights) -> np.ndarray:
+    worker = NodeWorker(0, store, H, threads=2, activations=activations)
+    try:
+        return worker.compute(0, x, tokens, routed, weights).copy()
+    finally:
+        worker.runner.close()
+
+
+def _assert_integer_path_taken(got: dict, want: np.ndarray) -> None:
+    """got["q8"] within float32 rounding of the float64 ``want``, and got["f32"] away from it by the
+    activations' rounding (so the integer path is the one taken)."""
+    scale = np.abs(want).max()
+    error = np.abs(got["q8"] - want).max()
+    assert error <= 2e-6 * scale
+    assert np.abs(got["f32"] - got["q8"]).max() > 100 * error
 
 
 @pytest.mark.parametrize("name", INT_FORMATS)
@@ -196,27 +214,11 @@ def test_node_decode_with_integer_dots_equals_float64_on_the_quantised_activatio
     store = HeapExpertStore(0, {k: ExpertSlice(*m, name) for k, m in experts.items()}, name)
     x = activations(rng, 3, H)
     tokens, routed, weights = np.arange(3), np.array([2, 0, 1]), np.array([0.5, 1.0, 2.0], np.float32)
-    got = {}
-    for acts in ("q8", "f32"):
-        worker = NodeWorker(0, store, H, threads=2, activations=acts)
-        got[acts] = worker.compute(0, x, tokens, routed, weights).copy()
-        worker.runner.close()
+    got = {acts: _node_output(store, acts, x, tokens, routed, weights) for acts in ("q8", "f32")}
     store.close()
     want = np.stack([w * _float64_expert(experts[(0, e)], name, x[t:t + 1])[0]
                      for t, e, w in zip(tokens, routed, weights)])
-    scale = np.abs(want).max()
-    error = np.abs(got["q8"] - want).max()
-    assert error <= 2e-6 * scale
-    assert np.abs(got["f32"] - got["q8"]).max() > 100 * error
-
-
-def _float64_expert_super(mats, name, x):
-    """float64 SwiGLU on the dequantised weights, x and h quantised per super-block (prefill's form)."""
-    g, u, d = (formats.decoded(formats.get(name), m).astype(np.float64) for m in mats)
-    xs = dequantised_super(x)
-    a, b = xs @ g.T, xs @ u.T
-    h = (a / (1 + np.exp(-a)) * b).astype(np.float32)
-    return dequantised_super(h) @ d.T
+    _assert_integer_path_taken(got, want)
 
 
 @pytest.mark.parametrize("per_expert", [3, 9], ids=["four-by-four", "eight-and-four"])
@@ -234,18 +236,11 @@ def test_node_prefill_of_a_k_type_with_integer_dots_equals_float64(name, per_exp
     x = activations(rng, T, H)
     tokens, routed = np.arange(T), np.repeat([1, 0], per_expert)  # tokens [0, n) to expert 1, the rest to 0
     weights = rng.uniform(0.5, 2.0, T).astype(np.float32)
-    got = {}
-    for acts in ("q8", "f32"):
-        worker = NodeWorker(0, store, H, threads=2, activations=acts)
-        got[acts] = worker.compute(0, x, tokens, routed, weights).copy()
-        worker.runner.close()
+    got = {acts: _node_output(store, acts, x, tokens, routed, weights) for acts in ("q8", "f32")}
     store.close()
-    want = np.concatenate([_float64_expert_super(experts[(0, e)], name, x[rows]) * weights[rows, None]
+    want = np.concatenate([_float64_expert(experts[(0, e)], name, x[rows], dequantised_super) * weights[rows, None]
                            for e, rows in ((1, slice(0, per_expert)), (0, slice(per_expert, T)))])
-    scale = np.abs(want).max()
-    error = np.abs(got["q8"] - want).max()
-    assert error <= 2e-6 * scale
-    assert np.abs(got["f32"] - got["q8"]).max() > 100 * error
+    _assert_integer_path_taken(got, want)
 
 
 @pytest.mark.parametrize("tokens", [3, 13], ids=["four", "eight-and-eight"])

@@ -31,19 +31,25 @@ EXACT_JIT = dict(JIT, fastmath=False)  # no reciprocal for the division: the sam
 
 
 @njit(inline="always", **EXACT_JIT)
+def quantize_block(x, lo, hi, xq):
+    """xq[lo:hi] <- x[lo:hi] quantised to [-127, 127] by one scale; returns (the scale, the sum of xq[lo:hi])."""
+    amax = np.float32(0.0)
+    for i in range(lo, hi):
+        amax = max(amax, abs(x[i]))
+    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+    total = 0
+    for i in range(lo, hi):
+        q = min(max(np.round(x[i] * inv), np.float32(-127.0)), np.float32(127.0))
+        xq[i] = np.int8(q)
+        total += np.int32(q)
+    return amax / np.float32(127.0), total
+
+
+@njit(inline="always", **EXACT_JIT)
 def quantize_row(x, xq, xd, xs) -> None:
     """x [K] float32 -> xq [K] int8, xd [K / 32], xs [K / 32] float32 (module docstring)."""
     for b in range(x.size // BLOCK):
-        amax = np.float32(0.0)
-        for i in range(BLOCK * b, BLOCK * b + BLOCK):
-            amax = max(amax, abs(x[i]))
-        d = amax / np.float32(127.0)
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        total = 0
-        for i in range(BLOCK * b, BLOCK * b + BLOCK):
-            q = min(max(np.round(x[i] * inv), np.float32(-127.0)), np.float32(127.0))
-            xq[i] = np.int8(q)
-            total += np.int32(q)
+        d, total = quantize_block(x, BLOCK * b, BLOCK * b + BLOCK, xq)
         xd[b] = d
         xs[b] = d * np.float32(total)
 
@@ -73,15 +79,10 @@ def quantize_rows_super(x):
     bs = np.zeros((n, K // SUB), np.int32)
     for t in range(n):
         for s in range(K // SUPER):
-            amax = np.float32(0.0)
-            for i in range(SUPER * s, SUPER * s + SUPER):
-                amax = max(amax, abs(x[t, i]))
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            for i in range(SUPER * s, SUPER * s + SUPER):
-                q = min(max(np.round(x[t, i] * inv), np.float32(-127.0)), np.float32(127.0))
-                xq[t, i] = np.int8(q)
-                bs[t, i // SUB] += np.int32(q)
-            xd[t, s] = amax / np.float32(127.0)
+            xd[t, s], _ = quantize_block(x[t], SUPER * s, SUPER * s + SUPER, xq[t])
+        for k in range(K // SUB):
+            for i in range(SUB * k, SUB * k + SUB):
+                bs[t, k] += np.int32(xq[t, i])
     return xq, xd, bs
 
 

@@ -30,13 +30,12 @@ from types import ModuleType
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import idot
 from .ir import F32, I8, I32, LANES, const, splat
 from .isimd import V8F, _reduce8
-from .simd import FAST, FORMATS, _byte_ptr, _per_format, _prefetch_ahead, _register_loop, _row_major
+from .simd import FAST, FORMATS, _byte_ptr, _per_format, _prefetch_ahead, _register_loop, _tile
 
 SUPER_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "isuper")}
 SUPER = 256
@@ -97,16 +96,11 @@ def _make(NR: int, NT: int):
 
         def codegen(context, builder, signature, args):
             fmt_v, data_v, o, row_step, hidden_v, xq_v, xd_v, bs_v, t0, out_v, col = args
-            base = _byte_ptr(context, builder, signature.args[1], data_v)
-            rows = [builder.gep(base, [builder.add(o, builder.mul(row_step, const(j)))]) for j in range(NR)]
+            rows, tok, dests = _tile(context, builder, (signature.args[1], data_v), o, row_step,
+                                     (signature.args[9], out_v), t0, col, NR, NT)
             xq = _byte_ptr(context, builder, signature.args[5], xq_v)
             xd = builder.bitcast(_byte_ptr(context, builder, signature.args[6], xd_v), F32.as_pointer())
             bs = builder.bitcast(_byte_ptr(context, builder, signature.args[7], bs_v), I32.as_pointer())
-            outa = context.make_array(signature.args[9])(context, builder, out_v)
-            outp = builder.bitcast(outa.data, F32.as_pointer())
-            width = builder.extract_value(outa.shape, 1)
-            tok = [builder.add(t0, const(t)) for t in range(NT)]
-            dests = [[_row_major(builder, outp, t, width, builder.add(col, const(j))) for j in range(NR)] for t in tok]
             _per_format(context, builder, signature.args[0], fmt_v,
                         lambda m: _emit(builder, m, rows, row_step, (xq, xd, bs), hidden_v, tok, dests), SUPER_FORMATS)
             return context.get_dummy_value()

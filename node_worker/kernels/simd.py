@@ -200,6 +200,19 @@ def _per_format(context, builder, fmt_type, fmt_value, emit, names=FORMATS) -> N
     builder.position_at_end(done)
 
 
+def _tile(context, builder, data, o, row_step, out, t0, col, NR: int, NT: int):
+    """A tile of NR rows by NT tokens: (the rows' byte pointers, o + j row_step in ``data``; the token indices
+    t0 + t; the destinations &out[t0 + t, col + j] as [NT][NR]). data, out: (numba type, value) pairs."""
+    base = _byte_ptr(context, builder, *data)
+    rows = [builder.gep(base, [builder.add(o, builder.mul(row_step, const(j)))]) for j in range(NR)]
+    outa = context.make_array(out[0])(context, builder, out[1])
+    outp = builder.bitcast(outa.data, F32.as_pointer())
+    width = builder.extract_value(outa.shape, 1)
+    tok = [builder.add(t0, const(t)) for t in range(NT)]
+    return rows, tok, [[_row_major(builder, outp, t, width, builder.add(col, const(j))) for j in range(NR)]
+                       for t in tok]
+
+
 def _make_dotk(NR: int, K: int):
     @intrinsic
     def dotk(typingctx, fmt, data, o, row_step, hidden, xg, t0, out, col):
@@ -209,14 +222,9 @@ def _make_dotk(NR: int, K: int):
 
         def codegen(context, builder, signature, args):
             fmt_v, data_v, o, row_step, hidden_v, xg_v, t0, out_v, col = args
-            base = _byte_ptr(context, builder, signature.args[1], data_v)
-            rows = [builder.gep(base, [builder.add(o, builder.mul(row_step, const(j)))]) for j in range(NR)]
+            rows, tok, dests = _tile(context, builder, (signature.args[1], data_v), o, row_step,
+                                     (signature.args[7], out_v), t0, col, NR, K)
             xp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], xg_v), F32.as_pointer())
-            out = context.make_array(signature.args[7])(context, builder, out_v)
-            outp = builder.bitcast(out.data, F32.as_pointer())
-            width = builder.extract_value(out.shape, 1)
-            tok = [builder.add(t0, const(t)) for t in range(K)]
-            dests = [[_row_major(builder, outp, t, width, builder.add(col, const(j))) for j in range(NR)] for t in tok]
             _per_format(context, builder, signature.args[0], fmt_v,
                         lambda fmt: _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok))
             return context.get_dummy_value()
