@@ -86,22 +86,24 @@ def quantize_rows_super(x):
     return xq, xd, bs
 
 
+def _blocks_reference(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy form of quantize_block over every block of x [n, K]: (q int8 [n, K / block, block], scales)."""
+    n, K = x.shape
+    blocks = x.reshape(n, K // block, block).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2)
+    inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)
+    return np.clip(np.round(blocks * inv[..., None]), -127, 127).astype(np.int8), amax / np.float32(127.0)
+
+
 def quantize_super_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """NumPy form of quantize_rows_super (tests): x [n, K] -> (xq, xd, bs)."""
     n, K = x.shape
-    blocks = x.reshape(n, K // SUPER, SUPER).astype(np.float32)
-    amax = np.abs(blocks).max(axis=2)
-    inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)
-    q = np.clip(np.round(blocks * inv[..., None]), -127, 127).astype(np.int8).reshape(n, K)
-    return q, amax / np.float32(127.0), q.reshape(n, K // SUB, SUB).sum(axis=2, dtype=np.int32)
+    q, d = _blocks_reference(x, SUPER)
+    return q.reshape(n, K), d, q.reshape(n, K // SUB, SUB).sum(axis=2, dtype=np.int32)
 
 
 def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """NumPy form of quantize_rows (tests): x [n, K] -> (xq, xd, xs)."""
     n, K = x.shape
-    blocks = x.reshape(n, K // BLOCK, BLOCK).astype(np.float32)
-    amax = np.abs(blocks).max(axis=2)
-    d = amax / np.float32(127.0)
-    inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)
-    q = np.clip(np.round(blocks * inv[..., None]), -127, 127)
-    return q.astype(np.int8).reshape(n, K), d, (d * q.sum(axis=2, dtype=np.int64).astype(np.float32)).astype(np.float32)
+    q, d = _blocks_reference(x, BLOCK)
+    return q.reshape(n, K), d, (d * q.sum(axis=2, dtype=np.int64).astype(np.float32)).astype(np.float32)

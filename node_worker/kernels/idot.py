@@ -82,12 +82,9 @@ def dot(builder, q, x, signed: bool, lowering: str | None = None):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VI8, [VI8, VI8, VI8]),
                                             "llvm.x86.avx512.vpdpbusd.256")
         return builder.call(fn, [ir.Constant(VI8, [0] * 8), builder.bitcast(a, VI8), builder.bitcast(b, VI8)])
-    if how == "avx2":
-        pairs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VI16, [V32, V32]),
-                                               "llvm.x86.avx2.pmadd.ub.sw")
-        quads = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VI8, [VI16, VI16]),
-                                               "llvm.x86.avx2.pmadd.wd")
-        return builder.call(quads, [builder.call(pairs, [a, b]), ir.Constant(VI16, [1] * (LANES // 2))])
+    if how == "avx2":  # pairs into int16, then pairs of those into int32 (times ones)
+        return scaled_add(builder, ir.Constant(VI8, [0] * 8), pairs(builder, a, b, False, how),
+                          ir.Constant(VI16, [1] * (LANES // 2)), how)
     wide = ir.VectorType(I32, LANES)
     products = builder.mul(builder.zext(a, wide), builder.sext(b, wide))
     total = None

@@ -157,11 +157,17 @@ def row_tokens_int(fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col) -> Non
 
 
 @njit(inline="always", **JIT)
-def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, out) -> None:
-    """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (n a multiple of 4): the integer loop on xg
-    quantised per super-block for a K type or IQ4_XS when int_act, else the float one (dot_chunks)."""
+def quantised_super_if(use, x):
+    """x [n, K] quantised per super-block (quantize_rows_super) when use, else the same three arrays empty."""
+    return quantize_rows_super(x[:, :x.shape[1] if use else 0])
+
+
+@njit(inline="always", **JIT)
+def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised, out) -> None:
+    """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (n a multiple of 4): the integer loop on
+    ``quantised`` (quantised_super_if of xg) for a K type or IQ4_XS when int_act, else the float one."""
     if super_int(fmt, int_act):
-        xq, xd, bs = quantize_rows_super(xg)
+        xq, xd, bs = quantised
         for r in range(rows):
             row_tokens_int(fmt, data, o + r * row_bytes, row_bytes, hidden, xq, xd, bs, out, r)
     else:
@@ -177,17 +183,19 @@ def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act) -> None:
     n = xg.shape[0]
     gate = np.empty((n, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
     up = np.empty((n, R + 1), np.float32)
-    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, gate)
-    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, up)
+    xs = quantised_super_if(super_int(shape[1], int_act) or super_int(shape[3], int_act), xg)  # once for both
+    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, gate)
+    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, up)
     h = np.zeros((n, width), np.float32)  # silu(gate) * up, per token and row (zeros past R)
     for j in range(n):
         for r in range(R):
             h[j, r] = silu(gate[j, r]) * up[j, r]
+    hs = quantised_super_if(super_int(fmt_d, int_act), h)
     if hidden % 2 == 0:
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, out)
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, out)
     else:
         wide = np.empty((n, hidden + 1), np.float32)  # the odd last row's repeat lands in the extra column
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, wide)
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, wide)
         out[:, :] = wide[:, :hidden]
 
 
