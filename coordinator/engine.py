@@ -33,6 +33,7 @@ from .model.tokenizer import TextCodec
 from .model.weights import MLPWeights, load_weights
 from .pool import ExpertPool, InprocPool
 from .pool.hot_experts import ExpertProfile, choose_device_experts
+from .serving.chat_template import ChatTemplate, load_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +212,7 @@ class Engine:
     device_placement: dict = field(default_factory=dict)  # which experts the device side holds, and why
     expert_format: str = "f32"  # how the CPU experts are stored (shm/formats)
     dense_format: str = "f32"  # how the CPU device side's dense matrices are stored: formats and counts
+    chat_template: ChatTemplate | None = None  # the model's, when it has one (serving/chat_template.py)
 
     @property
     def max_seq_len(self) -> int:
@@ -226,6 +228,8 @@ class Engine:
         start = time.perf_counter()
         nodes = pool_nodes(config)  # before anything loads: a pool node that does not exist is refused at once
         ckpt, mcfg, codec = source or open_source(model_dir)  # GGUF: the config and the tokenizer from its metadata
+        chat_template = load_chat_template(  # a broken template is named before the weights load
+            model_dir, ckpt.file.metadata if isinstance(ckpt, GgufCheckpoint) else None)
         backend = select_device(config.device)
         if config.dense_dtype not in ("f32", formats.AUTO) and backend != "numpy":
             raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
@@ -253,7 +257,7 @@ class Engine:
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
         return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,
                    {"backend": backend, "experts": len(device_set), "chosen": placement,
-                    "bytes": len(device_set) * expert_bytes(mcfg)}, fmt, dense_format)
+                    "bytes": len(device_set) * expert_bytes(mcfg)}, fmt, dense_format, chat_template)
 
     def cpu_expert_bytes(self) -> float:
         """Bytes of one whole routed expert (gate, up, down) in the CPU side's storage formats (the mean over
