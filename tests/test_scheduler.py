@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -533,3 +535,210 @@ def test_given_ids_are_used_without_tokenising(engine, monkeypatch):
     run_to_end(sched)
     monkeypatch.undo()
     check_final(engine, rec.final("pre"), PROMPTS[2], 4)
+
+
+# -- sampling controls and logprobs (issue 17's prerequisite) -------------------
+
+
+def reference_greedy(engine, prompt_ids: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
+                     repetition: float = 1.0, given: list[int] | None = None) -> tuple[list[int], list[list[float]]]:
+    """An independent reference: one decode step at a time through the decoder, the penalties and the
+    log-softmax in float64 Python. Greedy (first index on ties), or teacher-forced on ``given`` ids.
+    Returns the ids and, per id, the log-softmax of the penalised logits it was chosen from."""
+    dec = engine.decoder
+    cache = dec.new_cache()
+    logits = dec.forward(np.asarray(prompt_ids, np.int64), cache, last_only=True)[-1]
+    eos = set(engine.model_config.eos_token_ids)
+    seen_prompt = set(prompt_ids)
+    out: list[int] = []
+    lps: list[list[float]] = []
+    while len(out) < (n if given is None else len(given)):
+        pen = []
+        for i, x in enumerate(float(v) for v in logits):
+            if i in seen_prompt or i in out:
+                x = x / repetition if x > 0 else x * repetition
+            c = out.count(i)
+            pen.append(x - frequency * c - (presence if c else 0.0))
+        m = max(pen)
+        lse = m + math.log(sum(math.exp(x - m) for x in pen))
+        lps.append([x - lse for x in pen])
+        tok = pen.index(m) if given is None else given[len(out)]
+        out.append(tok)
+        if given is None and tok in eos:
+            break
+        logits = dec.forward(np.array([tok], np.int64), cache, last_only=True)[-1]
+    return out, lps
+
+
+def has_repeats(ids: list[int]) -> bool:
+    return len(set(ids)) < len(ids)
+
+
+@pytest.mark.parametrize("penalties", [dict(presence_penalty=1.5, frequency_penalty=0.5), dict(repetition_penalty=3.0),
+                                       dict(presence_penalty=-0.5, frequency_penalty=0.25, repetition_penalty=1.3)])
+def test_penalties_steer_greedy_decoding_as_the_reference(engine, penalties):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    prompts = [PROMPTS[0], PROMPTS[5], PROMPTS[6]]
+    for i, p in enumerate(prompts):
+        sched.add(b"c", request(id=f"p{i}", prompt=p, max_new_tokens=24, **penalties))
+    run_to_end(sched)
+    for i, p in enumerate(prompts):
+        plain = solo(engine, p, 24)
+        assert has_repeats(plain)  # so the penalties have something to act on
+        want, _ = reference_greedy(engine, engine.encode(p), 24, penalties.get("presence_penalty", 0.0),
+                                   penalties.get("frequency_penalty", 0.0), penalties.get("repetition_penalty", 1.0))
+        ev = rec.final(f"p{i}")
+        assert ev["ids"] == want, (p, penalties)
+        assert ev["ids"] != plain, (p, penalties)
+        assert ev["text"] == engine.decode(ev["ids"]) and "logprobs" not in ev
+
+
+def test_a_huge_presence_penalty_never_repeats_a_token(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    n = 60
+    assert n < engine.model_config.vocab_size
+    for i, p in enumerate(PROMPTS[:4]):  # past the API's range: the scheduler takes any finite penalty
+        sched.add(b"c", dataclasses.replace(request(id=f"h{i}", prompt=p, max_new_tokens=n), presence_penalty=1e6))
+    run_to_end(sched)
+    for i, p in enumerate(PROMPTS[:4]):
+        ids = rec.final(f"h{i}")["ids"]
+        assert len(ids) == n or ids[-1] == EOS_ID
+        assert not has_repeats(ids), p
+        assert has_repeats(solo(engine, p, len(ids)))
+
+
+def test_explicit_defaults_change_nothing_greedy_or_seeded(engine):
+    defaults = dict(min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logprobs=None)
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    for i, p in enumerate(PROMPTS[:3]):
+        sched.add(b"c", request(id=f"g{i}", prompt=p, max_new_tokens=12, **defaults))
+        sched.add(b"c", request(id=f"s{i}", prompt=p, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=7 + i,
+                                **defaults))
+        sched.add(b"c", request(id=f"o{i}", prompt=p, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=7 + i))
+    run_to_end(sched)
+    for i, p in enumerate(PROMPTS[:3]):
+        check_final(engine, rec.final(f"g{i}"), p, 12)
+        sampled = engine.generate(engine.encode(p), 12, temperature=0.9, top_p=0.95, seed=7 + i, stop_at_eos=True)
+        assert rec.final(f"s{i}")["ids"] == rec.final(f"o{i}")["ids"] == sampled
+        for rid in (f"g{i}", f"s{i}", f"o{i}"):
+            assert all("logprobs" not in ev for ev in rec.of(rid))
+
+
+@pytest.mark.parametrize("penalties", [{}, dict(presence_penalty=0.8, repetition_penalty=1.5)])
+def test_greedy_logprobs_equal_the_reference_and_the_chosen_is_the_most_likely(engine, penalties):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    for i, p in enumerate(PROMPTS[:3]):
+        sched.add(b"c", request(id=f"l{i}", prompt=p, max_new_tokens=10, logprobs=5, **penalties))
+    sched.add(b"c", request(id="zero", prompt=PROMPTS[3], max_new_tokens=4, logprobs=0, **penalties))
+    run_to_end(sched)
+    for i, p in enumerate(PROMPTS[:3]):
+        ev = rec.final(f"l{i}")
+        _, ref = reference_greedy(engine, engine.encode(p), 10, penalties.get("presence_penalty", 0.0),
+                                  0.0, penalties.get("repetition_penalty", 1.0), given=ev["ids"])
+        assert [e["id"] for e in ev["logprobs"]] == ev["ids"]
+        for entry, lp in zip(ev["logprobs"], ref):
+            top = entry["top"]
+            assert len(top) == 5
+            assert entry["logprob"] == max(t["logprob"] for t in top) and top[0]["id"] == entry["id"]
+            assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+            assert [t["id"] for t in top] == sorted(range(len(lp)), key=lambda j: -lp[j])[:5]
+            assert entry["logprob"] == pytest.approx(lp[entry["id"]], abs=1e-4)
+            for t in top:
+                assert t["logprob"] == pytest.approx(lp[t["id"]], abs=1e-4)
+                assert t["token"] == engine.decode([t["id"]])
+            assert entry["token"] == engine.decode([entry["id"]])
+            assert sum(math.exp(t["logprob"]) for t in top) <= 1 + 1e-9
+    zero = rec.final("zero")
+    assert len(zero["logprobs"]) == len(zero["ids"]) and all(e["top"] == [] for e in zero["logprobs"])
+
+
+def test_sampled_logprobs_are_taken_before_temperature_and_the_filters(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    sched.add(b"c", request(id="t", prompt=PROMPTS[1], max_new_tokens=10, temperature=0.6, top_k=20, min_p=0.05,
+                            seed=3, logprobs=3))
+    run_to_end(sched)
+    ev = rec.final("t")
+    _, ref = reference_greedy(engine, engine.encode(PROMPTS[1]), 10, given=ev["ids"])
+    assert len(ev["logprobs"]) == len(ev["ids"]) == len(ref)
+    for entry, lp in zip(ev["logprobs"], ref):
+        assert entry["logprob"] == pytest.approx(lp[entry["id"]], abs=1e-4)  # the raw logits' log-softmax
+        assert [t["id"] for t in entry["top"]] == sorted(range(len(lp)), key=lambda j: -lp[j])[:3]
+
+
+def check_stream(engine, rec: Recorder, rid: str, logprobs: bool) -> list[dict]:
+    """Token events' ids (and logprobs) put together are the start of the final's; returns the token events."""
+    final = rec.final(rid)
+    tokens = [ev for ev in rec.of(rid) if ev["type"] == "token"]
+    ids = [i for ev in tokens for i in ev["ids"]]
+    assert all(ev["ids"] for ev in tokens)
+    assert ids == final["ids"][:len(ids)]
+    if logprobs:
+        assert all(len(ev["logprobs"]) == len(ev["ids"]) for ev in tokens)
+        assert [e for ev in tokens for e in ev["logprobs"]] == final["logprobs"][:len(ids)]
+        assert [e["id"] for e in final["logprobs"]] == final["ids"]
+    else:
+        assert all("logprobs" not in ev for ev in tokens + [final])
+    return tokens
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_streamed_ids_are_every_id_since_the_last_token_event(engine, logprobs):
+    rec = Recorder()
+    cases = stop_cases(engine)
+    sched = Scheduler(engine, emit=rec, max_active=len(cases) + 9, max_queued=len(cases) + 9)
+    for i, (p, stop, _) in enumerate(cases):
+        sched.add(b"c", request(id=f"s{i}", prompt=p, max_new_tokens=30, stop=stop, logprobs=logprobs))
+    for i, p in enumerate(PROMPTS):
+        sched.add(b"c", request(id=f"n{i}", prompt=p, max_new_tokens=3 + 5 * i, logprobs=logprobs))
+    held = engine.decode(solo(engine, PROMPTS[0], 20))
+    sched.add(b"c", request(id="held", prompt=PROMPTS[0], max_new_tokens=20, stop=held[4] + "\x01",
+                            logprobs=logprobs))
+    run_to_end(sched)
+    for i in range(len(cases)):
+        check_stream(engine, rec, f"s{i}", logprobs is not None)
+    for i in range(len(PROMPTS)):
+        tokens = check_stream(engine, rec, f"n{i}", logprobs is not None)
+        final = rec.final(f"n{i}")
+        ids, text = [], ""
+        for ev in tokens:  # without stop strings each event's text is exactly what its ids add
+            ids += ev["ids"]
+            text += ev["text"]
+            assert engine.decode(ids) == text
+        assert text == final["text"] and engine.decode(ids) == final["text"]  # what is left out adds no text
+        assert final["ids"][len(ids):] in ([], [EOS_ID])
+    tokens = check_stream(engine, rec, "held", logprobs is not None)
+    assert rec.final("held")["finish_reason"] == "length"
+    assert [i for ev in tokens for i in ev["ids"]] == rec.final("held")["ids"]  # all released in the end
+    assert max(len(ev["ids"]) for ev in tokens) >= 2  # the held-back character went out with the next id
+
+
+def test_cancelled_request_with_logprobs_has_one_entry_per_id(engine):
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    sched.add(b"c", request(id="x", prompt=PROMPTS[1], max_new_tokens=100, logprobs=1))
+    for _ in range(4):
+        sched.step()
+    assert sched.cancel(b"c", "x")
+    final = rec.final("x")
+    assert final["finish_reason"] == "cancelled" and len(final["ids"]) == 4
+    assert [e["id"] for e in final["logprobs"]] == final["ids"] and all(len(e["top"]) == 1 for e in final["logprobs"])
+    check_stream(engine, rec, "x", True)
+
+
+def test_logprobs_token_text_is_empty_without_a_tokenizer(engine, monkeypatch):
+    monkeypatch.setattr(engine, "codec", None)
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec)
+    ids = [72, 105, 33]
+    sched.add(b"c", request(id="a", prompt_ids=ids, max_new_tokens=5, logprobs=2))
+    run_to_end(sched)
+    final = rec.final("a")
+    assert final["ids"] == engine.generate(ids, 5)
+    assert [ev["type"] for ev in rec.of("a")] == ["final"]  # no text, so no token events
+    assert len(final["logprobs"]) == len(final["ids"])
+    assert all(e["token"] == "" and [t["token"] for t in e["top"]] == ["", ""] for e in final["logprobs"])

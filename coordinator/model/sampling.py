@@ -1,7 +1,17 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p."""
+"""Choosing the next token from logits: penalties, greedy, temperature, top-k, top-p, min-p; and logprobs.
+
+The order, as vLLM's: the repetition penalty, then the frequency and presence
+penalties on the raw logits (``penalized``); greedy takes the argmax of those,
+sampling divides them by the temperature, keeps the top-k, then the top-p
+prefix, then the tokens at least min-p times as probable as the most probable
+one (``filtered_probs``). Every step is skipped when its parameter is off, so
+the defaults cost nothing and choose exactly what plain greedy/temperature
+sampling chooses.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,12 +20,20 @@ from ..errors import ConfigValueError
 from .ops import softmax
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
+    min_p: float = 0.0  # 0 = off; keep tokens with p >= min_p * max p
+    presence_penalty: float = 0.0  # 0 = off; subtracted once from each id already generated
+    frequency_penalty: float = 0.0  # 0 = off; subtracted per occurrence among the generated ids
+    repetition_penalty: float = 1.0  # 1 = off; divides positive (multiplies negative) logits of prompt/generated ids
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -24,10 +42,45 @@ class SamplingParams:
             raise ConfigValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ConfigValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ConfigValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _number(getattr(self, name)):
+                raise ConfigValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        if not (_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ConfigValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (else the logits are used as they come)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+def penalized(logits: np.ndarray, params: SamplingParams, prompt_counts: np.ndarray,
+              output_counts: np.ndarray) -> np.ndarray:
+    """logits [V] -> the logits after the penalties (float64), or ``logits`` itself when they are all off.
+
+    ``prompt_counts`` and ``output_counts`` [V] count each id in the prompt and among the generated tokens.
+    Repetition (HF/vLLM): the logit of every id in the prompt or the output is divided by
+    ``repetition_penalty`` when positive and multiplied by it otherwise. Then (OpenAI/vLLM)
+    ``frequency_penalty * count`` and ``presence_penalty`` (once) come off every id generated so far.
+    """
+    if not params.penalized:
+        return logits
+    out = logits.astype(np.float64)
+    if params.repetition_penalty != 1:
+        r = params.repetition_penalty
+        seen = (prompt_counts > 0) | (output_counts > 0)
+        out = np.where(seen, np.where(out > 0, out / r, out * r), out)
+    if params.frequency_penalty:
+        out -= params.frequency_penalty * output_counts
+    if params.presence_penalty:
+        out -= params.presence_penalty * (output_counts > 0)
+    return out
 
 
 def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """logits [V] -> the distribution sampled from, after temperature, top-k and top-p."""
+    """logits [V] -> the distribution sampled from, after temperature, top-k, top-p and min-p."""
     scaled = logits.astype(np.float64) / params.temperature
     if params.top_k and params.top_k < scaled.size:
         kth = np.partition(scaled, -params.top_k)[-params.top_k]
@@ -42,17 +95,71 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         mask[order[mass_before < params.top_p]] = True
         probs = np.where(mask, probs, 0.0)
         probs /= probs.sum()
+    if params.min_p > 0:  # renormalising above does not move the ratios to the most probable token
+        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
     return probs
 
 
+def top_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits [V] -> (log-probability of ``token``, the ``n`` most likely (id, log-probability) pairs, most
+    likely first, ties by id), from the float64 log-softmax of ``logits``."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    n = min(n, lp.size)
+    if n <= 0:
+        return float(lp[token]), []
+    top = np.argpartition(-lp, n - 1)[:n]
+    top = top[np.lexsort((top, -lp[top]))]
+    return float(lp[token]), [(int(i), float(lp[i])) for i in top]
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """Chooses the tokens of one sequence; remembers what the penalties need (the prompt's ids, the ones
+    chosen so far) when one is on."""
+
+    def __init__(self, params: SamplingParams, prompt_ids=()):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self._prompt_ids = np.asarray(list(prompt_ids), np.int64) if params.penalized else None
+        self._chosen: list[int] = []  # before the counts exist
+        self.prompt_counts: np.ndarray | None = None  # [V], made on the first call when a penalty is on
+        self.output_counts: np.ndarray | None = None
+
+    def adjusted(self, logits: np.ndarray) -> np.ndarray:
+        """logits [V] -> the logits this sampler chooses from (after the penalties)."""
+        if not self.params.penalized:
+            return logits
+        if self.output_counts is None:
+            v = logits.shape[-1]
+            ids = self._prompt_ids
+            self.prompt_counts = np.bincount(ids[(ids >= 0) & (ids < v)], minlength=v)
+            self.output_counts = np.zeros(v, np.int64)
+            for t in self._chosen:
+                self.record(t)
+        return penalized(logits, self.params, self.prompt_counts, self.output_counts)
+
+    def record(self, token: int) -> None:
+        """Count a generated token (``choose`` does it for the tokens it returns)."""
+        if not self.params.penalized:
+            return
+        if self.output_counts is None:
+            self._chosen.append(token)
+        elif 0 <= token < self.output_counts.size:
+            self.output_counts[token] += 1
+
+    def choose(self, logits: np.ndarray) -> tuple[int, np.ndarray]:
+        """logits [V] -> (the token id, the penalised logits it was chosen from); the token is recorded."""
+        adjusted = self.adjusted(logits)
+        if self.params.temperature == 0:
+            token = int(np.argmax(adjusted))
+        else:
+            probs = filtered_probs(adjusted, self.params)
+            token = int(self.rng.choice(probs.size, p=probs))
+        self.record(token)
+        return token, adjusted
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits [V] -> a token id."""
-        if self.params.temperature == 0:
-            return int(np.argmax(logits))
-        probs = filtered_probs(logits, self.params)
-        return int(self.rng.choice(probs.size, p=probs))
+        return self.choose(logits)[0]

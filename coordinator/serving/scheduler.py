@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import StepInterrupted
 from ..model.kv_cache import KVCache
-from ..model.sampling import Sampler, SamplingParams
+from ..model.sampling import Sampler, SamplingParams, top_logprobs
 from ..model.tokenizer import StreamDecoder
 from .api import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 
@@ -43,6 +43,8 @@ class Sequence:
     cache: KVCache
     stream: StreamDecoder | None
     out_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # one entry per out_id when the request asked for logprobs
+    sent: int = 0  # out_ids already carried by token events
     text: str = ""  # completion text so far (stop strings cut it)
     emitted: int = 0  # characters of ``text`` already streamed
     logits: np.ndarray | None = None  # [V] for the next token
@@ -105,14 +107,18 @@ class Scheduler:
             ids = list(req.prompt_ids)
         try:
             eng._check_ids(ids, req.max_new_tokens)
-            sampler = Sampler(SamplingParams(req.temperature, req.top_k, req.top_p, req.seed))
+            sampler = Sampler(SamplingParams(req.temperature, req.top_k, req.top_p, req.seed, min_p=req.min_p,
+                                             presence_penalty=req.presence_penalty,
+                                             frequency_penalty=req.frequency_penalty,
+                                             repetition_penalty=req.repetition_penalty), prompt_ids=ids)
         except ValueError as exc:
             code = "too_long" if "exceed" in str(exc) else "bad_request"
             raise ApiError(code, str(exc), req.id) from None
         stream = StreamDecoder(eng.codec) if eng.codec is not None else None
         arrived = time.monotonic() if arrived is None else arrived
         deadline = None if req.deadline_s is None else arrived + req.deadline_s
-        self.queue.append(Sequence(client, req, list(ids), sampler, eng.decoder.new_cache(), stream, deadline=deadline))
+        self.queue.append(Sequence(client, req, list(ids), sampler, eng.decoder.new_cache(), stream, deadline=deadline,
+                                   logprobs=None if req.logprobs is None else []))
         self.stats["requests"] += 1
 
     def expire(self, now: float) -> int:
@@ -204,8 +210,10 @@ class Scheduler:
 
     def _advance(self, s: Sequence) -> bool:
         """Sample one token for s and emit; False when s is finished."""
-        token = s.sampler(s.logits)
+        token, logits = s.sampler.choose(s.logits)
         s.out_ids.append(token)
+        if s.logprobs is not None:
+            s.logprobs.append(self._logprobs_entry(logits, token, s.req.logprobs))
         self.stats["tokens"] += 1
         eos = token in self.engine.model_config.eos_token_ids
         if s.stream is not None and not eos:
@@ -224,8 +232,11 @@ class Scheduler:
         if s.req.stream:
             upto = len(s.text) if reason else len(s.text) - held_back(s.text, s.req.stop)
             if upto > s.emitted:
-                self.emit(s.client, {"type": "token", "id": s.req.id, "text": s.text[s.emitted:upto], "ids": [token]})
-                s.emitted = upto
+                ev = {"type": "token", "id": s.req.id, "text": s.text[s.emitted:upto], "ids": s.out_ids[s.sent:]}
+                if s.logprobs is not None:
+                    ev["logprobs"] = s.logprobs[s.sent:]
+                self.emit(s.client, ev)
+                s.emitted, s.sent = upto, len(s.out_ids)
         if reason:
             self._finish(s, reason)
             self.stats["completed"] += 1
@@ -235,11 +246,22 @@ class Scheduler:
     def _finish(self, s: Sequence, reason: str) -> None:
         log.info("request %s: %d prompt + %d new tokens in %.2f s, %s", s.req.id, len(s.prompt_ids), len(s.out_ids),
                  time.monotonic() - s.started, reason)
-        self.emit(s.client, {
-            "type": "final", "id": s.req.id, "finish_reason": reason, "text": s.text, "ids": s.out_ids,
-            "usage": {"prompt_tokens": len(s.prompt_ids), "completion_tokens": len(s.out_ids)},
-        })
+        ev = {"type": "final", "id": s.req.id, "finish_reason": reason, "text": s.text, "ids": s.out_ids}
+        if s.logprobs is not None:
+            ev["logprobs"] = s.logprobs
+        ev["usage"] = {"prompt_tokens": len(s.prompt_ids), "completion_tokens": len(s.out_ids)}
+        self.emit(s.client, ev)
         self._remove(s)
+
+    def _token_text(self, token: int) -> str:
+        return self.engine.decode([token]) if self.engine.codec is not None else ""
+
+    def _logprobs_entry(self, logits: np.ndarray, token: int, n: int) -> dict:
+        """The logprobs entry of a chosen token: its log-probability under ``logits`` (after the penalties, before
+        temperature and the filters) and the n most likely ids."""
+        chosen, top = top_logprobs(logits, token, n)
+        return {"id": token, "token": self._token_text(token), "logprob": chosen,
+                "top": [{"id": i, "token": self._token_text(i), "logprob": lp} for i, lp in top]}
 
     def _remove(self, s: Sequence) -> None:
         if s in self.active:
