@@ -151,6 +151,8 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "activations": ("STRATA_ACTIVATIONS", str),
 }
 
+API_KEY_VAR = "STRATA_API_KEY"  # ``strata serve --http``: the Bearer key /v1/* requires (--api-key), not the engine's
+
 
 def _parse_env(var: str, parse: Callable[[str], object], environ: Mapping[str, str]) -> object:
     try:

@@ -35,8 +35,8 @@ def server_env() -> dict:
 class Served:
     """A running ``strata serve``: its process, the endpoint it printed, and its stderr file."""
 
-    def __init__(self, proc: subprocess.Popen, address: str, stderr: Path):
-        self.proc, self.address, self.stderr_path = proc, address, stderr
+    def __init__(self, proc: subprocess.Popen, address: str, stderr: Path, http_url: str | None = None):
+        self.proc, self.address, self.stderr_path, self.http_url = proc, address, stderr, http_url
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
@@ -72,7 +72,8 @@ def start_server(model: Path, logdir: Path, *args: str, bind: str = "tcp://127.0
     if not line or not line.startswith("serving on "):
         stop_server(Served(proc, "", proc.stderr_file))
         pytest.fail(f"server did not come up (stdout {line!r}): {proc.stderr_file.read_text()}")
-    return Served(proc, line.split("serving on ", 1)[1].strip(), proc.stderr_file)
+    address, _, http_url = line.split("serving on ", 1)[1].strip().partition(" and ")  # "ZMQ[ and HTTP URL]"
+    return Served(proc, address, proc.stderr_file, http_url or None)
 
 
 def stop_server(s: Served) -> int:

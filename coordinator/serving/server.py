@@ -51,7 +51,9 @@ class BindRefused(StrataError):
     """The bind address is not loopback and the user did not allow remote access."""
 
 
-def check_bind(address: str, curve: bool, insecure_remote: bool) -> None:
+def check_bind(address: str, curve: bool, insecure_remote: bool,
+               remedy: str = "Give --curve-keys DIR to authenticate clients with CURVE, or --insecure-remote to "
+                             "serve anyone who can reach it") -> None:
     """Loopback only, unless CURVE keys are given or the user says --insecure-remote."""
     parts = urlsplit(address)
     if parts.scheme == "ipc":
@@ -66,10 +68,7 @@ def check_bind(address: str, curve: bool, insecure_remote: bool) -> None:
         except ValueError:
             loopback = False
     if not loopback and not (curve or insecure_remote):
-        raise BindRefused(
-            f"refusing to bind {address}: it is not a loopback address. Give --curve-keys DIR to "
-            "authenticate clients with CURVE, or --insecure-remote to serve anyone who can reach it"
-        )
+        raise BindRefused(f"refusing to bind {address}: it is not a loopback address. {remedy}")
     try:
         port = parts.port
     except ValueError:  # tcp://HOST:* (any free port) or a malformed one: zmq's bind will say
@@ -189,6 +188,12 @@ class Server:
         self.counts = {"internal_errors": 0, "gone_clients": 0, "deadline_expired": 0, "refused": 0}
         self.max_token_bytes = engine.codec.max_token_bytes() if engine.codec is not None else None
         engine.pool.wait_hook = self._while_waiting
+
+    def bind_inproc(self) -> str:
+        """One more endpoint, in this process only (the HTTP frontend's); its address."""
+        endpoint = f"inproc://strata-serve-{id(self):x}"
+        self.sock.bind(endpoint)
+        return endpoint
 
     def _setup_curve(self, keys: Path) -> None:
         from zmq.auth import load_certificate
@@ -447,12 +452,22 @@ class Server:
         self.ctx.term()
 
 
-def serve(engine, address: str, **kwargs) -> int:
+def serve(engine, address: str, http: dict | None = None, **kwargs) -> int:
+    """Serve until SIGTERM or SIGINT; ``http`` (HttpFrontend's arguments: host, port, model_name, api_key) adds
+    the OpenAI HTTP API. In-flight requests end with a shutdown error, on both APIs."""
     server = Server(engine, address, **kwargs)
-    signal.signal(signal.SIGTERM, server.request_stop)
-    signal.signal(signal.SIGINT, server.request_stop)
-    print(f"serving on {server.address}", flush=True)
+    frontend = None
     try:
+        if http is not None:
+            from .http import HttpFrontend
+
+            frontend = HttpFrontend(server, **http)
+            frontend.start()
+        signal.signal(signal.SIGTERM, server.request_stop)
+        signal.signal(signal.SIGINT, server.request_stop)
+        print(f"serving on {server.address}" + (f" and {frontend.url}" if frontend else ""), flush=True)
         return server.run()
     finally:
+        if frontend is not None:
+            frontend.stop()
         server.close()

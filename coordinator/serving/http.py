@@ -1,0 +1,385 @@
+"""``strata serve --http HOST:PORT``: the OpenAI HTTP API on top of the ZeroMQ one.
+
+aiohttp serves on a thread of its own with its own event loop; it talks to the
+Server (server.py) through one DEALER socket on an inproc endpoint of the
+Server's ROUTER, exactly as a ZeroMQ client would: each HTTP request becomes
+one ``generate`` document, its events come back by id. Continuous batching
+stays the scheduler's. A client that goes away mid-request (aiohttp cancels its
+handler) has its sequence cancelled. Chat prompts are rendered with the model's
+chat template and tokenised here, off the server's loop.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE
+when ``stream``), GET /health, GET /metrics (Prometheus text). ``--api-key``
+(or STRATA_API_KEY) guards /v1/* with a Bearer token. Every error is an OpenAI
+error document with its status (openai_api.py). Bodies are capped at
+MAX_REQUEST_BYTES (413); a connection that does not finish its request head
+within ``header_timeout_s`` is closed, a body not sent within
+``body_timeout_s`` gets a 408.
+
+Why aiohttp: one well-kept package that is both the server and (for tests and
+the benchmark) the client, with streaming responses and per-connection
+timeouts, and no ASGI server to add beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import Counter, deque
+
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from .api import DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_HEADER_TIMEOUT_S, MAX_REQUEST_BYTES, encode_event
+from .chat_template import ChatTemplateError
+from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
+                         check_model, chunk, completion_logprobs, completion_prompt, completion_response, error_body,
+                         from_engine_error, generate_fields, models_list, new_id, stream_flags, template_kwargs,
+                          usage_chunk)
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their last event on stop
+START_TIMEOUT_S = 30.0
+
+
+class Bridge:
+    """The HTTP side's one DEALER to the Server's ROUTER: documents out, events routed back by request id."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        self.sock = zmq.asyncio.Context.shadow(ctx.underlying).socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.open: dict[str, asyncio.Queue] = {}
+        self.calls: dict[str, deque[asyncio.Future]] = {"stats": deque(), "health": deque()}
+        self.ids = itertools.count(1)
+        self.reader: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            ev = json.loads(await self.sock.recv())
+            kind, rid = ev.get("type"), ev.get("id")
+            if kind in self.calls and self.calls[kind]:
+                self.calls[kind].popleft().set_result(ev)
+            elif rid in self.open:
+                self.open[rid].put_nowait(ev)
+            elif kind == "error" and rid is None and any(self.calls.values()):
+                next(q for q in self.calls.values() if q).popleft().set_result(ev)
+            # else: an event of a request already given up (cancelled): nothing waits for it
+
+    def send(self, doc: dict) -> None:
+        self.sock.send(encode_event(doc), zmq.NOBLOCK)  # inproc, never full in practice; Again is an error
+
+    def begin(self, doc: dict) -> asyncio.Queue:
+        rid = f"http-{next(self.ids)}"
+        doc["id"] = rid
+        queue = self.open[rid] = asyncio.Queue()
+        self.send(doc)
+        return queue
+
+    def end(self, rid: str, cancel: bool) -> None:
+        self.open.pop(rid, None)
+        if cancel:
+            try:
+                self.send({"type": "cancel", "id": rid})
+            except zmq.ZMQError:
+                pass
+
+    async def call(self, kind: str) -> dict:
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[kind].append(fut)
+        self.send({"type": kind})
+        ev = await fut
+        if ev["type"] == "error":
+            raise from_engine_error(ev)
+        return ev
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+            try:
+                await self.reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.sock.close(0)
+
+
+def _json(status: int, doc: dict) -> web.Response:
+    return web.Response(status=status, text=json.dumps(doc), content_type="application/json")
+
+
+def sse(doc: dict | str) -> bytes:
+    return f"data: {doc if isinstance(doc, str) else json.dumps(doc, separators=(',', ':'))}\n\n".encode()
+
+
+class HttpFrontend:
+    def __init__(self, server, host: str, port: int, model_name: str, api_key: str | None = None,
+                 header_timeout_s: float = DEFAULT_HTTP_HEADER_TIMEOUT_S,
+                 body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S):
+        self.server = server
+        self.engine = server.engine
+        self.host, self.port = host, port
+        self.model_name = model_name
+        self.api_key = api_key
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        self.endpoint = server.bind_inproc()
+        self.template = getattr(self.engine, "chat_template", None)
+        self.created = int(time.time())
+        self.counts: Counter = Counter()  # (route, status) -> responses
+        self.streams = 0  # open SSE responses
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._failed: BaseException | None = None
+
+    # -- life ----------------------------------------------------------------
+    def start(self) -> None:
+        """Bind and serve on the frontend's thread; raises here what made the bind fail."""
+        self.thread = threading.Thread(target=self._thread, name="strata-http", daemon=True)
+        self.thread.start()
+        if not self._ready.wait(START_TIMEOUT_S):
+            raise RuntimeError(f"the HTTP server did not start within {START_TIMEOUT_S:.0f}s")
+        if self._failed is not None:
+            raise self._failed
+
+    def _thread(self) -> None:
+        self.loop = loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._start())
+        except BaseException as exc:  # noqa: BLE001 - handed to start() in the main thread
+            self._failed = exc
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        loop.run_forever()
+        loop.run_until_complete(self._stop())
+        loop.close()
+
+    async def _start(self) -> None:
+        self.bridge = Bridge(self.server.ctx, self.endpoint)
+        self.bridge.start()
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._errors, self._auth])
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self.runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=self.header_timeout_s,
+                                    shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the port bound, when 0 was asked
+
+    async def _stop(self) -> None:
+        await self.runner.cleanup()  # waits up to SHUTDOWN_GRACE_S for in-flight handlers
+        await self.bridge.close()
+
+    def stop(self) -> None:
+        """After the Server's loop ended (its in-flight requests got their shutdown errors): let the handlers
+        send those, then close the listener and the bridge."""
+        if self.loop is None or self.thread is None or not self.thread.is_alive():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(SHUTDOWN_GRACE_S + 5)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    # -- middleware ------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+        try:
+            response = await handler(request)
+        except OpenAIError as exc:
+            response = _json(exc.status, exc.body())
+        except web.HTTPException as exc:  # aiohttp's own: 404 route, 405 method, 413 body
+            message = {404: f"no route {request.method} {request.path}", 413: f"the request body is over "
+                       f"{MAX_REQUEST_BYTES} bytes"}.get(exc.status, exc.reason)
+            response = _json(exc.status, error_body(exc.status, message))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:  # a defect of ours: this request's 500, never the server's end
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            response = _json(500, error_body(500, f"the server could not handle this request: "
+                                                  f"{type(exc).__name__}: {exc}"))
+        self.counts[(route, response.status)] += 1
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                  code="invalid_api_key")
+        return await handler(request)
+
+    # -- routes ----------------------------------------------------------------
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise OpenAIError(408, f"the request body did not arrive within {self.body_timeout_s:.0f}s") from None
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise OpenAIError(400, "the request body is nested too deeply") from None
+        except ValueError as exc:
+            raise OpenAIError(400, f"the request body is not UTF-8 JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object")
+        check_model(body, self.model_name)
+        return body
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return _json(200, models_list(self.model_name, self.created))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        doc = {"type": "generate", **generate_fields(body, chat=False, max_new_tokens_limit=self._limit(),
+                                                     default_max_tokens=min(COMPLETION_MAX_TOKENS, self._limit()))}
+        prompt = completion_prompt(body)
+        doc["prompt_ids" if isinstance(prompt, list) else "prompt"] = prompt
+        return await self._run(request, body, doc, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if self.template is None:
+            raise OpenAIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
+                              code="no_chat_template")
+        if self.engine.codec is None:
+            raise OpenAIError(400, "the model has no tokenizer; use /v1/completions with token ids")
+        messages, tools, extra = chat_messages(body), chat_tools(body), template_kwargs(body)
+        fields = generate_fields(body, chat=True, max_new_tokens_limit=self._limit(), default_max_tokens=None)
+        ids = await asyncio.get_running_loop().run_in_executor(None, self._render, messages, tools, extra)
+        room = self.engine.max_seq_len - len(ids)
+        if room < 1:
+            raise OpenAIError(400, f"the messages are {len(ids)} tokens; the context holds "
+                                   f"{self.engine.max_seq_len}", param="messages", code="context_length_exceeded")
+        if fields["max_new_tokens"] is None:
+            fields["max_new_tokens"] = min(room, self._limit())
+        doc = {"type": "generate", "prompt_ids": ids, **fields}
+        return await self._run(request, body, doc, chat=True)
+
+    def _render(self, messages: list[dict], tools, extra: dict) -> list[int]:
+        try:
+            text = self.template.render(messages, add_generation_prompt=True, tools=tools, **extra)
+        except ChatTemplateError as exc:
+            raise OpenAIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+        return self.engine.encode(text)
+
+    def _limit(self) -> int:
+        return self.server.limits.max_new_tokens
+
+    async def _run(self, request: web.Request, body: dict, doc: dict, chat: bool) -> web.StreamResponse:
+        """Send one generate document and answer with its events: one JSON document, or SSE chunks."""
+        stream, include_usage = stream_flags(body)
+        want_logprobs = doc["logprobs"] is not None
+        doc["stream"] = stream
+        queue = self.bridge.begin(doc)
+        rid, done = doc["id"], False
+        try:
+            if not stream:
+                ev = await queue.get()
+                done = True
+                if ev["type"] == "error":
+                    raise from_engine_error(ev)
+                return _json(200, completion_response(new_id(chat), self.model_name, ev, chat, want_logprobs))
+            response, done = await self._stream(request, queue, chat, include_usage, want_logprobs)
+            return response
+        finally:
+            self.bridge.end(rid, cancel=not done)
+
+    async def _stream(self, request: web.Request, queue: asyncio.Queue, chat: bool, include_usage: bool,
+                      want_logprobs: bool) -> tuple[web.StreamResponse, bool]:
+        first = await queue.get()
+        if first["type"] == "error":  # refused before any token: a plain HTTP error, not a stream
+            raise from_engine_error(first)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        self.streams += 1
+        oid, created, offset = new_id(chat), int(time.time()), 0
+        try:
+            if chat:
+                await response.write(sse(chunk(oid, self.model_name, created, chat, "", role=True)))
+            ev = first
+            while True:
+                if ev["type"] == "token":
+                    entries = ev.get("logprobs") or []
+                    lp = None
+                    if want_logprobs:
+                        lp = chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
+                    offset += len(ev["text"])
+                    await response.write(sse(chunk(oid, self.model_name, created, chat, ev["text"], logprobs=lp)))
+                elif ev["type"] == "final":
+                    finish = FINISH_REASON.get(ev["finish_reason"], "stop")
+                    await response.write(sse(chunk(oid, self.model_name, created, chat, None if chat else "",
+                                                   finish=finish)))
+                    if include_usage:
+                        await response.write(sse(usage_chunk(oid, self.model_name, created, chat, ev)))
+                    break
+                else:  # an error after the stream began (engine failure, shutdown): an error event ends it
+                    await response.write(sse(from_engine_error(ev).body()))
+                    break
+                ev = await queue.get()
+            await response.write(sse("[DONE]"))
+            await response.write_eof()
+            return response, True
+        finally:
+            self.streams -= 1
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        health = await self.bridge.call("health")
+        return _json(200 if health.get("ok") else 503, health)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        stats = await self.bridge.call("stats")
+        return web.Response(text=prometheus(stats, self.counts, self.streams),
+                            content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+
+def prometheus(stats: dict, http_counts: Counter, streams: int) -> str:
+    """The server's stats and the HTTP counts in Prometheus' text format (version 0.0.4)."""
+    nodes = stats.get("pool", {}).get("nodes", [])
+    hit = (stats.get("experts") or {}).get("hit_rate")
+    rows = [  # (name, type, help, value)
+        ("strata_requests_total", "counter", "generate requests accepted", stats.get("requests", 0)),
+        ("strata_requests_completed_total", "counter", "requests that finished", stats.get("completed", 0)),
+        ("strata_requests_cancelled_total", "counter", "requests cancelled", stats.get("cancelled", 0)),
+        ("strata_busy_rejections_total", "counter", "requests refused: queue full", stats.get("busy_rejections", 0)),
+        ("strata_generated_tokens_total", "counter", "tokens generated", stats.get("tokens", 0)),
+        ("strata_prompt_tokens_total", "counter", "prompt tokens prefilled", stats.get("prefill_tokens", 0)),
+        ("strata_tokens_per_second", "gauge", "tokens generated per second of engine steps",
+         stats.get("tokens_per_s") or 0.0),
+        ("strata_queue_depth", "gauge", "requests waiting for a slot", stats.get("queued", 0)),
+        ("strata_active_sequences", "gauge", "sequences prefilling or decoding", stats.get("active", 0)),
+        ("strata_worker_restarts_total", "counter", "node worker restarts", sum(n.get("restarts", 0) for n in nodes)),
+        ("strata_hot_expert_hit_rate", "gauge", "share of routed expert pairs served by the device side",
+         hit if hit is not None else float("nan")),
+        ("strata_http_streams_open", "gauge", "server-sent event responses in progress", streams),
+    ]
+    lines = []
+    for name, kind, text, value in rows:
+        value = float(value)
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {'NaN' if value != value else value}"]
+    lines += ["# HELP strata_http_responses_total HTTP responses by route and status",
+              "# TYPE strata_http_responses_total counter"]
+    for (route, status), n in sorted(http_counts.items()):
+        lines.append(f'strata_http_responses_total{{route="{route}",status="{status}"}} {n}')
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,312 @@
+"""OpenAI's request and response documents, to and from the ZeroMQ API's (api.py).
+
+Pure functions, free of sockets: http.py serves them, tests drive them alone.
+
+A request becomes one ZeroMQ ``generate`` document; its fields keep OpenAI's
+names and ranges in every error (``param`` names the field at fault). Fields
+this engine cannot honour with a non-default value (``n`` > 1, ``best_of`` > 1,
+``echo``, ``suffix``, a JSON ``response_format``, non-text message parts) are
+refused with a 400 rather than ignored; fields it has no use for (``user``,
+``metadata``, ``store``...) are ignored, as OpenAI's own server does.
+
+Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
+completions and, for chat, whatever the context has left (within the server's
+``--max-new-tokens-limit``). ``top_k``, ``min_p`` and ``repetition_penalty``
+are the extensions vLLM and llama-server take (``top_k`` -1 or 0: off).
+
+Finish reasons: the engine's ``eos`` and ``stop`` are OpenAI's ``stop``; its
+``length`` and ``deadline`` are ``length``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+
+from .api import ApiError, _float, _int
+
+# the ZeroMQ API's error codes -> HTTP status (busy: the queue is full; shutdown: the server is stopping)
+STATUS_OF_CODE = {"bad_request": 400, "too_long": 400, "not_found": 404, "busy": 429, "shutdown": 503,
+                  "engine": 500, "internal": 500}
+TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                  405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+                  429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "deadline": "length", "cancelled": "stop"}
+MAX_TOP_LOGPROBS = 20
+MAX_STOP = 4  # OpenAI's limit on stop strings
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class OpenAIError(Exception):
+    """A request answered with an OpenAI error document and an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPE_OF_STATUS.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+def from_engine_error(event: dict) -> OpenAIError:
+    """An error event of the ZeroMQ API -> the HTTP error it stands for."""
+    code = event.get("code", "internal")
+    return OpenAIError(STATUS_OF_CODE.get(code, 500), event.get("message", "engine error"), code=code)
+
+
+def _field(check, body: dict, key: str, default, lo, hi, **kwargs):
+    """``body[key]`` checked by api.py's validator (``default`` when absent or null), its ApiError turned into a
+    400 naming the OpenAI field."""
+    if body.get(key) is None:
+        return default
+    try:
+        return check(body, key, default, lo, hi, None, **kwargs)
+    except ApiError as exc:
+        raise OpenAIError(400, exc.message, param=key) from None
+
+
+def check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise OpenAIError(400, "'model' must be a string", param="model")
+    if model != served:
+        raise OpenAIError(404, f"the model '{model}' does not exist; this server serves '{served}'", param="model",
+                          code="model_not_found")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if body.get("n") not in (None, 1):
+        raise OpenAIError(400, f"'n' must be 1: this server makes one choice per request, got {body.get('n')!r}",
+                          param="n")
+    if body.get("best_of") not in (None, 1):
+        raise OpenAIError(400, "'best_of' must be 1", param="best_of")
+    if body.get("echo") not in (None, False):
+        raise OpenAIError(400, "'echo' is not supported", param="echo")
+    if body.get("suffix") is not None:
+        raise OpenAIError(400, "'suffix' is not supported", param="suffix")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise OpenAIError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
+                          param="response_format")
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise OpenAIError(400, f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings",
+                          param="stop")
+    return stop
+
+
+def _max_tokens(body: dict, default: int | None, limit: int) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            return _field(_int, body, key, None, 1, limit)
+    return default
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)"""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise OpenAIError(400, "'stream' must be true or false", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise OpenAIError(400, "'stream_options' must be an object like {\"include_usage\": true}",
+                          param="stream_options")
+    if not stream:
+        raise OpenAIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    return stream, options.get("include_usage", False)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives to return with each token's logprob; None = no logprobs."""
+    if chat:
+        wanted = body.get("logprobs", False)
+        if wanted is None:
+            wanted = False
+        if not isinstance(wanted, bool):
+            raise OpenAIError(400, "'logprobs' must be true or false", param="logprobs")
+        top = _field(_int, body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not wanted:
+            raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top or 0) if wanted else None
+    return _field(_int, body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+
+
+def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, default_max_tokens: int | None) -> dict:
+    """The sampling and stopping fields of a ZeroMQ generate document, from an OpenAI request body."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    _refuse_unsupported(body)
+    return {
+        "max_new_tokens": _max_tokens(body, default_max_tokens, max_new_tokens_limit),
+        "temperature": _field(_float, body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _field(_float, body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        "top_k": max(_field(_int, body, "top_k", 0, -1, 1 << 20), 0),
+        "min_p": _field(_float, body, "min_p", 0.0, 0.0, 1.0),
+        "presence_penalty": _field(_float, body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _field(_float, body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _field(_float, body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        "seed": _field(_int, body, "seed", None, 0, 2**63 - 1),
+        "stop": _stop(body),
+        "logprobs": _logprobs(body, chat),
+    }
+
+
+def completion_prompt(body: dict) -> str | list[int]:
+    """/v1/completions' ``prompt``: a string, a list of token ids, or a list holding one of those."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise OpenAIError(400, "'prompt' holds several prompts; send one per request", param="prompt")
+    raise OpenAIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
+
+
+def _text_content(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(400, f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                                       "supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise OpenAIError(400, f"{where}: 'content' must be a string or a list of text parts", param="messages")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """``messages`` checked, text parts joined into strings; other keys (name, tool_calls, tool_call_id) kept
+    for the template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise OpenAIError(400, f"{where} must be an object with 'role' one of {', '.join(ROLES)}",
+                              param="messages")
+        m = dict(m)
+        if m.get("content") is None:
+            if m["role"] != "assistant" or not m.get("tool_calls"):
+                raise OpenAIError(400, f"{where} has no 'content'", param="messages")
+        else:
+            m["content"] = _text_content(m["content"], where)
+        out.append(m)
+    return out
+
+
+def chat_tools(body: dict) -> list | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise OpenAIError(400, "'tools' must be a list of objects", param="tools")
+    return tools
+
+
+def template_kwargs(body: dict) -> dict:
+    """``chat_template_kwargs`` (vLLM's extension, e.g. {"enable_thinking": false}) for the template."""
+    extra = body.get("chat_template_kwargs")
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict) or any(k in ("messages", "tools", "add_generation_prompt") for k in extra):
+        raise OpenAIError(400, "'chat_template_kwargs' must be an object of extra template variables",
+                          param="chat_template_kwargs")
+    return extra
+
+
+# -- responses ---------------------------------------------------------------
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(final: dict) -> dict:
+    u = final["usage"]
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0  # JSON has no -inf; OpenAI's clients expect a number
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    def one(e: dict) -> dict:
+        return {"token": e["token"], "logprob": _lp(e["logprob"]), "bytes": list(e["token"].encode("utf-8"))}
+
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e["top"]]} for e in entries]}
+
+
+def completion_logprobs(entries: list[dict], text_offset: int = 0) -> dict:
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e["token"])
+        tokens.append(e["token"])
+    return {"tokens": tokens, "token_logprobs": [_lp(e["logprob"]) for e in entries],
+            "top_logprobs": [{t["token"]: _lp(t["logprob"]) for t in e["top"]} for e in entries],
+            "text_offset": offsets}
+
+
+def completion_response(rid: str, model: str, final: dict, chat: bool, want_logprobs: bool) -> dict:
+    entries = final.get("logprobs") or []
+    choice = {"index": 0, "finish_reason": FINISH_REASON.get(final["finish_reason"], "stop")}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": final["text"]}
+        choice["logprobs"] = chat_logprobs(entries) if want_logprobs else None
+    else:
+        choice["text"] = final["text"]
+        choice["logprobs"] = completion_logprobs(entries) if want_logprobs else None
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage(final)}
+
+
+def chunk(rid: str, model: str, created: int, chat: bool, text: str | None, finish: str | None = None,
+          logprobs: dict | None = None, role: bool = False) -> dict:
+    """One streamed chunk: a piece of text (or the role, or the finish reason)."""
+    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+    if chat:
+        delta: dict = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, model: str, created: int, chat: bool, final: dict) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage(final)}
+
+
+def models_list(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "strata"}]}

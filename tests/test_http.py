@@ -1,0 +1,295 @@
+"""The OpenAI HTTP API (``strata serve --http``), driven by the real ``openai`` client and by raw HTTP.
+
+One shared server (inproc pool, an API key, a chat template in the model folder) serves most tests; the
+references are computed by an in-process Engine on the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from coordinator.cli.make_model import make_model
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.serving.openai_api import OpenAIError, generate_fields
+from served import REPO, server_env, start_server, stop_server, wait_for
+
+KEY = "test-key-123"
+TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}[S]{{ m.content }}\n{% else %}<|{{ m.role }}|>"
+            "{{ m.content }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+HEADER_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    model = make_model(tmp_path_factory.mktemp("http") / "chatm", seed=0)
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine(chat_model):
+    eng = Engine.open(chat_model, EngineConfig(pool="inproc"))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def http(chat_model, tmp_path_factory):
+    s = start_server(chat_model, tmp_path_factory.mktemp("http-logs"), "--http", "127.0.0.1:0", "--api-key", KEY,
+                     "--http-header-timeout", str(HEADER_TIMEOUT_S))
+    assert s.http_url and s.http_url.startswith("http://127.0.0.1:"), s.http_url
+    yield s
+    assert stop_server(s) == 0, s.stderr()
+
+
+@pytest.fixture(scope="module")
+def client(http):
+    return openai.OpenAI(base_url=http.http_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def greedy_text(engine, ids: list[int], n: int) -> tuple[str, list[int]]:
+    out = engine.generate(ids, n, temperature=0.0, stop_at_eos=True)
+    return engine.decode(out), out
+
+
+def chat_ids(engine, messages: list[dict]) -> list[int]:
+    return engine.encode(engine.chat_template.render(messages, add_generation_prompt=True))
+
+
+def raw(http, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    """One HTTP request with urllib: (status, parsed JSON body)."""
+    req = urllib.request.Request(http.http_url + path, data=body, method=method,
+                                 headers={"Authorization": f"Bearer {KEY}", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(http, name: str) -> float:
+    with urllib.request.urlopen(http.http_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+# -- the OpenAI client ---------------------------------------------------------------------------------------
+
+
+def test_models_and_the_api_key(http, client):
+    assert [m.id for m in client.models.list()] == ["chatm"]
+    bad = openai.OpenAI(base_url=http.http_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    status, doc = raw(http, "GET", "/v1/models", headers={"Authorization": ""})
+    assert status == 401 and doc["error"]["code"] == "invalid_api_key"
+    status, _ = raw(http, "GET", "/health", headers={"Authorization": ""})  # /health needs no key
+    assert status == 200
+
+
+def test_completion_equals_the_engine(client, engine):
+    r = client.completions.create(model="chatm", prompt="Hello", max_tokens=7, temperature=0)
+    want, ids = greedy_text(engine, engine.encode("Hello"), 7)
+    assert r.choices[0].text == want
+    assert r.usage.prompt_tokens == len(engine.encode("Hello")) and r.usage.completion_tokens == len(ids)
+    assert r.choices[0].finish_reason == "length"
+    by_ids = client.completions.create(model="chatm", prompt=engine.encode("Hello"), max_tokens=7, temperature=0)
+    assert by_ids.choices[0].text == want
+
+
+def test_chat_streamed_and_not(client, engine):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    want, ids = greedy_text(engine, chat_ids(engine, messages), 9)
+    r = client.chat.completions.create(model="chatm", messages=messages, max_tokens=9, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(ids) and r.usage.prompt_tokens == len(chat_ids(engine, messages))
+    chunks = list(client.chat.completions.create(model="chatm", messages=messages, max_tokens=9, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_two_concurrent_streams_with_different_sampling(client, engine):
+    prompt = "Once upon a time"
+    params = [dict(temperature=0), dict(temperature=1.3, top_p=0.9, seed=7, extra_body={"top_k": 20, "min_p": 0.01})]
+    texts: list[str | BaseException | None] = [None, None]
+    started = threading.Barrier(2, timeout=60)
+
+    def run(i: int) -> None:
+        try:
+            stream = client.completions.create(model="chatm", prompt=prompt, max_tokens=24, stream=True,
+                                               **params[i])
+            pieces = []
+            for n, c in enumerate(stream):
+                pieces.append(c.choices[0].text)
+                if n == 0:
+                    started.wait()  # both streams are open at once
+            texts[i] = "".join(pieces)
+        except BaseException as exc:  # noqa: BLE001 - checked below, in the test's thread
+            started.abort()
+            texts[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert texts[0] == greedy_text(engine, engine.encode(prompt), 24)[0]
+    alone = client.completions.create(model="chatm", prompt=prompt, max_tokens=24, **params[1]).choices[0].text
+    assert texts[1] == alone  # the seed decides, whatever ran beside it
+    assert texts[1] != texts[0]
+
+
+def test_stop_strings(client, engine):
+    want, _ = greedy_text(engine, engine.encode("Hello"), 12)
+    stop = want[3:5]
+    assert stop and want.find(stop) >= 0
+    for stream in (False, True):
+        r = client.completions.create(model="chatm", prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                                      stream=stream)
+        chunks = list(r) if stream else [r]
+        text = "".join(c.choices[0].text for c in chunks)
+        assert text == want[:want.find(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client, engine):
+    messages = [{"role": "user", "content": "abc"}]
+    r = client.chat.completions.create(model="chatm", messages=messages, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and entry.logprob == pytest.approx(tops[0])  # greedy: the best
+        assert entry.logprob <= 0
+    c = client.completions.create(model="chatm", prompt="abc", max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) <= 2 and max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs,
+                                                                                    lp.token_logprobs))
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled(http, client, engine):
+    before = metric(http, "strata_requests_cancelled_total")
+    stream = client.completions.create(model="chatm", prompt="Hello", max_tokens=4000, temperature=0, stream=True)
+    for n, _ in enumerate(stream):
+        if n == 2:
+            break
+    stream.close()
+    wait_for(lambda: metric(http, "strata_requests_cancelled_total") > before, "the sequence cancelled")
+    assert metric(http, "strata_active_sequences") == 0
+    r = client.completions.create(model="chatm", prompt="Hello", max_tokens=5, temperature=0)
+    assert r.choices[0].text == greedy_text(engine, engine.encode("Hello"), 5)[0]
+
+
+# -- hostile HTTP ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "x", "max_tokens": -3}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": 12}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": "x", "n": 5}).encode(), 400, "n"),
+    (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404, "model"),
+    (json.dumps({"prompt": "x", "pad": "a" * (10 << 20)}).encode(), 413, None),
+])
+def test_bad_requests_get_their_status(http, body, status, param):
+    got, doc = raw(http, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert got == status, doc
+    assert set(doc["error"]) == {"message", "type", "param", "code"} and doc["error"]["message"]
+    assert doc["error"]["param"] == param
+
+
+def test_unknown_route_chat_without_n1_and_the_server_keeps_serving(http, client, engine):
+    assert raw(http, "GET", "/v1/nothing")[0] == 404
+    assert raw(http, "GET", "/v1/completions")[0] == 405
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="chatm", messages=[{"role": "user", "content": "x"}], n=5)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="chatm", messages=[{"role": "wizard", "content": "x"}])
+    r = client.completions.create(model="chatm", prompt="abc", max_tokens=3, temperature=0)
+    assert r.choices[0].text == greedy_text(engine, engine.encode("abc"), 3)[0]
+
+
+def test_half_sent_headers_are_dropped_after_the_timeout(http, client):
+    host, port = http.http_url[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        assert s.recv(1024) == b""  # closed by the server (the 30 s socket timeout would raise instead)
+    assert client.models.list().data[0].id == "chatm"
+
+
+def test_metrics_and_health(http):
+    status, health = raw(http, "GET", "/health")
+    assert status == 200 and health["ok"] is True
+    with urllib.request.urlopen(http.http_url + "/metrics", timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    for name in ("strata_requests_total", "strata_generated_tokens_total", "strata_tokens_per_second",
+                 "strata_queue_depth", "strata_worker_restarts_total", "strata_hot_expert_hit_rate"):
+        assert f"# TYPE {name} " in text and any(line.startswith(name + " ") for line in text.splitlines()), name
+    assert metric(http, "strata_requests_total") >= 1
+    assert 'strata_http_responses_total{route="/v1/models",status="200"}' in text
+
+
+# -- a server of its own: no template, then SIGTERM with a stream in flight -----------------------------------
+
+
+def test_no_template_is_a_400_and_sigterm_ends_streams_with_an_error(tmp_path):
+    model = make_model(tmp_path / "plain", seed=1)
+    s = start_server(model, tmp_path, "--http", "127.0.0.1:0")
+    try:
+        c = openai.OpenAI(base_url=s.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            c.chat.completions.create(model="plain", messages=[{"role": "user", "content": "x"}])
+        stream = c.completions.create(model="plain", prompt="Hello", max_tokens=4000, temperature=0, stream=True)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for n, _ in enumerate(stream):
+                if n == 1:
+                    s.proc.send_signal(15)
+    finally:
+        code = stop_server(s)
+    assert code == 0, s.stderr()
+
+
+def test_non_loopback_http_is_refused_before_loading(tmp_path):
+    missing = tmp_path / "no-such-model"
+    out = subprocess.run([sys.executable, "-m", "coordinator", "serve", "--model", str(missing), "--http",
+                          "0.0.0.0:0", "--pool", "inproc"], cwd=REPO, env=server_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "--insecure-remote" in out.stderr and "0.0.0.0" in out.stderr, out.stderr
+    assert str(missing) not in out.stderr
+
+
+# -- the translation alone ---------------------------------------------------------------------------------------
+
+
+def test_fields_keep_openai_names_and_defaults():
+    f = generate_fields({}, chat=False, max_new_tokens_limit=100, default_max_tokens=16)
+    assert f["temperature"] == 1.0 and f["max_new_tokens"] == 16 and f["logprobs"] is None and f["top_k"] == 0
+    f = generate_fields({"max_completion_tokens": 5, "top_k": -1, "stop": "x", "logprobs": True, "top_logprobs": 4},
+                        chat=True, max_new_tokens_limit=100, default_max_tokens=None)
+    assert (f["max_new_tokens"], f["top_k"], f["stop"], f["logprobs"]) == (5, 0, ["x"], 4)
+    for body, param in [({"top_p": 0}, "top_p"), ({"max_tokens": 101}, "max_tokens"), ({"stop": [1]}, "stop"),
+                        ({"presence_penalty": 3}, "presence_penalty"), ({"top_logprobs": 2}, "top_logprobs"),
+                        ({"echo": True}, "echo"), ({"seed": 1.5}, "seed")]:
+        with pytest.raises(OpenAIError) as e:
+            generate_fields(body, chat=True, max_new_tokens_limit=100, default_max_tokens=None)
+        assert e.value.status == 400 and e.value.param == param, body
