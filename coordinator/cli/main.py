@@ -13,9 +13,10 @@ from pathlib import Path
 from shm.checkpoint import CheckpointError
 
 from .make_model import PRESETS
-from ..config import ACTIVATIONS, DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config, resolve_setting
+from ..config import (ACTIVATIONS, API_KEY_VAR, DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config,
+                      resolve_setting)
 from ..errors import StrataError
-from ..serving.api import (DEFAULT_ADDRESS, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS,
+from ..serving.api import (DEFAULT_ADDRESS, DEFAULT_HTTP_HEADER_TIMEOUT_S, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS,
                            DEFAULT_MAX_QUEUED)
 
 log = logging.getLogger("strata")
@@ -67,6 +68,15 @@ def _readable_file(text: str) -> Path:
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{text}: no such file")
     return path
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """HOST:PORT ([V6]:PORT for IPv6; port 0 = any free one) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:8000)")
+    return host, int(port)
 
 
 def _version() -> str:
@@ -330,12 +340,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _print_config(config, sources)
         return 0
     check_bind(args.bind, args.curve_keys is not None, args.insecure_remote)  # before loading anything
+    http = None
+    if args.http is not None:
+        host, port = args.http
+        check_bind(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}", False, args.insecure_remote,
+                   remedy="Give --insecure-remote to serve anyone who can reach it (with --api-key to ask a key)")
+        http = {"host": host, "port": port, "api_key": args.api_key or os.environ.get(API_KEY_VAR) or None,
+                "model_name": args.served_model_name or args.model.name,
+                "header_timeout_s": args.http_header_timeout}
     logging.getLogger("coordinator.serving").setLevel(logging.INFO)  # one line per request, -v or not
     with Engine.open(args.model, config) as engine:
         print(engine.pool_description(), file=sys.stderr)
         limits = Limits(max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
-        return serve(engine, args.bind, limits=limits, max_active=args.max_active, max_queued=args.max_queued,
-                     curve_keys=args.curve_keys, insecure_remote=args.insecure_remote)
+        return serve(engine, args.bind, http=http, limits=limits, max_active=args.max_active,
+                     max_queued=args.max_queued, curve_keys=args.curve_keys, insecure_remote=args.insecure_remote)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -471,7 +489,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-keys", dest="curve_keys", default=None,
                    help="folder with server.key_secret and clients/*.key: CURVE authentication (ZAP)")
     p.add_argument("--insecure-remote", dest="insecure_remote", action="store_true",
-                   help="allow a non-loopback bind without authentication")
+                   help="allow a non-loopback bind without authentication (ZeroMQ and HTTP)")
+    p.add_argument("--http", type=_host_port, default=None, metavar="HOST:PORT",
+                   help="also serve the OpenAI-compatible HTTP API there (loopback unless --insecure-remote)")
+    p.add_argument("--api-key", dest="api_key", default=None,
+                   help=f"the Bearer token the HTTP API's /v1/* routes require (default: ${API_KEY_VAR}; none)")
+    p.add_argument("--http-header-timeout", dest="http_header_timeout", default=DEFAULT_HTTP_HEADER_TIMEOUT_S, metavar="S",
+                   type=_number(float, "--http-header-timeout", 0, low_open=True),
+                   help="close an HTTP connection that has not sent a whole request head within S seconds, and "
+                        "an idle one after S (default %(default)s)")
+    p.add_argument("--served-model-name", dest="served_model_name", default=None,
+                   help="the model id the HTTP API lists and accepts (default: the model's file or folder name)")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 
