@@ -473,6 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
 
+    from .chat import add_chat_command  # strata chat: cli/chat.py
+
+    add_chat_command(sub, common)
+
     p = sub.add_parser("serve", help="serve the ZeroMQ client API", parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     p.add_argument("--bind", default=DEFAULT_ADDRESS,

@@ -1,0 +1,234 @@
+"""``strata chat``: talk to a model in the terminal, the conversation rendered by the model's chat template.
+
+The engine loads once, in this process. Each line read from stdin (a terminal or a pipe) is a user message; the
+history is rendered with add_generation_prompt, tokenised, and the answer streamed as it is generated, until the
+model's eos (or the template's eos_token), --max-new-tokens, or Ctrl-C, which ends that answer only (Ctrl-C or
+end of input at the prompt ends the chat). After each answer one line on stderr, as llama.cpp's:
+
+    [prompt: 31 tok, 812.4 tok/s | decode: 63 tok, 41.0 tok/s | first token: 38 ms]
+
+The oldest exchanges are dropped (the system message kept) when the prompt and --max-new-tokens would not fit
+the context. Commands: /reset (forget the conversation), /exit.
+
+At a terminal, Ctrl-C during an answer is read as a key (the terminal's signal keys off while the model
+writes): the terminal would send SIGINT to the node worker processes too, which stop on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..errors import StrataError
+
+COMMANDS = ("/reset", "/exit")
+CTRL_C = b"\x03"
+
+
+class _AnswerStopped(Exception):
+    """Raised from the token callback to end an answer: Ctrl-C, or the template's end-of-turn token."""
+
+
+def add_chat_command(sub, common) -> None:
+    """The ``chat`` subcommand: generate's engine and sampling flags, plus --system."""
+    from .main import _add_engine_flags, _add_sampling_flags
+
+    p = sub.add_parser("chat", help="chat in the terminal through the model's chat template", parents=[common])
+    p.add_argument("-m", "--model", required=True, type=Path,
+                   help="a checkpoint folder or a GGUF file, with a chat template")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message first in the conversation")
+    _add_sampling_flags(p, max_new_tokens=256)
+    _add_engine_flags(p)
+    p.set_defaults(func=cmd_chat)
+
+
+def fit_history(history: list[dict], render: Callable[[list[dict]], list[int]], limit: int,
+                max_new_tokens: int) -> tuple[list[int], int, int]:
+    """(prompt ids, exchanges dropped, new tokens allowed): the oldest user/assistant exchanges dropped from
+    ``history`` (in place; a leading system message kept, the last user message never) until the prompt plus
+    ``max_new_tokens`` fits ``limit``; when even the last message alone does not, fewer new tokens. StrataError
+    when the prompt alone leaves no room for one."""
+    first = 1 if history and history[0].get("role") == "system" else 0
+    dropped = 0
+    ids = render(history)
+    while len(ids) + max_new_tokens > limit and len(history) - first > 1:
+        end = first + 1  # the oldest exchange: its user message and everything up to the next user message
+        while end < len(history) - 1 and history[end].get("role") != "user":
+            end += 1
+        del history[first:end]
+        dropped += 1
+        ids = render(history)
+    if len(ids) >= limit:
+        raise StrataError(f"the message makes a prompt of {len(ids)} tokens; the context holds {limit}")
+    return ids, dropped, min(max_new_tokens, limit - len(ids))
+
+
+def speed_line(prompt_tokens: int, ttft_s: float, decode_tokens: int, decode_s: float) -> str:
+    """llama.cpp's line after an answer."""
+    def rate(n: int, s: float) -> str:
+        return f"{n / s:.1f}" if n and s > 0 else "-"
+
+    return (f"[prompt: {prompt_tokens} tok, {rate(prompt_tokens, ttft_s)} tok/s | decode: {decode_tokens} tok, "
+            f"{rate(decode_tokens, decode_s)} tok/s | first token: {ttft_s * 1000:.0f} ms]")
+
+
+@contextlib.contextmanager
+def _interruptible(tty: bool):
+    """While an answer is generated: Ctrl-C sets the returned flag (SIGINT, or at a terminal the key itself, read
+    with the terminal's signal keys, line mode and echo off); a second SIGINT interrupts as usual."""
+    stop = {"now": False}
+
+    def on_sigint(signum, frame):
+        if stop["now"]:
+            raise KeyboardInterrupt
+        stop["now"] = True
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    saved = None
+    if tty:
+        import termios
+
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd)
+        quiet = list(saved)
+        quiet[3] &= ~(termios.ISIG | termios.ICANON | termios.ECHO)
+        quiet[6] = list(saved[6])
+        quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 0, 0
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
+
+        def poll() -> None:
+            while select.select([fd], [], [], 0)[0]:
+                data = os.read(fd, 64)  # keys typed while the model writes are dropped, Ctrl-C noticed
+                if not data:
+                    break
+                if CTRL_C in data:
+                    stop["now"] = True
+        stop["poll"] = poll
+    try:
+        yield stop
+    finally:
+        if saved is not None:
+            termios.tcsetattr(sys.stdin.fileno(), termios.TCSANOW, saved)
+        signal.signal(signal.SIGINT, previous)
+
+
+def _answer(engine, ids: list[int], max_new: int, args, seed, tty: bool) -> tuple[str, str]:
+    """Generate and stream one answer: (its text, why it ended)."""
+    from ..model.tokenizer import StreamDecoder
+
+    stream = StreamDecoder(engine.codec)
+    eos = set(engine.model_config.eos_token_ids)
+    template_eos = engine.chat_template.eos_token
+    turn_end = engine.codec.tokenizer.token_to_id(template_eos) if template_eos else None
+    times: list[float] = []
+    answer: list[int] = []
+    reason = "length"
+    start = time.perf_counter()
+    with _interruptible(tty) as stop:
+        def on_token(token: int) -> None:
+            times.append(time.perf_counter())
+            if token in eos or token == turn_end:
+                raise _AnswerStopped("eos")
+            answer.append(token)
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+            if "poll" in stop:
+                stop["poll"]()
+            if stop["now"]:
+                raise _AnswerStopped("interrupted")
+
+        try:
+            result = engine.generate_full(ids, max_new, args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                          seed=seed, on_token=on_token)
+            reason = result.finish_reason
+        except _AnswerStopped as why:
+            reason = str(why)
+    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()
+    first = times[0] - start if times else time.perf_counter() - start
+    decode_s = times[-1] - times[0] if times else 0.0
+    print(speed_line(len(ids), first, max(len(times) - 1, 0), decode_s), file=sys.stderr, flush=True)
+    if reason == "interrupted":
+        print("[answer stopped]", file=sys.stderr, flush=True)
+    return engine.codec.decode(answer), reason
+
+
+def _read_line(tty: bool) -> str | None:
+    """The next line of input without its end; None at end of input or Ctrl-C."""
+    if tty:
+        sys.stdout.write("> ")
+        sys.stdout.flush()
+    try:
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        line = ""
+    if not line:
+        if tty:
+            sys.stdout.write("\n")
+        return None
+    return line.rstrip("\r\n")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ..engine import Engine, open_source
+    from ..serving.chat_template import load_chat_template
+    from .main import _engine_config, _print_config
+
+    config, sources = _engine_config(args)
+    if args.print_config:
+        _print_config(config, sources)
+        return 0
+    source = open_source(args.model)  # configuration and tokenizer only: what chat needs is checked first
+    ckpt, _, codec = source
+    if codec is None:
+        raise StrataError(f"{args.model} has no tokenizer; chat needs one")
+    if load_chat_template(args.model, getattr(getattr(ckpt, "file", None), "metadata", None)) is None:
+        raise StrataError(f"{args.model} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                          "chat_template in the folder, tokenizer.chat_template in a GGUF file); use "
+                          "`strata generate` for plain text")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    tty = sys.stdin.isatty()
+    with Engine.open(args.model, config, source) as engine:
+        print(engine.pool_description(), file=sys.stderr)
+        print(f"chat: {', '.join(COMMANDS)}; Ctrl-C stops an answer, Ctrl-D (end of input) leaves", file=sys.stderr,
+              flush=True)
+
+        def render(history: list[dict]) -> list[int]:
+            return engine.encode(engine.chat_template.render(history, add_generation_prompt=True))
+
+        history = list(system)
+        answers = 0
+        while (line := _read_line(tty)) is not None:
+            command = line.strip()
+            if not command:
+                continue
+            if command == "/exit":
+                break
+            if command == "/reset":
+                history = list(system)
+                print("[history cleared]", file=sys.stderr, flush=True)
+                continue
+            history.append({"role": "user", "content": line})
+            try:
+                ids, dropped, max_new = fit_history(history, render, engine.max_seq_len, args.max_new_tokens)
+            except StrataError as exc:
+                history.pop()
+                print(f"strata: {exc}; not sent", file=sys.stderr, flush=True)
+                continue
+            if dropped:
+                print(f"[context: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''} to fit "
+                      f"{engine.max_seq_len} tokens]", file=sys.stderr, flush=True)
+            if max_new < args.max_new_tokens:
+                print(f"[context: at most {max_new} new tokens fit]", file=sys.stderr, flush=True)
+            seed = None if args.seed is None else args.seed + answers
+            text, _ = _answer(engine, ids, max_new, args, seed, tty)
+            history.append({"role": "assistant", "content": text})
+            answers += 1
+    return 0
