@@ -300,8 +300,8 @@ def tokenizer(template: str, bos: str | None, eos: str | None) -> PreTrainedToke
 
 def render(tok: PreTrainedTokenizerFast, c: dict) -> dict:
     try:
-        text = tok.apply_chat_template(c["messages"], tools=c["tools"], add_generation_prompt=c["add_generation_prompt"],
-                                       tokenize=False, **c["kwargs"])
+        text = tok.apply_chat_template(c["messages"], tools=c["tools"],
+                                       add_generation_prompt=c["add_generation_prompt"], tokenize=False, **c["kwargs"])
     except jinja2.exceptions.TemplateError as exc:
         return {**c, "error": {"type": type(exc).__name__, "message": str(exc)}}
     return {**c, "expected": text}

@@ -17,7 +17,6 @@ writes): the terminal would send SIGINT to the node worker processes too, which 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import select
 import signal
@@ -79,44 +78,49 @@ def speed_line(prompt_tokens: int, ttft_s: float, decode_tokens: int, decode_s: 
             f"{rate(decode_tokens, decode_s)} tok/s | first token: {ttft_s * 1000:.0f} ms]")
 
 
-@contextlib.contextmanager
-def _interruptible(tty: bool):
-    """While an answer is generated: Ctrl-C sets the returned flag (SIGINT, or at a terminal the key itself, read
-    with the terminal's signal keys, line mode and echo off); a second SIGINT interrupts as usual."""
-    stop = {"now": False}
+class _CtrlC:
+    """While an answer is generated: Ctrl-C asks it to stop at the next token. SIGINT sets ``requested`` (a
+    second one interrupts as usual); at a terminal the key itself is read (``poll``), the terminal's signal keys,
+    line mode and echo off meanwhile, so that no SIGINT reaches the node workers in the same process group."""
 
-    def on_sigint(signum, frame):
-        if stop["now"]:
+    def __init__(self, tty: bool):
+        self.requested = False
+        self.fd = sys.stdin.fileno() if tty else None
+        self.saved = None
+
+    def _on_sigint(self, signum, frame):
+        if self.requested:
             raise KeyboardInterrupt
-        stop["now"] = True
+        self.requested = True
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    saved = None
-    if tty:
-        import termios
+    def __enter__(self) -> "_CtrlC":
+        self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+        if self.fd is not None:
+            import termios
 
-        fd = sys.stdin.fileno()
-        saved = termios.tcgetattr(fd)
-        quiet = list(saved)
-        quiet[3] &= ~(termios.ISIG | termios.ICANON | termios.ECHO)
-        quiet[6] = list(saved[6])
-        quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 0, 0
-        termios.tcsetattr(fd, termios.TCSANOW, quiet)
+            self.saved = termios.tcgetattr(self.fd)
+            quiet = list(self.saved)
+            quiet[3] &= ~(termios.ISIG | termios.ICANON | termios.ECHO)
+            quiet[6] = list(self.saved[6])
+            quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 0, 0
+            termios.tcsetattr(self.fd, termios.TCSANOW, quiet)
+        return self
 
-        def poll() -> None:
-            while select.select([fd], [], [], 0)[0]:
-                data = os.read(fd, 64)  # keys typed while the model writes are dropped, Ctrl-C noticed
-                if not data:
-                    break
-                if CTRL_C in data:
-                    stop["now"] = True
-        stop["poll"] = poll
-    try:
-        yield stop
-    finally:
-        if saved is not None:
-            termios.tcsetattr(sys.stdin.fileno(), termios.TCSANOW, saved)
-        signal.signal(signal.SIGINT, previous)
+    def poll(self) -> bool:
+        """Whether Ctrl-C was pressed; keys typed while the model writes are dropped."""
+        while self.fd is not None and select.select([self.fd], [], [], 0)[0]:
+            data = os.read(self.fd, 64)
+            if not data:
+                break
+            self.requested |= CTRL_C in data
+        return self.requested
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            import termios
+
+            termios.tcsetattr(self.fd, termios.TCSANOW, self.saved)
+        signal.signal(signal.SIGINT, self.previous)
 
 
 def _answer(engine, ids: list[int], max_new: int, args, seed, tty: bool) -> tuple[str, str]:
@@ -131,7 +135,7 @@ def _answer(engine, ids: list[int], max_new: int, args, seed, tty: bool) -> tupl
     answer: list[int] = []
     reason = "length"
     start = time.perf_counter()
-    with _interruptible(tty) as stop:
+    with _CtrlC(tty) as ctrl_c:
         def on_token(token: int) -> None:
             times.append(time.perf_counter())
             if token in eos or token == turn_end:
@@ -139,9 +143,7 @@ def _answer(engine, ids: list[int], max_new: int, args, seed, tty: bool) -> tupl
             answer.append(token)
             sys.stdout.write(stream.push(token))
             sys.stdout.flush()
-            if "poll" in stop:
-                stop["poll"]()
-            if stop["now"]:
+            if ctrl_c.poll():
                 raise _AnswerStopped("interrupted")
 
         try:
@@ -178,6 +180,8 @@ def _read_line(tty: bool) -> str | None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from ..engine import Engine, open_source
+    from shm.gguf_checkpoint import GgufCheckpoint
+
     from ..serving.chat_template import load_chat_template
     from .main import _engine_config, _print_config
 
@@ -189,7 +193,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     ckpt, _, codec = source
     if codec is None:
         raise StrataError(f"{args.model} has no tokenizer; chat needs one")
-    if load_chat_template(args.model, getattr(getattr(ckpt, "file", None), "metadata", None)) is None:
+    if load_chat_template(args.model, ckpt.file.metadata if isinstance(ckpt, GgufCheckpoint) else None) is None:
         raise StrataError(f"{args.model} has no chat template (chat_template.jinja or tokenizer_config.json's "
                           "chat_template in the folder, tokenizer.chat_template in a GGUF file); use "
                           "`strata generate` for plain text")
