@@ -7,6 +7,7 @@ references are computed by an in-process Engine on the same model.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -236,7 +237,10 @@ def test_half_sent_headers_are_dropped_after_the_timeout(http, client):
     assert client.models.list().data[0].id == "chatm"
 
 
-def test_metrics_and_health(http):
+def test_metrics_and_health(http, client):
+    before = metric(http, "strata_generated_tokens_total")
+    client.completions.create(model="chatm", prompt="abc", max_tokens=3, temperature=0)
+    assert metric(http, "strata_generated_tokens_total") == before + 3
     status, health = raw(http, "GET", "/health")
     assert status == 200 and health["ok"] is True
     with urllib.request.urlopen(http.http_url + "/metrics", timeout=30) as r:
@@ -245,25 +249,43 @@ def test_metrics_and_health(http):
     for name in ("strata_requests_total", "strata_generated_tokens_total", "strata_tokens_per_second",
                  "strata_queue_depth", "strata_worker_restarts_total", "strata_hot_expert_hit_rate"):
         assert f"# TYPE {name} " in text and any(line.startswith(name + " ") for line in text.splitlines()), name
-    assert metric(http, "strata_requests_total") >= 1
-    assert 'strata_http_responses_total{route="/v1/models",status="200"}' in text
+    assert 'strata_http_responses_total{route="/v1/completions",status="200"}' in text
 
 
-# -- a server of its own: no template, then SIGTERM with a stream in flight -----------------------------------
+# -- a server of its own: no template, a full queue, then SIGTERM with requests in flight -----------------------
 
 
-def test_no_template_is_a_400_and_sigterm_ends_streams_with_an_error(tmp_path):
+def test_no_template_full_queue_and_sigterm(tmp_path):
+    """Chat without a template is a 400; with one sequence active and one queued the next request is a 429;
+    SIGTERM ends the running stream with an error event and the queued request with a 503."""
     model = make_model(tmp_path / "plain", seed=1)
-    s = start_server(model, tmp_path, "--http", "127.0.0.1:0")
+    s = start_server(model, tmp_path, "--http", "127.0.0.1:0", "--max-active", "1", "--max-queued", "1")
+    queued: list[BaseException | None] = [None]
     try:
         c = openai.OpenAI(base_url=s.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError, match="no chat template"):
             c.chat.completions.create(model="plain", messages=[{"role": "user", "content": "x"}])
-        stream = c.completions.create(model="plain", prompt="Hello", max_tokens=4000, temperature=0, stream=True)
+        stream = iter(c.completions.create(model="plain", prompt="Hello", max_tokens=4000, temperature=0,
+                                           stream=True))
+        next(stream)  # running
+
+        def wait_in_queue() -> None:
+            try:
+                c.completions.create(model="plain", prompt="abc", max_tokens=4000)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                queued[0] = exc
+
+        waiter = threading.Thread(target=wait_in_queue)
+        waiter.start()
+        wait_for(lambda: metric(s, "strata_queue_depth") >= 1, "the second request queued")
+        with pytest.raises(openai.RateLimitError, match="queue is full"):
+            c.completions.create(model="plain", prompt="zz", max_tokens=2)
+        s.proc.send_signal(signal.SIGTERM)
         with pytest.raises(openai.APIError, match="shutting down"):
-            for n, _ in enumerate(stream):
-                if n == 1:
-                    s.proc.send_signal(15)
+            for _ in stream:
+                pass
+        waiter.join(60)
+        assert isinstance(queued[0], openai.InternalServerError) and queued[0].status_code == 503, queued[0]
     finally:
         code = stop_server(s)
     assert code == 0, s.stderr()

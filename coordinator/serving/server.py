@@ -325,8 +325,11 @@ class Server:
             if t.client == client and t.req.id == rid:
                 self.tokenizing.remove(t)
                 t.future.cancel()
-                self._emit(client, {"type": "final", "id": rid, "finish_reason": reason, "text": "", "ids": [],
-                                    "usage": {"prompt_tokens": 0, "completion_tokens": 0}})
+                final = {"type": "final", "id": rid, "finish_reason": reason, "text": "", "ids": [],
+                         "usage": {"prompt_tokens": 0, "completion_tokens": 0}}
+                if t.req.logprobs is not None:  # the same shape as the scheduler's finals
+                    final["logprobs"] = []
+                self._emit(client, final)
                 return True
         return False
 
