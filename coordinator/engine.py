@@ -33,7 +33,7 @@ from .model.tokenizer import TextCodec
 from .model.weights import MLPWeights, load_weights
 from .pool import ExpertPool, InprocPool
 from .pool.hot_experts import ExpertProfile, choose_device_experts
-from .serving.chat_template import ChatTemplate, load_chat_template
+from .serving.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,7 @@ class Engine:
     expert_format: str = "f32"  # how the CPU experts are stored (shm/formats)
     dense_format: str = "f32"  # how the CPU device side's dense matrices are stored: formats and counts
     chat_template: ChatTemplate | None = None  # the model's, when it has one (serving/chat_template.py)
+    chat_template_error: str | None = None  # why the model's template cannot be used, when it is broken
 
     @property
     def max_seq_len(self) -> int:
@@ -228,8 +229,13 @@ class Engine:
         start = time.perf_counter()
         nodes = pool_nodes(config)  # before anything loads: a pool node that does not exist is refused at once
         ckpt, mcfg, codec = source or open_source(model_dir)  # GGUF: the config and the tokenizer from its metadata
-        chat_template = load_chat_template(  # a broken template is named before the weights load
-            model_dir, ckpt.file.metadata if isinstance(ckpt, GgufCheckpoint) else None)
+        chat_template, chat_template_error = None, None
+        try:  # a broken template is named before the weights load; it turns chat off, not the model
+            chat_template = load_chat_template(model_dir, ckpt.file.metadata if isinstance(ckpt, GgufCheckpoint)
+                                               else None)
+        except ChatTemplateError as exc:
+            chat_template_error = str(exc)
+            log.warning("%s: chat is off for this model", exc)
         backend = select_device(config.device)
         if config.dense_dtype not in ("f32", formats.AUTO) and backend != "numpy":
             raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
@@ -257,7 +263,8 @@ class Engine:
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
         return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,
                    {"backend": backend, "experts": len(device_set), "chosen": placement,
-                    "bytes": len(device_set) * expert_bytes(mcfg)}, fmt, dense_format, chat_template)
+                    "bytes": len(device_set) * expert_bytes(mcfg)}, fmt, dense_format, chat_template,
+                   chat_template_error)
 
     def cpu_expert_bytes(self) -> float:
         """Bytes of one whole routed expert (gate, up, down) in the CPU side's storage formats (the mean over

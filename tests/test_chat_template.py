@@ -120,6 +120,15 @@ def test_a_broken_template_names_its_file(tmp_path):
         load_chat_template(d)
 
 
+def test_a_broken_template_turns_chat_off_not_the_model(tiny_model):
+    model = tiny_model()
+    (model / "chat_template.jinja").write_text("{% for %}")
+    with Engine.open(model, EngineConfig(pool="inproc")) as engine:
+        assert engine.chat_template is None
+        assert "chat_template.jinja: chat template syntax error" in engine.chat_template_error
+        assert len(engine.generate(engine.encode("Hello"), 3, temperature=0.0)) == 3
+
+
 def metadata_gguf(path: Path, template: str | None) -> Path:
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_token_list(["<unk>", "<|endoftext|>", "<|im_end|>", "a"])

@@ -22,6 +22,7 @@ import pytest
 from coordinator.cli.make_model import make_model
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
+from coordinator.serving.chat_template import ChatTemplate, turn_end_id
 from coordinator.serving.openai_api import OpenAIError, generate_fields
 from served import REPO, server_env, start_server, stop_server, wait_for
 
@@ -31,10 +32,19 @@ TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}[S]{{ m.content }
 HEADER_TIMEOUT_S = 1.0
 
 
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+
+
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
+    """The tiny model with TEMPLATE, whose eos_token is a token the greedy answer to CHAT makes a few tokens
+    in (so the template's end of turn ends that answer where the model's own eos would not)."""
     model = make_model(tmp_path_factory.mktemp("http") / "chatm", seed=0)
-    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    with Engine.open(model, EngineConfig(pool="inproc")) as eng:
+        answer = eng.generate(eng.encode(ChatTemplate(TEMPLATE).render(CHAT)), 12, temperature=0.0)
+        cut = next(i for i in range(2, len(answer)) if answer[i] not in answer[:i])
+        turn_end = eng.codec.tokenizer.id_to_token(answer[cut])
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": turn_end}))
     return model
 
 
@@ -110,17 +120,29 @@ def test_completion_equals_the_engine(client, engine):
 
 
 def test_chat_streamed_and_not(client, engine):
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-    want, ids = greedy_text(engine, chat_ids(engine, messages), 9)
-    r = client.chat.completions.create(model="chatm", messages=messages, max_tokens=9, temperature=0)
+    turn_end = turn_end_id(engine.chat_template, engine.codec)
+    ids = engine.generate(chat_ids(engine, CHAT), 12, temperature=0.0)
+    assert turn_end in ids  # the fixture chose it so
+    want = engine.decode(ids[:ids.index(turn_end)])
+    r = client.chat.completions.create(model="chatm", messages=CHAT, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
-    assert r.usage.completion_tokens == len(ids) and r.usage.prompt_tokens == len(chat_ids(engine, messages))
-    chunks = list(client.chat.completions.create(model="chatm", messages=messages, max_tokens=9, temperature=0,
+    assert r.choices[0].finish_reason == "stop"  # at the template's end of turn, which the model's config lacks
+    assert r.usage.completion_tokens == ids.index(turn_end) + 1
+    assert r.usage.prompt_tokens == len(chat_ids(engine, CHAT))
+    chunks = list(client.chat.completions.create(model="chatm", messages=CHAT, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_stop_token_ids(client, engine):
+    ids = engine.generate(engine.encode("Hello"), 8, temperature=0.0)
+    cut = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    r = client.completions.create(model="chatm", prompt="Hello", max_tokens=8, temperature=0,
+                                  extra_body={"stop_token_ids": [ids[cut]]})
+    assert r.choices[0].text == engine.decode(ids[:cut]) and r.choices[0].finish_reason == "stop"
 
 
 def test_two_concurrent_streams_with_different_sampling(client, engine):
@@ -172,7 +194,7 @@ def test_logprobs(client, engine):
     r = client.chat.completions.create(model="chatm", messages=messages, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens == 5
+    assert len(content) == r.usage.completion_tokens >= 1
     for entry in content:
         assert len(entry.top_logprobs) == 3
         tops = [t.logprob for t in entry.top_logprobs]
@@ -208,6 +230,7 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled(http, client, engine)
     (json.dumps({"prompt": "x", "max_tokens": -3}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": 12}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "x", "n": 5}).encode(), 400, "n"),
+    (json.dumps({"prompt": "x", "stop_token_ids": ["a"]}).encode(), 400, "stop_token_ids"),
     (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404, "model"),
     (json.dumps({"prompt": "x", "pad": "a" * (10 << 20)}).encode(), 413, None),
 ])

@@ -126,11 +126,11 @@ class _CtrlC:
 def _answer(engine, ids: list[int], max_new: int, args, seed, tty: bool) -> tuple[str, str]:
     """Generate and stream one answer: (its text, why it ended)."""
     from ..model.tokenizer import StreamDecoder
+    from ..serving.chat_template import turn_end_id
 
     stream = StreamDecoder(engine.codec)
     eos = set(engine.model_config.eos_token_ids)
-    template_eos = engine.chat_template.eos_token
-    turn_end = engine.codec.tokenizer.token_to_id(template_eos) if template_eos else None
+    turn_end = turn_end_id(engine.chat_template, engine.codec)
     times: list[float] = []
     answer: list[int] = []
     reason = "length"

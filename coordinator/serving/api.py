@@ -9,7 +9,7 @@ Requests::
     {"type": "generate", "id": "r1", "prompt": "text"  |  "prompt_ids": [1, 2],
      "max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null,
      "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": null,
-     "stop": ["\\n\\n"], "stream": true, "deadline_s": null}
+     "stop": ["\\n\\n"], "stop_token_ids": [], "stream": true, "deadline_s": null}
     {"type": "cancel", "id": "r1"}
     {"type": "stats"}            {"type": "health"}
 
@@ -28,6 +28,11 @@ Sampling (the defaults are off; every field is optional):
   likely alternatives. They are the float64 log-softmax of the logits after the penalties and BEFORE
   temperature, top-k, top-p and min-p (the model's distribution as penalised, not the filtered one
   sampled from; so under greedy decoding the chosen token is the most likely).
+
+Stopping: ``stop`` (up to 8 strings) cuts the text before the first one made;
+``stop_token_ids`` (up to 16 ids, vLLM's field) end the request like the model's
+own end-of-sequence ids (finish_reason "eos", the id not in the text): the HTTP
+API's chat passes the template's end-of-turn token here.
 
 Events::
 
@@ -71,6 +76,7 @@ from dataclasses import dataclass
 MAX_ID_CHARS = 128
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 16
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 
 # Serving defaults, set here and nowhere else: ``strata serve``/``strata client`` flags, Limits, Server,
@@ -121,6 +127,7 @@ class GenerateRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ class HealthRequest:
 
 GENERATE_FIELDS = {"type", "id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
                    "stop", "stream", "deadline_s", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logprobs"}
+                   "repetition_penalty", "logprobs", "stop_token_ids"}
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token
 
 
@@ -245,6 +252,11 @@ def decode_request(raw: bytes, limits: Limits):
                                       f"non-empty strings of at most {MAX_STOP_CHARS} characters", rid)
     for s in stop:
         _text(s, "stop", rid)
+    stop_ids = doc.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+        raise ApiError("bad_request", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+                       rid)
     stream = doc.get("stream", True)
     if not isinstance(stream, bool):
         raise ApiError("bad_request", "'stream' must be true or false", rid)
@@ -268,7 +280,7 @@ def decode_request(raw: bytes, limits: Limits):
         presence_penalty=_float(doc, "presence_penalty", 0.0, -2.0, 2.0, rid),
         frequency_penalty=_float(doc, "frequency_penalty", 0.0, -2.0, 2.0, rid),
         repetition_penalty=_float(doc, "repetition_penalty", 1.0, 0.0, 10.0, rid, lo_open=True),
-        logprobs=logprobs,
+        logprobs=logprobs, stop_token_ids=tuple(stop_ids),
     )
 
 

@@ -198,6 +198,15 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template could not render: {type(exc).__name__}: {exc}") from None
 
 
+def turn_end_id(template: ChatTemplate, codec) -> int | None:
+    """The id of the template's eos_token (ChatML's <|im_end|>), which ends an assistant's turn even where the
+    model's config does not list it among its eos ids; None when the template has none or the vocabulary lacks
+    it."""
+    if not template.eos_token or codec is None:
+        return None
+    return codec.tokenizer.token_to_id(template.eos_token)
+
+
 def _token(value) -> str:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict {"content": ...}."""
     if isinstance(value, dict):

@@ -37,7 +37,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from .api import DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_HEADER_TIMEOUT_S, MAX_REQUEST_BYTES, encode_event
-from .chat_template import ChatTemplateError
+from .chat_template import ChatTemplateError, turn_end_id
 from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
                          check_model, chunk, completion_logprobs, completion_prompt, completion_response, error_body,
                          from_engine_error, generate_fields, models_list, new_id, stream_flags, template_kwargs,
@@ -132,7 +132,8 @@ class HttpFrontend:
         self.api_key = api_key
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.endpoint = server.bind_inproc()
-        self.template = getattr(self.engine, "chat_template", None)
+        self.template = self.engine.chat_template
+        self.turn_end = turn_end_id(self.template, self.engine.codec) if self.template is not None else None
         self.created = int(time.time())
         self.counts: Counter = Counter()  # (route, status) -> responses
         self.streams = 0  # open SSE responses
@@ -260,7 +261,9 @@ class HttpFrontend:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         if self.template is None:
-            raise OpenAIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
+            why = self.engine.chat_template_error
+            raise OpenAIError(400, f"the model's chat template cannot be used ({why}); use /v1/completions" if why
+                              else f"the model '{self.model_name}' has no chat template; use /v1/completions",
                               code="no_chat_template")
         if self.engine.codec is None:
             raise OpenAIError(400, "the model has no tokenizer; use /v1/completions with token ids")
@@ -273,6 +276,8 @@ class HttpFrontend:
                                    f"{self.engine.max_seq_len}", param="messages", code="context_length_exceeded")
         if fields["max_new_tokens"] is None:
             fields["max_new_tokens"] = min(room, self._limit())
+        if self.turn_end is not None and self.turn_end not in fields["stop_token_ids"]:
+            fields["stop_token_ids"].append(self.turn_end)  # the assistant's turn ends there (ChatML's <|im_end|>)
         doc = {"type": "generate", "prompt_ids": ids, **fields}
         return await self._run(request, body, doc, chat=True)
 

@@ -12,7 +12,8 @@ refused with a 400 rather than ignored; fields it has no use for (``user``,
 Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and, for chat, whatever the context has left (within the server's
 ``--max-new-tokens-limit``). ``top_k``, ``min_p`` and ``repetition_penalty``
-are the extensions vLLM and llama-server take (``top_k`` -1 or 0: off).
+and ``stop_token_ids`` are the extensions vLLM and llama-server take (``top_k``
+-1 or 0: off).
 
 Finish reasons: the engine's ``eos`` and ``stop`` are OpenAI's ``stop``; its
 ``length`` and ``deadline`` are ``length``.
@@ -24,7 +25,7 @@ import math
 import time
 import uuid
 
-from .api import ApiError, _float, _int
+from .api import MAX_STOP_TOKEN_IDS, ApiError, _float, _int
 
 # the ZeroMQ API's error codes -> HTTP status (busy: the queue is full; shutdown: the server is stopping)
 STATUS_OF_CODE = {"bad_request": 400, "too_long": 400, "not_found": 404, "busy": 429, "shutdown": 503,
@@ -111,6 +112,17 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
+def _stop_token_ids(body: dict) -> list[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise OpenAIError(400, f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+                          param="stop_token_ids")
+    return ids
+
+
 def _max_tokens(body: dict, default: int | None, limit: int) -> int | None:
     for key in ("max_completion_tokens", "max_tokens"):
         if body.get(key) is not None:
@@ -167,6 +179,7 @@ def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, defaul
         "repetition_penalty": _field(_float, body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
         "seed": _field(_int, body, "seed", None, 0, 2**63 - 1),
         "stop": _stop(body),
+        "stop_token_ids": _stop_token_ids(body),
         "logprobs": _logprobs(body, chat),
     }
 

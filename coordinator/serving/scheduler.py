@@ -215,7 +215,7 @@ class Scheduler:
         if s.logprobs is not None:
             s.logprobs.append(self._logprobs_entry(logits, token, s.req.logprobs))
         self.stats["tokens"] += 1
-        eos = token in self.engine.model_config.eos_token_ids
+        eos = token in self.engine.model_config.eos_token_ids or token in s.req.stop_token_ids
         if s.stream is not None and not eos:
             s.text += s.stream.push(token)
         reason = None
