@@ -14,6 +14,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import openai
@@ -23,7 +24,8 @@ from coordinator.cli.make_model import make_model
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from coordinator.serving.chat_template import ChatTemplate, turn_end_id
-from coordinator.serving.openai_api import OpenAIError, generate_fields
+from coordinator.serving.http import prometheus
+from coordinator.serving.openai_api import OpenAIError, from_engine_error, generate_fields
 from served import REPO, server_env, start_server, stop_server, wait_for
 
 KEY = "test-key-123"
@@ -338,3 +340,17 @@ def test_fields_keep_openai_names_and_defaults():
         with pytest.raises(OpenAIError) as e:
             generate_fields(body, chat=True, max_new_tokens_limit=100, default_max_tokens=None)
         assert e.value.status == 400 and e.value.param == param, body
+
+
+def test_engine_error_codes_map_to_http_statuses():
+    got = {code: from_engine_error({"type": "error", "code": code, "message": "m"}).status
+           for code in ("bad_request", "too_long", "not_found", "busy", "shutdown", "engine", "internal", "new")}
+    assert got == {"bad_request": 400, "too_long": 400, "not_found": 404, "busy": 429, "shutdown": 503,
+                   "engine": 500, "internal": 500, "new": 500}
+    text = prometheus({"requests": 3, "experts": {"hit_rate": None}, "pool": {"nodes": [{"restarts": 2},
+                                                                                      {"restarts": 1}]}},
+                      Counter({("/v1/models", 200): 4}), 1)
+    lines = text.splitlines()
+    assert "strata_requests_total 3.0" in lines and "strata_worker_restarts_total 3.0" in lines
+    assert "strata_hot_expert_hit_rate NaN" in lines and "strata_http_streams_open 1.0" in lines
+    assert 'strata_http_responses_total{route="/v1/models",status="200"} 4' in lines
