@@ -1,0 +1,245 @@
+#!/usr/bin/env python
+r"""Train a tiny Qwen3-MoE on local text, so the formats' quality can be measured on a model that predicts.
+
+A random-weight model's next-token distributions are nearly flat: any perturbation flips its top-1 token,
+so a format's top-1 agreement on it says nothing. This trains a small ``Qwen3MoeForCausalLM`` (the
+architecture the engine runs) with transformers and torch on one CPU thread, on the Python standard
+library's sources (English docstrings and comments, and code), with the byte-level tokenizer of the
+project's random models (``strata make-model``: one token per byte, then <|endoftext|>, <|im_start|>,
+<|im_end|>), and saves it as a Hugging Face checkpoint the engine loads. Neither torch nor transformers is
+a dependency of the project: run it with a separate environment that has both, e.g.
+
+    /tmp/hfenv/bin/python tools/train_tiny_moe.py train --out /tmp/trained-moe
+
+(seed 0, 800 steps of 4 x 512 bytes, about 18 minutes on one thread with torch 2.13 CPU and transformers
+5.25: train loss 1.41, held-out loss 1.56 nats/byte). It writes OUT/config.json, generation_config.json,
+model.safetensors (float32), tokenizer.json (made by the project's own ``byte_level_tokenizer``, through
+its venv's Python), heldout.txt (whole source files never trained on)
+and reference.npz (transformers' float32 logits and greedy continuation of heldout.txt's first 256 bytes:
+input_ids, logits, greedy_ids). Then
+
+    /tmp/hfenv/bin/python tools/train_tiny_moe.py gguf --model /tmp/trained-moe \
+        --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp
+
+converts it with llama.cpp's convert_hf_to_gguf.py to OUT/f32.gguf and quantises that with llama-quantize
+to OUT/q8_0.gguf, q4_k_m.gguf and iq4_xs.gguf. llama.cpp's converter recognises a BPE tokenizer's
+pre-tokenizer by the hash of a test string's ids and refuses one it does not know; this tokenizer has no
+merges, so every pre-tokenizer gives the same ids (one a byte), and the converter is told "gpt-2".
+
+The geometry: hidden 256, 4 layers, 16 experts of intermediate 256 (a GGUF K type's super-block is 256
+weights along a row, and ffn_down's rows run along the intermediate axis: with 128, llama-quantize would
+store the down experts as Q5_0/Q8_0 instead of Q4_K/Q6_K), top-4 with norm_topk_prob, 4 heads / 2 KV heads
+of 64, no shared expert. The sequences are 512 bytes so that every position a 512-position quality
+measurement reads has been trained on (RoPE does not extrapolate past the trained length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SPECIALS_SOURCE = "from coordinator.cli.make_model import SPECIAL_TOKENS, EOS_ID"
+EOS_ID = 256  # <|endoftext|> (coordinator/cli/make_model.py), checked against the project's at run time
+
+
+def stdlib_files(root: Path) -> list[Path]:
+    """The standard library's own .py files, sorted: no tests, no installed packages."""
+    skip = {"test", "tests", "site-packages", "dist-packages", "idle_test", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts) and p.is_file())
+
+
+def write_tokenizer(out: Path, project_python: Path) -> None:
+    """tokenizer.json exactly as ``strata make-model`` writes it, by the project's code in its own venv."""
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); {SPECIALS_SOURCE}; "
+            "from coordinator.model.tokenizer import byte_level_tokenizer; "
+            f"assert EOS_ID == {EOS_ID}, EOS_ID; "
+            f"byte_level_tokenizer(SPECIAL_TOKENS).save({str(out / 'tokenizer.json')!r})")
+    subprocess.run([str(project_python), "-c", code], check=True, cwd=REPO)
+
+
+def train(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    write_tokenizer(out, args.project_python)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    probe = "def f(x):\n    return x  # ünïcode ✓\n"
+    assert tok.encode(probe, add_special_tokens=False).ids == list(probe.encode()), "not one token a byte"
+
+    # data: whole files, every held_every-th (by sorted path) held out; tokens are the bytes, files joined by eos
+    files = stdlib_files(args.data)
+    held = [p for i, p in enumerate(files) if i % args.held_every == args.held_every // 2]
+    held_set = set(held)
+    trained = [p for p in files if p not in held_set]
+
+    def stream(paths: list[Path]) -> np.ndarray:
+        parts = []
+        for p in paths:
+            parts.append(np.frombuffer(p.read_bytes(), np.uint8).astype(np.int64))
+            parts.append(np.array([EOS_ID], np.int64))
+        return np.concatenate(parts)
+
+    train_ids, held_ids = stream(trained), stream(held)
+    heldout_text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in held)
+    (out / "heldout.txt").write_text(heldout_text, encoding="utf-8")
+    print(f"data: {len(trained)} files, {train_ids.size / 1e6:.2f} MB trained on; {len(held)} files, "
+          f"{held_ids.size / 1e6:.2f} MB held out ({out / 'heldout.txt'}); vocab {vocab}", flush=True)
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, moe_intermediate_size=args.intermediate, intermediate_size=2 * args.hidden,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=1024,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        router_aux_loss_coef=args.aux_coef, output_router_logits=False, bos_token_id=None, eos_token_id=EOS_ID,
+        pad_token_id=None, use_cache=True, attention_dropout=0.0)
+    model = Qwen3MoeForCausalLM(cfg).float()
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:  # linear warmup, then cosine down to a tenth
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        t = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    T = args.seq_len
+
+    def batch(ids: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.stack([ids[s:s + T] for s in starts]))
+
+    eval_starts = np.linspace(0, held_ids.size - T - 1, args.eval_seqs).astype(np.int64)
+    train_eval_starts = np.random.default_rng(args.seed + 1).integers(0, train_ids.size - T, args.eval_seqs)
+
+    @torch.no_grad()
+    def mean_loss(ids: np.ndarray, starts: np.ndarray) -> float:
+        model.eval()
+        losses = [model(input_ids=(x := batch(ids, starts[i:i + 8])), labels=x).loss.item() * x.shape[0]
+                  for i in range(0, starts.size, 8)]
+        model.train()
+        return sum(losses) / starts.size
+
+    model.train()
+    t0 = time.time()
+    window: list[float] = []
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        x = batch(train_ids, rng.integers(0, train_ids.size - T, args.batch))
+        res = model(input_ids=x, labels=x, output_router_logits=True)  # loss includes aux_coef * balance loss
+        res.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        window.append(res.loss.item() - args.aux_coef * res.aux_loss.item())
+        if (step + 1) % args.log_every == 0 or step == 0:
+            el = time.time() - t0
+            print(f"step {step + 1:5d}  lr {lr_at(step):.2e}  loss {np.mean(window):.4f} nats/byte  "
+                  f"balance {res.aux_loss.item():.3f}  {(step + 1) * args.batch * T / el:.0f} tok/s  {el:.0f} s",
+                  flush=True)
+            window = []
+        if (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            print(f"  held-out loss {mean_loss(held_ids, eval_starts):.4f}", flush=True)
+
+    final_train, final_held = mean_loss(train_ids, train_eval_starts), mean_loss(held_ids, eval_starts)
+    print(f"final: train loss {final_train:.4f}, held-out loss {final_held:.4f} nats/byte "
+          f"(uniform: {math.log(vocab):.4f}) over {args.eval_seqs} x {T} bytes; {time.time() - t0:.0f} s", flush=True)
+
+    model.eval()
+    model.generation_config = GenerationConfig(eos_token_id=[EOS_ID], do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+
+    # the reference for the engine's check: heldout.txt's first 256 bytes through transformers, in float32
+    reloaded = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = torch.tensor([tok.encode(heldout_text, add_special_tokens=False).ids[:256]])
+    with torch.no_grad():
+        logits = reloaded(input_ids=prompt).logits[0].numpy()
+        gen = reloaded.generate(prompt, max_new_tokens=200, do_sample=False)[0, prompt.shape[1]:].numpy()
+    np.savez(out / "reference.npz", input_ids=prompt[0].numpy(), logits=logits, greedy_ids=gen)
+    (out / "training.json").write_text(json.dumps({
+        "seed": args.seed, "steps": args.steps, "batch": args.batch, "seq_len": T, "lr": args.lr,
+        "train_files": len(trained), "heldout_files": len(held), "train_loss": final_train,
+        "heldout_loss": final_held, "torch": torch.__version__, "seconds": time.time() - t0}, indent=2))
+    print("prompt:", repr(tok.decode(prompt[0].tolist())[-120:]))
+    print("greedy:", repr(tok.decode(gen.tolist())))
+    print(f"saved {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+    return 0
+
+
+def gguf(args: argparse.Namespace) -> int:
+    """llama.cpp's converter (pre-tokenizer named, see the docstring) to f32, then llama-quantize."""
+    llama: Path = args.llama_cpp
+    f32 = args.model / "f32.gguf"
+    code = ("import sys; sys.argv = sys.argv[1:]; sys.path[:0] = [sys.argv[0].rsplit('/', 1)[0]]; "
+            "import conversion.base as b; b.TextModel.get_vocab_base_pre = lambda self, tok: 'gpt-2'; "
+            "import runpy; runpy.run_path(sys.argv[0], run_name='__main__')")
+    env = dict(os.environ, PYTHONPATH=str(llama / "gguf-py"))
+    subprocess.run([sys.executable, "-c", code, str(llama / "convert_hf_to_gguf.py"), str(args.model),
+                    "--outtype", "f32", "--outfile", str(f32)], check=True, env=env)
+    for qtype in [t for t in args.types.split(",") if t]:
+        dst = args.model / f"{qtype.lower()}.gguf"
+        r = subprocess.run([str(llama / "build" / "bin" / "llama-quantize"), str(f32), str(dst), qtype],
+                           capture_output=True, text=True)
+        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-4:])
+        print(f"{qtype}: {'ok ' + str(dst) if r.returncode == 0 else 'refused (rc ' + str(r.returncode) + ')'}\n"
+              f"{tail}", flush=True)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train and save the checkpoint")
+    t.add_argument("--out", type=Path, default=Path("/tmp/trained-moe"))
+    t.add_argument("--data", type=Path, default=Path(f"/usr/lib/python{sys.version_info[0]}.{sys.version_info[1]}"))
+    t.add_argument("--project-python", type=Path, default=REPO / ".venv" / "bin" / "python")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--steps", type=int, default=800)
+    t.add_argument("--batch", type=int, default=4)
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--aux-coef", type=float, default=0.01, help="router load-balancing loss weight")
+    t.add_argument("--hidden", type=int, default=256)
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--experts", type=int, default=16)
+    t.add_argument("--top-k", type=int, default=4)
+    t.add_argument("--intermediate", type=int, default=256)
+    t.add_argument("--held-every", type=int, default=20, help="hold out every Nth source file")
+    t.add_argument("--eval-seqs", type=int, default=32)
+    t.add_argument("--eval-every", type=int, default=250)
+    t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--threads", type=int, default=1)
+    g = sub.add_parser("gguf", help="convert a trained checkpoint to GGUF files with llama.cpp")
+    g.add_argument("--model", type=Path, default=Path("/tmp/trained-moe"))
+    g.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp source tree with build/bin")
+    g.add_argument("--types", default="Q8_0,Q4_K_M,IQ4_XS")
+    args = ap.parse_args()
+    return train(args) if args.cmd == "train" else gguf(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
