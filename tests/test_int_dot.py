@@ -87,11 +87,8 @@ def test_every_lowering_sums_the_products_exactly(lowering, signed):
 
     from node_worker.kernels.ir import I8, I32, LANES
 
-    features = {n for n, on in __import__("llvmlite.binding").binding.get_host_cpu_features().items() if on}
-    if lowering == "vnni" and not ({"avx512vnni", "avx512vl"} <= features or "avxvnni" in features):
-        pytest.skip("no VNNI on this host")
-    if lowering == "avx2" and "avx2" not in features:
-        pytest.skip("no AVX2 on this host")
+    if not idot.host_has(lowering):
+        pytest.skip(f"no {lowering} on this host")
     V32 = ir.VectorType(I8, LANES)
 
     @intrinsic
@@ -123,34 +120,37 @@ def test_every_lowering_sums_the_products_exactly(lowering, signed):
         assert out.tolist() == (q * x).reshape(8, 4).sum(axis=1).tolist()
 
 
-def _host_has(lowering: str) -> bool:
-    features = {n for n, on in __import__("llvmlite.binding").binding.get_host_cpu_features().items() if on}
-    return {"vnni": {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features,
-            "avx2": "avx2" in features}.get(lowering, True)
-
-
 @pytest.mark.parametrize("lowering", idot.LOWERINGS)
 @pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
 def test_every_lowering_of_the_scaled_pair_sums_is_exact(lowering, signed):
     """pairs (q unsigned below 64, or signed int8, times int8) and scaled_add (times int16 scales, into
-    int32), each lowering compiled on its own, against exact integers, the extremes included."""
+    int32), each lowering compiled on its own at its width (two groups side by side on vnni512, built with
+    idot.joined), against exact integers, the extremes included."""
     from llvmlite import ir
     from numba import njit, types
     from numba.extending import intrinsic
 
     from node_worker.kernels.ir import I8, I16, I32, LANES
 
-    if not _host_has(lowering):
+    if not idot.host_has(lowering):
         pytest.skip(f"no {lowering} on this host")
-    V32, V16, V8 = ir.VectorType(I8, LANES), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+    n = idot.group_bytes(lowering)
+    V32, V16, V8 = ir.VectorType(I8, LANES), ir.VectorType(I16, 16), ir.VectorType(I32, n // 4)
 
     @intrinsic
     def scaled(typingctx, q, x, sc, acc, out):
         def codegen(context, builder, sig, args):
             q_p, x_p, s_p, a_p, o_p = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args, args))
-            load = lambda p, t: builder.load(builder.bitcast(p, t.as_pointer()), align=1)  # noqa: E731
-            pairs = idot.pairs(builder, load(q_p, V32), load(x_p, V32), signed, lowering)
-            got = idot.scaled_add(builder, load(a_p, V8), pairs, load(s_p, V16), lowering)
+
+            def load(p, t, k: int = 0):  # group k of a vector array
+                return builder.load(builder.bitcast(builder.gep(p, [ir.Constant(I32, k * t.count)]),
+                                                    t.as_pointer()), align=1)
+
+            def side_by_side(p, t):
+                return load(p, t) if n == LANES else idot.joined(builder, load(p, t), load(p, t, 1))
+
+            pairs = idot.pairs(builder, side_by_side(q_p, V32), side_by_side(x_p, V32), signed, lowering)
+            got = idot.scaled_add(builder, load(a_p, V8), pairs, side_by_side(s_p, V16), lowering)
             builder.store(got, builder.bitcast(o_p, V8.as_pointer()), align=1)
             return context.get_dummy_value()
 
@@ -162,17 +162,17 @@ def test_every_lowering_of_the_scaled_pair_sums_is_exact(lowering, signed):
 
     rng = np.random.default_rng(3)
     for trial in range(20):
-        q = rng.integers(-128, 128, 32) if signed else rng.integers(0, 64, 32)
-        x = rng.integers(-127, 128, 32)
-        sc, acc = rng.integers(-128, 128, 16), rng.integers(-2**28, 2**28, 8)
+        q = rng.integers(-128, 128, n) if signed else rng.integers(0, 64, n)
+        x = rng.integers(-127, 128, n)
+        sc, acc = rng.integers(-128, 128, n // 2), rng.integers(-2**28, 2**28, n // 4)
         if trial == 0:  # the largest pairs, both signs, times the largest scales
             q[:], x[::4], x[1::4], x[2::4], x[3::4] = (-128 if signed else 63), 127, 127, -127, -127
             sc[::2], sc[1::2] = -128, 127
-        out = np.zeros(8, np.int32)
+        out = np.zeros(n // 4, np.int32)
         run(q.astype(np.int8 if signed else np.uint8).view(np.int8), x.astype(np.int8), sc.astype(np.int16),
             acc.astype(np.int32), out)
-        pair_sums = (q * x).reshape(16, 2).sum(axis=1)
-        assert out.tolist() == (acc + (pair_sums * sc).reshape(8, 2).sum(axis=1)).tolist()
+        pair_sums = (q * x).reshape(n // 2, 2).sum(axis=1)
+        assert out.tolist() == (acc + (pair_sums * sc).reshape(n // 4, 2).sum(axis=1)).tolist()
 
 
 def _float64_expert(mats, name, x, quantised=dequantised):

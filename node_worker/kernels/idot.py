@@ -25,8 +25,15 @@ Prefill's super-block loop (isuper.py) multiplies each 16 products by an integer
 q below 64 keeps every pair under 2 x 63 x 127 = 16002 (signed q above -128, 32258): vpmaddubsw never
 saturates, and the sums are exact.
 
-How the 32 products are taken is chosen when the kernels compile, for the host (the disk cache is per CPU,
+pairs and scaled_add take one group of 32 weights (q <32 x i8>, sc <16 x i16>, acc <8 x i32>), or two groups
+side by side (<64 x i8>, <32 x i16>, <16 x i32>) where the lowering has 512-bit registers: ``group_bytes()``
+says which, ``joined`` puts two groups side by side. The products and sums are the same integers either way.
+
+How the products are taken is chosen when the kernels compile, for the host (the disk cache is per CPU,
 as for iq4xs.py's byte shuffle):
+    vnni512  AVX512-VNNI with BW: as vnni, on two groups at once (vpmaddubsw and vpdpwssd on 512 bits): the
+             same instruction rate as 256 bits on the cores measured, so twice the products (tools/
+             kernel_bench.py); decode's per-32 dot stays on 256 bits (its scales are per block of 32)
     vnni     AVX512-VNNI with VL, or AVX-VNNI: vpdpbusd, 32 products an instruction (scaled_add: vpdpwssd)
     avx2     vpmaddubsw (pairs into int16) then vpmaddwd with ones (pairs into int32) (scaled_add: vpmaddwd
              with the scales, then an add)
@@ -46,7 +53,8 @@ from .ir import I8, I16, I32, LANES
 V32 = ir.VectorType(I8, LANES)
 VI8 = ir.VectorType(I32, LANES // 4)  # <8 x i32>: one lane per four products
 VI16 = ir.VectorType(I16, LANES // 2)
-LOWERINGS = ("vnni", "avx2", "generic")
+LOWERINGS = ("vnni512", "vnni", "avx2", "generic")
+FEATURES = {"vnni512": {"avx512vnni", "avx512bw", "avx512vl"}, "avx2": {"avx2"}}  # and vnni: see host_lowering
 
 
 def host_lowering() -> str:
@@ -57,18 +65,34 @@ def host_lowering() -> str:
             raise ValueError(f"STRATA_IDOT_LOWERING={forced!r}: expected one of {', '.join(LOWERINGS)}")
         return forced
     features = {name for name, on in llvm.get_host_cpu_features().items() if on}
-    if {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features:
-        return "vnni"
-    if "avx2" in features:
-        return "avx2"
-    return "generic"
+    return next(how for how in LOWERINGS if host_has(how, features))
+
+
+def host_has(lowering: str, features: set[str] | None = None) -> bool:
+    """Whether this host's CPU can run ``lowering``."""
+    if features is None:
+        features = {name for name, on in llvm.get_host_cpu_features().items() if on}
+    if lowering == "vnni":
+        return {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features
+    return FEATURES.get(lowering, set()) <= features
+
+
+def group_bytes(lowering: str | None = None) -> int:
+    """The weights one pairs/scaled_add call takes: 64 (two groups) where the lowering has 512-bit registers."""
+    return 2 * LANES if (lowering or host_lowering()) == "vnni512" else LANES
+
+
+def joined(builder, a, b):
+    """a and b side by side: <2n x T> from two <n x T>."""
+    n = a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, 2 * n), list(range(2 * n))))
 
 
 def unsigned_and_signed(builder, q, x, signed: bool):
     """(a, b) with a unsigned and a_i * b_i == q_i * x_i: q and x themselves when q is unsigned."""
     if not signed:
         return q, x
-    zero = ir.Constant(V32, [0] * LANES)
+    zero = ir.Constant(q.type, [0] * q.type.count)
     negative = builder.icmp_signed("<", q, zero)
     magnitude = builder.select(negative, builder.sub(zero, q), q)  # -(-128) wraps to 0x80 = 128 unsigned
     return magnitude, builder.select(negative, builder.sub(zero, x), x)
@@ -78,7 +102,7 @@ def dot(builder, q, x, signed: bool, lowering: str | None = None):
     """<8 x i32>: the 32 products q_i * x_i summed four by four (module docstring)."""
     a, b = unsigned_and_signed(builder, q, x, signed)
     how = lowering or host_lowering()
-    if how == "vnni":
+    if how in ("vnni", "vnni512"):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VI8, [VI8, VI8, VI8]),
                                             "llvm.x86.avx512.vpdpbusd.256")
         return builder.call(fn, [ir.Constant(VI8, [0] * 8), builder.bitcast(a, VI8), builder.bitcast(b, VI8)])
@@ -103,29 +127,38 @@ def _strided_pairs(builder, wide, count: int):
 
 
 def pairs(builder, q, x, signed: bool = False, lowering: str | None = None):
-    """<16 x i16>: lane k = q[2k] x[2k] + q[2k+1] x[2k+1], q <32 x i8> unsigned below 64, or signed (the sign
-    trick: |q| <= 127 then, so a pair stays under 2 x 127 x 127 = 32258), x <32 x i8> in [-127, 127]."""
+    """<n/2 x i16>: lane k = q[2k] x[2k] + q[2k+1] x[2k+1], q <n x i8> (n = 32, or 64 on vnni512) unsigned below
+    64, or signed (the sign trick: |q| <= 127 then, so a pair stays under 2 x 127 x 127 = 32258), x <n x i8> in
+    [-127, 127]."""
     q, x = unsigned_and_signed(builder, q, x, signed)
-    if (lowering or host_lowering()) in ("vnni", "avx2"):
+    n = q.type.count
+    how = lowering or host_lowering()
+    half = ir.VectorType(I16, n // 2)
+    if how == "vnni512" and n == 2 * LANES:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(half, [q.type, q.type]),
+                                            "llvm.x86.avx512.pmaddubs.w.512")
+        return builder.call(fn, [q, x])
+    if how in ("vnni512", "vnni", "avx2") and n == LANES:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VI16, [V32, V32]),
                                             "llvm.x86.avx2.pmadd.ub.sw")
         return builder.call(fn, [q, x])
-    wide = ir.VectorType(I32, LANES)
+    wide = ir.VectorType(I32, n)
     return builder.trunc(_strided_pairs(builder, builder.mul(builder.zext(q, wide), builder.sext(x, wide)),
-                                        LANES // 2), VI16)
+                                        n // 2), half)
 
 
 def scaled_add(builder, acc, p, sc, lowering: str | None = None):
-    """<8 x i32>: acc[k] + p[2k] sc[2k] + p[2k+1] sc[2k+1] (p, sc <16 x i16>)."""
+    """<n/4 x i32>: acc[k] + p[2k] sc[2k] + p[2k+1] sc[2k+1] (p, sc <n/2 x i16>: n = 32, or 64 on vnni512)."""
     how = lowering or host_lowering()
-    if how == "vnni":
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VI8, [VI8, VI8, VI8]),
-                                            "llvm.x86.avx512.vpdpwssd.256")
-        return builder.call(fn, [acc, builder.bitcast(p, VI8), builder.bitcast(sc, VI8)])
-    if how == "avx2":
+    lanes = acc.type.count
+    if how in ("vnni", "vnni512") and lanes in (8, 16) and (lanes == 8 or how == "vnni512"):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [acc.type] * 3),
+                                            f"llvm.x86.avx512.vpdpwssd.{32 * lanes}")
+        return builder.call(fn, [acc, builder.bitcast(p, acc.type), builder.bitcast(sc, acc.type)])
+    if how == "avx2" and lanes == 8:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VI8, [VI16, VI16]),
                                             "llvm.x86.avx2.pmadd.wd")
         return builder.add(acc, builder.call(fn, [p, sc]))
-    wide = ir.VectorType(I32, LANES // 2)
+    wide = ir.VectorType(I32, 2 * lanes)
     products = builder.mul(builder.sext(p, wide), builder.sext(sc, wide))
-    return builder.add(acc, _strided_pairs(builder, products, LANES // 4))
+    return builder.add(acc, _strided_pairs(builder, products, lanes))

@@ -7,7 +7,8 @@ signed), q unsigned below 64 (or, signed, int8 levels: IQ4_XS, idot.pairs' sign 
 16 values as <16 x i16>, m an integer per 16 values as <16 x i32> (None, and dmin None: no offset). Then
 per row and token
 
-    acc <8 x i32>  = sum over the 8 groups of scaled_add(pairs(q, xq), sc)        (idot.py: exact integers)
+    acc <8 x i32>  = sum over the 8 groups of scaled_add(pairs(q, xq), sc)        (idot.py: exact integers;
+                     two groups a call on 512 bits, their <16 x i32> halves added at the end)
     mins <8 x i32> = m * bs, its two halves added                                  (exact integers)
     out <8 x float> += float(acc) * (d xd) - float(mins) * (dmin xd)              once per super-block
 
@@ -40,7 +41,6 @@ from .simd import FAST, FORMATS, _byte_ptr, _per_format, _prefetch_ahead, _regis
 SUPER_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "isuper")}
 SUPER = 256
 V8I = ir.VectorType(I32, 8)
-V32B = ir.VectorType(I8, LANES)
 V16I = ir.VectorType(I32, 16)
 
 
@@ -51,22 +51,34 @@ def _halves_added(builder, v16):
     return builder.add(lo, hi)
 
 
+def _side_by_side(builder, groups):
+    """One (q, sc) of the groups given (one, or two on a 512-bit lowering: idot.joined)."""
+    if len(groups) == 1:
+        return groups[0]
+    (q0, sc0), (q1, sc1) = groups
+    return idot.joined(builder, q0, q1), idot.joined(builder, sc0, sc1)
+
+
 def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
     xq, xd, bs = x
     NR, NT = len(rows), len(tok)
+    G = idot.group_bytes()  # weights per pairs/scaled_add: one group of 32, or two side by side
     supers = builder.udiv(hidden_v, const(SUPER))
 
     def step(s, accs):  # accs [NT * NR] <8 x float>, token-major
         _prefetch_ahead(builder, fmt, rows, s, row_step)
         blocks = [fmt.isuper(builder, row, s) for row in rows]  # each row's super-block once for the tokens
         firsts = [builder.add(builder.mul(t, hidden_v), builder.mul(s, const(SUPER))) for t in tok]
-        ints = [ir.Constant(V8I, [0] * 8)] * (NT * NR)  # token-major, as accs
-        for j in range(len(blocks[0][2])):  # group by group: only its integers live, not the super-block's
+        ints = [ir.Constant(ir.VectorType(I32, G // 4), [0] * (G // 4))] * (NT * NR)  # token-major, as accs
+        for j in range(0, len(blocks[0][2]), G // LANES):  # group by group: only its integers live
             xvs = [builder.load(builder.bitcast(builder.gep(xq, [builder.add(first, const(LANES * j))]),
-                                                V32B.as_pointer()), align=1) for first in firsts]
-            ints = [idot.scaled_add(builder, ints[t * NR + r],
-                                    idot.pairs(builder, blocks[r][2][j][0], xvs[t], blocks[r][4]), blocks[r][2][j][1])
+                                                ir.VectorType(I8, G).as_pointer()), align=1) for first in firsts]
+            groups = [_side_by_side(builder, b[2][j:j + G // LANES]) for b in blocks]  # per row: (q, sc)
+            ints = [idot.scaled_add(builder, ints[t * NR + r], idot.pairs(builder, groups[r][0], xvs[t], blocks[r][4]),
+                                    groups[r][1])
                     for t in range(NT) for r in range(NR)]
+        if G > LANES:
+            ints = [_halves_added(builder, v) for v in ints]
         out = []
         for t in range(NT):
             dx = builder.load(builder.gep(xd, [builder.add(builder.mul(tok[t], supers), s)]), align=4)
