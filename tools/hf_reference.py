@@ -35,6 +35,8 @@ import transformers
 from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Qwen2MoeConfig,
@@ -133,6 +135,46 @@ def _mixtral(**kw):
     return MixtralConfig(**base), MixtralForCausalLM
 
 
+def _deepseek_v3(**kw):
+    """DeepSeek-V3 geometry in miniature: MLA (q and kv low rank, decoupled rope), YaRN with DeepSeek-V3's mscale
+    keys, one dense first layer, grouped sigmoid routing (4 groups, 2 kept) with a non-zero correction bias."""
+    base = dict(
+        COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        q_lora_rank=40,
+        kv_lora_rank=24,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=20,
+        rope_interleave=True,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        max_position_embeddings=5120,
+    )
+    del base["head_dim"]
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+                beta_fast=32, beta_slow=1, original_max_position_embeddings=128)
+    rope.update(kw.pop("rope", {}))
+    base["rope_parameters"] = rope
+    base.update(kw)
+    return DeepseekV3Config(**base), DeepseekV3ForCausalLM
+
+
+# Non-zero e_score_correction_bias per MoE layer (transformers initialises it to zeros), set after init.
+BIAS_STD = {"deepseek_v3_basic": 0.3, "deepseek_v3_no_q_lora": 0.3}
+
+
 # name -> (builder, save dtype, max_shard_size)
 CASES = {
     "qwen3_moe_basic": (lambda: _qwen3(), torch.float32, None),
@@ -166,6 +208,14 @@ CASES = {
     "qwen2_moe_topk_norm": (
         lambda: _qwen2(norm_topk_prob=True, mlp_only_layers=[1], num_experts_per_tok=1),
         torch.float32,
+        None,
+    ),
+    "deepseek_v3_basic": (lambda: _deepseek_v3(), torch.bfloat16, None),
+    # q_proj instead of q_a/q_b (DeepSeek-V2-Lite's form), rope_interleave off, a YaRN attention factor != 1
+    "deepseek_v3_no_q_lora": (
+        lambda: _deepseek_v3(q_lora_rank=None, num_hidden_layers=2, rope_interleave=False, norm_topk_prob=False,
+                             routed_scaling_factor=1.5, rope=dict(mscale=1.0, mscale_all_dim=0.707)),
+        torch.bfloat16,
         None,
     ),
 }
@@ -209,6 +259,13 @@ def _router_check(model, ids):
     def mk(i):
         def hook(mod, inp, outp):
             logits = outp[0] if isinstance(outp, tuple) else outp
+            if hasattr(mod, "e_score_correction_bias"):  # DeepSeek: how often the group limit changed the choice
+                biased = logits.float().sigmoid() + mod.e_score_correction_bias
+                plain = set(map(tuple, biased.topk(mod.top_k, dim=-1)[1].sort(-1)[0].tolist()))
+                chosen = outp[2].sort(-1)[0].tolist()
+                changed = sum(tuple(c) not in plain for c in chosen)
+                out.append(f"L{i}: group limit changed {changed}/{len(chosen)} tokens' experts")
+                return
             p = torch.softmax(logits.float(), dim=-1)
             out.append(f"L{i}: max_p={p.max().item():.3f} min_p={p.min().item():.3f}")
 
@@ -231,6 +288,12 @@ def build_case(name, out_dir, summary):
     config, cls = builder()
     config._attn_implementation = "eager"
     model = cls(config).eval()
+    if name in BIAS_STD:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                    gate.e_score_correction_bias.normal_(0.0, BIAS_STD[name])
     model = model.to(save_dtype)
     path = os.path.join(out_dir, name)
     if os.path.isdir(path):
