@@ -211,10 +211,12 @@ CASES = {
         None,
     ),
     "deepseek_v3_basic": (lambda: _deepseek_v3(), torch.bfloat16, None),
-    # q_proj instead of q_a/q_b (DeepSeek-V2-Lite's form), rope_interleave off, a YaRN attention factor != 1
+    # q_proj instead of q_a/q_b (DeepSeek-V2-Lite's form), rope_interleave off, a YaRN attention factor != 1,
+    # norm_topk_prob off
     "deepseek_v3_no_q_lora": (
         lambda: _deepseek_v3(q_lora_rank=None, num_hidden_layers=2, rope_interleave=False, norm_topk_prob=False,
-                             routed_scaling_factor=1.5, rope=dict(mscale=1.0, mscale_all_dim=0.707)),
+                             routed_scaling_factor=1.5, rope=dict(mscale=1.0, mscale_all_dim=0.707),
+                             moe_intermediate_size=96),  # 3 blocks of 32 rows: a split over 3 nodes
         torch.bfloat16,
         None,
     ),

@@ -129,11 +129,33 @@ class Decoder:
         for layer, e in self.device_experts:
             self.on_device[layer][e] = True
         self.route_tail_skip = route_tail_skip
-        self.inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor)  # [hd/2]
+        self.rope_scale = 1.0  # multiplies cos and sin (YaRN's attention factor)
+        if cfg.mla is not None:
+            rope_dim = cfg.mla.qk_rope_head_dim
+            if cfg.yarn is not None:
+                y = cfg.yarn
+                self.inv_freq = ops.yarn_inv_freq(rope_dim, cfg.rope_theta, y.factor, y.original_max_position_embeddings,
+                                                  y.beta_fast, y.beta_slow, y.truncate)
+                self.rope_scale = y.attention_factor
+            else:
+                self.inv_freq = ops.rope_inv_freq(rope_dim, cfg.rope_theta, cfg.rope_factor)
+        else:
+            self.inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor)  # [hd/2]
+        # MLA at decode: attend over the cached latents without expanding them (ops.mla_attention_absorbed)
+        # when a sequence adds at most this many tokens; prefill expands them through kv_b_proj
+        self.absorb_max_tokens = 1
         self.stats = RoutingStats()
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, xp=self.xp)
+        cfg = self.cfg
+        latent = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) if cfg.mla is not None else None
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent)
+
+    def _rope_tables(self, positions: np.ndarray):
+        cos, sin = ops.rope_cos_sin(positions, self.inv_freq)
+        if self.rope_scale != 1.0:
+            cos, sin = cos * np.float32(self.rope_scale), sin * np.float32(self.rope_scale)
+        return self.xp.asarray(cos), self.xp.asarray(sin)
 
     def forward(self, token_ids: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
         """token_ids [T] after the cached ones -> logits [T, V] ([1, V] when last_only)."""
@@ -146,7 +168,7 @@ class Decoder:
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
         xp = self.xp
-        rope = [tuple(xp.asarray(a) for a in ops.rope_cos_sin(p, self.inv_freq)) for p in positions]  # [T_s, hd]
+        rope = [self._rope_tables(p) for p in positions]  # cos, sin [T_s, hd]
         h = self.w.embed[xp.asarray(np.concatenate([ids for ids, _ in seqs]))]  # [N, H]
         for i, lw in enumerate(self.w.layers):
             a = ops.rms_norm(h, lw.input_norm, self.cfg.rms_norm_eps)
@@ -165,6 +187,8 @@ class Decoder:
 
     def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope) -> np.ndarray:
         cfg = self.cfg
+        if lw.mla is not None:
+            return self._mla_attention(i, lw, x, seqs, bounds, positions, rope)
         N = x.shape[0]
         q = x @ lw.q.T  # [N, nh*hd]
         k = x @ lw.k.T  # [N, nkv*hd]
@@ -187,6 +211,34 @@ class Decoder:
             out[r] = ops.gqa_attention(ops.apply_rope(q[r], cos, sin), keys, values, mask)
         return out @ lw.o.T  # [N, H]
 
+    def _mla_attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope) -> np.ndarray:
+        """DeepSeek's multi-head latent attention; the cache keeps each token's latent and rope key."""
+        cfg, m, w = self.cfg, self.cfg.mla, lw.mla
+        N, nh, dn = x.shape[0], cfg.num_heads, m.qk_nope_head_dim
+        if w.q is not None:
+            q = x @ w.q.T
+        else:
+            q = ops.rms_norm(x @ w.q_a.T, w.q_a_norm, cfg.rms_norm_eps) @ w.q_b.T
+        q = q.reshape(N, nh, m.qk_head_dim)  # [N, nh, dn+dr]
+        q_nope, q_rope = q[..., :dn], q[..., dn:]
+        ckv = x @ w.kv_a.T  # [N, c+dr]
+        latent = ops.rms_norm(self.xp.ascontiguousarray(ckv[:, : m.kv_lora_rank]), w.kv_a_norm, cfg.rms_norm_eps)
+        k_rope = ckv[:, None, m.kv_lora_rank :]  # [N, 1, dr]
+        rotate = ops.apply_rope_interleaved if m.rope_interleave else ops.apply_rope
+        out = self.xp.empty((N, nh * m.v_head_dim), np.float32)  # [N, nh*dv]
+        for s, (_, cache) in enumerate(seqs):
+            r = slice(bounds[s], bounds[s + 1])
+            cos, sin = rope[s]
+            lat, kr = cache.extend(i, latent[r], rotate(k_rope[r], cos, sin)[:, 0])  # [S, c], [S, dr]
+            mask = self.xp.asarray(ops.attention_mask(positions[s], np.arange(lat.shape[0]), None))  # [T_s, S]
+            qr = rotate(q_rope[r], cos, sin)
+            if r.stop - r.start <= self.absorb_max_tokens:
+                out[r] = ops.mla_attention_absorbed(q_nope[r], qr, lat, kr, w.w_uk, w.w_uv, mask, m.softmax_scale)
+            else:
+                kv = (lat @ w.kv_b.T).reshape(lat.shape[0], nh, dn + m.v_head_dim)  # [S, nh, dn+dv]
+                out[r] = ops.mla_attention(q_nope[r], qr, kv[..., :dn], kr, kv[..., dn:], mask, m.softmax_scale)
+        return out @ lw.o.T  # [N, H]
+
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray) -> np.ndarray:
         """route -> submit the CPU pairs -> device experts meanwhile -> collect -> sum."""
         routing = self._route(i, lw, x)
@@ -201,14 +253,22 @@ class Decoder:
             y += y_dev  # then the device experts' output
         if lw.shared_expert is not None:
             se = lw.shared_expert
-            y = y + ops.sigmoid(x @ lw.shared_expert_gate.T) * ops.swiglu_mlp(x, se.gate, se.up, se.down)
+            if lw.shared_expert_gate is not None:
+                y = y + ops.sigmoid(x @ lw.shared_expert_gate.T) * ops.swiglu_mlp(x, se.gate, se.up, se.down)
+            else:  # DeepSeek's shared experts: ungated, on the device side
+                y = y + ops.swiglu_mlp(x, se.gate, se.up, se.down)
         return y
 
     def _route(self, i: int, lw: LayerWeights, x: np.ndarray) -> Routing:
         """The router's top-k pairs of every row, less the tail skip, split device / CPU."""
         cfg = self.cfg
         T = x.shape[0]
-        ids, weights = ops.route_top_k(x @ lw.router.T, cfg.top_k, cfg.norm_topk_prob)  # [T, k] on the device
+        if cfg.group_router is not None:
+            g = cfg.group_router
+            ids, weights = ops.route_grouped_sigmoid(x @ lw.router.T, lw.router_bias, cfg.top_k, g.n_group,
+                                                     g.topk_group, cfg.norm_topk_prob, g.routed_scaling_factor)
+        else:
+            ids, weights = ops.route_top_k(x @ lw.router.T, cfg.top_k, cfg.norm_topk_prob)  # [T, k] on the device
         ids, weights = to_host(ids), to_host(weights)  # small: the pair bookkeeping runs on the host
         chosen = ids.reshape(-1)  # [P]
         pairs = Pairs(np.repeat(np.arange(T, dtype=np.int64), cfg.top_k), chosen, weights.reshape(-1))

@@ -1,4 +1,11 @@
-"""Per-sequence key/value cache: one growing buffer per layer."""
+"""Per-sequence key/value cache: one growing buffer per layer.
+
+Each cached token holds two float32 entries per layer: the key and the value
+([kv heads, head dim] each), or, for multi-head latent attention (``latent``),
+the compressed latent after kv_a_layernorm [kv_lora_rank] and the roped shared
+key [qk_rope_head_dim]: (kv_lora_rank + qk_rope_head_dim) floats a layer, not
+2 x heads x head dim.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +13,35 @@ import numpy as np
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64, xp=np):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64, xp=np,
+                 latent: tuple[int, int] | None = None):
         self.length = 0  # tokens already cached
         self.xp = xp  # NumPy, or CuPy when the cache lives on the device
-        self._shape = (num_kv_heads, head_dim)
-        self._k = [xp.zeros((capacity, *self._shape), np.float32) for _ in range(num_layers)]  # [cap, nkv, hd]
-        self._v = [xp.zeros((capacity, *self._shape), np.float32) for _ in range(num_layers)]
+        # the two entries' shapes per token: (key, value), or MLA's (latent, rope key)
+        self._shapes = ((num_kv_heads, head_dim), (num_kv_heads, head_dim)) if latent is None else (
+            (latent[0],), (latent[1],))
+        self._k = [xp.zeros((capacity, *self._shapes[0]), np.float32) for _ in range(num_layers)]  # [cap, ...]
+        self._v = [xp.zeros((capacity, *self._shapes[1]), np.float32) for _ in range(num_layers)]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes over all layers."""
+        per_layer = sum(int(np.prod(s)) for s in self._shapes) * np.dtype(np.float32).itemsize
+        return len(self._k) * per_layer
 
     def _reserve(self, layer: int, needed: int) -> None:
         cap = self._k[layer].shape[0]
         if needed <= cap:
             return
         new_cap = max(needed, 2 * cap)
-        for buf in (self._k, self._v):
-            grown = self.xp.zeros((new_cap, *self._shape), np.float32)
+        for buf, shape in zip((self._k, self._v), self._shapes):
+            grown = self.xp.zeros((new_cap, *shape), np.float32)
             grown[:cap] = buf[layer]
             buf[layer] = grown
 
     def extend(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store k, v [T, nkv, hd] after the cached tokens; returns all keys and values [S, nkv, hd]."""
+        """Store k, v [T, ...] after the cached tokens (key and value, or latent and rope key); returns all of
+        them [S, ...]."""
         start, stop = self.length, self.length + k.shape[0]
         self._reserve(layer, stop)
         self._k[layer][start:stop] = k

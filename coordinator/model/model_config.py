@@ -1,4 +1,4 @@
-"""config.json -> ModelConfig, for the three supported MoE architectures.
+"""config.json -> ModelConfig, for the supported MoE architectures.
 
 Keys are read as transformers writes them, in both the 4.x form (``rope_theta``
 and ``rope_scaling`` at top level) and the 5.x form (``rope_parameters``).
@@ -8,6 +8,7 @@ Defaults for absent keys are those of the transformers config classes.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +18,12 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3/R1, Kimi-K2 (model_type kimi_k2), Moonlight
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear")
+MLA_ROPE_TYPES = ("default", "linear", "yarn")  # YaRN: DeepSeek's MLA architectures only, for now
+SCORING_FUNCS = {"deepseek_v3": ("sigmoid",)}  # config.json's scoring_func, per architecture
+TOPK_METHODS = {"deepseek_v3": ("noaux_tc",)}  # config.json's topk_method
 
 # transformers' config-class defaults for keys that may be absent
 DEFAULTS = {
@@ -28,7 +33,49 @@ DEFAULTS = {
                     decoder_sparse_step=1, attention_bias=False, tie_word_embeddings=False),
     "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, norm_topk_prob=False,
                       decoder_sparse_step=1, attention_bias=True, tie_word_embeddings=False),
+    "deepseek_v3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, norm_topk_prob=True,
+                        attention_bias=False, tie_word_embeddings=False, n_group=8, topk_group=4, n_shared_experts=1,
+                        routed_scaling_factor=2.5, first_k_dense_replace=3, moe_layer_freq=1, q_lora_rank=1536,
+                        rope_interleave=True),
 }
+
+
+@dataclass(frozen=True)
+class YarnConfig:
+    """YaRN rope scaling (transformers' _compute_yarn_parameters; DeepSeek's YarnRotaryEmbedding)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
+    attention_factor: float  # multiplies cos and sin
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv, a decoupled rope part."""
+
+    q_lora_rank: int | None  # None: one q_proj (DeepSeek-V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rope on (x0, x1), (x2, x3), ... pairs (transformers' apply_rotary_pos_emb_interleave)
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class GroupRouter:
+    """DeepSeek-V3's router: sigmoid scores, a correction bias for the choice only, group-limited top-k."""
+
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
 
 
 @dataclass(frozen=True)
@@ -58,6 +105,18 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]  # per layer: window length or None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    shared_expert_gate: bool = True  # qwen2_moe's sigmoid gate on the shared expert; DeepSeek's have none
+    mla: MLAConfig | None = None  # deepseek_v3: attention is MLA (num_kv_heads, head_dim unused)
+    yarn: YarnConfig | None = None  # rope_type "yarn"
+    group_router: GroupRouter | None = None  # deepseek_v3: sigmoid, grouped; else softmax top-k
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes the KV cache holds per token over all layers (float32): MLA keeps the compressed latent and
+        the rope key, (kv_lora_rank + qk_rope_head_dim) a layer; the others 2 x kv heads x head_dim."""
+        per_layer = (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim if self.mla is not None
+                     else 2 * self.num_kv_heads * self.head_dim)
+        return self.num_layers * per_layer * 4
 
     @property
     def moe_layers(self) -> list[int]:
@@ -102,7 +161,55 @@ def _arch(cfg: dict) -> str:
     return ARCHITECTURES[name]
 
 
-def _rope(cfg: dict, default_theta: float) -> tuple[float, str, float]:
+def _rope_scaling(cfg: dict) -> tuple[str, dict]:
+    """(where, the scaling object) from either layout."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        return "rope_parameters", params
+    return "rope_scaling", cfg.get("rope_scaling") or {}
+
+
+def _number(where: str, key: str, value, *, positive: bool = True) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or (positive and value <= 0):
+        raise ModelConfigError(f"config.json: {where}.{key} is {value!r}; expected a positive number")
+    return float(value)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's mscale (Eq. 21): 0.1 * mscale * ln(scale) + 1, or 1 when scale <= 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(cfg: dict, max_pos: int) -> tuple[YarnConfig, float]:
+    """(the YaRN parameters, the softmax-scale multiplier MLA folds in: mscale(factor, mscale_all_dim)²)."""
+    where, s = _rope_scaling(cfg)
+    orig = s.get("original_max_position_embeddings")
+    if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
+        raise ModelConfigError(f"config.json: {where}.original_max_position_embeddings is {orig!r}; expected a "
+                               "positive integer (YaRN needs it)")
+    factor = s.get("factor")
+    factor = max_pos / orig if factor is None else _number(where, "factor", factor)
+    mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+    for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+        if value is not None:
+            _number(where, key, value, positive=False)
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_get_mscale(factor)
+    attention_factor = _number(where, "attention_factor", attention_factor)
+    beta_fast = _number(where, "beta_fast", s.get("beta_fast") or 32)
+    beta_slow = _number(where, "beta_slow", s.get("beta_slow") or 1)
+    truncate = s.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ModelConfigError(f"config.json: {where}.truncate is {truncate!r}; expected true or false")
+    all_dim = yarn_get_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
+    return YarnConfig(factor, orig, beta_fast, beta_slow, truncate, attention_factor), all_dim
+
+
+def _rope(cfg: dict, default_theta: float, types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> tuple[float, str, float]:
     """(theta, type, linear factor) from either the 4.x or the 5.x layout."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and params:
@@ -116,10 +223,10 @@ def _rope(cfg: dict, default_theta: float) -> tuple[float, str, float]:
     if not isinstance(scaling, dict):
         raise ModelConfigError(f"config.json: field '{where}' is {scaling!r}; expected an object or null")
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in types:
         raise ModelConfigError(
             f"config.json: {where}.rope_type '{rope_type}' is not supported; expected one of "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{', '.join(types)}"
         )
     factor = 1.0
     if rope_type == "linear":
@@ -164,10 +271,111 @@ def _eos_ids(cfg: dict, model_dir: Path | None) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _choice(cfg: dict, key: str, arch: str, accepted: tuple[str, ...]) -> str:
+    value = cfg.get(key)
+    if value is None:
+        return accepted[0]
+    if value not in accepted:
+        raise ModelConfigError(f"config.json: field '{key}' is {value!r}, which {arch} does not support; accepted: "
+                               f"{', '.join(repr(a) for a in accepted)}")
+    return value
+
+
+def _positive(cfg: dict, key: str, default: object = ...) -> int:
+    value = _field(cfg, key, int, default=default)
+    if value == 0:
+        raise ModelConfigError(f"config.json: field '{key}' is 0; expected a positive integer")
+    return value
+
+
+def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig:
+    """DeepSeek-V3's config.json (the Hub's remote-code form and transformers 5's DeepseekV3Config alike)."""
+    d = DEFAULTS[arch]
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"config.json: hidden_act '{act}' is not supported; expected 'silu'")
+    _choice(cfg, "scoring_func", arch, SCORING_FUNCS[arch])
+    _choice(cfg, "topk_method", arch, TOPK_METHODS[arch])
+    if _bool(cfg, "attention_bias", d["attention_bias"]):
+        raise ModelConfigError("config.json: attention_bias true is not supported for deepseek_v3 (no DeepSeek "
+                               "checkpoint has it)")
+    hidden = _positive(cfg, "hidden_size")
+    layers = _positive(cfg, "num_hidden_layers")
+    heads = _positive(cfg, "num_attention_heads")
+    q_lora_rank = cfg.get("q_lora_rank", d["q_lora_rank"])
+    if q_lora_rank is not None:
+        q_lora_rank = _positive(cfg, "q_lora_rank")
+    kv_lora_rank = _positive(cfg, "kv_lora_rank")
+    nope = _positive(cfg, "qk_nope_head_dim")
+    rope_dim = _positive(cfg, "qk_rope_head_dim")
+    v_dim = _positive(cfg, "v_head_dim")
+    if rope_dim % 2:
+        raise ModelConfigError(f"config.json: qk_rope_head_dim {rope_dim} must be even")
+    num_experts = _positive(cfg, "n_routed_experts")
+    top_k = _positive(cfg, "num_experts_per_tok")
+    n_group = _positive(cfg, "n_group", d["n_group"])
+    topk_group = _positive(cfg, "topk_group", d["topk_group"])
+    if num_experts % n_group:
+        raise ModelConfigError(f"config.json: n_routed_experts {num_experts} is not a multiple of n_group {n_group}")
+    if topk_group > n_group:
+        raise ModelConfigError(f"config.json: topk_group {topk_group} is more than n_group {n_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ModelConfigError(
+            f"config.json: num_experts_per_tok {top_k} is more than the experts of topk_group {topk_group} groups "
+            f"({topk_group * (num_experts // n_group)})")
+    scaling = _field(cfg, "routed_scaling_factor", float, default=d["routed_scaling_factor"])
+    shared = _field(cfg, "n_shared_experts", int, default=d["n_shared_experts"])
+    first_dense = _field(cfg, "first_k_dense_replace", int, default=d["first_k_dense_replace"])
+    freq = _positive(cfg, "moe_layer_freq", d["moe_layer_freq"])
+    max_pos = _field(cfg, "max_position_embeddings", int, default=d["max_position_embeddings"])
+    theta, rope_type, factor = _rope(cfg, d["rope_theta"], MLA_ROPE_TYPES)
+    softmax_scale = (nope + rope_dim) ** -0.5
+    yarn = None
+    if rope_type == "yarn":
+        yarn, all_dim = _yarn(cfg, max_pos)
+        softmax_scale *= all_dim
+        factor = 1.0
+    moe_inter = _positive(cfg, "moe_intermediate_size")
+    return ModelConfig(
+        arch=arch,
+        vocab_size=_positive(cfg, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=nope + rope_dim,
+        rms_norm_eps=_field(cfg, "rms_norm_eps", float, default=d["rms_norm_eps"]),
+        rope_theta=theta,
+        rope_type=rope_type,
+        rope_factor=factor,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", d["tie_word_embeddings"]),
+        qkv_bias=False,
+        qk_norm=False,
+        num_experts=num_experts,
+        top_k=top_k,
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", d["norm_topk_prob"]),
+        moe_intermediate_size=moe_inter,
+        dense_intermediate_size=_positive(cfg, "intermediate_size"),
+        shared_expert_intermediate_size=moe_inter * shared,
+        sparse_layers=tuple(i >= first_dense and i % freq == 0 for i in range(layers)),
+        sliding_windows=(None,) * layers,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg, model_dir),
+        shared_expert_gate=False,
+        mla=MLAConfig(q_lora_rank, kv_lora_rank, nope, rope_dim, v_dim,
+                      _bool(cfg, "rope_interleave", d["rope_interleave"]), softmax_scale),
+        yarn=yarn,
+        group_router=GroupRouter(n_group, topk_group, scaling),
+    )
+
+
 def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ModelConfigError("config.json: expected a JSON object")
     arch = _arch(cfg)
+    if arch == "deepseek_v3":
+        return _parse_deepseek_v3(cfg, model_dir, arch)
     d = DEFAULTS[arch]
     act = cfg.get("hidden_act", "silu")
     if act != "silu":

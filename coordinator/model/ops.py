@@ -110,3 +110,90 @@ def route_top_k(router_logits: np.ndarray, k: int, normalize: bool) -> tuple[np.
     if normalize:
         weights = weights / xp.sum(weights, axis=-1, keepdims=True)
     return ids.astype(np.int64), weights.astype(np.float32)
+
+
+def yarn_inv_freq(dim: int, theta: float, factor: float, original_max: int, beta_fast: float, beta_slow: float,
+                  truncate: bool = True) -> np.ndarray:
+    """[dim / 2] YaRN inverse frequencies (transformers' _compute_yarn_parameters): the high frequencies kept,
+    the low ones divided by ``factor``, a linear ramp between the correction range's ends."""
+    def correction_dim(rotations: float) -> float:
+        return dim * np.log(original_max / (rotations * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    keep = 1 - ramp  # the share of the unscaled frequency
+    return extrapolation / factor * (1 - keep) + extrapolation * keep
+
+
+def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, heads, d] rotated in (x0, x1), (x2, x3), ... pairs, the output de-interleaved as transformers'
+    apply_rotary_pos_emb_interleave writes it: [even·cos - odd·sin, odd·cos + even·sin] (q and k alike, so
+    their dot products are those of the interleaved rotation). cos, sin [T, d] in the half-split layout."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return xp_of(x).concatenate([even * c - odd * s, odd * c + even * s], axis=-1)
+
+
+def route_grouped_sigmoid(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_group: int,
+                          topk_group: int, normalize: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, the noaux_tc method).
+
+    router_logits [T, E] -> (ids [T, k] int64, weights [T, k] float32). Scores are sigmoid(logits); the choice
+    is made on scores + bias (e_score_correction_bias), the weights are the unbiased scores. Each of the
+    ``n_group`` groups of E / n_group experts is scored by the sum of its two best biased scores; the
+    ``topk_group`` best groups stay and the k best experts among theirs are chosen (ties to the lower id). The
+    weights are divided by their sum (+1e-20) when ``normalize``, then multiplied by ``scaling``.
+    """
+    xp = xp_of(router_logits)
+    T, E = router_logits.shape
+    scores = sigmoid(router_logits.astype(np.float32))  # [T, E]
+    choice = scores + bias.astype(np.float32) if bias is not None else scores
+    grouped = choice.reshape(T, n_group, E // n_group)
+    best = -xp.sort(-grouped, axis=-1)[..., : min(2, E // n_group)]  # [T, G, 2]
+    group_scores = best.sum(axis=-1)  # [T, G]
+    group_order = xp.argsort(-group_scores, axis=-1, kind="stable") if xp is np else xp.argsort(-group_scores, axis=-1)
+    keep = xp.zeros((T, n_group), bool)
+    keep[xp.arange(T)[:, None], group_order[:, :topk_group]] = True  # [T, G] the groups kept
+    masked = xp.where(xp.repeat(keep, E // n_group, axis=-1), choice, np.float32(-np.inf))  # [T, E]
+    ids = xp.argsort(-masked, axis=-1, kind="stable")[:, :k] if xp is np else xp.argsort(-masked, axis=-1)[:, :k]
+    weights = xp.take_along_axis(scores, ids, axis=-1)  # [T, k]
+    if normalize:
+        weights = weights / (xp.sum(weights, axis=-1, keepdims=True) + np.float32(1e-20))
+    weights = weights * np.float32(scaling)
+    return ids.astype(np.int64), weights.astype(np.float32)
+
+
+def mla_attention(q_nope: np.ndarray, q_rope: np.ndarray, k_nope: np.ndarray, k_rope: np.ndarray,
+                  v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+    """Multi-head latent attention with the latent expanded: q_nope [T, nh, dn], q_rope [T, nh, dr],
+    k_nope [S, nh, dn], k_rope [S, dr] (one rope key shared by every head), v [S, nh, dv], mask [T, S]
+    -> [T, nh*dv]. Scores (q_nope·k_nope + q_rope·k_rope) * scale."""
+    xp = xp_of(q_nope)
+    T, nh, _ = q_nope.shape
+    scores = q_nope.transpose(1, 0, 2) @ k_nope.transpose(1, 2, 0)  # [nh, T, S]
+    scores = scores + (q_rope.transpose(1, 0, 2) @ k_rope.T)  # [nh, T, S]
+    scores = xp.where(mask, scores * np.float32(scale), np.float32(-np.inf))
+    out = softmax(scores, axis=-1) @ v.transpose(1, 0, 2)  # [nh, T, dv]
+    return out.transpose(1, 0, 2).reshape(T, -1)
+
+
+def mla_attention_absorbed(q_nope: np.ndarray, q_rope: np.ndarray, latent: np.ndarray, k_rope: np.ndarray,
+                           w_uk: np.ndarray, w_uv: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+    """The same attention on the cached latent [S, c] without expanding it: W_uk [nh, dn, c] folds into q
+    (q_nope·(W_uk·l) = (q_nope·W_uk)·l) and W_uv [nh, dv, c] applies after the weighted sum of latents.
+    Work per cached token: nh*(c + dr) instead of the expansion's nh*c*(dn + dv)."""
+    xp = xp_of(q_nope)
+    T, nh, _ = q_nope.shape
+    q_lat = q_nope.transpose(1, 0, 2) @ w_uk  # [nh, T, c]
+    scores = q_lat @ latent.T + q_rope.transpose(1, 0, 2) @ k_rope.T  # [nh, T, S]
+    scores = xp.where(mask, scores * np.float32(scale), np.float32(-np.inf))
+    out_lat = softmax(scores, axis=-1) @ latent  # [nh, T, c]
+    out = out_lat @ w_uv.transpose(0, 2, 1)  # [nh, T, dv]
+    return out.transpose(1, 0, 2).reshape(T, -1)

@@ -28,13 +28,28 @@ class MLPWeights:
 
 
 @dataclass
+class MLAWeights:
+    """DeepSeek's multi-head latent attention (dn, dr, dv: qk_nope, qk_rope, v head dims; c: kv_lora_rank)."""
+
+    q: np.ndarray | None  # [nh*(dn+dr), H] q_proj, when q_lora_rank is null
+    q_a: np.ndarray | None  # [q_lora_rank, H]
+    q_a_norm: np.ndarray | None  # [q_lora_rank]
+    q_b: np.ndarray | None  # [nh*(dn+dr), q_lora_rank]
+    kv_a: np.ndarray  # [c + dr, H] kv_a_proj_with_mqa: the latent, then the shared rope key
+    kv_a_norm: np.ndarray  # [c]
+    kv_b: np.ndarray  # [nh*(dn+dv), c]: per head, dn rows of W_uk then dv rows of W_uv
+    w_uk: np.ndarray  # [nh, dn, c] kv_b's key rows (the absorbed decode's view)
+    w_uv: np.ndarray  # [nh, dv, c] kv_b's value rows
+
+
+@dataclass
 class LayerWeights:
     input_norm: np.ndarray  # [H]
     post_attn_norm: np.ndarray  # [H]
-    q: np.ndarray  # [nh*hd, H]
-    k: np.ndarray  # [nkv*hd, H]
-    v: np.ndarray  # [nkv*hd, H]
-    o: np.ndarray  # [H, nh*hd]
+    q: np.ndarray | None  # [nh*hd, H] (None with MLA)
+    k: np.ndarray | None  # [nkv*hd, H]
+    v: np.ndarray | None  # [nkv*hd, H]
+    o: np.ndarray  # [H, nh*hd] ([H, nh*dv] with MLA)
     q_bias: np.ndarray | None  # [nh*hd]
     k_bias: np.ndarray | None  # [nkv*hd]
     v_bias: np.ndarray | None  # [nkv*hd]
@@ -42,8 +57,10 @@ class LayerWeights:
     k_norm: np.ndarray | None  # [hd]
     router: np.ndarray | None  # [E, H] (MoE layers)
     dense_mlp: MLPWeights | None  # dense layers
-    shared_expert: MLPWeights | None  # qwen2_moe
-    shared_expert_gate: np.ndarray | None  # [1, H]
+    shared_expert: MLPWeights | None  # qwen2_moe; deepseek_v3's shared_experts (n_shared_experts of them fused)
+    shared_expert_gate: np.ndarray | None  # [1, H] (qwen2_moe)
+    mla: MLAWeights | None = None  # deepseek_v3
+    router_bias: np.ndarray | None = None  # [E] deepseek_v3's e_score_correction_bias (the choice only)
 
 
 @dataclass
@@ -54,6 +71,25 @@ class ModelWeights:
     layers: list[LayerWeights]
     experts: dict[tuple[int, int], ExpertRefs]  # (layer, expert) -> where its matrices are
     names: dict[int, str] = field(default_factory=dict)  # id(a dense array above) -> its checkpoint tensor
+
+
+def _mla(cfg: ModelConfig, r: "_Reader", attn: str) -> MLAWeights:
+    m, H, nh = cfg.mla, cfg.hidden_size, cfg.num_heads
+    q_out = nh * m.qk_head_dim
+    lora = m.q_lora_rank
+    kv_b = r.get(f"{attn}.kv_b_proj.weight", (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
+    per_head = kv_b.reshape(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    return MLAWeights(
+        q=r.optional(f"{attn}.q_proj.weight", (q_out, H), lora is None),
+        q_a=r.optional(f"{attn}.q_a_proj.weight", (lora, H), lora is not None),
+        q_a_norm=r.optional(f"{attn}.q_a_layernorm.weight", (lora,), lora is not None),
+        q_b=r.optional(f"{attn}.q_b_proj.weight", (q_out, lora), lora is not None),
+        kv_a=r.get(f"{attn}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, H)),
+        kv_a_norm=r.get(f"{attn}.kv_a_layernorm.weight", (m.kv_lora_rank,)),
+        kv_b=kv_b,
+        w_uk=np.ascontiguousarray(per_head[:, : m.qk_nope_head_dim]),
+        w_uv=np.ascontiguousarray(per_head[:, m.qk_nope_head_dim :]),
+    )
 
 
 def _prefix(cfg: ModelConfig, layer: int) -> tuple[str, str]:
@@ -149,6 +185,27 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
         attn = f"{base}.self_attn"
         sparse = cfg.sparse_layers[i]
         shared = sparse and cfg.shared_expert_intermediate_size > 0
+        if cfg.mla is not None:
+            layers.append(
+                LayerWeights(
+                    input_norm=r.get(f"{base}.input_layernorm.weight", (H,)),
+                    post_attn_norm=r.get(f"{base}.post_attention_layernorm.weight", (H,)),
+                    q=None, k=None, v=None,
+                    o=r.get(f"{attn}.o_proj.weight", (H, cfg.num_heads * cfg.mla.v_head_dim)),
+                    q_bias=None, k_bias=None, v_bias=None, q_norm=None, k_norm=None,
+                    router=r.optional(f"{moe}.gate.weight", (cfg.num_experts, H), sparse),
+                    dense_mlp=None if sparse else _mlp(r, f"{base}.mlp", cfg.dense_intermediate_size, H),
+                    shared_expert=_mlp(r, f"{moe}.shared_experts", cfg.shared_expert_intermediate_size, H)
+                    if shared else None,
+                    shared_expert_gate=None,
+                    mla=_mla(cfg, r, attn),
+                    router_bias=r.optional(f"{moe}.gate.e_score_correction_bias", (cfg.num_experts,), sparse),
+                )
+            )
+            if sparse:
+                for e, refs in expert_refs(cfg, r, i).items():
+                    experts[(i, e)] = refs
+            continue
         layers.append(
             LayerWeights(
                 input_norm=r.get(f"{base}.input_layernorm.weight", (H,)),
