@@ -1,0 +1,109 @@
+"""DeepSeek-V3's parts on their own: the grouped sigmoid router against a float64 loop, YaRN's frequencies,
+the config errors, the latent cache's size. Parity with transformers is in test_hf_parity.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator import Engine, EngineConfig
+from coordinator.errors import ModelConfigError
+from coordinator.model import ops
+from coordinator.model.model_config import load_model_config
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3_basic"
+
+
+def route_reference(logits, bias, k, n_group, topk_group, normalize, scaling):
+    """DeepseekV3TopkRouter, one token at a time in float64."""
+    T, E = logits.shape
+    size = E // n_group
+    ids, weights = [], []
+    for t in range(T):
+        scores = [1.0 / (1.0 + math.exp(-float(v))) for v in logits[t]]
+        choice = [s + float(b) for s, b in zip(scores, bias)]
+        group_scores = [sum(sorted(choice[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: -group_scores[g])[:topk_group]
+        allowed = [e for e in range(E) if e // size in groups]
+        chosen = sorted(allowed, key=lambda e: -choice[e])[:k]
+        w = [scores[e] for e in chosen]
+        if normalize:
+            w = [v / (sum(w) + 1e-20) for v in w]
+        ids.append(chosen)
+        weights.append([v * scaling for v in w])
+    return np.array(ids), np.array(weights)
+
+
+@pytest.mark.parametrize("E, k, n_group, topk_group, normalize, scaling",
+                         [(16, 4, 4, 2, True, 2.5), (8, 3, 4, 2, False, 1.0), (12, 2, 1, 1, True, 1.8)])
+def test_grouped_router_matches_a_float64_loop(E, k, n_group, topk_group, normalize, scaling):
+    rng = np.random.default_rng(E + k)
+    logits = rng.normal(0, 2, (40, E)).astype(np.float32)
+    bias = rng.normal(0, 0.3, E).astype(np.float32)
+    ids, weights = ops.route_grouped_sigmoid(logits, bias, k, n_group, topk_group, normalize, scaling)
+    want_ids, want_w = route_reference(logits, bias, k, n_group, topk_group, normalize, scaling)
+    assert ids.dtype == np.int64 and weights.dtype == np.float32
+    assert np.array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_w, rtol=2e-6, atol=1e-7)
+    # the bias moved the choice and (with groups) the group limit excluded experts a plain top-k would take
+    plain = np.argsort(-(1 / (1 + np.exp(-logits.astype(np.float64)))), axis=-1, kind="stable")[:, :k]
+    assert (np.sort(plain, -1) != np.sort(ids, -1)).any()
+    if n_group > topk_group:
+        biased = np.argsort(-(1 / (1 + np.exp(-logits.astype(np.float64))) + bias), axis=-1, kind="stable")[:, :k]
+        assert (np.sort(biased, -1) != np.sort(ids, -1)).any()
+
+
+def test_yarn_frequencies_as_transformers_computes_them():
+    """_compute_yarn_parameters written out for DeepSeek-V3's rope_scaling (factor 40, original 4096)."""
+    dim, theta, factor, orig = 64, 10000.0, 40.0, 4096
+    got = ops.yarn_inv_freq(dim, theta, factor, orig, 32, 1, truncate=True)
+
+    def cdim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(cdim(32)), 0), min(math.ceil(cdim(1)), dim - 1)
+    want = []
+    for i in range(dim // 2):
+        base = 1.0 / theta ** (2 * i / dim)
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        want.append(base / factor * ramp + base * (1 - ramp))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert got[0] == 1.0 and got[-1] == pytest.approx(want[-1]) and got[-1] < 1.0 / theta ** ((dim - 2) / dim)
+
+
+def _bad_copy(tmp_path, **changes) -> Path:
+    model = tmp_path / "m"
+    shutil.copytree(FIXTURE, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(changes)
+    (model / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+@pytest.mark.parametrize("key, value, accepted", [("scoring_func", "softmax", "'sigmoid'"),
+                                                  ("topk_method", "group_limited_greedy", "'noaux_tc'")])
+def test_unknown_scoring_or_topk_method_is_refused_before_any_worker(tmp_path, key, value, accepted):
+    model = _bad_copy(tmp_path, **{key: value})
+    with pytest.raises(ModelConfigError) as err:
+        Engine.open(model, EngineConfig(pool="process", numa_split=True, nodes=2))
+    assert f"'{key}'" in str(err.value) and repr(value) in str(err.value) and accepted in str(err.value)
+
+
+def test_group_geometry_is_checked(tmp_path):
+    with pytest.raises(ModelConfigError, match="not a multiple of n_group 3"):
+        load_model_config(_bad_copy(tmp_path, n_group=3))
+
+
+def test_the_cache_holds_the_latent_and_the_rope_key():
+    cfg = load_model_config(FIXTURE)
+    m = cfg.mla
+    want = cfg.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 4  # float32
+    assert cfg.kv_bytes_per_token == want == 3 * (24 + 8) * 4
+    assert want < cfg.num_layers * 2 * cfg.num_heads * m.qk_head_dim * 4  # far below full K and V
+    with Engine.open(FIXTURE, EngineConfig()) as eng:
+        assert eng.decoder.new_cache().bytes_per_token == want
