@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.cli.main import main
 from coordinator.cli.make_model import ModelTooLarge, bench_small, l3_bytes, make_model, parameter_count
+from coordinator.model.model_config import load_model_config
 from shm.topology import real_nodes
 
 
@@ -24,6 +25,8 @@ def report(tmp_path_factory):
 
 def test_every_mode_and_figure_is_reported(report):
     assert list(report["modes"]) == ["inproc", "single", "split"]
+    cfg = load_model_config(report["model"])  # K and V, float32, every layer
+    assert report["kv_bytes_per_token"] == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 > 0
     for mode, m in report["modes"].items():
         for key in ("decode_tokens_per_s", "prefill_tokens_per_s"):
             s = m[key]

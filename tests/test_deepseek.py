@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from coordinator import Engine, EngineConfig
+from coordinator.cli.main import main
 from coordinator.errors import ModelConfigError
 from coordinator.model import ops
 from coordinator.model.model_config import load_model_config
@@ -107,3 +108,12 @@ def test_the_cache_holds_the_latent_and_the_rope_key():
     assert want < cfg.num_layers * 2 * cfg.num_heads * m.qk_head_dim * 4  # far below full K and V
     with Engine.open(FIXTURE, EngineConfig()) as eng:
         assert eng.decoder.new_cache().bytes_per_token == want
+
+
+def test_generate_json_reports_the_cache_bytes_per_token(capsys):
+    ref = np.load(FIXTURE / "reference.npz")
+    prompt = ",".join(str(t) for t in ref["input_ids"])
+    assert main(["generate", "--model", str(FIXTURE), "--prompt-ids", prompt, "-n", "3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert doc["kv_bytes_per_token"] == 3 * (24 + 8) * 4
+    assert doc["ids"] == ref["greedy_ids"][:3].tolist()

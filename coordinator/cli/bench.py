@@ -106,7 +106,8 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 res["timings"].extend(pool.timings)
                 res["expert_loads"] += eng.decoder.stats.cpu_expert_loads - loads0
                 res["pairs"] += eng.decoder.stats.routed_pairs - pairs0
-        report = {"model": str(model_dir), "arch": mcfg.arch, "spin_us": spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
+        report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
+                  "spin_us": spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
                   "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(device or {}),
                   "modes": {}}
         for mode, eng in engines.items():
@@ -208,7 +209,7 @@ def _fmt(v, spec=".1f") -> str:
 def markdown(report: dict) -> str:
     lines = [f"model {report['model']} ({report['arch']}), {report['prompt_tokens']} prompt + {report['tokens']} "
              f"new tokens, {report['rounds']} interleaved rounds; STREAM array {report['membw_bytes'] / 2**20:.0f} MiB "
-             f"(4x LLC)", "",
+             f"(4x LLC); KV cache {report.get('kv_bytes_per_token', 0)} bytes a token", "",
              "| mode | decode tok/s (min-max) | vs inproc | prefill tok/s | MoE layer wall us | worker compute us "
              "| overhead us | empty RTT us | overhead/RTT | pool GB/s | STREAM GB/s | ratio |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -237,6 +237,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "prompt_ids": result.prompt_ids, "ids": result.ids, "text": text,
                 "finish_reason": result.finish_reason, "timing": result.timings,
                 "experts": engine.expert_report(),
+                "kv_bytes_per_token": engine.model_config.kv_bytes_per_token,  # float32, all layers
                 "pool": {"kind": config.pool, "numa_split": config.numa_split, "plan": plan.digest,
                          "nodes": list(plan.node_ids), "node_info": [n.as_dict() for n in engine.nodes]},
                 "routing": {"routed_pairs": engine.decoder.stats.routed_pairs,
