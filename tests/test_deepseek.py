@@ -15,7 +15,7 @@ from coordinator import Engine, EngineConfig
 from coordinator.cli.main import main
 from coordinator.errors import ModelConfigError
 from coordinator.model import ops
-from coordinator.model.model_config import load_model_config
+from coordinator.model.model_config import load_model_config, parse_model_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3_basic"
 
@@ -117,3 +117,54 @@ def test_generate_json_reports_the_cache_bytes_per_token(capsys):
     doc = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert doc["kv_bytes_per_token"] == 3 * (24 + 8) * 4
     assert doc["ids"] == ref["greedy_ids"][:3].tolist()
+
+
+# DeepSeek-V3's config.json as the Hub has it (remote-code form: rope_scaling with "type", top-level rope_theta)
+HUB_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+}
+
+
+def test_the_hub_config_of_deepseek_v3():
+    cfg = parse_model_config(HUB_V3)
+    assert cfg.arch == "deepseek_v3" and cfg.sparse_layers[:4] == (False, False, False, True) and all(
+        cfg.sparse_layers[3:])
+    assert cfg.kv_bytes_per_token == 61 * (512 + 64) * 4  # not 61 * 2 * 128 * 192 * 4
+    assert cfg.mla.softmax_scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2)
+    assert cfg.yarn.attention_factor == 1.0 and cfg.yarn.original_max_position_embeddings == 4096
+    assert (cfg.group_router.n_group, cfg.group_router.topk_group, cfg.top_k) == (8, 4, 8)
+    assert cfg.shared_expert_intermediate_size == 2048 and not cfg.shared_expert_gate
+    fp8 = dict(HUB_V3, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    with pytest.raises(ModelConfigError, match="quant_method 'fp8' is not supported yet"):
+        parse_model_config(fp8)
+
+
+def test_the_4x_config_form_reads_as_the_5x_form():
+    cfg = json.loads((FIXTURE / "config.json").read_text())
+    legacy = dict(cfg)
+    rp = legacy.pop("rope_parameters")
+    legacy["rope_theta"] = rp["rope_theta"]
+    legacy["rope_scaling"] = {"type": "yarn", **{k: v for k, v in rp.items() if k not in ("rope_theta", "rope_type")}}
+    assert parse_model_config(legacy) == parse_model_config(cfg)
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_both_attention_forms_match_transformers(absorb):
+    """The absorbed form (the latents never expanded) and the expanded one, each forced for prefill and decode."""
+    ref = np.load(FIXTURE / "reference.npz")
+    ids = ref["input_ids"].tolist() + ref["greedy_ids"].tolist()
+    with Engine.open(FIXTURE, EngineConfig()) as eng:
+        eng.decoder.mla_absorb = absorb
+        assert float(np.max(np.abs(eng.logits(ids) - ref["full_logits"]))) < 2e-4
+        assert float(np.max(np.abs(eng.logits(ids, steps=True) - ref["full_logits"]))) < 2e-4
+    assert eng.decoder._absorbed(1, 64) is absorb
