@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -151,3 +153,22 @@ def test_device_experts_run_while_the_pool_computes(model):
         eng.logits(PROMPT)
     assert gated_layers, "no layer had both CPU and device work"
     assert not timed_out, f"the coordinator waited on the device experts before collecting (layers {timed_out})"
+
+
+HF = Path(__file__).parent / "fixtures" / "hf"
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3_basic", "deepseek_v3_no_q_lora"])
+def test_deepseek_on_the_gpu_matches_transformers(case):
+    """MLA (both attention forms), the grouped router and the shared experts in CuPy, hot experts and a split pool."""
+    ref = np.load(HF / case / "reference.npz")
+    prompt, greedy = ref["input_ids"].tolist(), ref["greedy_ids"].tolist()
+    cfg = dict(device="cuda", numa_split=True, nodes=2)
+    with Engine.open(HF / case, EngineConfig(pool="process", gpu_experts=4, **cfg)) as gpu:
+        assert gpu.decoder.backend == "cupy"
+        assert float(np.max(np.abs(gpu.logits(prompt) - ref["logits"]))) < 2e-4
+        steps = gpu.logits(prompt + greedy, steps=True)  # the absorbed form at every step
+        assert float(np.max(np.abs(steps - ref["full_logits"]))) < 2e-4
+        assert gpu.generate(prompt, max_new_tokens=len(greedy), temperature=0.0, stop_at_eos=False) == greedy
+        gpu.decoder.mla_absorb = True
+        assert float(np.max(np.abs(gpu.logits(prompt) - ref["logits"]))) < 2e-4
