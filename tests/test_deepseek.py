@@ -167,4 +167,7 @@ def test_both_attention_forms_match_transformers(absorb):
         eng.decoder.mla_absorb = absorb
         assert float(np.max(np.abs(eng.logits(ids) - ref["full_logits"]))) < 2e-4
         assert float(np.max(np.abs(eng.logits(ids, steps=True) - ref["full_logits"]))) < 2e-4
+        cache = eng.decoder.new_cache()  # chunks over cached latents, as the server's chunked prefill runs them
+        chunks = [eng.decoder.forward(np.array(c, np.int64), cache) for c in (ids[:5], ids[5:13], ids[13:])]
+        assert float(np.max(np.abs(np.concatenate(chunks) - ref["full_logits"]))) < 2e-4
     assert eng.decoder._absorbed(1, 64) is absorb
