@@ -250,23 +250,25 @@ class Decoder:
         return absorbed < expanded
 
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray) -> np.ndarray:
-        """route -> submit the CPU pairs -> device experts meanwhile -> collect -> sum."""
+        """route -> submit the CPU pairs -> device and shared experts meanwhile -> collect -> sum."""
         routing = self._route(i, lw, x)
         self.stats.count(routing, self.cfg.num_experts)
         y = self.xp.zeros_like(x)  # [T, H]
         sent = self._submit_cpu(routing, x)  # the CPU work first ...
         y_dev = self._device_side(routing, x)  # ... ours queued on the device's side stream meanwhile
+        y_shared = None  # the shared experts (device side, never the pool), also while the pool works
+        if lw.shared_expert is not None:
+            se = lw.shared_expert
+            y_shared = ops.swiglu_mlp(x, se.gate, se.up, se.down)
+            if lw.shared_expert_gate is not None:  # qwen2_moe's gate; DeepSeek's shared experts have none
+                y_shared = ops.sigmoid(x @ lw.shared_expert_gate.T) * y_shared
         if sent is not None:
             y[sent.rows_dev] = self._collect_cpu(sent, x.shape[1])  # Y_0 + Y_1 + ... in node order
         if y_dev is not None:
             self.side.join()
             y += y_dev  # then the device experts' output
-        if lw.shared_expert is not None:
-            se = lw.shared_expert
-            if lw.shared_expert_gate is not None:
-                y = y + ops.sigmoid(x @ lw.shared_expert_gate.T) * ops.swiglu_mlp(x, se.gate, se.up, se.down)
-            else:  # DeepSeek's shared experts: ungated, on the device side
-                y = y + ops.swiglu_mlp(x, se.gate, se.up, se.down)
+        if y_shared is not None:
+            y = y + y_shared  # then the shared experts'
         return y
 
     def _route(self, i: int, lw: LayerWeights, x: np.ndarray) -> Routing:
