@@ -102,6 +102,9 @@ def metric(http, name: str) -> float:
 
 def test_models_and_the_api_key(http, client):
     assert [m.id for m in client.models.list()] == ["chatm"]
+    assert client.models.retrieve("chatm").id == "chatm"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
     bad = openai.OpenAI(base_url=http.http_url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

@@ -8,7 +8,7 @@ stays the scheduler's. A client that goes away mid-request (aiohttp cancels its
 handler) has its sequence cancelled. Chat prompts are rendered with the model's
 chat template and tokenised here, off the server's loop.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE
+Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (SSE
 when ``stream``), GET /health, GET /metrics (Prometheus text). ``--api-key``
 (or STRATA_API_KEY) guards /v1/* with a Bearer token. Every error is an OpenAI
 error document with its status (openai_api.py). Bodies are capped at
@@ -172,6 +172,7 @@ class HttpFrontend:
         self.bridge.start()
         app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._errors, self._auth])
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/health", self._health)
@@ -249,6 +250,10 @@ class HttpFrontend:
 
     async def _models(self, _request: web.Request) -> web.Response:
         return _json(200, models_list(self.model_name, self.created))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        check_model({"model": request.match_info["model"]}, self.model_name)
+        return _json(200, models_list(self.model_name, self.created)["data"][0])
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
