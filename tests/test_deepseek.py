@@ -171,3 +171,43 @@ def test_both_attention_forms_match_transformers(absorb):
         chunks = [eng.decoder.forward(np.array(c, np.int64), cache) for c in (ids[:5], ids[5:13], ids[13:])]
         assert float(np.max(np.abs(np.concatenate(chunks) - ref["full_logits"]))) < 2e-4
     assert eng.decoder._absorbed(1, 64) is absorb
+
+
+def route_reference_v2(logits, k, n_group, topk_group, scaling):
+    """DeepseekV2TopkRouter (group_limited_greedy; n_group 1: greedy), one token at a time in float64."""
+    T, E = logits.shape
+    size = E // n_group
+    ids, weights = [], []
+    for t in range(T):
+        z = [math.exp(float(v) - float(max(logits[t]))) for v in logits[t]]
+        scores = [v / sum(z) for v in z]
+        groups = sorted(range(n_group), key=lambda g: -max(scores[g * size:(g + 1) * size]))[:topk_group]
+        chosen = sorted((e for e in range(E) if e // size in groups), key=lambda e: -scores[e])[:k]
+        ids.append(chosen)
+        weights.append([scores[e] * scaling for e in chosen])
+    return np.array(ids), np.array(weights)
+
+
+@pytest.mark.parametrize("E, k, n_group, topk_group, scaling", [(16, 4, 4, 2, 16.0), (12, 3, 1, 1, 1.0)])
+def test_deepseek_v2_softmax_router_matches_a_float64_loop(E, k, n_group, topk_group, scaling):
+    rng = np.random.default_rng(E + k)
+    logits = rng.normal(0, 2, (40, E)).astype(np.float32)
+    ids, weights = ops.route_grouped_sigmoid(logits, None, k, n_group, topk_group, False, scaling, "softmax")
+    want_ids, want_w = route_reference_v2(logits, k, n_group, topk_group, scaling)
+    assert np.array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_w, rtol=2e-6, atol=1e-7)
+    if n_group > topk_group:  # the group limit excluded experts a plain top-k would take
+        plain = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+        assert (np.sort(plain, -1) != np.sort(ids, -1)).any()
+
+
+def test_deepseek_v2_config_reads_transformers_defaults():
+    """V2-Lite's Hub form: greedy (groups unused), no q_lora_rank; norm_topk_prob is not applied (transformers'
+    DeepseekV2TopkRouter never normalises), rope always interleaved."""
+    cfg = json.loads((FIXTURE.parent / "deepseek_v2_lite" / "config.json").read_text())
+    cfg.update(topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=True)
+    c = parse_model_config(cfg)
+    assert (c.arch, c.mla.q_lora_rank, c.mla.rope_interleave, c.norm_topk_prob) == ("deepseek_v2", None, True, False)
+    assert (c.group_router.n_group, c.group_router.scoring, c.sparse_layers) == (1, "softmax", (False, True, True))
+    with pytest.raises(ModelConfigError, match="topk_method"):
+        parse_model_config(dict(cfg, topk_method="noaux_tc"))

@@ -35,8 +35,12 @@ import transformers
 from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Qwen2MoeConfig,
@@ -171,8 +175,65 @@ def _deepseek_v3(**kw):
     return DeepseekV3Config(**base), DeepseekV3ForCausalLM
 
 
+def _deepseek_v2(**kw):
+    """DeepSeek-V2-Lite in miniature: MLA with one q_proj (q_lora_rank null), complex (interleaved) rope, softmax
+    router with group-limited greedy top-k (4 groups, 2 kept: group limiting excludes experts), scaled weights,
+    shared experts, one dense first layer."""
+    base = dict(
+        COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.7,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=24,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=20,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    )
+    del base["head_dim"]
+    base["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    base.update(kw)
+    return DeepseekV2Config(**base), DeepseekV2ForCausalLM
+
+
+def _glm4_moe(**kw):
+    """GLM-4.5 in miniature: GQA with q/k/v biases, QK norm, partial rotary 0.5, V3's sigmoid router with a
+    correction bias (4 groups, 2 kept), a shared expert, one dense first layer."""
+    base = dict(
+        COMMON,
+        intermediate_size=96,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        use_qk_norm=True,
+        tie_word_embeddings=False,
+    )
+    base["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    base.update(kw)
+    return Glm4MoeConfig(**base), Glm4MoeForCausalLM
+
+
 # Non-zero e_score_correction_bias per MoE layer (transformers initialises it to zeros), set after init.
-BIAS_STD = {"deepseek_v3_basic": 0.3, "deepseek_v3_no_q_lora": 0.3}
+BIAS_STD = {"deepseek_v3_basic": 0.3, "deepseek_v3_no_q_lora": 0.3, "glm4_moe_basic": 0.3}
 
 
 # name -> (builder, save dtype, max_shard_size)
@@ -220,6 +281,8 @@ CASES = {
         torch.bfloat16,
         None,
     ),
+    "deepseek_v2_lite": (lambda: _deepseek_v2(), torch.bfloat16, None),
+    "glm4_moe_basic": (lambda: _glm4_moe(), torch.bfloat16, None),
 }
 
 

@@ -278,7 +278,8 @@ class Decoder:
         if cfg.group_router is not None:
             g = cfg.group_router
             ids, weights = ops.route_grouped_sigmoid(x @ lw.router.T, lw.router_bias, cfg.top_k, g.n_group,
-                                                     g.topk_group, cfg.norm_topk_prob, g.routed_scaling_factor)
+                                                     g.topk_group, cfg.norm_topk_prob, g.routed_scaling_factor,
+                                                     g.scoring)
         else:
             ids, weights = ops.route_top_k(x @ lw.router.T, cfg.top_k, cfg.norm_topk_prob)  # [T, k] on the device
         ids, weights = to_host(ids), to_host(weights)  # small: the pair bookkeeping runs on the host

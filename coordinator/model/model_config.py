@@ -19,11 +19,12 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3/R1, Kimi-K2 (model_type kimi_k2), Moonlight
+    "DeepseekV2ForCausalLM": "deepseek_v2",  # DeepSeek-V2, V2-Lite, V2.5
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 MLA_ROPE_TYPES = ("default", "linear", "yarn")  # YaRN: DeepSeek's MLA architectures only, for now
-SCORING_FUNCS = {"deepseek_v3": ("sigmoid",)}  # config.json's scoring_func, per architecture
-TOPK_METHODS = {"deepseek_v3": ("noaux_tc",)}  # config.json's topk_method
+SCORING_FUNCS = {"deepseek_v3": ("sigmoid",), "deepseek_v2": ("softmax",)}  # config.json's scoring_func
+TOPK_METHODS = {"deepseek_v3": ("noaux_tc",), "deepseek_v2": ("greedy", "group_limited_greedy")}  # topk_method
 
 # transformers' config-class defaults for keys that may be absent
 DEFAULTS = {
@@ -36,6 +37,11 @@ DEFAULTS = {
     "deepseek_v3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, norm_topk_prob=True,
                         attention_bias=False, tie_word_embeddings=False, n_group=8, topk_group=4, n_shared_experts=1,
                         routed_scaling_factor=2.5, first_k_dense_replace=3, moe_layer_freq=1, q_lora_rank=1536,
+                        rope_interleave=True),
+    # DeepseekV2Config: norm_topk_prob is not read by transformers' DeepseekV2TopkRouter; rope always interleaved
+    "deepseek_v2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, norm_topk_prob=False,
+                        attention_bias=False, tie_word_embeddings=False, n_group=1, topk_group=1, n_shared_experts=2,
+                        routed_scaling_factor=1.0, first_k_dense_replace=0, moe_layer_freq=1, q_lora_rank=1536,
                         rope_interleave=True),
 }
 
@@ -71,11 +77,13 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class GroupRouter:
-    """DeepSeek-V3's router: sigmoid scores, a correction bias for the choice only, group-limited top-k."""
+    """DeepSeek-V3's router (GLM-4.5's too): sigmoid scores, a correction bias for the choice only, group-limited
+    top-k. DeepSeek-V2's: softmax scores, no bias, groups scored by their best expert (n_group 1: plain greedy)."""
 
     n_group: int
     topk_group: int
     routed_scaling_factor: float
+    scoring: str = "sigmoid"  # "sigmoid" (with e_score_correction_bias) | "softmax" (DeepSeek-V2)
 
 
 @dataclass(frozen=True)
@@ -294,8 +302,8 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"config.json: hidden_act '{act}' is not supported; expected 'silu'")
-    _choice(cfg, "scoring_func", arch, SCORING_FUNCS[arch])
-    _choice(cfg, "topk_method", arch, TOPK_METHODS[arch])
+    scoring = _choice(cfg, "scoring_func", arch, SCORING_FUNCS[arch])
+    greedy = _choice(cfg, "topk_method", arch, TOPK_METHODS[arch]) == "greedy"
     quant = cfg.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method") is not None:
         raise ModelConfigError(
@@ -318,8 +326,8 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
         raise ModelConfigError(f"config.json: qk_rope_head_dim {rope_dim} must be even")
     num_experts = _positive(cfg, "n_routed_experts")
     top_k = _positive(cfg, "num_experts_per_tok")
-    n_group = _positive(cfg, "n_group", d["n_group"])
-    topk_group = _positive(cfg, "topk_group", d["topk_group"])
+    n_group = 1 if greedy else _positive(cfg, "n_group", d["n_group"])  # plain top-k: transformers ignores both
+    topk_group = 1 if greedy else _positive(cfg, "topk_group", d["topk_group"])
     if num_experts % n_group:
         raise ModelConfigError(f"config.json: n_routed_experts {num_experts} is not a multiple of n_group {n_group}")
     if topk_group > n_group:
@@ -359,7 +367,7 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
         qk_norm=False,
         num_experts=num_experts,
         top_k=top_k,
-        norm_topk_prob=_bool(cfg, "norm_topk_prob", d["norm_topk_prob"]),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", d["norm_topk_prob"]) and arch == "deepseek_v3",
         moe_intermediate_size=moe_inter,
         dense_intermediate_size=_positive(cfg, "intermediate_size"),
         shared_expert_intermediate_size=moe_inter * shared,
@@ -369,9 +377,9 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
         eos_token_ids=_eos_ids(cfg, model_dir),
         shared_expert_gate=False,
         mla=MLAConfig(q_lora_rank, kv_lora_rank, nope, rope_dim, v_dim,
-                      _bool(cfg, "rope_interleave", d["rope_interleave"]), softmax_scale),
+                      _bool(cfg, "rope_interleave", d["rope_interleave"]) or arch == "deepseek_v2", softmax_scale),
         yarn=yarn,
-        group_router=GroupRouter(n_group, topk_group, scaling),
+        group_router=GroupRouter(n_group, topk_group, scaling, scoring),
     )
 
 
@@ -379,7 +387,7 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ModelConfigError("config.json: expected a JSON object")
     arch = _arch(cfg)
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "deepseek_v2"):
         return _parse_deepseek_v3(cfg, model_dir, arch)
     d = DEFAULTS[arch]
     act = cfg.get("hidden_act", "silu")

@@ -142,7 +142,8 @@ def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> n
 
 
 def route_grouped_sigmoid(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_group: int,
-                          topk_group: int, normalize: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
+                          topk_group: int, normalize: bool, scaling: float,
+                          scoring: str = "sigmoid") -> tuple[np.ndarray, np.ndarray]:
     """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, the noaux_tc method).
 
     router_logits [T, E] -> (ids [T, k] int64, weights [T, k] float32). Scores are sigmoid(logits); the choice
@@ -150,13 +151,17 @@ def route_grouped_sigmoid(router_logits: np.ndarray, bias: np.ndarray | None, k:
     ``n_group`` groups of E / n_group experts is scored by the sum of its two best biased scores; the
     ``topk_group`` best groups stay and the k best experts among theirs are chosen (ties to the lower id). The
     weights are divided by their sum (+1e-20) when ``normalize``, then multiplied by ``scaling``.
+
+    ``scoring="softmax"``: DeepSeek-V2's router (DeepseekV2TopkRouter, group_limited_greedy; n_group 1 is its
+    plain greedy): scores are softmax(logits), each group is scored by its best expert, there is no bias.
     """
     xp = xp_of(router_logits)
     T, E = router_logits.shape
-    scores = sigmoid(router_logits.astype(np.float32))  # [T, E]
+    logits = router_logits.astype(np.float32)
+    scores = softmax(logits, axis=-1) if scoring == "softmax" else sigmoid(logits)  # [T, E]
     choice = scores + bias.astype(np.float32) if bias is not None else scores
     grouped = choice.reshape(T, n_group, E // n_group)
-    best = -xp.sort(-grouped, axis=-1)[..., : min(2, E // n_group)]  # [T, G, 2]
+    best = -xp.sort(-grouped, axis=-1)[..., : 1 if scoring == "softmax" else min(2, E // n_group)]  # [T, G, 1|2]
     group_scores = best.sum(axis=-1)  # [T, G]
     group_order = xp.argsort(-group_scores, axis=-1, kind="stable") if xp is np else xp.argsort(-group_scores, axis=-1)
     keep = xp.zeros((T, n_group), bool)

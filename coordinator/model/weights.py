@@ -199,7 +199,8 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
                     if shared else None,
                     shared_expert_gate=None,
                     mla=_mla(cfg, r, attn),
-                    router_bias=r.optional(f"{moe}.gate.e_score_correction_bias", (cfg.num_experts,), sparse),
+                    router_bias=r.optional(f"{moe}.gate.e_score_correction_bias", (cfg.num_experts,),
+                                           sparse and cfg.group_router.scoring == "sigmoid"),
                 )
             )
             if sparse:
