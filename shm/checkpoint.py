@@ -11,6 +11,12 @@ We parse the safetensors header ourselves instead of using
 dtype) and it returns whole tensors, where the node workers need row slices.
 The format is an 8-byte little-endian header length, a JSON header, then the
 raw little-endian data.
+
+FP8 tensors (``F8_E4M3`` with a ``<name>_scale_inv`` companion and config.json's
+``quantization_config``, as DeepSeek-V3/R1 store them) are checked when the
+checkpoint is opened and dequantised when read (shm/fp8.py): ``raw`` gives an
+:class:`~shm.fp8.Fp8Matrix` window that converts to float32, so every reader
+sees the float32 weights.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import fp8
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +53,9 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
     "I8": np.dtype("i1"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
+    fp8.DTYPE: np.dtype("u1"),  # float8 e4m3fn codes, dequantised with their block scales when read
 }
-FLOAT_DTYPES = ("F32", "F16", "BF16")
+FLOAT_DTYPES = ("F32", "F16", "BF16", fp8.DTYPE)
 
 
 class CheckpointError(Exception):
@@ -78,6 +87,10 @@ def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
         return bf16_to_f32(raw)
     if dtype in ("F32", "F16", "F64"):
         return np.ascontiguousarray(raw, dtype=np.float32)
+    if dtype == fp8.DTYPE:
+        if not isinstance(raw, fp8.Fp8Matrix):
+            raise CheckpointError("F8_E4M3 codes need their block scales: read them through Checkpoint.raw")
+        return np.ascontiguousarray(np.asarray(raw), dtype=np.float32)
     raise CheckpointError(f"dtype {dtype} is not a float type (expected one of {', '.join(FLOAT_DTYPES)})")
 
 
@@ -173,6 +186,46 @@ class Checkpoint:
                     raise CheckpointError(f"tensor {name!r} is stored twice: in {self.index[name]} and {path}")
                 self.index[name] = path
         self._check_index_agrees()
+        self.fp8_block: tuple[int, int] | None = None
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        """Every F8_E4M3 tensor a matrix with its ``_scale_inv`` of the block grid config.json's
+        quantization_config names; refused here, naming the file and tensor, before any worker starts."""
+        quantised = sorted(n for n in self.index if self.info(n).dtype == fp8.DTYPE)
+        if not quantised:
+            return
+        config = self.dir / "config.json"
+        try:
+            quant = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+        except (OSError, json.JSONDecodeError, AttributeError) as exc:
+            raise CheckpointError(f"{config}: cannot read its quantization_config: {exc}") from None
+        first = self.info(quantised[0])
+        try:
+            block = fp8.block_size(quant, str(config))
+        except fp8.Fp8Error as exc:
+            raise CheckpointError(f"{exc} (the checkpoint holds F8_E4M3 tensors: {first.file}: "
+                                  f"{first.name!r})") from None
+        if block is None:
+            raise CheckpointError(f"{first.file}: tensor {first.name!r} is F8_E4M3, but {config} has no fp8 "
+                                  "quantization_config (its weight_block_size gives the scales' blocks)")
+        for name in quantised:
+            info = self.info(name)
+            scale_name = name + fp8.SCALE_SUFFIX
+            where = f"{info.file}: tensor {name!r}"
+            if len(info.shape) != 2:
+                raise CheckpointError(f"{where} is F8_E4M3 with shape {list(info.shape)}; only matrices (2-D) "
+                                      "are read as block-scaled FP8")
+            if scale_name not in self.index:
+                raise CheckpointError(f"{where} is F8_E4M3 but its scales {scale_name!r} are in no file of "
+                                      f"{self.dir}")
+            scale = self.info(scale_name)
+            want = fp8.scale_shape(info.shape, block)
+            if scale.dtype not in ("F32", "BF16", "F16") or tuple(scale.shape) != want:
+                raise CheckpointError(
+                    f"{scale.file}: tensor {scale_name!r} is {scale.dtype}{list(scale.shape)}; the scales of "
+                    f"{name!r} {list(info.shape)} in blocks {list(block)} are float {list(want)}")
+        self.fp8_block = block
 
     def _shard_paths(self) -> list[Path]:
         index_path = self.dir / INDEX_NAME
@@ -215,7 +268,12 @@ class Checkpoint:
         return name in self.index
 
     def names(self) -> list[str]:
-        return sorted(self.index)
+        """The tensors, less the FP8 scales (read with the weight they scale)."""
+        return sorted(n for n in self.index if not self._is_fp8_scale(n))
+
+    def _is_fp8_scale(self, name: str) -> bool:
+        weight = name[: -len(fp8.SCALE_SUFFIX)]
+        return name.endswith(fp8.SCALE_SUFFIX) and weight in self.index and self.info(weight).dtype == fp8.DTYPE
 
     def info(self, name: str) -> TensorInfo:
         path = self.index.get(name)
@@ -223,10 +281,16 @@ class Checkpoint:
             raise CheckpointError(f"missing tensor {name!r} in {self.dir}")
         return self.files[path].tensors[name]
 
-    def raw(self, name: str) -> np.ndarray:
-        """Storage view (no copy) of a tensor."""
-        self.info(name)
-        return self.files[self.index[name]].raw(name)
+    def raw(self, name: str) -> np.ndarray | fp8.Fp8Matrix:
+        """Storage view (no copy) of a tensor; for an F8_E4M3 matrix, an Fp8Matrix over its codes (slices read
+        nothing; ``np.asarray`` of one gives its float32 weights, the block scales applied)."""
+        info = self.info(name)
+        codes = self.files[self.index[name]].raw(name)
+        if info.dtype != fp8.DTYPE:
+            return codes
+        scale_name = name + fp8.SCALE_SUFFIX
+        scale = to_float32(self.raw(scale_name), self.info(scale_name).dtype)
+        return fp8.Fp8Matrix(codes, scale, self.fp8_block)
 
     def float32(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """The whole tensor as float32 (a view for F32 files), its shape checked when given."""

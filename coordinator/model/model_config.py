@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelConfigError
+from shm.fp8 import Fp8Error, block_size as fp8_block_size
 
 ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -304,11 +305,10 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
         raise ModelConfigError(f"config.json: hidden_act '{act}' is not supported; expected 'silu'")
     scoring = _choice(cfg, "scoring_func", arch, SCORING_FUNCS[arch])
     greedy = _choice(cfg, "topk_method", arch, TOPK_METHODS[arch]) == "greedy"
-    quant = cfg.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") is not None:
-        raise ModelConfigError(
-            f"config.json: quantization_config.quant_method {quant.get('quant_method')!r} is not supported yet "
-            "(FP8 block-scaled weights: a later part of issue 16); use a BF16 conversion of the checkpoint")
+    try:  # FP8 block-scaled weights (DeepSeek-V3/R1): read and dequantised by shm/checkpoint.py
+        fp8_block_size(cfg.get("quantization_config"))
+    except Fp8Error as exc:
+        raise ModelConfigError(str(exc)) from None
     if _bool(cfg, "attention_bias", d["attention_bias"]):
         raise ModelConfigError("config.json: attention_bias true is not supported for deepseek_v3 (no DeepSeek "
                                "checkpoint has it)")
