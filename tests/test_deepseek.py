@@ -210,3 +210,27 @@ def test_deepseek_v2_config_reads_transformers_defaults():
     assert (c.group_router.n_group, c.group_router.scoring, c.sparse_layers) == (1, "softmax", (False, True, True))
     with pytest.raises(ModelConfigError, match="topk_method"):
         parse_model_config(dict(cfg, topk_method="noaux_tc"))
+
+
+GLM45_AIR_HUB = {  # zai-org/GLM-4.5-Air's config.json (the keys the engine reads)
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "first_k_dense_replace": 1, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944, "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 46,
+    "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 1000000, "routed_scaling_factor": 1.0, "tie_word_embeddings": False,
+    "topk_group": 1, "use_qk_norm": False, "vocab_size": 151552, "eos_token_id": [151329, 151336, 151338],
+}
+
+
+def test_the_hub_config_of_glm_4_5_air():
+    """Top-level partial_rotary_factor (the 4.x form; transformers 5 writes it in rope_parameters), head_dim not
+    hidden / heads, one dense first layer, the sigmoid router with the correction bias, an ungated shared expert."""
+    c = parse_model_config(GLM45_AIR_HUB)
+    assert (c.arch, c.head_dim, c.rotary_dim, c.rope_theta, c.qkv_bias, c.qk_norm) == \
+        ("glm4_moe", 128, 64, 1e6, True, False)
+    assert (c.sparse_layers[:2], c.shared_expert_intermediate_size, c.shared_expert_gate) == ((False, True), 1408, False)
+    assert (c.group_router.scoring, c.group_router.n_group, c.norm_topk_prob) == ("sigmoid", 1, True)
+    assert c.kv_bytes_per_token == 46 * 2 * 8 * 128 * 4
+    with pytest.raises(ModelConfigError, match="partial_rotary_factor"):
+        parse_model_config(dict(GLM45_AIR_HUB, partial_rotary_factor=0.01))  # 1 dim

@@ -40,7 +40,7 @@ def test_logits_and_greedy_match_transformers(case, split):
     assert greedy == ref["greedy_ids"].tolist(), case
 
 
-DEEPSEEK = [c for c in CASES if c.startswith(("deepseek_v3", "deepseek_v2"))]
+DEEPSEEK = [c for c in CASES if c.startswith(("deepseek_v3", "deepseek_v2", "glm4_moe"))]
 
 
 @pytest.mark.parametrize("case", DEEPSEEK)

@@ -140,7 +140,7 @@ class Decoder:
             else:
                 self.inv_freq = ops.rope_inv_freq(rope_dim, cfg.rope_theta, cfg.rope_factor)
         else:
-            self.inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor)  # [hd/2]
+            self.inv_freq = ops.rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_factor)
         self.mla_absorb: bool | None = None  # MLA: None picks per call (_absorbed); True/False forces a form
         self.stats = RoutingStats()
 

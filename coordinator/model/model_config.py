@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3/R1, Kimi-K2 (model_type kimi_k2), Moonlight
     "DeepseekV2ForCausalLM": "deepseek_v2",  # DeepSeek-V2, V2-Lite, V2.5
+    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.5-Air
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 MLA_ROPE_TYPES = ("default", "linear", "yarn")  # YaRN: DeepSeek's MLA architectures only, for now
@@ -44,6 +45,9 @@ DEFAULTS = {
                         attention_bias=False, tie_word_embeddings=False, n_group=1, topk_group=1, n_shared_experts=2,
                         routed_scaling_factor=1.0, first_k_dense_replace=0, moe_layer_freq=1, q_lora_rank=1536,
                         rope_interleave=True),
+    "glm4_moe": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=131072, norm_topk_prob=True,
+                     attention_bias=False, tie_word_embeddings=False, n_group=1, topk_group=1, n_shared_experts=1,
+                     routed_scaling_factor=1.0, first_k_dense_replace=1, use_qk_norm=False, partial_rotary_factor=0.5),
 }
 
 
@@ -115,6 +119,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     shared_expert_gate: bool = True  # qwen2_moe's sigmoid gate on the shared expert; DeepSeek's have none
+    rotary_dim: int = 0  # glm4_moe's partial rotary: the first rotary_dim of each head rotated; 0 = all
     mla: MLAConfig | None = None  # deepseek_v3: attention is MLA (num_kv_heads, head_dim unused)
     yarn: YarnConfig | None = None  # rope_type "yarn"
     group_router: GroupRouter | None = None  # deepseek_v3: sigmoid, grouped; else softmax top-k
@@ -383,12 +388,80 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
     )
 
 
+def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig:
+    """GLM-4.5's config.json: GQA with partial rotary, q/k/v biases, optional QK norm; DeepSeek-V3's sigmoid
+    router (correction bias, groups) and shared experts; dense first layers (transformers' Glm4MoeConfig)."""
+    d = DEFAULTS[arch]
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"config.json: hidden_act '{act}' is not supported; expected 'silu'")
+    hidden = _positive(cfg, "hidden_size")
+    layers = _positive(cfg, "num_hidden_layers")
+    heads = _positive(cfg, "num_attention_heads")
+    kv_heads = _positive(cfg, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ModelConfigError(f"config.json: num_attention_heads {heads} must be a multiple of num_key_value_heads "
+                               f"{kv_heads}")
+    head_dim = _positive(cfg, "head_dim", hidden // heads)
+    where, scaling_obj = _rope_scaling(cfg)
+    factor = scaling_obj.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    factor = d["partial_rotary_factor"] if factor is None else _number(where, "partial_rotary_factor", factor)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ModelConfigError(f"config.json: partial_rotary_factor {factor} gives {rotary_dim} rotary dims of "
+                               f"head_dim {head_dim}; expected a positive even number")
+    num_experts = _positive(cfg, "n_routed_experts")
+    top_k = _positive(cfg, "num_experts_per_tok")
+    n_group = _positive(cfg, "n_group", d["n_group"])
+    topk_group = _positive(cfg, "topk_group", d["topk_group"])
+    if num_experts % n_group or topk_group > n_group or top_k > topk_group * (num_experts // n_group):
+        raise ModelConfigError(f"config.json: n_routed_experts {num_experts}, n_group {n_group}, topk_group "
+                               f"{topk_group}, num_experts_per_tok {top_k}: expected groups that divide the experts "
+                               "and kept groups that hold the top-k")
+    first_dense = _field(cfg, "first_k_dense_replace", int, default=d["first_k_dense_replace"])
+    moe_inter = _positive(cfg, "moe_intermediate_size")
+    theta, rope_type, rope_factor = _rope(cfg, d["rope_theta"])
+    return ModelConfig(
+        arch=arch,
+        vocab_size=_positive(cfg, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_field(cfg, "rms_norm_eps", float, default=d["rms_norm_eps"]),
+        rope_theta=theta,
+        rope_type=rope_type,
+        rope_factor=rope_factor,
+        max_position_embeddings=_field(cfg, "max_position_embeddings", int, default=d["max_position_embeddings"]),
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", d["tie_word_embeddings"]),
+        qkv_bias=_bool(cfg, "attention_bias", d["attention_bias"]),
+        qk_norm=_bool(cfg, "use_qk_norm", d["use_qk_norm"]),
+        num_experts=num_experts,
+        top_k=top_k,
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", d["norm_topk_prob"]),
+        moe_intermediate_size=moe_inter,
+        dense_intermediate_size=_positive(cfg, "intermediate_size"),
+        shared_expert_intermediate_size=moe_inter * _field(cfg, "n_shared_experts", int, default=d["n_shared_experts"]),
+        sparse_layers=tuple(i >= first_dense for i in range(layers)),
+        sliding_windows=(None,) * layers,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg, model_dir),
+        shared_expert_gate=False,
+        rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+        group_router=GroupRouter(n_group, topk_group,
+                                 _field(cfg, "routed_scaling_factor", float, default=d["routed_scaling_factor"])),
+    )
+
+
 def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ModelConfigError("config.json: expected a JSON object")
     arch = _arch(cfg)
     if arch in ("deepseek_v3", "deepseek_v2"):
         return _parse_deepseek_v3(cfg, model_dir, arch)
+    if arch == "glm4_moe":
+        return _parse_glm4_moe(cfg, model_dir, arch)
     d = DEFAULTS[arch]
     act = cfg.get("hidden_act", "silu")
     if act != "silu":

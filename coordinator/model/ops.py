@@ -63,7 +63,11 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [T, heads, hd] rotated by position: x·cos + rotate_half(x)·sin."""
+    """x [T, heads, hd] rotated by position: x·cos + rotate_half(x)·sin. cos, sin [T, d] with d < hd (partial
+    rotary, GLM-4.5): the first d dims rotated, the rest passed through."""
+    if cos.shape[-1] < x.shape[-1]:
+        d = cos.shape[-1]
+        return xp_of(x).concatenate([apply_rope(x[..., :d], cos, sin), x[..., d:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = xp_of(x).concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -222,8 +222,12 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
                 k_norm=r.optional(f"{attn}.k_norm.weight", (hd,), cfg.qk_norm),
                 router=r.optional(f"{moe}.gate.weight", (cfg.num_experts, H), sparse),
                 dense_mlp=None if sparse else _mlp(r, f"{base}.mlp", cfg.dense_intermediate_size, H),
-                shared_expert=_mlp(r, f"{moe}.shared_expert", cfg.shared_expert_intermediate_size, H) if shared else None,
-                shared_expert_gate=r.optional(f"{moe}.shared_expert_gate.weight", (1, H), shared),
+                shared_expert=_mlp(r, f"{moe}.shared_expert{'' if cfg.shared_expert_gate else 's'}",
+                                   cfg.shared_expert_intermediate_size, H) if shared else None,
+                shared_expert_gate=r.optional(f"{moe}.shared_expert_gate.weight", (1, H),
+                                              shared and cfg.shared_expert_gate),
+                router_bias=r.optional(f"{moe}.gate.e_score_correction_bias", (cfg.num_experts,),
+                                       sparse and cfg.group_router is not None),  # glm4_moe
             )
         )
         if sparse:
