@@ -234,3 +234,32 @@ def test_the_hub_config_of_glm_4_5_air():
     assert c.kv_bytes_per_token == 46 * 2 * 8 * 128 * 4
     with pytest.raises(ModelConfigError, match="partial_rotary_factor"):
         parse_model_config(dict(GLM45_AIR_HUB, partial_rotary_factor=0.01))  # 1 dim
+
+
+@pytest.mark.parametrize("preset, arch, hub, billions", [("deepseek-v3", "deepseek_v3", "HUB_V3", 671.0),
+                                                         ("glm-4.5-air", "glm4_moe", "GLM45_AIR_HUB", 106.9)])
+def test_make_model_presets_are_the_hub_geometries(preset, arch, hub, billions):
+    """strata make-model's presets read as the Hub's config.json does (all but the tokens' ids), 671B and 107B
+    parameters without the MTP layer; --layers 1 keeps one MoE layer."""
+    from dataclasses import replace
+
+    from coordinator.cli.make_model import PRESET_ARCH, PRESETS, hf_config, parameter_count
+
+    g = PRESETS[preset]()
+    ours, want = parse_model_config(hf_config(arch, g)), parse_model_config(globals()[hub])
+    assert PRESET_ARCH[preset] == arch
+    assert replace(ours, bos_token_id=None, eos_token_ids=()) == replace(want, bos_token_id=None, eos_token_ids=())
+    assert parameter_count(arch, g) / 1e9 == pytest.approx(billions, abs=0.1)
+    assert parse_model_config(hf_config(arch, replace(g, num_layers=1))).sparse_layers == (True,)
+
+
+def test_make_model_deepseek_v3_preset_shrunk_loads_and_generates(tmp_path):
+    from coordinator.cli.make_model import make_model
+
+    out = make_model(tmp_path / "m", preset="deepseek-v3", num_layers=2, hidden_size=64, num_heads=4, num_experts=16,
+                     moe_intermediate_size=32, dense_intermediate_size=64, q_lora_rank=24, kv_lora_rank=32,
+                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=320)
+    cfg = load_model_config(out)
+    assert cfg.group_router.n_group == 8 and cfg.yarn.factor == 40.0 and cfg.sparse_layers == (False, True)
+    with Engine.open(out, EngineConfig()) as eng:
+        assert len(eng.generate([1, 2, 3], max_new_tokens=4, temperature=0.0, stop_at_eos=False)) == 4

@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="the folder to write (refused if it holds files)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default %(default)s)")
-    p.add_argument("--arch", default=None, choices=["qwen3_moe", "mixtral", "qwen2_moe"],
+    p.add_argument("--arch", default=None, choices=["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"],
                    help="default: the preset's own (qwen3_moe for tiny and bench-small)")
     p.add_argument("--dtype", default="F32", choices=["F32", "F16", "BF16"],
                    help="the checkpoint's tensor type (default %(default)s)")

@@ -19,7 +19,8 @@ from shm.progress import Progress
 
 from ..model.tokenizer import byte_level_tokenizer
 
-ARCH_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+ARCH_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+              "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 256  # <|endoftext|>, right after the 256 byte tokens
 
@@ -44,6 +45,24 @@ class Geometry:
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
+    # deepseek_v3 and glm4_moe: the sigmoid router's groups, shared experts (moe_intermediate_size each), and the
+    # dense first layers (at most num_layers - 1, so that --layers N keeps one MoE layer)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 0
+    # deepseek_v3's MLA (head_dim and num_kv_heads unused) and YaRN (None: plain rope)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    yarn_factor: float | None = None
+    yarn_original_max_position_embeddings: int = 4096
+    # glm4_moe
+    partial_rotary_factor: float = 0.5
+    use_qk_norm: bool = False
 
 
 def l3_bytes(sys_cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
@@ -87,13 +106,32 @@ PRESETS = {
     "mixtral-8x7b": lambda: Geometry(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                                      head_dim=128, num_experts=8, top_k=2, moe_intermediate_size=14336,
                                      rms_norm_eps=1e-5, max_position_embeddings=32768),
+    # deepseek-ai/DeepSeek-V3's config.json (BF16 weights; one MoE layer is 256 x 3 x 7168 x 2048: 22.5 GB in BF16)
+    "deepseek-v3": lambda: Geometry(vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
+                                    num_kv_heads=128, head_dim=192, num_experts=256, top_k=8, moe_intermediate_size=2048,
+                                    dense_intermediate_size=18432, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                                    n_shared_experts=1, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+                                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, yarn_factor=40.0,
+                                    yarn_original_max_position_embeddings=4096, norm_topk_prob=True,
+                                    rope_theta=10000.0, max_position_embeddings=163840),
+    # zai-org/GLM-4.5-Air's config.json
+    "glm-4.5-air": lambda: Geometry(vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8,
+                                    head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=1408,
+                                    dense_intermediate_size=10944, n_shared_experts=1, first_k_dense_replace=1,
+                                    routed_scaling_factor=1.0, partial_rotary_factor=0.5, use_qk_norm=False,
+                                    norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5,
+                                    max_position_embeddings=131072),
 }
-PRESET_ARCH = {"qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral"}
+PRESET_ARCH = {"qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral", "deepseek-v3": "deepseek_v3",
+               "glm-4.5-air": "glm4_moe"}
+GROUPED = ("deepseek_v3", "glm4_moe")  # the sigmoid router, shared experts, dense first layers
 
 
 def parameter_count(arch: str, g: Geometry) -> int:
     H, hd = g.hidden_size, g.head_dim
     attn = H * hd * (2 * g.num_heads + 2 * g.num_kv_heads)
+    if arch == "deepseek_v3":
+        attn = sum(_mla_shapes(g)[n][0] * _mla_shapes(g)[n][1] for n in _mla_shapes(g) if len(_mla_shapes(g)[n]) == 2)
     per_layer = 0
     for i in range(g.num_layers):
         per_layer += attn + 2 * H
@@ -101,6 +139,8 @@ def parameter_count(arch: str, g: Geometry) -> int:
             per_layer += g.num_experts * (3 * H * g.moe_intermediate_size + H)
             if arch == "qwen2_moe":
                 per_layer += 3 * H * g.shared_expert_intermediate_size + H
+            if arch in GROUPED:
+                per_layer += 3 * H * g.moe_intermediate_size * g.n_shared_experts
         else:
             per_layer += 3 * H * g.dense_intermediate_size
     return per_layer + g.vocab_size * H * (1 if g.tie_word_embeddings else 2) + H
@@ -156,6 +196,25 @@ def hf_config(arch: str, g: Geometry) -> dict:
         cfg.update(num_local_experts=g.num_experts, intermediate_size=g.moe_intermediate_size,
                    sliding_window=None, router_aux_loss_coef=0.02)
         return cfg
+    if arch in GROUPED:
+        cfg.update(n_routed_experts=g.num_experts, moe_intermediate_size=g.moe_intermediate_size,
+                   intermediate_size=g.dense_intermediate_size, n_group=g.n_group, topk_group=g.topk_group,
+                   routed_scaling_factor=g.routed_scaling_factor, n_shared_experts=g.n_shared_experts,
+                   first_k_dense_replace=_dense_layers(g), norm_topk_prob=g.norm_topk_prob is not False)
+    if arch == "deepseek_v3":
+        del cfg["head_dim"]
+        cfg.update(num_key_value_heads=g.num_heads, q_lora_rank=g.q_lora_rank, kv_lora_rank=g.kv_lora_rank,
+                   qk_nope_head_dim=g.qk_nope_head_dim, qk_rope_head_dim=g.qk_rope_head_dim,
+                   v_head_dim=g.v_head_dim, topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1,
+                   attention_bias=False)
+        if g.yarn_factor is not None:
+            cfg["rope_scaling"] = {"type": "yarn", "factor": g.yarn_factor, "beta_fast": 32, "beta_slow": 1,
+                                   "mscale": 1.0, "mscale_all_dim": 1.0,
+                                   "original_max_position_embeddings": g.yarn_original_max_position_embeddings}
+        return cfg
+    if arch == "glm4_moe":
+        cfg.update(attention_bias=True, use_qk_norm=g.use_qk_norm, partial_rotary_factor=g.partial_rotary_factor)
+        return cfg
     norm = g.norm_topk_prob if g.norm_topk_prob is not None else arch == "qwen3_moe"
     cfg.update(num_experts=g.num_experts, moe_intermediate_size=g.moe_intermediate_size,
                intermediate_size=g.dense_intermediate_size, decoder_sparse_step=g.decoder_sparse_step,
@@ -168,9 +227,26 @@ def hf_config(arch: str, g: Geometry) -> dict:
     return cfg
 
 
+def _dense_layers(g: Geometry) -> int:
+    """The dense first layers written: the geometry's, less any that would leave no MoE layer."""
+    return max(0, min(g.first_k_dense_replace, g.num_layers - 1))
+
+
+def _mla_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
+    """deepseek_v3's attention tensors (self_attn.NAME.weight) and their shapes."""
+    H, nh, qk = g.hidden_size, g.num_heads, g.qk_nope_head_dim + g.qk_rope_head_dim
+    q = ({"q_a_proj": (g.q_lora_rank, H), "q_a_layernorm": (g.q_lora_rank,), "q_b_proj": (nh * qk, g.q_lora_rank)}
+         if g.q_lora_rank else {"q_proj": (nh * qk, H)})
+    return {**q, "kv_a_proj_with_mqa": (g.kv_lora_rank + g.qk_rope_head_dim, H),
+            "kv_a_layernorm": (g.kv_lora_rank,),
+            "kv_b_proj": (nh * (g.qk_nope_head_dim + g.v_head_dim), g.kv_lora_rank), "o_proj": (H, nh * g.v_head_dim)}
+
+
 def _is_sparse(arch: str, g: Geometry, layer: int) -> bool:
     if arch == "mixtral":
         return True
+    if arch in GROUPED:
+        return layer >= _dense_layers(g)
     return layer not in g.mlp_only_layers and (layer + 1) % g.decoder_sparse_step == 0
 
 
@@ -194,14 +270,18 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
         t[f"{p}.input_layernorm.weight"] = norm(H)
         t[f"{p}.post_attention_layernorm.weight"] = norm(H)
         a = f"{p}.self_attn"
-        t[f"{a}.q_proj.weight"] = mat(g.num_heads * hd, H)
-        t[f"{a}.k_proj.weight"] = mat(g.num_kv_heads * hd, H)
-        t[f"{a}.v_proj.weight"] = mat(g.num_kv_heads * hd, H)
-        t[f"{a}.o_proj.weight"] = mat(H, g.num_heads * hd)
-        if arch == "qwen2_moe":
+        if arch == "deepseek_v3":
+            for n, shape in _mla_shapes(g).items():
+                t[f"{a}.{n}.weight"] = mat(*shape) if len(shape) == 2 else norm(shape[0])
+        else:
+            t[f"{a}.q_proj.weight"] = mat(g.num_heads * hd, H)
+            t[f"{a}.k_proj.weight"] = mat(g.num_kv_heads * hd, H)
+            t[f"{a}.v_proj.weight"] = mat(g.num_kv_heads * hd, H)
+            t[f"{a}.o_proj.weight"] = mat(H, g.num_heads * hd)
+        if arch in ("qwen2_moe", "glm4_moe"):
             for n, size in (("q", g.num_heads * hd), ("k", g.num_kv_heads * hd), ("v", g.num_kv_heads * hd)):
                 t[f"{a}.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
-        if arch == "qwen3_moe":
+        if arch == "qwen3_moe" or arch == "glm4_moe" and g.use_qk_norm:
             t[f"{a}.q_norm.weight"] = norm(hd)
             t[f"{a}.k_norm.weight"] = norm(hd)
         if not _is_sparse(arch, g, i):
@@ -222,6 +302,11 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
             t[f"{moe}.shared_expert.gate_proj.weight"], t[f"{moe}.shared_expert.up_proj.weight"] = mat(S, H), mat(S, H)
             t[f"{moe}.shared_expert.down_proj.weight"] = mat(H, S)
             t[f"{moe}.shared_expert_gate.weight"] = mat(1, H)
+        if arch in GROUPED:
+            t[f"{moe}.gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(g.num_experts)).astype(np.float32)
+            S = g.moe_intermediate_size * g.n_shared_experts
+            t[f"{moe}.shared_experts.gate_proj.weight"], t[f"{moe}.shared_experts.up_proj.weight"] = mat(S, H), mat(S, H)
+            t[f"{moe}.shared_experts.down_proj.weight"] = mat(H, S)
     t["model.norm.weight"] = norm(H)
     if not g.tie_word_embeddings:
         # favour printable ASCII so the demo's (random) text is readable noise
