@@ -158,7 +158,7 @@ def test_device_experts_run_while_the_pool_computes(model):
 HF = Path(__file__).parent / "fixtures" / "hf"
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3_basic", "deepseek_v3_no_q_lora"])
+@pytest.mark.parametrize("case", ["deepseek_v3_basic", "deepseek_v3_no_q_lora", "deepseek_v2_lite", "glm4_moe_basic"])
 def test_deepseek_on_the_gpu_matches_transformers(case):
     """MLA (both attention forms), the grouped router and the shared experts in CuPy, hot experts and a split pool."""
     ref = np.load(HF / case / "reference.npz")
