@@ -234,6 +234,8 @@ def test_the_hub_config_of_glm_4_5_air():
     assert c.kv_bytes_per_token == 46 * 2 * 8 * 128 * 4
     with pytest.raises(ModelConfigError, match="partial_rotary_factor"):
         parse_model_config(dict(GLM45_AIR_HUB, partial_rotary_factor=0.01))  # 1 dim
+    with pytest.raises(ModelConfigError, match="quantization_config 'compressed-tensors'"):
+        parse_model_config(dict(GLM45_AIR_HUB, quantization_config={"quant_method": "compressed-tensors"}))
 
 
 @pytest.mark.parametrize("preset, arch, hub, billions", [("deepseek-v3", "deepseek_v3", "HUB_V3", 671.0),

@@ -315,7 +315,7 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
     except Fp8Error as exc:
         raise ModelConfigError(str(exc)) from None
     if _bool(cfg, "attention_bias", d["attention_bias"]):
-        raise ModelConfigError("config.json: attention_bias true is not supported for deepseek_v3 (no DeepSeek "
+        raise ModelConfigError(f"config.json: attention_bias true is not supported for {arch} (no DeepSeek "
                                "checkpoint has it)")
     hidden = _positive(cfg, "hidden_size")
     layers = _positive(cfg, "num_hidden_layers")
@@ -395,6 +395,10 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"config.json: hidden_act '{act}' is not supported; expected 'silu'")
+    quant = cfg.get("quantization_config")
+    if isinstance(quant, dict) and quant:  # GLM-4.5's FP8 checkpoints (compressed-tensors): not read yet
+        raise ModelConfigError(f"config.json: quantization_config {quant.get('quant_method')!r} is not supported "
+                               "for glm4_moe yet; use the BF16 checkpoint")
     hidden = _positive(cfg, "hidden_size")
     layers = _positive(cfg, "num_hidden_layers")
     heads = _positive(cfg, "num_attention_heads")
