@@ -139,34 +139,34 @@ def _mixtral(**kw):
     return MixtralConfig(**base), MixtralForCausalLM
 
 
+# The DeepSeek miniatures' shared geometry: MLA sizes all different, 8 experts in 4 groups of which 2 are kept,
+# top-3, one dense first layer.
+DEEPSEEK_MINIATURE = dict(
+    COMMON,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    moe_intermediate_size=64,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=24,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    v_head_dim=20,
+    tie_word_embeddings=False,
+    attention_bias=False,
+)
+del DEEPSEEK_MINIATURE["head_dim"]
+
+
 def _deepseek_v3(**kw):
     """DeepSeek-V3 geometry in miniature: MLA (q and kv low rank, decoupled rope), YaRN with DeepSeek-V3's mscale
     keys, one dense first layer, grouped sigmoid routing (4 groups, 2 kept) with a non-zero correction bias."""
-    base = dict(
-        COMMON,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=96,
-        moe_intermediate_size=64,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-        first_k_dense_replace=1,
-        q_lora_rank=40,
-        kv_lora_rank=24,
-        qk_nope_head_dim=12,
-        qk_rope_head_dim=8,
-        v_head_dim=20,
-        rope_interleave=True,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        max_position_embeddings=5120,
-    )
-    del base["head_dim"]
+    base = dict(DEEPSEEK_MINIATURE, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                q_lora_rank=40, rope_interleave=True, max_position_embeddings=5120)
     rope = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=1.0,
                 beta_fast=32, beta_slow=1, original_max_position_embeddings=128)
     rope.update(kw.pop("rope", {}))
@@ -179,30 +179,8 @@ def _deepseek_v2(**kw):
     """DeepSeek-V2-Lite in miniature: MLA with one q_proj (q_lora_rank null), complex (interleaved) rope, softmax
     router with group-limited greedy top-k (4 groups, 2 kept: group limiting excludes experts), scaled weights,
     shared experts, one dense first layer."""
-    base = dict(
-        COMMON,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=96,
-        moe_intermediate_size=64,
-        n_routed_experts=8,
-        n_shared_experts=2,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        topk_method="group_limited_greedy",
-        norm_topk_prob=False,
-        routed_scaling_factor=1.7,
-        first_k_dense_replace=1,
-        q_lora_rank=None,
-        kv_lora_rank=24,
-        qk_nope_head_dim=12,
-        qk_rope_head_dim=8,
-        v_head_dim=20,
-        tie_word_embeddings=False,
-        attention_bias=False,
-    )
-    del base["head_dim"]
+    base = dict(DEEPSEEK_MINIATURE, n_shared_experts=2, topk_method="group_limited_greedy", norm_topk_prob=False,
+                routed_scaling_factor=1.7, q_lora_rank=None)
     base["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     base.update(kw)
     return DeepseekV2Config(**base), DeepseekV2ForCausalLM
