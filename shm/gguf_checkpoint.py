@@ -10,7 +10,8 @@ digest). This module gives it for a GGUF file, on top of shm/gguf_file.py:
     raw(name)       a view of the mapped file: float32 / float16 / uint16 (BF16) [numpy shape]; a block type as
                     uint8 [*shape[:-1], bytes of a row] (each row's blocks, as the file has them)
     float32(name)   dequantised exactly as gguf.quants reads it (a Mixtral file's q and k rows un-permuted:
-                    the converter interleaves each head's rotary halves for ggml's rope)
+                    the converter interleaves each head's rotary halves for ggml's rope; a deepseek2 file's
+                    kv_b_proj put back together from attn_k_b and attn_v_b, which the converter split)
 
 Expert rows of a block type are handed to the stores as the file's bytes
 (shm/expert_source.py), which repacks them without loss (shm/gguf_blocks.py)
@@ -110,6 +111,11 @@ class GgufCheckpoint:
             gname = self.index.get(name)
             if gname is None:
                 raise CheckpointError(f"missing tensor {name!r} in {self.path}")
+            if gname in self.file.joined:  # deepseek2's kv_b_proj, put back together: float32, not in the file
+                shape = self.file.shape(gname)
+                part = self.file.tensors[self.file.joined[gname][0]][0]
+                info = self._infos[name] = TensorInfo(name, "F32", shape, part, 0, 4 * shape[0] * shape[1])
+                return info
             part, t = self.file.tensors[gname]
             info = self._infos[name] = TensorInfo(name, t.tensor_type.name, self.file.shape(gname), part,
                                                   int(t.data_offset), int(t.n_bytes))
@@ -118,6 +124,8 @@ class GgufCheckpoint:
     def raw(self, name: str) -> np.ndarray:
         """Storage view (no copy): see the module's table."""
         info = self.info(name)
+        if self.index[name] in self.file.joined:
+            return self.file.float32(self.index[name])
         data = self.file.tensors[self.index[name]][1].data
         if info.dtype in STORAGE:
             return data.view(STORAGE[info.dtype]).reshape(info.shape)
@@ -134,7 +142,8 @@ class GgufCheckpoint:
 
     def rows(self, name: str, start: int, stop: int, *, axis: int = 0) -> np.ndarray:
         info = self.info(name)
-        if self.file.qk_heads(self.index[name]) is not None:  # permuted rows: whole, then cut
+        if self.file.qk_heads(self.index[name]) is not None or self.index[name] in self.file.joined:
+            # permuted rows, or kv_b_proj put back together: whole, then cut
             return np.ascontiguousarray(np.take(self.float32(name), range(start, stop), axis=axis))
         raw = self.raw(name)
         if info.dtype not in STORAGE and axis in (-1, raw.ndim - 1):

@@ -7,18 +7,21 @@ Hugging Face names the engine reads, and refuses what it cannot use, naming
 the file, the tensor and the type, before anything loads:
 
     GgufFile(path)          path: file.gguf, or the first of name-00001-of-0000N.gguf
-        .arch               general.architecture ("qwen3moe", "qwen2moe", "llama" with experts: Mixtral)
+        .arch               general.architecture ("qwen3moe", "qwen2moe", "llama" with experts: Mixtral,
+                            "deepseek2": DeepSeek-V2/V3/R1, Kimi-K2, "glm4moe": GLM-4.5)
         .config()           {config.json key: value}
         .hf_names()         {Hugging Face tensor name: GGUF tensor name}; routed experts stacked:
                             model.layers.{i}.mlp.experts.{gate,up,down}_proj  [E, I, H] / [E, H, I]
         .shape(name)        numpy order (the reverse of ggml's ne)
-        .float32(name)      the tensor dequantised (gguf.quants), numpy order (Mixtral's q and k un-permuted)
+        .float32(name)      the tensor dequantised (gguf.quants), numpy order (Mixtral's q and k un-permuted;
+                            a deepseek2 file's kv_b_proj put back together from attn_k_b and attn_v_b)
 
 shm/gguf_checkpoint.py reads it as a Checkpoint for the engine and the node workers.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -32,7 +35,11 @@ ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", True),
     "qwen2moe": ("Qwen2MoeForCausalLM", False),
     "llama": ("MixtralForCausalLM", True),  # with experts (llama.expert_count): Mixtral
+    # DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2: DeepseekV3ForCausalLM or DeepseekV2ForCausalLM by the gating function
+    "deepseek2": ("DeepseekV3ForCausalLM", False),
+    "glm4moe": ("Glm4MoeForCausalLM", False),  # GLM-4.5, GLM-4.5-Air
 }
+GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE (3: sqrtsoftplus)
 
 # per-layer GGUF tensor -> Hugging Face name (after "model.layers.{i}.")
 LAYER_TENSORS = {
@@ -64,6 +71,24 @@ MIXTRAL_TENSORS = {**LAYER_TENSORS, "ffn_gate_inp.weight": "block_sparse_moe.gat
                    "ffn_gate_exps.weight": "block_sparse_moe.experts.gate_proj",
                    "ffn_up_exps.weight": "block_sparse_moe.experts.up_proj",
                    "ffn_down_exps.weight": "block_sparse_moe.experts.down_proj"}
+# deepseek2 (multi-head latent attention) and glm4moe: their own names on top of LAYER_TENSORS
+MLA_TENSORS = {
+    **{k: v for k, v in LAYER_TENSORS.items() if "shexp" not in k},
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # older converters; newer ones split it (KV_B_PARTS)
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+GLM4MOE_TENSORS = {**MLA_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight"}
+# convert_hf_to_gguf.py's DeepseekV2Model splits kv_b_proj [nh*(dn+dv), c] per head into attn_k_b [nh, c, dn]
+# (the key rows, transposed) and attn_v_b [nh, dv, c]; the engine reads kv_b_proj, put back together from both
+KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}
 
@@ -132,6 +157,26 @@ class GgufFile:
                             f"{', '.join(ARCHITECTURES)}")
         if self.arch == "llama" and not self._meta("expert_count", 0):
             raise GgufError(f"{self.path}: a llama model without experts (llama.expert_count): not a MoE model")
+        # deepseek2's kv_b_proj, when the converter split it: {virtual GGUF name: (attn_k_b, attn_v_b)}
+        self.joined: dict[str, tuple[str, str]] = {}
+        if self.arch == "deepseek2":
+            for name in list(self.tensors):
+                m = re.match(r"^blk\.(\d+)\.attn_k_b\.weight$", name)
+                if m is None or f"blk.{m[1]}.attn_kv_b.weight" in self.tensors:
+                    continue  # some converters wrote attn_kv_b beside the split pair: read it
+                v_name = f"blk.{m[1]}.{KV_B_PARTS[1]}"
+                if v_name not in self.tensors:
+                    raise GgufError(f"{self.tensors[name][0]}: tensor {name} without {v_name}: kv_b_proj cannot be "
+                                    "put back together")
+                self.joined[f"blk.{m[1]}.attn_kv_b.weight"] = (name, v_name)
+        if self.arch in ("deepseek2", "glm4moe"):
+            self.config()  # the metadata checked now, before any worker starts
+
+    @property
+    def num_layers(self) -> int:
+        """The decoder layers the engine runs: block_count less the multi-token-prediction layers some
+        converters append (glm4moe's nextn_predict_layers)."""
+        return int(self._meta("block_count")) - int(self._meta("nextn_predict_layers", 0))
 
     def _meta(self, key: str, default: object = ...) -> object:
         full = f"{self.arch}.{key}"
@@ -143,6 +188,10 @@ class GgufFile:
 
     def config(self) -> dict:
         """The metadata as the config.json keys transformers writes for this architecture."""
+        if self.arch == "deepseek2":
+            return self._config_deepseek2()
+        if self.arch == "glm4moe":
+            return self._config_glm4moe()
         cls, norm_default = ARCHITECTURES[self.arch]
         heads = int(self._meta("attention.head_count"))
         hidden = int(self._meta("embedding_length"))
@@ -185,18 +234,166 @@ class GgufFile:
                 cfg[hf] = int(self.metadata[key])
         return cfg
 
+    def _int(self, key: str, default: object = ...) -> int:
+        value = self._meta(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GgufError(f"{self.path}: metadata {self.arch}.{key} is {value!r}; expected an integer")
+        return value
+
+    def _common_moe(self) -> dict:
+        """The keys deepseek2 and glm4moe share (llama.cpp's defaults where a key may be absent)."""
+        cfg = {
+            "vocab_size": self._vocab(),
+            "hidden_size": self._int("embedding_length"),
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self._int("attention.head_count"),
+            "rms_norm_eps": float(self._meta("attention.layer_norm_rms_epsilon")),
+            "max_position_embeddings": self._int("context_length"),
+            "intermediate_size": self._int("feed_forward_length"),
+            "moe_intermediate_size": self._int("expert_feed_forward_length"),
+            "n_routed_experts": self._int("expert_count"),
+            "num_experts_per_tok": self._int("expert_used_count"),
+            "n_shared_experts": self._int("expert_shared_count", 0),
+            "first_k_dense_replace": self._int("leading_dense_block_count", 0),
+            "routed_scaling_factor": float(self._meta("expert_weights_scale", 1.0)),  # absent: no scaling
+            "norm_topk_prob": bool(self._meta("expert_weights_norm", False)),
+            "n_group": self._int("expert_group_count", 1),
+            "topk_group": self._int("expert_group_used_count", 1),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "hidden_act": "silu",
+            "rope_theta": float(self._meta("rope.freq_base", 10000.0)),
+        }
+        for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id",
+                                                                           "eos_token_id")):
+            if key in self.metadata:
+                cfg[hf] = int(self.metadata[key])
+        return cfg
+
+    def _vocab(self) -> int:
+        vocab = self._meta("vocab_size", None)
+        if vocab is None:
+            tokens = self.metadata.get("tokenizer.ggml.tokens")
+            vocab = len(tokens) if tokens is not None else self.shape("token_embd.weight")[0]
+        return int(vocab)
+
+    def _gating(self, default: str) -> str:
+        func = self._meta("expert_gating_func", None)
+        if func is None:
+            return default
+        if func not in GATING_FUNCS:
+            raise GgufError(f"{self.path}: metadata {self.arch}.expert_gating_func is {func!r}; supported: "
+                            + ", ".join(f"{k} ({v})" for k, v in GATING_FUNCS.items()))
+        return GATING_FUNCS[func]
+
+    def _has(self, suffix: str) -> bool:
+        return any(name.startswith("blk.") and name.endswith(suffix) for name in self.tensors)
+
+    def _refuse(self, key: str, why: str) -> None:
+        if f"{self.arch}.{key}" in self.metadata:
+            raise GgufError(f"{self.path}: metadata {self.arch}.{key} = {self.metadata[f'{self.arch}.{key}']!r}: "
+                            f"{why}")
+
+    def _config_deepseek2(self) -> dict:
+        """DeepSeek-V2/V3 as llama.cpp reads a deepseek2 file (src/models/deepseek2.cpp, llama-context.cpp)."""
+        cfg = self._common_moe()
+        scoring = self._gating("softmax")  # absent: softmax, as llama.cpp reads DeepSeek-V2 files
+        cfg["architectures"] = ["DeepseekV3ForCausalLM" if scoring == "sigmoid" else "DeepseekV2ForCausalLM"]
+        cfg["scoring_func"] = scoring
+        if scoring == "softmax":
+            if self._has(".exp_probs_b.bias"):
+                raise GgufError(f"{self.path}: a softmax router (expert_gating_func 1 or absent) with a correction "
+                                "bias (exp_probs_b): no DeepSeek-V2 model has one; not supported")
+            if cfg["norm_topk_prob"]:
+                raise GgufError(f"{self.path}: metadata {self.arch}.expert_weights_norm true with a softmax router "
+                                "(DeepSeek-V2 never normalises its top-k weights): not supported")
+            # groups scored by their best expert (transformers' DeepseekV2 group_limited_greedy)
+            cfg["topk_method"] = "group_limited_greedy" if cfg["n_group"] > 1 else "greedy"
+        else:
+            cfg["topk_method"] = "noaux_tc"
+        cfg["moe_layer_freq"] = 1
+        kv_lora = self._int("attention.kv_lora_rank")
+        rope_dim = self._int("rope.dimension_count")
+        # newer converters write the MLA head sizes as *_mla (key_length then is kv_lora_rank + rope: the
+        # absorbed form's); older ones as key_length and value_length themselves
+        k_len = self._int("attention.key_length_mla", None) if f"{self.arch}.attention.key_length_mla" in \
+            self.metadata else self._int("attention.key_length")
+        v_len = self._int("attention.value_length_mla", None) if f"{self.arch}.attention.value_length_mla" in \
+            self.metadata else self._int("attention.value_length")
+        if k_len <= rope_dim:
+            raise GgufError(f"{self.path}: metadata {self.arch}.attention.key_length(_mla) {k_len} is not more than "
+                            f"{self.arch}.rope.dimension_count {rope_dim}")
+        q_lora = self._meta("attention.q_lora_rank", None)
+        cfg.update(kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=k_len - rope_dim,
+                   v_head_dim=v_len, q_lora_rank=None if not q_lora else self._int("attention.q_lora_rank"),
+                   rope_interleave=True)  # llama.cpp ropes deepseek2 on adjacent pairs (LLAMA_ROPE_TYPE_NORM)
+        self._refuse("attention.temperature_scale", "attention temperature tuning (Mistral-Large) is not supported")
+        self._refuse("rope.scaling.attn_factor", "a rope attention factor is not supported")
+        self._refuse("rope.scaling.yarn_ext_factor", "a YaRN extrapolation factor is not supported")
+        scaling = self._meta("rope.scaling.type", "none")
+        if scaling == "yarn":
+            factor = float(self._meta("rope.scaling.factor"))
+            rope = {"rope_type": "yarn", "factor": factor,
+                    "original_max_position_embeddings": self._int("rope.scaling.original_context_length"),
+                    "beta_fast": float(self._meta("rope.scaling.yarn_beta_fast", 32.0)),
+                    "beta_slow": float(self._meta("rope.scaling.yarn_beta_slow", 1.0))}
+            log_mul = self._meta("rope.scaling.yarn_log_multiplier", None)
+            if log_mul:  # 0.1 x mscale_all_dim; llama.cpp takes mscale = mscale_all_dim for deepseek2
+                m_all = float(str(np.float32(float(log_mul) / 0.1)))  # 0.707, as config.json had it
+                rope.update(mscale=m_all, mscale_all_dim=m_all)
+            else:  # llama.cpp: cos and sin x mscale(factor), and the softmax scale x mscale(factor)^2
+                rope.update(mscale_all_dim=1.0, attention_factor=0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+            cfg["rope_scaling"] = rope
+        elif scaling == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self._meta("rope.scaling.factor"))}
+        elif scaling not in ("none", None):
+            raise GgufError(f"{self.path}: metadata {self.arch}.rope.scaling.type {scaling!r} is not supported "
+                            "(none, linear, yarn)")
+        return cfg
+
+    def _config_glm4moe(self) -> dict:
+        """GLM-4.5 as llama.cpp reads a glm4moe file (src/models/glm4-moe.cpp)."""
+        cfg = self._common_moe()
+        if self._gating("sigmoid") != "sigmoid":
+            raise GgufError(f"{self.path}: metadata {self.arch}.expert_gating_func is not 2 (sigmoid): GLM-4.5's "
+                            "router is sigmoid")
+        heads = cfg["num_attention_heads"]
+        head_dim = self._int("attention.key_length", cfg["hidden_size"] // heads)
+        rope_dim = self._int("rope.dimension_count", head_dim // 2)
+        if not 0 < rope_dim <= head_dim:
+            raise GgufError(f"{self.path}: metadata {self.arch}.rope.dimension_count {rope_dim} for heads of "
+                            f"{head_dim}")
+        scaling = self._meta("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise GgufError(f"{self.path}: metadata {self.arch}.rope.scaling.type {scaling!r} is not supported")
+        cfg.update(architectures=["Glm4MoeForCausalLM"],
+                   num_key_value_heads=self._int("attention.head_count_kv", heads), head_dim=head_dim,
+                   partial_rotary_factor=rope_dim / head_dim,
+                   attention_bias=self._has(".attn_q.bias"), use_qk_norm=self._has(".attn_q_norm.weight"))
+        return cfg
+
     def hf_names(self) -> dict[str, str]:
         """{Hugging Face name: GGUF name} for every tensor of the file; an unknown tensor is an error."""
-        layer_tensors = MIXTRAL_TENSORS if self.arch == "llama" else LAYER_TENSORS
+        layer_tensors = {"llama": MIXTRAL_TENSORS, "deepseek2": MLA_TENSORS, "glm4moe": GLM4MOE_TENSORS}.get(
+            self.arch, LAYER_TENSORS)
+        layers = self.num_layers if self.arch in ("deepseek2", "glm4moe") else None
         names = {}
-        for name in self.tensors:
+        for name in [*self.tensors, *self.joined]:
             if name in GLOBAL_TENSORS:
                 names[GLOBAL_TENSORS[name]] = name
                 continue
             m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+            if m is not None and layers is not None and int(m[1]) >= layers:
+                continue  # a multi-token-prediction layer (nextn): the engine does not run it
+            if m is not None and self.arch == "deepseek2" and m[2] in KV_B_PARTS:
+                continue  # read as kv_b_proj (self.joined, or the file's own attn_kv_b)
             if m is None or m[2] not in layer_tensors or (self.arch == "llama" and m[2] == "ffn_gate.weight"):
-                raise GgufError(f"{self.tensors[name][0]}: tensor {name} is not one a {self.arch} model has")
-            names[f"model.layers.{m[1]}.{layer_tensors[m[2]]}"] = name
+                where = self.tensors[name][0] if name in self.tensors else self.path
+                raise GgufError(f"{where}: tensor {name} is not one a {self.arch} model has")
+            hf = f"model.layers.{m[1]}.{layer_tensors[m[2]]}"
+            if hf in names:
+                raise GgufError(f"{self.path}: tensors {names[hf]} and {name} are both {hf} (attn_kv_b beside "
+                                "attn_k_b/attn_v_b?)")
+            names[hf] = name
         return names
 
     def qk_heads(self, name: str) -> int | None:
@@ -212,13 +409,23 @@ class GgufFile:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Numpy order: ggml's ne reversed ([E, I, H] for ffn_gate_exps)."""
+        if name in self.joined:
+            k_b, v_b = (self.shape(n) for n in self.joined[name])  # [nh, c, dn], [nh, dv, c]
+            if len(k_b) != 3 or len(v_b) != 3 or k_b[0] != v_b[0] or k_b[1] != v_b[2]:
+                raise GgufError(f"{self.path}: {self.joined[name][0]} {list(k_b)} and {self.joined[name][1]} "
+                                f"{list(v_b)} are not [heads, kv_lora_rank, nope] and [heads, v, kv_lora_rank]")
+            return (k_b[0] * (k_b[2] + v_b[1]), k_b[1])
         return tuple(int(n) for n in reversed(self._tensor(name).shape))
 
     def type_name(self, name: str) -> str:
-        return self._tensor(name).tensor_type.name
+        return "F32" if name in self.joined else self._tensor(name).tensor_type.name
 
     def float32(self, name: str) -> np.ndarray:
         """The whole tensor, dequantised exactly as gguf.quants reads it, in numpy order."""
+        if name in self.joined:  # kv_b_proj: per head, the dn key rows (attn_k_b transposed), then the dv values
+            shape = self.shape(name)
+            k_b, v_b = (self.float32(n) for n in self.joined[name])
+            return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(shape))
         t = self._tensor(name)
         try:
             out = quants.dequantize(t.data, t.tensor_type)

@@ -1,0 +1,208 @@
+"""GGUF files of DeepSeek-V2/V3 (llama.cpp's ``deepseek2``) and GLM-4.5 (``glm4moe``), as llama.cpp's own
+converter writes them (tests/fixtures/gguf/, made by tools/gguf_mla_fixtures.py from the safetensors fixtures
+in tests/fixtures/hf/): the engine on the file gives the logits of the engine on the checkpoint it came from,
+in process and split over two node workers, and the same greedy tokens. The converter splits kv_b_proj into
+attn_k_b (transposed) and attn_v_b; the loader puts it back together. The metadata it cannot use is named
+with the file and the key before any worker starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from shm.checkpoint_writer import save_checkpoint
+from shm.gguf_checkpoint import GgufCheckpoint
+from shm.gguf_file import GgufError
+
+ROOT = Path(__file__).parent / "fixtures"
+PROMPT = [3, 17, 42, 5, 99, 7, 200, 64]
+NAMES = ["deepseek_v3_basic", "deepseek_v2_lite", "glm4_moe_basic"]
+ARCH = {"deepseek_v3_basic": "deepseek_v3", "deepseek_v2_lite": "deepseek_v2", "glm4_moe_basic": "glm4_moe"}
+
+
+def logits(eng: Engine, ids) -> np.ndarray:
+    return eng.decoder.forward(np.asarray(ids, np.int64), eng.decoder.new_cache())
+
+
+def rewrite(src: Path, dst: Path, *, drop_keys=(), set_keys: dict | None = None, drop_tensors=(),
+            tensors: dict | None = None) -> Path:
+    """A copy of a GGUF file with metadata keys dropped or set ({key: (value, GGUFValueType)}), tensors
+    dropped, or replaced/added ({name: float32 array, numpy order})."""
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(dst, arch)
+    set_keys = dict(set_keys or {})
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF.") or field.name in drop_keys:
+            continue
+        if field.name in set_keys:
+            value, vtype = set_keys.pop(field.name)
+            w.add_key_value(field.name, value, vtype)
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for key, (value, vtype) in set_keys.items():
+        w.add_key_value(key, value, vtype)
+    tensors = dict(tensors or {})
+    for t in reader.tensors:
+        if t.name in drop_tensors:
+            continue
+        if t.name in tensors:
+            w.add_tensor(t.name, np.ascontiguousarray(tensors.pop(t.name), np.float32))
+        else:
+            w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    for name, data in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(data, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_converters_file_is_the_checkpoint(name):
+    """Every tensor the engine reads from the file equals the checkpoint's (kv_b_proj too, put back together
+    from attn_k_b and attn_v_b), and the metadata parses to the checkpoint's configuration."""
+    from coordinator.model.model_config import load_model_config, parse_model_config
+    from shm.checkpoint import Checkpoint
+
+    ck = GgufCheckpoint(ROOT / "gguf" / f"{name}.gguf")
+    hf = Checkpoint(ROOT / "hf" / name)
+    if name.startswith("deepseek"):
+        assert ck.file.joined  # the converter split kv_b_proj
+        assert not any(n.endswith("attn_kv_b.weight") for n in ck.file.tensors)
+    assert set(ck.names()) == {n for n in hf.names() if ".experts." not in n} | {
+        f"model.layers.{i}.mlp.experts.{p}" for i in (1, 2) for p in ("gate_proj", "up_proj", "down_proj")}
+    for n in ck.names():
+        if n.endswith((".experts.gate_proj", ".experts.up_proj", ".experts.down_proj")):
+            base, proj = n.rsplit(".", 1)
+            want = np.stack([hf.float32(f"{base}.{e}.{proj}.weight") for e in range(8)])
+        else:
+            want = hf.float32(n)
+        assert np.array_equal(ck.float32(n), want), n
+    got = parse_model_config(ck.config())
+    want = load_model_config(ROOT / "hf" / name)
+    assert got.arch == ARCH[name]
+    diff = {k: (getattr(got, k), getattr(want, k)) for k in got.__dataclass_fields__
+            if getattr(got, k) != getattr(want, k)}
+    assert diff == {}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_engine_on_the_file_equals_the_engine_on_the_checkpoint(name):
+    path = ROOT / "gguf" / f"{name}.gguf"
+    cfg = dict(pool="inproc", activations="f32")
+    with Engine.open(ROOT / "hf" / name, EngineConfig(**cfg)) as ref:
+        want = logits(ref, PROMPT)
+        want_steps = ref.logits(PROMPT, steps=True)
+        want_ids = ref.generate(PROMPT, max_new_tokens=8, stop_at_eos=False)
+    with Engine.open(path, EngineConfig(**cfg)) as eng:
+        assert eng.model_config.arch == ARCH[name]
+        got = logits(eng, PROMPT)
+        # the same float32 numbers (BF16 and F32 in the file, bfloat16 in the checkpoint): the same logits, bit
+        # for bit, in prefill and decode steps
+        assert np.array_equal(eng.logits(PROMPT, steps=True), want_steps)
+        assert eng.generate(PROMPT, max_new_tokens=8, stop_at_eos=False) == want_ids
+    assert np.array_equal(got, want)
+    split = dict(pool="process", activations="f32", numa_split=True, nodes=2)
+    with Engine.open(path, EngineConfig(**split)) as eng:
+        assert [n.virtual for n in eng.nodes] == [True, True]
+        np.testing.assert_allclose(logits(eng, PROMPT), want, rtol=1e-5, atol=1e-6)
+        assert eng.generate(PROMPT, max_new_tokens=8, stop_at_eos=False) == want_ids
+
+
+@pytest.mark.parametrize("keep_split", [False, True])
+def test_an_older_converters_file_kv_b_unsplit(tmp_path, keep_split):
+    """Files from converters before the split hold attn_kv_b itself and the MLA head sizes as key_length and
+    value_length (no *_mla keys): the same model (and attn_kv_b is read where a file has it beside the split
+    pair, as some converters wrote both)."""
+    src = ROOT / "gguf" / "deepseek_v3_basic.gguf"
+    ck = GgufCheckpoint(src)
+    kv_b = {f"blk.{i}.attn_kv_b.weight": ck.float32(f"model.layers.{i}.self_attn.kv_b_proj.weight")
+            for i in range(3)}
+    u32 = gguf.GGUFValueType.UINT32
+    old = rewrite(src, tmp_path / "old.gguf", drop_keys=("deepseek2.attention.key_length_mla",
+                                                         "deepseek2.attention.value_length_mla"),
+                  set_keys={"deepseek2.attention.key_length": (20, u32), "deepseek2.attention.value_length": (20, u32)},
+                  drop_tensors=[] if keep_split else [f"blk.{i}.attn_{kv}_b.weight" for i in range(3) for kv in "kv"],
+                  tensors=kv_b)
+    assert not GgufCheckpoint(old).file.joined
+    with Engine.open(src, EngineConfig(pool="inproc", activations="f32")) as new, \
+            Engine.open(old, EngineConfig(pool="inproc", activations="f32")) as eng:
+        np.testing.assert_array_equal(logits(eng, PROMPT), logits(new, PROMPT))
+
+
+def test_q8_0_file_computes_with_its_dequantised_weights(tmp_path):
+    """llama-quantize's Q8_0 of the deepseek2 file (its experts and 64-wide matrices Q8_0; the rest, rows not of
+    32, fall back): the engine keeps the file's blocks and agrees with a float32 checkpoint of the same
+    dequantised weights."""
+    path = ROOT / "gguf" / "deepseek_v3_basic-q8_0.gguf"
+    ck = GgufCheckpoint(path)
+    assert ck.info("model.layers.1.mlp.experts.gate_proj").dtype == "Q8_0"
+    tensors = {}
+    for n in ck.names():
+        w = ck.float32(n)
+        if n.endswith((".experts.gate_proj", ".experts.up_proj", ".experts.down_proj")):
+            base, proj = n.rsplit(".", 1)
+            tensors.update({f"{base}.{e}.{proj}.weight": w[e] for e in range(w.shape[0])})
+        else:
+            tensors[n] = w
+    deq = tmp_path / "deq"
+    save_checkpoint(deq, tensors, "F32")
+    (deq / "config.json").write_text(json.dumps(ck.config()))
+    with Engine.open(path, EngineConfig(pool="inproc", activations="f32")) as eng, \
+            Engine.open(deq, EngineConfig(pool="inproc", activations="f32", expert_dtype="f32")) as ref:
+        assert eng.expert_format == "q8"
+        np.testing.assert_allclose(logits(eng, PROMPT), logits(ref, PROMPT), rtol=1e-4, atol=1e-5)
+        assert eng.generate(PROMPT, max_new_tokens=6, stop_at_eos=False) == \
+            ref.generate(PROMPT, max_new_tokens=6, stop_at_eos=False)
+
+
+U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+
+
+@pytest.mark.parametrize("name, change, match", [
+    ("deepseek_v3_basic", dict(drop_keys=("deepseek2.attention.kv_lora_rank",)),
+     r"bad.gguf: metadata deepseek2.attention.kv_lora_rank is missing"),
+    ("deepseek_v3_basic", dict(drop_keys=("deepseek2.rope.dimension_count",)),
+     r"bad.gguf: metadata deepseek2.rope.dimension_count is missing"),
+    ("deepseek_v3_basic", dict(set_keys={"deepseek2.expert_gating_func": (3, U32)}),
+     r"bad.gguf: metadata deepseek2.expert_gating_func is 3; supported: 1 \(softmax\), 2 \(sigmoid\)"),
+    ("deepseek_v3_basic", dict(drop_keys=("deepseek2.expert_gating_func",)),  # llama.cpp: softmax; bias present
+     r"bad.gguf: a softmax router .* correction bias"),
+    ("deepseek_v3_basic", dict(set_keys={"deepseek2.rope.scaling.type": ("longrope", gguf.GGUFValueType.STRING)}),
+     r"bad.gguf: metadata deepseek2.rope.scaling.type 'longrope' is not supported"),
+    ("deepseek_v3_basic", dict(set_keys={"deepseek2.attention.temperature_scale": (0.1, F32)}),
+     r"bad.gguf: metadata deepseek2.attention.temperature_scale = 0.1: attention temperature"),
+    ("deepseek_v3_basic", dict(drop_tensors=("blk.1.attn_v_b.weight",)),
+     r"tensor blk.1.attn_k_b.weight without blk.1.attn_v_b.weight"),
+    ("glm4_moe_basic", dict(drop_keys=("glm4moe.expert_feed_forward_length",)),
+     r"bad.gguf: metadata glm4moe.expert_feed_forward_length is missing"),
+    ("glm4_moe_basic", dict(set_keys={"glm4moe.expert_gating_func": (1, U32)}),
+     r"bad.gguf: metadata glm4moe.expert_gating_func is not 2 \(sigmoid\)"),
+])
+def test_metadata_it_cannot_use_is_named_before_any_worker_starts(tmp_path, name, change, match):
+    bad = rewrite(ROOT / "gguf" / f"{name}.gguf", tmp_path / "bad.gguf", **change)
+    with pytest.raises(GgufError, match=match):
+        Engine.open(bad, EngineConfig(pool="process", numa_split=True, nodes=2))
+
+
+def test_yarn_without_log_multiplier_is_read_as_llama_cpp_does(tmp_path):
+    """No yarn_log_multiplier (a config without mscale_all_dim): llama.cpp scales cos and sin by
+    mscale(factor) = 1 + 0.1 ln(factor) and the softmax by its square; the configuration says so."""
+    from coordinator.model.model_config import parse_model_config
+
+    bad = rewrite(ROOT / "gguf" / "deepseek_v3_basic.gguf", tmp_path / "m.gguf",
+                  drop_keys=("deepseek2.rope.scaling.yarn_log_multiplier",))
+    cfg = parse_model_config(GgufCheckpoint(bad).config())
+    m = 1 + 0.1 * np.log(40.0)
+    assert cfg.yarn.attention_factor == pytest.approx(m)
+    assert cfg.mla.softmax_scale == pytest.approx(20 ** -0.5 * m * m)
