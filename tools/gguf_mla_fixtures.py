@@ -57,6 +57,9 @@ def main() -> int:
     ap.add_argument("--hf-python", type=Path, required=True, help="a Python with torch and transformers")
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "gguf")
     ap.add_argument("--q8", action="store_true", help="also a Q8_0 file of deepseek_v3_basic (llama-quantize)")
+    ap.add_argument("--outtype", default="bf16", choices=["bf16", "f32"],
+                    help="the matrices' type (f32: for tools/gguf_llama_cpp_check.py, as llama.cpp computes BF16 "
+                         "matrices with bfloat16 activations)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(args.llama_cpp / "gguf-py"))
@@ -71,7 +74,7 @@ def main() -> int:
                 (src / "config.json").write_text(json.dumps(cfg, indent=2))
             dst = args.out / f"{name}.gguf"
             subprocess.run([str(args.hf_python), "-c", CONVERT, str(args.llama_cpp / "convert_hf_to_gguf.py"),
-                            str(src), "--outtype", "bf16", "--outfile", str(dst)], check=True, env=env,
+                            str(src), "--outtype", args.outtype, "--outfile", str(dst)], check=True, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             print(f"{dst}: {dst.stat().st_size} bytes")
     if args.q8:
