@@ -206,3 +206,56 @@ def test_yarn_without_log_multiplier_is_read_as_llama_cpp_does(tmp_path):
     m = 1 + 0.1 * np.log(40.0)
     assert cfg.yarn.attention_factor == pytest.approx(m)
     assert cfg.mla.softmax_scale == pytest.approx(20 ** -0.5 * m * m)
+
+
+# DeepSeek-V3's tokenizer.json pre_tokenizer as the Hub has it (deepseek-ai/DeepSeek-V3), byte for byte
+DEEPSEEK_V3_PRE = r'''{"type": "Sequence", "pretokenizers": [
+  {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": false},
+  {"type": "Split", "pattern": {"Regex": "[一-龥぀-ゟ゠-ヿ]+"}, "behavior": "Isolated", "invert": false},
+  {"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false},
+  {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]}'''
+TOK_CORPUS = ["The quick brown fox jumps over the lazy dog. It's 2026; isn't it?",
+              "Über naïve café: 東京 and 大阪, ひらがな カタカナ 1234567 apples, 89 pears!!\n\n  indented\tline",
+              "def main():\n    return x_1 + y_22 == 333  # done (a.b)[c]",
+              "We'll see, they'd said; I'M SURE you've LL'd it. $5.99 #tag @you",
+              "abc東京def «quoted»word e\u0301te\u0301 x—y ¿qué? foo123bar"] * 20
+
+
+@pytest.mark.parametrize("pre", ["deepseek-v3", "glm4"])
+def test_deepseek_v3_and_glm4_split_rules(tmp_path, pre):
+    """tokenizer.ggml.pre "deepseek-v3" (DeepSeek-V3/R1: three splits in turn) and "glm4" (GLM-4.5: Llama 3's,
+    merges ignored for a piece that is a token): the ids of the tokenizer the file was written from."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from coordinator.cli.make_model import make_model
+    from coordinator.model.gguf_tokenizer import LLAMA3, gguf_tokenizer
+    from shm.gguf_file import GgufFile
+
+    from gguf_writer import write_gguf
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(ignore_merges=pre == "glm4"))
+    if pre == "deepseek-v3":
+        spec = json.loads(DEEPSEEK_V3_PRE)["pretokenizers"]
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(s["pattern"]["Regex"]), behavior="isolated", invert=False) for s in spec[:3]]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TOK_CORPUS, trainers.BpeTrainer(vocab_size=460, special_tokens=specials,
+                                                            show_progress=False,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ckpt = make_model(tmp_path / "m", seed=9, hidden_size=64, moe_intermediate_size=96, vocab_size=512)
+    path = tmp_path / "m.gguf"
+    write_gguf(ckpt, path, tokenizer=tok, pre=pre)
+    got = gguf_tokenizer(GgufFile(path).metadata)
+    merged = 0
+    for text in TOK_CORPUS[:5] + ["<|im_start|>user\n東京タワー 12345678 x(y)<|im_end|>", "naïve—\r\n\r\n  x", ""]:
+        ids = tok.encode(text).ids
+        assert got.encode(text).ids == ids, text
+        assert got.decode(ids, skip_special_tokens=False) == text
+        merged += sum(i >= 256 + len(specials) for i in ids)
+    assert merged > 20

@@ -70,9 +70,9 @@ def test_what_is_not_supported_is_named_and_a_tokenizer_json_beside_stands_in(ck
     tok = trained(QWEN2)
     odd = tmp_path / "odd" / "m.gguf"
     odd.parent.mkdir()
-    write_gguf(ckpt, odd, tokenizer=tok, pre="deepseek-v3")
+    write_gguf(ckpt, odd, tokenizer=tok, pre="kimi-k2")
     meta = GgufFile(odd).metadata
-    with pytest.raises(TokenizerError, match=r"pre-tokenizer 'deepseek-v3' is not supported yet.*tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"pre-tokenizer 'kimi-k2' is not supported yet.*tokenizer.json"):
         gguf_codec(meta, odd)
     with pytest.raises(TokenizerError, match=r"tokenizer model 'bert' is not supported yet"):
         gguf_tokenizer({**meta, "tokenizer.ggml.model": "bert"})

@@ -37,8 +37,16 @@ QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{
          r"\s+(?!\S)|\s+")
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
           r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_REGEX = {"default": GPT2, "gpt-2": GPT2, "gpt2": GPT2, "qwen2": QWEN2, "llama3": LLAMA3, "llama-bpe": LLAMA3}
-IGNORE_MERGES = {"llama3", "llama-bpe"}  # a piece that is itself a token is taken whole (llama.cpp, and HF's files)
+# DeepSeek-V3/R1's: three splits in turn (digits by three, CJK runs, then the rest), as its tokenizer.json's
+# Sequence of Split pre-tokenizers (CR and LF literal in the character classes, as published)
+DEEPSEEK_V3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+               "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+               "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+")
+PRE_REGEX = {"default": GPT2, "gpt-2": GPT2, "gpt2": GPT2, "qwen2": QWEN2, "llama3": LLAMA3, "llama-bpe": LLAMA3,
+             "deepseek-v3": DEEPSEEK_V3,
+             "glm4": LLAMA3}  # llama.cpp's CHATGLM4: Llama 3's split, its contractions' case spelled out
+# a piece that is itself a token is taken whole (llama.cpp, and HF's files)
+IGNORE_MERGES = {"llama3", "llama-bpe", "glm4"}
 
 
 def has_tokenizer(metadata: dict) -> bool:
@@ -83,8 +91,9 @@ def _byte_level(metadata: dict, vocab: dict[str, int], source: str) -> Tokenizer
                     len(merges) - len(usable), len(merges))
         merges = usable
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in IGNORE_MERGES))
+    regexes = PRE_REGEX[pre] if isinstance(PRE_REGEX[pre], tuple) else (PRE_REGEX[pre],)
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_REGEX[pre]), behavior="isolated", invert=False),
+        *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
