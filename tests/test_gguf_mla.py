@@ -259,3 +259,17 @@ def test_deepseek_v3_and_glm4_split_rules(tmp_path, pre):
         assert got.decode(ids, skip_special_tokens=False) == text
         merged += sum(i >= 256 + len(specials) for i in ids)
     assert merged > 20
+
+
+def test_the_nextn_layer_a_glm_file_carries_is_skipped(tmp_path):
+    """GLM-4.5's files count the multi-token-prediction layer in block_count (nextn_predict_layers) and, from the
+    Hub's checkpoints, hold its tensors (blk.N.nextn.*, and a whole layer's): the engine runs the N layers before."""
+    src = ROOT / "gguf" / "glm4_moe_basic.gguf"
+    mtp = {"blk.3.nextn.eh_proj.weight": np.ones((64, 128)), "blk.3.nextn.enorm.weight": np.ones(64),
+           "blk.3.attn_norm.weight": np.ones(64), "blk.3.ffn_gate_inp.weight": np.ones((8, 64))}
+    path = rewrite(src, tmp_path / "mtp.gguf", tensors=mtp)
+    ck = GgufCheckpoint(path)
+    assert ck.config()["num_hidden_layers"] == 3 and not any(".layers.3." in n for n in ck.names())
+    with Engine.open(src, EngineConfig(pool="inproc", activations="f32")) as a, \
+            Engine.open(path, EngineConfig(pool="inproc", activations="f32")) as b:
+        assert np.array_equal(logits(a, PROMPT), logits(b, PROMPT))
