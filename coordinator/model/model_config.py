@@ -302,12 +302,40 @@ def _positive(cfg: dict, key: str, default: object = ...) -> int:
     return value
 
 
-def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig:
-    """DeepSeek-V3's config.json (the Hub's remote-code form and transformers 5's DeepseekV3Config alike)."""
-    d = DEFAULTS[arch]
+def _shared_fields(cfg: dict, d: dict, model_dir: Path | None) -> dict:
+    """The ModelConfig fields every architecture reads alike."""
+    return dict(vocab_size=_positive(cfg, "vocab_size"),
+                rms_norm_eps=_field(cfg, "rms_norm_eps", float, default=d["rms_norm_eps"]),
+                tie_word_embeddings=_bool(cfg, "tie_word_embeddings", d["tie_word_embeddings"]),
+                bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos_ids(cfg, model_dir))
+
+
+def _silu_only(cfg: dict) -> None:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"config.json: hidden_act '{act}' is not supported; expected 'silu'")
+
+
+def _groups(cfg: dict, d: dict, num_experts: int, top_k: int) -> tuple[int, int]:
+    """(n_group, topk_group) of a group-limited router, checked: groups divide the experts, the kept groups
+    hold the top-k."""
+    n_group = _positive(cfg, "n_group", d["n_group"])
+    topk_group = _positive(cfg, "topk_group", d["topk_group"])
+    if num_experts % n_group:
+        raise ModelConfigError(f"config.json: n_routed_experts {num_experts} is not a multiple of n_group {n_group}")
+    if topk_group > n_group:
+        raise ModelConfigError(f"config.json: topk_group {topk_group} is more than n_group {n_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ModelConfigError(
+            f"config.json: num_experts_per_tok {top_k} is more than the experts of topk_group {topk_group} groups "
+            f"({topk_group * (num_experts // n_group)})")
+    return n_group, topk_group
+
+
+def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig:
+    """DeepSeek-V3's config.json (the Hub's remote-code form and transformers 5's DeepseekV3Config alike)."""
+    d = DEFAULTS[arch]
+    _silu_only(cfg)
     scoring = _choice(cfg, "scoring_func", arch, SCORING_FUNCS[arch])
     greedy = _choice(cfg, "topk_method", arch, TOPK_METHODS[arch]) == "greedy"
     try:  # FP8 block-scaled weights (DeepSeek-V3/R1): read and dequantised by shm/checkpoint.py
@@ -331,16 +359,7 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
         raise ModelConfigError(f"config.json: qk_rope_head_dim {rope_dim} must be even")
     num_experts = _positive(cfg, "n_routed_experts")
     top_k = _positive(cfg, "num_experts_per_tok")
-    n_group = 1 if greedy else _positive(cfg, "n_group", d["n_group"])  # plain top-k: transformers ignores both
-    topk_group = 1 if greedy else _positive(cfg, "topk_group", d["topk_group"])
-    if num_experts % n_group:
-        raise ModelConfigError(f"config.json: n_routed_experts {num_experts} is not a multiple of n_group {n_group}")
-    if topk_group > n_group:
-        raise ModelConfigError(f"config.json: topk_group {topk_group} is more than n_group {n_group}")
-    if top_k > topk_group * (num_experts // n_group):
-        raise ModelConfigError(
-            f"config.json: num_experts_per_tok {top_k} is more than the experts of topk_group {topk_group} groups "
-            f"({topk_group * (num_experts // n_group)})")
+    n_group, topk_group = (1, 1) if greedy else _groups(cfg, d, num_experts, top_k)  # plain top-k: no groups
     scaling = _field(cfg, "routed_scaling_factor", float, default=d["routed_scaling_factor"])
     shared = _field(cfg, "n_shared_experts", int, default=d["n_shared_experts"])
     first_dense = _field(cfg, "first_k_dense_replace", int, default=d["first_k_dense_replace"])
@@ -356,18 +375,16 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
     moe_inter = _positive(cfg, "moe_intermediate_size")
     return ModelConfig(
         arch=arch,
-        vocab_size=_positive(cfg, "vocab_size"),
+        **_shared_fields(cfg, d, model_dir),
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=nope + rope_dim,
-        rms_norm_eps=_field(cfg, "rms_norm_eps", float, default=d["rms_norm_eps"]),
         rope_theta=theta,
         rope_type=rope_type,
         rope_factor=factor,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", d["tie_word_embeddings"]),
         qkv_bias=False,
         qk_norm=False,
         num_experts=num_experts,
@@ -378,8 +395,6 @@ def _parse_deepseek_v3(cfg: dict, model_dir: Path | None, arch: str) -> ModelCon
         shared_expert_intermediate_size=moe_inter * shared,
         sparse_layers=tuple(i >= first_dense and i % freq == 0 for i in range(layers)),
         sliding_windows=(None,) * layers,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_eos_ids(cfg, model_dir),
         shared_expert_gate=False,
         mla=MLAConfig(q_lora_rank, kv_lora_rank, nope, rope_dim, v_dim,
                       _bool(cfg, "rope_interleave", d["rope_interleave"]) or arch == "deepseek_v2", softmax_scale),
@@ -392,9 +407,7 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
     """GLM-4.5's config.json: GQA with partial rotary, q/k/v biases, optional QK norm; DeepSeek-V3's sigmoid
     router (correction bias, groups) and shared experts; dense first layers (transformers' Glm4MoeConfig)."""
     d = DEFAULTS[arch]
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"config.json: hidden_act '{act}' is not supported; expected 'silu'")
+    _silu_only(cfg)
     quant = cfg.get("quantization_config")
     if isinstance(quant, dict) and quant:  # GLM-4.5's FP8 checkpoints (compressed-tensors): not read yet
         raise ModelConfigError(f"config.json: quantization_config {quant.get('quant_method')!r} is not supported "
@@ -416,29 +429,22 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
                                f"head_dim {head_dim}; expected a positive even number")
     num_experts = _positive(cfg, "n_routed_experts")
     top_k = _positive(cfg, "num_experts_per_tok")
-    n_group = _positive(cfg, "n_group", d["n_group"])
-    topk_group = _positive(cfg, "topk_group", d["topk_group"])
-    if num_experts % n_group or topk_group > n_group or top_k > topk_group * (num_experts // n_group):
-        raise ModelConfigError(f"config.json: n_routed_experts {num_experts}, n_group {n_group}, topk_group "
-                               f"{topk_group}, num_experts_per_tok {top_k}: expected groups that divide the experts "
-                               "and kept groups that hold the top-k")
+    n_group, topk_group = _groups(cfg, d, num_experts, top_k)
     first_dense = _field(cfg, "first_k_dense_replace", int, default=d["first_k_dense_replace"])
     moe_inter = _positive(cfg, "moe_intermediate_size")
     theta, rope_type, rope_factor = _rope(cfg, d["rope_theta"])
     return ModelConfig(
         arch=arch,
-        vocab_size=_positive(cfg, "vocab_size"),
+        **_shared_fields(cfg, d, model_dir),
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=_field(cfg, "rms_norm_eps", float, default=d["rms_norm_eps"]),
         rope_theta=theta,
         rope_type=rope_type,
         rope_factor=rope_factor,
         max_position_embeddings=_field(cfg, "max_position_embeddings", int, default=d["max_position_embeddings"]),
-        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", d["tie_word_embeddings"]),
         qkv_bias=_bool(cfg, "attention_bias", d["attention_bias"]),
         qk_norm=_bool(cfg, "use_qk_norm", d["use_qk_norm"]),
         num_experts=num_experts,
@@ -449,8 +455,6 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
         shared_expert_intermediate_size=moe_inter * _field(cfg, "n_shared_experts", int, default=d["n_shared_experts"]),
         sparse_layers=tuple(i >= first_dense for i in range(layers)),
         sliding_windows=(None,) * layers,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_eos_ids(cfg, model_dir),
         shared_expert_gate=False,
         rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         group_router=GroupRouter(n_group, topk_group,
@@ -467,9 +471,7 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
     if arch == "glm4_moe":
         return _parse_glm4_moe(cfg, model_dir, arch)
     d = DEFAULTS[arch]
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"config.json: hidden_act '{act}' is not supported; expected 'silu'")
+    _silu_only(cfg)
     hidden = _field(cfg, "hidden_size", int)
     layers = _field(cfg, "num_hidden_layers", int)
     heads = _field(cfg, "num_attention_heads", int)
@@ -519,18 +521,16 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
         qkv_bias = _bool(cfg, "attention_bias", d["attention_bias"])
     return ModelConfig(
         arch=arch,
-        vocab_size=_field(cfg, "vocab_size", int),
+        **_shared_fields(cfg, d, model_dir),
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=_field(cfg, "rms_norm_eps", float, default=d["rms_norm_eps"]),
         rope_theta=theta,
         rope_type=rope_type,
         rope_factor=factor,
         max_position_embeddings=_field(cfg, "max_position_embeddings", int, default=d["max_position_embeddings"]),
-        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", d["tie_word_embeddings"]),
         qkv_bias=qkv_bias,
         qk_norm=arch == "qwen3_moe",
         num_experts=num_experts,
@@ -541,8 +541,6 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
         shared_expert_intermediate_size=shared_inter,
         sparse_layers=sparse,
         sliding_windows=_sliding_windows(cfg, arch, layers),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_eos_ids(cfg, model_dir),
     )
 
 
