@@ -310,6 +310,15 @@ def _shared_fields(cfg: dict, d: dict, model_dir: Path | None) -> dict:
                 bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos_ids(cfg, model_dir))
 
 
+def _gqa_fields(cfg: dict, d: dict, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """The attention geometry and rope of the architectures with grouped-query attention (not MLA's)."""
+    theta, rope_type, factor = _rope(cfg, d["rope_theta"])
+    return dict(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                rope_theta=theta, rope_type=rope_type, rope_factor=factor,
+                max_position_embeddings=_field(cfg, "max_position_embeddings", int,
+                                               default=d["max_position_embeddings"]))
+
+
 def _silu_only(cfg: dict) -> None:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
@@ -432,19 +441,10 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
     n_group, topk_group = _groups(cfg, d, num_experts, top_k)
     first_dense = _field(cfg, "first_k_dense_replace", int, default=d["first_k_dense_replace"])
     moe_inter = _positive(cfg, "moe_intermediate_size")
-    theta, rope_type, rope_factor = _rope(cfg, d["rope_theta"])
     return ModelConfig(
         arch=arch,
         **_shared_fields(cfg, d, model_dir),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rope_theta=theta,
-        rope_type=rope_type,
-        rope_factor=rope_factor,
-        max_position_embeddings=_field(cfg, "max_position_embeddings", int, default=d["max_position_embeddings"]),
+        **_gqa_fields(cfg, d, hidden, layers, heads, kv_heads, head_dim),
         qkv_bias=_bool(cfg, "attention_bias", d["attention_bias"]),
         qk_norm=_bool(cfg, "use_qk_norm", d["use_qk_norm"]),
         num_experts=num_experts,
@@ -514,7 +514,6 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
         if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
             raise ModelConfigError(f"config.json: mlp_only_layers is {mlp_only!r}; expected a list of layer indices")
         sparse = tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(layers))
-    theta, rope_type, factor = _rope(cfg, d["rope_theta"])
     if arch == "qwen2_moe":
         qkv_bias = _bool(cfg, "qkv_bias", True)
     else:
@@ -522,15 +521,7 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
     return ModelConfig(
         arch=arch,
         **_shared_fields(cfg, d, model_dir),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rope_theta=theta,
-        rope_type=rope_type,
-        rope_factor=factor,
-        max_position_embeddings=_field(cfg, "max_position_embeddings", int, default=d["max_position_embeddings"]),
+        **_gqa_fields(cfg, d, hidden, layers, heads, kv_heads, head_dim),
         qkv_bias=qkv_bias,
         qk_norm=arch == "qwen3_moe",
         num_experts=num_experts,
