@@ -46,7 +46,7 @@ def test_grouped_router_matches_a_float64_loop(E, k, n_group, topk_group, normal
     rng = np.random.default_rng(E + k)
     logits = rng.normal(0, 2, (40, E)).astype(np.float32)
     bias = rng.normal(0, 0.3, E).astype(np.float32)
-    ids, weights = ops.route_grouped_sigmoid(logits, bias, k, n_group, topk_group, normalize, scaling)
+    ids, weights = ops.route_grouped(logits, bias, k, n_group, topk_group, normalize, scaling)
     want_ids, want_w = route_reference(logits, bias, k, n_group, topk_group, normalize, scaling)
     assert ids.dtype == np.int64 and weights.dtype == np.float32
     assert np.array_equal(ids, want_ids)
@@ -191,7 +191,7 @@ def route_reference_v2(logits, k, n_group, topk_group, scaling):
 def test_deepseek_v2_softmax_router_matches_a_float64_loop(E, k, n_group, topk_group, scaling):
     rng = np.random.default_rng(E + k)
     logits = rng.normal(0, 2, (40, E)).astype(np.float32)
-    ids, weights = ops.route_grouped_sigmoid(logits, None, k, n_group, topk_group, False, scaling, "softmax")
+    ids, weights = ops.route_grouped(logits, None, k, n_group, topk_group, False, scaling, "softmax")
     want_ids, want_w = route_reference_v2(logits, k, n_group, topk_group, scaling)
     assert np.array_equal(ids, want_ids)
     np.testing.assert_allclose(weights, want_w, rtol=2e-6, atol=1e-7)

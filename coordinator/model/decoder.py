@@ -277,7 +277,7 @@ class Decoder:
         T = x.shape[0]
         if cfg.group_router is not None:
             g = cfg.group_router
-            ids, weights = ops.route_grouped_sigmoid(x @ lw.router.T, lw.router_bias, cfg.top_k, g.n_group,
+            ids, weights = ops.route_grouped(x @ lw.router.T, lw.router_bias, cfg.top_k, g.n_group,
                                                      g.topk_group, cfg.norm_topk_prob, g.routed_scaling_factor,
                                                      g.scoring)
         else:

@@ -145,9 +145,9 @@ def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> n
     return xp_of(x).concatenate([even * c - odd * s, odd * c + even * s], axis=-1)
 
 
-def route_grouped_sigmoid(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_group: int,
-                          topk_group: int, normalize: bool, scaling: float,
-                          scoring: str = "sigmoid") -> tuple[np.ndarray, np.ndarray]:
+def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_group: int,
+                  topk_group: int, normalize: bool, scaling: float,
+                  scoring: str = "sigmoid") -> tuple[np.ndarray, np.ndarray]:
     """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, the noaux_tc method).
 
     router_logits [T, E] -> (ids [T, k] int64, weights [T, k] float32). Scores are sigmoid(logits); the choice
