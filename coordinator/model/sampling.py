@@ -116,15 +116,14 @@ def top_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tu
 
 
 class Sampler:
-    """Chooses the tokens of one sequence; remembers what the penalties need (the prompt's ids, the ones
-    chosen so far) when one is on."""
+    """Chooses the tokens of one sequence; counts what the penalties need (the prompt's ids, the ones chosen
+    so far) when one is on."""
 
     def __init__(self, params: SamplingParams, prompt_ids=()):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
         self._prompt_ids = np.asarray(list(prompt_ids), np.int64) if params.penalized else None
-        self._chosen: list[int] = []  # before the counts exist
-        self.prompt_counts: np.ndarray | None = None  # [V], made on the first call when a penalty is on
+        self.prompt_counts: np.ndarray | None = None  # [V], made on the first call (it knows V) when a penalty is on
         self.output_counts: np.ndarray | None = None
 
     def adjusted(self, logits: np.ndarray) -> np.ndarray:
@@ -136,28 +135,18 @@ class Sampler:
             ids = self._prompt_ids
             self.prompt_counts = np.bincount(ids[(ids >= 0) & (ids < v)], minlength=v)
             self.output_counts = np.zeros(v, np.int64)
-            for t in self._chosen:
-                self.record(t)
         return penalized(logits, self.params, self.prompt_counts, self.output_counts)
 
-    def record(self, token: int) -> None:
-        """Count a generated token (``choose`` does it for the tokens it returns)."""
-        if not self.params.penalized:
-            return
-        if self.output_counts is None:
-            self._chosen.append(token)
-        elif 0 <= token < self.output_counts.size:
-            self.output_counts[token] += 1
-
     def choose(self, logits: np.ndarray) -> tuple[int, np.ndarray]:
-        """logits [V] -> (the token id, the penalised logits it was chosen from); the token is recorded."""
+        """logits [V] -> (the token id, the penalised logits it was chosen from); the token is counted."""
         adjusted = self.adjusted(logits)
         if self.params.temperature == 0:
             token = int(np.argmax(adjusted))
         else:
             probs = filtered_probs(adjusted, self.params)
             token = int(self.rng.choice(probs.size, p=probs))
-        self.record(token)
+        if self.output_counts is not None:
+            self.output_counts[token] += 1
         return token, adjusted
 
     def __call__(self, logits: np.ndarray) -> int:
