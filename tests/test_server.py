@@ -332,6 +332,29 @@ def test_sigterm_mid_generation_with_process_pool(serve):
         assert not Path("/dev/shm", name.lstrip("/")).exists(), name
 
 
+def test_sigterm_again_and_again_during_shutdown_still_exits_clean(serve):
+    """A supervisor that repeats SIGTERM while the server tears down (the pool, the segments, the interpreter's
+    own exit) gets exit status 0 and nothing left behind: the teardown is not cut short half way."""
+    s = serve("--numa-split", "--nodes", "2", pool="process")
+    with Client(s.address, timeout=20) as c:
+        nodes = c.health()["pool"]["nodes"]
+    pids = {n["pid"] for n in nodes}
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    sent = 0
+    while s.proc.poll() is None and time.monotonic() < deadline:
+        s.proc.send_signal(signal.SIGTERM)
+        sent += 1
+        try:
+            s.proc.wait(timeout=0.002)  # pacing between signals, not synchronisation: poll() above decides
+        except subprocess.TimeoutExpired:
+            pass
+    assert s.proc.poll() == 0, f"exit status {s.proc.poll()} after {sent} SIGTERMs: {s.stderr()}"
+    assert sent > 1
+    gone = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not gone, f"node workers still running: {gone}"
+    assert not _our_segments(pids | {s.proc.pid})
+
+
 # -- binding -----------------------------------------------------------------------------
 
 

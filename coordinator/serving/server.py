@@ -471,6 +471,11 @@ def serve(engine, address: str, http: dict | None = None, **kwargs) -> int:
         print(f"serving on {server.address}" + (f" and {frontend.url}" if frontend else ""), flush=True)
         return server.run()
     finally:
+        # From here on a repeated signal must not cut the teardown short (the caller still closes the engine:
+        # node workers, segments), nor kill the interpreter as it exits, which gives Python handlers back to
+        # SIG_DFL but leaves SIG_IGN in place. Every step of the teardown has its own timeout.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if frontend is not None:
             frontend.stop()
         server.close()
