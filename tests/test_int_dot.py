@@ -1,5 +1,5 @@
-"""Integer dot products on quantised activations: per block of 32 for decode (activations.py, idot.py,
-isimd.py), per super-block of 256 for prefill's K types (isuper.py). The quantisers against their NumPy
+"""Integer dot products on quantised activations: per block of 32 for Q8_0 and Q4_0 in decode (activations.py,
+idot.py, isimd.py), per super-block of 256 for the K types and IQ4_XS (isuper.py). The quantisers against their NumPy
 forms, every lowering of the integer sums against exact integers, and the node's and the dense matrices'
 results against float64 on the dequantised weights and the quantised activations."""
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from kernel_bench import stored_rows  # noqa: E402  (random rows of a format: encoded, or a GGUF type's blocks)
 
 INT_FORMATS = ["q8", "q4", "q4k", "q5k", "q6k", "iq4xs"]
-SUPER_FORMATS = ["q4k", "q5k", "q6k", "iq4xs"]  # prefill's integer loop (isuper.py)
+SUPER_FORMATS = ["q4k", "q5k", "q6k", "iq4xs"]  # the super-block integer loop (isuper.py)
 H, R = 512, 256  # two super-blocks of 256 along a row; down's rows [H, R] one
 
 
@@ -46,7 +46,7 @@ def dequantised(x: np.ndarray) -> np.ndarray:
 
 
 def dequantised_super(x: np.ndarray) -> np.ndarray:
-    """float64 of xd * xq quantised per super-block, the activations as prefill's integer loop sees them."""
+    """float64 of xd * xq quantised per super-block, the activations as the super-block loop sees them."""
     xq, xd, _ = quantize_super_reference(np.asarray(x, np.float32))
     n, K = x.shape
     return (xq.reshape(n, K // 256, 256) * xd[..., None].astype(np.float64)).reshape(n, K)
@@ -205,8 +205,9 @@ def _assert_integer_path_taken(got: dict, want: np.ndarray) -> None:
 @pytest.mark.parametrize("name", INT_FORMATS)
 def test_node_decode_with_integer_dots_equals_float64_on_the_quantised_activations(name):
     """Three tokens, each routed alone to its own expert (decode's four rows at a time, integer dots):
-    within float32 rounding of float64 on the dequantised weights and the quantised activations, and away
-    from the float-activation result by the activations' rounding (so the integer path is the one taken)."""
+    within float32 rounding of float64 on the dequantised weights and the quantised activations (per block
+    of 32, or per super-block for a K type or IQ4_XS), and away from the float-activation result by the
+    activations' rounding (so the integer path is the one taken)."""
     fmt = formats.get(name)
     rng = np.random.default_rng(5)
     experts = {(0, e): [stored_rows(fmt, rows, width, rng) for rows, width in ((R, H), (R, H), (H, R))]
@@ -216,7 +217,8 @@ def test_node_decode_with_integer_dots_equals_float64_on_the_quantised_activatio
     tokens, routed, weights = np.arange(3), np.array([2, 0, 1]), np.array([0.5, 1.0, 2.0], np.float32)
     got = {acts: _node_output(store, acts, x, tokens, routed, weights) for acts in ("q8", "f32")}
     store.close()
-    want = np.stack([w * _float64_expert(experts[(0, e)], name, x[t:t + 1])[0]
+    grain = dequantised_super if name in SUPER_FORMATS else dequantised
+    want = np.stack([w * _float64_expert(experts[(0, e)], name, x[t:t + 1], grain)[0]
                      for t, e, w in zip(tokens, routed, weights)])
     _assert_integer_path_taken(got, want)
 
@@ -243,9 +245,11 @@ def test_node_prefill_of_a_k_type_with_integer_dots_equals_float64(name, per_exp
     _assert_integer_path_taken(got, want)
 
 
-@pytest.mark.parametrize("tokens", [3, 13], ids=["four", "eight-and-eight"])
+@pytest.mark.parametrize("tokens", [1, 3, 13], ids=["decode", "four", "eight-and-eight"])
 @pytest.mark.parametrize("name", SUPER_FORMATS)
-def test_dense_matrix_several_tokens_of_a_k_type_in_integers_equals_float64(name, tokens):
+def test_dense_matrix_few_tokens_of_a_k_type_in_integers_equals_float64(name, tokens):
+    """1, 3 (padded to 4) and 13 tokens (8 + 8) against 70 rows (decode: a short last group of four): within
+    float32 rounding of float64 on the activations quantised per super-block, away from the float path."""
     rng = np.random.default_rng(8)
     fmt = formats.get(name)
     matrix = PackedMatrix(fmt, stored_rows(fmt, 70, 512, rng), (70, 512), int_act=True)

@@ -7,11 +7,11 @@
                         formats whose weights carry an offset (q4's 8, Q4_K's and Q5_K's mins)
     the row as the kernels see it: x'[i] = d[b] * q[i]
 
-A finer grain than llama.cpp's Q8_K (one scale per 256 for the K types): every block of 32 keeps its own
-scale, so the quantised activations stay as close to x as Q8_0's. That is decode's form.
+That is Q8_0 and Q4_0 weights' form (isimd.py), as llama.cpp's.
 
-Prefill's (isuper.py, the K types against several tokens) is Q8_K's: one scale per super-block of 256, so
-that a super-block's products add up in integers, and the sums of every 16 values for the weights' offsets:
+The K types' and IQ4_XS's (isuper.py, decode and prefill) is Q8_K's, as llama.cpp's for those types: one
+scale per super-block of 256, so that a super-block's products add up in integers, and the sums of every
+16 values for the weights' offsets:
 
     a row of K activations (K a multiple of 256), ns = K / 256 super-blocks:
       xq [K]       int8     q[i] = round(x[i] / d[s]) in [-127, 127], s = i // 256 (ties to even)

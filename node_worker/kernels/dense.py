@@ -8,10 +8,11 @@ rows split over numba's threads.
 
     matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act)
                                                             out [T, R] = x [T, K] · Wᵀ  (T small; int_act:
-                                                            integer dot products for an integer format)
+                                                            integer dot products for Q8_0 and Q4_0)
     matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out)
-                                                            the same for a K type or IQ4_XS (rows.SUPER_IDS) and any T a
-                                                            multiple of 4, on x quantised per super-block
+                                                            the same for a K type or IQ4_XS (rows.SUPER_IDS), T = 1
+                                                            (four rows at a time) or a multiple of 4 (a row by eight
+                                                            tokens), on x quantised per super-block
     decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
     decode_rows_serial(...)                                  the same on the calling thread alone (for
                                                              callers that run on threads of their own)
@@ -24,12 +25,12 @@ from numba import njit, prange
 
 from .common import JIT
 from .activations import quantize_rows_super
-from .rows import INT_FROM, dot4, quantised_if, row_decode, row_tokens_int
+from .rows import block_int, dot4, quad_super, quantised_if, row_decode, row_tokens_int
 
 
 @njit(parallel=True, **JIT)
 def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
-    use_int = int_act and fmt >= INT_FROM  # integer dot products on x quantised per block
+    use_int = block_int(fmt, int_act)  # integer dot products on x quantised per block (the K types: matmul_tokens_int)
     xq, xd, xs = quantised_if(use_int, x)
     for q in prange((R + 3) // 4):
         r = 4 * q
@@ -51,6 +52,10 @@ def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
 @njit(parallel=True, **JIT)
 def matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out):
     xq, xd, bs = quantize_rows_super(x)  # [T, K] once for every row
+    if x.shape[0] == 1:  # decode
+        for q in prange((R + 3) // 4):
+            quad_super(fmt, data, base, row_bytes, R, K, xq, xd, bs, out, 4 * q)
+        return
     for r in prange(R):
         row_tokens_int(fmt, data, base + r * row_bytes, row_bytes, K, xq, xd, bs, out, r)
 

@@ -4,7 +4,7 @@ One loop step reads a super-block s (at byte 136 s) as 8 groups of 32, j a const
       scale     (scales_l nibble j | scales_h bits 2j..2j+1 << 4) - 32, an int8; d float16 at byte 0
       indices   the 16 bytes at 8 + 16 j: low nibbles the first 16 weights, high nibbles the next 16 (as q4.py)
     weights = (d * scale) * float(KVALUES[index]), as gguf.quants does it; returned whole.
-For prefill's integer loop (isuper.py): the levels signed (int8), scale an integer per group, d.
+For the integer loop (isuper.py, int8 activations): the levels signed (int8), scale an integer per group, d.
 
 The 16-level lookup is a byte shuffle where the host has one (SSSE3's pshufb
 on x86: two per group), else a tree of vector selects on the index bits that
@@ -83,15 +83,8 @@ def group(builder, row, s, j: int):
     return builder.fmul(builder.sitofp(levels(builder, index), VF), splat(builder, dl), flags=EXACT)
 
 
-def igroup(builder, row, s, j: int, hidden):
-    """Group j for the integer path (idot.py): the levels (int8) signed, scale d (ls - 32), no offset."""
-    base = super_block(builder, row, s, BLOCK_BYTES)
-    dl, index = _scale_and_indices(builder, base, j)
-    return levels(builder, index), True, dl, None
-
-
 def isuper(builder, row, s):
-    """Super-block s for prefill's integer loop (isuper.py): (d, no offset, [(levels, ls - 32 as <16 x i16>)],
+    """Super-block s for the integer loop (isuper.py): (d, no offset, [(levels, ls - 32 as <16 x i16>)],
     signed levels)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     groups = []

@@ -1,9 +1,9 @@
-"""The quantised formats' decode loop with int8 activations: simd.py's dot4, integer inside.
+"""Q8_0's and Q4_0's decode loop with int8 activations: simd.py's dot4, integer inside (the K types and
+IQ4_XS take isuper.py's super-block loop, in decode too).
 
 The activations come quantised per block of 32 (activations.py: xq int8, xd its scales, xs its scaled
 sums). For each block of 32 weights a format's ``igroup`` gives its integers q, whether they are signed,
-its scale (a float, or an <8 x float> for a format with two scales in the block, Q6_K) and its offset
-(or None), with w = scale * q - offset; then per row
+its scale (a float) and its offset (or None), with w = scale * q - offset; then per row
 
     acc <8 x float> += float(idot(q, xq_b)) * (scale * xd[b])       (idot.py: 32 products, 8 lanes)
     off float       += offset * xs[b]                                (only formats with an offset)
@@ -13,13 +13,13 @@ which is x' · w on the quantised activations x' = xd ⊙ xq, exactly up to the 
 scales and the sum. The f32 and bf16 formats have no integers to multiply and keep simd.py's loops.
 
     dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)   -> the four rows' dot products (decode; fmt
-                                                            an integer format's FORMATS index)
+                                                            q8's or q4's FORMATS index)
 
 Decode only. For several tokens the per-block conversion and scaling per token is as much float work
 as simd.py's dot2r4 spends (two FMAs a token per 32 weights, AVX-512): measured on this machine
 (tools/kernel_bench.py --tokens 8, q8, q4k, q6k, 2 threads), an integer dot2r4 in this form was 5-15 %
-slower than the float one. Prefill's integer loop for the K types (isuper.py) instead adds a super-block's
-products in integers, with the formats' integer scales, and converts once per 256.
+slower than the float one. The K types' integer loop (isuper.py) instead adds a super-block's products in
+integers, with the formats' integer scales, and converts once per 256.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from . import idot
 from .ir import F32, I8, LANES, const, splat
 from .simd import FAST, FORMATS, _byte_ptr, _groups, _per_format, _prefetch_ahead, _register_loop
 
-INT_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "igroup")}
+BLOCK_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "igroup")}  # dot4i's
+INT_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items()
+                                      if hasattr(m, "igroup") or hasattr(m, "isuper")}  # integers to multiply
 V8F = ir.VectorType(F32, LANES // 4)
 V32 = ir.VectorType(I8, LANES)
 
@@ -53,9 +55,7 @@ def _pointers(context, builder, sig_args, args):
 
 
 def _block_scales(builder, scale, dx):
-    """<8 x float> scale * dx, for a float scale or an <8 x float> one."""
-    if isinstance(scale.type, ir.VectorType):
-        return builder.fmul(scale, splat(builder, dx, V8F), flags=FAST)
+    """<8 x float> scale * dx in every lane."""
     return splat(builder, builder.fmul(scale, dx, flags=FAST), V8F)
 
 
@@ -118,7 +118,7 @@ def dot4i(typingctx, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
             for total, dest in zip(_emit_rows(builder, fmt_module, rows, x, args[6]), sums):
                 builder.store(total, dest)
 
-        _per_format(context, builder, signature.args[0], args[0], emit, INT_FORMATS)
+        _per_format(context, builder, signature.args[0], args[0], emit, BLOCK_FORMATS)
         return context.make_tuple(builder, signature.return_type, [builder.load(s) for s in sums])
 
     return sig, codegen

@@ -6,7 +6,7 @@ One loop step reads a super-block s (at byte 144 s) as 8 groups of 32, j a const
     weights = (d * sc) * float(q) - (dmin * m), each operation as gguf.quants does it (no contraction: the
     weights are the file's bit for bit); returned whole, no scale apart.
 
-For prefill's integer loop (isuper.py) a super-block is d, dmin, and per group q with the integer sc, and
+For the integer loop (isuper.py, int8 activations) a super-block is d, dmin, and per group q with the integer sc, and
 the integer m of every 16 values: w = d sc q - dmin m.
 """
 
@@ -46,13 +46,6 @@ def group(builder, row, s, j: int):
     return builder.fsub(w, splat(builder, offset), flags=EXACT)
 
 
-def igroup(builder, row, s, j: int, hidden):
-    """Group j for the integer path (idot.py): the nibbles unsigned, scale d sc, offset dmin m."""
-    base = super_block(builder, row, s, BLOCK_BYTES)
-    scale, offset = scale_and_offset(builder, base, j)
-    return _quants(builder, base, j), False, scale, offset
-
-
 def _scales_and_mins(builder, packed):
     """<16 x i8>: the 8 six-bit scales then the 8 mins of the 12 bytes at ``packed`` (ggml-quants' utmp
     unpacking, on three 32-bit words)."""
@@ -87,5 +80,5 @@ def _quants(builder, base, j: int):
 
 
 def isuper(builder, row, s):
-    """Super-block s for prefill's integer loop (isuper.py): int_scales."""
+    """Super-block s for the integer loop (isuper.py): int_scales."""
     return int_scales(builder, super_block(builder, row, s, BLOCK_BYTES), _quants)

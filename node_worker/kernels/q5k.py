@@ -35,13 +35,6 @@ def _quants(builder, base, j: int):
     return builder.or_(low, high)
 
 
-def igroup(builder, row, s, j: int, hidden):
-    """Group j for the integer path (idot.py): the 5-bit values unsigned, scale d sc, offset dmin m."""
-    base = super_block(builder, row, s, BLOCK_BYTES)
-    scale, offset = scale_and_offset(builder, base, j)
-    return _quants(builder, base, j), False, scale, offset
-
-
 def isuper(builder, row, s):
-    """Super-block s for prefill's integer loop (isuper.py): q4k.int_scales with the 5-bit values."""
+    """Super-block s for the integer loop (isuper.py): q4k.int_scales with the 5-bit values."""
     return int_scales(builder, super_block(builder, row, s, BLOCK_BYTES), _quants)

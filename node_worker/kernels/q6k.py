@@ -7,7 +7,7 @@ h = g // 4:
       scales        int8 at 192 + 2 g (the first 16 values) and 192 + 2 g + 1 (the next 16); d float16 at 208
     weights = (d * scale) * float(q - 32), as gguf.quants does it; returned whole.
 
-For prefill's integer loop (isuper.py): w = d sc q - d (32 sc), q unsigned, sc the 16 int8 scales.
+For the integer loop (isuper.py, int8 activations): w = d sc q - d (32 sc), q unsigned, sc the 16 int8 scales.
 """
 
 from __future__ import annotations
@@ -59,18 +59,8 @@ def group(builder, row, s, g: int):
     return builder.fmul(builder.sitofp(_quants(builder, base, g), VF), halves, flags=EXACT)
 
 
-def igroup(builder, row, s, g: int, hidden):
-    """Group g for the integer path (idot.py): q - 32 signed, its two 16-value scales d sc as an <8 x float>
-    (idot's lanes 0-3 sum the first 16 products, 4-7 the next), no offset."""
-    base = super_block(builder, row, s, BLOCK_BYTES)
-    q, (s0, s1) = _quants(builder, base, g), _scales(builder, base, g)
-    lanes = builder.shuffle_vector(_pair(builder, s0, s1), _pair(builder, s0, s1),
-                                   ir.Constant(ir.VectorType(I32, LANES // 4), [0] * 4 + [1] * 4))
-    return q, True, lanes, None
-
-
 def isuper(builder, row, s):
-    """Super-block s for prefill's integer loop (isuper.py): (d, d, [(q, sc <16 x i16>)], 32 sc <16 x i32>,
+    """Super-block s for the integer loop (isuper.py): (d, d, [(q, sc <16 x i16>)], 32 sc <16 x i32>,
     unsigned)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     scales = vec_load(builder, builder.gep(base, [const(192)]), ir.VectorType(I8, 16))  # [16] int8

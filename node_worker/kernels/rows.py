@@ -5,11 +5,11 @@ routed to it. Every matrix is read as rows of the store's format and taken in
 dot products (simd.py: each block widened and scaled in registers): the gate
 and up rows [R, H] against the tokens' rows of x, then W_down's rows [H, R]
 against silu(gate) * up, giving the group's contribution [n, H]. One token
-(decode): four rows at a time. n >= 2 tokens (prefill, padded to a multiple of
-4): two rows by four tokens at a time, each block widened once for the four,
-their accumulators in registers; with integer activations (int_act), a K
-type's or IQ4_XS's matrix is taken in integers instead, on the tokens
-quantised per super-block (isuper.py). Tasks run in parallel (numba's threads, the
+(decode): four rows at a time. n >= 2 tokens (prefill, padded to a multiple
+of 4): two rows by four tokens at a time, each block widened once for the
+four, their accumulators in registers. With integer activations (int_act), a
+K type's or IQ4_XS's matrix is taken in integers instead, on the tokens
+quantised per super-block (isuper.py), in decode too. Tasks run in parallel (numba's threads, the
 node's CPUs); each writes only its own contribution, and the caller adds them
 in group order, so the result does not depend on the thread count or timing.
 
@@ -36,9 +36,10 @@ from .common import JIT
 FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7
 INT_FROM = FORMAT_IDS["q8"]  # formats from this id on have integers to multiply (isimd.INT_FORMATS)
 assert list(FORMAT_IDS)[INT_FROM:] == list(isimd.INT_FORMATS)
-SUPER_IDS = tuple(FORMAT_IDS[name] for name in isuper.SUPER_FORMATS)  # prefill's integer loop: the K types, iq4xs
+SUPER_IDS = tuple(FORMAT_IDS[name] for name in isuper.SUPER_FORMATS)  # the super-block integer loop: the K types, iq4xs
 SUPER_FROM, SUPER_TO = SUPER_IDS[0], SUPER_IDS[-1] + 1
 assert SUPER_IDS == tuple(range(SUPER_FROM, SUPER_TO))
+assert list(FORMAT_IDS)[INT_FROM:SUPER_FROM] == list(isimd.BLOCK_FORMATS)  # q8, q4: isimd.dot4i's
 SHAPE = ("rows", "gate format", "gate row bytes", "up format", "up row bytes", "down format", "down row weights",
          "down row bytes")  # the columns of an expert's shapes row
 
@@ -96,20 +97,47 @@ def quantised_if(use_int, x):
 
 
 @njit(inline="always", **JIT)
+def block_int(fmt, int_act) -> bool:
+    """Decode's per-32 integer loop for this format (Q8_0 or Q4_0, EngineConfig.activations q8)."""
+    return int_act and INT_FROM <= fmt < SUPER_FROM
+
+
+@njit(inline="always", **JIT)
 def dot4(fmt, use_int, data, o0, o1, o2, o3, hidden, x, xq, xd, xs):
     """The four rows' dot products with one token: integer ones against its quantised row (xq, xd, xs) when
-    use_int (an integer format, EngineConfig.activations q8), else float ones against x."""
+    use_int (block_int), else float ones against x."""
     if use_int:
         return isimd.dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
     return rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x)
 
 
 @njit(inline="always", **JIT)
+def quad_super(fmt, data, o, row_bytes, rows, hidden, xq, xd, bs, out, first) -> None:
+    """out[0, c] = x' · row c for the four rows c from ``first`` (fewer at the end: each of the last rows alone,
+    repeated four times into a scratch tile), rows row_bytes apart from byte o; x' = xd (.) xq [1, hidden]
+    quantised per super-block (isuper.dot4r1s, decode's integer loop for a K type or IQ4_XS)."""
+    if first + 4 <= rows:
+        isuper.dot4r1s(fmt, data, o + first * row_bytes, row_bytes, hidden, xq, xd, bs, 0, out, first)
+        return
+    tile = np.empty((1, 4), np.float32)
+    for c in range(first, rows):
+        isuper.dot4r1s(fmt, data, o + c * row_bytes, 0, hidden, xq, xd, bs, 0, tile, 0)
+        out[0, c] = tile[0, 0]
+
+
+@njit(inline="always", **JIT)
 def rows_dot(fmt, int_act, data, o, row_bytes, rows, hidden, x, out) -> None:
     """out[r] = x · row r, r < rows (rows row_bytes apart from byte o, ``hidden`` weights each): four rows at a
     time, a short last group repeating its last row (computed, not stored); integer dot products on x
-    quantised per block when int_act and the format has integers."""
-    use_int = int_act and fmt >= INT_FROM
+    quantised per block when int_act and the format has integers (per super-block for a K type or IQ4_XS:
+    quad_super)."""
+    if super_int(fmt, int_act):
+        xq, xd, bs = quantize_rows_super(x[:hidden].reshape((1, hidden)))
+        out2 = out[:rows].reshape((1, rows))
+        for r in range(0, rows, 4):
+            quad_super(fmt, data, o, row_bytes, rows, hidden, xq, xd, bs, out2, r)
+        return
+    use_int = block_int(fmt, int_act)
     xq, xd, xs = quantised_if(use_int, x[:hidden].reshape((1, hidden)))
     for r in range(0, rows, 4):
         m = min(4, rows - r)
