@@ -49,7 +49,7 @@ class EngineConfig:
     # the rest float32; with a GPU all float32) | f32 | bf16 | q8 | q4
     dense_dtype: str = "auto"
     # dot products with quantised weights: "q8" multiplies them in integers by the activations quantised to int8
-    # (as llama.cpp does): per block of 32 in decode, per super-block of 256 in a K type's or IQ4_XS's prefill;
+    # (as llama.cpp does): per block of 32 for q8 and q4, per super-block of 256 for the K types and IQ4_XS;
     # "f32" widens the weights to float (the reference)
     activations: str = "q8"
 

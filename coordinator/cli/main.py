@@ -136,8 +136,8 @@ DEVICE_FLAGS = ("device", "expert_profile", "gpu_experts", "gpu_expert_memory")
 def _add_activations_flag(g) -> None:
     g.add_argument("--activations", dest="activations", default=None, choices=list(ACTIVATIONS),
                    help="dot products with quantised experts and dense matrices: q8 multiplies the weights' "
-                        "integers by the activations quantised to int8 (per block of 32 in decode, per 256 in a "
-                        "K type's or IQ4_XS's prefill), as llama.cpp does; f32 widens the weights to float32, the "
+                        "integers by the activations quantised to int8 (per block of 32 for q8 and q4, per 256 for "
+                        "the K types and IQ4_XS), as llama.cpp does; f32 widens the weights to float32, the "
                         "reference (STRATA_ACTIVATIONS; default q8)")
 
 

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""strata and llama.cpp on the same GGUF file, alternating, round by round: the ratios of decode and prefill.
+
+    .venv/bin/python tools/vs_llama.py --model FILE.gguf --llama-bench PATH/llama-bench [--rounds 3]
+        [--threads 2] [--prompt-tokens 64] [--tokens 32] [--checkout DIR ...] [-- extra strata bench flags]
+
+Each round runs ``llama-bench -m FILE -t T -p P -n N -r 1 -o json``, then ``strata bench --model FILE --modes
+inproc --rounds 1 --device cpu --quality-positions 0`` from each checkout given (default: this one; give an
+older commit's worktree to set two versions side by side), in that order. On a shared host whose speed
+swings by 2-3x within minutes only figures taken close together compare: the table gives each round's
+ratio, then the median of the rounds. ``strata bench`` opens its engine (and compiles or loads its kernels)
+before it times anything; each run is a process of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def llama_bench(binary: str, model: str, threads: int, prompt: int, tokens: int) -> dict[str, float]:
+    """{"decode": tok/s, "prefill": tok/s} of one llama-bench repetition."""
+    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(tokens), "-r", "1",
+                          "-o", "json"], check=True, capture_output=True, text=True).stdout
+    got = {}
+    for test in json.loads(out):
+        got["prefill" if test["n_prompt"] else "decode"] = float(test["avg_ts"])
+    return got
+
+
+def strata_bench(checkout: Path, model: str, prompt: int, tokens: int, extra: list[str]) -> dict[str, float]:
+    """{"decode": tok/s, "prefill": tok/s} of one ``strata bench`` round in-process, from ``checkout``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "bench.json"
+        subprocess.run([sys.executable, "-m", "coordinator", "bench", "--model", model, "--modes", "inproc",
+                        "--rounds", "1", "--tokens", str(tokens), "--prompt-tokens", str(prompt), "--device", "cpu",
+                        "--quality-positions", "0", "--json", str(report), *extra],
+                       cwd=checkout, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        mode = json.loads(report.read_text())["modes"]["inproc"]
+    return {"decode": mode["decode_tokens_per_s"]["median"], "prefill": mode["prefill_tokens_per_s"]["median"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--llama-bench", required=True, help="llama.cpp's llama-bench binary")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--checkout", action="append", type=Path,
+                    help="a checkout of strata to run (repeatable; default: this one)")
+    ap.add_argument("extra", nargs="*", help="after --: more flags for strata bench")
+    args = ap.parse_args()
+    checkouts = args.checkout or [REPO]
+    names = ["llama.cpp"] + [str(c) for c in checkouts]
+    rows: list[dict[str, dict[str, float]]] = []
+    for r in range(args.rounds):
+        got = {"llama.cpp": llama_bench(args.llama_bench, args.model, args.threads, args.prompt_tokens, args.tokens)}
+        for c in checkouts:
+            got[str(c)] = strata_bench(c, args.model, args.prompt_tokens, args.tokens, args.extra)
+        rows.append(got)
+        print(f"round {r + 1}: " + "; ".join(f"{n} decode {g['decode']:.1f} prefill {g['prefill']:.1f}"
+                                             for n, g in got.items()), flush=True)
+    print(f"\n{args.model}, {args.threads} threads, pp{args.prompt_tokens} / tg{args.tokens}, tok/s and ratio to "
+          f"llama.cpp in the same round\n")
+    print("| round | " + " | ".join(f"{n} decode | {n} prefill" for n in names) + " |")
+    print("|---" * (1 + 2 * len(names)) + "|")
+    for r, got in enumerate(rows):
+        cells = []
+        for n in names:
+            for k in ("decode", "prefill"):
+                v = got[n][k]
+                cells.append(f"{v:.1f}" if n == "llama.cpp" else f"{v:.1f} ({v / got['llama.cpp'][k]:.2f}x)")
+        print(f"| {r + 1} | " + " | ".join(cells) + " |")
+    for n in names[1:]:
+        ratios = {k: statistics.median(g[n][k] / g["llama.cpp"][k] for g in rows) for k in ("decode", "prefill")}
+        print(f"\n{n}: median ratio decode {ratios['decode']:.2f}x, prefill {ratios['prefill']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
