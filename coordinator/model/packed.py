@@ -77,8 +77,9 @@ class PackedMatrix:
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         T = x2.shape[0]
         if T < INT_TOKENS and self.int_act and self.fmt_id in SUPER_IDS:  # the integer loop, T 1 or padded to 4
-            padded = x2 if T == 1 else np.zeros((-(-T // 4) * 4, K), np.float32)
-            if T > 1:
+            padded = x2
+            if T > 1:  # a row by eight or four tokens
+                padded = np.zeros((-(-T // 4) * 4, K), np.float32)
                 padded[:T] = x2
             out = np.empty((padded.shape[0], R), np.float32)
             dense.matmul_tokens_int(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
