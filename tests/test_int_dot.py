@@ -61,7 +61,7 @@ def test_super_block_activations_are_the_numpy_form_and_within_half_a_step():
     xq, xd, bs = got
     assert np.abs(xq).max() == 127 and not xq[1, 256:].any() and xd[1, 1] == 0
     assert np.all(np.abs(x - dequantised_super(x)) <= np.repeat(xd, 256, axis=1) / 2 * (1 + 1e-6))
-    assert np.array_equal(bs, xq.reshape(5, 32, 16).astype(np.int64).sum(axis=2))
+    assert bs.dtype == np.int16 and np.array_equal(bs, xq.reshape(5, 32, 16).astype(np.int64).sum(axis=2))
 
 
 def test_quantised_activations_are_the_numpy_form_and_within_half_a_step():

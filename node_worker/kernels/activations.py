@@ -16,7 +16,7 @@ scale per super-block of 256, so that a super-block's products add up in integer
     a row of K activations (K a multiple of 256), ns = K / 256 super-blocks:
       xq [K]       int8     q[i] = round(x[i] / d[s]) in [-127, 127], s = i // 256 (ties to even)
       xd [ns]      float32  d[s] = max |x| over super-block s / 127 (0 for one of zeros)
-      bs [K / 16]  int32    the sum of q over each 16 values
+      bs [K / 16]  int16    the sum of q over each 16 values (|bs| <= 16 x 127 = 2032)
 """
 
 from __future__ import annotations
@@ -72,17 +72,19 @@ SUB = 16
 
 @njit(**EXACT_JIT)
 def quantize_rows_super(x):
-    """x [n, K] float32 -> (xq [n, K] int8, xd [n, K / 256] float32, bs [n, K / 16] int32) (module docstring)."""
+    """x [n, K] float32 -> (xq [n, K] int8, xd [n, K / 256] float32, bs [n, K / 16] int16) (module docstring)."""
     n, K = x.shape
     xq = np.empty((n, K), np.int8)
     xd = np.empty((n, K // SUPER), np.float32)
-    bs = np.zeros((n, K // SUB), np.int32)
+    bs = np.zeros((n, K // SUB), np.int16)
     for t in range(n):
         for s in range(K // SUPER):
             xd[t, s], _ = quantize_block(x[t], SUPER * s, SUPER * s + SUPER, xq[t])
         for k in range(K // SUB):
+            total = 0
             for i in range(SUB * k, SUB * k + SUB):
-                bs[t, k] += np.int32(xq[t, i])
+                total += np.int32(xq[t, i])
+            bs[t, k] = np.int16(total)
     return xq, xd, bs
 
 
@@ -99,7 +101,7 @@ def quantize_super_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     """NumPy form of quantize_rows_super (tests): x [n, K] -> (xq, xd, bs)."""
     n, K = x.shape
     q, d = _blocks_reference(x, SUPER)
-    return q.reshape(n, K), d, q.reshape(n, K // SUB, SUB).sum(axis=2, dtype=np.int32)
+    return q.reshape(n, K), d, q.reshape(n, K // SUB, SUB).sum(axis=2, dtype=np.int32).astype(np.int16)
 
 
 def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -42,9 +42,10 @@ V8F = ir.VectorType(F32, LANES // 4)
 V32 = ir.VectorType(I8, LANES)
 
 
-def _reduce8(builder, vec):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32, V8F]),
-                                        "llvm.vector.reduce.fadd.v8f32")
+def _reduce(builder, vec):
+    """The float sum of a <n x float>'s lanes."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32, vec.type]),
+                                        f"llvm.vector.reduce.fadd.v{vec.type.count}f32")
     return builder.call(fn, [ir.Constant(F32, 0.0), vec])
 
 
@@ -73,7 +74,7 @@ class _Acc:
         return _Acc(vec, off)
 
     def total(self, builder):
-        return builder.fsub(_reduce8(builder, self.vec), self.off, flags=FAST)
+        return builder.fsub(_reduce(builder, self.vec), self.off, flags=FAST)
 
 
 def _zero_acc() -> _Acc:

@@ -1,16 +1,16 @@
-"""Prefill's integer loop for the formats in super-blocks of 256 with integer scales (Q4_K, Q5_K, Q6_K, IQ4_XS).
+"""The integer loop for the formats in super-blocks of 256 with integer scales (Q4_K, Q5_K, Q6_K, IQ4_XS).
 
 llama.cpp's form (ggml-quants' q4_K x q8_K): the activations are quantised per super-block (activations.py's
-quantize_rows_super: xq int8, one scale xd per 256, bs the sums of every 16), and a format's ``isuper``
+quantize_rows_super: xq int8, one scale xd per 256, bs the int16 sums of every 16), and a format's ``isuper``
 gives a super-block of a row as integers, w = d sc q - dmin m: (d, dmin, [(q, sc) per group of 32], m,
 signed), q unsigned below 64 (or, signed, int8 levels: IQ4_XS, idot.pairs' sign trick), sc an integer per
-16 values as <16 x i16>, m an integer per 16 values as <16 x i32> (None, and dmin None: no offset). Then
-per row and token
+16 values as <16 x i16>, m an integer per 16 values as <16 x i16> (None, and dmin None: no offset). Then
+per row and token, with W = 16 lanes where the lowering has 512-bit registers (two groups a call), else 8
 
-    acc <8 x i32>  = sum over the 8 groups of scaled_add(pairs(q, xq), sc)        (idot.py: exact integers;
-                     two groups a call on 512 bits, their <16 x i32> halves added at the end)
-    mins <8 x i32> = m * bs, its two halves added                                  (exact integers)
-    out <8 x float> += float(acc) * (d xd) - float(mins) * (dmin xd)              once per super-block
+    acc <W x i32>   = sum over the 8 groups of scaled_add(pairs(q, xq), sc)       (idot.py: exact integers)
+    mins <8 x i32>  = scaled_add(0, bs, m): the pairs of m * bs added              (exact integers)
+    out <W x float> += float(acc) * (d xd) - float(mins) * (dmin xd)             once per super-block (mins
+                                                                                  in the first 8 lanes)
 
 so the float work is a few operations per 256 products a token, where the float loop (simd.py's dot2r4)
 spends two FMAs on every 32 weights and token and widens every weight. One row by four or eight tokens at a
@@ -45,21 +45,22 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import idot
-from .ir import F32, I8, I32, LANES, const, splat
-from .isimd import V8F, _reduce8
+from .ir import F32, I8, I16, I32, LANES, const, splat
+from .isimd import _reduce
 from .simd import FAST, FORMATS, _byte_ptr, _per_format, _prefetch_ahead, _register_loop, _tile
 
 SUPER_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "isuper")}
 SUPER = 256
 V8I = ir.VectorType(I32, 8)
-V16I = ir.VectorType(I32, 16)
+V16S = ir.VectorType(I16, 16)
 
 
-def _halves_added(builder, v16):
-    """<8 x i32> v[k] + v[k + 8]."""
-    lo = builder.shuffle_vector(v16, v16, ir.Constant(V8I, list(range(8))))
-    hi = builder.shuffle_vector(v16, v16, ir.Constant(V8I, list(range(8, 16))))
-    return builder.add(lo, hi)
+def _widened(builder, v8, lanes: int):
+    """<lanes x i32>: v8 <8 x i32> then zeros."""
+    if lanes == 8:
+        return v8
+    zero = ir.Constant(V8I, [0] * 8)
+    return builder.shuffle_vector(v8, zero, ir.Constant(ir.VectorType(I32, lanes), list(range(lanes))))
 
 
 def _side_by_side(builder, groups):
@@ -76,11 +77,14 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
     G = idot.group_bytes()  # weights per pairs/scaled_add: one group of 32, or two side by side
     supers = builder.udiv(hidden_v, const(SUPER))
 
-    def step(s, accs):  # accs [NT * NR] <8 x float>, token-major
+    W = G // 4  # lanes of the integer sums
+    VW = ir.VectorType(F32, W)
+
+    def step(s, accs):  # accs [NT * NR] <W x float>, token-major
         _prefetch_ahead(builder, fmt, rows, s, row_step)
         blocks = [fmt.isuper(builder, row, s) for row in rows]  # each row's super-block once for the tokens
         firsts = [builder.add(builder.mul(t, hidden_v), builder.mul(s, const(SUPER))) for t in tok]
-        ints = [ir.Constant(ir.VectorType(I32, G // 4), [0] * (G // 4))] * (NT * NR)  # token-major, as accs
+        ints = [ir.Constant(ir.VectorType(I32, W), [0] * W)] * (NT * NR)  # token-major, as accs
         for j in range(0, len(blocks[0][2]), G // LANES):  # group by group: only its integers live
             xvs = [builder.load(builder.bitcast(builder.gep(xq, [builder.add(first, const(LANES * j))]),
                                                 ir.VectorType(I8, G).as_pointer()), align=1) for first in firsts]
@@ -88,28 +92,27 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
             ints = [idot.scaled_add(builder, ints[t * NR + r], idot.pairs(builder, groups[r][0], xvs[t], blocks[r][4]),
                                     groups[r][1])
                     for t in range(NT) for r in range(NR)]
-        if G > LANES:
-            ints = [_halves_added(builder, v) for v in ints]
         out = []
         for t in range(NT):
             dx = builder.load(builder.gep(xd, [builder.add(builder.mul(tok[t], supers), s)]), align=4)
             sums = builder.load(builder.bitcast(builder.gep(bs, [builder.mul(builder.add(
-                builder.mul(tok[t], supers), s), const(16))]), V16I.as_pointer()), align=4)  # its 16 sums of 16
+                builder.mul(tok[t], supers), s), const(16))]), V16S.as_pointer()), align=2)  # its 16 sums of 16
             for r, (d, dmin, _, mins, _) in enumerate(blocks):
                 acc = builder.fadd(accs[t * NR + r], builder.fmul(
-                    builder.sitofp(ints[t * NR + r], V8F), splat(builder, builder.fmul(d, dx, flags=FAST), V8F),
+                    builder.sitofp(ints[t * NR + r], VW), splat(builder, builder.fmul(d, dx, flags=FAST), VW),
                     flags=FAST), flags=FAST)
                 if mins is not None:
-                    offs = builder.sitofp(_halves_added(builder, builder.mul(mins, sums)), V8F)
-                    acc = builder.fsub(acc, builder.fmul(offs, splat(builder, builder.fmul(dmin, dx, flags=FAST), V8F),
+                    offs = idot.scaled_add(builder, ir.Constant(V8I, [0] * 8), sums, mins)  # m * bs, pairs added
+                    offs = builder.sitofp(_widened(builder, offs, W), VW)
+                    acc = builder.fsub(acc, builder.fmul(offs, splat(builder, builder.fmul(dmin, dx, flags=FAST), VW),
                                                          flags=FAST), flags=FAST)
                 out.append(acc)
         return out
 
-    zero = ir.Constant(V8F, [0.0] * 8)
+    zero = ir.Constant(VW, [0.0] * W)
     flat = _register_loop(builder, supers, [zero] * (len(tok) * NR), step)
     for k, dest in enumerate(d for per_t in dests for d in per_t):
-        builder.store(_reduce8(builder, flat[k]), dest, align=4)
+        builder.store(_reduce(builder, flat[k]), dest, align=4)
 
 
 def _make(NR: int, NT: int):
@@ -123,7 +126,7 @@ def _make(NR: int, NT: int):
                                      (signature.args[9], out_v), t0, col, NR, NT)
             xq = _byte_ptr(context, builder, signature.args[5], xq_v)
             xd = builder.bitcast(_byte_ptr(context, builder, signature.args[6], xd_v), F32.as_pointer())
-            bs = builder.bitcast(_byte_ptr(context, builder, signature.args[7], bs_v), I32.as_pointer())
+            bs = builder.bitcast(_byte_ptr(context, builder, signature.args[7], bs_v), I16.as_pointer())
             _per_format(context, builder, signature.args[0], fmt_v,
                         lambda m: _emit(builder, m, rows, row_step, (xq, xd, bs), hidden_v, tok, dests), SUPER_FORMATS)
             return context.get_dummy_value()

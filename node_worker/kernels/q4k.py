@@ -64,14 +64,13 @@ def _scales_and_mins(builder, packed):
 
 
 def int_scales(builder, base, quants):
-    """(d, dmin, [(q, sc <16 x i16>) for the 8 groups], m <16 x i32> per 16 values) of a Q4_K or Q5_K
+    """(d, dmin, [(q, sc <16 x i16>) for the 8 groups], m <16 x i16> per 16 values) of a Q4_K or Q5_K
     super-block at ``base``, its values given by quants(builder, base, j)."""
     both = _scales_and_mins(builder, builder.gep(base, [const(4)]))  # [16] u8: sc[0..8), m[0..8)
     wide = builder.zext(both, ir.VectorType(I16, 16))
     lanes = lambda idx: ir.Constant(ir.VectorType(I32, len(idx)), idx)  # noqa: E731
     groups = [(quants(builder, base, j), builder.shuffle_vector(wide, wide, lanes([j] * 16))) for j in range(GROUPS)]
-    m16 = builder.zext(builder.shuffle_vector(both, both, lanes([8 + k // 2 for k in range(16)])),
-                       ir.VectorType(I32, 16))
+    m16 = builder.shuffle_vector(wide, wide, lanes([8 + k // 2 for k in range(16)]))
     return half_at(builder, base), half_at(builder, builder.gep(base, [const(2)])), groups, m16, False
 
 

@@ -60,7 +60,7 @@ def group(builder, row, s, g: int):
 
 
 def isuper(builder, row, s):
-    """Super-block s for the integer loop (isuper.py): (d, d, [(q, sc <16 x i16>)], 32 sc <16 x i32>,
+    """Super-block s for the integer loop (isuper.py): (d, d, [(q, sc <16 x i16>)], 32 sc <16 x i16>,
     unsigned)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     scales = vec_load(builder, builder.gep(base, [const(192)]), ir.VectorType(I8, 16))  # [16] int8
@@ -68,6 +68,6 @@ def isuper(builder, row, s):
     groups = [(_unsigned(builder, base, g),
                builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(I32, 16), [2 * g] * 8 + [2 * g + 1] * 8)))
               for g in range(GROUPS)]
-    offsets = builder.shl(builder.sext(scales, ir.VectorType(I32, 16)), ir.Constant(ir.VectorType(I32, 16), [5] * 16))
+    offsets = builder.shl(wide, ir.Constant(ir.VectorType(I16, 16), [5] * 16))  # |32 sc| <= 4096
     d = half_at(builder, builder.gep(base, [const(208)]))
     return d, d, groups, offsets, False
