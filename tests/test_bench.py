@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
+import coordinator.cli.bench as bench
 from coordinator.cli.main import main
 from coordinator.cli.make_model import ModelTooLarge, bench_small, l3_bytes, make_model, parameter_count
 from coordinator.model.model_config import load_model_config
@@ -105,6 +107,29 @@ def test_a_preset_that_does_not_fit_is_refused_before_writing(tmp_path):
     with pytest.raises(ModelTooLarge, match="GiB"):
         make_model(out, preset="qwen3-30b-a3b")  # 48 layers: far beyond this machine
     assert not out.exists()
+
+
+def test_modes_that_would_not_fit_together_are_refused_after_the_first(tmp_path, monkeypatch, capsys):
+    """The first engine seems to take 4 GiB of 10 available: the other two would need 8 GiB of the 6 left, so
+    the bench stops with the numbers and a remedy instead of meeting the OOM killer, and closes what it opened."""
+    model = make_model(tmp_path / "m", seed=2)
+    readings = iter([10 * 2**30, 6 * 2**30])
+    monkeypatch.setattr(bench.psutil, "virtual_memory", lambda: SimpleNamespace(available=next(readings)))
+    opened, closed = [], []
+    real_open, real_close = bench.Engine.open, bench.Engine.close
+    monkeypatch.setattr(bench.Engine, "open", lambda *a, **k: opened.append(real_open(*a, **k)) or opened[-1])
+    monkeypatch.setattr(bench.Engine, "close", lambda self: closed.append(self) or real_close(self))
+    assert main(["bench", "--model", str(model), "--modes", "inproc,single,split", "--tokens", "4",
+                 "--prompt-tokens", "6", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "inproc took up to 4.0 GiB" in err and "single, split would need about 8.0 GiB" in err, err
+    assert "6.0 GiB available" in err and "--modes" in err
+    assert len(opened) == 1 and closed == opened
+
+
+def test_modes_that_fit_are_not_refused():
+    bench.check_room_for_modes(4 * 2**30, ["inproc"], ["single", "split"], 9 * 2**30)  # 8 GiB of 0.9 x 9: fits
+    bench.check_room_for_modes(40 * 2**30, ["inproc", "single"], [], 1)  # nothing left to open
 
 
 def test_parameter_count_of_real_geometry():

@@ -24,15 +24,34 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from ..config import EngineConfig
 from ..engine import Engine
+from ..errors import StrataError
 from ..quality import compare_logits
 from .make_model import l3_bytes
 
 log = logging.getLogger(__name__)
 
 MODES = ("inproc", "single", "split")
+HEADROOM = 0.9  # the modes still to open may take this share of the memory available
+
+
+class BenchNoRoom(StrataError):
+    """The modes' engines, all open at once, would not fit in the machine's memory."""
+
+
+def check_room_for_modes(took: int, opened: list[str], left: list[str], available: int) -> None:
+    """Refuse, before the kernel's OOM killer does, to open ``left`` when each is likely to take ``took`` bytes
+    (the most one opened engine took) and the machine has ``available`` bytes free (as MemAvailable)."""
+    need = took * len(left)
+    if left and need > HEADROOM * available:
+        raise BenchNoRoom(
+            f"bench: the modes are all open at once and {', '.join(opened)} took up to {took / 2**30:.1f} GiB each; "
+            f"{', '.join(left)} would need about {need / 2**30:.1f} GiB more but the machine has "
+            f"{available / 2**30:.1f} GiB available. Run fewer modes at once (--modes), store the experts smaller "
+            "(--expert-dtype), or bench a model with fewer layers")
 
 
 def mode_config(mode: str, nodes: int, spin_us: float = 0.0) -> EngineConfig:
@@ -81,9 +100,14 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
     membw_bytes = membw_bytes or 4 * l3_bytes()
     engines: dict[str, Engine] = {}
     try:
-        for mode in modes:
+        took = 0
+        for k, mode in enumerate(modes):
             config = dataclasses.replace(mode_config(mode, nodes, spin_us), **(device or {}))
+            before = psutil.virtual_memory().available
             engines[mode] = Engine.open(model_dir, config)
+            available = psutil.virtual_memory().available
+            took = max(took, before - available)  # the engine's heap, segments and workers
+            check_room_for_modes(took, list(engines), list(modes[k + 1:]), available)
         any_eng = next(iter(engines.values()))
         mcfg = any_eng.model_config
         rng = np.random.default_rng(seed)
