@@ -22,6 +22,7 @@ from shm.formats.iq4xs import KVALUES
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, byte_at, const, half_at, splat, super_block, vec_load
 
 SCALED = True
+OFFSETS = False  # levels and a scale, no offset
 GROUPS = 8  # 32-groups a loop step reads: one super-block
 BLOCK_BYTES = 136  # bytes of the row per loop step: the prefetch's stride
 HALF = LANES // 2

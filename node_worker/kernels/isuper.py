@@ -4,13 +4,17 @@ llama.cpp's form (ggml-quants' q4_K x q8_K): the activations are quantised per s
 quantize_rows_super: xq int8, one scale xd per 256, bs the int16 sums of every 16), and a format's ``isuper``
 gives a super-block of a row as integers, w = d sc q - dmin m: (d, dmin, [(q, sc) per group of 32], m,
 signed), q unsigned below 64 (or, signed, int8 levels: IQ4_XS, idot.pairs' sign trick), sc an integer per
-16 values as <16 x i16>, m an integer per 16 values as <16 x i16> (None, and dmin None: no offset). Then
-per row and token, with W = 16 lanes where the lowering has 512-bit registers (two groups a call), else 8
+16 values as <16 x i16>, m an integer per 16 values as <16 x i16> (None, and dmin None: no offset; the
+format's OFFSETS says which). Then per row and token, with W = 16 lanes where the lowering has 512-bit
+registers (two groups a call), else 8
 
-    acc <W x i32>   = sum over the 8 groups of scaled_add(pairs(q, xq), sc)       (idot.py: exact integers)
-    mins <8 x i32>  = scaled_add(0, bs, m): the pairs of m * bs added              (exact integers)
-    out <W x float> += float(acc) * (d xd) - float(mins) * (dmin xd)             once per super-block (mins
-                                                                                  in the first 8 lanes)
+    acc <W x i32>    = sum over the 8 groups of scaled_add(pairs(q, xq), sc)      (idot.py: exact integers)
+    mins <8 x i32>   = scaled_add(0, bs, m): the pairs of m * bs added             (exact integers)
+    out <16 x float> += float([acc, its halves added | mins]) * ([d | -dmin] * xd) once per super-block
+    (no offset: out <W x float> += float(acc) * (d * xd))
+
+[d | -dmin] is built once per row and super-block for the tokens, so a token's float work per super-block
+is one conversion, a multiply and an add on one vector.
 
 so the float work is a few operations per 256 products a token, where the float loop (simd.py's dot2r4)
 spends two FMAs on every 32 weights and token and widens every weight. One row by four or eight tokens at a
@@ -55,12 +59,23 @@ V8I = ir.VectorType(I32, 8)
 V16S = ir.VectorType(I16, 16)
 
 
-def _widened(builder, v8, lanes: int):
-    """<lanes x i32>: v8 <8 x i32> then zeros."""
-    if lanes == 8:
-        return v8
-    zero = ir.Constant(V8I, [0] * 8)
-    return builder.shuffle_vector(v8, zero, ir.Constant(ir.VectorType(I32, lanes), list(range(lanes))))
+def _halves_added(builder, v):
+    """<8 x i32>: v itself, or v[k] + v[k + 8] of a <16 x i32>."""
+    if v.type.count == 8:
+        return v
+    lo = builder.shuffle_vector(v, v, ir.Constant(V8I, list(range(8))))
+    hi = builder.shuffle_vector(v, v, ir.Constant(V8I, list(range(8, 16))))
+    return builder.add(lo, hi)
+
+
+def _row_scales(builder, d, dmin, lanes: int):
+    """<lanes x float>: d in every lane, or (lanes 16, an offset) d in the first 8 and -dmin in the next 8."""
+    if dmin is None:
+        return splat(builder, d, ir.VectorType(F32, lanes))
+    v8 = ir.VectorType(F32, 8)
+    neg = builder.fsub(ir.Constant(F32, 0.0), dmin, flags=FAST)
+    return builder.shuffle_vector(splat(builder, d, v8), splat(builder, neg, v8),
+                                  ir.Constant(ir.VectorType(I32, 16), list(range(16))))
 
 
 def _side_by_side(builder, groups):
@@ -78,9 +93,10 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
     supers = builder.udiv(hidden_v, const(SUPER))
 
     W = G // 4  # lanes of the integer sums
-    VW = ir.VectorType(F32, W)
+    A = 16 if fmt.OFFSETS else W  # lanes of the float sums: with offsets, [the integer sums | the offsets]
+    VA = ir.VectorType(F32, A)
 
-    def step(s, accs):  # accs [NT * NR] <W x float>, token-major
+    def step(s, accs):  # accs [NT * NR] <A x float>, token-major
         _prefetch_ahead(builder, fmt, rows, s, row_step)
         blocks = [fmt.isuper(builder, row, s) for row in rows]  # each row's super-block once for the tokens
         firsts = [builder.add(builder.mul(t, hidden_v), builder.mul(s, const(SUPER))) for t in tok]
@@ -92,24 +108,24 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
             ints = [idot.scaled_add(builder, ints[t * NR + r], idot.pairs(builder, groups[r][0], xvs[t], blocks[r][4]),
                                     groups[r][1])
                     for t in range(NT) for r in range(NR)]
+        scales = [_row_scales(builder, d, dmin, A) for d, dmin, *_ in blocks]  # per row, once for the tokens
         out = []
         for t in range(NT):
-            dx = builder.load(builder.gep(xd, [builder.add(builder.mul(tok[t], supers), s)]), align=4)
-            sums = builder.load(builder.bitcast(builder.gep(bs, [builder.mul(builder.add(
-                builder.mul(tok[t], supers), s), const(16))]), V16S.as_pointer()), align=2)  # its 16 sums of 16
-            for r, (d, dmin, _, mins, _) in enumerate(blocks):
-                acc = builder.fadd(accs[t * NR + r], builder.fmul(
-                    builder.sitofp(ints[t * NR + r], VW), splat(builder, builder.fmul(d, dx, flags=FAST), VW),
-                    flags=FAST), flags=FAST)
-                if mins is not None:
-                    offs = idot.scaled_add(builder, ir.Constant(V8I, [0] * 8), sums, mins)  # m * bs, pairs added
-                    offs = builder.sitofp(_widened(builder, offs, W), VW)
-                    acc = builder.fsub(acc, builder.fmul(offs, splat(builder, builder.fmul(dmin, dx, flags=FAST), VW),
-                                                         flags=FAST), flags=FAST)
-                out.append(acc)
+            at = builder.add(builder.mul(tok[t], supers), s)  # the token's super-block s
+            dx = splat(builder, builder.load(builder.gep(xd, [at]), align=4), VA)
+            sums = builder.load(builder.bitcast(builder.gep(bs, [builder.mul(at, const(16))]), V16S.as_pointer()),
+                                align=2) if fmt.OFFSETS else None  # its 16 sums of 16
+            for r, block in enumerate(blocks):
+                sums_int = ints[t * NR + r]
+                if fmt.OFFSETS:  # [the integer sums, halves added | m * bs, pairs added]
+                    offs = idot.scaled_add(builder, ir.Constant(V8I, [0] * 8), sums, block[3])
+                    sums_int = builder.shuffle_vector(_halves_added(builder, sums_int), offs,
+                                                      ir.Constant(ir.VectorType(I32, 16), list(range(16))))
+                out.append(builder.fadd(accs[t * NR + r], builder.fmul(
+                    builder.sitofp(sums_int, VA), builder.fmul(scales[r], dx, flags=FAST), flags=FAST), flags=FAST))
         return out
 
-    zero = ir.Constant(VW, [0.0] * W)
+    zero = ir.Constant(VA, [0.0] * A)
     flat = _register_loop(builder, supers, [zero] * (len(tok) * NR), step)
     for k, dest in enumerate(d for per_t in dests for d in per_t):
         builder.store(_reduce(builder, flat[k]), dest, align=4)

@@ -17,6 +17,7 @@ from llvmlite import ir
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, const, half_at, k_scale_min, splat, super_block, vec_load
 
 SCALED = True  # whole blocks only (no partial last block to read value by value)
+OFFSETS = True  # w = d sc q - dmin m: the integer loop adds the mins apart (isuper.py)
 GROUPS = 8  # 32-groups a loop step reads: one super-block
 BLOCK_BYTES = 144  # bytes of the row per loop step: the prefetch's stride
 V32 = ir.VectorType(I8, LANES)

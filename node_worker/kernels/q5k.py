@@ -15,6 +15,7 @@ from .ir import EXACT, LANES, VF, const, splat, super_block, vec_load
 from .q4k import V32, int_scales, nibbles, scale_and_offset
 
 SCALED = True
+OFFSETS = True  # w = d sc q - dmin m
 GROUPS = 8
 BLOCK_BYTES = 176
 

@@ -18,6 +18,7 @@ from .ir import EXACT, F32, I8, I16, I32, LANES, VF, const, half_at, super_block
 from .q4k import V32
 
 SCALED = True
+OFFSETS = True  # w = d sc q - d (32 sc): an offset per 16 values
 GROUPS = 8
 BLOCK_BYTES = 210
 
