@@ -223,11 +223,12 @@ def test_node_decode_with_integer_dots_equals_float64_on_the_quantised_activatio
     _assert_integer_path_taken(got, want)
 
 
-@pytest.mark.parametrize("per_expert", [3, 9], ids=["four-by-four", "eight-and-four"])
+@pytest.mark.parametrize("per_expert", [3, 5, 7, 9],
+                         ids=["padded-to-four", "four-and-one-alone", "padded-to-eight", "eight-and-one-alone"])
 @pytest.mark.parametrize("name", SUPER_FORMATS)
 def test_node_prefill_of_a_k_type_with_integer_dots_equals_float64(name, per_expert):
-    """Several tokens routed to each of two experts (prefill; padded to 4 and to 12: the loops by four and
-    by eight): within float32 rounding of float64 on the dequantised weights and the activations quantised
+    """Several tokens routed to each of two experts (prefill: 3 padded to 4, 5 as 4 and 1 alone, 7 padded to 8,
+    9 as 8 and 1 alone: the loops by four and by eight, and rows.tiled_tokens' leftover): within float32 rounding of float64 on the dequantised weights and the activations quantised
     per super-block, and away from the float-activation result (so the integer loop is the one taken)."""
     fmt = formats.get(name)
     rng = np.random.default_rng(7)

@@ -57,7 +57,7 @@ def matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out):
             quad_super(fmt, data, base, row_bytes, R, K, xq, xd, bs, out, 4 * q)
         return
     for r in prange(R):
-        row_tokens_int(fmt, data, base + r * row_bytes, row_bytes, K, xq, xd, bs, out, r)
+        row_tokens_int(fmt, data, base + r * row_bytes, row_bytes, K, xq, xd, bs, out, r, x.shape[0])
 
 
 @njit(parallel=True, **JIT)

@@ -172,10 +172,10 @@ def super_int(fmt, int_act) -> bool:
 
 
 @njit(inline="always", **JIT)
-def row_tokens_int(fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col) -> None:
-    """out[:, col] <- the quantised xq, xd, bs (quantize_rows_super of [n, H], n a multiple of 4) · the row at
-    byte offset o (rows row_bytes apart): eight tokens at a time, the last four by four (isuper.py)."""
-    n = xq.shape[0]
+def row_tokens_int(fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col, n) -> None:
+    """out[:n, col] <- the first n tokens (a multiple of 4) of the quantised xq, xd, bs (quantize_rows_super of
+    [>= n, H]) · the row at byte offset o (rows row_bytes apart): eight tokens at a time, the last four by four
+    (isuper.py)."""
     t0 = 0
     while t0 + 8 <= n:
         isuper.dot1r8s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
@@ -191,39 +191,62 @@ def quantised_super_if(use, x):
 
 
 @njit(inline="always", **JIT)
-def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised, out) -> None:
-    """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (n a multiple of 4): the integer loop on
-    ``quantised`` (quantised_super_if of xg) for a K type or IQ4_XS when int_act, else the float one."""
+def tiled_tokens(n):
+    """Of a group's n tokens, how many the integer loop's tiles (eight, then four) take, a multiple of 4: more
+    than n where padding with zero rows is the cheaper, n - 1 where the one left over is cheaper alone against
+    four rows at a time (quad_super). By n mod 8: 1 or 5, one alone; 2 or 3, padded to a four; 6 or 7, to an
+    eight. Measured with tools/kernel_bench.py --formats q4k --tokens 5, 6, 9, 10 (16 experts, 2 threads,
+    medians of three runs against padding to a multiple of 4, ms a layer): 8.3 / 11.9, 9.6 / 11.1 (padded to
+    eight either way), 13.3 / 20.5; with 10 tokens, 8 and two alone, 17.7 against 15.8 padded to 12."""
+    r = n % 8
+    if r == 1 or r == 5:
+        return n - 1
+    if r == 0 or r == 4:
+        return n
+    return n - r + (4 if r < 4 else 8)
+
+
+@njit(inline="always", **JIT)
+def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised, out, n) -> None:
+    """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (xg padded with zero rows to a multiple
+    of 4): the integer loop on ``quantised`` (quantised_super_if of xg) for a K type or IQ4_XS when int_act,
+    on the tiled_tokens(n) first tokens then the rest one by one; else the float one on every row of xg."""
     if super_int(fmt, int_act):
         xq, xd, bs = quantised
+        tiled = tiled_tokens(n)
         for r in range(rows):
-            row_tokens_int(fmt, data, o + r * row_bytes, row_bytes, hidden, xq, xd, bs, out, r)
+            row_tokens_int(fmt, data, o + r * row_bytes, row_bytes, hidden, xq, xd, bs, out, r, tiled)
+        for t in range(tiled, n):
+            for c in range(0, rows, 4):
+                quad_super(fmt, data, o, row_bytes, rows, hidden, xq[t:t + 1], xd[t:t + 1], bs[t:t + 1],
+                           out[t:t + 1], c)
     else:
         dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out)
 
 
 @njit(inline="always", **JIT)
-def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act) -> None:
-    """A group of n tokens, a multiple of 4 (xg [n, H], gathered): gate and up against the n tokens, then
-    W_down's H rows (R weights each) the same way against silu(gate) * up [n, R] into out [n, H]; a K type's
-    or IQ4_XS's rows in integers when int_act (matrix_tokens)."""
+def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act, n) -> None:
+    """A group of n tokens (xg [padded, H], gathered, zero rows past n to a multiple of 4): gate and up against
+    the tokens, then W_down's H rows (R weights each) the same way against silu(gate) * up [n, R] into out
+    [padded, H] (rows past n: not the group's); a K type's or IQ4_XS's rows in integers when int_act
+    (matrix_tokens)."""
     R, width, fmt_d, down_bytes = shape[0], shape[6], shape[5], shape[7]
-    n = xg.shape[0]
-    gate = np.empty((n, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
-    up = np.empty((n, R + 1), np.float32)
+    padded = xg.shape[0]
+    gate = np.zeros((padded, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
+    up = np.zeros((padded, R + 1), np.float32)
     xs = quantised_super_if(super_int(shape[1], int_act) or super_int(shape[3], int_act), xg)  # once for both
-    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, gate)
-    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, up)
-    h = np.zeros((n, width), np.float32)  # silu(gate) * up, per token and row (zeros past R)
+    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, gate, n)
+    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, up, n)
+    h = np.zeros((padded, width), np.float32)  # silu(gate) * up, per token and row (zeros past R and n)
     for j in range(n):
         for r in range(R):
             h[j, r] = silu(gate[j, r]) * up[j, r]
     hs = quantised_super_if(super_int(fmt_d, int_act), h)
     if hidden % 2 == 0:
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, out)
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, out, n)
     else:
-        wide = np.empty((n, hidden + 1), np.float32)  # the odd last row's repeat lands in the extra column
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, wide)
+        wide = np.empty((padded, hidden + 1), np.float32)  # the odd last row's repeat lands in the extra column
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, wide, n)
         out[:, :] = wide[:, :hidden]
 
 
@@ -235,13 +258,13 @@ def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, co
         n = t1 - t0
         out = contrib[contrib_start[g]:contrib_start[g] + n * hidden].reshape((n, hidden))
         og, ou, od = offsets[g, 0], offsets[g, 1], offsets[g, 2]
-        if n > 1:  # prefill's groups, padded with rows of zeros to a multiple of 4 tokens
-            padded = (n + 3) // 4 * 4
+        if n > 1:  # prefill's groups, padded with rows of zeros to a multiple of 4 tokens (8: tiled_tokens)
+            padded = max(tiled_tokens(n), (n + 3) // 4 * 4)
             xg = np.zeros((padded, hidden), np.float32)
             for j in range(n):
                 xg[j] = x[tokens[t0 + j]]
             yg = out if padded == n else np.empty((padded, hidden), np.float32)
-            task_tokens(data, hidden, xg, og, ou, od, shapes[g], yg, int_act)
+            task_tokens(data, hidden, xg, og, ou, od, shapes[g], yg, int_act, n)
             if padded != n:
                 out[:, :] = yg[:n]
             continue
