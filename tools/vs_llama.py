@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,8 @@ def strata_bench(checkout: Path, model: str, prompt: int, tokens: int, extra: li
         subprocess.run([sys.executable, "-m", "coordinator", "bench", "--model", model, "--modes", "inproc",
                         "--rounds", "1", "--tokens", str(tokens), "--prompt-tokens", str(prompt), "--device", "cpu",
                         "--quality-positions", "0", "--json", str(report), *extra],
-                       cwd=checkout, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       cwd=checkout, env={**os.environ, "PYTHONPATH": str(checkout)},  # its code, not the venv's
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         mode = json.loads(report.read_text())["modes"]["inproc"]
     return {"decode": mode["decode_tokens_per_s"]["median"], "prefill": mode["prefill_tokens_per_s"]["median"]}
 
