@@ -127,6 +127,34 @@ def test_modes_that_would_not_fit_together_are_refused_after_the_first(tmp_path,
     assert len(opened) == 1 and closed == opened
 
 
+def test_the_other_modes_are_closed_before_the_f32_reference_opens(tmp_path, monkeypatch):
+    """--quality-positions opens one more engine (f32 experts and dense matrices: the largest): by then the
+    modes after the first are measured and closed, so only the compared engine is open beside it."""
+    model = make_model(tmp_path / "m", seed=4)
+    live, seen = [], []
+    real_open, real_close = bench.Engine.open, bench.Engine.close
+
+    def opening(model_dir, config=None, *args, **kwargs):
+        if config is not None and config.activations == "f32" and config.expert_dtype == "f32":
+            seen.append(len(live))  # engines open as the reference opens
+        eng = real_open(model_dir, config, *args, **kwargs)
+        live.append(eng)
+        return eng
+
+    def closing(self):
+        live.remove(self)
+        real_close(self)
+
+    monkeypatch.setattr(bench.Engine, "open", opening)
+    monkeypatch.setattr(bench.Engine, "close", closing)
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(model), "--modes", "inproc,single", "--tokens", "2", "--prompt-tokens",
+                 "4", "--rounds", "1", "--device", "cpu", "--quality-positions", "4", "--json", str(out)]) == 0
+    assert seen == [1] and live == []
+    report = json.loads(out.read_text())
+    assert set(report["modes"]) == {"inproc", "single"} and report["quality"]["positions"] == 4
+
+
 def test_modes_that_fit_are_not_refused():
     bench.check_room_for_modes(4 * 2**30, ["inproc"], ["single", "split"], 9 * 2**30)  # 8 GiB of 0.9 x 9: fits
     bench.check_room_for_modes(40 * 2**30, ["inproc", "single"], [], 1)  # nothing left to open

@@ -173,6 +173,8 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 "balance": node_balance(res["timings"], pool.plan),
             }
         if quality_positions:
+            for mode in list(engines)[1:]:  # measured: their memory goes to the f32 reference engine
+                engines.pop(mode).close()
             report["quality"] = measure_quality(model_dir, any_eng, quality_positions, seed, device or {})
         base = report["modes"].get("inproc", {}).get("decode_tokens_per_s", {}).get("median")
         for mode, m in report["modes"].items():
