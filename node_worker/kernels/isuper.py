@@ -14,11 +14,8 @@ registers (two groups a call), else 8
     (no offset: out <W x float> += float(acc) * (d * xd))
 
 [d | -dmin] is built once per row and super-block for the tokens, so a token's float work per super-block
-is one conversion, a multiply and an add on one vector.
-
-so the float work is a few operations per 256 products a token, where the float loop (simd.py's dot2r4)
-spends two FMAs on every 32 weights and token and widens every weight. One row by four or eight tokens at a
-time: each super-block's integers read once for the tokens. (Two rows by four, as dot2r4, kept more vectors
+is one conversion, a multiply and an add on one vector, where the float loop (simd.py's dot2r4) spends two
+FMAs on every 32 weights and token and widens every weight. One row by four or eight tokens at a time: each super-block's integers read once for the tokens. (Two rows by four, as dot2r4, kept more vectors
 live than the registers hold; measured on this machine with q4k and q6k, 8 tokens, 16 experts of
 768 x 2048, 2 threads, GFLOP/s median of 15 calls: float 38 / 30, two rows by four 49 / 44, one by four
 50 / 46, one by eight 55 / 57.)
