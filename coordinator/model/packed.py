@@ -22,10 +22,12 @@ from types import ModuleType
 import numpy as np
 
 from node_worker.kernels import dense
-from node_worker.kernels.isimd import INT_FORMATS
+from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
 from node_worker.kernels.rows import FORMAT_IDS, SUPER_IDS
 from shm import formats
 from shm.formats.encode import encode_into
+
+BLOCK_IDS = tuple(FORMAT_IDS[name] for name in BLOCK_FORMATS)  # q8, q4: iblock.py's prefill loop
 
 FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles of TILE rows and BLAS
 # a K type's or IQ4_XS's integer loop (isuper.py) below this many rows of x, BLAS on decoded tiles from it on.
@@ -76,7 +78,8 @@ class PackedMatrix:
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         T = x2.shape[0]
-        if T < INT_TOKENS and self.int_act and self.fmt_id in SUPER_IDS:  # the integer loop, T 1 or padded to 4
+        if T < INT_TOKENS and self.int_act and (self.fmt_id in SUPER_IDS or (T > 1 and self.fmt_id in BLOCK_IDS)):
+            # the integer loops (isuper.py, iblock.py), T 1 or padded to 4; q8's and q4's one token: matmul_rows
             padded = x2
             if T > 1:  # a row by eight or four tokens
                 padded = np.zeros((-(-T // 4) * 4, K), np.float32)

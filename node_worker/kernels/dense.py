@@ -12,7 +12,8 @@ rows split over numba's threads.
     matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out)
                                                             the same for a K type or IQ4_XS (rows.SUPER_IDS), T = 1
                                                             (four rows at a time) or a multiple of 4 (a row by eight
-                                                            tokens), on x quantised per super-block
+                                                            tokens), on x quantised per super-block; or for q8 or q4,
+                                                            T a multiple of 4, per block (iblock.py)
     decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
     decode_rows_serial(...)                                  the same on the calling thread alone (for
                                                              callers that run on threads of their own)
@@ -24,8 +25,8 @@ import numpy as np
 from numba import njit, prange
 
 from .common import JIT
-from .activations import quantize_rows_super
-from .rows import block_int, dot4, quad_super, quantised_if, row_decode, row_tokens_int
+from .activations import quantize_rows_biased, quantize_rows_super
+from .rows import block_int, dot4, quad_super, quantised_if, row_decode, row_tokens_block, row_tokens_int
 
 
 @njit(parallel=True, **JIT)
@@ -51,6 +52,11 @@ def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
 
 @njit(parallel=True, **JIT)
 def matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out):
+    if block_int(fmt, True):  # q8 or q4: a row by eight tokens, on x quantised per block
+        xu, xd8 = quantize_rows_biased(x)
+        for r in prange(R):
+            row_tokens_block(fmt, data, base + r * row_bytes, row_bytes, K, xu, xd8, out, r, x.shape[0])
+        return
     xq, xd, bs = quantize_rows_super(x)  # [T, K] once for every row
     if x.shape[0] == 1:  # decode
         for q in prange((R + 3) // 4):

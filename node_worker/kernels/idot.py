@@ -162,3 +162,20 @@ def scaled_add(builder, acc, p, sc, lowering: str | None = None):
     wide = ir.VectorType(I32, 2 * lanes)
     products = builder.mul(builder.sext(p, wide), builder.sext(sc, wide))
     return builder.add(acc, _strided_pairs(builder, products, lanes))
+
+
+def biased(builder, acc, u, s, lowering: str | None = None):
+    """<n/4 x i32>: acc[k] + the sum over i < 4 of u[4k + i] s[4k + i], u <n x i8> unsigned (0..255), s signed
+    (n = 32, or 64 on vnni512): vpdpbusd, which adds the four products in int32 without saturating. On avx2
+    (vpmaddubsw's int16 pairs) only for |s| <= 63, where a pair stays under 2 x 255 x 63 = 32130."""
+    how = lowering or host_lowering()
+    lanes = acc.type.count
+    if how in ("vnni", "vnni512") and (lanes == 8 or how == "vnni512"):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [acc.type] * 3),
+                                            f"llvm.x86.avx512.vpdpbusd.{32 * lanes}")
+        return builder.call(fn, [acc, builder.bitcast(u, acc.type), builder.bitcast(s, acc.type)])
+    if how == "avx2" and lanes == 8:
+        return scaled_add(builder, acc, pairs(builder, u, s, False, how), ir.Constant(VI16, [1] * (LANES // 2)), how)
+    wide = ir.VectorType(I32, 4 * lanes)
+    products = builder.mul(builder.zext(u, wide), builder.sext(s, wide))
+    return builder.add(acc, _strided_pairs(builder, _strided_pairs(builder, products, 2 * lanes), lanes))

@@ -14,6 +14,7 @@ from llvmlite import ir
 from .ir import I8, LANES, VF, const, half_scale, vec_load
 
 SCALED = True
+SPAN = 128  # the largest |value| a block can hold (a file's int8: -128; ours stay within 127)
 BLOCK_BYTES = 34  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
 
 
@@ -27,3 +28,11 @@ def igroup(builder, row, b, j, hidden):
     here the int8 values themselves, signed, scaled by d[b], no offset."""
     q = vec_load(builder, builder.gep(row, [builder.mul(b, const(LANES))]), ir.VectorType(I8, LANES))
     return q, True, half_scale(builder, row, hidden, b), None
+
+
+def iblocks(builder, row, i, hidden, n: int):
+    """The n / 32 blocks from block i n / 32 for prefill's integer loop (iblock.py): (<n x i8> their values,
+    signed; [the blocks' scales d as float32])."""
+    q = vec_load(builder, builder.gep(row, [builder.mul(i, const(n))]), ir.VectorType(I8, n))
+    first = builder.mul(i, const(n // LANES))
+    return q, [half_scale(builder, row, hidden, builder.add(first, const(k))) for k in range(n // LANES)]

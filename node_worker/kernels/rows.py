@@ -29,8 +29,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import isimd, isuper, simd
-from .activations import quantize_rows, quantize_rows_super
+from . import iblock, isimd, isuper, simd
+from .activations import quantize_rows, quantize_rows_biased, quantize_rows_super
 from .common import JIT
 
 FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7
@@ -98,7 +98,8 @@ def quantised_if(use_int, x):
 
 @njit(inline="always", **JIT)
 def block_int(fmt, int_act) -> bool:
-    """Decode's per-32 integer loop for this format (Q8_0 or Q4_0, EngineConfig.activations q8)."""
+    """The per-32 integer loops for this format (Q8_0 or Q4_0, EngineConfig.activations q8): decode's
+    (isimd.py) and prefill's (iblock.py)."""
     return int_act and INT_FROM <= fmt < SUPER_FROM
 
 
@@ -185,6 +186,24 @@ def row_tokens_int(fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col, n) -> 
 
 
 @njit(inline="always", **JIT)
+def row_tokens_block(fmt, data, o, row_bytes, hidden, xu, xd8, out, col, n) -> None:
+    """out[:n, col] <- the first n tokens (a multiple of 4) of xu, xd8 (quantize_rows_biased of [>= n, H]) . the
+    q8 or q4 row at byte offset o: eight tokens at a time, the last four by four (iblock.py)."""
+    t0 = 0
+    while t0 + 8 <= n:
+        iblock.dot1r8b(fmt, data, o, row_bytes, hidden, xu, xd8, t0, out, col)
+        t0 += 8
+    if t0 < n:
+        iblock.dot1r4b(fmt, data, o, row_bytes, hidden, xu, xd8, t0, out, col)
+
+
+@njit(inline="always", **JIT)
+def quantised_block_if(use, x):
+    """x [n, K] quantised per block for iblock.py (quantize_rows_biased) when use, else the same arrays empty."""
+    return quantize_rows_biased(x[:, :x.shape[1] if use else 0])
+
+
+@njit(inline="always", **JIT)
 def quantised_super_if(use, x):
     """x [n, K] quantised per super-block (quantize_rows_super) when use, else the same three arrays empty."""
     return quantize_rows_super(x[:, :x.shape[1] if use else 0])
@@ -207,11 +226,16 @@ def tiled_tokens(n):
 
 
 @njit(inline="always", **JIT)
-def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised, out, n) -> None:
+def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised, blocks, out, n) -> None:
     """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (xg padded with zero rows to a multiple
     of 4): the integer loop on ``quantised`` (quantised_super_if of xg) for a K type or IQ4_XS when int_act,
-    on the tiled_tokens(n) first tokens then the rest one by one; else the float one on every row of xg."""
-    if super_int(fmt, int_act):
+    on the tiled_tokens(n) first tokens then the rest one by one; on ``blocks`` (quantised_block_if of xg)
+    for q8 or q4, every token to a multiple of 4; else the float one on every row of xg."""
+    if block_int(fmt, int_act):
+        xu, xd8 = blocks
+        for r in range(rows):
+            row_tokens_block(fmt, data, o + r * row_bytes, row_bytes, hidden, xu, xd8, out, r, (n + 3) // 4 * 4)
+    elif super_int(fmt, int_act):
         xq, xd, bs = quantised
         tiled = tiled_tokens(n)
         for r in range(rows):
@@ -235,18 +259,20 @@ def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act, n) -> None:
     gate = np.zeros((padded, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
     up = np.zeros((padded, R + 1), np.float32)
     xs = quantised_super_if(super_int(shape[1], int_act) or super_int(shape[3], int_act), xg)  # once for both
-    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, gate, n)
-    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, up, n)
+    xb = quantised_block_if(block_int(shape[1], int_act) or block_int(shape[3], int_act), xg)
+    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, xb, gate, n)
+    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, xb, up, n)
     h = np.zeros((padded, width), np.float32)  # silu(gate) * up, per token and row (zeros past R and n)
     for j in range(n):
         for r in range(R):
             h[j, r] = silu(gate[j, r]) * up[j, r]
     hs = quantised_super_if(super_int(fmt_d, int_act), h)
+    hb = quantised_block_if(block_int(fmt_d, int_act), h)
     if hidden % 2 == 0:
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, out, n)
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, out, n)
     else:
         wide = np.empty((padded, hidden + 1), np.float32)  # the odd last row's repeat lands in the extra column
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, wide, n)
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, wide, n)
         out[:, :] = wide[:, :hidden]
 
 

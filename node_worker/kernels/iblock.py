@@ -1,0 +1,139 @@
+"""Prefill's integer loop for the formats in blocks of 32 with a float scale each (Q8_0 and Q4_0: q8, q4).
+
+The tokens come quantised per block of 32 (activations.py's quantize_rows_biased), as decode's (isimd.py),
+in the form this loop reads without further work per row:
+
+    xu  [n, K]      uint8    q + 128, q the int8 activation in [-127, 127]
+    xd8 [n, K / 4]  float32  each block's scale d, eight times (one per lane of the block's integer sums)
+
+and a row's blocks come as signed integers s (q8: its int8 values; q4: its nibbles - 8) with their float16
+scales d_w (the format's ``iblocks``). Per row, token and G weights (G = 64, two blocks, where the lowering
+has 512-bit registers, else 32), with W = G / 4 lanes:
+
+    init <W x i32>   = -(128 s, four by four)         per row, once for the tokens (the bias's 128 sum s)
+    ints <W x i32>   = vpdpbusd(init, xu, s)           exactly q . s four by four: (q + 128) s - 128 s
+    acc <W x float> += float(ints) * (d_w, eight times per block, * xd8)
+
+and the row's dot product is the sum of acc's lanes. vpdpbusd multiplies unsigned bytes by signed ones, so
+the bias puts the activations' sign into the product without the sign trick's two operations per row and
+token (isimd.py, idot.dot); the row's correction is the accumulator's starting value, free. AVX2's
+vpmaddubsw would saturate on q8's (q + 128) s pairs: there q8 takes the sign trick on q itself (idot.dot),
+q4 (|s| <= 8) the same biased form. Per row and token that is a multiply-add in integers, a conversion, a
+multiply and an add per G weights, where the float loop (simd.py's dot2r4) widens every weight and spends
+two FMAs per 32 weights and token. Measured on this machine with tools/kernel_bench.py (--formats q8 --tokens
+8 --experts 16, 2 threads): 34 GFLOP/s with the float loop (the module docstring of rows.py gives the
+comparison after this loop).
+
+    dot1r8b(fmt, data, o, row_step, hidden, xu, xd8, t0, out, col)     (and dot1r4b: t < 4)
+        out[t0 + t, col] = x'[t0 + t] . the row at byte o, t < 8, x' = xd (.) q the quantised activations;
+        fmt a BLOCK_FORMATS format's FORMATS index; row_step the bytes to the next row (prefetched ahead)
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import idot
+from .ir import F32, I8, I32, LANES, const
+from .isimd import BLOCK_FORMATS, _reduce
+from .simd import FAST, _byte_ptr, _per_format, _prefetch_ahead, _register_loop, _tile
+
+SAFE_ON_AVX2 = 63  # |s| up to this: vpmaddubsw's pairs of (q + 128) s stay below 2^15 (idot.biased)
+
+
+def _lane_scales(builder, scales, W: int):
+    """<W x float>: each block's scale in its W / len(scales) lanes."""
+    k = len(scales)
+    vec = ir.Constant(ir.VectorType(F32, k), ir.Undefined)
+    for j, d in enumerate(scales):
+        vec = builder.insert_element(vec, d, ir.Constant(I32, j))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(I32, W), [j for j in range(k)
+                                                                               for _ in range(W // k)]))
+
+
+def _block_sums(builder, fmt, how, init, u, s):
+    """<W x i32>: q . s four by four, q = u - 128 (module docstring)."""
+    if how == "avx2" and fmt.SPAN > SAFE_ON_AVX2:  # q8 on avx2: the sign trick on q itself
+        n = u.type.count
+        q = builder.xor(u, ir.Constant(ir.VectorType(I8, n), [-128] * n))
+        return idot.dot(builder, s, q, True, how)
+    return idot.biased(builder, init, u, s, how)
+
+
+def _accumulate(builder, fmt, how, rows, x, hidden_v, tok, i, G, accs):
+    """accs [NT * NR] <G / 4 x float> (token-major) plus the G weights from weight G i of each row."""
+    xu, xd8 = x
+    W = G // 4
+    VW, VI = ir.VectorType(F32, W), ir.VectorType(I32, W)
+    bias = ir.Constant(ir.VectorType(I8, G), [-128] * G)  # 128 as the unsigned operand
+    rowwise = []
+    for row in rows:  # each row's blocks once for the tokens
+        s, scales = fmt.iblocks(builder, row, i, hidden_v, G)
+        init = builder.sub(ir.Constant(VI, [0] * W), idot.biased(builder, ir.Constant(VI, [0] * W), bias, s, how))
+        rowwise.append((s, _lane_scales(builder, scales, W), init))
+    out = []
+    for t, token in enumerate(tok):
+        first = builder.add(builder.mul(token, hidden_v), builder.mul(i, const(G)))
+        u = builder.load(builder.bitcast(builder.gep(xu, [first]), ir.VectorType(I8, G).as_pointer()), align=1)
+        at = builder.add(builder.mul(token, builder.udiv(hidden_v, const(4))), builder.mul(i, const(W)))
+        dx = builder.load(builder.bitcast(builder.gep(xd8, [at]), VW.as_pointer()), align=4)
+        for r, (s, dw, init) in enumerate(rowwise):
+            ints = _block_sums(builder, fmt, how, init, u, s)
+            acc = accs[t * len(rows) + r]
+            out.append(builder.fadd(acc, builder.fmul(builder.sitofp(ints, VW), builder.fmul(dw, dx, flags=FAST),
+                                                      flags=FAST), flags=FAST))
+    return out
+
+
+def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
+    how = idot.host_lowering()
+    G = idot.group_bytes(how)
+    n = len(tok) * len(rows)
+
+    def step(i, accs):
+        for k in range(G // LANES):  # each block's share of the row PREFETCH_ROWS rows on
+            _prefetch_ahead(builder, fmt, rows, builder.add(builder.mul(i, const(G // LANES)), const(k)), row_step)
+        return _accumulate(builder, fmt, how, rows, x, hidden_v, tok, i, G, accs)
+
+    zero = ir.Constant(ir.VectorType(F32, G // 4), [0.0] * (G // 4))
+    flat = _register_loop(builder, builder.udiv(hidden_v, const(G)), [zero] * n, step)
+    totals = [_reduce(builder, v) for v in flat]
+    if G > LANES:  # hidden an odd number of blocks: the last one by itself, on 32 weights
+        last = builder.udiv(hidden_v, const(LANES))
+        odd = builder.icmp_unsigned("!=", builder.urem(last, const(2)), const(0))
+        slots = [cgutils.alloca_once_value(builder, total) for total in totals]
+        with builder.if_then(odd):
+            zero8 = ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)
+            tail = _accumulate(builder, fmt, how, rows, x, hidden_v, tok, builder.sub(last, const(1)), LANES,
+                               [zero8] * n)
+            for slot, total, extra in zip(slots, totals, tail):
+                builder.store(builder.fadd(total, _reduce(builder, extra), flags=FAST), slot)
+        totals = [builder.load(slot) for slot in slots]
+    for total, dest in zip(totals, (d for per_t in dests for d in per_t)):
+        builder.store(total, dest, align=4)
+
+
+def _make(NR: int, NT: int):
+    @intrinsic
+    def dotk(typingctx, fmt, data, o, row_step, hidden, xu, xd8, t0, out, col):
+        sig = types.void(fmt, data, o, row_step, hidden, xu, xd8, t0, out, col)
+
+        def codegen(context, builder, signature, args):
+            fmt_v, data_v, o, row_step, hidden_v, xu_v, xd8_v, t0, out_v, col = args
+            rows, tok, dests = _tile(context, builder, (signature.args[1], data_v), o, row_step,
+                                     (signature.args[8], out_v), t0, col, NR, NT)
+            xu = _byte_ptr(context, builder, signature.args[5], xu_v)
+            xd8 = builder.bitcast(_byte_ptr(context, builder, signature.args[6], xd8_v), F32.as_pointer())
+            _per_format(context, builder, signature.args[0], fmt_v,
+                        lambda m: _emit(builder, m, rows, row_step, (xu, xd8), hidden_v, tok, dests), BLOCK_FORMATS)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dotk
+
+
+dot1r4b, dot1r8b = _make(1, 4), _make(1, 8)
