@@ -88,6 +88,13 @@ def joined(builder, a, b):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, 2 * n), list(range(2 * n))))
 
 
+def side_by_side(builder, groups, width: int):
+    """[(q, sc)] of groups of 32 as groups of ``width`` weights (group_bytes: 32, or 64 joined two by two)."""
+    if width == LANES:
+        return groups
+    return [(joined(builder, q0, q1), joined(builder, sc0, sc1)) for (q0, sc0), (q1, sc1) in zip(groups[::2], groups[1::2])]
+
+
 def unsigned_and_signed(builder, q, x, signed: bool):
     """(a, b) with a unsigned and a_i * b_i == q_i * x_i: q and x themselves when q is unsigned."""
     if not signed:

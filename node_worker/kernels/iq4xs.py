@@ -19,6 +19,7 @@ from numba.core import cgutils
 
 from shm.formats.iq4xs import KVALUES
 
+from . import idot
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, byte_at, const, half_at, splat, super_block, vec_load
 
 SCALED = True
@@ -84,12 +85,12 @@ def group(builder, row, s, j: int):
     return builder.fmul(builder.sitofp(levels(builder, index), VF), splat(builder, dl), flags=EXACT)
 
 
-def isuper(builder, row, s):
-    """Super-block s for the integer loop (isuper.py): (d, no offset, [(levels, ls - 32 as <16 x i16>)],
-    signed levels)."""
+def isuper(builder, row, s, width: int = LANES):
+    """Super-block s for the integer loop (isuper.py): (d, no offset, [(levels, ls - 32 as <16 x i16>)] in
+    groups of ``width`` weights, signed levels)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     groups = []
     for j in range(GROUPS):
         scale, index = _int_scale_and_indices(builder, base, j)
         groups.append((levels(builder, index), splat(builder, builder.trunc(scale, I16), ir.VectorType(I16, HALF))))
-    return half_at(builder, base), None, groups, None, True
+    return half_at(builder, base), None, idot.side_by_side(builder, groups, width), None, True

@@ -2,10 +2,11 @@
 
 llama.cpp's form (ggml-quants' q4_K x q8_K): the activations are quantised per super-block (activations.py's
 quantize_rows_super: xq int8, one scale xd per 256, bs the int16 sums of every 16), and a format's ``isuper``
-gives a super-block of a row as integers, w = d sc q - dmin m: (d, dmin, [(q, sc) per group of 32], m,
-signed), q unsigned below 64 (or, signed, int8 levels: IQ4_XS, idot.pairs' sign trick), sc an integer per
-16 values as <16 x i16>, m an integer per 16 values as <16 x i16> (None, and dmin None: no offset; the
-format's OFFSETS says which). Then per row and token, with W = 16 lanes where the lowering has 512-bit
+gives a super-block of a row as integers, w = d sc q - dmin m: (d, dmin, [(q, sc) per group of G weights],
+m, signed), G = idot.group_bytes() (32, or 64 where the lowering has 512-bit registers: q4k and q6k read two
+groups at once, the others join two of 32), q unsigned below 64 (or, signed, int8 levels: IQ4_XS, idot.pairs'
+sign trick), sc an integer per 16 values as <G / 2 x i16>, m an integer per 16 values as <16 x i16> (None,
+and dmin None: no offset; the format's OFFSETS says which). Then per row and token, with W = 16 lanes where the lowering has 512-bit
 registers (two groups a call), else 8
 
     acc <W x i32>    = sum over the 8 groups of scaled_add(pairs(q, xq), sc)      (idot.py: exact integers)
@@ -75,14 +76,6 @@ def _row_scales(builder, d, dmin, lanes: int):
                                   ir.Constant(ir.VectorType(I32, 16), list(range(16))))
 
 
-def _side_by_side(builder, groups):
-    """One (q, sc) of the groups given (one, or two on a 512-bit lowering: idot.joined)."""
-    if len(groups) == 1:
-        return groups[0]
-    (q0, sc0), (q1, sc1) = groups
-    return idot.joined(builder, q0, q1), idot.joined(builder, sc0, sc1)
-
-
 def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
     xq, xd, bs = x
     NR, NT = len(rows), len(tok)
@@ -95,13 +88,13 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
 
     def step(s, accs):  # accs [NT * NR] <A x float>, token-major
         _prefetch_ahead(builder, fmt, rows, s, row_step)
-        blocks = [fmt.isuper(builder, row, s) for row in rows]  # each row's super-block once for the tokens
+        blocks = [fmt.isuper(builder, row, s, G) for row in rows]  # each row's super-block once for the tokens
         firsts = [builder.add(builder.mul(t, hidden_v), builder.mul(s, const(SUPER))) for t in tok]
         ints = [ir.Constant(ir.VectorType(I32, W), [0] * W)] * (NT * NR)  # token-major, as accs
-        for j in range(0, len(blocks[0][2]), G // LANES):  # group by group: only its integers live
-            xvs = [builder.load(builder.bitcast(builder.gep(xq, [builder.add(first, const(LANES * j))]),
+        for j in range(len(blocks[0][2])):  # group by group (of G weights): only its integers live
+            xvs = [builder.load(builder.bitcast(builder.gep(xq, [builder.add(first, const(G * j))]),
                                                 ir.VectorType(I8, G).as_pointer()), align=1) for first in firsts]
-            groups = [_side_by_side(builder, b[2][j:j + G // LANES]) for b in blocks]  # per row: (q, sc)
+            groups = [b[2][j] for b in blocks]  # per row: (q, sc)
             ints = [idot.scaled_add(builder, ints[t * NR + r], idot.pairs(builder, groups[r][0], xvs[t], blocks[r][4]),
                                     groups[r][1])
                     for t in range(NT) for r in range(NR)]

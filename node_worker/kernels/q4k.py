@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from . import idot
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, const, half_at, k_scale_min, splat, super_block, vec_load
 
 SCALED = True  # whole blocks only (no partial last block to read value by value)
@@ -21,6 +22,7 @@ OFFSETS = True  # w = d sc q - dmin m: the integer loop adds the mins apart (isu
 GROUPS = 8  # 32-groups a loop step reads: one super-block
 BLOCK_BYTES = 144  # bytes of the row per loop step: the prefetch's stride
 V32 = ir.VectorType(I8, LANES)
+V64 = ir.VectorType(I8, 2 * LANES)
 
 
 def nibbles(builder, run, j: int):
@@ -64,21 +66,50 @@ def _scales_and_mins(builder, packed):
     return builder.bitcast(words, ir.VectorType(I8, 16))
 
 
-def int_scales(builder, base, quants):
-    """(d, dmin, [(q, sc <16 x i16>) for the 8 groups], m <16 x i16> per 16 values) of a Q4_K or Q5_K
-    super-block at ``base``, its values given by quants(builder, base, j)."""
+def int_scales(builder, base, quants, width: int = LANES, pair_quants=None):
+    """(d, dmin, [(q, sc) for each group of ``width`` weights], m <16 x i16> per 16 values) of a Q4_K or Q5_K
+    super-block at ``base``: q <width x i8>, sc <width / 2 x i16>; its values given by quants(builder, base, j)
+    for group j of 32, or, where width is 64, pair_quants(builder, base, j) for groups j and j + 1 at once
+    (else two groups of 32 joined)."""
     both = _scales_and_mins(builder, builder.gep(base, [const(4)]))  # [16] u8: sc[0..8), m[0..8)
     wide = builder.zext(both, ir.VectorType(I16, 16))
     lanes = lambda idx: ir.Constant(ir.VectorType(I32, len(idx)), idx)  # noqa: E731
-    groups = [(quants(builder, base, j), builder.shuffle_vector(wide, wide, lanes([j] * 16))) for j in range(GROUPS)]
     m16 = builder.shuffle_vector(wide, wide, lanes([8 + k // 2 for k in range(16)]))
+    if width == 2 * LANES and pair_quants is not None:
+        groups = [(pair_quants(builder, base, j), builder.shuffle_vector(wide, wide, lanes([j] * 16 + [j + 1] * 16)))
+                  for j in range(0, GROUPS, 2)]
+    else:
+        groups = idot.side_by_side(builder, [(quants(builder, base, j), builder.shuffle_vector(wide, wide, lanes([j] * 16)))
+                                             for j in range(GROUPS)], width)
     return half_at(builder, base), half_at(builder, builder.gep(base, [const(2)])), groups, m16, False
+
+
+def both_nibbles(builder, run):
+    """<64 x i8>: the 32 bytes at ``run`` as their low nibbles, then their high ones (two groups of 32 that
+    share a run: one load, one shift of each half by its own count, one mask)."""
+    values = vec_load(builder, run, V32)
+    twice = builder.shuffle_vector(values, values, ir.Constant(ir.VectorType(I32, 2 * LANES), list(range(LANES)) * 2))
+    return builder.and_(shift_halves(builder, twice, 0, 4), ir.Constant(V64, [15] * 2 * LANES))
+
+
+def shift_halves(builder, v, low: int, high: int):
+    """<64 x i8> v with its first 32 bytes shifted right by ``low`` bits and the next 32 by ``high``, as 16-bit
+    lanes (one vpsrlvw): each byte's own bits from ``low`` or ``high`` on stay in its lowest bits, with higher
+    bits from the next byte, which the caller masks off."""
+    v16 = ir.VectorType(I16, LANES)
+    counts = ir.Constant(v16, [low] * (LANES // 2) + [high] * (LANES // 2))
+    return builder.bitcast(builder.lshr(builder.bitcast(v, v16), counts), V64)
 
 
 def _quants(builder, base, j: int):
     return nibbles(builder, builder.gep(base, [const(16 + 32 * (j // 2))]), j)
 
 
-def isuper(builder, row, s):
-    """Super-block s for the integer loop (isuper.py): int_scales."""
-    return int_scales(builder, super_block(builder, row, s, BLOCK_BYTES), _quants)
+def _pair_quants(builder, base, j: int):
+    """Groups j and j + 1 (j even): the low and the high nibbles of one run."""
+    return both_nibbles(builder, builder.gep(base, [const(16 + 32 * (j // 2))]))
+
+
+def isuper(builder, row, s, width: int = LANES):
+    """Super-block s for the integer loop (isuper.py): int_scales, in groups of ``width`` weights."""
+    return int_scales(builder, super_block(builder, row, s, BLOCK_BYTES), _quants, width, _pair_quants)

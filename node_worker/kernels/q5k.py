@@ -36,6 +36,7 @@ def _quants(builder, base, j: int):
     return builder.or_(low, high)
 
 
-def isuper(builder, row, s):
-    """Super-block s for the integer loop (isuper.py): q4k.int_scales with the 5-bit values."""
-    return int_scales(builder, super_block(builder, row, s, BLOCK_BYTES), _quants)
+def isuper(builder, row, s, width: int = LANES):
+    """Super-block s for the integer loop (isuper.py): q4k.int_scales with the 5-bit values, in groups of
+    ``width`` weights."""
+    return int_scales(builder, super_block(builder, row, s, BLOCK_BYTES), _quants, width)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, const, half_at, super_block, vec_load
-from .q4k import V32
+from .q4k import V32, V64, shift_halves
 
 SCALED = True
 OFFSETS = True  # w = d sc q - d (32 sc): an offset per 16 values
@@ -60,15 +60,33 @@ def group(builder, row, s, g: int):
     return builder.fmul(builder.sitofp(_quants(builder, base, g), VF), halves, flags=EXACT)
 
 
-def isuper(builder, row, s):
-    """Super-block s for the integer loop (isuper.py): (d, d, [(q, sc <16 x i16>)], 32 sc <16 x i16>,
-    unsigned)."""
+def _pair_unsigned(builder, base, g: int):
+    """q of groups g and g + 1 (g even) as <64 x i8>: their low 4 bits are one run of 64 bytes, their high 2
+    bits the same 32 bytes shifted by two counts (q4k.shift_halves)."""
+    h = g // 4
+    low = vec_load(builder, builder.gep(base, [const(64 * h)]), V64)
+    if (g // 2) % 2:
+        low = builder.lshr(low, ir.Constant(V64, [4] * 2 * LANES))
+    low = builder.and_(low, ir.Constant(V64, [15] * 2 * LANES))
+    high = vec_load(builder, builder.gep(base, [const(128 + 32 * h)]), V32)
+    high = builder.shuffle_vector(high, high, ir.Constant(ir.VectorType(I32, 2 * LANES), list(range(LANES)) * 2))
+    high = builder.and_(shift_halves(builder, high, 2 * (g % 4), 2 * (g % 4) + 2), ir.Constant(V64, [3] * 2 * LANES))
+    return builder.or_(low, builder.shl(high, ir.Constant(V64, [4] * 2 * LANES)))
+
+
+def isuper(builder, row, s, width: int = LANES):
+    """Super-block s for the integer loop (isuper.py): (d, d, [(q, sc)] in groups of ``width`` weights (sc: a
+    16-bit scale per 16 values), 32 sc <16 x i16>, unsigned)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     scales = vec_load(builder, builder.gep(base, [const(192)]), ir.VectorType(I8, 16))  # [16] int8
     wide = builder.sext(scales, ir.VectorType(I16, 16))
-    groups = [(_unsigned(builder, base, g),
-               builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(I32, 16), [2 * g] * 8 + [2 * g + 1] * 8)))
-              for g in range(GROUPS)]
+    lanes = lambda idx: ir.Constant(ir.VectorType(I32, len(idx)), idx)  # noqa: E731
+    if width == 2 * LANES:
+        groups = [(_pair_unsigned(builder, base, g), builder.shuffle_vector(wide, wide, lanes(
+            [k for k in range(2 * g, 2 * g + 4) for _ in range(8)]))) for g in range(0, GROUPS, 2)]
+    else:
+        groups = [(_unsigned(builder, base, g), builder.shuffle_vector(wide, wide, lanes([2 * g] * 8 + [2 * g + 1] * 8)))
+                  for g in range(GROUPS)]
     offsets = builder.shl(wide, ir.Constant(ir.VectorType(I16, 16), [5] * 16))  # |32 sc| <= 4096
     d = half_at(builder, builder.gep(base, [const(208)]))
     return d, d, groups, offsets, False
