@@ -121,6 +121,51 @@ def test_every_lowering_sums_the_products_exactly(lowering, signed):
 
 
 @pytest.mark.parametrize("lowering", idot.LOWERINGS)
+def test_every_lowering_of_the_biased_sums_is_exact(lowering):
+    """idot.biased (iblock.py's prefill: unsigned activations q + 128 times signed weights, four by four into
+    int32, added to a start) at the lowering's width, against exact integers: the extremes u = 255 with s = -128
+    and 127 (|s| <= 63 on avx2, whose int16 pairs would saturate beyond: iblock takes the sign trick there)."""
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from node_worker.kernels.ir import I8, I32
+
+    if not idot.host_has(lowering):
+        pytest.skip(f"no {lowering} on this host")
+    n = idot.group_bytes(lowering)
+    VB, VA = ir.VectorType(I8, n), ir.VectorType(I32, n // 4)
+
+    @intrinsic
+    def biased(typingctx, u, s, acc, out):
+        def codegen(context, builder, sig, args):
+            u_p, s_p, a_p, o_p = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args, args))
+            load = lambda p, t: builder.load(builder.bitcast(p, t.as_pointer()), align=1)  # noqa: E731
+            got = idot.biased(builder, load(a_p, VA), load(u_p, VB), load(s_p, VB), lowering)
+            builder.store(got, builder.bitcast(o_p, VA.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(u, s, acc, out), codegen
+
+    @njit
+    def run(u, s, acc, out):
+        biased(u, s, acc, out)
+
+    rng = np.random.default_rng(4)
+    top = 63 if lowering == "avx2" else 127
+    for trial in range(20):
+        u, s = rng.integers(0, 256, n), rng.integers(-top - (lowering != "avx2"), top + 1, n)
+        acc = rng.integers(-2**28, 2**28, n // 4)
+        if trial == 0:
+            u[:], s[::2], s[1::2] = 255, -top - (lowering != "avx2"), top
+        if trial == 1:
+            u[:], s[:] = 255, -top - (lowering != "avx2")
+        out = np.zeros(n // 4, np.int32)
+        run(u.astype(np.uint8), s.astype(np.int8), acc.astype(np.int32), out)
+        assert out.tolist() == (acc + (u * s).reshape(n // 4, 4).sum(axis=1)).tolist()
+
+
+@pytest.mark.parametrize("lowering", idot.LOWERINGS)
 @pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
 def test_every_lowering_of_the_scaled_pair_sums_is_exact(lowering, signed):
     """pairs (q unsigned below 64, or signed int8, times int8) and scaled_add (times int16 scales, into

@@ -2,7 +2,8 @@
 """strata and llama.cpp on the same GGUF file, alternating, round by round: the ratios of decode and prefill.
 
     .venv/bin/python tools/vs_llama.py --model FILE.gguf --llama-bench PATH/llama-bench [--rounds 3]
-        [--threads 2] [--prompt-tokens 64] [--tokens 32] [--checkout DIR ...] [-- extra strata bench flags]
+        [--threads 2] [--prompt-tokens 64] [--tokens 32] [--checkout DIR ...] [--strata-model DIR]
+        [-- extra strata bench flags]
 
 Each round runs ``llama-bench -m FILE -t T -p P -n N -r 1 -o json``, then ``strata bench --model FILE --modes
 inproc --rounds 1 --device cpu --quality-positions 0`` from each checkout given (default: this one; give an
@@ -57,6 +58,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--strata-model", default=None,
+                    help="the model strata bench opens (default: --model): the same model in another form, as "
+                         "the safetensors checkpoint a GGUF file was converted from, with --expert-dtype after --")
     ap.add_argument("--checkout", action="append", type=Path,
                     help="a checkout of strata to run (repeatable; default: this one)")
     ap.add_argument("extra", nargs="*", help="after --: more flags for strata bench")
@@ -67,11 +71,12 @@ def main() -> int:
     for r in range(args.rounds):
         got = {"llama.cpp": llama_bench(args.llama_bench, args.model, args.threads, args.prompt_tokens, args.tokens)}
         for c in checkouts:
-            got[str(c)] = strata_bench(c, args.model, args.prompt_tokens, args.tokens, args.extra)
+            got[str(c)] = strata_bench(c, args.strata_model or args.model, args.prompt_tokens, args.tokens, args.extra)
         rows.append(got)
         print(f"round {r + 1}: " + "; ".join(f"{n} decode {g['decode']:.1f} prefill {g['prefill']:.1f}"
                                              for n, g in got.items()), flush=True)
-    print(f"\n{args.model}, {args.threads} threads, pp{args.prompt_tokens} / tg{args.tokens}, tok/s and ratio to "
+    print(f"\nllama.cpp on {args.model}, strata on {args.strata_model or args.model} {' '.join(args.extra)}, "
+          f"{args.threads} threads, pp{args.prompt_tokens} / tg{args.tokens}, tok/s and ratio to "
           f"llama.cpp in the same round\n")
     print("| round | " + " | ".join(f"{n} decode | {n} prefill" for n in names) + " |")
     print("|---" * (1 + 2 * len(names)) + "|")

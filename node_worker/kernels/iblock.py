@@ -20,9 +20,11 @@ token (isimd.py, idot.dot); the row's correction is the accumulator's starting v
 vpmaddubsw would saturate on q8's (q + 128) s pairs: there q8 takes the sign trick on q itself (idot.dot),
 q4 (|s| <= 8) the same biased form. Per row and token that is a multiply-add in integers, a conversion, a
 multiply and an add per G weights, where the float loop (simd.py's dot2r4) widens every weight and spends
-two FMAs per 32 weights and token. Measured on this machine with tools/kernel_bench.py (--formats q8 --tokens
-8 --experts 16, 2 threads): 34 GFLOP/s with the float loop (the module docstring of rows.py gives the
-comparison after this loop).
+two FMAs per 32 weights and token. Measured on an AVX2 host (AMD EPYC, 2 threads: the avx2 lowering, q8
+with the sign trick) with tools/kernel_bench.py --formats q8,q4 --activations q8,f32 --experts 16 --tokens 8,
+both loops in one run, two runs, GFLOP/s integer / float: q8 87 / 50 and 69 / 46, q4 88 / 49 and 66 / 29.
+The 512-bit layout (two blocks a step, an odd last block alone on 256 bits) is tested on any host with
+STRATA_IDOT_LOWERING=generic512 (idot.py).
 
     dot1r8b(fmt, data, o, row_step, hidden, xu, xd8, t0, out, col)     (and dot1r4b: t < 4)
         out[t0 + t, col] = x'[t0 + t] . the row at byte o, t < 8, x' = xd (.) q the quantised activations;

@@ -38,6 +38,9 @@ as for iq4xs.py's byte shuffle):
     avx2     vpmaddubsw (pairs into int16) then vpmaddwd with ones (pairs into int32) (scaled_add: vpmaddwd
              with the scales, then an add)
     generic  widened to <32 x i32>, multiplied, and the four strided quarters added (any host)
+    generic512  the generic products on vnni512's layout, two groups a call (any host; never chosen by
+             itself: STRATA_IDOT_LOWERING=generic512 runs the 512-bit loops' data layout, which only vnni512
+             hosts take, on a host without AVX-512, for the tests)
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from .ir import I8, I16, I32, LANES
 V32 = ir.VectorType(I8, LANES)
 VI8 = ir.VectorType(I32, LANES // 4)  # <8 x i32>: one lane per four products
 VI16 = ir.VectorType(I16, LANES // 2)
-LOWERINGS = ("vnni512", "vnni", "avx2", "generic")
+LOWERINGS = ("vnni512", "vnni", "avx2", "generic", "generic512")
 FEATURES = {"vnni512": {"avx512vnni", "avx512bw", "avx512vl"}, "avx2": {"avx2"}}  # and vnni: see host_lowering
 
 
@@ -79,7 +82,7 @@ def host_has(lowering: str, features: set[str] | None = None) -> bool:
 
 def group_bytes(lowering: str | None = None) -> int:
     """The weights one pairs/scaled_add call takes: 64 (two groups) where the lowering has 512-bit registers."""
-    return 2 * LANES if (lowering or host_lowering()) == "vnni512" else LANES
+    return 2 * LANES if (lowering or host_lowering()) in ("vnni512", "generic512") else LANES
 
 
 def joined(builder, a, b):

@@ -18,8 +18,9 @@ scales and the sum. The f32 and bf16 formats have no integers to multiply and ke
 Decode only. For several tokens the per-block conversion and scaling per token is as much float work
 as simd.py's dot2r4 spends (two FMAs a token per 32 weights, AVX-512): measured on this machine
 (tools/kernel_bench.py --tokens 8, q8, q4k, q6k, 2 threads), an integer dot2r4 in this form was 5-15 %
-slower than the float one. The K types' integer loop (isuper.py) instead adds a super-block's products in
-integers, with the formats' integer scales, and converts once per 256.
+slower than the float one. Prefill takes iblock.py's loop instead (the activations biased for vpdpbusd, a
+conversion per 64 weights), and the K types' (isuper.py) adds a super-block's products in integers, with the
+formats' integer scales, and converts once per 256.
 """
 
 from __future__ import annotations

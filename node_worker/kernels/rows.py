@@ -9,7 +9,8 @@ against silu(gate) * up, giving the group's contribution [n, H]. One token
 of 4): two rows by four tokens at a time, each block widened once for the
 four, their accumulators in registers. With integer activations (int_act), a
 K type's or IQ4_XS's matrix is taken in integers instead, on the tokens
-quantised per super-block (isuper.py), in decode too. Tasks run in parallel (numba's threads, the
+quantised per super-block (isuper.py), in decode too; q8's and q4's on the tokens quantised per block
+(isimd.py in decode, iblock.py in prefill). Tasks run in parallel (numba's threads, the
 node's CPUs); each writes only its own contribution, and the caller adds them
 in group order, so the result does not depend on the thread count or timing.
 
