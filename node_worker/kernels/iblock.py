@@ -56,9 +56,14 @@ def _lane_scales(builder, scales, W: int):
                                                                                for _ in range(W // k)]))
 
 
+def _sign_trick(fmt, how) -> bool:
+    """q8 on avx2: the sign trick on q itself, where vpmaddubsw's pairs of (q + 128) s would saturate."""
+    return how == "avx2" and fmt.SPAN > SAFE_ON_AVX2
+
+
 def _block_sums(builder, fmt, how, init, u, s):
     """<W x i32>: q . s four by four, q = u - 128 (module docstring)."""
-    if how == "avx2" and fmt.SPAN > SAFE_ON_AVX2:  # q8 on avx2: the sign trick on q itself
+    if _sign_trick(fmt, how):
         n = u.type.count
         q = builder.xor(u, ir.Constant(ir.VectorType(I8, n), [-128] * n))
         return idot.dot(builder, s, q, True, how)
@@ -74,7 +79,8 @@ def _accumulate(builder, fmt, how, rows, x, hidden_v, tok, i, G, accs):
     rowwise = []
     for row in rows:  # each row's blocks once for the tokens
         s, scales = fmt.iblocks(builder, row, i, hidden_v, G)
-        init = builder.sub(ir.Constant(VI, [0] * W), idot.biased(builder, ir.Constant(VI, [0] * W), bias, s, how))
+        init = None if _sign_trick(fmt, how) else builder.sub(
+            ir.Constant(VI, [0] * W), idot.biased(builder, ir.Constant(VI, [0] * W), bias, s, how))
         rowwise.append((s, _lane_scales(builder, scales, W), init))
     out = []
     for t, token in enumerate(tok):

@@ -17,28 +17,19 @@ SCALED = True
 SPAN = 8  # the largest |value|: q in [-8, 7]
 BLOCK_BYTES = 18  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
 HALF = LANES // 2
-V16 = ir.VectorType(I8, HALF)
 V32 = ir.VectorType(I8, LANES)
 
 
 def block(builder, row, b, hidden):
-    packed = vec_load(builder, builder.gep(row, [builder.mul(b, const(HALF))]), V16)
-    low = builder.and_(packed, ir.Constant(V16, [15] * HALF))
-    high = builder.lshr(packed, ir.Constant(V16, [4] * HALF))
-    q = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
-    q = builder.sub(q, ir.Constant(V32, [8] * LANES))
-    return builder.sitofp(q, VF), half_scale(builder, row, builder.udiv(hidden, const(2)), b)
+    q, (d,) = iblocks(builder, row, b, hidden, LANES)
+    return builder.sitofp(q, VF), d
 
 
 def igroup(builder, row, b, j, hidden):
     """Block b for the integer path (idot.py): the nibbles unsigned (q + 8, in [0, 15]), scale d[b], offset
     8 d[b]: w = d q' - 8 d."""
-    packed = vec_load(builder, builder.gep(row, [builder.mul(b, const(HALF))]), V16)
-    low = builder.and_(packed, ir.Constant(V16, [15] * HALF))
-    high = builder.lshr(packed, ir.Constant(V16, [4] * HALF))
-    q = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
-    d = half_scale(builder, row, builder.udiv(hidden, const(2)), b)
-    return q, False, d, builder.fmul(d, ir.Constant(F32, 8.0))
+    q, (d,) = iblocks(builder, row, b, hidden, LANES)
+    return builder.add(q, ir.Constant(V32, [8] * LANES)), False, d, builder.fmul(d, ir.Constant(F32, 8.0))
 
 
 def iblocks(builder, row, i, hidden, n: int):

@@ -19,15 +19,15 @@ BLOCK_BYTES = 34  # bytes of the row per block of 32 values, its scale included:
 
 
 def block(builder, row, b, hidden):
-    q = vec_load(builder, builder.gep(row, [builder.mul(b, const(LANES))]), ir.VectorType(I8, LANES))
-    return builder.sitofp(q, VF), half_scale(builder, row, hidden, b)
+    q, (d,) = iblocks(builder, row, b, hidden, LANES)
+    return builder.sitofp(q, VF), d
 
 
 def igroup(builder, row, b, j, hidden):
     """Block b as the integer path takes it (idot.py): (q, signed, scale, offset) with w = scale * q - offset;
     here the int8 values themselves, signed, scaled by d[b], no offset."""
-    q = vec_load(builder, builder.gep(row, [builder.mul(b, const(LANES))]), ir.VectorType(I8, LANES))
-    return q, True, half_scale(builder, row, hidden, b), None
+    q, (d,) = iblocks(builder, row, b, hidden, LANES)
+    return q, True, d, None
 
 
 def iblocks(builder, row, i, hidden, n: int):
