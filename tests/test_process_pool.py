@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -314,6 +316,39 @@ def test_spin_setting_reaches_both_sides_and_changes_nothing(tiny):
         spun = eng.logits(PROMPT)
     with Engine.open(tiny, EngineConfig(pool="inproc")) as eng:
         assert np.array_equal(eng.logits(PROMPT), spun)
+
+
+def _kernel_wait_settings(env: dict[str, str]) -> dict:
+    """What node_worker.kernel_threads sets in a fresh interpreter with ``env`` (libgomp reads it once a process,
+    so each case needs its own)."""
+    code = ("import json, os; from node_worker import kernel_threads as k; "
+            "print(json.dumps({'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env()}))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(clean, **env), capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1])
+    return json.loads(out.stdout)
+
+
+def test_coordinator_kernel_threads_spin_and_workers_sleep_unless_the_user_chose(tiny, monkeypatch):
+    assert _kernel_wait_settings({}) == {"spin": "10000", "worker": {"GOMP_SPINCOUNT": "0"}}
+    assert _kernel_wait_settings({"OMP_WAIT_POLICY": "ACTIVE"}) == {"spin": None, "worker": {}}
+    assert _kernel_wait_settings({"GOMP_SPINCOUNT": "500"}) == {"spin": "500", "worker": {}}
+    from coordinator.pool import supervisor
+    from node_worker import kernel_threads
+
+    envs = []  # the environment each worker is started with (its /proc environ is overwritten by its title)
+    real_popen = subprocess.Popen
+
+    def popen(cmd, env=None, **kw):
+        envs.append(env)
+        return real_popen(cmd, env=env, **kw)
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", popen)
+    with Engine.open(tiny, EngineConfig(pool="process")) as eng:
+        assert len(eng.logits(PROMPT)) == len(PROMPT)
+    assert len(envs) == 1
+    want = "0" if not kernel_threads.USER_SET else os.environ.get("GOMP_SPINCOUNT")
+    assert envs[0].get("GOMP_SPINCOUNT") == want and envs[0]["OPENBLAS_NUM_THREADS"] == "1"
 
 
 def test_route_tail_skip_drops_low_weight_pairs_and_counts_them(tiny):

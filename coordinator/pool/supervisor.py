@@ -30,6 +30,7 @@ from typing import Callable
 import zmq
 
 from node_worker import protocol as P
+from node_worker.kernel_threads import worker_env
 from shm import segments
 from shm.topology import Node
 
@@ -147,7 +148,7 @@ class Supervisor:
         cmd = numactl_prefix(n) + [sys.executable, "-m", "node_worker", "--job", str(self.job_path),
                                    "--node", str(n.id), "--identity", w.identity.decode(),
                                    "--parent-pid", str(os.getpid())]
-        w.proc = subprocess.Popen(cmd, env=dict(os.environ, **WORKER_ENV), stdin=subprocess.DEVNULL)
+        w.proc = subprocess.Popen(cmd, env=dict(os.environ, **WORKER_ENV, **worker_env()), stdin=subprocess.DEVNULL)
         try:
             w.pidfd = os.pidfd_open(w.proc.pid)
         except (OSError, AttributeError):

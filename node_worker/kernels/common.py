@@ -17,13 +17,9 @@ from pathlib import Path
 
 import numba
 
-JIT = dict(nogil=True, cache=True, fastmath=True)  # compiled once per machine, kept in the disk cache below
+from .. import kernel_threads  # noqa: F401  (libgomp's wait settings, before the first kernel runs)
 
-# OpenMP threads (numba's pool) sleep when idle instead of spinning: read by libgomp when numba first launches
-# a parallel kernel, after this import. Spinning threads of the coordinator took the CPUs its workers were
-# woken on (measured, `--preset deep` single: 333 -> 235 us of boundary overhead per layer, inproc decode
-# +10%). A user who has a core to spare per thread can set OMP_WAIT_POLICY=ACTIVE.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+JIT = dict(nogil=True, cache=True, fastmath=True)  # compiled once per machine, kept in the disk cache below
 
 
 def sources_digest() -> str:
