@@ -85,6 +85,23 @@ def group_bytes(lowering: str | None = None) -> int:
     return 2 * LANES if (lowering or host_lowering()) in ("vnni512", "generic512") else LANES
 
 
+def kept(builder, values: list, lowering: str | None = None) -> list:
+    """The values, through one empty inline asm on x86 lowerings (any other: the values themselves): LLVM
+    cannot see through it, so it neither reassociates an accumulator's sums across the groups before and
+    after it nor computes one accumulator's later groups before the others' earlier ones. Without it, LLVM
+    turned the integer loop's per-token chain over a super-block's groups into a tree, token by token, which
+    keeps every group's unpacked weights and scales live at once: more than AVX2's 16 registers hold, so they
+    were spilled and reloaded for every token."""
+    if (lowering or host_lowering()) not in ("avx2", "vnni", "vnni512") or not values:
+        return values
+    n = len(values)
+    types_ = [v.type for v in values]
+    constraints = ",".join(["=x"] * n + [str(k) for k in range(n)])
+    out = builder.asm(ir.FunctionType(ir.LiteralStructType(types_), types_), "", constraints, values,
+                      side_effect=False)
+    return [builder.extract_value(out, k) for k in range(n)]
+
+
 def joined(builder, a, b):
     """a and b side by side: <2n x T> from two <n x T>."""
     n = a.type.count
