@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from node_worker import NodeWorker
+from node_worker import NodeWorker, kernel_threads
 from node_worker.job import ExpertJob, NodeJob, WorkerJob, max_message_bytes
 from shm import formats
 from shm.checkpoint import Checkpoint
@@ -237,6 +237,8 @@ class Engine:
             chat_template_error = str(exc)
             log.warning("%s: chat is off for this model", exc)
         backend = select_device(config.device)
+        kernel_threads.settle(config.pool == "inproc" or (backend == "numpy" and (  # before any kernel runs
+            config.dense_dtype not in ("f32", formats.AUTO) or isinstance(ckpt, GgufCheckpoint))))
         if config.dense_dtype not in ("f32", formats.AUTO) and backend != "numpy":
             raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
                                    "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")

@@ -1,18 +1,26 @@
 """How numba's OpenMP threads wait between kernels: spin a while in the coordinator, sleep in node workers.
 
 libgomp reads its wait settings once, when numba first launches a parallel kernel in the process, so this is
-set on import (node_worker/kernels/common.py imports it before any kernel exists). A setting of the user's,
+set before the first kernel (node_worker/kernels/common.py imports this module; Engine.open calls settle). A setting of the user's,
 OMP_WAIT_POLICY or GOMP_SPINCOUNT, wins everywhere.
 
-- The coordinator (and an in-process pool): GOMP_SPINCOUNT=SPIN_ROUNDS. A decode step launches some twenty
-  kernels a few microseconds apart (attention's matrices, the MoE layer, the lm_head); a thread that went to
-  sleep after each was woken by a futex that took 60-70 us on this 2-vCPU VM (an empty parallel loop: 70 us
-  sleeping, 3 us spinning), and the small matrices' second thread started late (512 x 2048 Q4_K: 88 against
-  43 us). 10 000 rounds is about 100 us by libgomp's own estimate (100 000 rounds a ms): the gaps of a
-  decode step, and short beside a prefill's BLAS calls (OpenBLAS's threads sleep at once:
-  coordinator/__init__.py).
+- A coordinator that launches kernels itself on the decode path (an in-process pool's MoE layers, or the dense
+  matrices kept quantised on a CPU device side): GOMP_SPINCOUNT=SPIN_ROUNDS (settle, at the first
+  Engine.open). A decode step launches some twenty kernels a few microseconds apart (attention's matrices,
+  the MoE layer, the lm_head); a thread that went to sleep after each was woken by a futex that took 60-70 us
+  on this 2-vCPU VM (an empty parallel loop: 70 us sleeping, 3 us spinning), and the small matrices' second
+  thread started late (512 x 2048 Q4_K: 88 against 43 us). 10 000 rounds is about 100 us by libgomp's own
+  estimate (100 000 rounds a ms): the gaps of a decode step, and short beside a prefill's BLAS calls
+  (OpenBLAS's threads sleep at once: coordinator/__init__.py).
+- A coordinator whose experts are in worker processes and whose dense matrices are float32 (BLAS): no
+  spinning. Its few kernels gain nothing from it, and its spinning thread took a CPU from the worker it had
+  just woken (`--preset deep`, f32, single: 18.5 / 18.7 tok/s spinning against 20.6 / 19.6 sleeping, the
+  worker's compute a layer 487 against 357-405 us).
 - A node worker process: no spinning (GOMP_SPINCOUNT=0, worker_env). It is woken by its socket once per
   layer, and its spinning threads took the CPUs the coordinator's attention ran on next.
+
+libgomp reads the setting once, at the process's first parallel kernel: the first engine opened in a process
+chooses (strata bench's modes share the first one's), and a process that opens none spins SPIN_ROUNDS.
 
 Measured on the Q4_K_M file (tools/vs_llama.py's model), 2 threads, decode step median ms, sleeping /
 spinning 10 000, three alternating process pairs: 26.1 / 21.6, 27.0 / 22.0, 23.9 / 20.3; 64-token prefill
@@ -28,8 +36,20 @@ import os
 SPIN_ROUNDS = "10000"  # the coordinator's (about 100 us)
 USER_SET = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
 
+_settled = False
+
 if not USER_SET:
     os.environ["GOMP_SPINCOUNT"] = SPIN_ROUNDS
+
+
+def settle(coordinator_kernels: bool) -> str | None:
+    """This process's spin, chosen once (the first call; before its first kernel), unless the user set one:
+    SPIN_ROUNDS when the coordinator launches kernels on the decode path, else 0. Returns the setting."""
+    global _settled
+    if not _settled and not USER_SET:
+        os.environ["GOMP_SPINCOUNT"] = SPIN_ROUNDS if coordinator_kernels else "0"
+    _settled = True
+    return os.environ.get("GOMP_SPINCOUNT")
 
 
 def worker_env() -> dict[str, str]:

@@ -322,7 +322,8 @@ def _kernel_wait_settings(env: dict[str, str]) -> dict:
     """What node_worker.kernel_threads sets in a fresh interpreter with ``env`` (libgomp reads it once a process,
     so each case needs its own)."""
     code = ("import json, os; from node_worker import kernel_threads as k; "
-            "print(json.dumps({'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env()}))")
+            "out = {'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env()}; "
+            "out['settled'] = [k.settle(False), k.settle(True)]; print(json.dumps(out))")
     clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], env=dict(clean, **env), capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1])
@@ -330,9 +331,12 @@ def _kernel_wait_settings(env: dict[str, str]) -> dict:
 
 
 def test_coordinator_kernel_threads_spin_and_workers_sleep_unless_the_user_chose(tiny, monkeypatch):
-    assert _kernel_wait_settings({}) == {"spin": "10000", "worker": {"GOMP_SPINCOUNT": "0"}}
-    assert _kernel_wait_settings({"OMP_WAIT_POLICY": "ACTIVE"}) == {"spin": None, "worker": {}}
-    assert _kernel_wait_settings({"GOMP_SPINCOUNT": "500"}) == {"spin": "500", "worker": {}}
+    # the first engine's pool and dense matrices settle it once: no kernels of its own (False) -> 0, for good
+    assert _kernel_wait_settings({}) == {"spin": "10000", "worker": {"GOMP_SPINCOUNT": "0"}, "settled": ["0", "0"]}
+    assert _kernel_wait_settings({"OMP_WAIT_POLICY": "ACTIVE"}) == {"spin": None, "worker": {},
+                                                                    "settled": [None, None]}
+    assert _kernel_wait_settings({"GOMP_SPINCOUNT": "500"}) == {"spin": "500", "worker": {},
+                                                                "settled": ["500", "500"]}
     from coordinator.pool import supervisor
     from node_worker import kernel_threads
 
@@ -347,8 +351,20 @@ def test_coordinator_kernel_threads_spin_and_workers_sleep_unless_the_user_chose
     with Engine.open(tiny, EngineConfig(pool="process")) as eng:
         assert len(eng.logits(PROMPT)) == len(PROMPT)
     assert len(envs) == 1
+    assert kernel_threads._settled  # Engine.open chose this process's spin
     want = "0" if not kernel_threads.USER_SET else os.environ.get("GOMP_SPINCOUNT")
     assert envs[0].get("GOMP_SPINCOUNT") == want and envs[0]["OPENBLAS_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("pool, spin", [("inproc", "10000"), ("process", "0")])
+def test_the_first_engine_settles_the_coordinators_spin_by_its_pool(tiny, pool, spin):
+    code = ("import os, sys; from coordinator import Engine, EngineConfig; "
+            f"e = Engine.open(sys.argv[1], EngineConfig(pool={pool!r})); e.close(); "
+            "print(os.environ.get('GOMP_SPINCOUNT'))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code, str(tiny)], env=clean, capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split()[-1] == spin  # the tiny model's dense matrices are float32: no kernels of their own
 
 
 def test_route_tail_skip_drops_low_weight_pairs_and_counts_them(tiny):
