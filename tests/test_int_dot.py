@@ -322,15 +322,16 @@ def test_dense_matrix_few_tokens_in_integers_equals_float64(name, tokens):
     assert np.abs((x @ float_path.T) - got).max() > 100 * error
 
 
-def test_dense_matrix_of_many_tokens_takes_blas_on_decoded_rows():
-    """From INT_TOKENS rows of x on, BLAS on the decoded rows is faster than the integer loop (packed.py's
-    measurement): the same bits as with float activations."""
-    from coordinator.model.packed import INT_TOKENS
+@pytest.mark.parametrize("name, limit", [("q4k", "INT_TOKENS"), ("q8", "BLOCK_INT_TOKENS")])
+def test_dense_matrix_of_many_tokens_takes_blas_on_decoded_rows(name, limit):
+    """From INT_TOKENS rows of x on (a K type; BLOCK_INT_TOKENS for q8 and q4), BLAS on the decoded rows is
+    faster than the integer loop (packed.py's measurement): the same bits as with float activations."""
+    from coordinator.model import packed
 
     rng = np.random.default_rng(9)
-    fmt = formats.get("q4k")
+    fmt = formats.get(name)
     stored = stored_rows(fmt, 70, 512, rng)
-    x = activations(rng, INT_TOKENS, 512)
+    x = activations(rng, getattr(packed, limit), 512)
     int_act, float_act = (PackedMatrix(fmt, stored, (70, 512), int_act=flag) for flag in (True, False))
     assert np.array_equal(x @ int_act.T, x @ float_act.T)
     assert not np.array_equal(x[:-1] @ int_act.T, x[:-1] @ float_act.T)  # one row fewer: the integer loop

@@ -31,9 +31,15 @@ BLOCK_IDS = tuple(FORMAT_IDS[name] for name in BLOCK_FORMATS)  # q8, q4: iblock.
 
 FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles of TILE rows and BLAS
 # a K type's or IQ4_XS's integer loop (isuper.py) below this many rows of x, BLAS on decoded tiles from it on.
-# Measured on the Q4_K_M file's q4k attention matrices, 2 threads, GFLOP/s integer / BLAS: 4096 x 2048 at
-# 16, 32, 64, 128 tokens 93 / 37, 92 / 67, 95 / 113, 100 / 143; 512 x 2048 61 / 37, 64 / 65, 65 / 118, 67 / 132
-INT_TOKENS = 48
+# Measured on random Q4_K / Q6_K blocks, 2 threads, GFLOP/s integer / BLAS, three runs each, after the loop stopped
+# spilling (idot.kept): 4096 x 2048 q4k at 48, 64, 128 tokens 144-150 / 88-89, 131-142 / 82-101, 114-120 /
+# 102-140; 2048 x 4096 116-141 / 99-114, 146-149 / 97-124, 117-135 / 128-144; 512 x 2048 q6k 116-122 / 78-80,
+# 105-115 / 84-86, 101-103 / 102-109. 64-token prefill of the Q4_K_M file, six alternating runs in one process:
+# 255-290 ms with 48 here, 226-243 with 96. (Before idot.kept it was 48: at 64 tokens 95 / 113.)
+INT_TOKENS = 96
+# q8's and q4's (iblock.py): 4096 x 2048 q8 at 48, 64, 128 tokens 112-118 / 88-98, 107-112 / 88-111, 67-69 /
+# 88-138; the Q8_0 file's 64-token prefill 340-369 ms with 48, 362-382 with 96
+BLOCK_INT_TOKENS = 48
 TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
 
 
@@ -78,7 +84,8 @@ class PackedMatrix:
         lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         T = x2.shape[0]
-        if T < INT_TOKENS and self.int_act and (self.fmt_id in SUPER_IDS or (T > 1 and self.fmt_id in BLOCK_IDS)):
+        if self.int_act and ((T < INT_TOKENS and self.fmt_id in SUPER_IDS) or
+                             (1 < T < BLOCK_INT_TOKENS and self.fmt_id in BLOCK_IDS)):
             # the integer loops (isuper.py, iblock.py), T 1 or padded to 4; q8's and q4's one token: matmul_rows
             padded = x2
             if T > 1:  # a row by eight or four tokens
