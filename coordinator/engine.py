@@ -72,6 +72,14 @@ def refuse_shared_cpus(nodes: int | None) -> None:
                                f"nodes (one CPU each at least); ask for {cpus} or fewer")
 
 
+def runs_decode_kernels(config: EngineConfig, backend: str, gguf: bool) -> bool:
+    """Whether the coordinator itself launches compiled kernels in a decode step (node_worker/kernel_threads.py):
+    an in-process pool's MoE layers, or dense matrices kept quantised on a NumPy device side (a dense_dtype
+    format; auto: a GGUF file's quantised tensors)."""
+    quantised_dense = config.dense_dtype not in ("f32", formats.AUTO) or (config.dense_dtype == formats.AUTO and gguf)
+    return config.pool == "inproc" or (backend == "numpy" and quantised_dense)
+
+
 def open_source(model_dir: Path) -> tuple[Checkpoint | GgufCheckpoint, ModelConfig, TextCodec | None]:
     """(checkpoint, configuration, tokenizer) of a model folder or GGUF file, its tensors not read yet."""
     gguf = gguf_path(Path(model_dir))
@@ -237,8 +245,8 @@ class Engine:
             chat_template_error = str(exc)
             log.warning("%s: chat is off for this model", exc)
         backend = select_device(config.device)
-        kernel_threads.settle(config.pool == "inproc" or (backend == "numpy" and (  # before any kernel runs
-            config.dense_dtype not in ("f32", formats.AUTO) or isinstance(ckpt, GgufCheckpoint))))
+        # before any kernel runs: libgomp reads its wait setting once
+        kernel_threads.settle(runs_decode_kernels(config, backend, isinstance(ckpt, GgufCheckpoint)))
         if config.dense_dtype not in ("f32", formats.AUTO) and backend != "numpy":
             raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
                                    "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")

@@ -1,8 +1,8 @@
 """How numba's OpenMP threads wait between kernels: spin a while in the coordinator, sleep in node workers.
 
 libgomp reads its wait settings once, when numba first launches a parallel kernel in the process, so this is
-set before the first kernel (node_worker/kernels/common.py imports this module; Engine.open calls settle). A setting of the user's,
-OMP_WAIT_POLICY or GOMP_SPINCOUNT, wins everywhere.
+set before the first kernel (node_worker/kernels/common.py imports this module; Engine.open calls settle with
+engine.runs_decode_kernels). A setting of the user's, OMP_WAIT_POLICY or GOMP_SPINCOUNT, wins everywhere.
 
 - A coordinator that launches kernels itself on the decode path (an in-process pool's MoE layers, or the dense
   matrices kept quantised on a CPU device side): GOMP_SPINCOUNT=SPIN_ROUNDS (settle, at the first

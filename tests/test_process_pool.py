@@ -318,16 +318,21 @@ def test_spin_setting_reaches_both_sides_and_changes_nothing(tiny):
         assert np.array_equal(eng.logits(PROMPT), spun)
 
 
-def _kernel_wait_settings(env: dict[str, str]) -> dict:
-    """What node_worker.kernel_threads sets in a fresh interpreter with ``env`` (libgomp reads it once a process,
-    so each case needs its own)."""
-    code = ("import json, os; from node_worker import kernel_threads as k; "
-            "out = {'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env()}; "
-            "out['settled'] = [k.settle(False), k.settle(True)]; print(json.dumps(out))")
+def _fresh_python(code: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """The last line ``code`` prints in a fresh interpreter without the wait settings of this one, plus ``env``
+    (libgomp reads them once a process, so each case needs its own)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    out = subprocess.run([sys.executable, "-c", code], env=dict(clean, **env), capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parents[1])
-    return json.loads(out.stdout)
+    out = subprocess.run([sys.executable, "-c", code, *args], env=dict(clean, **(env or {})), capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    return out.stdout.splitlines()[-1]
+
+
+def _kernel_wait_settings(env: dict[str, str]) -> dict:
+    """What node_worker.kernel_threads sets in a fresh interpreter with ``env``."""
+    return json.loads(_fresh_python("import json, os; from node_worker import kernel_threads as k; "
+                                    "out = {'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env()}; "
+                                    "out['settled'] = [k.settle(False), k.settle(True)]; print(json.dumps(out))",
+                                    env=env))
 
 
 def test_coordinator_kernel_threads_spin_and_workers_sleep_unless_the_user_chose(tiny, monkeypatch):
@@ -361,10 +366,18 @@ def test_the_first_engine_settles_the_coordinators_spin_by_its_pool(tiny, pool, 
     code = ("import os, sys; from coordinator import Engine, EngineConfig; "
             f"e = Engine.open(sys.argv[1], EngineConfig(pool={pool!r})); e.close(); "
             "print(os.environ.get('GOMP_SPINCOUNT'))")
-    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    out = subprocess.run([sys.executable, "-c", code, str(tiny)], env=clean, capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parents[1])
-    assert out.stdout.split()[-1] == spin  # the tiny model's dense matrices are float32: no kernels of their own
+    assert _fresh_python(code, str(tiny)) == spin  # the tiny model's dense matrices are float32: no kernels of theirs
+
+
+@pytest.mark.parametrize("pool, backend, dense, gguf, runs", [
+    ("inproc", "numpy", "f32", False, True), ("process", "numpy", "f32", False, False),
+    ("process", "numpy", "auto", True, True), ("process", "numpy", "auto", False, False),
+    ("process", "numpy", "f32", True, False), ("process", "numpy", "q4", False, True),
+    ("process", "cupy", "auto", True, False)])
+def test_which_coordinators_run_decode_kernels(pool, backend, dense, gguf, runs):
+    from coordinator.engine import runs_decode_kernels
+
+    assert runs_decode_kernels(EngineConfig(pool=pool, dense_dtype=dense), backend, gguf) is runs
 
 
 def test_route_tail_skip_drops_low_weight_pairs_and_counts_them(tiny):
