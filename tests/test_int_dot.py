@@ -268,13 +268,13 @@ def test_node_decode_with_integer_dots_equals_float64_on_the_quantised_activatio
     _assert_integer_path_taken(got, want)
 
 
-@pytest.mark.parametrize("per_expert", [3, 5, 7, 9],
-                         ids=["padded-to-four", "four-and-one-alone", "padded-to-eight", "eight-and-one-alone"])
+@pytest.mark.parametrize("per_expert", [3, 5, 7, 9, 10],
+                         ids=["three", "four-and-one", "padded-to-eight", "eight-and-one", "eight-and-two"])
 @pytest.mark.parametrize("name", INT_FORMATS)
 def test_node_prefill_with_integer_dots_equals_float64(name, per_expert):
-    """Several tokens routed to each of two experts (prefill: 3 padded to 4, 5 as 4 and 1 alone, 7 padded to 8,
-    9 as 8 and 1 alone: the loops by four and by eight, and rows.tiled_tokens' leftover; q8 and q4 pad every
-    group to four): within float32 rounding of float64 on the dequantised weights and the activations quantised
+    """Several tokens routed to each of two experts (prefill: 3 a tile of three, 5 as 4 and 1 alone, 7 padded
+    to 8, 9 as 8 and 1 alone, 10 as 8 and 2: the tiles by eight, four, three and two, and rows.tiled_tokens'
+    leftover; q8 and q4 pad nothing, 5, 9 taking their tile of one, 7 its tile of three): within float32 rounding of float64 on the dequantised weights and the activations quantised
     per super-block (per block of 32 for q8 and q4), and away from the float-activation result (so the integer
     loop is the one taken). q8 and q4's down rows are R = 8 blocks wide, and a third expert's R - 32 = 7
     (iblock.py's last block alone on 512 bits)."""
@@ -299,12 +299,13 @@ def test_node_prefill_with_integer_dots_equals_float64(name, per_expert):
     _assert_integer_path_taken(got, want)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 13], ids=["decode", "four", "eight-and-eight"])
+@pytest.mark.parametrize("tokens", [1, 3, 6, 13], ids=["decode", "three", "four-and-two", "eight-four-one"])
 @pytest.mark.parametrize("name", INT_FORMATS)
 def test_dense_matrix_few_tokens_in_integers_equals_float64(name, tokens):
-    """1, 3 (padded to 4) and 13 tokens (8 + 8) against 70 rows (decode: a short last group of four): within
-    float32 rounding of float64 on the activations quantised per super-block (q8, q4: per block of 32, rows of
-    544 weights, 17 blocks: the last alone on 512 bits), away from the float path."""
+    """1, 3 (a tile of three), 6 (four and two) and 13 tokens (eight, four and one; a K type: padded to 16)
+    against 70 rows (decode: a short last group of four): within float32 rounding of float64 on the
+    activations quantised per super-block (q8, q4: per block of 32, rows of 544 weights, 17 blocks: the last
+    alone on 512 bits), away from the float path."""
     rng = np.random.default_rng(8)
     fmt = formats.get(name)
     K = 512 if name in SUPER_FORMATS else 544

@@ -86,10 +86,10 @@ class PackedMatrix:
         T = x2.shape[0]
         if self.int_act and ((T < INT_TOKENS and self.fmt_id in SUPER_IDS) or
                              (1 < T < BLOCK_INT_TOKENS and self.fmt_id in BLOCK_IDS)):
-            # the integer loops (isuper.py, iblock.py), T 1 or padded to 4; q8's and q4's one token: matmul_rows
+            # the integer loops (isuper.py, iblock.py); q8's and q4's one token: matmul_rows
             padded = x2
-            if T > 1:  # a row by eight or four tokens
-                padded = np.zeros((-(-T // 4) * 4, K), np.float32)
+            if T > 1 and T % 4 == 1 and self.fmt_id in SUPER_IDS:  # isuper's tiles: 8, 4, 3 or 2 tokens
+                padded = np.zeros((T + 3, K), np.float32)
                 padded[:T] = x2
             out = np.empty((padded.shape[0], R), np.float32)
             dense.matmul_tokens_int(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)

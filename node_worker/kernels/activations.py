@@ -8,10 +8,10 @@
     the row as the kernels see it: x'[i] = d[b] * q[i]
 
 That is Q8_0 and Q4_0 weights' form (isimd.py), as llama.cpp's. Prefill's loop for them (iblock.py) takes
-the same values laid out for its vpdpbusd:
+the values biased for its vpdpbusd, beside the same scales:
 
       xu  [K]      uint8    q[i] + 128
-      xd8 [K / 4]  float32  d[b] eight times (xd8[8 b + k] = d[b], k < 8)
+      xd  [nb]     float32  d[b], as above
 
 The K types' and IQ4_XS's (isuper.py, decode and prefill) is Q8_K's, as llama.cpp's for those types: one
 scale per super-block of 256, so that a super-block's products add up in integers, and the sums of every
@@ -72,20 +72,18 @@ def quantize_rows(x):
 
 @njit(**EXACT_JIT)
 def quantize_rows_biased(x):
-    """x [n, K] float32 -> (xu [n, K] uint8, xd8 [n, K / 4] float32): quantize_rows' values biased by 128 and
-    its scales each eight times (module docstring)."""
+    """x [n, K] float32 -> (xu [n, K] uint8, xd [n, K / 32] float32): quantize_rows' values biased by 128, and
+    its scales (module docstring)."""
     n, K = x.shape
     xq = np.empty(K, np.int8)
     xu = np.empty((n, K), np.uint8)
-    xd8 = np.empty((n, K // 4), np.float32)
+    xd = np.empty((n, K // BLOCK), np.float32)
     for t in range(n):
         for b in range(K // BLOCK):
-            d, _ = quantize_block(x[t], BLOCK * b, BLOCK * b + BLOCK, xq)
-            for k in range(8):
-                xd8[t, 8 * b + k] = d
+            xd[t, b], _ = quantize_block(x[t], BLOCK * b, BLOCK * b + BLOCK, xq)
         for i in range(K):
             xu[t, i] = np.uint8(np.int32(xq[i]) + 128)
-    return xu, xd8
+    return xu, xd
 
 
 SUPER = 256

@@ -11,9 +11,10 @@ rows split over numba's threads.
                                                             integer dot products for Q8_0 and Q4_0)
     matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out)
                                                             the same for a K type or IQ4_XS (rows.SUPER_IDS), T = 1
-                                                            (four rows at a time) or a multiple of 4 (a row by eight
-                                                            tokens), on x quantised per super-block; or for q8 or q4,
-                                                            T a multiple of 4, per block (iblock.py)
+                                                            (four rows at a time) or not 1 mod 4 (a row by eight
+                                                            tokens, then four, three, two), on x quantised per
+                                                            super-block; or for q8 or q4, any T, per block
+                                                            (iblock.py)
     decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
     decode_rows_serial(...)                                  the same on the calling thread alone (for
                                                              callers that run on threads of their own)
@@ -52,10 +53,10 @@ def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
 
 @njit(parallel=True, **JIT)
 def matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out):
-    if block_int(fmt, True):  # q8 or q4: a row by eight tokens, on x quantised per block
-        xu, xd8 = quantize_rows_biased(x)
+    if block_int(fmt, True):  # q8 or q4: a row by eight tokens (then four to one), on x quantised per block
+        xu, xd = quantize_rows_biased(x)
         for r in prange(R):
-            row_tokens_block(fmt, data, base + r * row_bytes, row_bytes, K, xu, xd8, out, r, x.shape[0])
+            row_tokens_block(fmt, data, base + r * row_bytes, row_bytes, K, xu, xd, out, r, x.shape[0])
         return
     xq, xd, bs = quantize_rows_super(x)  # [T, K] once for every row
     if x.shape[0] == 1:  # decode

@@ -97,6 +97,8 @@ def kept(builder, values: list, lowering: str | None = None) -> list:
     n = len(values)
     types_ = [v.type for v in values]
     constraints = ",".join(["=x"] * n + [str(k) for k in range(n)])
+    if n == 1:  # one output: the value itself, not a struct of one
+        return [builder.asm(ir.FunctionType(types_[0], types_), "", constraints, values, side_effect=False)]
     out = builder.asm(ir.FunctionType(ir.LiteralStructType(types_), types_), "", constraints, values,
                       side_effect=False)
     return [builder.extract_value(out, k) for k in range(n)]

@@ -21,7 +21,7 @@ live than the registers hold; measured on this machine with q4k and q6k, 8 token
 768 x 2048, 2 threads, GFLOP/s median of 15 calls: float 38 / 30, two rows by four 49 / 44, one by four
 50 / 46, one by eight 55 / 57.)
 
-    dot1r4s(fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)      (and dot1r8s: t < 8)
+    dot1r4s(fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)      (dot1r8s, 1r3s, 1r2s: t < 8, 3, 2)
         out[t0 + t, col] = x'[t0 + t] . the row at byte o, t < 4, with x' = xd (.) xq the quantised
         activations [n, hidden] (hidden a multiple of 256); fmt a SUPER_FORMATS format's FORMATS index;
         row_step the bytes to the next row (prefetched ahead)
@@ -151,4 +151,4 @@ def _make(NR: int, NT: int):
     return dotk
 
 
-dot1r4s, dot1r8s, dot4r1s = _make(1, 4), _make(1, 8), _make(4, 1)
+dot1r2s, dot1r3s, dot1r4s, dot1r8s, dot4r1s = _make(1, 2), _make(1, 3), _make(1, 4), _make(1, 8), _make(4, 1)

@@ -33,6 +33,7 @@ from numba import njit, prange
 from . import iblock, isimd, isuper, simd
 from .activations import quantize_rows, quantize_rows_biased, quantize_rows_super
 from .common import JIT
+from .silu import silu_times
 
 FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7
 INT_FROM = FORMAT_IDS["q8"]  # formats from this id on have integers to multiply (isimd.INT_FORMATS)
@@ -64,11 +65,6 @@ def row_decode(fmt, data, o, hidden, out) -> None:
         simd.decode_q6k(data, o, hidden, out)
     else:
         simd.decode_iq4xs(data, o, hidden, out)
-
-
-@njit(inline="always", **JIT)
-def silu(s: np.float32) -> np.float32:
-    return s * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * s)))  # ops.py's tanh form
 
 
 @njit(inline="always", **JIT)
@@ -175,27 +171,42 @@ def super_int(fmt, int_act) -> bool:
 
 @njit(inline="always", **JIT)
 def row_tokens_int(fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col, n) -> None:
-    """out[:n, col] <- the first n tokens (a multiple of 4) of the quantised xq, xd, bs (quantize_rows_super of
-    [>= n, H]) · the row at byte offset o (rows row_bytes apart): eight tokens at a time, the last four by four
-    (isuper.py)."""
+    """out[:n, col] <- the first n tokens of the quantised xq, xd, bs (quantize_rows_super of [>= n, H]) · the
+    row at byte offset o (rows row_bytes apart): eight tokens at a time, then four, then the last two or
+    three (n mod 4 is not 1: tiled_tokens) (isuper.py)."""
     t0 = 0
     while t0 + 8 <= n:
         isuper.dot1r8s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
         t0 += 8
-    if t0 < n:
+    if t0 + 4 <= n:
         isuper.dot1r4s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
+        t0 += 4
+    if n - t0 == 3:
+        isuper.dot1r3s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
+    elif n - t0 == 2:
+        isuper.dot1r2s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
 
 
 @njit(inline="always", **JIT)
-def row_tokens_block(fmt, data, o, row_bytes, hidden, xu, xd8, out, col, n) -> None:
-    """out[:n, col] <- the first n tokens (a multiple of 4) of xu, xd8 (quantize_rows_biased of [>= n, H]) . the
-    q8 or q4 row at byte offset o: eight tokens at a time, the last four by four (iblock.py)."""
+def row_tokens_block(fmt, data, o, row_bytes, hidden, xu, xd, out, col, n) -> None:
+    """out[:n, col] <- the first n tokens of xu, xd (quantize_rows_biased of [>= n, H]) . the q8 or q4 row at
+    byte offset o: eight tokens at a time, then four, then the last one to three (iblock.py). No padding:
+    the tiles of fewer tokens ran at 94 (two) and 74 (one) GFLOP/s against 112 (eight) and 106 (four) on
+    768 x 2048 q8 rows, 2 threads, where a 64-token prefill's groups padded to four spent a fifth of their
+    work on zero rows."""
     t0 = 0
     while t0 + 8 <= n:
-        iblock.dot1r8b(fmt, data, o, row_bytes, hidden, xu, xd8, t0, out, col)
+        iblock.dot1r8b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
         t0 += 8
-    if t0 < n:
-        iblock.dot1r4b(fmt, data, o, row_bytes, hidden, xu, xd8, t0, out, col)
+    if t0 + 4 <= n:
+        iblock.dot1r4b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
+        t0 += 4
+    if n - t0 == 3:
+        iblock.dot1r3b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
+    elif n - t0 == 2:
+        iblock.dot1r2b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
+    elif n - t0 == 1:
+        iblock.dot1r1b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
 
 
 @njit(inline="always", **JIT)
@@ -212,30 +223,33 @@ def quantised_super_if(use, x):
 
 @njit(inline="always", **JIT)
 def tiled_tokens(n):
-    """Of a group's n tokens, how many the integer loop's tiles (eight, then four) take, a multiple of 4: more
-    than n where padding with zero rows is the cheaper, n - 1 where the one left over is cheaper alone against
-    four rows at a time (quad_super). By n mod 8: 1 or 5, one alone; 2 or 3, padded to a four; 6 or 7, to an
-    eight. Measured with tools/kernel_bench.py --formats q4k --tokens 5, 6, 9, 10 (16 experts, 2 threads,
-    medians of three runs against padding to a multiple of 4, ms a layer): 8.3 / 11.9, 9.6 / 11.1 (padded to
-    eight either way), 13.3 / 20.5; with 10 tokens, 8 and two alone, 17.7 against 15.8 padded to 12."""
+    """Of a group's n tokens, how many the integer loop's tiles (eight, four, three, two: row_tokens_int) take:
+    more than n where padding with zero rows is the cheaper, n - 1 where the one left over is cheaper alone
+    against four rows at a time (quad_super). By n mod 8: 1 or 5, one alone; 2 or 3, a tile of two or three;
+    6 or 7, padded to an eight. Measured with tools/kernel_bench.py --formats q4k --tokens 5, 6, 9, 10 (16
+    experts, 2 threads, medians of three runs against padding to a multiple of 4, ms a layer): 8.3 / 11.9, 9.6
+    / 11.1 (padded to eight either way), 13.3 / 20.5. The tiles alone (768 x 2048, 24 tokens, 2 threads,
+    GFLOP/s, q4k / q6k): by eight 230 / 198, four 189 / 176, three 190 / 154, two 140 / 120, one 92 / 48,
+    four rows by one token 91 / 89: two or three left cost less as a tile than padded to four, six or seven
+    about as much as padded to eight."""
     r = n % 8
     if r == 1 or r == 5:
         return n - 1
-    if r == 0 or r == 4:
-        return n
-    return n - r + (4 if r < 4 else 8)
+    if r == 6 or r == 7:
+        return n - r + 8
+    return n
 
 
 @njit(inline="always", **JIT)
 def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised, blocks, out, n) -> None:
     """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (xg padded with zero rows to a multiple
-    of 4): the integer loop on ``quantised`` (quantised_super_if of xg) for a K type or IQ4_XS when int_act,
-    on the tiled_tokens(n) first tokens then the rest one by one; on ``blocks`` (quantised_block_if of xg)
-    for q8 or q4, every token to a multiple of 4; else the float one on every row of xg."""
+    of 4, or of 8: tiled_tokens): the integer loop on ``quantised`` (quantised_super_if of xg) for a K type or
+    IQ4_XS when int_act, on the tiled_tokens(n) first tokens then the rest one by one; on ``blocks``
+    (quantised_block_if of xg) for q8 or q4, the n tokens; else the float one on every row of xg."""
     if block_int(fmt, int_act):
-        xu, xd8 = blocks
+        xu, xd = blocks
         for r in range(rows):
-            row_tokens_block(fmt, data, o + r * row_bytes, row_bytes, hidden, xu, xd8, out, r, (n + 3) // 4 * 4)
+            row_tokens_block(fmt, data, o + r * row_bytes, row_bytes, hidden, xu, xd, out, r, n)
     elif super_int(fmt, int_act):
         xq, xd, bs = quantised
         tiled = tiled_tokens(n)
@@ -264,9 +278,7 @@ def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act, n) -> None:
     matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, xb, gate, n)
     matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, xb, up, n)
     h = np.zeros((padded, width), np.float32)  # silu(gate) * up, per token and row (zeros past R and n)
-    for j in range(n):
-        for r in range(R):
-            h[j, r] = silu(gate[j, r]) * up[j, r]
+    silu_times(gate, up, h, n, R)
     hs = quantised_super_if(super_int(fmt_d, int_act), h)
     hb = quantised_block_if(block_int(fmt_d, int_act), h)
     if hidden % 2 == 0:
@@ -300,6 +312,5 @@ def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, co
         up = np.empty(R, np.float32)
         rows_dot(shapes[g, 1], int_act, data, og, shapes[g, 2], R, hidden, xj, gate)
         rows_dot(shapes[g, 3], int_act, data, ou, shapes[g, 4], R, hidden, xj, up)
-        for r in range(R):
-            gate[r] = silu(gate[r]) * up[r]
+        silu_times(gate.reshape((1, width)), up.reshape((1, R)), gate.reshape((1, width)), 1, R)
         rows_dot(shapes[g, 5], int_act, data, od, down_bytes, hidden, width, gate, out[0])
