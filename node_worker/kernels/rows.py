@@ -274,13 +274,13 @@ def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act, n) -> None:
     gate = np.zeros((padded, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
     up = np.zeros((padded, R + 1), np.float32)
     xs = quantised_super_if(super_int(shape[1], int_act) or super_int(shape[3], int_act), xg)  # once for both
-    xb = quantised_block_if(block_int(shape[1], int_act) or block_int(shape[3], int_act), xg)
+    xb = quantised_block_if(block_int(shape[1], int_act) or block_int(shape[3], int_act), xg[:n])  # no padding
     matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, xb, gate, n)
     matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, xb, up, n)
     h = np.zeros((padded, width), np.float32)  # silu(gate) * up, per token and row (zeros past R and n)
     silu_times(gate, up, h, n, R)
     hs = quantised_super_if(super_int(fmt_d, int_act), h)
-    hb = quantised_block_if(block_int(fmt_d, int_act), h)
+    hb = quantised_block_if(block_int(fmt_d, int_act), h[:n])
     if hidden % 2 == 0:
         matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, out, n)
     else:
