@@ -2,7 +2,9 @@
 
 libgomp reads its wait settings once, when numba first launches a parallel kernel in the process, so this is
 set before the first kernel (node_worker/kernels/common.py imports this module; Engine.open calls settle with
-engine.runs_decode_kernels). A setting of the user's, OMP_WAIT_POLICY or GOMP_SPINCOUNT, wins everywhere.
+engine.runs_decode_kernels): the first engine opened in a process chooses (strata bench's modes share the
+first one's), and a process that opens none spins SPIN_ROUNDS. A setting of the user's, OMP_WAIT_POLICY or
+GOMP_SPINCOUNT, wins everywhere.
 
 - A coordinator that launches kernels itself on the decode path (an in-process pool's MoE layers, or the dense
   matrices kept quantised on a CPU device side): GOMP_SPINCOUNT=SPIN_ROUNDS (settle, at the first
@@ -18,9 +20,6 @@ engine.runs_decode_kernels). A setting of the user's, OMP_WAIT_POLICY or GOMP_SP
   worker's compute a layer 487 against 357-405 us).
 - A node worker process: no spinning (GOMP_SPINCOUNT=0, worker_env). It is woken by its socket once per
   layer, and its spinning threads took the CPUs the coordinator's attention ran on next.
-
-libgomp reads the setting once, at the process's first parallel kernel: the first engine opened in a process
-chooses (strata bench's modes share the first one's), and a process that opens none spins SPIN_ROUNDS.
 
 Measured on the Q4_K_M file (tools/vs_llama.py's model), 2 threads, decode step median ms, sleeping /
 spinning 10 000, three alternating process pairs: 26.1 / 21.6, 27.0 / 22.0, 23.9 / 20.3; 64-token prefill

@@ -38,7 +38,9 @@ FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles 
 # 255-290 ms with 48 here, 226-243 with 96. (Before idot.kept it was 48: at 64 tokens 95 / 113.)
 INT_TOKENS = 96
 # q8's and q4's (iblock.py): 4096 x 2048 q8 at 48, 64, 128 tokens 112-118 / 88-98, 107-112 / 88-111, 67-69 /
-# 88-138; the Q8_0 file's 64-token prefill 340-369 ms with 48, 362-382 with 96
+# 88-138; the Q8_0 file's 64-token prefill 340-369 ms with 48, 362-382 with 96. With the scales broadcast
+# (iblock.py), 64 tokens, seven alternations, GFLOP/s integer / BLAS: 4096 x 2048 91 / 86, 2048 x 4096 80 / 88,
+# 512 x 2048 80 / 86: still no gain, so 48 stays
 BLOCK_INT_TOKENS = 48
 TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
 
