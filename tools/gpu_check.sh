@@ -38,8 +38,8 @@ import importlib
 import sys
 
 missing = []
-for name in ("numpy", "zmq", "posix_ipc", "psutil", "safetensors", "tokenizers", "setproctitle", "pytest",
-             "hypothesis"):
+for name in ("numpy", "numba", "zmq", "posix_ipc", "psutil", "safetensors", "tokenizers", "setproctitle", "gguf",
+             "jinja2", "aiohttp", "pytest", "hypothesis"):
     try:
         mod = importlib.import_module(name)
         print(f"{name} {getattr(mod, '__version__', '?')}")
