@@ -76,7 +76,7 @@ class CpuBatch:
     """What went to the pool for one layer: the rows of x with CPU work (the request's rows, in order)."""
 
     rows: np.ndarray  # [T_cpu] host
-    rows_dev: object  # the same on the device (xp array)
+    rows_dev: object  # the same on the device (xp array); None when every row of the layer is sent
 
 
 @dataclass
@@ -122,6 +122,7 @@ class Decoder:
         self.staging = HostStaging(backend)  # pinned host buffers for the pool's rows and partials
         self.side = SideStream(backend)  # the device experts' own stream
         self.w = on_device(weights, self.xp)  # dense weights where the device side runs
+        self.router_bias = [lw.router_bias for lw in weights.layers]  # host copies: the routing runs on the host
         self.pool = pool
         # (layer, e) -> MLPWeights kept whole on the device
         self.device_experts = {k: on_device(v, self.xp) for k, v in (device_experts or {}).items()}
@@ -167,10 +168,11 @@ class Decoder:
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
         xp = self.xp
         rope = [self._rope_tables(p) for p in positions]  # cos, sin [T_s, hd]
+        masks: dict = {}  # (sequence, window) -> [T_s, S_s] on the device: uploaded once, not once a layer
         h = self.w.embed[xp.asarray(np.concatenate([ids for ids, _ in seqs]))]  # [N, H]
         for i, lw in enumerate(self.w.layers):
             a = ops.rms_norm(h, lw.input_norm, self.cfg.rms_norm_eps)
-            h = h + self._attention(i, lw, a, seqs, bounds, positions, rope)
+            h = h + self._attention(i, lw, a, seqs, bounds, positions, rope, masks)
             m = ops.rms_norm(h, lw.post_attn_norm, self.cfg.rms_norm_eps)
             h = h + (self._moe(i, lw, m) if self.cfg.sparse_layers[i] else ops.swiglu_mlp(
                 m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down))
@@ -183,10 +185,17 @@ class Decoder:
             return [logits[k : k + 1] for k in range(len(seqs))]
         return [logits[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope) -> np.ndarray:
+    def _mask(self, masks: dict, s: int, positions: np.ndarray, keys: int, window: int | None):
+        """Sequence s's attention mask [T_s, keys] on the device, made once per forward for each window."""
+        if (s, window) not in masks:
+            masks[(s, window)] = self.xp.asarray(ops.attention_mask(positions, np.arange(keys), window))
+        return masks[(s, window)]
+
+    def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope,
+                   masks: dict) -> np.ndarray:
         cfg = self.cfg
         if lw.mla is not None:
-            return self._mla_attention(i, lw, x, seqs, bounds, positions, rope)
+            return self._mla_attention(i, lw, x, seqs, bounds, positions, rope, masks)
         N = x.shape[0]
         q = x @ lw.q.T  # [N, nh*hd]
         k = x @ lw.k.T  # [N, nkv*hd]
@@ -199,17 +208,18 @@ class Decoder:
         if lw.q_norm is not None:
             q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        out = self.xp.empty((N, cfg.num_heads * cfg.head_dim), np.float32)  # [N, nh*hd]
+        parts = []  # each sequence's [T_s, nh*hd]
         for s, (_, cache) in enumerate(seqs):
             r = slice(bounds[s], bounds[s + 1])
             cos, sin = rope[s]
             keys, values = cache.extend(i, ops.apply_rope(k[r], cos, sin), v[r])  # [S, nkv, hd]
-            mask = self.xp.asarray(ops.attention_mask(positions[s], np.arange(keys.shape[0]),
-                                                      cfg.sliding_windows[i]))  # [T_s, S]
-            out[r] = ops.gqa_attention(ops.apply_rope(q[r], cos, sin), keys, values, mask)
+            mask = self._mask(masks, s, positions[s], keys.shape[0], cfg.sliding_windows[i])  # [T_s, S]
+            parts.append(ops.gqa_attention(ops.apply_rope(q[r], cos, sin), keys, values, mask))
+        out = parts[0] if len(parts) == 1 else self.xp.concatenate(parts)  # [N, nh*hd]
         return out @ lw.o.T  # [N, H]
 
-    def _mla_attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope) -> np.ndarray:
+    def _mla_attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope,
+                       masks: dict) -> np.ndarray:
         """DeepSeek's multi-head latent attention; the cache keeps each token's latent and rope key."""
         cfg, m, w = self.cfg, self.cfg.mla, lw.mla
         N, nh, dn = x.shape[0], cfg.num_heads, m.qk_nope_head_dim
@@ -228,7 +238,7 @@ class Decoder:
             r = slice(bounds[s], bounds[s + 1])
             cos, sin = rope[s]
             lat, kr = cache.extend(i, latent[r], rotate(k_rope[r], cos, sin)[:, 0])  # [S, c], [S, dr]
-            mask = self.xp.asarray(ops.attention_mask(positions[s], np.arange(lat.shape[0]), None))  # [T_s, S]
+            mask = self._mask(masks, s, positions[s], lat.shape[0], None)  # [T_s, S]
             qr = rotate(q_rope[r], cos, sin)
             if self._absorbed(r.stop - r.start, lat.shape[0]):
                 out[r] = ops.mla_attention_absorbed(q_nope[r], qr, lat, kr, w.w_uk, w.w_uv, mask, m.softmax_scale)
@@ -253,7 +263,6 @@ class Decoder:
         """route -> submit the CPU pairs -> device and shared experts meanwhile -> collect -> sum."""
         routing = self._route(i, lw, x)
         self.stats.count(routing, self.cfg.num_experts)
-        y = self.xp.zeros_like(x)  # [T, H]
         sent = self._submit_cpu(routing, x)  # the CPU work first ...
         y_dev = self._device_side(routing, x)  # ... ours queued on the device's side stream meanwhile
         y_shared = None  # the shared experts (device side, never the pool), also while the pool works
@@ -262,11 +271,10 @@ class Decoder:
             y_shared = ops.swiglu_mlp(x, se.gate, se.up, se.down)
             if lw.shared_expert_gate is not None:  # qwen2_moe's gate; DeepSeek's shared experts have none
                 y_shared = ops.sigmoid(x @ lw.shared_expert_gate.T) * y_shared
-        if sent is not None:
-            y[sent.rows_dev] = self._collect_cpu(sent, x.shape[1])  # Y_0 + Y_1 + ... in node order
+        y = self._collect_cpu(sent, x) if sent is not None else self.xp.zeros_like(x)  # [T, H]: Y_0 + Y_1 + ...
         if y_dev is not None:
             self.side.join()
-            y += y_dev  # then the device experts' output
+            y = y + y_dev  # then the device experts' output
         if y_shared is not None:
             y = y + y_shared  # then the shared experts'
         return y
@@ -275,14 +283,13 @@ class Decoder:
         """The router's top-k pairs of every row, less the tail skip, split device / CPU."""
         cfg = self.cfg
         T = x.shape[0]
+        logits = to_host(x @ lw.router.T)  # [T, E], small: the choice and the pair bookkeeping run on the host
         if cfg.group_router is not None:
             g = cfg.group_router
-            ids, weights = ops.route_grouped(x @ lw.router.T, lw.router_bias, cfg.top_k, g.n_group,
-                                                     g.topk_group, cfg.norm_topk_prob, g.routed_scaling_factor,
-                                                     g.scoring)
+            ids, weights = ops.route_grouped(logits, self.router_bias[i], cfg.top_k, g.n_group, g.topk_group,
+                                             cfg.norm_topk_prob, g.routed_scaling_factor, g.scoring)
         else:
-            ids, weights = ops.route_top_k(x @ lw.router.T, cfg.top_k, cfg.norm_topk_prob)  # [T, k] on the device
-        ids, weights = to_host(ids), to_host(weights)  # small: the pair bookkeeping runs on the host
+            ids, weights = ops.route_top_k(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
         chosen = ids.reshape(-1)  # [P]
         pairs = Pairs(np.repeat(np.arange(T, dtype=np.int64), cfg.top_k), chosen, weights.reshape(-1))
         skipped = 0
@@ -302,8 +309,8 @@ class Decoder:
             rows, local = cpu.tokens[:1].copy(), np.zeros(cpu.size, np.int64)
         else:
             rows, local = np.unique(cpu.tokens, return_inverse=True)
-        rows_dev = self.xp.asarray(rows)  # [T_cpu]
-        x_cpu = self.staging.rows_to_host(x[rows_dev])  # [T_cpu, H] to the host (pinned with CuPy)
+        rows_dev = None if rows.size == x.shape[0] else self.xp.asarray(rows)  # [T_cpu]; None: all of them
+        x_cpu = self.staging.rows_to_host(x if rows_dev is None else x[rows_dev])  # [T_cpu, H] to the host
         self.pool.submit(PoolRequest(routing.layer, x_cpu, local.astype(np.int64), cpu.experts, cpu.weights))
         return CpuBatch(rows, rows_dev)
 
@@ -314,12 +321,18 @@ class Decoder:
         with self.side.run():
             return self._device_experts(routing.layer, x, routing.device)
 
-    def _collect_cpu(self, sent: CpuBatch, hidden: int):
-        """The pool's sum of the nodes' partials for the sent rows [T_cpu, H], on the device."""
+    def _collect_cpu(self, sent: CpuBatch, x: np.ndarray):
+        """The pool's sum of the nodes' partials, on the device, in the layer's rows [T, H] (zero where a row
+        sent nothing). With NumPy and every row sent it is the staging buffer itself, valid until the next
+        layer's collect: the caller only adds it to new arrays."""
         t0 = time.perf_counter_ns()
-        partials = self.pool.collect(out=self.staging.partials_buffer((sent.rows.size, hidden)))  # [T_cpu, H]
+        partials = self.pool.collect(out=self.staging.partials_buffer((sent.rows.size, x.shape[1])))  # [T_cpu, H]
         self.stats.count_pool_wait(time.perf_counter_ns() - t0)
-        return self.staging.to_device(partials)
+        if sent.rows_dev is None:  # every row: the partials are the layer's rows, no zeros and no scatter
+            return self.staging.to_device(partials)
+        y = self.xp.zeros_like(x)
+        y[sent.rows_dev] = self.staging.to_device(partials)
+        return y
 
     def _device_experts(self, i: int, x: np.ndarray, pairs: Pairs) -> np.ndarray:
         """The device-resident experts' share of the layer [T, H], experts in ascending order."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import host_ops
-from .xp import xp_of
+from . import device_ops, host_ops
+from .xp import is_device, xp_of
 
 
 def _host_rows(*arrays: np.ndarray) -> bool:
@@ -24,6 +24,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         out = np.empty_like(x)
         host_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, np.float32(eps), out.reshape(-1, x.shape[-1]))
         return out
+    if is_device(x):
+        return device_ops.rms_norm(x, weight, eps)
     xp = xp_of(x)
     variance = xp.mean(xp.square(x), axis=-1, keepdims=True)
     return (x / xp.sqrt(variance + np.float32(eps))) * weight
@@ -46,6 +48,8 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def swiglu_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """x [T, H]; gate, up [I, H]; down [H, I] -> down · (silu(gate·x) ⊙ up·x), [T, H]."""
+    if is_device(x):
+        return device_ops.silu_mul(x @ gate.T, x @ up.T) @ down.T
     return (silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
@@ -65,6 +69,8 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x [T, heads, hd] rotated by position: x·cos + rotate_half(x)·sin. cos, sin [T, d] with d < hd (partial
     rotary, GLM-4.5): the first d dims rotated, the rest passed through."""
+    if is_device(x):
+        return device_ops.apply_rope(x, cos, sin)  # partial rotary too
     if cos.shape[-1] < x.shape[-1]:
         d = cos.shape[-1]
         return xp_of(x).concatenate([apply_rope(x[..., :d], cos, sin), x[..., d:]], axis=-1)
@@ -88,10 +94,7 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray)
     group = nh // nkv
     qg = q.reshape(T, nkv, group, hd).transpose(1, 2, 0, 3)  # [nkv, g, T, hd]
     kt = k.transpose(1, 2, 0)  # [nkv, hd, S]
-    xp = xp_of(q)
-    scores = (qg @ kt[:, None]) * np.float32(hd**-0.5)  # [nkv, g, T, S]
-    scores = xp.where(mask, scores, np.float32(-np.inf))
-    probs = softmax(scores, axis=-1)
+    probs = _masked_softmax(qg @ kt[:, None], mask, hd**-0.5, xp_of(q))  # [nkv, g, T, S]
     out = probs @ v.transpose(1, 0, 2)[:, None]  # [nkv, g, T, hd]
     return out.transpose(2, 0, 1, 3).reshape(T, nh * hd)
 
@@ -179,6 +182,13 @@ def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_
     return ids.astype(np.int64), weights.astype(np.float32)
 
 
+def _masked_softmax(scores: np.ndarray, mask: np.ndarray, scale: float, xp) -> np.ndarray:
+    """scores [..., T, S], mask [T, S] -> softmax over S of where(mask, scores * scale, -inf)."""
+    if is_device(scores):
+        return device_ops.masked_softmax(scores, mask, scale)
+    return softmax(xp.where(mask, scores * np.float32(scale), np.float32(-np.inf)), axis=-1)
+
+
 def mla_attention(q_nope: np.ndarray, q_rope: np.ndarray, k_nope: np.ndarray, k_rope: np.ndarray,
                   v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
     """Multi-head latent attention with the latent expanded: q_nope [T, nh, dn], q_rope [T, nh, dr],
@@ -188,8 +198,7 @@ def mla_attention(q_nope: np.ndarray, q_rope: np.ndarray, k_nope: np.ndarray, k_
     T, nh, _ = q_nope.shape
     scores = q_nope.transpose(1, 0, 2) @ k_nope.transpose(1, 2, 0)  # [nh, T, S]
     scores = scores + (q_rope.transpose(1, 0, 2) @ k_rope.T)  # [nh, T, S]
-    scores = xp.where(mask, scores * np.float32(scale), np.float32(-np.inf))
-    out = softmax(scores, axis=-1) @ v.transpose(1, 0, 2)  # [nh, T, dv]
+    out = _masked_softmax(scores, mask, scale, xp) @ v.transpose(1, 0, 2)  # [nh, T, dv]
     return out.transpose(1, 0, 2).reshape(T, -1)
 
 
@@ -202,7 +211,6 @@ def mla_attention_absorbed(q_nope: np.ndarray, q_rope: np.ndarray, latent: np.nd
     T, nh, _ = q_nope.shape
     q_lat = q_nope.transpose(1, 0, 2) @ w_uk  # [nh, T, c]
     scores = q_lat @ latent.T + q_rope.transpose(1, 0, 2) @ k_rope.T  # [nh, T, S]
-    scores = xp.where(mask, scores * np.float32(scale), np.float32(-np.inf))
-    out_lat = softmax(scores, axis=-1) @ latent  # [nh, T, c]
+    out_lat = _masked_softmax(scores, mask, scale, xp) @ latent  # [nh, T, c]
     out = out_lat @ w_uv.transpose(0, 2, 1)  # [nh, T, dv]
     return out.transpose(1, 0, 2).reshape(T, -1)

@@ -22,6 +22,11 @@ def xp_of(*arrays):
     return np
 
 
+def is_device(a) -> bool:
+    """A CuPy array: ops.py sends it to device_ops' fused kernels."""
+    return _cupy is not None and isinstance(a, _cupy.ndarray)
+
+
 def module(backend: str):
     """'numpy' | 'cupy' -> the module."""
     if backend == "cupy":
