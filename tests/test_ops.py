@@ -149,3 +149,32 @@ def test_host_rms_norm_and_top_k_equal_the_numpy_forms():
         assert ids.dtype == np.int64 and weights.dtype == np.float32
         assert np.array_equal(ids, want_ids) and ids[0, :3].tolist() == [5, 9, 30]
         np.testing.assert_allclose(weights, want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_host_rope_and_decode_attention_equal_float64():
+    """host_ops' rope (full and partial rotary) and few-token GQA attention against the NumPy forms in float64
+    (which the compiled path declines): groups of 1, 2 and 8 heads, causal masks with and without a window."""
+    for hd, d in [(64, 64), (128, 64), (16, 8)]:
+        x = rng.standard_normal((3, 4, hd)).astype(np.float32)
+        cos, sin = ops.rope_cos_sin(np.array([0, 9, 300]), ops.rope_inv_freq(d, 1e6))
+        got = ops.apply_rope(x, cos, sin)
+        want = ops.apply_rope(x.astype(np.float64), cos.astype(np.float64), sin.astype(np.float64))
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert np.array_equal(got[..., d:], x[..., d:])
+    for T, S, nh, nkv, hd, window in [(1, 1, 2, 2, 8, None), (1, 70, 32, 4, 128, None), (2, 70, 4, 2, 64, None),
+                                      (4, 33, 8, 1, 16, 5), (3, 10, 6, 3, 8, None)]:
+        q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+        k = rng.standard_normal((S, nkv, hd)).astype(np.float32)
+        v = rng.standard_normal((S, nkv, hd)).astype(np.float32)
+        mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), window)
+        got = ops.gqa_attention(q, k, v, mask)
+        want = ops.gqa_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask)
+        assert got.dtype == np.float32 and got.shape == (T, nh * hd)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"T {T} S {S} nh {nh} nkv {nkv}")
+    T = ops.HOST_ATTENTION_TOKENS + 1  # longer prompts take the batched matmuls: the two agree
+    q, k = rng.standard_normal((T, 4, 16)).astype(np.float32), rng.standard_normal((T, 2, 16)).astype(np.float32)
+    mask = ops.attention_mask(np.arange(T), np.arange(T), None)
+    np.testing.assert_allclose(ops.gqa_attention(q, k, k, mask),
+                               np.concatenate([ops.gqa_attention(q[t:t + 1], k, k, mask[t:t + 1]) for t in range(T)]),
+                               rtol=1e-5, atol=1e-6)

@@ -71,6 +71,10 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     rotary, GLM-4.5): the first d dims rotated, the rest passed through."""
     if is_device(x):
         return device_ops.apply_rope(x, cos, sin)  # partial rotary too
+    if _host_rows(x, cos, sin) and x.ndim == 3 and cos.shape[-1] <= x.shape[-1]:
+        out = np.empty_like(x)
+        host_ops.rope(x, cos, sin, out)
+        return out
     if cos.shape[-1] < x.shape[-1]:
         d = cos.shape[-1]
         return xp_of(x).concatenate([apply_rope(x[..., :d], cos, sin), x[..., d:]], axis=-1)
@@ -87,10 +91,17 @@ def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> 
     return allowed
 
 
+HOST_ATTENTION_TOKENS = 4  # decode and small batches: host_ops' loop; longer prompts: NumPy's batched matmuls
+
+
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] -> [T, nh*hd]. Heads share KV in groups of nh/nkv."""
     T, nh, hd = q.shape
     nkv = k.shape[1]
+    if T <= HOST_ATTENTION_TOKENS and _host_rows(q, k, v) and mask.dtype == np.bool_ and mask.flags.c_contiguous:
+        out = np.empty((T, nh * hd), np.float32)
+        host_ops.gqa_attention(q, k, v, mask, np.float32(hd**-0.5), out)
+        return out
     group = nh // nkv
     qg = q.reshape(T, nkv, group, hd).transpose(1, 2, 0, 3)  # [nkv, g, T, hd]
     kt = k.transpose(1, 2, 0)  # [nkv, hd, S]
