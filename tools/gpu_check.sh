@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, the GPU suite (tests/test_gpu.py, `pytest -m gpu`) in one command:
 #   ./tools/gpu_check.sh [pytest arguments]
+#   ./tools/gpu_check.sh --bench    then the decode bench with the CuPy coordinator: the kernels' first
+#                                   compile timed, the deep preset (48 layers) made in /tmp/strata-deep
 # With network: makes .venv, installs the project with its test extra and the CuPy wheel that matches
 # the driver's CUDA (or $STRATA_CUPY_PACKAGE).
 # Without network (this workplace's GPU machines): runs on the machine's own python3 and its CuPy;
@@ -58,4 +60,14 @@ if ok:
     props = cupy.cuda.runtime.getDeviceProperties(0)
     print("device 0:", props["name"].decode(), "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
 PY
-exec "$PY" -m pytest -p no:cacheprovider -m gpu -v tests/test_gpu.py "$@"
+if [ "${1:-}" != "--bench" ]; then
+  exec "$PY" -m pytest -p no:cacheprovider -m gpu -v tests/test_gpu.py "$@"
+fi
+"$PY" -c 'import time, coordinator
+from node_worker.kernels import dense, layer
+t = time.perf_counter(); layer.warm_up(); dense.warm_up()
+print("numba kernels ready in %.1f s (the first run compiles them, later ones load them)" % (time.perf_counter() - t))'
+DEEP="${TMPDIR:-/tmp}/strata-deep"
+[ -f "$DEEP/config.json" ] || "$PY" -m coordinator make-model --preset deep --out "$DEEP" --force
+exec "$PY" -m coordinator bench -m "$DEEP" --modes inproc,single,split --device cuda --tokens 32 \
+  --prompt-tokens 32 --rounds 2 --quality-positions 0
