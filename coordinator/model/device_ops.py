@@ -10,7 +10,8 @@ kernel here (and the router's top-k runs on the host, on logits copied once);
 ops.py calls them for CuPy arrays and keeps its NumPy forms (and host_ops'
 compiled loops) for the host. Results equal the NumPy forms to float32 rounding
 (tests/test_gpu.py, against float64). With them the same bench decoded at 13.8
-instead of 5.2 tok/s (a 72 ms step); what is left is mostly gqa_attention's
+instead of 5.2 tok/s (a 72 ms step; two lent machines of the same kind, not one
+run); what is left is mostly gqa_attention's
 batched matmuls over broadcast, transposed operands (about 450 µs a layer under
 cProfile), a case for one decode-attention kernel.
 
