@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.model import ops
+from coordinator.model import host_ops, ops
 from coordinator.model.sampling import Sampler, SamplingParams, filtered_probs
 
 rng = np.random.default_rng(0)
@@ -172,6 +172,16 @@ def test_host_rope_and_decode_attention_equal_float64():
         want = ops.gqa_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask)
         assert got.dtype == np.float32 and got.shape == (T, nh * hd)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"T {T} S {S} nh {nh} nkv {nkv}")
+    S = ops.PARALLEL_ATTENTION_MACS // (32 * 128) + 3  # a long context: the threads share the KV heads
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in [(1, 32, 128), (S, 4, 128), (S, 4, 128)])
+    mask = ops.attention_mask(np.array([S - 1]), np.arange(S), None)
+    got = ops.gqa_attention(q, k, v, mask)
+    serial, parallel = np.empty_like(got), np.empty_like(got)
+    host_ops.gqa_attention(q, k, v, mask, np.float32(128**-0.5), serial)
+    host_ops.gqa_attention_parallel(q, k, v, mask, np.float32(128**-0.5), parallel)
+    assert np.array_equal(parallel, serial) and np.array_equal(got, parallel)  # the same loop per pair
+    np.testing.assert_allclose(got, ops.gqa_attention(q.astype(np.float64), k.astype(np.float64),
+                                                      v.astype(np.float64), mask), rtol=1e-5, atol=1e-6)
     T = ops.HOST_ATTENTION_TOKENS + 1  # longer prompts take the batched matmuls: the two agree
     q, k = rng.standard_normal((T, 4, 16)).astype(np.float32), rng.standard_normal((T, 2, 16)).astype(np.float32)
     mask = ops.attention_mask(np.arange(T), np.arange(T), None)

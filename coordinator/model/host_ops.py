@@ -11,6 +11,7 @@ the top-k going to the lower expert id as there.
     top_k(logits [T, E], k, normalize, ids [T, k], weights [T, k])
     rope(x [T, heads, hd], cos [T, d], sin [T, d], out)       d <= hd; the rest copied
     gqa_attention(q [T, nh, hd], k, v [S, nkv, hd], mask [T, S], scale, out [T, nh*hd])
+    gqa_attention_parallel(the same)                         the (token, KV head) pairs over the threads
 
 At decode gqa_attention's NumPy form (a broadcast batched matmul, a masked
 softmax, another matmul, transposes) took 122 µs for Qwen3-30B-A3B's heads (32
@@ -23,7 +24,7 @@ call per value).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from node_worker.kernels.common import JIT
 from node_worker.kernels.silu import exp
@@ -85,41 +86,59 @@ def rope(x, cos, sin, out) -> None:
                 out[t, h, j] = x[t, h, j]
 
 
+@njit(inline="always", **JIT)
+def _kv_group(q, k, v, mask, scale, out, t, kh, scores, acc) -> None:
+    """Token t's heads that share KV head kh: scores [g, S] and acc [g, hd] are scratch."""
+    g, S = scores.shape
+    hd = acc.shape[1]
+    for j in range(S):
+        for a in range(g):
+            if mask[t, j]:
+                s = np.float32(0.0)
+                for d in range(hd):
+                    s += q[t, kh * g + a, d] * k[j, kh, d]
+                scores[a, j] = s * scale
+            else:
+                scores[a, j] = -np.inf
+    for a in range(g):
+        m = scores[a, 0]
+        for j in range(1, S):
+            m = max(m, scores[a, j])
+        total = np.float32(0.0)
+        for j in range(S):  # silu.exp: float32 operations that LLVM vectorises, where libm's is a call
+            e = exp(scores[a, j] - m) if mask[t, j] else np.float32(0.0)
+            scores[a, j] = e
+            total += e
+        for j in range(S):
+            scores[a, j] /= total
+        acc[a, :] = 0.0
+    for j in range(S):
+        for a in range(g):
+            p = scores[a, j]
+            for d in range(hd):
+                acc[a, d] += p * v[j, kh, d]
+    for a in range(g):
+        for d in range(hd):
+            out[t, (kh * g + a) * hd + d] = acc[a, d]
+
+
 @njit(**JIT)
 def gqa_attention(q, k, v, mask, scale, out) -> None:
     T, nh, hd = q.shape
-    S, nkv = k.shape[0], k.shape[1]
-    g = nh // nkv
-    scores = np.empty((g, S), np.float32)  # [g, S] the group's heads over the keys
-    acc = np.empty((g, hd), np.float32)
+    nkv = k.shape[1]
+    scores = np.empty((nh // nkv, k.shape[0]), np.float32)  # [g, S] the group's heads over the keys
+    acc = np.empty((nh // nkv, hd), np.float32)
     for t in range(T):
         for kh in range(nkv):
-            for j in range(S):
-                for a in range(g):
-                    if mask[t, j]:
-                        s = np.float32(0.0)
-                        for d in range(hd):
-                            s += q[t, kh * g + a, d] * k[j, kh, d]
-                        scores[a, j] = s * scale
-                    else:
-                        scores[a, j] = -np.inf
-            for a in range(g):
-                m = scores[a, 0]
-                for j in range(1, S):
-                    m = max(m, scores[a, j])
-                total = np.float32(0.0)
-                for j in range(S):  # silu.exp: float32 operations that LLVM vectorises, where libm's is a call
-                    e = exp(scores[a, j] - m) if mask[t, j] else np.float32(0.0)
-                    scores[a, j] = e
-                    total += e
-                for j in range(S):
-                    scores[a, j] /= total
-                acc[a, :] = 0.0
-            for j in range(S):
-                for a in range(g):
-                    p = scores[a, j]
-                    for d in range(hd):
-                        acc[a, d] += p * v[j, kh, d]
-            for a in range(g):
-                for d in range(hd):
-                    out[t, (kh * g + a) * hd + d] = acc[a, d]
+            _kv_group(q, k, v, mask, scale, out, t, kh, scores, acc)
+
+
+@njit(parallel=True, **JIT)
+def gqa_attention_parallel(q, k, v, mask, scale, out) -> None:
+    """gqa_attention with the (token, KV head) pairs shared among the threads: long contexts."""
+    T, nh, hd = q.shape
+    nkv = k.shape[1]
+    for i in prange(T * nkv):
+        scores = np.empty((nh // nkv, k.shape[0]), np.float32)
+        acc = np.empty((nh // nkv, hd), np.float32)
+        _kv_group(q, k, v, mask, scale, out, i // nkv, i % nkv, scores, acc)
