@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch, where pip reaches PyPI, the wheels a GPU machine without network needs beside its own image
 # (this workplace's CUDA image has CuPy, NumPy, numba, pytest, psutil, safetensors, tokenizers, jinja2
-# and aiohttp, but not these; gguf is pure Python, the other three are built per Python version). They land in .whl/ (git-ignored); carry that folder and ./tools/gpu_check.sh installs them.
+# and aiohttp, but not these; gguf is pure Python, the other three are built per Python version).
+# They land in .whl/ (git-ignored); carry that folder and ./tools/gpu_check.sh installs them.
 #   ./tools/gpu_wheels.sh [python version, default 3.12]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

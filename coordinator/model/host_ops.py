@@ -92,14 +92,15 @@ def _kv_group(q, k, v, mask, scale, out, t, kh, scores, acc) -> None:
     g, S = scores.shape
     hd = acc.shape[1]
     for j in range(S):
+        seen = mask[t, j]
         for a in range(g):
-            if mask[t, j]:
+            s = np.float32(-np.inf)
+            if seen:
                 s = np.float32(0.0)
                 for d in range(hd):
                     s += q[t, kh * g + a, d] * k[j, kh, d]
-                scores[a, j] = s * scale
-            else:
-                scores[a, j] = -np.inf
+                s *= scale
+            scores[a, j] = s
     for a in range(g):
         m = scores[a, 0]
         for j in range(1, S):

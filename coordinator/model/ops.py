@@ -105,14 +105,14 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray)
     nkv = k.shape[1]
     if T <= HOST_ATTENTION_TOKENS and _host_rows(q, k, v) and mask.dtype == np.bool_ and mask.flags.c_contiguous:
         out = np.empty((T, nh * hd), np.float32)
-        long = T * k.shape[0] * nh * hd >= PARALLEL_ATTENTION_MACS
-        (host_ops.gqa_attention_parallel if long else host_ops.gqa_attention)(q, k, v, mask, np.float32(hd**-0.5),
-                                                                              out)
+        loop = host_ops.gqa_attention_parallel if T * k.shape[0] * nh * hd >= PARALLEL_ATTENTION_MACS \
+            else host_ops.gqa_attention
+        loop(q, k, v, mask, np.float32(hd**-0.5), out)
         return out
     group = nh // nkv
     qg = q.reshape(T, nkv, group, hd).transpose(1, 2, 0, 3)  # [nkv, g, T, hd]
     kt = k.transpose(1, 2, 0)  # [nkv, hd, S]
-    probs = _masked_softmax(qg @ kt[:, None], mask, hd**-0.5, xp_of(q))  # [nkv, g, T, S]
+    probs = _masked_softmax(qg @ kt[:, None], mask, hd**-0.5)  # [nkv, g, T, S]
     out = probs @ v.transpose(1, 0, 2)[:, None]  # [nkv, g, T, hd]
     return out.transpose(2, 0, 1, 3).reshape(T, nh * hd)
 
@@ -200,11 +200,11 @@ def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_
     return ids.astype(np.int64), weights.astype(np.float32)
 
 
-def _masked_softmax(scores: np.ndarray, mask: np.ndarray, scale: float, xp) -> np.ndarray:
+def _masked_softmax(scores: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
     """scores [..., T, S], mask [T, S] -> softmax over S of where(mask, scores * scale, -inf)."""
     if is_device(scores):
         return device_ops.masked_softmax(scores, mask, scale)
-    return softmax(xp.where(mask, scores * np.float32(scale), np.float32(-np.inf)), axis=-1)
+    return softmax(np.where(mask, scores * np.float32(scale), np.float32(-np.inf)), axis=-1)
 
 
 def mla_attention(q_nope: np.ndarray, q_rope: np.ndarray, k_nope: np.ndarray, k_rope: np.ndarray,
@@ -212,11 +212,10 @@ def mla_attention(q_nope: np.ndarray, q_rope: np.ndarray, k_nope: np.ndarray, k_
     """Multi-head latent attention with the latent expanded: q_nope [T, nh, dn], q_rope [T, nh, dr],
     k_nope [S, nh, dn], k_rope [S, dr] (one rope key shared by every head), v [S, nh, dv], mask [T, S]
     -> [T, nh*dv]. Scores (q_nope·k_nope + q_rope·k_rope) * scale."""
-    xp = xp_of(q_nope)
     T, nh, _ = q_nope.shape
     scores = q_nope.transpose(1, 0, 2) @ k_nope.transpose(1, 2, 0)  # [nh, T, S]
     scores = scores + (q_rope.transpose(1, 0, 2) @ k_rope.T)  # [nh, T, S]
-    out = _masked_softmax(scores, mask, scale, xp) @ v.transpose(1, 0, 2)  # [nh, T, dv]
+    out = _masked_softmax(scores, mask, scale) @ v.transpose(1, 0, 2)  # [nh, T, dv]
     return out.transpose(1, 0, 2).reshape(T, -1)
 
 
@@ -225,10 +224,9 @@ def mla_attention_absorbed(q_nope: np.ndarray, q_rope: np.ndarray, latent: np.nd
     """The same attention on the cached latent [S, c] without expanding it: W_uk [nh, dn, c] folds into q
     (q_nope·(W_uk·l) = (q_nope·W_uk)·l) and W_uv [nh, dv, c] applies after the weighted sum of latents.
     Work per cached token: nh*(c + dr) instead of the expansion's nh*c*(dn + dv)."""
-    xp = xp_of(q_nope)
     T, nh, _ = q_nope.shape
     q_lat = q_nope.transpose(1, 0, 2) @ w_uk  # [nh, T, c]
     scores = q_lat @ latent.T + q_rope.transpose(1, 0, 2) @ k_rope.T  # [nh, T, S]
-    out_lat = _masked_softmax(scores, mask, scale, xp) @ latent  # [nh, T, c]
+    out_lat = _masked_softmax(scores, mask, scale) @ latent  # [nh, T, c]
     out = out_lat @ w_uv.transpose(0, 2, 1)  # [nh, T, dv]
     return out.transpose(1, 0, 2).reshape(T, -1)
