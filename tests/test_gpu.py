@@ -155,53 +155,6 @@ def test_device_experts_run_while_the_pool_computes(model):
     assert not timed_out, f"the coordinator waited on the device experts before collecting (layers {timed_out})"
 
 
-def _softmax64(scores: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-    s = np.where(mask, scores.astype(np.float64) * scale, -np.inf)
-    e = np.exp(s - s.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def test_fused_device_kernels_match_float64():
-    """device_ops' one-launch kernels against float64 NumPy: rows shorter and longer than a block, several
-    leading dimensions, partial rotary, sliding windows, silu's tails."""
-    import cupy
-
-    from coordinator.model import device_ops, ops
-
-    rng = np.random.default_rng(7)
-    for shape in [(1, 1), (3, 5), (2, 127), (2, 128), (3, 129), (4, 2048), (2, 4, 128), (1, 7168)]:
-        x = (rng.standard_normal(shape) * 3).astype(np.float32)
-        w = rng.standard_normal(shape[-1]).astype(np.float32)
-        got = cupy.asnumpy(device_ops.rms_norm(cupy.asarray(x), cupy.asarray(w), 1e-6))
-        x64 = x.astype(np.float64)
-        want = x64 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + 1e-6) * w
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, err_msg=str(shape))
-
-    for hd, d in [(64, 64), (128, 64), (64, 32)]:  # full and partial rotary (GLM-4.5)
-        T, heads = 3, 4
-        x = rng.standard_normal((T, heads, hd)).astype(np.float32)
-        cos, sin = ops.rope_cos_sin(np.arange(40, 40 + T), ops.rope_inv_freq(d, 1e6))  # [T, d]
-        got = cupy.asnumpy(device_ops.apply_rope(cupy.asarray(x), cupy.asarray(cos), cupy.asarray(sin)))
-        want = ops.apply_rope(x.astype(np.float64), cos.astype(np.float64), sin.astype(np.float64))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"hd {hd} d {d}")
-        assert np.array_equal(got[..., d:], x[..., d:])
-
-    for T, S, window in [(1, 1, None), (1, 37, None), (4, 37, None), (4, 37, 5), (3, 300, None), (2, 300, 128)]:
-        q_pos = np.arange(S - T, S)
-        mask = ops.attention_mask(q_pos, np.arange(S), window)  # [T, S]
-        scores = (rng.standard_normal((2, 3, T, S)) * 5).astype(np.float32)
-        got = cupy.asnumpy(device_ops.masked_softmax(cupy.asarray(scores), cupy.asarray(mask), 0.125))
-        np.testing.assert_allclose(got, _softmax64(scores, mask, 0.125), rtol=1e-5, atol=1e-7,
-                                   err_msg=f"T {T} S {S} window {window}")
-        assert np.all(got[..., ~mask] == 0)
-
-    g = np.concatenate([np.linspace(-100, 100, 4001), [0.0, -1e-30, 1e-30, 88.0, -88.0]]).astype(np.float32)
-    u = rng.standard_normal(g.size).astype(np.float32)
-    got = cupy.asnumpy(device_ops.silu_mul(cupy.asarray(g), cupy.asarray(u)))
-    g64 = g.astype(np.float64)
-    np.testing.assert_allclose(got, g64 / (1 + np.exp(-g64)) * u, rtol=1e-5, atol=1e-30)
-
-
 HF = Path(__file__).parent / "fixtures" / "hf"
 
 
@@ -219,3 +172,18 @@ def test_deepseek_on_the_gpu_matches_transformers(case):
         assert gpu.generate(prompt, max_new_tokens=len(greedy), temperature=0.0, stop_at_eos=False) == greedy
         gpu.decoder.mla_absorb = True
         assert float(np.max(np.abs(gpu.logits(prompt) - ref["logits"]))) < 2e-4
+
+
+def test_fused_qkv_is_one_matrix_of_views(tmp_path):
+    """The device side's q, k and v (and biases) are views of one uploaded matrix a layer, no second copy."""
+    import cupy
+
+    with Engine.open(make_model(tmp_path, arch="qwen2_moe", seed=5), EngineConfig(device="cuda")) as eng:
+        dec = eng.decoder
+        assert len(dec.qkv) == len(dec.w.layers) and all(f is not None for f in dec.qkv)
+        for lw, f in zip(dec.w.layers, dec.qkv):
+            assert f.weight.shape[0] == lw.q.shape[0] + lw.k.shape[0] + lw.v.shape[0]
+            for part in (lw.q, lw.k, lw.v):
+                assert cupy.shares_memory(part, f.weight)
+            for part in (lw.q_bias, lw.k_bias, lw.v_bias):
+                assert cupy.shares_memory(part, f.bias)

@@ -78,3 +78,23 @@ def test_split_plan_matches_unsplit_within_rounding(variant, nodes):
         again = eng.logits(PROMPT)
     np.testing.assert_allclose(split, whole, atol=2e-5, rtol=0)
     assert np.array_equal(split, again)  # deterministic
+
+
+def test_fused_qkv_projection_matches_reference(variant):
+    """The device side's fused QKV (one matrix, q/k/v views of it, norm + RoPE read from the output's column
+    slices), driven here on NumPy: the reference's logits, prefill and token by token through the cache."""
+    from coordinator.model.decoder import fuse_qkv
+
+    name, path = variant
+    ref = Reference(path).forward(PROMPT)
+    with Engine.open(path, EngineConfig(pool="inproc")) as eng:
+        dec = eng.decoder
+        for i, lw in enumerate(dec.w.layers):
+            dec.w.layers[i], dec.qkv[i] = fuse_qkv(lw, np)
+            assert np.shares_memory(dec.w.layers[i].v, dec.qkv[i].weight)
+        got = eng.logits(PROMPT)
+        cache = dec.new_cache()
+        dec.forward(np.array(PROMPT[:4]), cache)
+        steps = np.stack([dec.forward(np.array([tok]), cache)[-1] for tok in PROMPT[4:]])
+    assert float(np.max(np.abs(got - ref))) < 2e-4, name
+    assert float(np.max(np.abs(steps - ref[4:]))) < 2e-4, name

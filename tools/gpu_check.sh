@@ -61,7 +61,7 @@ if ok:
     print("device 0:", props["name"].decode(), "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
 PY
 if [ "${1:-}" != "--bench" ]; then
-  exec "$PY" -m pytest -p no:cacheprovider -m gpu -v tests/test_gpu.py "$@"
+  exec "$PY" -m pytest -p no:cacheprovider -m gpu -v tests/test_gpu.py tests/test_device_kernels.py "$@"
 fi
 "$PY" -c 'import time, coordinator
 from node_worker.kernels import dense, layer

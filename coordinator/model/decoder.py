@@ -5,6 +5,7 @@ Routed experts go through an ExpertPool; everything else runs here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,32 @@ def on_device(obj, xp, _uploaded: dict | None = None):
     if hasattr(obj, "__dataclass_fields__"):
         return type(obj)(**{k: on_device(getattr(obj, k), xp, uploaded) for k in obj.__dataclass_fields__})
     return obj
+
+
+@dataclass(frozen=True, eq=False)
+class FusedQKV:
+    """A layer's q, k and v projections as one matrix: the device side's one matmul where it took three (at
+    decode each call costs more than its work)."""
+
+    weight: object  # [(nh + 2 nkv) * hd, H]: q's rows, then k's, then v's
+    bias: object | None  # [(nh + 2 nkv) * hd]
+    q_end: int  # q's rows end here
+    k_end: int  # k's here; v's at the end
+
+
+def fuse_qkv(lw: LayerWeights, xp) -> tuple[LayerWeights, FusedQKV | None]:
+    """The layer with q, k and v (and their biases) as views of one new matrix, and that matrix; an MLA layer
+    as it is, and None."""
+    if lw.q is None:
+        return lw, None
+    q_end, k_end = lw.q.shape[0], lw.q.shape[0] + lw.k.shape[0]
+    weight = xp.concatenate([lw.q, lw.k, lw.v])
+    views = dict(q=weight[:q_end], k=weight[q_end:k_end], v=weight[k_end:])
+    bias = None
+    if lw.q_bias is not None:
+        bias = xp.concatenate([lw.q_bias, lw.k_bias, lw.v_bias])
+        views.update(q_bias=bias[:q_end], k_bias=bias[q_end:k_end], v_bias=bias[k_end:])
+    return dataclasses.replace(lw, **views), FusedQKV(weight, bias, q_end, k_end)
 
 
 log = logging.getLogger(__name__)
@@ -123,6 +150,10 @@ class Decoder:
         self.side = SideStream(backend)  # the device experts' own stream
         self.w = on_device(weights, self.xp)  # dense weights where the device side runs
         self.router_bias = [lw.router_bias for lw in weights.layers]  # host copies: the routing runs on the host
+        self.qkv: list[FusedQKV | None] = [None] * len(self.w.layers)  # per layer; the host keeps three matrices
+        if self.xp is not np:  # the uploaded q, k, v become views of the fused matrix: no second copy
+            for i, lw in enumerate(self.w.layers):
+                self.w.layers[i], self.qkv[i] = fuse_qkv(lw, self.xp)
         self.pool = pool
         # (layer, e) -> MLPWeights kept whole on the device
         self.device_experts = {k: on_device(v, self.xp) for k, v in (device_experts or {}).items()}
@@ -166,21 +197,23 @@ class Decoder:
         lengths = [len(ids) for ids, _ in seqs]
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
-        xp = self.xp
-        rope = [self._rope_tables(p) for p in positions]  # cos, sin [T_s, hd]
+        xp, eps, layers = self.xp, self.cfg.rms_norm_eps, self.w.layers
+        rope = self._rope_tables(np.concatenate(positions))  # cos, sin [N, d]: every row's position
         masks: dict = {}  # (sequence, window) -> [T_s, S_s] on the device: uploaded once, not once a layer
         h = self.w.embed[xp.asarray(np.concatenate([ids for ids, _ in seqs]))]  # [N, H]
-        for i, lw in enumerate(self.w.layers):
-            a = ops.rms_norm(h, lw.input_norm, self.cfg.rms_norm_eps)
-            h = h + self._attention(i, lw, a, seqs, bounds, positions, rope, masks)
-            m = ops.rms_norm(h, lw.post_attn_norm, self.cfg.rms_norm_eps)
-            h = h + (self._moe(i, lw, m) if self.cfg.sparse_layers[i] else ops.swiglu_mlp(
-                m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down))
+        a = ops.rms_norm(h, layers[0].input_norm if layers else self.w.final_norm, eps)  # [N, H]
+        for i, lw in enumerate(layers):  # each residual add joined to the norm after it
+            h, m = ops.add_rms_norm(h, self._attention(i, lw, a, seqs, bounds, positions, rope, masks),
+                                    lw.post_attn_norm, eps)
+            y = self._moe(i, lw, m) if self.cfg.sparse_layers[i] else ops.swiglu_mlp(
+                m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down)
+            h, a = ops.add_rms_norm(h, y, layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm,
+                                    eps)  # a: the next layer's input, after the last the final norm's output
         for (_, cache), n in zip(seqs, lengths):
             cache.advance(n)
         rows = [slice(b - 1, b) if last_only else slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-        picked = xp.concatenate([h[r] for r in rows]) if last_only else h
-        logits = to_host(ops.rms_norm(picked, self.w.final_norm, self.cfg.rms_norm_eps) @ self.w.lm_head.T)  # [*, V]
+        picked = xp.concatenate([a[r] for r in rows]) if last_only else a
+        logits = to_host(picked @ self.w.lm_head.T)  # [*, V]
         if last_only:
             return [logits[k : k + 1] for k in range(len(seqs))]
         return [logits[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -196,27 +229,34 @@ class Decoder:
         cfg = self.cfg
         if lw.mla is not None:
             return self._mla_attention(i, lw, x, seqs, bounds, positions, rope, masks)
-        N = x.shape[0]
-        q = x @ lw.q.T  # [N, nh*hd]
-        k = x @ lw.k.T  # [N, nkv*hd]
-        v = x @ lw.v.T
-        if lw.q_bias is not None:
-            q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
-        q = q.reshape(N, cfg.num_heads, cfg.head_dim)  # [N, nh, hd]
-        k = k.reshape(N, cfg.num_kv_heads, cfg.head_dim)  # [N, nkv, hd]
-        v = v.reshape(N, cfg.num_kv_heads, cfg.head_dim)
-        if lw.q_norm is not None:
-            q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-            k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+        q, k, v = self._project_qkv(i, lw, x)  # [N, nh, hd], [N, nkv, hd], [N, nkv, hd]
+        cos, sin = rope
+        q = ops.norm_rope(q, lw.q_norm, cfg.rms_norm_eps, cos, sin)  # q_norm (Qwen3; or none), then RoPE
+        k = ops.norm_rope(k, lw.k_norm, cfg.rms_norm_eps, cos, sin)
         parts = []  # each sequence's [T_s, nh*hd]
         for s, (_, cache) in enumerate(seqs):
             r = slice(bounds[s], bounds[s + 1])
-            cos, sin = rope[s]
-            keys, values = cache.extend(i, ops.apply_rope(k[r], cos, sin), v[r])  # [S, nkv, hd]
+            keys, values = cache.extend(i, k[r], v[r])  # [S, nkv, hd]
             mask = self._mask(masks, s, positions[s], keys.shape[0], cfg.sliding_windows[i])  # [T_s, S]
-            parts.append(ops.gqa_attention(ops.apply_rope(q[r], cos, sin), keys, values, mask))
+            parts.append(ops.gqa_attention(q[r], keys, values, mask))
         out = parts[0] if len(parts) == 1 else self.xp.concatenate(parts)  # [N, nh*hd]
         return out @ lw.o.T  # [N, H]
+
+    def _project_qkv(self, i: int, lw: LayerWeights, x: np.ndarray):
+        """x [N, H] -> q [N, nh, hd], k and v [N, nkv, hd]: one matmul where the layer's are fused (the device
+        side; then views of its output), else three."""
+        cfg, N, fused = self.cfg, x.shape[0], self.qkv[i]
+        if fused is not None:
+            qkv = x @ fused.weight.T  # [N, (nh + 2 nkv) * hd]
+            if fused.bias is not None:
+                qkv = qkv + fused.bias
+            q, k, v = qkv[:, : fused.q_end], qkv[:, fused.q_end : fused.k_end], qkv[:, fused.k_end :]
+        else:
+            q, k, v = x @ lw.q.T, x @ lw.k.T, x @ lw.v.T  # [N, nh*hd], [N, nkv*hd], [N, nkv*hd]
+            if lw.q_bias is not None:
+                q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
+        return (q.reshape(N, cfg.num_heads, cfg.head_dim), k.reshape(N, cfg.num_kv_heads, cfg.head_dim),
+                v.reshape(N, cfg.num_kv_heads, cfg.head_dim))
 
     def _mla_attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope,
                        masks: dict) -> np.ndarray:
@@ -236,7 +276,7 @@ class Decoder:
         out = self.xp.empty((N, nh * m.v_head_dim), np.float32)  # [N, nh*dv]
         for s, (_, cache) in enumerate(seqs):
             r = slice(bounds[s], bounds[s + 1])
-            cos, sin = rope[s]
+            cos, sin = rope[0][r], rope[1][r]
             lat, kr = cache.extend(i, latent[r], rotate(k_rope[r], cos, sin)[:, 0])  # [S, c], [S, dr]
             mask = self._mask(masks, s, positions[s], lat.shape[0], None)  # [T_s, S]
             qr = rotate(q_rope[r], cos, sin)

@@ -31,6 +31,24 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x / xp.sqrt(variance + np.float32(eps))) * weight
 
 
+def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """The residual add and the next norm: (h + delta, rms_norm(h + delta)), h and delta [..., D]. On the device
+    one launch, equal to the two ops."""
+    if is_device(h):
+        return device_ops.add_rms_norm(h, delta, weight, eps)
+    total = h + delta
+    return total, rms_norm(total, weight, eps)
+
+
+def norm_rope(x: np.ndarray, weight: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, heads, hd] -> apply_rope(rms_norm(x, weight) per head, cos, sin) (weight None: no norm). On the
+    device one launch, equal to the two ops, that also reads x's rows where they lie (a column slice of the
+    fused QKV output)."""
+    if is_device(x):
+        return device_ops.norm_rope(x, weight, eps, cos, sin)
+    return apply_rope(rms_norm(x, weight, eps) if weight is not None else x, cos, sin)
+
+
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     xp = xp_of(x)
     shifted = x - xp.max(x, axis=axis, keepdims=True)
@@ -97,12 +115,17 @@ HOST_ATTENTION_TOKENS = 4  # decode and small batches: host_ops' loop; longer pr
 # 4.2-6.6 / 2.1-2.3 ms; below it a parallel region's wake-up (60-70 µs where the coordinator's threads sleep,
 # kernel_threads.py) would cost more than it saves.
 PARALLEL_ATTENTION_MACS = 1 << 21
+# Up to this many query tokens the device runs device_ops' one-launch attention (a block a token and head, every
+# key read by each); longer prompts keep the batched matmuls, whose work grows as T x S once, not per block.
+DEVICE_ATTENTION_TOKENS = 64
 
 
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] -> [T, nh*hd]. Heads share KV in groups of nh/nkv."""
     T, nh, hd = q.shape
     nkv = k.shape[1]
+    if is_device(q) and T <= DEVICE_ATTENTION_TOKENS:
+        return device_ops.gqa_attention(q, k, v, mask, hd**-0.5)
     if T <= HOST_ATTENTION_TOKENS and _host_rows(q, k, v) and mask.dtype == np.bool_ and mask.flags.c_contiguous:
         out = np.empty((T, nh * hd), np.float32)
         loop = host_ops.gqa_attention_parallel if T * k.shape[0] * nh * hd >= PARALLEL_ATTENTION_MACS \
