@@ -26,6 +26,7 @@ from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
 from node_worker.kernels.rows import FORMAT_IDS, SUPER_IDS
 from shm import formats
 from shm.formats.encode import encode_into
+from shm.huge_pages import advised_copy
 
 BLOCK_IDS = tuple(FORMAT_IDS[name] for name in BLOCK_FORMATS)  # q8, q4: iblock.py's prefill loop
 
@@ -54,7 +55,7 @@ class PackedMatrix:
         self.fmt = fmt
         self.int_act = int_act  # integer dot products on quantised activations (isimd.py; several tokens: isuper.py)
         self.shape = shape  # [R, K]
-        self.data = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)  # [R * row_bytes]
+        self.data = advised_copy(stored)  # [R * row_bytes] in huge pages where the kernel gives them
         self.row_bytes = fmt.row_bytes(shape[1])
         self.fmt_id = FORMAT_IDS[fmt.NAME]
 
