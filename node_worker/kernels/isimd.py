@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from . import idot
 from .ir import F32, I8, LANES, const, splat
-from .simd import FAST, FORMATS, _byte_ptr, _groups, _per_format, _prefetch_ahead, _register_loop
+from .simd import FAST, FORMATS, _byte_ptr, _groups, _per_format, _prefetch_tile, _register_loop
 
 BLOCK_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "igroup")}  # dot4i's
 INT_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items()
@@ -88,7 +88,7 @@ def _emit_rows(builder, fmt, rows, x, hidden_v):
 
     def step(i, flat):
         accs = [_Acc(flat[2 * k], flat[2 * k + 1]) for k in range(len(rows))]
-        _prefetch_ahead(builder, fmt, rows, i)
+        _prefetch_tile(builder, fmt, rows, i)  # decode's four rows of a matrix, one after another: one run
         for j in range(_groups(fmt)):
             b = builder.add(builder.mul(i, const(_groups(fmt))), const(j))  # block b of the row (32 values)
             xv = builder.load(builder.bitcast(builder.gep(xq, [builder.mul(b, const(LANES))]), V32.as_pointer()),

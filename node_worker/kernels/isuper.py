@@ -53,13 +53,12 @@ from types import ModuleType
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import idot
 from .ir import F32, I8, I16, I32, LANES, const, splat
 from .isimd import _reduce
-from .simd import FAST, FORMATS, PREFETCH_ROWS, _byte_ptr, _per_format, _register_loop, _tile
+from .simd import FAST, FORMATS, _byte_ptr, _per_format, _prefetch_tile, _register_loop, _tile
 
 SUPER_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "isuper")}
 SUPER = 256
@@ -84,30 +83,6 @@ def _row_scales(builder, d, dmin, lanes: int):
     neg = builder.fsub(ir.Constant(F32, 0.0), dmin, flags=FAST)
     return builder.shuffle_vector(splat(builder, d, v8), splat(builder, neg, v8),
                                   ir.Constant(ir.VectorType(I32, 16), list(range(16))))
-
-
-def _prefetch_tile(builder, fmt, rows, s, row_step) -> None:
-    """Prefetch loop step s's share of the tile PREFETCH_ROWS rows further on, read as one run: the tile's rows
-    lie row_step apart one after another (quad_super's four rows of a matrix), so its bytes from the first
-    row on are prefetched len(rows) x BLOCK_BYTES a step, each cache line of the run once. One row (the
-    prefill tiles): simd._prefetch_ahead's lines, the same addresses.
-
-    simd._prefetch_ahead took each row's own BLOCK_BYTES a step: four runs of ceil(BLOCK_BYTES / 64) lines,
-    BLOCK_BYTES apart (q6k: 16 prefetches a step for 840 bytes, here 14). Measured on this machine (AMD EPYC
-    Zen 3, 2 threads, 4 KiB pages), the same integers and float operations and the same bits either way:
-    the Q4_K_M file's lm_head (151936 x 2048 Q6_K, x @ lm_head.T for one token in the engine, 6 alternating
-    process pairs, 18 timings each) median 12.45 -> 9.52 ms, 20.5 -> 26.8 GB/s (STREAM 19-29 GB/s);
-    tools/kernel_bench.py --activations q8 --experts 64 --tokens 1, 6 alternating pairs, median ms a layer:
-    q6k 12.20 -> 10.50, q4k 9.64 -> 7.15, q5k 10.04 -> 8.27, iq4xs 12.80 -> 12.91 (within its noise).
-    Neither the distance (4 to 32 rows) nor keeping the lines in L2 only (locality 2) moved it further.
-    """
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
-                                                                                           I32]), "llvm.prefetch.p0i8")
-    span = len(rows) * fmt.BLOCK_BYTES  # the tile's bytes a step
-    ahead = builder.add(builder.mul(row_step, const(PREFETCH_ROWS)), builder.mul(s, const(span)))
-    for line in range(-(-span // 64)):  # (address, read, keep in all caches, data)
-        builder.call(fn, [builder.gep(rows[0], [builder.add(ahead, const(64 * line))]), ir.Constant(I32, 0),
-                          ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
