@@ -211,8 +211,8 @@ class Decoder:
                                     eps)  # a: the next layer's input, after the last the final norm's output
         for (_, cache), n in zip(seqs, lengths):
             cache.advance(n)
-        rows = [slice(b - 1, b) if last_only else slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-        picked = xp.concatenate([a[r] for r in rows]) if last_only else a
+        rows = [slice(hi - 1, hi) if last_only else slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        picked = xp.concatenate([a[r] for r in rows]) if last_only else a  # a: after the final norm
         logits = to_host(picked @ self.w.lm_head.T)  # [*, V]
         if last_only:
             return [logits[k : k + 1] for k in range(len(seqs))]
