@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,11 @@ from coordinator.model.packed import PackedMatrix
 from shm import formats
 from shm.huge_pages import HUGE_PAGE, advised_copy, advised_empty
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps (not Linux)")
+pytestmark = [
+    pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps (not Linux)"),
+    pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                       reason="a kernel without transparent huge pages: the advice does not exist"),
+]
 
 
 def vm_flags(address: int) -> list[str]:
@@ -41,7 +44,6 @@ def test_large_arrays_start_on_a_huge_page_advised_for_huge_pages():
     assert "hg" in vm_flags(copy.ctypes.data)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="Linux's advice")
 def test_packed_matrices_are_in_advised_memory_and_unchanged():
     w = (np.random.default_rng(1).standard_normal((1024, 2048)) * 0.02).astype(np.float32)
     packed = PackedMatrix.encode(w, formats.get("q8"))
