@@ -138,7 +138,7 @@ def test_device_attention_norm_rope_and_residual_norm_match_float64(cp):
             apart = cupy.ascontiguousarray(k_dev)
             if weight is not None:
                 apart = device_ops.rms_norm(apart, cupy.asarray(weight), 1e-6)
-            assert cupy.array_equal(got, device_ops.apply_rope(apart, cd, sd))  # the two kernels' arithmetic
+            assert cupy.array_equal(got, device_ops.apply_rope(apart, cd, sd))  # rms_norm's, then the rope
 
     for shape in [(1, 512), (3, 129), (2, 7168)]:
         h, delta = rng.standard_normal((2, *shape)).astype(np.float32)

@@ -104,19 +104,6 @@ extern "C" __global__ void strata_masked_softmax(const float* scores, const unsi
     for (int j = threadIdx.x; j < S; j += blockDim.x) o[j] = o[j] / sum;
 }
 
-// x, out [T, heads, hd]; cos, sin [T, d]: the first d dims of each head rotated in halves, the rest copied
-extern "C" __global__ void strata_rope(const float* x, const float* cos, const float* sin, int heads, int hd,
-                                       int d, long long n, float* out) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    int j = (int)(i % hd);
-    long long t = i / hd / heads;
-    if (j >= d) { out[i] = x[i]; return; }
-    int half = d / 2;
-    float rotated = j < half ? -x[i + half] : x[i - half];
-    out[i] = x[i] * cos[t * d + j] + rotated * sin[t * d + j];
-}
-
 // h, delta, sum, out [rows, D]: sum = h + delta, out = rms_norm(sum) (strata_rms_norm's arithmetic)
 extern "C" __global__ void strata_add_rms_norm(const float* h, const float* delta, const float* weight, float eps,
                                                int D, float* sum, float* out) {
@@ -135,7 +122,7 @@ extern "C" __global__ void strata_add_rms_norm(const float* h, const float* delt
 
 // x: T rows of `heads` heads of hd floats, row t at x + t * row_stride (a column slice of the fused QKV output);
 // out [T, heads, hd]. Each head rms-normalised by weight [hd] (when has_weight: strata_rms_norm's arithmetic),
-// then its first d dims rotated in halves by cos, sin [T, d] (strata_rope's), the rest copied.
+// then its first d dims rotated in halves by cos, sin [T, d] (x cos + rotate_half(x) sin), the rest copied.
 // One block a (token, head); dynamic shared memory: hd floats.
 extern "C" __global__ void strata_norm_rope(const float* x, long long row_stride, int heads, int hd,
                                             const float* weight, int has_weight, float eps,
@@ -288,17 +275,8 @@ def masked_softmax(scores, mask, scale: float):
 
 
 def apply_rope(x, cos, sin):
-    """x [T, heads, hd]; cos, sin [T, d] with d <= hd, d even."""
-    import cupy
-
-    x = _contiguous_f32(x)
-    T, heads, hd = x.shape
-    out = cupy.empty_like(x)
-    if x.size:
-        grid, block = _elementwise_grid(x.size)
-        _kernel("strata_rope")(grid, block, (x, _contiguous_f32(cos), _contiguous_f32(sin), np.int32(heads),
-                                             np.int32(hd), np.int32(cos.shape[-1]), np.int64(x.size), out))
-    return out
+    """x [T, heads, hd]; cos, sin [T, d] with d <= hd, d even: norm_rope's kernel without the norm."""
+    return norm_rope(x, None, 0.0, cos, sin)
 
 
 def silu_mul(g, u):
