@@ -338,6 +338,36 @@ def test_dense_matrix_of_many_tokens_takes_blas_on_decoded_rows(name, limit):
     assert not np.array_equal(x[:-1] @ int_act.T, x[:-1] @ float_act.T)  # one row fewer: the integer loop
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 3, 64])
+def test_q8_dense_matrix_in_groups_of_eight_rows_equals_float64(tokens):
+    """q8 rows in whole groups of eight are stored interleaved (rows8.py: a block's values four by four, row by
+    row, then the eight scales) and taken eight rows a vector for every T: the same bytes reordered, decoded
+    to the row-major decode's bits, the products within float32 rounding of float64 on the quantised
+    activations (a file's -128 included), away from the float path."""
+    from node_worker.kernels import rows8
+
+    rng = np.random.default_rng(10)
+    fmt = formats.get("q8")
+    R, K = 48, 544
+    stored = stored_rows(fmt, R, K, rng)
+    stored[3, 32:64] = np.int8(-128).view(np.uint8)
+    matrix = PackedMatrix(fmt, stored, (R, K), int_act=True)
+    assert matrix.grouped and not PackedMatrix(fmt, stored[:44], (44, K), int_act=True).grouped
+    groups = np.asarray(matrix.data).reshape(R // 8, K // 32, rows8.GROUP_BYTES)
+    r, b, i = 13, 5, 22  # row 13 is row 5 of group 1; its block 5's value 22 lies at 32 (22 // 4) + 4 5 + 22 % 4
+    assert groups[1, b, 32 * (i // 4) + 4 * 5 + i % 4] == stored[r, 32 * b + i]
+    assert groups[1, b, 256 + 2 * 5:256 + 2 * 5 + 2].tobytes() == stored[r, K + 2 * b:K + 2 * b + 2].tobytes()
+    assert np.array_equal(rows8.rows_of(matrix.data, R, K), stored)
+    decoded = matrix.decoded()
+    assert np.array_equal(decoded, PackedMatrix(fmt, stored, (R, K)).decoded())
+    x = activations(rng, tokens, K)
+    got = x @ matrix.T
+    want = dequantised(x) @ decoded.astype(np.float64).T
+    error = np.abs(got - want).max()
+    assert got.shape == (tokens, R) and error <= 2e-6 * np.abs(want).max()
+    assert np.abs((x @ PackedMatrix(fmt, stored, (R, K)).T) - got).max() > 100 * error
+
+
 def test_activations_setting_is_checked():
     assert EngineConfig().activations == "q8"
     with pytest.raises(ConfigValueError, match="activations must be one of q8, f32"):

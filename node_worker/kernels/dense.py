@@ -16,6 +16,7 @@ rows split over numba's threads.
                                                             super-block; or for q8 or q4, any T, per block
                                                             (iblock.py)
     decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
+    (q8 matrices of whole groups of eight rows with integer activations: rows8.py's interleaved layout and loop)
     decode_rows_serial(...)                                  the same on the calling thread alone (for
                                                              callers that run on threads of their own)
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import rows8
 from .common import JIT
 from .activations import quantize_rows_biased, quantize_rows_super
 from .rows import block_int, dot4, quad_super, quantised_if, row_decode, row_tokens_block, row_tokens_int
@@ -80,10 +82,11 @@ def decode_rows_serial(fmt, data, base, row_bytes, first, out):
 
 
 def warm_up() -> None:
-    """Compile both (or load them from the disk cache) before the first request."""
+    """Compile these and rows8.py's (or load them from the disk cache) before the first request."""
     data = np.zeros(4 * 32, np.uint8)
     matmul_rows(0, data, 0, 4 * 32, 1, 32, np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32), True)
     matmul_tokens_int(4, np.zeros(144, np.uint8), 0, 144, 1, 256, np.zeros((4, 256), np.float32),
                       np.zeros((4, 1), np.float32))
     decode_rows(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
     decode_rows_serial(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
+    rows8.warm_up()

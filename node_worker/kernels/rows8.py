@@ -1,0 +1,158 @@
+"""q8 rows interleaved eight at a time (llama.cpp's repacked Q8_0, ggml-cpu/repack.cpp): the dense matrices' loop.
+
+Row-major q8 rows (q8.py) give each (row, token) pair of a tile its own integer sums, converted, scaled and
+added in float once per block of 32: three float operations per 32 products, which was half the time of
+iblock.py's prefill loop (a probe without them ran at 2.1x). Interleaved, a vector's eight 32-bit lanes are
+eight rows: one conversion, one multiply and one FMA serve eight rows' block, and the eight rows' results
+come out as one vector, stored whole.
+
+    a group of 8 rows (R a multiple of 8) of K weights, nb = K / 32 blocks, GROUP_BYTES = 272 a block:
+      group g, block b at byte (g nb + b) 272:
+        bytes [32 k, 32 k + 32), k < 8   the block's values [4 k, 4 k + 4) of rows 0..7, row r at 32 k + 4 r
+        bytes [256, 272)                 the 8 rows' float16 scales d[b], row r at 256 + 2 r
+      row r's block b = d * int8 values: the same numbers as q8.py's row (the same bytes, reordered)
+
+Per group, block b and token t (x' = xd (.) xq, quantised per block of 32: activations.quantize_rows):
+
+    ints <8 x i32>   = sum over k < 8 of idot.dot(values k, xq[t, 32 b + 4 k .. + 4] in every lane)
+    acc <8 x float> += float(ints) * (d <8 x float> * xd[t, b])
+
+which is eight rows' x' . w up to the float rounding of the scales and the sum (iblock.py's form, in another
+order). Measured on this AVX2 host (AMD EPYC Zen 3, 2 threads, q8 rows of 2048, random values, alternating
+in one process, /tmp/w2/qil.py in the session note): 48 experts x 768 rows by 8 tokens 102 GFLOP/s for
+iblock's 1 row x 8 tokens against 171-185 for this loop by two tokens (151 by one, 150 by four: spills);
+4096 x 2048 by 64 tokens 105 against 195.
+
+    interleave(rows [R, row_bytes] uint8, K) -> [R / 8 nb 272] uint8    q8.py's rows as groups (numpy)
+    rows_of(groups, R, K) -> [R, row_bytes] uint8                       the inverse
+    matmul_groups(data, R, K, x, out)    out [T, R] = x [T, K] . W^T: the groups split over numba's threads,
+                                         two tokens at a time (one for an odd last)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import idot
+from .activations import quantize_rows
+from .common import JIT
+from .ir import F32, I8, I16, I32, const
+from .simd import FAST, _byte_ptr, _register_loop
+
+GROUP_ROWS = 8
+GROUP_BYTES = 272  # a block of 8 rows: 8 x 32 values, 8 float16 scales
+PREFETCH_BLOCKS = 8  # the group's stream this many blocks ahead (2176 bytes)
+VW, VI, V32 = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I8, 32)
+
+
+def interleave(rows: np.ndarray, K: int) -> np.ndarray:
+    """q8 rows [R, row_bytes] (K int8 values, then K / 32 float16 scales) -> the groups' bytes [R / 8 nb 272]."""
+    R, nb = rows.shape[0], K // 32
+    values = rows[:, :K].reshape(R // 8, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(R // 8, nb, 256)  # [g, b, k r 4]
+    scales = rows[:, K:K + 2 * nb].reshape(R // 8, 8, nb, 2).transpose(0, 2, 1, 3).reshape(R // 8, nb, 16)
+    return np.concatenate([values, scales], axis=2).reshape(-1)
+
+
+def rows_of(groups: np.ndarray, R: int, K: int) -> np.ndarray:
+    """The inverse of interleave: q8 rows [R, K + K / 16] uint8."""
+    nb = K // 32
+    g = groups.reshape(R // 8, nb, GROUP_BYTES)
+    values = g[:, :, :256].reshape(R // 8, nb, 8, 8, 4).transpose(0, 3, 1, 2, 4).reshape(R, K)
+    scales = g[:, :, 256:].reshape(R // 8, nb, 8, 2).transpose(0, 2, 1, 3).reshape(R, 2 * nb)
+    return np.ascontiguousarray(np.concatenate([values, scales], axis=1))
+
+
+def _splat(builder, value, vty):
+    one = builder.insert_element(ir.Constant(ir.VectorType(value.type, 1), ir.Undefined), value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
+
+
+def _prefetch(builder, block):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
+                                                                                           I32]), "llvm.prefetch.p0i8")
+    for line in range(-(-GROUP_BYTES // 64)):  # (address, read, keep in all caches, data)
+        builder.call(fn, [builder.gep(block, [const(PREFETCH_BLOCKS * GROUP_BYTES + 64 * line)]), ir.Constant(I32, 0),
+                          ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+def _emit(builder, group, xq, xd, hidden_v, tok, accs_out) -> None:
+    """accs_out [NT] <- <8 x float> the group's eight rows . token tok[t]'s quantised row."""
+    how = idot.host_lowering()
+    nb = builder.udiv(hidden_v, const(32))
+    rows_x = [builder.mul(t, hidden_v) for t in tok]  # each token's first value in xq
+    rows_d = [builder.mul(t, nb) for t in tok]
+
+    def step(b, accs):
+        block = builder.gep(group, [builder.mul(b, const(GROUP_BYTES))])
+        _prefetch(builder, block)
+        halves = builder.load(builder.bitcast(builder.gep(block, [const(256)]), ir.VectorType(I16, 8).as_pointer()),
+                              align=2)
+        d = builder.fpext(builder.bitcast(halves, ir.VectorType(ir.HalfType(), 8)), VW)  # [8 rows]
+        ints = [ir.Constant(VI, [0] * 8)] * len(tok)
+        first = builder.mul(b, const(32))
+        for k in range(8):
+            w = builder.load(builder.bitcast(builder.gep(block, [const(32 * k)]), V32.as_pointer()), align=1)
+            for t, at in enumerate(rows_x):
+                four = builder.gep(xq, [builder.add(at, builder.add(first, const(4 * k)))])
+                xb = builder.bitcast(_splat(builder, builder.load(builder.bitcast(four, I32.as_pointer()), align=1),
+                                            VI), V32)
+                ints[t] = builder.add(ints[t], idot.dot(builder, w, xb, True, how))
+        out = []
+        for t, at in enumerate(rows_d):
+            dx = builder.load(builder.gep(xd, [builder.add(at, b)]), align=4)
+            scale = builder.fmul(d, _splat(builder, dx, VW), flags=FAST)
+            out.append(builder.fadd(accs[t], builder.fmul(builder.sitofp(ints[t], VW), scale, flags=FAST), flags=FAST))
+        return out
+
+    zero = ir.Constant(VW, [0.0] * 8)
+    for dest, total in zip(accs_out, _register_loop(builder, nb, [zero] * len(tok), step)):
+        builder.store(total, builder.bitcast(dest, VW.as_pointer()), align=4)
+
+
+def _make(NT: int):
+    @intrinsic
+    def dot8(typingctx, data, o, hidden, xq, xd, t0, out, col):
+        """out[t0 + t, col:col + 8] <- the group at byte o . token t0 + t's quantised row, t < NT."""
+        sig = types.void(data, o, hidden, xq, xd, t0, out, col)
+
+        def codegen(context, builder, signature, args):
+            data_v, o, hidden_v, xq_v, xd_v, t0, out_v, col = args
+            group = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
+            xq = _byte_ptr(context, builder, signature.args[3], xq_v)
+            xd = builder.bitcast(_byte_ptr(context, builder, signature.args[4], xd_v), F32.as_pointer())
+            outa = context.make_array(signature.args[6])(context, builder, out_v)
+            outp = builder.bitcast(outa.data, F32.as_pointer())
+            width = builder.extract_value(outa.shape, 1)
+            tok = [builder.add(t0, const(t)) for t in range(NT)]
+            dests = [builder.gep(outp, [builder.add(builder.mul(t, width), col)]) for t in tok]
+            _emit(builder, group, xq, xd, hidden_v, tok, dests)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot8
+
+
+dot8r1, dot8r2 = _make(1), _make(2)
+
+
+@njit(parallel=True, **JIT)
+def matmul_groups(data, R, K, x, out):
+    xq, xd, _ = quantize_rows(x)  # [T, K] once for every group
+    T = x.shape[0]
+    group_bytes = (K // 32) * GROUP_BYTES
+    for g in prange(R // GROUP_ROWS):
+        o = g * group_bytes
+        for t0 in range(0, T - 1, 2):
+            dot8r2(data, o, K, xq, xd, t0, out, g * GROUP_ROWS)
+        if T % 2 == 1:
+            dot8r1(data, o, K, xq, xd, T - 1, out, g * GROUP_ROWS)
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) before the first request."""
+    matmul_groups(np.zeros(GROUP_BYTES, np.uint8), 8, 32, np.zeros((3, 32), np.float32), np.zeros((3, 8), np.float32))
