@@ -26,7 +26,7 @@ from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
 from node_worker.kernels.rows import FORMAT_IDS, SUPER_IDS
 from shm import formats
 from shm.formats.encode import encode_into
-from shm.huge_pages import advised_copy
+from shm.huge_pages import advised_copy, advised_empty
 
 BLOCK_IDS = tuple(FORMAT_IDS[name] for name in BLOCK_FORMATS)  # q8, q4: iblock.py's prefill loop
 
@@ -63,9 +63,11 @@ class PackedMatrix:
         self.shape = shape  # [R, K]
         self.row_bytes = fmt.row_bytes(shape[1])
         self.grouped = int_act and fmt.NAME in GROUPED and shape[0] % rows8.GROUP_ROWS == 0
-        if self.grouped:  # the same bytes, eight rows interleaved
-            stored = rows8.interleave(np.ascontiguousarray(stored).view(np.uint8).reshape(shape[0], -1), shape[1])
-        self.data = advised_copy(stored)  # [R * row_bytes] in huge pages where the kernel gives them
+        if self.grouped:  # the same bytes, eight rows interleaved, straight into the advised memory
+            rows = np.ascontiguousarray(stored).view(np.uint8).reshape(shape[0], -1)
+            self.data = rows8.interleave(rows, shape[1], advised_empty(rows.nbytes))
+        else:
+            self.data = advised_copy(stored)  # [R * row_bytes] in huge pages where the kernel gives them
         self.fmt_id = FORMAT_IDS[fmt.NAME]
 
     @classmethod

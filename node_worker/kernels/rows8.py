@@ -61,12 +61,16 @@ PREFETCH_BLOCKS = 8  # the group's stream this many blocks ahead (2176 bytes)
 VW, VI, V32 = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I8, 32)
 
 
-def interleave(rows: np.ndarray, K: int) -> np.ndarray:
-    """q8 rows [R, row_bytes] (K int8 values, then K / 32 float16 scales) -> the groups' bytes [R / 8 nb 272]."""
+def interleave(rows: np.ndarray, K: int, out: np.ndarray | None = None) -> np.ndarray:
+    """q8 rows [R, row_bytes] (K int8 values, then K / 32 float16 scales) -> the groups' bytes [R / 8 nb 272],
+    written into ``out`` (as many bytes, uint8) when given."""
     R, nb = rows.shape[0], K // 32
     values = rows[:, :K].reshape(R // 8, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(R // 8, nb, 256)  # [g, b, k r 4]
     scales = rows[:, K:K + 2 * nb].reshape(R // 8, 8, nb, 2).transpose(0, 2, 1, 3).reshape(R // 8, nb, 16)
-    return np.concatenate([values, scales], axis=2).reshape(-1)
+    if out is None:
+        out = np.empty(R * nb * GROUP_BYTES // 8, np.uint8)
+    np.concatenate([values, scales], axis=2, out=out.reshape(R // 8, nb, GROUP_BYTES))
+    return out
 
 
 def rows_of(groups: np.ndarray, R: int, K: int) -> np.ndarray:
