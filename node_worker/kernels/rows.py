@@ -247,9 +247,11 @@ def signed_blocks(xu):
 
 
 @njit(inline="always", **JIT)
-def quantised_block_if(use, x):
-    """x [n, K] quantised per block for iblock.py (quantize_rows_biased) when use, else the same arrays empty."""
-    return quantize_rows_biased(x[:, :x.shape[1] if use else 0])
+def quantised_block_if(use, signed, x):
+    """x [n, K] quantised per block for iblock.py (quantize_rows_biased: xu, xd) when use, else the same arrays
+    empty; and the signed values for rows8.py (signed_blocks of xu) when signed, else [0, K]: (xu, xd, xq)."""
+    xu, xd = quantize_rows_biased(x[:, :x.shape[1] if use else 0])
+    return xu, xd, signed_blocks(xu[:xu.shape[0] if signed else 0])
 
 
 @njit(inline="always", **JIT)
@@ -282,12 +284,13 @@ def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised,
     """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (xg padded with zero rows to a multiple
     of 4, or of 8: tiled_tokens): the integer loop on ``quantised`` (quantised_super_if of xg) for a K type or
     IQ4_XS when int_act, on the tiled_tokens(n) first tokens then the rest one by one; on ``blocks``
-    (quantised_block_if of xg) for q8 or q4, the n tokens; else the float one on every row of xg."""
+    (quantised_block_if of xg) for q8 or q4, the n tokens (q8 in whole groups of eight rows: grouped8, on the
+    signed values, computed once for gate and up); else the float one on every row of xg."""
     if grouped8(fmt, int_act, rows, n):
-        xu, xd = blocks
-        rows_by_eight(data, o, row_bytes, rows, hidden, signed_blocks(xu), xd, out, n)
+        _, xd, xq = blocks
+        rows_by_eight(data, o, row_bytes, rows, hidden, xq, xd, out, n)
     elif block_int(fmt, int_act):
-        xu, xd = blocks
+        xu, xd, _ = blocks
         for r in range(rows):
             row_tokens_block(fmt, data, o + r * row_bytes, row_bytes, hidden, xu, xd, out, r, n)
     elif super_int(fmt, int_act):
@@ -314,13 +317,14 @@ def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act, n) -> None:
     gate = np.zeros((padded, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
     up = np.zeros((padded, R + 1), np.float32)
     xs = quantised_super_if(super_int(shape[1], int_act) or super_int(shape[3], int_act), xg)  # once for both
-    xb = quantised_block_if(block_int(shape[1], int_act) or block_int(shape[3], int_act), xg[:n])  # no padding
+    xb = quantised_block_if(block_int(shape[1], int_act) or block_int(shape[3], int_act),  # no padding
+                            grouped8(shape[1], int_act, R, n) or grouped8(shape[3], int_act, R, n), xg[:n])
     matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, xb, gate, n)
     matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, xb, up, n)
     h = np.zeros((padded, width), np.float32)  # silu(gate) * up, per token and row (zeros past R and n)
     silu_times(gate, up, h, n, R)
     hs = quantised_super_if(super_int(fmt_d, int_act), h)
-    hb = quantised_block_if(block_int(fmt_d, int_act), h[:n])
+    hb = quantised_block_if(block_int(fmt_d, int_act), grouped8(fmt_d, int_act, hidden, n), h[:n])
     if hidden % 2 == 0:
         matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, out, n)
     else:
