@@ -274,7 +274,7 @@ def test_node_decode_with_integer_dots_equals_float64_on_the_quantised_activatio
 def test_node_prefill_with_integer_dots_equals_float64(name, per_expert):
     """Several tokens routed to each of two experts (prefill: 3 a tile of three, 5 as 4 and 1 alone, 7 padded
     to 8, 9 as 8 and 1 alone, 10 as 8 and 2: the tiles by eight, four, three and two, and rows.tiled_tokens'
-    leftover; q8 and q4 pad nothing, 5, 9 taking their tile of one, 7 its tile of three; q8's matrices, whole groups of
+    leftover; q8 and q4 pad nothing, 5, 9 taking their tile of one, 7 its tile of three; their matrices, whole groups of
     eight rows, take rows8.py's loop instead, eight rows interleaved on the fly, two tokens at a time): within float32 rounding of float64 on the dequantised weights and the activations quantised
     per super-block (per block of 32 for q8 and q4), and away from the float-activation result (so the integer
     loop is the one taken). q8 and q4's down rows are R = 8 blocks wide, and a third expert's R - 32 = 7
@@ -369,28 +369,33 @@ def test_q8_dense_matrix_in_groups_of_eight_rows_equals_float64(tokens):
     assert np.abs((x @ PackedMatrix(fmt, stored, (R, K)).T) - got).max() > 100 * error
 
 
-def test_q8_rows_interleaved_on_the_fly_are_the_stored_groups():
+def test_rows_interleaved_on_the_fly_are_the_stored_groups():
     """rows8.interleave8 (the experts' prefill: eight row-major rows of the store, interleaved into a scratch)
-    writes the bytes rows8.interleave stores for the dense matrices, at any row offset and width."""
+    writes for q8 rows the bytes rows8.interleave stores for the dense matrices, at any row offset and width;
+    for q4 rows the same layout with the values as signed bytes, which decodes to the q4 rows' weights."""
     from numba import njit
 
     from node_worker.kernels import rows8
+    from node_worker.kernels.rows import FORMAT_IDS
 
     @njit
-    def interleave8(data, o, row_bytes, hidden, groups):
-        rows8.interleave8(data, o, row_bytes, hidden, groups)
+    def interleave8(fmt, data, o, row_bytes, hidden, groups):
+        rows8.interleave8(fmt, data, o, row_bytes, hidden, groups)
 
     rng = np.random.default_rng(11)
-    fmt = formats.get("q8")
-    for K in (32, 544):
-        stored = stored_rows(fmt, 16, K, rng)
-        row_bytes = fmt.row_bytes(K)
-        want = rows8.interleave(stored, K).reshape(2, -1)
-        for g in range(2):
-            groups = np.zeros(want.shape[1], np.uint8)
-            interleave8(stored.reshape(-1), g * 8 * row_bytes, row_bytes, K, groups)
-            assert np.array_equal(groups, want[g])
-
+    q8 = formats.get("q8")
+    for name in ("q8", "q4"):
+        fmt = formats.get(name)
+        for K in (32, 544):
+            stored = stored_rows(fmt, 16, K, rng)
+            row_bytes = fmt.row_bytes(K)
+            for g in range(2):
+                groups = np.zeros(K // 32 * rows8.GROUP_BYTES, np.uint8)
+                interleave8(FORMAT_IDS[name], stored.reshape(-1), g * 8 * row_bytes, row_bytes, K, groups)
+                rows = stored[8 * g:8 * g + 8]
+                if name == "q8":
+                    assert np.array_equal(groups, rows8.interleave(rows, K))
+                assert np.array_equal(formats.decoded(q8, rows8.rows_of(groups, 8, K)), formats.decoded(fmt, rows))
 
 def test_activations_setting_is_checked():
     assert EngineConfig().activations == "q8"

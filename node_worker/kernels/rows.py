@@ -10,7 +10,7 @@ of 4): two rows by four tokens at a time, each block widened once for the
 four, their accumulators in registers. With integer activations (int_act), a
 K type's or IQ4_XS's matrix is taken in integers instead, on the tokens
 quantised per super-block (isuper.py), in decode too; q8's and q4's on the tokens quantised per block
-(isimd.py in decode, iblock.py in prefill; q8's matrices of whole groups of eight rows in a group of
+(isimd.py in decode, iblock.py in prefill; their matrices of whole groups of eight rows in a group of
 GROUPED_FROM tokens or more: eight rows a vector, interleaved on the fly, rows8.py). Tasks run in parallel (numba's threads, the
 node's CPUs); each writes only its own contribution, and the caller adds them
 in group order, so the result does not depend on the thread count or timing.
@@ -210,26 +210,27 @@ def row_tokens_block(fmt, data, o, row_bytes, hidden, xu, xd, out, col, n) -> No
         iblock.dot1r1b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
 
 
-GROUPED_FROM = 3  # a q8 group of this many tokens or more: its matrices' rows eight at a time (grouped8)
-Q8 = FORMAT_IDS["q8"]
+GROUPED_FROM = 3  # a q8 or q4 group of this many tokens or more: its matrices' rows eight at a time (grouped8)
 
 
 @njit(inline="always", **JIT)
 def grouped8(fmt, int_act, rows, n) -> bool:
-    """q8 rows taken eight at a time, interleaved on the fly (rows8.py), for a group of n tokens: whole groups
-    of eight rows, and enough tokens to pay for the interleaving (GROUPED_FROM). Measured on this AVX2 host
+    """q8 or q4 rows taken eight at a time, interleaved on the fly (rows8.py), for a group of n tokens: whole
+    groups of eight rows, and enough tokens to pay for the interleaving (GROUPED_FROM). Measured on this AVX2 host
     (2 threads, q8 rows, 48 experts' matrices, random values, alternating in one process, time against
-    iblock's 1 row x 8 tokens): 768 x 2048 by 8 tokens 0.85, by 16 0.73; 2048 x 768 by 8 0.95."""
-    return int_act and fmt == Q8 and rows % rows8.GROUP_ROWS == 0 and n >= GROUPED_FROM
+    iblock's 1 row x 8 tokens): 768 x 2048 by 8 tokens 0.85, by 16 0.73; 2048 x 768 by 8 0.95. q4's rows the
+    same way (their nibbles - 8 as bytes): tools/kernel_bench.py --formats q4 --experts 64 --tokens 8, three
+    alternating pairs, 52.3 / 51.8 / 49.4 -> 45.2 / 39.3 / 33.8 ms a layer."""
+    return block_int(fmt, int_act) and rows % rows8.GROUP_ROWS == 0 and n >= GROUPED_FROM
 
 
 @njit(inline="always", **JIT)
-def rows_by_eight(data, o, row_bytes, rows, hidden, xq, xd, out, n) -> None:
-    """out[:n, :rows] <- the n tokens of xq, xd (quantize_rows) . the q8 rows from byte o: each eight rows
+def rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, out, n) -> None:
+    """out[:n, :rows] <- the n tokens of xq, xd (quantize_rows) . the q8 or q4 rows from byte o: each eight rows
     interleaved into a scratch in L1 (rows8.interleave8), then two tokens at a time (one for an odd last)."""
     scratch = np.empty((hidden // 32) * rows8.GROUP_BYTES, np.uint8)
     for g in range(rows // rows8.GROUP_ROWS):
-        rows8.interleave8(data, o + g * rows8.GROUP_ROWS * row_bytes, row_bytes, hidden, scratch)
+        rows8.interleave8(fmt, data, o + g * rows8.GROUP_ROWS * row_bytes, row_bytes, hidden, scratch)
         for t0 in range(0, n - 1, 2):
             rows8.dot8r2(scratch, 0, hidden, xq, xd, t0, out, g * rows8.GROUP_ROWS)
         if n % 2 == 1:
@@ -284,11 +285,11 @@ def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised,
     """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (xg padded with zero rows to a multiple
     of 4, or of 8: tiled_tokens): the integer loop on ``quantised`` (quantised_super_if of xg) for a K type or
     IQ4_XS when int_act, on the tiled_tokens(n) first tokens then the rest one by one; on ``blocks``
-    (quantised_block_if of xg) for q8 or q4, the n tokens (q8 in whole groups of eight rows: grouped8, on the
+    (quantised_block_if of xg) for q8 or q4, the n tokens (in whole groups of eight rows: grouped8, on the
     signed values, computed once for gate and up); else the float one on every row of xg."""
     if grouped8(fmt, int_act, rows, n):
         _, xd, xq = blocks
-        rows_by_eight(data, o, row_bytes, rows, hidden, xq, xd, out, n)
+        rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, out, n)
     elif block_int(fmt, int_act):
         xu, xd, _ = blocks
         for r in range(rows):

@@ -37,8 +37,9 @@ a layer.
                                          two tokens at a time (one for an odd last)
     dot8r2 / dot8r1(data, o, hidden, xq, xd, t0, out, col)
                                          out[t0 + t, col:col + 8] <- the group at byte o . token t0 + t
-    interleave8(data, o, row_step, hidden, groups)
-                                         groups <- the eight q8 rows at byte o, row_step apart, interleaved
+    interleave8(fmt, data, o, row_step, hidden, groups)
+                                         groups <- the eight rows at byte o, row_step apart, of q8 or q4 (fmt
+                                         its FORMATS index), interleaved: q4's values as signed bytes
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from . import idot
 from .activations import quantize_rows
 from .common import JIT
 from .ir import F32, I8, I16, I32, const
-from .simd import FAST, _byte_ptr, _register_loop
+from .isimd import BLOCK_FORMATS
+from .simd import FAST, _byte_ptr, _per_format, _register_loop
 
 GROUP_ROWS = 8
 GROUP_BYTES = 272  # a block of 8 rows: 8 x 32 values, 8 float16 scales
@@ -173,39 +175,42 @@ def _transpose8(builder, vecs):
     return m
 
 
+def _interleave_rows(builder, fmt, rows, row_step, hidden_v, dest) -> None:
+    """dest <- the eight rows of a BLOCK_FORMATS format (its ``iblocks``: a block's 32 signed values and float
+    scale) as a group of the layout above: q8's bytes as they are, q4's nibbles - 8 as bytes."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
+                                                                                           I32]), "llvm.prefetch.p0i8")
+    ahead = builder.mul(row_step, const(GROUP_ROWS))
+
+    def step(b, carried):
+        block = builder.gep(dest, [builder.mul(b, const(GROUP_BYTES))])
+        at = builder.add(ahead, builder.mul(b, const(fmt.BLOCK_BYTES)))  # the next group's rows, values and scales
+        for row in rows:
+            builder.call(fn, [builder.gep(row, [at]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        values, scales = zip(*(fmt.iblocks(builder, row, b, hidden_v, 32) for row in rows))
+        for k, vec in enumerate(_transpose8(builder, [builder.bitcast(v, VI) for v in values])):
+            builder.store(vec, builder.bitcast(builder.gep(block, [const(32 * k)]), VI.as_pointer()), align=1)
+        halves = builder.bitcast(builder.gep(block, [const(256)]), ir.HalfType().as_pointer())
+        for r, (d,) in enumerate(scales):  # float16 scales widened by iblocks: narrowed back exactly
+            builder.store(builder.fptrunc(d, ir.HalfType()), builder.gep(halves, [const(r)]), align=1)
+        return carried
+
+    _register_loop(builder, builder.udiv(hidden_v, const(32)), [], step)
+
+
 @intrinsic
-def interleave8(typingctx, data, o, row_step, hidden, groups):
-    """groups [nb 272] uint8 <- the 8 q8 rows at byte o of data, row_step apart, interleaved (the layout above)."""
-    sig = types.void(data, o, row_step, hidden, groups)
+def interleave8(typingctx, fmt, data, o, row_step, hidden, groups):
+    """groups [nb 272] uint8 <- the 8 rows at byte o of data, row_step apart, in a BLOCK_FORMATS format (q8, q4:
+    fmt its FORMATS index), interleaved as the layout above (q4's values as signed bytes)."""
+    sig = types.void(fmt, data, o, row_step, hidden, groups)
 
     def codegen(context, builder, signature, args):
-        data_v, o, row_step, hidden_v, groups_v = args
-        base = _byte_ptr(context, builder, signature.args[0], data_v)
+        fmt_v, data_v, o, row_step, hidden_v, groups_v = args
+        base = _byte_ptr(context, builder, signature.args[1], data_v)
         rows = [builder.gep(base, [builder.add(o, builder.mul(row_step, const(r)))]) for r in range(8)]
-        dest = _byte_ptr(context, builder, signature.args[4], groups_v)
-        scales_at = hidden_v  # a q8 row: its values, then its float16 scales
-
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
-                                                                                               I32]), "llvm.prefetch.p0i8")
-        ahead = builder.mul(row_step, const(GROUP_ROWS))
-
-        def step(b, carried):
-            block = builder.gep(dest, [builder.mul(b, const(GROUP_BYTES))])
-            at = builder.add(ahead, builder.mul(b, const(34)))  # the next group's rows, values and scales
-            for row in rows:
-                builder.call(fn, [builder.gep(row, [at]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
-            first = builder.mul(b, const(32))
-            vecs = [builder.load(builder.bitcast(builder.gep(row, [first]), VI.as_pointer()), align=1) for row in rows]
-            for k, vec in enumerate(_transpose8(builder, vecs)):
-                builder.store(vec, builder.bitcast(builder.gep(block, [const(32 * k)]), VI.as_pointer()), align=1)
-            scales = builder.bitcast(builder.gep(block, [const(256)]), I16.as_pointer())
-            for r, row in enumerate(rows):
-                at = builder.add(scales_at, builder.mul(b, const(2)))
-                half = builder.load(builder.bitcast(builder.gep(row, [at]), I16.as_pointer()), align=1)
-                builder.store(half, builder.gep(scales, [const(r)]), align=1)
-            return carried
-
-        _register_loop(builder, builder.udiv(hidden_v, const(32)), [], step)
+        dest = _byte_ptr(context, builder, signature.args[5], groups_v)
+        _per_format(context, builder, signature.args[0], fmt_v,
+                    lambda m: _interleave_rows(builder, m, rows, row_step, hidden_v, dest), BLOCK_FORMATS)
         return context.get_dummy_value()
 
     return sig, codegen
