@@ -231,28 +231,16 @@ def rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, out, n) -> None
     scratch = np.empty((hidden // 32) * rows8.GROUP_BYTES, np.uint8)
     for g in range(rows // rows8.GROUP_ROWS):
         rows8.interleave8(fmt, data, o + g * rows8.GROUP_ROWS * row_bytes, row_bytes, hidden, scratch)
-        for t0 in range(0, n - 1, 2):
-            rows8.dot8r2(scratch, 0, hidden, xq, xd, t0, out, g * rows8.GROUP_ROWS)
-        if n % 2 == 1:
-            rows8.dot8r1(scratch, 0, hidden, xq, xd, n - 1, out, g * rows8.GROUP_ROWS)
-
-
-@njit(inline="always", **JIT)
-def signed_blocks(xu):
-    """quantize_rows_biased's xu [n, K] as the signed values q = xu - 128 (int8), for rows8's loop."""
-    xq = np.empty(xu.shape, np.int8)
-    for t in range(xu.shape[0]):
-        for i in range(xu.shape[1]):
-            xq[t, i] = np.int8(np.int32(xu[t, i]) - 128)
-    return xq
+        rows8.group_tokens(scratch, 0, hidden, xq, xd, n, out, g * rows8.GROUP_ROWS)
 
 
 @njit(inline="always", **JIT)
 def quantised_block_if(use, signed, x):
-    """x [n, K] quantised per block for iblock.py (quantize_rows_biased: xu, xd) when use, else the same arrays
-    empty; and the signed values for rows8.py (signed_blocks of xu) when signed, else [0, K]: (xu, xd, xq)."""
-    xu, xd = quantize_rows_biased(x[:, :x.shape[1] if use else 0])
-    return xu, xd, signed_blocks(xu[:xu.shape[0] if signed else 0])
+    """x [n, K] quantised per block, (xu, xd, xq): for rows8.py when signed (quantize_rows: xq, xd; xu empty),
+    else for iblock.py when use (quantize_rows_biased: xu, xd; xq empty), else all empty."""
+    xq, xd_signed, _ = quantize_rows(x[:, :x.shape[1] if signed else 0])
+    xu, xd_biased = quantize_rows_biased(x[:, :x.shape[1] if use and not signed else 0])
+    return xu, (xd_signed if signed else xd_biased), xq
 
 
 @njit(inline="always", **JIT)

@@ -53,7 +53,7 @@ from numba.extending import intrinsic
 from . import idot
 from .activations import quantize_rows
 from .common import JIT
-from .ir import F32, I8, I16, I32, const
+from .ir import F32, I8, I16, I32, const, splat
 from .isimd import BLOCK_FORMATS
 from .simd import FAST, _byte_ptr, _per_format, _register_loop
 
@@ -84,17 +84,11 @@ def rows_of(groups: np.ndarray, R: int, K: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([values, scales], axis=1))
 
 
-def _splat(builder, value, vty):
-    one = builder.insert_element(ir.Constant(ir.VectorType(value.type, 1), ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
-
-
-def _prefetch(builder, block):
+def _prefetch(builder, address) -> None:
+    """Prefetch the cache line at ``address`` (an i8 pointer) for reading, into all caches."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
                                                                                            I32]), "llvm.prefetch.p0i8")
-    for line in range(-(-GROUP_BYTES // 64)):  # (address, read, keep in all caches, data)
-        builder.call(fn, [builder.gep(block, [const(PREFETCH_BLOCKS * GROUP_BYTES + 64 * line)]), ir.Constant(I32, 0),
-                          ir.Constant(I32, 3), ir.Constant(I32, 1)])
+    builder.call(fn, [address, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _emit(builder, group, xq, xd, hidden_v, tok, accs_out) -> None:
@@ -106,7 +100,8 @@ def _emit(builder, group, xq, xd, hidden_v, tok, accs_out) -> None:
 
     def step(b, accs):
         block = builder.gep(group, [builder.mul(b, const(GROUP_BYTES))])
-        _prefetch(builder, block)
+        for line in range(-(-GROUP_BYTES // 64)):
+            _prefetch(builder, builder.gep(block, [const(PREFETCH_BLOCKS * GROUP_BYTES + 64 * line)]))
         halves = builder.load(builder.bitcast(builder.gep(block, [const(256)]), ir.VectorType(I16, 8).as_pointer()),
                               align=2)
         d = builder.fpext(builder.bitcast(halves, ir.VectorType(ir.HalfType(), 8)), VW)  # [8 rows]
@@ -116,13 +111,13 @@ def _emit(builder, group, xq, xd, hidden_v, tok, accs_out) -> None:
             w = builder.load(builder.bitcast(builder.gep(block, [const(32 * k)]), V32.as_pointer()), align=1)
             for t, at in enumerate(rows_x):
                 four = builder.gep(xq, [builder.add(at, builder.add(first, const(4 * k)))])
-                xb = builder.bitcast(_splat(builder, builder.load(builder.bitcast(four, I32.as_pointer()), align=1),
-                                            VI), V32)
+                xb = builder.bitcast(splat(builder, builder.load(builder.bitcast(four, I32.as_pointer()), align=1),
+                                           VI), V32)
                 ints[t] = builder.add(ints[t], idot.dot(builder, w, xb, True, how))
         out = []
         for t, at in enumerate(rows_d):
             dx = builder.load(builder.gep(xd, [builder.add(at, b)]), align=4)
-            scale = builder.fmul(d, _splat(builder, dx, VW), flags=FAST)
+            scale = builder.fmul(d, splat(builder, dx, VW), flags=FAST)
             out.append(builder.fadd(accs[t], builder.fmul(builder.sitofp(ints[t], VW), scale, flags=FAST), flags=FAST))
         return out
 
@@ -178,15 +173,13 @@ def _transpose8(builder, vecs):
 def _interleave_rows(builder, fmt, rows, row_step, hidden_v, dest) -> None:
     """dest <- the eight rows of a BLOCK_FORMATS format (its ``iblocks``: a block's 32 signed values and float
     scale) as a group of the layout above: q8's bytes as they are, q4's nibbles - 8 as bytes."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
-                                                                                           I32]), "llvm.prefetch.p0i8")
     ahead = builder.mul(row_step, const(GROUP_ROWS))
 
     def step(b, carried):
         block = builder.gep(dest, [builder.mul(b, const(GROUP_BYTES))])
         at = builder.add(ahead, builder.mul(b, const(fmt.BLOCK_BYTES)))  # the next group's rows, values and scales
         for row in rows:
-            builder.call(fn, [builder.gep(row, [at]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+            _prefetch(builder, builder.gep(row, [at]))
         values, scales = zip(*(fmt.iblocks(builder, row, b, hidden_v, 32) for row in rows))
         for k, vec in enumerate(_transpose8(builder, [builder.bitcast(v, VI) for v in values])):
             builder.store(vec, builder.bitcast(builder.gep(block, [const(32 * k)]), VI.as_pointer()), align=1)
@@ -216,17 +209,21 @@ def interleave8(typingctx, fmt, data, o, row_step, hidden, groups):
     return sig, codegen
 
 
+@njit(inline="always", **JIT)
+def group_tokens(data, o, hidden, xq, xd, n, out, col) -> None:
+    """out[:n, col:col + 8] <- the group at byte o . the n tokens of xq, xd: two at a time, one for an odd last."""
+    for t0 in range(0, n - 1, 2):
+        dot8r2(data, o, hidden, xq, xd, t0, out, col)
+    if n % 2 == 1:
+        dot8r1(data, o, hidden, xq, xd, n - 1, out, col)
+
+
 @njit(parallel=True, **JIT)
 def matmul_groups(data, R, K, x, out):
     xq, xd, _ = quantize_rows(x)  # [T, K] once for every group
-    T = x.shape[0]
     group_bytes = (K // 32) * GROUP_BYTES
     for g in prange(R // GROUP_ROWS):
-        o = g * group_bytes
-        for t0 in range(0, T - 1, 2):
-            dot8r2(data, o, K, xq, xd, t0, out, g * GROUP_ROWS)
-        if T % 2 == 1:
-            dot8r1(data, o, K, xq, xd, T - 1, out, g * GROUP_ROWS)
+        group_tokens(data, g * group_bytes, K, xq, xd, x.shape[0], out, g * GROUP_ROWS)
 
 
 def warm_up() -> None:
