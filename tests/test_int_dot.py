@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.config import EngineConfig
 from coordinator.errors import ConfigValueError
-from coordinator.model.packed import PackedMatrix
+from coordinator.model.packed import BLOCK_INT_TOKENS, PackedMatrix
 from node_worker.kernels import idot
 from node_worker.kernels.activations import (quantize_reference, quantize_rows, quantize_rows_super,
                                              quantize_super_reference)
@@ -369,10 +369,35 @@ def test_q8_dense_matrix_in_groups_of_eight_rows_equals_float64(tokens):
     assert np.abs((x @ PackedMatrix(fmt, stored, (R, K)).T) - got).max() > 100 * error
 
 
+@pytest.mark.parametrize("tokens", [3, 64])
+def test_q4_dense_matrix_eight_rows_at_a_time_equals_float64(tokens):
+    """A q4 matrix of whole groups of eight rows stays row-major and, from rows.GROUPED_FROM tokens on, is taken
+    eight rows a vector, interleaved on the fly with its values unsigned (rows8.matmul_rows_by_eight: q + 8,
+    less 8 times the activations' block sums): within float32 rounding of float64 on the quantised
+    activations, away from the float path; a matrix of 44 rows keeps the row loops (iblock's integers below
+    packed.BLOCK_INT_TOKENS, BLAS on the float activations from it on), to the same figures."""
+    rng = np.random.default_rng(12)
+    fmt = formats.get("q4")
+    R, K = 48, 544
+    stored = stored_rows(fmt, R, K, rng)
+    matrix = PackedMatrix(fmt, stored, (R, K), int_act=True)
+    x = activations(rng, tokens, K)
+    got = x @ matrix.T
+    want = dequantised(x) @ matrix.decoded().astype(np.float64).T
+    error = np.abs(got - want).max()
+    assert got.shape == (tokens, R) and error <= 2e-6 * np.abs(want).max()
+    assert np.abs((x @ PackedMatrix(fmt, stored, (R, K)).T) - got).max() > 100 * error
+    rest = x @ PackedMatrix(fmt, stored[:44], (44, K), int_act=True).T
+    if tokens >= BLOCK_INT_TOKENS:
+        want = x.astype(np.float64) @ matrix.decoded().astype(np.float64).T
+    assert np.abs(rest - want[:, :44]).max() <= 2e-6 * np.abs(want).max()
+
+
 def test_rows_interleaved_on_the_fly_are_the_stored_groups():
     """rows8.interleave8 (the experts' prefill: eight row-major rows of the store, interleaved into a scratch)
     writes for q8 rows the bytes rows8.interleave stores for the dense matrices, at any row offset and width;
-    for q4 rows the same layout with the values as signed bytes, which decodes to the q4 rows' weights."""
+    for q4 rows the same layout with the values as unsigned bytes (q + 8), which less 8 decodes to the q4 rows'
+    weights."""
     from numba import njit
 
     from node_worker.kernels import rows8
@@ -395,7 +420,11 @@ def test_rows_interleaved_on_the_fly_are_the_stored_groups():
                 rows = stored[8 * g:8 * g + 8]
                 if name == "q8":
                     assert np.array_equal(groups, rows8.interleave(rows, K))
-                assert np.array_equal(formats.decoded(q8, rows8.rows_of(groups, 8, K)), formats.decoded(fmt, rows))
+                back = rows8.rows_of(groups, 8, K)
+                if name == "q4":
+                    assert back[:, :K].max() <= 15
+                    back[:, :K] = back[:, :K] - 8  # uint8: the signed values' bytes
+                assert np.array_equal(formats.decoded(q8, back), formats.decoded(fmt, rows))
 
 def test_activations_setting_is_checked():
     assert EngineConfig().activations == "q8"

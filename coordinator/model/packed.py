@@ -23,7 +23,7 @@ import numpy as np
 
 from node_worker.kernels import dense, rows8
 from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
-from node_worker.kernels.rows import FORMAT_IDS, SUPER_IDS
+from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, UNSIGNED_VALUES
 from shm import formats
 from shm.formats.encode import encode_into
 from shm.huge_pages import advised_copy, advised_empty
@@ -50,6 +50,11 @@ TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
 # a prefill 152 / 107 / 100 -> 71 / 64 / 65 ms, the prefill 449 / 350 / 346 -> 348 / 311 / 317 ms, a decode step
 # 22.2 / 21.5 / 21.3 -> 22.2 / 18.1 / 20.6 ms.
 GROUPED = ("q8",)
+# q4 matrices of whole groups of 8 rows with integer activations stay row-major (decode's isimd loop reads them so)
+# and from rows.GROUPED_FROM tokens on are interleaved on the fly, values unsigned (rows8.matmul_rows_by_eight), in
+# place of iblock's loop and of BLAS from BLOCK_INT_TOKENS on. Random q4 rows, 2 threads, two alternating pairs,
+# GFLOP/s before / after (/tmp/w3/dq4.py in the session note): 4096 x 2048 by 8 tokens 138 / 208, 195 / 211, by
+# 64 (BLAS before) 187 / 272, 264 / 279; 2048 x 4096 by 8 134 / 204, 196 / 203, by 64 257 / 260, 250 / 257.
 
 
 class PackedMatrix:
@@ -102,6 +107,11 @@ class PackedMatrix:
         if self.grouped:
             out = np.empty((T, R), np.float32)
             rows8.matmul_groups(self.data, R, K, x2, out)
+            return out.reshape(*lead, R)
+        if self.int_act and self.fmt_id in BLOCK_IDS and R % rows8.GROUP_ROWS == 0 and T >= GROUPED_FROM:
+            out = np.empty((T, R), np.float32)  # q4's rows eight at a time, interleaved on the fly
+            rows8.matmul_rows_by_eight(self.fmt_id, UNSIGNED_VALUES[self.fmt_id], self.data, self.row_bytes, R, K,
+                                       x2, out)
             return out.reshape(*lead, R)
         if self.int_act and ((T < INT_TOKENS and self.fmt_id in SUPER_IDS) or
                              (1 < T < BLOCK_INT_TOKENS and self.fmt_id in BLOCK_IDS)):

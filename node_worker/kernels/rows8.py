@@ -39,7 +39,31 @@ a layer.
                                          out[t0 + t, col:col + 8] <- the group at byte o . token t0 + t
     interleave8(fmt, data, o, row_step, hidden, groups)
                                          groups <- the eight rows at byte o, row_step apart, of q8 or q4 (fmt
-                                         its FORMATS index), interleaved: q4's values as signed bytes
+                                         its FORMATS index), interleaved: q4's values as unsigned bytes
+    dot8u2 / dot8u1(data, o, hidden, xq, xd, xsum, t0, out, col)
+                                         the same for a group of unsigned values u = q + OFFSET (q4's)
+    rows_by_eight(fmt, unsigned_values, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
+                                         out[:n, :rows] <- the tokens . row-major q8 or q4 rows (an expert's
+                                         matrix in a prefill group): each eight rows interleaved on the fly
+    matmul_rows_by_eight(fmt, unsigned_values, data, row_bytes, R, K, x, out)
+                                         out [T, R] = x . W^T for row-major q8 or q4 rows (a dense q4 matrix),
+                                         the groups split over numba's threads
+
+q4's values (a format of SPAN <= OFFSET: q in [-8, 7]) go in unsigned, u = q + 8 in [0, 15], and the loop
+takes them without the sign trick (idot.unsigned_and_signed's two instructions per four bytes and token):
+
+    pairs <16 x i16> = sum over k < 8 of idot.pairs(values k, xq[t, 32 b + 4 k .. + 4] in every lane)
+                       (no saturation: 8 x 2 x 15 x 127 = 30480 < 32767)
+    ints <8 x i32>   = pairs' lanes added two by two (vpmaddwd by ones) - 8 xsum[t, b]
+
+xsum [n, nb] int32 the sums of each block's quantised activations (block_sums): ints are the same integers
+as the signed values give, so the same bits come out. Per four bytes and token that is a broadcast, one
+vpmaddubsw and an add in place of the signed values' five instructions (vpabsb, vpsignb, vpmaddubsw, vpmaddwd,
+an add), and one vpmaddwd a block. Measured on this AVX2 host (2 threads, alternating with the signed form):
+tools/kernel_bench.py --formats q4 --activations q8 --experts 64 --tokens 8, two pairs, 33.5 / 39.1 -> 25.8 /
+26.8 ms a layer, level with q4k's super-block loop (26.3-27.5). A dense q4 matrix (rows of a safetensors
+checkpoint stored as --dense-dtype q4, a Q4_0 file's) takes the same way from rows.GROUPED_FROM tokens on,
+interleaved on the fly (matmul_rows_by_eight), where it took iblock's loop, and BLAS from 48 tokens on.
 """
 
 from __future__ import annotations
@@ -55,12 +79,18 @@ from .activations import quantize_rows
 from .common import JIT
 from .ir import F32, I8, I16, I32, const, splat
 from .isimd import BLOCK_FORMATS
-from .simd import FAST, _byte_ptr, _per_format, _register_loop
+from .simd import FAST, FORMATS, _byte_ptr, _per_format, _register_loop
 
 GROUP_ROWS = 8
 GROUP_BYTES = 272  # a block of 8 rows: 8 x 32 values, 8 float16 scales
 PREFETCH_BLOCKS = 8  # the group's stream this many blocks ahead (2176 bytes)
 VW, VI, V32 = ir.VectorType(F32, 8), ir.VectorType(I32, 8), ir.VectorType(I8, 32)
+OFFSET = 8  # a format of SPAN <= OFFSET (q4) goes in as u = q + OFFSET, unsigned (the module docstring)
+
+
+def unsigned(fmt) -> bool:
+    """Whether a BLOCK_FORMATS format's values go into the groups unsigned (q + OFFSET, below 16)."""
+    return fmt.SPAN <= OFFSET
 
 
 def interleave(rows: np.ndarray, K: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -91,8 +121,9 @@ def _prefetch(builder, address) -> None:
     builder.call(fn, [address, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
-def _emit(builder, group, xq, xd, hidden_v, tok, accs_out) -> None:
-    """accs_out [NT] <- <8 x float> the group's eight rows . token tok[t]'s quantised row."""
+def _emit(builder, group, xq, xd, xsum, hidden_v, tok, accs_out) -> None:
+    """accs_out [NT] <- <8 x float> the group's eight rows . token tok[t]'s quantised row; xsum (an i32 pointer
+    to the activations' block sums) None for signed values, else the values are unsigned, q + OFFSET."""
     how = idot.host_lowering()
     nb = builder.udiv(hidden_v, const(32))
     rows_x = [builder.mul(t, hidden_v) for t in tok]  # each token's first value in xq
@@ -106,6 +137,7 @@ def _emit(builder, group, xq, xd, hidden_v, tok, accs_out) -> None:
                               align=2)
         d = builder.fpext(builder.bitcast(halves, ir.VectorType(ir.HalfType(), 8)), VW)  # [8 rows]
         ints = [ir.Constant(VI, [0] * 8)] * len(tok)
+        pairs = [None] * len(tok)  # unsigned values: <16 x i16> sums of the block's pairs
         first = builder.mul(b, const(32))
         for k in range(8):
             w = builder.load(builder.bitcast(builder.gep(block, [const(32 * k)]), V32.as_pointer()), align=1)
@@ -113,7 +145,17 @@ def _emit(builder, group, xq, xd, hidden_v, tok, accs_out) -> None:
                 four = builder.gep(xq, [builder.add(at, builder.add(first, const(4 * k)))])
                 xb = builder.bitcast(splat(builder, builder.load(builder.bitcast(four, I32.as_pointer()), align=1),
                                            VI), V32)
-                ints[t] = builder.add(ints[t], idot.dot(builder, w, xb, True, how))
+                if xsum is None:
+                    ints[t] = builder.add(ints[t], idot.dot(builder, w, xb, True, how))
+                else:
+                    p = idot.pairs(builder, w, xb, False, how)
+                    pairs[t] = p if pairs[t] is None else builder.add(pairs[t], p)
+        if xsum is not None:  # the pairs added two by two, less OFFSET times the block's activations' sum
+            ones = ir.Constant(ir.VectorType(I16, 16), [1] * 16)
+            for t, at in enumerate(rows_d):
+                total = builder.load(builder.gep(xsum, [builder.add(at, b)]), align=4)
+                ints[t] = builder.sub(idot.scaled_add(builder, ints[t], pairs[t], ones, how),
+                                      splat(builder, builder.mul(total, ir.Constant(I32, OFFSET)), VI))
         out = []
         for t, at in enumerate(rows_d):
             dx = builder.load(builder.gep(xd, [builder.add(at, b)]), align=4)
@@ -126,31 +168,46 @@ def _emit(builder, group, xq, xd, hidden_v, tok, accs_out) -> None:
         builder.store(total, builder.bitcast(dest, VW.as_pointer()), align=4)
 
 
+def _codegen(NT: int, with_sums: bool):
+    def codegen(context, builder, signature, args):
+        data_v, o, hidden_v, xq_v, xd_v = args[:5]
+        t0, out_v, col = args[-3:]
+        group = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
+        xq = _byte_ptr(context, builder, signature.args[3], xq_v)
+        xd = builder.bitcast(_byte_ptr(context, builder, signature.args[4], xd_v), F32.as_pointer())
+        xsum = builder.bitcast(_byte_ptr(context, builder, signature.args[5], args[5]), I32.as_pointer()) \
+            if with_sums else None
+        outa = context.make_array(signature.args[-2])(context, builder, out_v)
+        outp = builder.bitcast(outa.data, F32.as_pointer())
+        width = builder.extract_value(outa.shape, 1)
+        tok = [builder.add(t0, const(t)) for t in range(NT)]
+        dests = [builder.gep(outp, [builder.add(builder.mul(t, width), col)]) for t in tok]
+        _emit(builder, group, xq, xd, xsum, hidden_v, tok, dests)
+        return context.get_dummy_value()
+
+    return codegen
+
+
 def _make(NT: int):
     @intrinsic
     def dot8(typingctx, data, o, hidden, xq, xd, t0, out, col):
         """out[t0 + t, col:col + 8] <- the group at byte o . token t0 + t's quantised row, t < NT."""
-        sig = types.void(data, o, hidden, xq, xd, t0, out, col)
-
-        def codegen(context, builder, signature, args):
-            data_v, o, hidden_v, xq_v, xd_v, t0, out_v, col = args
-            group = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
-            xq = _byte_ptr(context, builder, signature.args[3], xq_v)
-            xd = builder.bitcast(_byte_ptr(context, builder, signature.args[4], xd_v), F32.as_pointer())
-            outa = context.make_array(signature.args[6])(context, builder, out_v)
-            outp = builder.bitcast(outa.data, F32.as_pointer())
-            width = builder.extract_value(outa.shape, 1)
-            tok = [builder.add(t0, const(t)) for t in range(NT)]
-            dests = [builder.gep(outp, [builder.add(builder.mul(t, width), col)]) for t in tok]
-            _emit(builder, group, xq, xd, hidden_v, tok, dests)
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return types.void(data, o, hidden, xq, xd, t0, out, col), _codegen(NT, False)
 
     return dot8
 
 
+def _make_unsigned(NT: int):
+    @intrinsic
+    def dot8u(typingctx, data, o, hidden, xq, xd, xsum, t0, out, col):
+        """The same for a group of unsigned values (q + OFFSET), xsum [n, nb] int32 the activations' block sums."""
+        return types.void(data, o, hidden, xq, xd, xsum, t0, out, col), _codegen(NT, True)
+
+    return dot8u
+
+
 dot8r1, dot8r2 = _make(1), _make(2)
+dot8u1, dot8u2 = _make_unsigned(1), _make_unsigned(2)
 
 
 def _transpose8(builder, vecs):
@@ -172,7 +229,7 @@ def _transpose8(builder, vecs):
 
 def _interleave_rows(builder, fmt, rows, row_step, hidden_v, dest) -> None:
     """dest <- the eight rows of a BLOCK_FORMATS format (its ``iblocks``: a block's 32 signed values and float
-    scale) as a group of the layout above: q8's bytes as they are, q4's nibbles - 8 as bytes."""
+    scale) as a group of the layout above: q8's bytes as they are, q4's nibbles as bytes (q + OFFSET)."""
     ahead = builder.mul(row_step, const(GROUP_ROWS))
 
     def step(b, carried):
@@ -181,6 +238,8 @@ def _interleave_rows(builder, fmt, rows, row_step, hidden_v, dest) -> None:
         for row in rows:
             _prefetch(builder, builder.gep(row, [at]))
         values, scales = zip(*(fmt.iblocks(builder, row, b, hidden_v, 32) for row in rows))
+        if unsigned(fmt):
+            values = [builder.add(v, ir.Constant(V32, [OFFSET] * 32)) for v in values]
         for k, vec in enumerate(_transpose8(builder, [builder.bitcast(v, VI) for v in values])):
             builder.store(vec, builder.bitcast(builder.gep(block, [const(32 * k)]), VI.as_pointer()), align=1)
         halves = builder.bitcast(builder.gep(block, [const(256)]), ir.HalfType().as_pointer())
@@ -194,7 +253,7 @@ def _interleave_rows(builder, fmt, rows, row_step, hidden_v, dest) -> None:
 @intrinsic
 def interleave8(typingctx, fmt, data, o, row_step, hidden, groups):
     """groups [nb 272] uint8 <- the 8 rows at byte o of data, row_step apart, in a BLOCK_FORMATS format (q8, q4:
-    fmt its FORMATS index), interleaved as the layout above (q4's values as signed bytes)."""
+    fmt its FORMATS index), interleaved as the layout above (q4's values unsigned, q + OFFSET)."""
     sig = types.void(fmt, data, o, row_step, hidden, groups)
 
     def codegen(context, builder, signature, args):
@@ -218,6 +277,58 @@ def group_tokens(data, o, hidden, xq, xd, n, out, col) -> None:
         dot8r1(data, o, hidden, xq, xd, n - 1, out, col)
 
 
+@njit(inline="always", **JIT)
+def group_tokens_unsigned(data, o, hidden, xq, xd, xsum, n, out, col) -> None:
+    """group_tokens for a group of unsigned values (q + OFFSET), xsum the activations' block sums."""
+    for t0 in range(0, n - 1, 2):
+        dot8u2(data, o, hidden, xq, xd, xsum, t0, out, col)
+    if n % 2 == 1:
+        dot8u1(data, o, hidden, xq, xd, xsum, n - 1, out, col)
+
+
+@njit(**JIT)
+def block_sums(xq):
+    """xq [n, K] int8 -> [n, K / 32] int32: the sum of each block of 32."""
+    n, K = xq.shape
+    out = np.zeros((n, K // 32), np.int32)
+    for t in range(n):
+        for b in range(K // 32):
+            total = 0
+            for i in range(32 * b, 32 * b + 32):
+                total += np.int32(xq[t, i])
+            out[t, b] = total
+    return out
+
+
+@njit(inline="always", **JIT)
+def rows_by_eight(fmt, unsigned_values, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n) -> None:
+    """out[:n, :rows] <- the n tokens of xq, xd (quantize_rows; xsum its block sums, block_sums, for unsigned
+    values) . the q8 or q4 rows from byte o (rows a multiple of 8): each eight rows interleaved into a scratch in
+    L1 (interleave8), then two tokens at a time (one for an odd last)."""
+    scratch = np.empty((hidden // 32) * GROUP_BYTES, np.uint8)
+    for g in range(rows // GROUP_ROWS):
+        interleave8(fmt, data, o + g * GROUP_ROWS * row_bytes, row_bytes, hidden, scratch)
+        if unsigned_values:
+            group_tokens_unsigned(scratch, 0, hidden, xq, xd, xsum, n, out, g * GROUP_ROWS)
+        else:
+            group_tokens(scratch, 0, hidden, xq, xd, n, out, g * GROUP_ROWS)
+
+
+@njit(parallel=True, **JIT)
+def matmul_rows_by_eight(fmt, unsigned_values, data, row_bytes, R, K, x, out):
+    """out [T, R] = x [T, K] . W^T, W's R rows (a multiple of 8) row-major q8 or q4 rows (unsigned_values: q4's,
+    unsigned(its format)): the groups of eight rows split over numba's threads, each interleaved on the fly."""
+    xq, xd, _ = quantize_rows(x)
+    xsum = block_sums(xq[:, :K if unsigned_values else 0])
+    for g in prange(R // GROUP_ROWS):
+        scratch = np.empty((K // 32) * GROUP_BYTES, np.uint8)
+        interleave8(fmt, data, g * GROUP_ROWS * row_bytes, row_bytes, K, scratch)
+        if unsigned_values:
+            group_tokens_unsigned(scratch, 0, K, xq, xd, xsum, x.shape[0], out, g * GROUP_ROWS)
+        else:
+            group_tokens(scratch, 0, K, xq, xd, x.shape[0], out, g * GROUP_ROWS)
+
+
 @njit(parallel=True, **JIT)
 def matmul_groups(data, R, K, x, out):
     xq, xd, _ = quantize_rows(x)  # [T, K] once for every group
@@ -229,3 +340,6 @@ def matmul_groups(data, R, K, x, out):
 def warm_up() -> None:
     """Compile (or load from the disk cache) before the first request."""
     matmul_groups(np.zeros(GROUP_BYTES, np.uint8), 8, 32, np.zeros((3, 32), np.float32), np.zeros((3, 8), np.float32))
+    q4 = list(FORMATS).index("q4")
+    matmul_rows_by_eight(q4, True, np.zeros(8 * 18, np.uint8), 18, 8, 32, np.zeros((3, 32), np.float32),
+                         np.zeros((3, 8), np.float32))
