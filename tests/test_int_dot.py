@@ -15,8 +15,8 @@ from coordinator.config import EngineConfig
 from coordinator.errors import ConfigValueError
 from coordinator.model.packed import BLOCK_INT_TOKENS, PackedMatrix
 from node_worker.kernels import idot
-from node_worker.kernels.activations import (quantize_reference, quantize_rows, quantize_rows_super,
-                                             quantize_super_reference)
+from node_worker.kernels.activations import (quantize_reference, quantize_rows, quantize_rows_summed,
+                                             quantize_rows_super, quantize_super_reference)
 from node_worker.worker import NodeWorker
 from shm import formats
 from shm.expert_source import ExpertSlice
@@ -74,6 +74,9 @@ def test_quantised_activations_are_the_numpy_form_and_within_half_a_step():
     step = np.repeat(xd, 32, axis=1)
     assert np.all(np.abs(x - dequantised(x)) <= step / 2 * (1 + 1e-6))
     np.testing.assert_allclose(xs, xd * xq.reshape(5, 8, 32).sum(axis=2), rtol=1e-6)
+    q, d, sums = quantize_rows_summed(x)  # rows8's unsigned values: the same values, the sums as integers
+    assert np.array_equal(q, xq) and np.array_equal(d, xd)
+    assert sums.dtype == np.int32 and np.array_equal(sums, xq.reshape(5, 8, 32).astype(np.int64).sum(axis=2))
 
 
 @pytest.mark.parametrize("lowering", idot.LOWERINGS)

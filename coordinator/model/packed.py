@@ -23,7 +23,7 @@ import numpy as np
 
 from node_worker.kernels import dense, rows8
 from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
-from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, UNSIGNED_VALUES
+from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS
 from shm import formats
 from shm.formats.encode import encode_into
 from shm.huge_pages import advised_copy, advised_empty
@@ -110,8 +110,7 @@ class PackedMatrix:
             return out.reshape(*lead, R)
         if self.int_act and self.fmt_id in BLOCK_IDS and R % rows8.GROUP_ROWS == 0 and T >= GROUPED_FROM:
             out = np.empty((T, R), np.float32)  # q4's rows eight at a time, interleaved on the fly
-            rows8.matmul_rows_by_eight(self.fmt_id, UNSIGNED_VALUES[self.fmt_id], self.data, self.row_bytes, R, K,
-                                       x2, out)
+            rows8.matmul_rows_by_eight(self.fmt_id, self.data, self.row_bytes, R, K, x2, out)
             return out.reshape(*lead, R)
         if self.int_act and ((T < INT_TOKENS and self.fmt_id in SUPER_IDS) or
                              (1 < T < BLOCK_INT_TOKENS and self.fmt_id in BLOCK_IDS)):

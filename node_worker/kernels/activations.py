@@ -49,25 +49,25 @@ def quantize_block(x, lo, hi, xq):
     return amax / np.float32(127.0), total
 
 
-@njit(inline="always", **EXACT_JIT)
-def quantize_row(x, xq, xd, xs) -> None:
-    """x [K] float32 -> xq [K] int8, xd [K / 32], xs [K / 32] float32 (module docstring)."""
-    for b in range(x.size // BLOCK):
-        d, total = quantize_block(x, BLOCK * b, BLOCK * b + BLOCK, xq)
-        xd[b] = d
-        xs[b] = d * np.float32(total)
-
-
 @njit(**EXACT_JIT)  # a call of its own, not inlined: its flags, not the caller's fastmath
-def quantize_rows(x):
-    """x [n, K] float32 -> (xq [n, K] int8, xd [n, K / 32], xs [n, K / 32] float32)."""
+def quantize_rows_summed(x):
+    """x [n, K] float32 -> (xq [n, K] int8, xd [n, K / 32] float32, sums [n, K / 32] int32): the values, the
+    scales, and each block's sum of xq as an integer (rows8.py's unsigned values)."""
     n, K = x.shape
     xq = np.empty((n, K), np.int8)
     xd = np.empty((n, K // BLOCK), np.float32)
-    xs = np.empty((n, K // BLOCK), np.float32)
+    sums = np.empty((n, K // BLOCK), np.int32)
     for t in range(n):
-        quantize_row(x[t], xq[t], xd[t], xs[t])
-    return xq, xd, xs
+        for b in range(K // BLOCK):
+            xd[t, b], sums[t, b] = quantize_block(x[t], BLOCK * b, BLOCK * b + BLOCK, xq[t])
+    return xq, xd, sums
+
+
+@njit(**EXACT_JIT)
+def quantize_rows(x):
+    """x [n, K] float32 -> (xq [n, K] int8, xd [n, K / 32], xs [n, K / 32] float32): xs = xd * the block's sum."""
+    xq, xd, sums = quantize_rows_summed(x)
+    return xq, xd, xd * sums.astype(np.float32)
 
 
 @njit(**EXACT_JIT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llvmlite import ir
+from numba.core import cgutils
 
 LANES = 32  # one block: every format's row is read 32 values at a time
 F32 = ir.FloatType()
@@ -34,6 +35,14 @@ def splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType = VF) -> ir
     one = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
     return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
                                   ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
+
+
+def prefetch(builder: ir.IRBuilder, address: ir.Value) -> None:
+    """Prefetch the cache line at ``address`` (an i8 pointer) for reading, into all caches (a prefetch never
+    faults: an address past the data's end is harmless)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
+                                                                                           I32]), "llvm.prefetch.p0i8")
+    builder.call(fn, [address, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])  # read, all caches, data
 
 
 def byte_at(builder: ir.IRBuilder, ptr: ir.Value, index: ir.Value) -> ir.Value:

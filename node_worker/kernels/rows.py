@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import iblock, isimd, isuper, rows8, simd
-from .activations import quantize_rows, quantize_rows_biased, quantize_rows_super
+from .activations import quantize_rows, quantize_rows_biased, quantize_rows_summed, quantize_rows_super
 from .common import JIT
 from .silu import silu_times
 
@@ -43,9 +43,6 @@ SUPER_IDS = tuple(FORMAT_IDS[name] for name in isuper.SUPER_FORMATS)  # the supe
 SUPER_FROM, SUPER_TO = SUPER_IDS[0], SUPER_IDS[-1] + 1
 assert SUPER_IDS == tuple(range(SUPER_FROM, SUPER_TO))
 assert list(FORMAT_IDS)[INT_FROM:SUPER_FROM] == list(isimd.BLOCK_FORMATS)  # q8, q4: isimd.dot4i's
-# by FORMAT_IDS: whether rows8 takes the format's values unsigned (q4's, q + 8: rows8.unsigned), with the
-# activations' block sums (rows8.block_sums)
-UNSIGNED_VALUES = np.array([name in isimd.BLOCK_FORMATS and rows8.unsigned(m) for name, m in simd.FORMATS.items()])
 SHAPE = ("rows", "gate format", "gate row bytes", "up format", "up row bytes", "down format", "down row weights",
          "down row bytes")  # the columns of an expert's shapes row
 
@@ -223,18 +220,18 @@ def grouped8(fmt, int_act, rows, n) -> bool:
     (2 threads, q8 rows, 48 experts' matrices, random values, alternating in one process, time against
     iblock's 1 row x 8 tokens): 768 x 2048 by 8 tokens 0.85, by 16 0.73; 2048 x 768 by 8 0.95. q4's rows the
     same way (their nibbles - 8 as bytes): tools/kernel_bench.py --formats q4 --experts 64 --tokens 8, three
-    alternating pairs, 52.3 / 51.8 / 49.4 -> 45.2 / 39.3 / 33.8 ms a layer; as unsigned bytes (q + 8, rows8's
-    unsigned form, UNSIGNED_VALUES) 33.5 / 39.1 -> 25.8 / 26.8."""
+    alternating pairs, 52.3 / 51.8 / 49.4 -> 45.2 / 39.3 / 33.8 ms a layer; as unsigned bytes (q + 8,
+    rows8.UNSIGNED) 33.5 / 39.1 -> 25.8 / 26.8."""
     return block_int(fmt, int_act) and rows % rows8.GROUP_ROWS == 0 and n >= GROUPED_FROM
 
 
 @njit(inline="always", **JIT)
 def quantised_block_if(use, signed, x):
-    """x [n, K] quantised per block, (xu, xd, xq): for rows8.py when signed (quantize_rows: xq, xd; xu empty),
-    else for iblock.py when use (quantize_rows_biased: xu, xd; xq empty), else all empty."""
-    xq, xd_signed, _ = quantize_rows(x[:, :x.shape[1] if signed else 0])
+    """x [n, K] quantised per block, (xu, xd, xq, xsum): for rows8.py when signed (quantize_rows_summed: xq, xd,
+    xsum; xu empty), else for iblock.py when use (quantize_rows_biased: xu, xd; xq, xsum empty), else all empty."""
+    xq, xd_signed, xsum = quantize_rows_summed(x[:, :x.shape[1] if signed else 0])
     xu, xd_biased = quantize_rows_biased(x[:, :x.shape[1] if use and not signed else 0])
-    return xu, (xd_signed if signed else xd_biased), xq
+    return xu, (xd_signed if signed else xd_biased), xq, xsum
 
 
 @njit(inline="always", **JIT)
@@ -270,12 +267,10 @@ def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised,
     (quantised_block_if of xg) for q8 or q4, the n tokens (in whole groups of eight rows: grouped8, on the
     signed values, computed once for gate and up); else the float one on every row of xg."""
     if grouped8(fmt, int_act, rows, n):
-        _, xd, xq = blocks
-        unsigned_values = UNSIGNED_VALUES[fmt]
-        xsum = rows8.block_sums(xq[:, :hidden if unsigned_values else 0])
-        rows8.rows_by_eight(fmt, unsigned_values, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
+        _, xd, xq, xsum = blocks
+        rows8.rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
     elif block_int(fmt, int_act):
-        xu, xd, _ = blocks
+        xu, xd, _, _ = blocks
         for r in range(rows):
             row_tokens_block(fmt, data, o + r * row_bytes, row_bytes, hidden, xu, xd, out, r, n)
     elif super_int(fmt, int_act):

@@ -42,10 +42,10 @@ a layer.
                                          its FORMATS index), interleaved: q4's values as unsigned bytes
     dot8u2 / dot8u1(data, o, hidden, xq, xd, xsum, t0, out, col)
                                          the same for a group of unsigned values u = q + OFFSET (q4's)
-    rows_by_eight(fmt, unsigned_values, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
+    rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
                                          out[:n, :rows] <- the tokens . row-major q8 or q4 rows (an expert's
                                          matrix in a prefill group): each eight rows interleaved on the fly
-    matmul_rows_by_eight(fmt, unsigned_values, data, row_bytes, R, K, x, out)
+    matmul_rows_by_eight(fmt, data, row_bytes, R, K, x, out)
                                          out [T, R] = x . W^T for row-major q8 or q4 rows (a dense q4 matrix),
                                          the groups split over numba's threads
 
@@ -56,7 +56,8 @@ takes them without the sign trick (idot.unsigned_and_signed's two instructions p
                        (no saturation: 8 x 2 x 15 x 127 = 30480 < 32767)
     ints <8 x i32>   = pairs' lanes added two by two (vpmaddwd by ones) - 8 xsum[t, b]
 
-xsum [n, nb] int32 the sums of each block's quantised activations (block_sums): ints are the same integers
+xsum [n, nb] int32 the sums of each block's quantised activations (activations.quantize_rows_summed, which
+counts them as it quantises): ints are the same integers
 as the signed values give, so the same bits come out. Per four bytes and token that is a broadcast, one
 vpmaddubsw and an add in place of the signed values' five instructions (vpabsb, vpsignb, vpmaddubsw, vpmaddwd,
 an add), and one vpmaddwd a block. Measured on this AVX2 host (2 threads, alternating with the signed form):
@@ -71,13 +72,12 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import idot
-from .activations import quantize_rows
+from .activations import quantize_rows, quantize_rows_summed
 from .common import JIT
-from .ir import F32, I8, I16, I32, const, splat
+from .ir import F32, I8, I16, I32, const, prefetch, splat
 from .isimd import BLOCK_FORMATS
 from .simd import FAST, FORMATS, _byte_ptr, _per_format, _register_loop
 
@@ -91,6 +91,9 @@ OFFSET = 8  # a format of SPAN <= OFFSET (q4) goes in as u = q + OFFSET, unsigne
 def unsigned(fmt) -> bool:
     """Whether a BLOCK_FORMATS format's values go into the groups unsigned (q + OFFSET, below 16)."""
     return fmt.SPAN <= OFFSET
+
+
+UNSIGNED = np.array([name in BLOCK_FORMATS and unsigned(m) for name, m in FORMATS.items()])  # by FORMATS index
 
 
 def interleave(rows: np.ndarray, K: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -114,13 +117,6 @@ def rows_of(groups: np.ndarray, R: int, K: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([values, scales], axis=1))
 
 
-def _prefetch(builder, address) -> None:
-    """Prefetch the cache line at ``address`` (an i8 pointer) for reading, into all caches."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
-                                                                                           I32]), "llvm.prefetch.p0i8")
-    builder.call(fn, [address, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
-
-
 def _emit(builder, group, xq, xd, xsum, hidden_v, tok, accs_out) -> None:
     """accs_out [NT] <- <8 x float> the group's eight rows . token tok[t]'s quantised row; xsum (an i32 pointer
     to the activations' block sums) None for signed values, else the values are unsigned, q + OFFSET."""
@@ -132,7 +128,7 @@ def _emit(builder, group, xq, xd, xsum, hidden_v, tok, accs_out) -> None:
     def step(b, accs):
         block = builder.gep(group, [builder.mul(b, const(GROUP_BYTES))])
         for line in range(-(-GROUP_BYTES // 64)):
-            _prefetch(builder, builder.gep(block, [const(PREFETCH_BLOCKS * GROUP_BYTES + 64 * line)]))
+            prefetch(builder, builder.gep(block, [const(PREFETCH_BLOCKS * GROUP_BYTES + 64 * line)]))
         halves = builder.load(builder.bitcast(builder.gep(block, [const(256)]), ir.VectorType(I16, 8).as_pointer()),
                               align=2)
         d = builder.fpext(builder.bitcast(halves, ir.VectorType(ir.HalfType(), 8)), VW)  # [8 rows]
@@ -236,7 +232,7 @@ def _interleave_rows(builder, fmt, rows, row_step, hidden_v, dest) -> None:
         block = builder.gep(dest, [builder.mul(b, const(GROUP_BYTES))])
         at = builder.add(ahead, builder.mul(b, const(fmt.BLOCK_BYTES)))  # the next group's rows, values and scales
         for row in rows:
-            _prefetch(builder, builder.gep(row, [at]))
+            prefetch(builder, builder.gep(row, [at]))
         values, scales = zip(*(fmt.iblocks(builder, row, b, hidden_v, 32) for row in rows))
         if unsigned(fmt):
             values = [builder.add(v, ir.Constant(V32, [OFFSET] * 32)) for v in values]
@@ -286,44 +282,29 @@ def group_tokens_unsigned(data, o, hidden, xq, xd, xsum, n, out, col) -> None:
         dot8u1(data, o, hidden, xq, xd, xsum, n - 1, out, col)
 
 
-@njit(**JIT)
-def block_sums(xq):
-    """xq [n, K] int8 -> [n, K / 32] int32: the sum of each block of 32."""
-    n, K = xq.shape
-    out = np.zeros((n, K // 32), np.int32)
-    for t in range(n):
-        for b in range(K // 32):
-            total = 0
-            for i in range(32 * b, 32 * b + 32):
-                total += np.int32(xq[t, i])
-            out[t, b] = total
-    return out
-
-
 @njit(inline="always", **JIT)
-def rows_by_eight(fmt, unsigned_values, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n) -> None:
-    """out[:n, :rows] <- the n tokens of xq, xd (quantize_rows; xsum its block sums, block_sums, for unsigned
-    values) . the q8 or q4 rows from byte o (rows a multiple of 8): each eight rows interleaved into a scratch in
-    L1 (interleave8), then two tokens at a time (one for an odd last)."""
+def rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n) -> None:
+    """out[:n, :rows] <- the n tokens of xq, xd, xsum (quantize_rows_summed) . the q8 or q4 rows from byte o (rows
+    a multiple of 8): each eight rows interleaved into a scratch in L1 (interleave8), then two tokens at a time
+    (one for an odd last)."""
     scratch = np.empty((hidden // 32) * GROUP_BYTES, np.uint8)
     for g in range(rows // GROUP_ROWS):
         interleave8(fmt, data, o + g * GROUP_ROWS * row_bytes, row_bytes, hidden, scratch)
-        if unsigned_values:
+        if UNSIGNED[fmt]:
             group_tokens_unsigned(scratch, 0, hidden, xq, xd, xsum, n, out, g * GROUP_ROWS)
         else:
             group_tokens(scratch, 0, hidden, xq, xd, n, out, g * GROUP_ROWS)
 
 
 @njit(parallel=True, **JIT)
-def matmul_rows_by_eight(fmt, unsigned_values, data, row_bytes, R, K, x, out):
-    """out [T, R] = x [T, K] . W^T, W's R rows (a multiple of 8) row-major q8 or q4 rows (unsigned_values: q4's,
-    unsigned(its format)): the groups of eight rows split over numba's threads, each interleaved on the fly."""
-    xq, xd, _ = quantize_rows(x)
-    xsum = block_sums(xq[:, :K if unsigned_values else 0])
+def matmul_rows_by_eight(fmt, data, row_bytes, R, K, x, out):
+    """out [T, R] = x [T, K] . W^T, W's R rows (a multiple of 8) row-major q8 or q4 rows: the groups of eight rows
+    split over numba's threads, each interleaved on the fly."""
+    xq, xd, xsum = quantize_rows_summed(x)
     for g in prange(R // GROUP_ROWS):
         scratch = np.empty((K // 32) * GROUP_BYTES, np.uint8)
         interleave8(fmt, data, g * GROUP_ROWS * row_bytes, row_bytes, K, scratch)
-        if unsigned_values:
+        if UNSIGNED[fmt]:
             group_tokens_unsigned(scratch, 0, K, xq, xd, xsum, x.shape[0], out, g * GROUP_ROWS)
         else:
             group_tokens(scratch, 0, K, xq, xd, x.shape[0], out, g * GROUP_ROWS)
@@ -341,5 +322,5 @@ def warm_up() -> None:
     """Compile (or load from the disk cache) before the first request."""
     matmul_groups(np.zeros(GROUP_BYTES, np.uint8), 8, 32, np.zeros((3, 32), np.float32), np.zeros((3, 8), np.float32))
     q4 = list(FORMATS).index("q4")
-    matmul_rows_by_eight(q4, True, np.zeros(8 * 18, np.uint8), 18, 8, 32, np.zeros((3, 32), np.float32),
+    matmul_rows_by_eight(q4, np.zeros(8 * 18, np.uint8), 18, 8, 32, np.zeros((3, 32), np.float32),
                          np.zeros((3, 8), np.float32))

@@ -46,7 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import bf16, f32, iq4xs, q4, q4k, q5k, q6k, q8
-from .ir import F32, I8, I32, I64, LANES, VF, const, splat
+from .ir import F32, I8, I32, I64, LANES, VF, const, prefetch, splat
 
 FAST = ("fast",)
 FORMATS: dict[str, ModuleType] = {"f32": f32, "bf16": bf16, "q8": q8, "q4": q4, "q4k": q4k, "q5k": q5k, "q6k": q6k,
@@ -76,15 +76,12 @@ def _prefetch_ahead(builder, fmt, rows, b, row_step=None) -> None:
     q4 12 -> 17, bf16 9 -> 10.5; a prefill MoE layer (64 tokens, 64 experts x 768 x 2048): q8 and q4 about 22 %
     faster, bf16 unchanged. A prefetch never faults, so reading past the data's end is harmless. ``row_step``:
     the bytes from one row to the next, for a single row."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
-                                                                                           I32]), "llvm.prefetch.p0i8")
     step = row_step or builder.sub(builder.ptrtoint(rows[1], I64), builder.ptrtoint(rows[0], I64))
     ahead = builder.add(builder.mul(step, const(PREFETCH_ROWS)), builder.mul(b, const(fmt.BLOCK_BYTES)))
     lines = -(-fmt.BLOCK_BYTES // 64) if _groups(fmt) > 1 else 1
-    for row in rows:  # (address, read, keep in all caches, data)
+    for row in rows:
         for line in range(lines):
-            builder.call(fn, [builder.gep(row, [builder.add(ahead, const(64 * line))]), ir.Constant(I32, 0),
-                              ir.Constant(I32, 3), ir.Constant(I32, 1)])
+            prefetch(builder, builder.gep(row, [builder.add(ahead, const(64 * line))]))
 
 
 def _prefetch_tile(builder, fmt, rows, s, row_step=None) -> None:
@@ -105,14 +102,11 @@ def _prefetch_tile(builder, fmt, rows, s, row_step=None) -> None:
     pairs, q8 12.3-13.4 -> 10.0-14.8 ms a layer (medians 12.9 -> 10.9), q4 unchanged (9.4 / 9.5); the Q8_0
     file's decode step (/tmp/w/step.py, 3 pairs) 21.7-23.3 -> 21.9-22.2 ms (medians 23.2 -> 22.0).
     """
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32,
-                                                                                           I32]), "llvm.prefetch.p0i8")
     row_step = row_step or builder.sub(builder.ptrtoint(rows[1], I64), builder.ptrtoint(rows[0], I64))
     span = len(rows) * fmt.BLOCK_BYTES  # the tile's bytes a step
     ahead = builder.add(builder.mul(row_step, const(PREFETCH_ROWS)), builder.mul(s, const(span)))
-    for line in range(-(-span // 64)):  # (address, read, keep in all caches, data)
-        builder.call(fn, [builder.gep(rows[0], [builder.add(ahead, const(64 * line))]), ir.Constant(I32, 0),
-                          ir.Constant(I32, 3), ir.Constant(I32, 1)])
+    for line in range(-(-span // 64)):
+        prefetch(builder, builder.gep(rows[0], [builder.add(ahead, const(64 * line))]))
 
 
 def _scaled_block(builder, fmt, row, b, hidden):
