@@ -1,4 +1,4 @@
-"""How numba's OpenMP threads wait between kernels: spin a while in the coordinator, sleep in node workers.
+"""How numba's OpenMP threads wait: spin a while after each kernel, and sleep on the pool's doorbells together.
 
 libgomp reads its wait settings once, when numba first launches a parallel kernel in the process, so this is
 set before the first kernel (node_worker/kernels/common.py imports this module; Engine.open calls settle with
@@ -18,14 +18,20 @@ GOMP_SPINCOUNT, wins everywhere.
   spinning. Its few kernels gain nothing from it, and its spinning thread took a CPU from the worker it had
   just woken (`--preset deep`, f32, single: 18.5 / 18.7 tok/s spinning against 20.6 / 19.6 sleeping, the
   worker's compute a layer 487 against 357-405 us).
-- A node worker process: no spinning (GOMP_SPINCOUNT=0, worker_env). It is woken by its socket once per
-  layer, and its spinning threads took the CPUs the coordinator's attention ran on next.
+- A node worker process: SPIN_ROUNDS too (worker_env), and it waits for the next layer with its whole team
+  asleep on its doorbell (team_size; shm/doorbell.wait_ring_team), as a spinning coordinator waits for the
+  partials: one ring wakes every thread at once, the layer's kernel finds them awake, and no thread spins on
+  while its process waits. Before (the worker's threads asleep at once after each kernel, GOMP_SPINCOUNT=0,
+  and the coordinator's spinning on while it waited), the worker's second thread joined each layer one wake
+  late, and late again behind the coordinator's spinning thread: `strata bench --modes inproc,single,split
+  --nodes 2 --rounds 2 --tokens 32 --prompt-tokens 64 --device cpu --quality-positions 0 --expert-dtype q4
+  --dense-dtype q4 -m` the Qwen3-MoE geometry (4 layers), two runs each, worker compute a layer 700 / 741 us
+  against in-process 613 / 633 (+14 / +17 %) before, 585 / 625 against 591 / 611 (-1 / +2 %) after; single's
+  decode 0.89 / 0.91x in-process before, 1.07 / 0.94x after.
 
 Measured on the Q4_K_M file (tools/vs_llama.py's model), 2 threads, decode step median ms, sleeping /
 spinning 10 000, three alternating process pairs: 26.1 / 21.6, 27.0 / 22.0, 23.9 / 20.3; 64-token prefill
-347 / 298, 358 / 314, 292 / 339 ms. With the workers spinning too, `strata bench --modes inproc,single,split`
-read inproc 46.4 / 45.3 against 42.5 / 40.7 tok/s sleeping, but single and split no faster (0.87x inproc);
-with the workers sleeping, single 41.1 / 43.4 against 36.6 / 39.3.
+347 / 298, 358 / 314, 292 / 339 ms.
 """
 
 from __future__ import annotations
@@ -52,5 +58,17 @@ def settle(coordinator_kernels: bool) -> str | None:
 
 
 def worker_env() -> dict[str, str]:
-    """What a node worker's environment adds: its threads sleep at once unless the user chose otherwise."""
-    return {} if USER_SET else {"GOMP_SPINCOUNT": "0"}
+    """What a node worker's environment adds: its threads spin SPIN_ROUNDS after a kernel unless the user chose
+    otherwise (between layers they sleep on the doorbell: team_size)."""
+    return {} if USER_SET else {"GOMP_SPINCOUNT": SPIN_ROUNDS}
+
+
+def team_size() -> int:
+    """How many of numba's threads should sleep on a doorbell with the caller: all of this thread's team when
+    they spin after a kernel (else they would spin on while the process waits, on CPUs another process needs,
+    and wake one by one for the next kernel), else the caller alone."""
+    if os.environ.get("GOMP_SPINCOUNT") == "0" or os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+        return 1
+    import numba
+
+    return numba.get_num_threads()

@@ -35,6 +35,7 @@ from shm.node_store import open_node_store
 from shm.placement import segment_placement
 from shm.plan import plan_from_dict
 
+from . import kernel_threads
 from . import protocol as P
 from .job import JobError, WorkerJob
 from .membw import read_bandwidth
@@ -170,7 +171,8 @@ class WorkerProcess:
             while time.perf_counter() < deadline:
                 if io.asked(k) != self.done_seq or io.my_bell_count(k) != seen:
                     return
-        io.wait_my_bell(k, seen, POLL_S)
+        self.worker.use_node_threads()  # the team that sleeps on the bell is the one the layer's kernel runs on
+        io.wait_my_bell(k, seen, POLL_S, kernel_threads.team_size())
 
     def on_request(self) -> None:
         """The request the data path asks this node for: check its fixed fields and arrays, compute into

@@ -66,6 +66,12 @@ class NodeWorker:
     def threads(self) -> int:
         return self.runner.threads
 
+    def use_node_threads(self) -> int:
+        """Set numba's thread count (this calling thread's) to the node's, and return it."""
+        n = min(self.threads, numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(n)
+        return n
+
     def compute(
         self,
         layer: int,
@@ -79,7 +85,7 @@ class NodeWorker:
         offsets, shapes = self._table(layer)
         x = np.ascontiguousarray(x, np.float32)
         y = np.empty((x.shape[0], self.hidden_size), np.float32) if out is None else out[: x.shape[0]]
-        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        self.use_node_threads()
         nbytes = layer_moe(self.store.data, self.hidden_size, x, np.ascontiguousarray(tokens, np.int64),
                            np.ascontiguousarray(experts, np.int64), np.ascontiguousarray(weights, np.float32),
                            offsets, shapes, y, self.int_act)

@@ -161,8 +161,9 @@ class PoolIo:
     def bell_count(self) -> int:
         return int(doorbell.load_acquire(self.coordinator_bell, 0))
 
-    def wait_bell(self, seen: int, timeout_s: float) -> None:
-        doorbell.wait_ring(self.coordinator_bell, 0, seen, timeout_s)
+    def wait_bell(self, seen: int, timeout_s: float, threads: int = 1) -> None:
+        """Sleep on the coordinator's doorbell, with ``threads`` of numba's team (doorbell.wait_ring_team)."""
+        doorbell.wait_ring_team(self.coordinator_bell, 0, seen, timeout_s, threads)
 
     def error_message(self, node_index: int) -> str:
         raw = bytes(self.messages[node_index])
@@ -176,8 +177,9 @@ class PoolIo:
     def my_bell_count(self, node_index: int) -> int:
         return int(doorbell.load_acquire(self.node_bells[node_index], 0))
 
-    def wait_my_bell(self, node_index: int, seen: int, timeout_s: float) -> None:
-        doorbell.wait_ring(self.node_bells[node_index], 0, seen, timeout_s)
+    def wait_my_bell(self, node_index: int, seen: int, timeout_s: float, threads: int = 1) -> None:
+        """Sleep on node ``node_index``'s doorbell, with ``threads`` of numba's team (doorbell.wait_ring_team)."""
+        doorbell.wait_ring_team(self.node_bells[node_index], 0, seen, timeout_s, threads)
 
     def finish(self, node_index: int, seq: int, status: int, compute_ns: int, bytes_read: int, received_ns: int,
                message: str = "") -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -335,9 +336,10 @@ def _kernel_wait_settings(env: dict[str, str]) -> dict:
                                     env=env))
 
 
-def test_coordinator_kernel_threads_spin_and_workers_sleep_unless_the_user_chose(tiny, monkeypatch):
+def test_kernel_threads_spin_in_workers_and_coordinators_with_kernels_unless_the_user_chose(tiny, monkeypatch):
     # the first engine's pool and dense matrices settle it once: no kernels of its own (False) -> 0, for good
-    assert _kernel_wait_settings({}) == {"spin": "10000", "worker": {"GOMP_SPINCOUNT": "0"}, "settled": ["0", "0"]}
+    assert _kernel_wait_settings({}) == {"spin": "10000", "worker": {"GOMP_SPINCOUNT": "10000"},
+                                         "settled": ["0", "0"]}
     assert _kernel_wait_settings({"OMP_WAIT_POLICY": "ACTIVE"}) == {"spin": None, "worker": {},
                                                                     "settled": [None, None]}
     assert _kernel_wait_settings({"GOMP_SPINCOUNT": "500"}) == {"spin": "500", "worker": {},
@@ -357,8 +359,35 @@ def test_coordinator_kernel_threads_spin_and_workers_sleep_unless_the_user_chose
         assert len(eng.logits(PROMPT)) == len(PROMPT)
     assert len(envs) == 1
     assert kernel_threads._settled  # Engine.open chose this process's spin
-    want = "0" if not kernel_threads.USER_SET else os.environ.get("GOMP_SPINCOUNT")
+    want = kernel_threads.SPIN_ROUNDS if not kernel_threads.USER_SET else os.environ.get("GOMP_SPINCOUNT")
     assert envs[0].get("GOMP_SPINCOUNT") == want and envs[0]["OPENBLAS_NUM_THREADS"] == "1"
+
+
+def _futex_sleepers(pid: int) -> dict[int, int]:
+    """Of process ``pid``'s threads asleep in futex(FUTEX_WAIT) on a shared word (not libgomp's own, private
+    sleeps), how many on each address."""
+    counts: dict[int, int] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{task}/syscall").read_text().split()
+        except OSError:  # the thread ended
+            continue
+        if len(fields) > 3 and fields[0] == "202" and int(fields[2], 16) == 0:  # SYS_futex (x86_64), FUTEX_WAIT
+            counts[int(fields[1], 16)] = counts.get(int(fields[1], 16), 0) + 1
+    return counts
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or (os.cpu_count() or 1) < 2,
+                    reason="reads x86_64 syscall numbers; needs two CPUs for a team of two")
+def test_a_worker_waits_for_the_next_layer_with_its_whole_team_asleep_on_its_doorbell(tiny):
+    with Engine.open(tiny, EngineConfig(pool="process", worker_threads=2)) as eng:
+        assert len(eng.logits(PROMPT)) == len(PROMPT)  # the worker's team has run a layer's kernel
+        pid = eng.pool.workers[0].pid
+        deadline = time.monotonic() + 30
+        while max(_futex_sleepers(pid).values(), default=0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the worker's state, not waiting for it to act
+        assert max(_futex_sleepers(pid).values(), default=0) == 2, _futex_sleepers(pid)
+        assert len(eng.logits(PROMPT)) == len(PROMPT)  # and one ring wakes it for the next
 
 
 @pytest.mark.parametrize("pool, spin", [("inproc", "10000"), ("process", "0")])

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from node_worker import kernel_threads
 from node_worker import protocol as P
 from node_worker.job import WorkerJob
 from shm import doorbell, pool_io
@@ -170,7 +171,7 @@ class ProcessPool(ExpertPool):
             if not pending:
                 return arrived
             if time.perf_counter() >= spin_until:
-                io.wait_bell(seen, SLICE_S)
+                io.wait_bell(seen, SLICE_S, kernel_threads.team_size())
             if time.monotonic() >= look_at or io.bell_count() == seen and time.perf_counter() >= spin_until:
                 look_at = time.monotonic() + SLICE_S  # quiet, or spinning for a while: look at the workers
                 self._look_at_workers(seq, pending, deadline_s)
