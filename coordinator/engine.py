@@ -196,13 +196,16 @@ def worker_job(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolP
 
 
 def build_pool(model_dir: Path, ckpt: Checkpoint, mcfg: ModelConfig, plan: PoolPlan, nodes: list[Node],
-               experts: dict, config: EngineConfig, max_seq_len: int, model_digest: str, fmt: str) -> ExpertPool:
+               experts: dict, config: EngineConfig, max_seq_len: int, model_digest: str, fmt: str,
+               kernel_team: bool = False) -> ExpertPool:
+    """``kernel_team``: the coordinator runs kernels of its own on the decode path (runs_decode_kernels), so a
+    process pool waits for the partials with numba's threads asleep beside it (node_worker/kernel_threads.py)."""
     if config.pool == "inproc":
         return build_inproc_pool(ckpt, mcfg, plan, experts, config.worker_threads, nodes, fmt, config.activations)
     from .pool.process import ProcessPool
 
     job = worker_job(model_dir, ckpt, mcfg, plan, experts, nodes, config, max_seq_len, model_digest, fmt)
-    return ProcessPool(plan, nodes, job, config)
+    return ProcessPool(plan, nodes, job, config, kernel_team)
 
 
 @dataclass(eq=False)
@@ -245,8 +248,8 @@ class Engine:
             chat_template_error = str(exc)
             log.warning("%s: chat is off for this model", exc)
         backend = select_device(config.device)
-        # before any kernel runs: libgomp reads its wait setting once
-        kernel_threads.settle(runs_decode_kernels(config, backend, isinstance(ckpt, GgufCheckpoint)))
+        runs_kernels = runs_decode_kernels(config, backend, isinstance(ckpt, GgufCheckpoint))
+        kernel_threads.settle(runs_kernels)  # before any kernel runs: libgomp reads its wait setting once
         if config.dense_dtype not in ("f32", formats.AUTO) and backend != "numpy":
             raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
                                    "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")
@@ -267,7 +270,7 @@ class Engine:
                         len(nodes), size, idle[0][0], idle[0][1])
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
         pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
-                          cpu_set_digest(ckpt, device_set, fmt), fmt)
+                          cpu_set_digest(ckpt, device_set, fmt), fmt, runs_kernels)
         decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)

@@ -19,15 +19,19 @@ GOMP_SPINCOUNT, wins everywhere.
   just woken (`--preset deep`, f32, single: 18.5 / 18.7 tok/s spinning against 20.6 / 19.6 sleeping, the
   worker's compute a layer 487 against 357-405 us).
 - A node worker process: SPIN_ROUNDS too (worker_env), and it waits for the next layer with its whole team
-  asleep on its doorbell (team_size; shm/doorbell.wait_ring_team), as a spinning coordinator waits for the
-  partials: one ring wakes every thread at once, the layer's kernel finds them awake, and no thread spins on
-  while its process waits. Before (the worker's threads asleep at once after each kernel, GOMP_SPINCOUNT=0,
-  and the coordinator's spinning on while it waited), the worker's second thread joined each layer one wake
-  late, and late again behind the coordinator's spinning thread: `strata bench --modes inproc,single,split
-  --nodes 2 --rounds 2 --tokens 32 --prompt-tokens 64 --device cpu --quality-positions 0 --expert-dtype q4
-  --dense-dtype q4 -m` the Qwen3-MoE geometry (4 layers), two runs each, worker compute a layer 700 / 741 us
-  against in-process 613 / 633 (+14 / +17 %) before, 585 / 625 against 591 / 611 (-1 / +2 %) after; single's
-  decode 0.89 / 0.91x in-process before, 1.07 / 0.94x after.
+  asleep on its doorbell (team_size; shm/doorbell.wait_ring_team), as a coordinator with kernels of its own
+  waits for the partials (ProcessPool.kernel_team): one ring wakes every thread at once and the layer's kernel
+  finds them awake. The worker's answer, its sleep and the coordinator's ring follow the kernel in the same
+  compiled call (node_worker/answer.py), so its threads stop spinning before the coordinator wakes. Before
+  (GOMP_SPINCOUNT=0 in the workers, their second thread one libgomp wake late for each layer), measured with
+  `strata bench --modes inproc,single,split --nodes 2 --rounds 2 --tokens 32 --prompt-tokens 64 --device cpu
+  --quality-positions 0 --expert-dtype q4 --dense-dtype q4 -m` the Qwen3-MoE geometry (4 layers), two runs
+  alternating with the code before: single's worker compute a layer 718 / 692 us against in-process 626 / 600
+  (+15 %) before, 639 / 622 against 608 / 600 (+5 / +4 %) now; the layer's wall 894 / 896 -> 857 / 776 us,
+  decode 0.84 / 0.85 -> 0.90 / 0.93x in-process. With `--expert-dtype q4` (dense float32: the coordinator
+  waits alone) compute +8 / +7 % -> +3 / +2 %, the wall 869 / 839 -> 833 / 891 us. With bf16 experts (read
+  at memory speed) compute was within 3 % either way, and the team's wake cost 50-60 us a layer more on the
+  way to the worker: on 2 vCPUs the worker's two threads wait for the CPU the coordinator rings from.
 
 Measured on the Q4_K_M file (tools/vs_llama.py's model), 2 threads, decode step median ms, sleeping /
 spinning 10 000, three alternating process pairs: 26.1 / 21.6, 27.0 / 22.0, 23.9 / 20.3; 64-token prefill

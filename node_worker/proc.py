@@ -35,9 +35,11 @@ from shm.node_store import open_node_store
 from shm.placement import segment_placement
 from shm.plan import plan_from_dict
 
-from . import kernel_threads
+from . import answer, kernel_threads
 from . import protocol as P
+from .answer import compute_answer_sleep
 from .job import JobError, WorkerJob
+from .kernels.layer import layer_moe
 from .membw import read_bandwidth
 from .worker import NodeWorker
 
@@ -116,6 +118,7 @@ class WorkerProcess:
         self.done_seq = 0
         self.num_experts = job.num_experts
         self.spin_s = job.spin_us / 1e6
+        self.poll_timespec = doorbell.timespec(POLL_S)  # the longest sleep of compute_answer_sleep
         self.handlers = {P.Compute: self.on_compute, P.MemBw: self.on_membw, P.Ping: self.on_ping}
 
     def send(self, frames: list) -> None:
@@ -134,6 +137,7 @@ class WorkerProcess:
         if job.pool_io:
             self.io = pool_io.attach(job.pool_io, job.model_digest, plan.digest)
             doorbell.warm_up()
+            answer.warm_up()
             pool_io.check_routing(self.io.tokens[:0], self.io.experts[:0], self.io.weights[:0], 1, 1)  # compiled
             self.done_seq = self.io.done(self.index)
         placement = segment_placement(os.getpid(), report.segment, nj.local_node)
@@ -186,10 +190,26 @@ class WorkerProcess:
         if kind == pool_io.KIND_COMPUTE:
             problem = self.check_request(layer, T, Pn)
             if not problem:
-                t0 = time.perf_counter_ns()
-                before = self.worker.bytes_read
-                self.worker.compute(layer, io.x[:T], io.tokens[:Pn], io.experts[:Pn], io.weights[:Pn], out=io.y[k])
-                compute_ns, bytes_read = time.perf_counter_ns() - t0, self.worker.bytes_read - before
+                started = time.monotonic_ns()
+                args = self.worker.layer_args(layer, io.x[:T], io.tokens[:Pn], io.experts[:Pn], io.weights[:Pn],
+                                              out=io.y[k])
+                team = kernel_threads.team_size()
+                if team > 1 and not self.spin_s and doorbell.futex_available():  # answer and sleep in one call
+                    seen = io.my_bell_count(k)  # before the answer: the next request's ring comes after it
+                    bytes_read = compute_answer_sleep(*args, io.node_lines[k], seq, received, started,
+                                                      io.coordinator_bell, io.bell_address(k), seen,
+                                                      self.poll_timespec.ctypes.data, team)
+                    if bytes_read >= 0:
+                        self.worker.count(layer, bytes_read, T)
+                        self.done_seq = seq
+                        return
+                else:
+                    bytes_read = layer_moe(*args)
+                compute_ns = time.monotonic_ns() - started
+                if bytes_read < 0:
+                    problem = f"a negative expert id or a token outside [0, {T})"
+                else:
+                    self.worker.count(layer, bytes_read, T)
         elif kind != pool_io.KIND_PING:
             problem = f"unknown request kind {kind}"
         if problem:

@@ -72,7 +72,7 @@ class NodeWorker:
         numba.set_num_threads(n)
         return n
 
-    def compute(
+    def layer_args(
         self,
         layer: int,
         x: np.ndarray,  # [T, H] float32: only the tokens routed to a CPU expert
@@ -80,19 +80,29 @@ class NodeWorker:
         experts: np.ndarray,  # [P] expert id
         weights: np.ndarray,  # [P] float32 routing weight
         out: np.ndarray | None = None,  # [>= T, H] float32: written in place (the pool's shared segment)
-    ) -> np.ndarray:
-        """This node's partial output Y_n [T, H] for the routed pairs (``out[:T]`` when given)."""
+    ) -> tuple:
+        """kernels.layer.layer_moe's arguments for this node's partial of the routed pairs (its output y
+        [T, H] is ``out[:T]`` when given, else new); numba's thread count set to the node's."""
         offsets, shapes = self._table(layer)
         x = np.ascontiguousarray(x, np.float32)
         y = np.empty((x.shape[0], self.hidden_size), np.float32) if out is None else out[: x.shape[0]]
         self.use_node_threads()
-        nbytes = layer_moe(self.store.data, self.hidden_size, x, np.ascontiguousarray(tokens, np.int64),
-                           np.ascontiguousarray(experts, np.int64), np.ascontiguousarray(weights, np.float32),
-                           offsets, shapes, y, self.int_act)
+        return (self.store.data, self.hidden_size, x, np.ascontiguousarray(tokens, np.int64),
+                np.ascontiguousarray(experts, np.int64), np.ascontiguousarray(weights, np.float32), offsets, shapes,
+                y, self.int_act)
+
+    def compute(self, layer: int, x: np.ndarray, tokens: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+                out: np.ndarray | None = None) -> np.ndarray:
+        """This node's partial output Y_n [T, H] for the routed pairs (``out[:T]`` when given): layer_args'."""
+        args = self.layer_args(layer, x, tokens, experts, weights, out)
+        self.count(layer, layer_moe(*args), args[2].shape[0])
+        return args[8]
+
+    def count(self, layer: int, nbytes: int, rows: int) -> None:
+        """layer_moe's answer: the expert bytes it read, or the error it found."""
         if nbytes < 0:
-            raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {x.shape[0]})")
+            raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {rows})")
         self.bytes_read += nbytes
-        return y
 
     def _table(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer's expert table, built once: byte offsets [E, 3] and shapes [E, 8] (kernels/rows.py's SHAPE:

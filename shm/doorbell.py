@@ -18,7 +18,10 @@ doorbell with all of them (``wait_ring_team``): each thread of the team waits
 on the word itself, so one ring wakes them together, and the kernel launched
 next finds its threads awake instead of waking each from libgomp's own sleep
 one after the other (on this 2-vCPU VM a futex wake of an idle vCPU takes
-50-70 us).
+50-70 us). Compiled code can sleep that way too (``team_futex_wait``, which can
+ring another doorbell first from inside the team's sleep) and read the
+monotonic clock (``monotonic_ns``): node_worker/answer.py answers a layer and
+sleeps in one call.
 """
 
 from __future__ import annotations
@@ -102,12 +105,14 @@ def warm_up() -> None:
         assert load_acquire(a, 0) == 1 and a[1] == 1
     words = np.zeros(1, np.uint32)
     futex_wait_team(word_address(words, 0), 1, 0.0, 2)  # compiled now: returns at once (the word is not 1)
+    monotonic_ns()
 
 
 # -- futex ---------------------------------------------------------------------------------------------------
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not the _PRIVATE forms: the word is shared between processes
+NO_RING = np.zeros(0, np.uint32)  # team_futex_wait's ring_words when it rings nothing
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
@@ -116,25 +121,58 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+def _libc_call(builder, name: str, args: list) -> ir.Value:
+    """A call of libc's ``name`` (taking and returning 64-bit integers) by name: resolved in the process when
+    the compiled code is loaded, so that code can be cached."""
+    i64 = ir.IntType(64)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64], var_arg=True), name)
+    return builder.call(fn, args)
+
+
 @intrinsic
-def _futex_wait_syscall(typingctx, address, expected, timespec):
-    """syscall(SYS_futex, address, FUTEX_WAIT, expected, timespec, 0, 0) from compiled code: libc's syscall()
-    called by name (resolved in the process when the code is loaded, so the compiled code can be cached)."""
-    sig = types.int64(types.intp, types.intp, types.intp)
+def _futex_syscall(typingctx, address, op, value, timespec):
+    """syscall(SYS_futex, address, op, value, timespec, 0, 0) from compiled code."""
+    sig = types.int64(types.intp, types.intp, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64], var_arg=True), "syscall")
-        return builder.call(fn, [i64(_SYS_FUTEX or -1), args[0], i64(FUTEX_WAIT), args[1], args[2], i64(0),
-                                 i64(0)])
+        return _libc_call(builder, "syscall", [i64(_SYS_FUTEX or -1), *args, i64(0), i64(0)])
 
     return sig, codegen
 
 
+@intrinsic
+def _monotonic_ns(typingctx):
+    """clock_gettime(CLOCK_MONOTONIC) in nanoseconds from compiled code: time.monotonic_ns()'s clock."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        ts = cgutils.alloca_once(builder, ir.ArrayType(i64, 2))
+        _libc_call(builder, "clock_gettime", [i64(1), builder.ptrtoint(ts, i64)])  # CLOCK_MONOTONIC
+        sec = builder.load(builder.gep(ts, [ir.IntType(32)(0), ir.IntType(32)(0)]))
+        nsec = builder.load(builder.gep(ts, [ir.IntType(32)(0), ir.IntType(32)(1)]))
+        return builder.add(builder.mul(sec, i64(1_000_000_000)), nsec)
+
+    return sig, codegen
+
+
+@njit(**_OPTS)
+def monotonic_ns() -> int:
+    return _monotonic_ns()
+
+
 @njit(parallel=True, **_OPTS)
-def _team_futex_wait(address, expected, timespec_address, threads):
-    for _ in prange(threads):  # one iteration a thread of the team: each sleeps on the word itself
-        _futex_wait_syscall(address, expected, timespec_address)
+def team_futex_wait(address, expected, timespec_address, threads, ring_words, ring_index):
+    """futex_wait_team from compiled code: each of ``threads`` numba threads sleeps on ``address`` while it holds
+    ``expected``, at most the timespec at ``timespec_address``; first, from inside the team's wait (so that
+    whoever it wakes finds this process's threads asleep, not spinning on the CPUs it needs), doorbell
+    ``ring_words[ring_index]`` is rung unless ``ring_words`` is empty."""
+    for i in prange(threads):  # one iteration a thread of the team: each sleeps on the word itself
+        if i == 0 and ring_words.size:
+            _fetch_add(ring_words, ring_index, np.uint32(1))
+            _futex_syscall(ring_words.ctypes.data + 4 * ring_index, FUTEX_WAKE, 1 << 30, 0)
+        _futex_syscall(address, FUTEX_WAIT, expected, timespec_address)
 
 
 def futex_available() -> bool:
@@ -157,14 +195,18 @@ def futex_wait(address: int, expected: int, timeout_s: float) -> None:
                   ctypes.byref(ts), None, 0)
 
 
+def timespec(timeout_s: float) -> np.ndarray:
+    """A struct timespec for the futex calls."""
+    return np.array([int(timeout_s), int((timeout_s % 1) * 1e9)], np.int64)
+
+
 def futex_wait_team(address: int, expected: int, timeout_s: float, threads: int) -> None:
     """``futex_wait`` on every one of ``threads`` numba threads at once (the calling thread among them: set
     numba's thread count to the kernels' first), each returning on a wake, a changed value or the timeout."""
     if _SYS_FUTEX is None or threads <= 1:
         futex_wait(address, expected, timeout_s)
         return
-    ts = np.array([int(timeout_s), int((timeout_s % 1) * 1e9)], np.int64)  # struct timespec
-    _team_futex_wait(address, expected & 0xFFFFFFFF, ts.ctypes.data, threads)
+    team_futex_wait(address, expected & 0xFFFFFFFF, timespec(timeout_s).ctypes.data, threads, NO_RING, 0)
 
 
 def futex_wake(address: int, count: int = 1 << 30) -> None:

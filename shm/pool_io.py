@@ -181,6 +181,10 @@ class PoolIo:
         """Sleep on node ``node_index``'s doorbell, with ``threads`` of numba's team (doorbell.wait_ring_team)."""
         doorbell.wait_ring_team(self.node_bells[node_index], 0, seen, timeout_s, threads)
 
+    def bell_address(self, node_index: int) -> int:
+        """The address of node ``node_index``'s doorbell word (for compiled code: node_worker/answer.py)."""
+        return doorbell.word_address(self.node_bells[node_index], 0)
+
     def finish(self, node_index: int, seq: int, status: int, compute_ns: int, bytes_read: int, received_ns: int,
                message: str = "") -> None:
         line = self.node_lines[node_index]

@@ -398,6 +398,13 @@ def test_the_first_engine_settles_the_coordinators_spin_by_its_pool(tiny, pool, 
     assert _fresh_python(code, str(tiny)) == spin  # the tiny model's dense matrices are float32: no kernels of theirs
 
 
+@pytest.mark.parametrize("dense, team", [("f32", False), ("q8", True)])
+def test_a_coordinator_with_kernels_of_its_own_waits_with_its_team(tiny, dense, team):
+    with Engine.open(tiny, EngineConfig(pool="process", dense_dtype=dense, device="cpu")) as eng:
+        assert eng.pool.kernel_team is team  # engine.runs_decode_kernels: numba's team sleeps on the doorbell too
+        assert len(eng.logits(PROMPT)) == len(PROMPT)
+
+
 @pytest.mark.parametrize("pool, backend, dense, gguf, runs", [
     ("inproc", "numpy", "f32", False, True), ("process", "numpy", "f32", False, False),
     ("process", "numpy", "auto", True, True), ("process", "numpy", "auto", False, False),

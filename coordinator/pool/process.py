@@ -48,13 +48,15 @@ __all__ = ["PoolError", "ProcessPool", "WorkerDied"]
 
 
 class ProcessPool(ExpertPool):
-    def __init__(self, plan: PoolPlan, nodes: list[Node], job: WorkerJob, config: EngineConfig):
+    def __init__(self, plan: PoolPlan, nodes: list[Node], job: WorkerJob, config: EngineConfig,
+                 kernel_team: bool = False):
         if [n.id for n in nodes] != list(plan.node_ids):
             raise PoolError("the pool needs one node per plan node, in plan order")
         self.plan = plan
         self.hang_timeout_s = config.worker_hang_timeout
         self.channel = Channel(job.max_message_bytes, config.pool_spin_us)
         self.spin_s = config.pool_spin_us / 1e6
+        self.kernel_team = kernel_team  # numba's team sleeps on the doorbell with the waiter (kernel_threads.py)
         self.closed = False
         self.io: pool_io.PoolIo | None = None
         try:
@@ -171,7 +173,7 @@ class ProcessPool(ExpertPool):
             if not pending:
                 return arrived
             if time.perf_counter() >= spin_until:
-                io.wait_bell(seen, SLICE_S, kernel_threads.team_size())
+                io.wait_bell(seen, SLICE_S, kernel_threads.team_size() if self.kernel_team else 1)
             if time.monotonic() >= look_at or io.bell_count() == seen and time.perf_counter() >= spin_until:
                 look_at = time.monotonic() + SLICE_S  # quiet, or spinning for a while: look at the workers
                 self._look_at_workers(seq, pending, deadline_s)
