@@ -331,19 +331,23 @@ def _fresh_python(code: str, *args: str, env: dict[str, str] | None = None) -> s
 def _kernel_wait_settings(env: dict[str, str]) -> dict:
     """What node_worker.kernel_threads sets in a fresh interpreter with ``env``."""
     return json.loads(_fresh_python("import json, os; from node_worker import kernel_threads as k; "
-                                    "out = {'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env()}; "
+                                    "out = {'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env('q4'), "
+                                    "'bf16_worker': k.worker_env('bf16/bf16/bf16;1=q8/q8/q8'), "
+                                    "'f32_worker': k.worker_env('f32;1=bf16')}; "
                                     "out['settled'] = [k.settle(False), k.settle(True)]; print(json.dumps(out))",
                                     env=env))
 
 
 def test_kernel_threads_spin_in_workers_and_coordinators_with_kernels_unless_the_user_chose(tiny, monkeypatch):
     # the first engine's pool and dense matrices settle it once: no kernels of its own (False) -> 0, for good
+    # workers: spinning (and sleeping as a team between layers) unless every expert matrix is f32 or bf16
     assert _kernel_wait_settings({}) == {"spin": "10000", "worker": {"GOMP_SPINCOUNT": "10000"},
-                                         "settled": ["0", "0"]}
-    assert _kernel_wait_settings({"OMP_WAIT_POLICY": "ACTIVE"}) == {"spin": None, "worker": {},
-                                                                    "settled": [None, None]}
-    assert _kernel_wait_settings({"GOMP_SPINCOUNT": "500"}) == {"spin": "500", "worker": {},
-                                                                "settled": ["500", "500"]}
+                                         "bf16_worker": {"GOMP_SPINCOUNT": "10000"},
+                                         "f32_worker": {"GOMP_SPINCOUNT": "0"}, "settled": ["0", "0"]}
+    assert _kernel_wait_settings({"OMP_WAIT_POLICY": "ACTIVE"}) == {"spin": None, "worker": {}, "bf16_worker": {},
+                                                                    "f32_worker": {}, "settled": [None, None]}
+    assert _kernel_wait_settings({"GOMP_SPINCOUNT": "500"}) == {"spin": "500", "worker": {}, "bf16_worker": {},
+                                                                "f32_worker": {}, "settled": ["500", "500"]}
     from coordinator.pool import supervisor
     from node_worker import kernel_threads
 
@@ -359,7 +363,7 @@ def test_kernel_threads_spin_in_workers_and_coordinators_with_kernels_unless_the
         assert len(eng.logits(PROMPT)) == len(PROMPT)
     assert len(envs) == 1
     assert kernel_threads._settled  # Engine.open chose this process's spin
-    want = kernel_threads.SPIN_ROUNDS if not kernel_threads.USER_SET else os.environ.get("GOMP_SPINCOUNT")
+    want = "0" if not kernel_threads.USER_SET else os.environ.get("GOMP_SPINCOUNT")  # f32 experts
     assert envs[0].get("GOMP_SPINCOUNT") == want and envs[0]["OPENBLAS_NUM_THREADS"] == "1"
 
 
@@ -380,7 +384,7 @@ def _futex_sleepers(pid: int) -> dict[int, int]:
 @pytest.mark.skipif(platform.machine() != "x86_64" or (os.cpu_count() or 1) < 2,
                     reason="reads x86_64 syscall numbers; needs two CPUs for a team of two")
 def test_a_worker_waits_for_the_next_layer_with_its_whole_team_asleep_on_its_doorbell(tiny):
-    with Engine.open(tiny, EngineConfig(pool="process", worker_threads=2)) as eng:
+    with Engine.open(tiny, EngineConfig(pool="process", worker_threads=2, expert_dtype="q8")) as eng:
         assert len(eng.logits(PROMPT)) == len(PROMPT)  # the worker's team has run a layer's kernel
         pid = eng.pool.workers[0].pid
         deadline = time.monotonic() + 30

@@ -71,7 +71,8 @@ class ProcessPool(ExpertPool):
         self.job = replace(job, endpoint=self.channel.endpoint, pool_io=self.io.segment.name)
         job_path = self.channel.write_file("job.json", self.job.to_json())
         self.supervisor = Supervisor(nodes, self.channel, job_path, plan.digest, job.model_digest,
-                                     config.worker_start_timeout, config.worker_restart_window, config.keep_shm)
+                                     config.worker_start_timeout, config.worker_restart_window, config.keep_shm,
+                                     job.expert_format)
         self.workers = self.supervisor.workers
         self.index = {w.node.id: i for i, w in enumerate(self.workers)}  # node -> its line in the segment
         self.supervisor.on_spawn = lambda w: self.io.cancel(self.index[w.node.id])

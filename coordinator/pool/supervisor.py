@@ -118,8 +118,9 @@ class WorkerHandle:
 
 class Supervisor:
     def __init__(self, nodes: list[Node], channel: Channel, job_path: Path, plan_digest: str, model_digest: str,
-                 start_timeout_s: float, restart_window_s: float, keep_shm: bool):
+                 start_timeout_s: float, restart_window_s: float, keep_shm: bool, expert_format: str = "f32"):
         self.channel = channel
+        self.expert_format = expert_format  # the workers' wait settings follow it (kernel_threads.worker_env)
         self.job_path = job_path
         self.plan_digest, self.model_digest = plan_digest, model_digest
         self.start_timeout_s = start_timeout_s
@@ -148,7 +149,8 @@ class Supervisor:
         cmd = numactl_prefix(n) + [sys.executable, "-m", "node_worker", "--job", str(self.job_path),
                                    "--node", str(n.id), "--identity", w.identity.decode(),
                                    "--parent-pid", str(os.getpid())]
-        w.proc = subprocess.Popen(cmd, env=dict(os.environ, **WORKER_ENV, **worker_env()), stdin=subprocess.DEVNULL)
+        w.proc = subprocess.Popen(cmd, env=dict(os.environ, **WORKER_ENV, **worker_env(self.expert_format)),
+                                  stdin=subprocess.DEVNULL)
         try:
             w.pidfd = os.pidfd_open(w.proc.pid)
         except (OSError, AttributeError):
