@@ -9,7 +9,11 @@ layers (and empty round trips) arrive through the data-path segment and its
 doorbell, the rest (STREAM reads, shutdown, anything malformed) over the socket.
 One thread waits on both: it spins ``spin_us`` on the request word, then sleeps
 on its doorbell (a futex) for at most POLL_S, and looks at the socket whenever
-it wakes; the coordinator rings the doorbell after each socket message too. It dies with its parent: a watcher
+it wakes; the coordinator rings the doorbell after each socket message too.
+Where the kernel threads spin after a kernel (experts in an integer format:
+kernel_threads.py) they sleep on the doorbell with it, and with ``spin_us`` 0 a
+layer's answer, that sleep and the coordinator's ring are one compiled call
+(node_worker/answer.py). It dies with its parent: a watcher
 thread waits on the parent's pidfd and sends this process SIGTERM, whose
 handler unwinds through the clean-up (the segment goes unless --keep-shm).
 An exception that ends the process is sent first as a fatal ERROR (its last
