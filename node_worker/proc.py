@@ -123,6 +123,7 @@ class WorkerProcess:
         self.num_experts = job.num_experts
         self.spin_s = job.spin_us / 1e6
         self.poll_timespec = doorbell.timespec(POLL_S)  # the longest sleep of compute_answer_sleep
+        self.team, self.answer_and_sleep = 1, False  # set in start(), once the node's threads are known
         self.handlers = {P.Compute: self.on_compute, P.MemBw: self.on_membw, P.Ping: self.on_ping}
 
     def send(self, frames: list) -> None:
@@ -138,6 +139,10 @@ class WorkerProcess:
         store.segment.keep = job.keep_shm
         self.worker = NodeWorker(self.node, store, job.hidden, threads=nj.threads, cpus=self.cpus,
                                  activations=job.activations)
+        self.worker.use_node_threads()  # this thread's numba count, set again by each layer's layer_args
+        self.team = kernel_threads.team_size()  # the threads that sleep on the doorbell: the layer kernel's team
+        # a layer's answer and the team's sleep in one compiled call (node_worker/answer.py)
+        self.answer_and_sleep = self.team > 1 and not self.spin_s and doorbell.futex_available()
         if job.pool_io:
             self.io = pool_io.attach(job.pool_io, job.model_digest, plan.digest)
             doorbell.warm_up()
@@ -179,8 +184,7 @@ class WorkerProcess:
             while time.perf_counter() < deadline:
                 if io.asked(k) != self.done_seq or io.my_bell_count(k) != seen:
                     return
-        self.worker.use_node_threads()  # the team that sleeps on the bell is the one the layer's kernel runs on
-        io.wait_my_bell(k, seen, POLL_S, kernel_threads.team_size())
+        io.wait_my_bell(k, seen, POLL_S, self.team)
 
     def on_request(self) -> None:
         """The request the data path asks this node for: check its fixed fields and arrays, compute into
@@ -197,12 +201,11 @@ class WorkerProcess:
                 started = time.monotonic_ns()
                 args = self.worker.layer_args(layer, io.x[:T], io.tokens[:Pn], io.experts[:Pn], io.weights[:Pn],
                                               out=io.y[k])
-                team = kernel_threads.team_size()
-                if team > 1 and not self.spin_s and doorbell.futex_available():  # answer and sleep in one call
+                if self.answer_and_sleep:
                     seen = io.my_bell_count(k)  # before the answer: the next request's ring comes after it
                     bytes_read = compute_answer_sleep(*args, io.node_lines[k], seq, received, started,
                                                       io.coordinator_bell, io.bell_address(k), seen,
-                                                      self.poll_timespec.ctypes.data, team)
+                                                      self.poll_timespec.ctypes.data, self.team)
                     if bytes_read >= 0:
                         self.worker.count(layer, bytes_read, T)
                         self.done_seq = seq

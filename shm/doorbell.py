@@ -117,10 +117,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
 def _libc_call(builder, name: str, args: list) -> ir.Value:
     """A call of libc's ``name`` (taking and returning 64-bit integers) by name: resolved in the process when
     the compiled code is loaded, so that code can be cached."""
@@ -190,9 +186,9 @@ def futex_wait(address: int, expected: int, timeout_s: float) -> None:
     if _SYS_FUTEX is None:
         time.sleep(min(timeout_s, 0.0005))  # no futex on this platform: a short nap
         return
-    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    ts = timespec(timeout_s)
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), FUTEX_WAIT, ctypes.c_uint32(expected & 0xFFFFFFFF),
-                  ctypes.byref(ts), None, 0)
+                  ctypes.c_void_p(ts.ctypes.data), None, 0)
 
 
 def timespec(timeout_s: float) -> np.ndarray:

@@ -56,7 +56,9 @@ class ProcessPool(ExpertPool):
         self.hang_timeout_s = config.worker_hang_timeout
         self.channel = Channel(job.max_message_bytes, config.pool_spin_us)
         self.spin_s = config.pool_spin_us / 1e6
-        self.kernel_team = kernel_team  # numba's team sleeps on the doorbell with the waiter (kernel_threads.py)
+        # a coordinator with kernels of its own waits with numba's team asleep on its doorbell (kernel_threads.py)
+        self.kernel_team = kernel_team
+        self.wait_threads = kernel_threads.team_size() if kernel_team else 1
         self.closed = False
         self.io: pool_io.PoolIo | None = None
         try:
@@ -174,7 +176,7 @@ class ProcessPool(ExpertPool):
             if not pending:
                 return arrived
             if time.perf_counter() >= spin_until:
-                io.wait_bell(seen, SLICE_S, kernel_threads.team_size() if self.kernel_team else 1)
+                io.wait_bell(seen, SLICE_S, self.wait_threads)
             if time.monotonic() >= look_at or io.bell_count() == seen and time.perf_counter() >= spin_until:
                 look_at = time.monotonic() + SLICE_S  # quiet, or spinning for a while: look at the workers
                 self._look_at_workers(seq, pending, deadline_s)
