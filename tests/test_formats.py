@@ -214,10 +214,21 @@ def test_segment_bytes_per_format_and_a_leftover_of_another_format(bf16_model):
 
 
 @pytest.mark.parametrize("name", list(formats.FORMATS))
-def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name):
+def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name, monkeypatch):
     """The row loops (up to 8 tokens) and the decoded tiles + BLAS (more) on 37 rows (the last group of four
-    cut short); f32 and bf16 rows of 50 values end in a partial block of 18."""
+    cut short); f32 and bf16 rows of 50 values end in a partial block of 18. On a host with 512-bit vectors
+    f32 and bf16 take dense.matmul_tiles from 3 tokens on (37 rows: tasks of 16, 16 and 5, the last an odd
+    row)."""
     from coordinator.model.packed import PackedMatrix
+    from node_worker.kernels import dense, simd
+
+    tiled, real = [], dense.matmul_tiles
+
+    def spy(*args):
+        tiled.append(args[-2].shape[0])  # the tokens, padded to a multiple of 4
+        real(*args)
+
+    monkeypatch.setattr(dense, "matmul_tiles", spy)
 
     fmt = formats.get(name)
     R, K = 37, (H if fmt.BLOCK > 1 else 50)
@@ -234,6 +245,7 @@ def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name):
         np.testing.assert_allclose(y, x.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-5)
     x3 = rng.standard_normal((2, 3, K)).astype(np.float32)  # leading axes kept
     np.testing.assert_allclose(x3 @ packed.T, x3.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-5)
+    assert tiled == ([4, 12, 20, 8] if simd.WIDE_TILES and name in simd.WIDE_FORMATS else [])
 
 
 @pytest.mark.parametrize("name, top1", [("bf16", 1.0), ("q8", 1.0), ("q4", 0.5)])
@@ -298,6 +310,49 @@ def test_row_kernel_on_rows_ending_in_a_partial_block(name, tokens_per_expert, h
     g, u, d = (formats.decoded(fmt, m).astype(np.float64) for m in mats)
     a, b = x.astype(np.float64) @ g.T, x.astype(np.float64) @ u.T
     np.testing.assert_allclose(y, (a / (1 + np.exp(-a)) * b) @ d.T, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["f32", "bf16"])
+@pytest.mark.parametrize("hidden", [64, 50])
+def test_four_row_tiles_give_the_two_row_tiles_and_the_one_token_loops_bits(name, hidden):
+    """simd.dot4r4 (f32 and bf16 prefill and dense tiles on hosts with 512-bit vectors) sums every (row, token)
+    in dot2r4's order, and dot4's (one token): the same bits on any host, whichever tile a host takes, for rows
+    of whole blocks. hidden 50 (a partial last block of 18 values, taken value by value): LLVM may reorder
+    those few sums differently in each tile, so there only the float64 reference binds."""
+    from numba import njit
+
+    from node_worker.kernels import simd
+    from node_worker.kernels.common import JIT
+    from node_worker.kernels.rows import FORMAT_IDS
+
+    @njit(**{**JIT, "cache": False})  # the kernels' flags: fastmath lets the final sums go as a tree
+    def tiles(fmt, data, row_bytes, R, K, x, four, two):
+        for r in range(0, R, 4):
+            for t0 in range(0, x.shape[0], 4):
+                simd.dot4r4(fmt, data, r * row_bytes, row_bytes, K, x, t0, four, r)
+                simd.dot2r4(fmt, data, r * row_bytes, row_bytes, K, x, t0, two, r)
+                simd.dot2r4(fmt, data, (r + 2) * row_bytes, row_bytes, K, x, t0, two, r + 2)
+
+    fmt = formats.get(name)
+    rng = np.random.default_rng(11)
+    R, T = 8, 8
+    stored = np.empty((R, fmt.row_bytes(hidden) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+    fmt.encode_into(stored, rng.standard_normal((R, hidden)).astype(np.float32))
+    data = stored.reshape(-1).view(np.uint8)
+    x = rng.standard_normal((T, hidden)).astype(np.float32)
+    four, two = np.full((T, R), np.nan, np.float32), np.full((T, R), np.nan, np.float32)
+    tiles(FORMAT_IDS[name], data, fmt.row_bytes(hidden), R, hidden, x, four, two)
+    w = formats.decoded(fmt, stored).astype(np.float64)
+    np.testing.assert_allclose(four, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(two, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    from coordinator.model.packed import PackedMatrix
+
+    packed = PackedMatrix(fmt, stored, (R, hidden))
+    one_by_one = np.concatenate([x[t:t + 1] @ packed.T for t in range(T)])  # the row loops, a token each
+    np.testing.assert_allclose(x @ packed.T, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    if hidden % 32 == 0:
+        assert np.array_equal(four, two)
+        assert np.array_equal(x @ packed.T, four) and np.array_equal(one_by_one, four)
 
 
 def test_node_compute_refuses_a_negative_expert_or_a_token_outside_x_and_skips_experts_it_lacks():

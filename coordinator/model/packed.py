@@ -21,9 +21,9 @@ from types import ModuleType
 
 import numpy as np
 
-from node_worker.kernels import dense, rows8
+from node_worker.kernels import dense, rows8, simd
 from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
-from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS
+from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, WIDE_IDS
 from shm import formats
 from shm.formats.encode import encode_into
 from shm.huge_pages import advised_copy, advised_empty
@@ -44,6 +44,9 @@ INT_TOKENS = 96
 # 512 x 2048 80 / 86: still no gain, so 48 stays
 BLOCK_INT_TOKENS = 48
 TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
+# f32 and bf16 matrices by this many tokens or more, on a host with 512-bit vectors (simd.WIDE_TILES): the experts'
+# prefill loop (dense.matmul_tiles, four rows by four tokens) in place of the row loops and of BLAS on decoded tiles
+WIDE_TILE_TOKENS = 3
 # q8 with integer activations in whole groups of 8 rows: stored interleaved (rows8.py) and taken by its loop for
 # every T, in place of isimd's and iblock's loops and of BLAS. The Q8_0 file in-process, three alternating runs
 # against the row-major layout (medians of five 64-token prefills, 28 decode steps): the dense matrices' time in
@@ -122,6 +125,12 @@ class PackedMatrix:
             out = np.empty((padded.shape[0], R), np.float32)
             dense.matmul_tokens_int(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
             return out[:T].reshape(*lead, R)
+        if self.fmt_id in WIDE_IDS and simd.WIDE_TILES and T >= WIDE_TILE_TOKENS:
+            padded = np.zeros((-(-T // 4) * 4, K), np.float32)  # [T rounded up to 4, K]
+            padded[:T] = x2
+            out = np.empty((padded.shape[0], R + 1), np.float32)
+            dense.matmul_tiles(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
+            return out[:T, :R].reshape(*lead, R)
         out = np.empty((T, R), np.float32)  # [T, R]
         if T <= FEW_TOKENS:
             dense.matmul_rows(self.fmt_id, self.data, 0, self.row_bytes, R, K, x2, out, self.int_act)

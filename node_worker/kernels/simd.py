@@ -25,6 +25,14 @@ accumulators unrolled into registers:
                                                         out[t0 + t, col + j] = xg[t0 + t] · the row at
                                                         o + j row_step, t < 4, j < 2 (each block widened
                                                         once for the four tokens, x read once for both rows)
+    dot4r4(fmt, data, o, row_step, hidden, xg, t0, out, col)
+                                                        the same, j < 4, for f32 and bf16 (WIDE_FORMATS) on
+                                                        hosts with 512-bit vectors (WIDE_TILES): its 16
+                                                        accumulators fill AVX-512's 32 registers, and each x
+                                                        block loaded serves four rows. Every (row, token) is
+                                                        summed in the same order as dot2r4's: the same bits
+                                                        (rows of whole blocks; a partial last block's few
+                                                        values may be added in another order)
 
 and one that writes a row out as float32 (for BLAS on many tokens):
 
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -235,7 +244,7 @@ def _tile(context, builder, data, o, row_step, out, t0, col, NR: int, NT: int):
                        for t in tok]
 
 
-def _make_dotk(NR: int, K: int):
+def _make_dotk(NR: int, K: int, names=FORMATS):
     @intrinsic
     def dotk(typingctx, fmt, data, o, row_step, hidden, xg, t0, out, col):
         """out[t0 + t, col + j] = xg[t0 + t] · the row at byte offset o + j row_step, t < K, j < NR (any format:
@@ -248,7 +257,7 @@ def _make_dotk(NR: int, K: int):
                                      (signature.args[7], out_v), t0, col, NR, K)
             xp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], xg_v), F32.as_pointer())
             _per_format(context, builder, signature.args[0], fmt_v,
-                        lambda fmt: _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok))
+                        lambda fmt: _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok), names)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -322,3 +331,14 @@ dot4_f32, dot4_bf16, dot4_q8, dot4_q4, dot4_q4k, dot4_q5k, dot4_q6k, dot4_iq4xs 
 decode_f32, decode_bf16, decode_q8, decode_q4, decode_q4k, decode_q5k, decode_q6k, decode_iq4xs = (
     _make_decode(m) for m in FORMATS.values())
 dot2r4 = _make_dotk(2, 4)
+WIDE_FORMATS = ("f32", "bf16")  # widened by a shift or taken as they are: dot4r4's formats
+dot4r4 = _make_dotk(4, 4, WIDE_FORMATS)  # only where the host's registers hold its 16 accumulators: WIDE_TILES
+
+
+def host_has_512_bit_vectors() -> bool:
+    """AVX-512 (32 registers of 16 floats): dot4r4's 16 accumulators of <32 x float> fit in them. On AVX2 (16
+    registers of 8 floats) dot2r4's eight already take twice the register file."""
+    return bool(llvm.get_host_cpu_features().get("avx512f", False))
+
+
+WIDE_TILES = host_has_512_bit_vectors()  # a constant of the compiled kernels (numba's cache is per CPU)
