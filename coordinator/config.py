@@ -19,7 +19,9 @@ from .errors import ConfigValueError
 POOLS = ("inproc", "process")
 EXPERT_DTYPES = (formats.AUTO, *formats.FORMATS, *formats.FILE_FORMATS)  # the last: a GGUF file's own blocks
 DENSE_DTYPES = (formats.AUTO, *formats.FORMATS)  # auto: a GGUF file's quantised matrices as it has them
-ACTIVATIONS = ("q8", "f32")  # node_worker/kernels/activations.py: int8 per block of 32, or float32 as they are
+# node_worker/kernels/activations.py: int8 per block of 32 (bf16: and bf16 rows by activations rounded to bf16,
+# node_worker/kernels/bf16dp.py), or float32 as they are
+ACTIVATIONS = ("q8", "bf16", "f32")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")  # names logging.basicConfig takes
 
 
@@ -50,7 +52,9 @@ class EngineConfig:
     dense_dtype: str = "auto"
     # dot products with quantised weights: "q8" multiplies them in integers by the activations quantised to int8
     # (as llama.cpp does): per block of 32 for q8 and q4, per super-block of 256 for the K types and IQ4_XS;
-    # "f32" widens the weights to float (the reference)
+    # bf16 rows by the float32 activations, exactly. "bf16": the same, and bf16 rows by the activations rounded
+    # to bf16 (llama.cpp's BF16 arithmetic: vdpbf16ps on AVX-512 BF16). "f32" widens the weights to float (the
+    # reference)
     activations: str = "q8"
 
     def __post_init__(self):

@@ -258,7 +258,8 @@ class Engine:
         dense_format = "f32"
         if config.dense_dtype != "f32" and backend == "numpy":
             fmt = None if config.dense_dtype == formats.AUTO else formats.get(config.dense_dtype)
-            nbytes, dense_format = pack_dense(weights, fmt, config.activations == "q8", ckpt)
+            nbytes, dense_format = pack_dense(weights, fmt, config.activations != "f32", ckpt,
+                                              config.activations == "bf16")
             log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}

@@ -53,7 +53,8 @@ class NodeWorker:
                  cpus: Sequence[int] | None = None, activations: str = "q8"):
         self.node = node
         self.activations = activations  # "q8": integer dot products where the format has integers; "f32"
-        self.int_act = activations == "q8"
+        self.int_act = activations in ("q8", "bf16")
+        self.bf16_products = activations == "bf16"  # bf16 rows by bf16 activations (kernels/bf16dp.py)
         self.store = store
         self.hidden_size = hidden_size
         self.runner = TaskRunner(threads, cpus, name=f"node{node}")
@@ -104,6 +105,11 @@ class NodeWorker:
             raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {rows})")
         self.bytes_read += nbytes
 
+    def _loop(self, fmt) -> int:
+        """The kernels' id of the loop that takes rows of a shm format: its own, or bf16 rows by bf16
+        activations (bf16dp) when activations are "bf16"."""
+        return FORMAT_IDS["bf16dp" if self.bf16_products and fmt.NAME == "bf16" else fmt.NAME]
+
     def _table(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer's expert table, built once: byte offsets [E, 3] and shapes [E, 8] (kernels/rows.py's SHAPE:
         the node's rows R, 0 for none held; each matrix's format and stored row bytes, shm.formats')."""
@@ -118,8 +124,8 @@ class NodeWorker:
                 offsets[e] = off
                 R = self.store.get(layer, e).rows
                 width = formats.down_width(down, R)
-                shapes[e] = (R, FORMAT_IDS[gate.NAME], gate.row_bytes(H), FORMAT_IDS[up.NAME], up.row_bytes(H),
-                             FORMAT_IDS[down.NAME], width, down.row_bytes(width))
+                shapes[e] = (R, self._loop(gate), gate.row_bytes(H), self._loop(up), up.row_bytes(H),
+                             self._loop(down), width, down.row_bytes(width))
             table = self._tables[layer] = (offsets, shapes)
         return table
 

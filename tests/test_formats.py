@@ -248,6 +248,24 @@ def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name, monk
     assert tiled == ([4, 12, 20, 8] if simd.WIDE_TILES and name in simd.WIDE_FORMATS else [])
 
 
+@pytest.mark.parametrize("T", [1, 2, 3, 9])
+def test_packed_bf16_matrix_by_bf16_activations_equals_float64_of_the_rounded_activations(T):
+    """A dense bf16 matrix with bf16_products (activations "bf16"): one and two tokens through the row loop,
+    three and more through the tiles, on every host; 37 rows of 50 (an odd last row, a partial last block)."""
+    from coordinator.model.packed import PackedMatrix
+
+    fmt = formats.get("bf16")
+    rng = np.random.default_rng(14)
+    w = rng.standard_normal((37, 50)).astype(np.float32)
+    exact, rounded = PackedMatrix.encode(w, fmt), PackedMatrix.encode(w, fmt, bf16_products=True)
+    ref_w = formats.decoded(fmt, np.frombuffer(exact.data, np.uint16).reshape(37, -1)).astype(np.float64)
+    x = rng.standard_normal((T, 50)).astype(np.float32)
+    got = x @ rounded.T
+    np.testing.assert_allclose(got, bf16_rounded(x) @ ref_w.T, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - x @ exact.T).max() > 1e-4
+    assert np.array_equal(rounded.decoded(), exact.decoded())  # the same rows
+
+
 @pytest.mark.parametrize("name, top1", [("bf16", 1.0), ("q8", 1.0), ("q4", 0.5)])
 def test_dense_dtype_stores_the_dense_matrices_and_stays_close_to_f32(bf16_model, name, top1):
     from coordinator.model.packed import PackedMatrix
@@ -353,6 +371,93 @@ def test_four_row_tiles_give_the_two_row_tiles_and_the_one_token_loops_bits(name
     if hidden % 32 == 0:
         assert np.array_equal(four, two)
         assert np.array_equal(x @ packed.T, four) and np.array_equal(one_by_one, four)
+
+
+def bf16_rounded(x: np.ndarray) -> np.ndarray:
+    """float32 x rounded to the nearest bf16 (ties to even), as float64: bf16dp.py's activations."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("tokens_per_expert", [1, 3, 12])  # one token: dot4's loop; more: the tiles
+@pytest.mark.parametrize("hidden", [H, 50])  # 50: a partial last block of 18, taken value by value
+def test_bf16_rows_by_bf16_activations_equal_float64_of_the_rounded_activations(tokens_per_expert, hidden):
+    """activations "bf16": every product of a bf16 row takes the token's values rounded to bf16 (gate and up
+    on x, down on silu(gate) * up), the sums in float32; against float64 on the same rounded values, and
+    apart from the exact float32 activations ("q8", which leaves bf16 rows exact)."""
+    fmt = formats.get("bf16")
+    rng = np.random.default_rng(12)
+    mats = []
+    for rows, width in ((ROWS, hidden), (ROWS, hidden), (hidden, ROWS)):  # gate, up [R, H]; down [H, R]
+        stored = np.empty((rows, fmt.row_bytes(width) // 2), np.uint16)
+        fmt.encode_into(stored, (rng.standard_normal((rows, width)) * 0.1).astype(np.float32))
+        mats.append(stored)
+    x = rng.standard_normal((2 * tokens_per_expert, hidden)).astype(np.float32)
+    tokens = np.arange(x.shape[0])
+    experts = np.zeros_like(tokens)
+    weights_ = rng.random(x.shape[0]).astype(np.float32)
+    got = {}
+    for activations in ("bf16", "q8"):
+        worker = NodeWorker(0, HeapExpertStore(0, {(0, 0): ExpertSlice(*mats, "bf16")}, "bf16"), hidden,
+                            threads=2, activations=activations)
+        try:
+            got[activations] = worker.compute(0, x, tokens, experts, weights_)
+        finally:
+            worker.close()
+    g, u, d = (formats.decoded(fmt, m).astype(np.float64) for m in mats)
+    a, b = bf16_rounded(x) @ g.T, bf16_rounded(x) @ u.T
+    h = bf16_rounded((a / (1 + np.exp(-a)) * b).astype(np.float32))
+    want = weights_[:, None] * (h @ d.T)
+    np.testing.assert_allclose(got["bf16"], want, rtol=2e-5, atol=2e-6)
+    assert np.abs(got["bf16"] - got["q8"]).max() > 1e-4 * np.abs(want).max()  # the activations were rounded
+
+
+def test_bf16_products_without_the_instruction_are_its_bits():
+    """bf16dp.dot_pairs' two FMAs (hosts without AVX-512 BF16) against vdpbf16ps on random blocks and sums at
+    three scales: the same bits (where the host has the instruction; elsewhere there is nothing to compare)."""
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from node_worker.kernels import bf16dp
+    from node_worker.kernels.common import JIT
+    from node_worker.kernels.simd import _byte_ptr
+
+    if not bf16dp.host_has_dpbf16():
+        pytest.skip("no AVX-512 BF16 on this host")
+
+    def step(native):
+        @intrinsic
+        def one(typingctx, w, x, acc):
+            def codegen(context, builder, signature, args):
+                wp, xp, ap = (builder.bitcast(_byte_ptr(context, builder, t, v), ty.as_pointer())
+                              for t, v, ty in zip(signature.args, args, (bf16dp.VI, ir.VectorType(ir.FloatType(), 32),
+                                                                           bf16dp.VP)))
+                xb = bf16dp.activations(builder, builder.load(xp, align=4))
+                builder.store(bf16dp.dot_pairs(builder, builder.load(ap, align=4), builder.load(wp, align=1), xb,
+                                               native), ap, align=4)
+                return context.get_dummy_value()
+
+            return types.void(w, x, acc), codegen
+
+        @njit(**{**JIT, "cache": False})
+        def run(w, x, acc):
+            for i in range(w.shape[0]):
+                one(w[i], x[i], acc[i])
+
+        return run
+
+    rng = np.random.default_rng(13)
+    n = 4000
+    for scale in (1.0, 1e-20, 1e18):
+        w = (rng.standard_normal((n, 32)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        x = (rng.standard_normal((n, 32)) * scale).astype(np.float32)
+        acc = (rng.standard_normal((n, 16)) * 3 * scale).astype(np.float32)
+        native, generic = acc.copy(), acc.copy()
+        step(True)(w, x, native)
+        step(False)(w, x, generic)
+        assert np.array_equal(native, generic) and not np.array_equal(native, acc)
 
 
 def test_node_compute_refuses_a_negative_expert_or_a_token_outside_x_and_skips_experts_it_lacks():

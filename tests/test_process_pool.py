@@ -59,14 +59,15 @@ def random_request(rng, layer, T, k, E, H, cpu_experts):
                        np.array(weights, np.float32))
 
 
-def pools_for(model_dir, nodes, threads, fmt="f32"):
-    cfg = EngineConfig(pool="process", numa_split=True, nodes=nodes, worker_threads=threads, expert_dtype=fmt)
+def pools_for(model_dir, nodes, threads, fmt="f32", activations=EngineConfig.activations):
+    cfg = EngineConfig(pool="process", numa_split=True, nodes=nodes, worker_threads=threads, expert_dtype=fmt,
+                       activations=activations)
     mcfg = load_model_config(model_dir)
     ckpt = Checkpoint(model_dir)
     experts = load_weights(mcfg, ckpt).experts
     node_list = pool_nodes(cfg)
     plan = build_plan(mcfg, node_list)
-    inproc = build_inproc_pool(ckpt, mcfg, plan, experts, fmt=fmt)
+    inproc = build_inproc_pool(ckpt, mcfg, plan, experts, fmt=fmt, activations=activations)
     proc = ProcessPool(plan, node_list, worker_job(model_dir, ckpt, mcfg, plan, experts, node_list, cfg, 4096), cfg)
     return mcfg, plan, inproc, proc
 
@@ -75,13 +76,14 @@ NODES_THREADS = list(itertools.product([2, 3], [1, 2, 3]))
 # tokens, experts per token, some experts on the device, layer (layer 1 collects into the coordinator's buffer)
 REQUESTS = list(itertools.product([1, 2, 5, 33], [1, 2, 8], [False, True], [0, 1]))
 MIN_COMPARISONS = 192
-FORMATS = ["f32", "bf16", "q8", "q4"]
+FORMATS = ["f32", "bf16", "q8", "q4", "bf16+bf16"]  # the last: bf16 experts by bf16 activations (kernels/bf16dp.py)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("nodes,threads", NODES_THREADS)
 def test_process_pool_is_bitwise_equal_to_inproc(uneven_model, nodes, threads, fmt):
-    mcfg, plan, inproc, proc = pools_for(uneven_model, nodes, threads, fmt)
+    fmt, _, activations = fmt.partition("+")
+    mcfg, plan, inproc, proc = pools_for(uneven_model, nodes, threads, fmt, activations or "q8")
     try:
         assert len(plan.slices_for(200)) == nodes
         assert {s.rows for s in plan.slices_for(200)} != {200 // nodes}  # uneven

@@ -47,7 +47,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--activations", default="q8,f32", help="q8 (integer dot products), f32, or both")
+    ap.add_argument("--activations", default="q8,f32", help="a comma-separated list of EngineConfig.activations: "
+                    "q8 (integer dot products), bf16 (bf16 rows by bf16 activations), f32")
     ap.add_argument("--tokens", type=int, default=1, help="tokens routed to every expert (1: decode; more: prefill)")
     args = ap.parse_args()
     H, I, E = args.hidden, args.inter, args.experts

@@ -45,7 +45,8 @@ INT_TOKENS = 96
 BLOCK_INT_TOKENS = 48
 TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
 # f32 and bf16 matrices by this many tokens or more, on a host with 512-bit vectors (simd.WIDE_TILES): the experts'
-# prefill loop (dense.matmul_tiles, four rows by four tokens) in place of the row loops and of BLAS on decoded tiles
+# prefill loop (dense.matmul_tiles, four rows by four tokens) in place of the row loops and of BLAS on decoded tiles.
+# bf16 rows by bf16 activations (bf16_products) take it on every host (BLAS would multiply float32 activations)
 WIDE_TILE_TOKENS = 3
 # q8 with integer activations in whole groups of 8 rows: stored interleaved (rows8.py) and taken by its loop for
 # every T, in place of isimd's and iblock's loops and of BLAS. The Q8_0 file in-process, three alternating runs
@@ -65,9 +66,11 @@ class PackedMatrix:
 
     __array_ufunc__ = None  # ndarray @ PackedMatrix.T defers to __rmatmul__ instead of converting
 
-    def __init__(self, fmt: ModuleType, stored: np.ndarray, shape: tuple[int, int], int_act: bool = False):
+    def __init__(self, fmt: ModuleType, stored: np.ndarray, shape: tuple[int, int], int_act: bool = False,
+                 bf16_products: bool = False):
         self.fmt = fmt
         self.int_act = int_act  # integer dot products on quantised activations (isimd.py; several tokens: isuper.py)
+        self.bf16_products = bf16_products and fmt.NAME == "bf16"  # by bf16 activations (bf16dp.py)
         self.shape = shape  # [R, K]
         self.row_bytes = fmt.row_bytes(shape[1])
         self.grouped = int_act and fmt.NAME in GROUPED and shape[0] % rows8.GROUP_ROWS == 0
@@ -76,15 +79,15 @@ class PackedMatrix:
             self.data = rows8.interleave(rows, shape[1], advised_empty(rows.nbytes))
         else:
             self.data = advised_copy(stored)  # [R * row_bytes] in huge pages where the kernel gives them
-        self.fmt_id = FORMAT_IDS[fmt.NAME]
+        self.fmt_id = FORMAT_IDS["bf16dp" if self.bf16_products else fmt.NAME]
 
     @classmethod
-    def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False) -> PackedMatrix:
+    def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False, bf16_products: bool = False) -> PackedMatrix:
         R, K = w.shape
         stored = np.empty((R, fmt.row_bytes(K) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
         for r in range(0, R, 4 * TILE):  # float32 copies of a few tiles at a time, not of the whole matrix
             encode_into(fmt, stored[r:r + 4 * TILE], np.asarray(w[r:r + 4 * TILE], np.float32))
-        return cls(fmt, stored, (R, K), int_act)
+        return cls(fmt, stored, (R, K), int_act, bf16_products)
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +128,7 @@ class PackedMatrix:
             out = np.empty((padded.shape[0], R), np.float32)
             dense.matmul_tokens_int(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
             return out[:T].reshape(*lead, R)
-        if self.fmt_id in WIDE_IDS and simd.WIDE_TILES and T >= WIDE_TILE_TOKENS:
+        if self.fmt_id in WIDE_IDS and (simd.WIDE_TILES or self.bf16_products) and T >= WIDE_TILE_TOKENS:
             padded = np.zeros((-(-T // 4) * 4, K), np.float32)  # [T rounded up to 4, K]
             padded[:T] = x2
             out = np.empty((padded.shape[0], R + 1), np.float32)
@@ -168,12 +171,14 @@ def file_blocks(ckpt, name: str, shape: tuple[int, int], int_act: bool) -> Packe
     return PackedMatrix(formats.get(fmt_name), stored, shape, int_act)
 
 
-def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None) -> tuple[int, str]:
+def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None,
+               bf16_products: bool = False) -> tuple[int, str]:
     """Store the model's dense matrices (attention, dense and shared MLPs, lm_head) in ``fmt``, in place;
     returns their bytes and how many are in each format ("14 q4k, 3 q6k"). A matrix whose rows do not fall on
     the format's blocks stays float32. ``fmt`` None (dense_dtype auto): each matrix as ``ckpt``, a GGUF file,
     has it quantised (file_blocks), as llama.cpp reads them; the others stay float32. ``int_act``: a few tokens
-    take integer dot products (EngineConfig.activations q8)."""
+    take integer dot products (EngineConfig.activations q8 or bf16); ``bf16_products``: bf16 matrices take
+    the activations rounded to bf16 (activations bf16)."""
     total = 0
     count: dict[str, int] = {}
 
@@ -181,7 +186,7 @@ def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None
         if fmt is None:
             name = weights.names.get(id(w))
             return None if name is None or ckpt is None else file_blocks(ckpt, name, w.shape, int_act)
-        return PackedMatrix.encode(w, fmt, int_act) if w.shape[1] % fmt.BLOCK == 0 else None
+        return PackedMatrix.encode(w, fmt, int_act, bf16_products) if w.shape[1] % fmt.BLOCK == 0 else None
 
     def store(w):
         """w packed (or itself, as it stays), counted."""

@@ -31,14 +31,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import iblock, isimd, isuper, rows8, simd
+from . import bf16dp, iblock, isimd, isuper, rows8, simd
 from .activations import quantize_rows, quantize_rows_biased, quantize_rows_summed, quantize_rows_super
 from .common import JIT
 from .silu import silu_times
 
-FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}  # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7
-INT_FROM = FORMAT_IDS["q8"]  # formats from this id on have integers to multiply (isimd.INT_FORMATS)
-assert list(FORMAT_IDS)[INT_FROM:] == list(isimd.INT_FORMATS)
+# f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7; bf16dp 8 (bf16 rows by bf16 activations, bf16dp.py)
+FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}
+INT_FROM = FORMAT_IDS["q8"]  # formats from this id to BF16DP have integers to multiply (isimd.INT_FORMATS)
+BF16DP = FORMAT_IDS["bf16dp"]
+assert list(FORMAT_IDS)[INT_FROM:BF16DP] == list(isimd.INT_FORMATS) and BF16DP == len(FORMAT_IDS) - 1
 WIDE_IDS = tuple(FORMAT_IDS[name] for name in simd.WIDE_FORMATS)  # f32, bf16: wide_tiles
 SUPER_IDS = tuple(FORMAT_IDS[name] for name in isuper.SUPER_FORMATS)  # the super-block integer loop: the K types, iq4xs
 SUPER_FROM, SUPER_TO = SUPER_IDS[0], SUPER_IDS[-1] + 1
@@ -65,8 +67,10 @@ def row_decode(fmt, data, o, hidden, out) -> None:
         simd.decode_q5k(data, o, hidden, out)
     elif fmt == 6:
         simd.decode_q6k(data, o, hidden, out)
-    else:
+    elif fmt == 7:
         simd.decode_iq4xs(data, o, hidden, out)
+    else:  # bf16dp: bf16 rows
+        simd.decode_bf16(data, o, hidden, out)
 
 
 @njit(inline="always", **JIT)
@@ -86,7 +90,9 @@ def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x):
         return simd.dot4_q5k(data, o0, o1, o2, o3, hidden, x)
     if fmt == 6:
         return simd.dot4_q6k(data, o0, o1, o2, o3, hidden, x)
-    return simd.dot4_iq4xs(data, o0, o1, o2, o3, hidden, x)
+    if fmt == 7:
+        return simd.dot4_iq4xs(data, o0, o1, o2, o3, hidden, x)
+    return simd.dot4_bf16dp(data, o0, o1, o2, o3, hidden, x)
 
 
 @njit(inline="always", **JIT)
@@ -155,23 +161,41 @@ def rows_dot(fmt, int_act, data, o, row_bytes, rows, hidden, x, out) -> None:
 
 
 @njit(inline="always", **JIT)
-def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out, col) -> None:
+def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, xb, out, col) -> None:
     """out[:n, col:col + R] (+ column col + R) <- xg [n, H] · the R rows from byte offset o (n a multiple of
     4): four rows (wide_tiles) or two and four tokens at a time (x read once for the rows, four tokens' x in
-    L1); an odd last row fills column col + R."""
+    L1); an odd last row fills column col + R. bf16dp's rows take xb instead: xg rounded to bf16
+    (rounded_if)."""
     n = xg.shape[0]
+    pairs = fmt == BF16DP
     r = 0
     if wide_tiles(fmt):
         while r + 4 <= rows:
             for t0 in range(0, n, 4):
-                simd.dot4r4(fmt, data, o + r * row_bytes, row_bytes, hidden, xg, t0, out, col + r)
+                if pairs:
+                    simd.pairs4r4(data, o + r * row_bytes, row_bytes, hidden, xb, t0, out, col + r)
+                else:
+                    simd.dot4r4(fmt, data, o + r * row_bytes, row_bytes, hidden, xg, t0, out, col + r)
             r += 4
     while r < rows:
         step = row_bytes if r + 1 < rows else 0
         for t0 in range(0, n, 4):
-            simd.dot2r4(fmt, data, o + r * row_bytes, step, hidden, xg, t0, out, col + r)
+            if pairs:
+                simd.pairs2r4(data, o + r * row_bytes, step, hidden, xb, t0, out, col + r)
+            else:
+                simd.dot2r4(fmt, data, o + r * row_bytes, step, hidden, xg, t0, out, col + r)
         r += 2
 
+
+
+@njit(inline="always", **JIT)
+def rounded_if(fmt, x):
+    """x [n, K] rounded to bf16 ([n, K] uint16: bf16dp.round_rows) for bf16dp's rows, else [n, 0]: the tokens
+    rounded once for all of a matrix's rows."""
+    xb = np.empty((x.shape[0], x.shape[1] if fmt == BF16DP else 0), np.uint16)
+    if fmt == BF16DP:
+        bf16dp.round_rows(x, xb)
+    return xb
 
 
 @njit(inline="always", **JIT)
@@ -180,7 +204,7 @@ def wide_tiles(fmt) -> bool:
     on an AVX-512 host (Zen 5, 2 threads), bf16 768 x 2048 matrices by eight tokens, 64 of them (out of
     cache), GFLOP/s: two rows at a time 224, four 264; by 16 tokens 207 / 266; a dense 4096 x 2048 bf16
     matrix by 64 tokens 274 against BLAS on decoded tiles 151."""
-    return simd.WIDE_TILES and (fmt == WIDE_IDS[0] or fmt == WIDE_IDS[1])
+    return simd.WIDE_TILES and (fmt == WIDE_IDS[0] or fmt == WIDE_IDS[1] or fmt == WIDE_IDS[2])
 
 
 @njit(inline="always", **JIT)
@@ -302,7 +326,7 @@ def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised,
                 quad_super(fmt, data, o, row_bytes, rows, hidden, xq[t:t + 1], xd[t:t + 1], bs[t:t + 1],
                            out[t:t + 1], c)
     else:
-        dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, out, 0)
+        dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, rounded_if(fmt, xg), out, 0)
 
 
 @njit(inline="always", **JIT)

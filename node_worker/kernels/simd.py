@@ -54,12 +54,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import bf16, f32, iq4xs, q4, q4k, q5k, q6k, q8
-from .ir import F32, I8, I32, I64, LANES, VF, const, prefetch, splat
+from . import bf16, bf16dp, f32, iq4xs, q4, q4k, q5k, q6k, q8
+from .ir import F32, I8, I16, I32, I64, LANES, VF, const, prefetch, splat
 
 FAST = ("fast",)
 FORMATS: dict[str, ModuleType] = {"f32": f32, "bf16": bf16, "q8": q8, "q4": q4, "q4k": q4k, "q5k": q5k, "q6k": q6k,
-                                  "iq4xs": iq4xs}
+                                  "iq4xs": iq4xs, "bf16dp": bf16dp}  # the last: bf16 rows by bf16 activations
 
 
 def _byte_ptr(context, builder, aryty, ary):
@@ -150,6 +150,9 @@ def _make_dot4(fmt: ModuleType):
             base = _byte_ptr(context, builder, signature.args[0], data_v)
             rows = [builder.gep(base, [o]) for o in offsets]
             xp = builder.bitcast(_byte_ptr(context, builder, signature.args[6], x_v), F32.as_pointer())
+            if getattr(fmt, "DOT_PAIRS", False):
+                sums = _dot_pairs(builder, fmt, rows, [xp], hidden_v)[0]
+                return context.make_tuple(builder, signature.return_type, [builder.load(s) for s in sums])
             nb = builder.udiv(hidden_v, const(LANES))
             G = _groups(fmt)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES)) for _ in rows]
@@ -265,6 +268,65 @@ def _make_dotk(NR: int, K: int, names=FORMATS):
     return dotk
 
 
+def _dot_pairs(builder, fmt, rows, xrows, hidden_v, rounded=False) -> list:
+    """bf16dp.py's loop: [len(xrows)][len(rows)] float sums (allocas) of each row with each token's row, an
+    accumulator of 16 pair sums per (token, row) in a register. ``xrows``: float pointers to float32 rows, each
+    block rounded to bf16 in the registers once for all the rows; or (rounded) i16 pointers to rows rounded
+    already (bf16dp.round_rows)."""
+    nb = builder.udiv(hidden_v, const(LANES))
+    NR = len(rows)
+
+    def step(i, accs):  # accs [tokens * NR], token-major
+        _prefetch_ahead(builder, fmt, rows, i)
+        ws = [fmt.pairs(builder, row, i) for row in rows]
+        out = []
+        for xr, k in zip(xrows, range(0, len(accs), NR)):
+            block = builder.gep(xr, [builder.mul(i, const(LANES))])
+            if rounded:
+                xb = builder.load(builder.bitcast(block, fmt.VI.as_pointer()), align=2)
+            else:
+                xb = fmt.activations(builder, builder.load(builder.bitcast(block, VF.as_pointer()), align=4))
+            out += [fmt.dot_pairs(builder, acc, w, xb) for w, acc in zip(ws, accs[k:k + NR])]
+        return out
+
+    zero = ir.Constant(fmt.VP, [0.0] * fmt.PAIRS)
+    flat = _register_loop(builder, nb, [zero] * (len(xrows) * NR), step)
+    sums = [[cgutils.alloca_once_value(builder, fmt.reduce(builder, acc)) for acc in flat[k:k + NR]]
+            for k in range(0, len(flat), NR)]
+    with _tail(builder, hidden_v, nb) as (i, _):
+        wis = [fmt.value(builder, row, i) for row in rows]
+        for xr, per_t in zip(xrows, sums):
+            xi = builder.load(builder.gep(xr, [i]), align=2 if rounded else 4)
+            xi = fmt.widened(builder, xi) if rounded else fmt.rounded(builder, xi)
+            for wi, acc in zip(wis, per_t):
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(wi, xi, flags=FAST), flags=FAST), acc)
+    return sums
+
+
+def _make_pairsk(NR: int, K: int):
+    @intrinsic
+    def pairsk(typingctx, data, o, row_step, hidden, xb, t0, out, col):
+        """out[t0 + t, col + j] = xb[t0 + t] · the bf16 row at byte offset o + j row_step, t < K, j < NR: xb [n, H]
+        uint16, the tokens rounded to bf16 (bf16dp.round_rows); bf16dp.py's products."""
+        sig = types.void(data, o, row_step, hidden, xb, t0, out, col)
+
+        def codegen(context, builder, signature, args):
+            data_v, o, row_step, hidden_v, xb_v, t0, out_v, col = args
+            rows, tok, dests = _tile(context, builder, (signature.args[0], data_v), o, row_step,
+                                     (signature.args[6], out_v), t0, col, NR, K)
+            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[4], xb_v), I16.as_pointer())
+            sums = _dot_pairs(builder, bf16dp, rows, [_row_major(builder, xp, t, hidden_v, const(0)) for t in tok],
+                              hidden_v, rounded=True)
+            for per_t, per_dest in zip(sums, dests):
+                for acc, dest in zip(per_t, per_dest):
+                    builder.store(builder.load(acc), dest, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return pairsk
+
+
 def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
     nb = builder.udiv(hidden_v, const(LANES))
     NR = len(rows)
@@ -326,13 +388,14 @@ def _make_decode(fmt: ModuleType):
     return decode
 
 
-dot4_f32, dot4_bf16, dot4_q8, dot4_q4, dot4_q4k, dot4_q5k, dot4_q6k, dot4_iq4xs = (
+dot4_f32, dot4_bf16, dot4_q8, dot4_q4, dot4_q4k, dot4_q5k, dot4_q6k, dot4_iq4xs, dot4_bf16dp = (
     _make_dot4(m) for m in FORMATS.values())
-decode_f32, decode_bf16, decode_q8, decode_q4, decode_q4k, decode_q5k, decode_q6k, decode_iq4xs = (
-    _make_decode(m) for m in FORMATS.values())
-dot2r4 = _make_dotk(2, 4)
-WIDE_FORMATS = ("f32", "bf16")  # widened by a shift or taken as they are: dot4r4's formats
-dot4r4 = _make_dotk(4, 4, WIDE_FORMATS)  # only where the host's registers hold its 16 accumulators: WIDE_TILES
+decode_f32, decode_bf16, decode_q8, decode_q4, decode_q4k, decode_q5k, decode_q6k, decode_iq4xs, _ = (
+    _make_decode(m) for m in FORMATS.values())  # bf16dp's rows decode as bf16's
+dot2r4 = _make_dotk(2, 4, tuple(name for name in FORMATS if name != "bf16dp"))
+dot4r4 = _make_dotk(4, 4, ("f32", "bf16"))  # only where the host's registers hold its 16 accumulators: WIDE_TILES
+pairs2r4, pairs4r4 = _make_pairsk(2, 4), _make_pairsk(4, 4)  # bf16dp's rows (the tokens rounded to bf16 first)
+WIDE_FORMATS = ("f32", "bf16", "bf16dp")  # four rows at a time on WIDE_TILES hosts: dot4r4's formats, pairs4r4's
 
 
 def host_has_512_bit_vectors() -> bool:
