@@ -22,7 +22,10 @@ A partial last block (H not a multiple of 32) is taken value by value: fma(w[i],
 
 Decode (one token, simd.dot4_bf16dp) rounds the token's blocks in the registers; the tiles of several tokens
 (simd.pairs4r4, pairs2r4) take them rounded once for all the matrix's rows (round_rows): the conversion in
-the registers for every four rows cost as much as the products.
+the registers for every four rows cost as much as the products. Measured on an AVX-512 BF16 host (Zen 5, 2
+threads; tools/kernel_bench.py --formats bf16 --experts 64 --activations q8,bf16, ms a layer, exact against
+these): by 16 tokens 34.1 / 22.5 (429 GFLOP/s); by 8 tokens 18.7 / 17.6 (at memory speed either way); one
+token 15.1 / 14.9. A dense 4096 x 2048 matrix by 64 tokens: 600-650 GFLOP/s against 275-320 exact.
 """
 
 from __future__ import annotations

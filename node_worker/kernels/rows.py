@@ -6,8 +6,9 @@ dot products (simd.py: each block widened and scaled in registers): the gate
 and up rows [R, H] against the tokens' rows of x, then W_down's rows [H, R]
 against silu(gate) * up, giving the group's contribution [n, H]. One token
 (decode): four rows at a time. n >= 2 tokens (prefill, padded to a multiple
-of 4): two rows by four tokens at a time, each block widened once for the
-four, their accumulators in registers. With integer activations (int_act), a
+of 4): two rows (four for f32 and bf16 on hosts with 512-bit vectors: wide_tiles) by four tokens at a
+time, each block widened once for the four, their accumulators in registers; bf16 rows by bf16 activations
+(bf16dp.py, EngineConfig.activations bf16) on the tokens rounded to bf16 once per matrix. With integer activations (int_act), a
 K type's or IQ4_XS's matrix is taken in integers instead, on the tokens
 quantised per super-block (isuper.py), in decode too; q8's and q4's on the tokens quantised per block
 (isimd.py in decode, iblock.py in prefill; their matrices of whole groups of eight rows in a group of
@@ -200,10 +201,11 @@ def rounded_if(fmt, x):
 
 @njit(inline="always", **JIT)
 def wide_tiles(fmt) -> bool:
-    """Four rows by four tokens (simd.dot4r4) for f32 and bf16 rows on a host with 512-bit vectors. Measured
-    on an AVX-512 host (Zen 5, 2 threads), bf16 768 x 2048 matrices by eight tokens, 64 of them (out of
-    cache), GFLOP/s: two rows at a time 224, four 264; by 16 tokens 207 / 266; a dense 4096 x 2048 bf16
-    matrix by 64 tokens 274 against BLAS on decoded tiles 151."""
+    """Four rows by four tokens (simd.dot4r4, pairs4r4) for f32 and bf16 rows on a host with 512-bit vectors.
+    Measured on an AVX-512 host (Zen 5, 2 threads): bf16 768 x 2048 matrices by eight tokens, 64 of them (out
+    of cache), GFLOP/s: two rows at a time 224, four 264; by 16 tokens 207 / 266; `tools/kernel_bench.py
+    --formats bf16 --experts 64 --tokens 8` 23.8 -> 17.7 ms a layer; a dense 4096 x 2048 bf16 matrix by 64
+    tokens 320 against BLAS on decoded tiles 135 (dense.matmul_tiles)."""
     return simd.WIDE_TILES and (fmt == WIDE_IDS[0] or fmt == WIDE_IDS[1] or fmt == WIDE_IDS[2])
 
 

@@ -34,6 +34,11 @@ accumulators unrolled into registers:
                                                         (rows of whole blocks; a partial last block's few
                                                         values may be added in another order)
 
+and for bf16 rows by bf16 activations (bf16dp.py; dot4_bf16dp rounds the token in the registers):
+
+    pairs2r4(data, o, row_step, hidden, xb, t0, out, col)   as dot2r4, xb [n, H] uint16 the tokens rounded
+    pairs4r4(...)                                           to bf16 (bf16dp.round_rows); four rows (WIDE_TILES)
+
 and one that writes a row out as float32 (for BLAS on many tokens):
 
     decode_F(data, o, hidden, out)                      out [H] float32 = w
