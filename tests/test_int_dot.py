@@ -431,5 +431,5 @@ def test_rows_interleaved_on_the_fly_are_the_stored_groups():
 
 def test_activations_setting_is_checked():
     assert EngineConfig().activations == "q8"
-    with pytest.raises(ConfigValueError, match="activations must be one of q8, f32"):
+    with pytest.raises(ConfigValueError, match="activations must be one of q8, bf16, f32"):
         EngineConfig(activations="int4")
