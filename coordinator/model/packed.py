@@ -82,7 +82,8 @@ class PackedMatrix:
         self.fmt_id = FORMAT_IDS["bf16dp" if self.bf16_products else fmt.NAME]
 
     @classmethod
-    def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False, bf16_products: bool = False) -> PackedMatrix:
+    def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False,
+               bf16_products: bool = False) -> PackedMatrix:
         R, K = w.shape
         stored = np.empty((R, fmt.row_bytes(K) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
         for r in range(0, R, 4 * TILE):  # float32 copies of a few tiles at a time, not of the whole matrix

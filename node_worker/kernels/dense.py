@@ -9,9 +9,9 @@ rows split over numba's threads.
     matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act)
                                                             out [T, R] = x [T, K] · Wᵀ  (T small; int_act:
                                                             integer dot products for Q8_0 and Q4_0)
-    matmul_tiles(fmt, data, base, row_bytes, R, K, x, out)   out [T, R + 1] = the same for f32 or bf16 rows, T a
-                                                            multiple of 4: four rows by four tokens at a time
-                                                            (rows.dot_chunks)
+    matmul_tiles(fmt, data, base, row_bytes, R, K, x, out)   out [T, R + 1] = the same for f32 or bf16 rows (or
+                                                            bf16dp's: by bf16 activations), T a multiple of 4:
+                                                            four rows by four tokens at a time (rows.dot_chunks)
     matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out)
                                                             the same for a K type or IQ4_XS (rows.SUPER_IDS), T = 1
                                                             (four rows at a time) or not 1 mod 4 (a row by eight
@@ -32,7 +32,8 @@ from numba import njit, prange
 from . import rows8
 from .common import JIT
 from .activations import quantize_rows_biased, quantize_rows_super
-from .rows import block_int, dot4, dot_chunks, rounded_if, quad_super, quantised_if, row_decode, row_tokens_block, row_tokens_int
+from .rows import (block_int, dot4, dot_chunks, quad_super, quantised_if, rounded_if, row_decode, row_tokens_block,
+                   row_tokens_int)
 
 
 @njit(parallel=True, **JIT)
@@ -61,9 +62,9 @@ TILE_ROWS = 16  # rows a task of matmul_tiles: four of dot4r4's tiles
 
 @njit(parallel=True, **JIT)
 def matmul_tiles(fmt, data, base, row_bytes, R, K, x, out):
-    """out [T, R + 1] = x [T, K] · Wᵀ (column R: scratch) for f32 or bf16 rows, T a multiple of 4: the
-    experts' prefill loop (rows.dot_chunks: four rows by four tokens, each block widened once for them), TILE_ROWS
-    rows a task over the threads."""
+    """out [T, R + 1] = x [T, K] · Wᵀ (column R: scratch) for f32 or bf16 rows (or bf16dp's), T a multiple of 4:
+    the experts' prefill loop (rows.dot_chunks: four rows by four tokens, each block widened once for them),
+    TILE_ROWS rows a task over the threads."""
     xb = rounded_if(fmt, x)  # bf16dp's: x rounded to bf16 once
     for c in prange((R + TILE_ROWS - 1) // TILE_ROWS):
         r = c * TILE_ROWS

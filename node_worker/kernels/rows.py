@@ -8,8 +8,8 @@ against silu(gate) * up, giving the group's contribution [n, H]. One token
 (decode): four rows at a time. n >= 2 tokens (prefill, padded to a multiple
 of 4): two rows (four for f32 and bf16 on hosts with 512-bit vectors: wide_tiles) by four tokens at a
 time, each block widened once for the four, their accumulators in registers; bf16 rows by bf16 activations
-(bf16dp.py, EngineConfig.activations bf16) on the tokens rounded to bf16 once per matrix. With integer activations (int_act), a
-K type's or IQ4_XS's matrix is taken in integers instead, on the tokens
+(bf16dp.py, EngineConfig.activations bf16) on the tokens rounded to bf16 once per matrix. With integer
+activations (int_act), a K type's or IQ4_XS's matrix is taken in integers instead, on the tokens
 quantised per super-block (isuper.py), in decode too; q8's and q4's on the tokens quantised per block
 (isimd.py in decode, iblock.py in prefill; their matrices of whole groups of eight rows in a group of
 GROUPED_FROM tokens or more: eight rows a vector, interleaved on the fly, rows8.py). Tasks run in parallel (numba's threads, the
