@@ -167,26 +167,29 @@ def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, xb, out, col) -> None:
     4): four rows (wide_tiles) or two and four tokens at a time (x read once for the rows, four tokens' x in
     L1); an odd last row fills column col + R. bf16dp's rows take xb instead: xg rounded to bf16
     (rounded_if)."""
-    n = xg.shape[0]
-    pairs = fmt == BF16DP
     r = 0
-    if wide_tiles(fmt):
-        while r + 4 <= rows:
-            for t0 in range(0, n, 4):
-                if pairs:
-                    simd.pairs4r4(data, o + r * row_bytes, row_bytes, hidden, xb, t0, out, col + r)
-                else:
-                    simd.dot4r4(fmt, data, o + r * row_bytes, row_bytes, hidden, xg, t0, out, col + r)
-            r += 4
+    while wide_tiles(fmt) and r + 4 <= rows:
+        tile_tokens(fmt, True, data, o + r * row_bytes, row_bytes, hidden, xg, xb, out, col + r)
+        r += 4
     while r < rows:
         step = row_bytes if r + 1 < rows else 0
-        for t0 in range(0, n, 4):
-            if pairs:
-                simd.pairs2r4(data, o + r * row_bytes, step, hidden, xb, t0, out, col + r)
-            else:
-                simd.dot2r4(fmt, data, o + r * row_bytes, step, hidden, xg, t0, out, col + r)
+        tile_tokens(fmt, False, data, o + r * row_bytes, step, hidden, xg, xb, out, col + r)
         r += 2
 
+
+@njit(inline="always", **JIT)
+def tile_tokens(fmt, four, data, o, step, hidden, xg, xb, out, col) -> None:
+    """out[:, col:col + 4 (four) or 2] <- every four tokens of xg (of xb for bf16dp's rows) · the rows from
+    byte offset o, ``step`` bytes apart."""
+    for t0 in range(0, xg.shape[0], 4):
+        if fmt == BF16DP and four:
+            simd.pairs4r4(data, o, step, hidden, xb, t0, out, col)
+        elif fmt == BF16DP:
+            simd.pairs2r4(data, o, step, hidden, xb, t0, out, col)
+        elif four:
+            simd.dot4r4(fmt, data, o, step, hidden, xg, t0, out, col)
+        else:
+            simd.dot2r4(fmt, data, o, step, hidden, xg, t0, out, col)
 
 
 @njit(inline="always", **JIT)
