@@ -19,6 +19,15 @@ query, 4 KV, 128 dims) over 65 cached tokens; here the heads that share a KV
 head read each key and value row once, one loop for all of them, and the
 softmax's e^x is silu.exp (float32 operations LLVM vectorises; libm's expf is a
 call per value).
+
+A sum is never taken in a loop that also stores (the softmax's total is added
+up after e^x is written): LLVM vectorises such a loop behind a run-time check
+that the stored and the loaded arrays do not overlap, and falls back to the
+scalar loop when they might. Those two add in different orders, and the check
+reads addresses. The partial sums then depended on where the heap put the
+scratch rows: the same call gave other last bits after unrelated allocations
+(339 of 4096 values of a long-context decode step, on an AVX-512 host; seen
+first as a cached kernel differing from a freshly compiled one).
 """
 
 from __future__ import annotations
@@ -105,11 +114,11 @@ def _kv_group(q, k, v, mask, scale, out, t, kh, scores, acc) -> None:
         m = scores[a, 0]
         for j in range(1, S):
             m = max(m, scores[a, j])
-        total = np.float32(0.0)
         for j in range(S):  # silu.exp: float32 operations that LLVM vectorises, where libm's is a call
-            e = exp(scores[a, j] - m) if mask[t, j] else np.float32(0.0)
-            scores[a, j] = e
-            total += e
+            scores[a, j] = exp(scores[a, j] - m) if mask[t, j] else np.float32(0.0)
+        total = np.float32(0.0)
+        for j in range(S):  # apart from the stores: see the module docstring
+            total += scores[a, j]
         for j in range(S):
             scores[a, j] /= total
         acc[a, :] = 0.0
