@@ -21,13 +21,14 @@ softmax's e^x is silu.exp (float32 operations LLVM vectorises; libm's expf is a
 call per value).
 
 A sum is never taken in a loop that also stores (the softmax's total is added
-up after e^x is written): LLVM vectorises such a loop behind a run-time check
-that the stored and the loaded arrays do not overlap, and falls back to the
-scalar loop when they might. Those two add in different orders, and the check
-reads addresses. The partial sums then depended on where the heap put the
-scratch rows: the same call gave other last bits after unrelated allocations
-(339 of 4096 values of a long-context decode step, on an AVX-512 host; seen
-first as a cached kernel differing from a freshly compiled one).
+up after e^x is written). With the two in one loop, gqa_attention_parallel
+loaded from numba's disk cache gave other last bits than the same function
+compiled in the process (339 of 4096 values of a long-context decode step on
+an AVX-512 host, the threads' count and the schedule not involved). LLVM
+vectorises such a loop behind a run-time check that the stored and the loaded
+arrays do not overlap, with the scalar loop as the fallback, and the two add
+in different orders: the likely cause. A loop that only adds has no such
+check, and the difference went away (tests/test_ops.py, run on a warm cache).
 """
 
 from __future__ import annotations
