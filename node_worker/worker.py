@@ -28,7 +28,7 @@ from shm.expert_source import ExpertSlice
 
 from .kernels import dense
 from .kernels.layer import layer_moe, warm_up
-from .kernels.rows import FORMAT_IDS, SHAPE
+from .kernels.rows import SHAPE, loop_id
 from .tasks import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,6 @@ class NodeWorker:
             raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {rows})")
         self.bytes_read += nbytes
 
-    def _loop(self, fmt) -> int:
-        """The kernels' id of the loop that takes rows of a shm format: its own, or bf16 rows by bf16
-        activations (bf16dp) when activations are "bf16"."""
-        return FORMAT_IDS["bf16dp" if self.bf16_products and fmt.NAME == "bf16" else fmt.NAME]
-
     def _table(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer's expert table, built once: byte offsets [E, 3] and shapes [E, 8] (kernels/rows.py's SHAPE:
         the node's rows R, 0 for none held; each matrix's format and stored row bytes, shm.formats')."""
@@ -124,8 +119,9 @@ class NodeWorker:
                 offsets[e] = off
                 R = self.store.get(layer, e).rows
                 width = formats.down_width(down, R)
-                shapes[e] = (R, self._loop(gate), gate.row_bytes(H), self._loop(up), up.row_bytes(H),
-                             self._loop(down), width, down.row_bytes(width))
+                gate_id, up_id, down_id = (loop_id(m.NAME, self.bf16_products) for m in (gate, up, down))
+                shapes[e] = (R, gate_id, gate.row_bytes(H), up_id, up.row_bytes(H), down_id, width,
+                             down.row_bytes(width))
             table = self._tables[layer] = (offsets, shapes)
         return table
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from node_worker.kernels import dense, rows8, simd
 from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
-from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, WIDE_IDS
+from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, WIDE_IDS, loop_id
 from shm import formats
 from shm.formats.encode import encode_into
 from shm.huge_pages import advised_copy, advised_empty
@@ -79,7 +79,7 @@ class PackedMatrix:
             self.data = rows8.interleave(rows, shape[1], advised_empty(rows.nbytes))
         else:
             self.data = advised_copy(stored)  # [R * row_bytes] in huge pages where the kernel gives them
-        self.fmt_id = FORMAT_IDS["bf16dp" if self.bf16_products else fmt.NAME]
+        self.fmt_id = loop_id(fmt.NAME, self.bf16_products)
 
     @classmethod
     def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False,

@@ -32,8 +32,8 @@ from numba import njit, prange
 from . import rows8
 from .common import JIT
 from .activations import quantize_rows_biased, quantize_rows_super
-from .rows import (block_int, dot4, dot_chunks, quad_super, quantised_if, rounded_if, row_decode, row_tokens_block,
-                   row_tokens_int)
+from .rows import (BF16DP, block_int, dot4, dot_chunks, quad_super, quantised_if, rounded_if, row_decode,
+                   row_tokens_block, row_tokens_int)
 
 
 @njit(parallel=True, **JIT)
@@ -65,7 +65,7 @@ def matmul_tiles(fmt, data, base, row_bytes, R, K, x, out):
     """out [T, R + 1] = x [T, K] · Wᵀ (column R: scratch) for f32 or bf16 rows (or bf16dp's), T a multiple of 4:
     the experts' prefill loop (rows.dot_chunks: four rows by four tokens, each block widened once for them),
     TILE_ROWS rows a task over the threads."""
-    xb = rounded_if(fmt, x)  # bf16dp's: x rounded to bf16 once
+    xb = rounded_if(fmt == BF16DP, x)  # bf16dp's: x rounded to bf16 once
     for c in prange((R + TILE_ROWS - 1) // TILE_ROWS):
         r = c * TILE_ROWS
         dot_chunks(fmt, data, base + r * row_bytes, row_bytes, min(TILE_ROWS, R - r), K, x, xb, out, r)

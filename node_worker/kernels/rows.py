@@ -193,13 +193,19 @@ def tile_tokens(fmt, four, data, o, step, hidden, xg, xb, out, col) -> None:
 
 
 @njit(inline="always", **JIT)
-def rounded_if(fmt, x):
-    """x [n, K] rounded to bf16 ([n, K] uint16: bf16dp.round_rows) for bf16dp's rows, else [n, 0]: the tokens
-    rounded once for all of a matrix's rows."""
-    xb = np.empty((x.shape[0], x.shape[1] if fmt == BF16DP else 0), np.uint16)
-    if fmt == BF16DP:
+def rounded_if(use, x):
+    """x [n, K] rounded to bf16 ([n, K] uint16: bf16dp.round_rows) when use (bf16dp's rows), else [n, 0]: the
+    tokens rounded once for all of a matrix's rows (for gate's and up's together)."""
+    xb = np.empty((x.shape[0], x.shape[1] if use else 0), np.uint16)
+    if use:
         bf16dp.round_rows(x, xb)
     return xb
+
+
+def loop_id(name: str, bf16_products: bool) -> int:
+    """The kernels' id (FORMAT_IDS) of the loop that takes a matrix stored in shm format ``name``: its own, or
+    bf16dp's for bf16 rows by bf16 activations (EngineConfig.activations bf16)."""
+    return FORMAT_IDS["bf16dp" if bf16_products and name == "bf16" else name]
 
 
 @njit(inline="always", **JIT)
@@ -308,12 +314,13 @@ def tiled_tokens(n):
 
 
 @njit(inline="always", **JIT)
-def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised, blocks, out, n) -> None:
+def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised, blocks, rounded, out, n) -> None:
     """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (xg padded with zero rows to a multiple
     of 4, or of 8: tiled_tokens): the integer loop on ``quantised`` (quantised_super_if of xg) for a K type or
     IQ4_XS when int_act, on the tiled_tokens(n) first tokens then the rest one by one; on ``blocks``
     (quantised_block_if of xg) for q8 or q4, the n tokens (in whole groups of eight rows: grouped8, on the
-    signed values, computed once for gate and up); else the float one on every row of xg."""
+    signed values, computed once for gate and up); else the float one on every row of xg (bf16dp's on
+    ``rounded``, rounded_if of xg)."""
     if grouped8(fmt, int_act, rows, n):
         _, xd, xq, xsum = blocks
         rows8.rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
@@ -331,7 +338,7 @@ def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised,
                 quad_super(fmt, data, o, row_bytes, rows, hidden, xq[t:t + 1], xd[t:t + 1], bs[t:t + 1],
                            out[t:t + 1], c)
     else:
-        dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, rounded_if(fmt, xg), out, 0)
+        dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, rounded, out, 0)
 
 
 @njit(inline="always", **JIT)
@@ -347,17 +354,19 @@ def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act, n) -> None:
     xs = quantised_super_if(super_int(shape[1], int_act) or super_int(shape[3], int_act), xg)  # once for both
     xb = quantised_block_if(block_int(shape[1], int_act) or block_int(shape[3], int_act),  # no padding
                             grouped8(shape[1], int_act, R, n) or grouped8(shape[3], int_act, R, n), xg[:n])
-    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, xb, gate, n)
-    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, xb, up, n)
+    xr = rounded_if(shape[1] == BF16DP or shape[3] == BF16DP, xg)  # once for both
+    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, xb, xr, gate, n)
+    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, xb, xr, up, n)
     h = np.zeros((padded, width), np.float32)  # silu(gate) * up, per token and row (zeros past R and n)
     silu_times(gate, up, h, n, R)
     hs = quantised_super_if(super_int(fmt_d, int_act), h)
     hb = quantised_block_if(block_int(fmt_d, int_act), grouped8(fmt_d, int_act, hidden, n), h[:n])
+    hr = rounded_if(fmt_d == BF16DP, h)
     if hidden % 2 == 0:
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, out, n)
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, hr, out, n)
     else:
         wide = np.empty((padded, hidden + 1), np.float32)  # the odd last row's repeat lands in the extra column
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, wide, n)
+        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, hr, wide, n)
         out[:, :] = wide[:, :hidden]
 
 
