@@ -129,7 +129,8 @@ def test_modes_that_would_not_fit_together_are_refused_after_the_first(tmp_path,
 
 def test_the_other_modes_are_closed_before_the_f32_reference_opens(tmp_path, monkeypatch):
     """--quality-positions opens one more engine (f32 experts and dense matrices: the largest): by then the
-    modes after the first are measured and closed, so only the compared engine is open beside it."""
+    modes after the first are measured and closed, and the compared engine is closed once its logits are
+    taken, so the reference opens alone."""
     model = make_model(tmp_path / "m", seed=4)
     live, seen = [], []
     real_open, real_close = bench.Engine.open, bench.Engine.close
@@ -150,7 +151,7 @@ def test_the_other_modes_are_closed_before_the_f32_reference_opens(tmp_path, mon
     out = tmp_path / "r.json"
     assert main(["bench", "--model", str(model), "--modes", "inproc,single", "--tokens", "2", "--prompt-tokens",
                  "4", "--rounds", "1", "--device", "cpu", "--quality-positions", "4", "--json", str(out)]) == 0
-    assert seen == [1] and live == []
+    assert seen == [0] and live == []
     report = json.loads(out.read_text())
     assert set(report["modes"]) == {"inproc", "single"} and report["quality"]["positions"] == 4
 
@@ -205,3 +206,50 @@ def test_quality_against_f32_is_reported_for_the_formats(tmp_path):
     assert 0 < q["max_rel_logits_error"] < 0.05 and 0 < q["mean_kl"] < 1e-2 and q["top1_agreement"] >= 0.9
     p = q["prefill"]  # the same positions in one pass
     assert p["positions"] == 16 and 0 < p["max_rel_logits_error"] < 0.05 and 0 < p["mean_kl"] < 1e-2
+
+
+def test_formats_are_benched_side_by_side_with_ratios_to_the_first(tmp_path, capsys):
+    """--formats opens each mode once per format (mode@format) in the same interleaved rounds: each engine
+    stores what its entry asks (FORMAT for both, EXPERTS+DENSE apart), the ratios are to the same mode in the
+    first format, vs inproc is to inproc in the same format, and quality is measured for each format."""
+    model = make_model(tmp_path / "m", seed=2, moe_intermediate_size=96)
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(model), "--modes", "inproc,single", "--formats", "f32,bf16,q8+bf16",
+                 "--tokens", "3", "--prompt-tokens", "5", "--rounds", "2", "--device", "cpu",
+                 "--quality-positions", "6", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["formats"] == ["f32", "bf16", "q8+bf16"]
+    assert list(report["modes"]) == ["inproc@f32", "inproc@bf16", "inproc@q8+bf16",
+                                     "single@f32", "single@bf16", "single@q8+bf16"]
+    stored = {"f32": ("f32", r"f32"), "bf16": ("bf16", r"\d+ bf16"), "q8+bf16": ("q8", r"\d+ bf16")}
+    for label, m in report["modes"].items():
+        mode, fmt = label.split("@")
+        assert m["mode"] == mode and m["decode_tokens_per_s"]["n"] == 2
+        assert m["expert_format"] == stored[fmt][0], label
+        assert re.fullmatch(stored[fmt][1], m["dense_format"]), label  # every dense matrix in the format
+        first, inproc = report["modes"][f"{mode}@f32"], report["modes"][f"inproc@{fmt}"]
+        r = m["vs_first_format"]
+        assert r["of"] == f"{mode}@f32"
+        assert r["decode"] == pytest.approx(m["decode_tokens_per_s"]["median"] / first["decode_tokens_per_s"]["median"])
+        assert r["prefill"] == pytest.approx(m["prefill_tokens_per_s"]["median"]
+                                             / first["prefill_tokens_per_s"]["median"])
+        assert m["decode_vs_inproc"] == pytest.approx(m["decode_tokens_per_s"]["median"]
+                                                      / inproc["decode_tokens_per_s"]["median"])
+    q = report["quality_by_format"]
+    assert list(q) == ["inproc@f32", "inproc@bf16", "inproc@q8+bf16"] and report["quality"] == q["inproc@f32"]
+    assert q["inproc@f32"]["mean_kl"] == 0 and q["inproc@bf16"]["mean_kl"] > 0  # an f32 checkpoint: bf16 rounds
+    assert q["inproc@q8+bf16"]["expert_format"] == "q8" and q["inproc@q8+bf16"]["positions"] == 6
+    text = capsys.readouterr().out
+    assert re.search(r"single@bf16: decode \d+\.\d\dx and prefill \d+\.\d\dx single@f32", text)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--formats", "f32,fp7"], "'fp7' is not a format"),
+    (["--formats", "q4k"], "'q4k' is not a format"),  # a GGUF file's blocks are for experts only: q4k+q8
+    (["--formats", "bf16,bf16"], "'bf16' is given twice"),
+    (["--formats", "f32,bf16", "--expert-dtype", "q8"], "without --expert-dtype"),
+])
+def test_bad_formats_are_refused_before_any_engine_opens(tmp_path, monkeypatch, capsys, argv, match):
+    monkeypatch.setattr(bench.Engine, "open", lambda *a, **k: pytest.fail("an engine opened"))
+    assert main(["bench", "--model", str(tmp_path), "--modes", "inproc", *argv]) == 2
+    assert match in capsys.readouterr().err

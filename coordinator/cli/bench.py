@@ -5,6 +5,10 @@ Modes (each one Engine, all opened before measuring):
   single  one node worker process holding whole experts (the default path)
   split   one node worker per node (virtual when the machine has fewer)
 
+With ``formats`` (``--formats f32,bf16``) each mode is opened once per storage format, labelled
+``mode@format``, and each label's decode and prefill are also given as a ratio to the same mode in the
+first format, from the same rounds (issue 13's "bf16 decode >= 1.8x our f32" is such a ratio).
+
 Rounds interleave the modes (A B C A B C ...) after a warm-up. Per mode: decode
 and prefill tokens/s; per MoE layer at decode, the pool's wall time (first send
 to last partial), the workers' own compute and the difference, next to the empty
@@ -26,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from ..config import EngineConfig
+from ..config import DENSE_DTYPES, EXPERT_DTYPES, EngineConfig
 from ..engine import Engine
 from ..errors import StrataError
 from ..quality import compare_logits
@@ -52,6 +56,32 @@ def check_room_for_modes(took: int, opened: list[str], left: list[str], availabl
             f"{', '.join(left)} would need about {need / 2**30:.1f} GiB more but the machine has "
             f"{available / 2**30:.1f} GiB available. Run fewer modes at once (--modes), store the experts smaller "
             "(--expert-dtype), or bench a model with fewer layers")
+
+
+def parse_formats(text: str) -> list[tuple[str, dict]]:
+    """``--formats``: comma-separated storage formats, each ``E`` (experts and dense matrices as E) or ``E+D``
+    (experts E, dense matrices D), as (label, EngineConfig fields) in the order given."""
+    out = []
+    for entry in (e.strip() for e in text.split(",")):
+        expert, _, dense = entry.partition("+")
+        dense = dense or expert
+        if not entry or expert not in EXPERT_DTYPES or dense not in DENSE_DTYPES:
+            raise StrataError(
+                f"--formats: {entry!r} is not a format; give FORMAT (experts and dense matrices) or "
+                f"EXPERTS+DENSE, experts one of {', '.join(EXPERT_DTYPES)}, dense matrices one of "
+                f"{', '.join(DENSE_DTYPES)} (a GGUF file's own blocks are for experts only: q4k+q8)")
+        if entry in (label for label, _ in out):
+            raise StrataError(f"--formats: {entry!r} is given twice")
+        out.append((entry, {"expert_dtype": expert, "dense_dtype": dense}))
+    return out
+
+
+def labels_for(modes, formats) -> list[tuple[str, str, dict]]:
+    """(label, mode, the format's EngineConfig fields) for each mode and format: the mode's name alone without
+    formats, else mode@format, the formats of a mode side by side."""
+    if not formats:
+        return [(mode, mode, {}) for mode in modes]
+    return [(f"{mode}@{label}", mode, fields) for mode in modes for label, fields in formats]
 
 
 def mode_config(mode: str, nodes: int, spin_us: float = 0.0) -> EngineConfig:
@@ -90,30 +120,33 @@ def layer_figures(timings, decode_only: bool = True) -> dict:
 
 def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 64, prompt_tokens: int = 256,
               rounds: int = 3, warmup_tokens: int = 4, membw_bytes: int | None = None, seed: int = 0,
-              spin_us: float = 0.0, device: dict | None = None, quality_positions: int = 0) -> dict:
+              spin_us: float = 0.0, device: dict | None = None, quality_positions: int = 0,
+              formats: list[tuple[str, dict]] | None = None) -> dict:
     """``device``: EngineConfig fields the same for every mode: the device side (device, expert_profile,
     gpu_experts, gpu_expert_memory), the storage formats (expert_dtype, dense_dtype) and activations.
-    ``quality_positions``: also compare the first mode's logits over that many positions, one decode step
-    each, with an f32 computation of the same checkpoint (f32 experts, dense matrices and activations,
-    in-process)."""
+    ``formats`` (parse_formats): each mode once per format, side by side; they set the storage formats.
+    ``quality_positions``: also compare the first mode's logits (with formats, the first mode's in each format)
+    over that many positions, one decode step each, with an f32 computation of the same checkpoint (f32
+    experts, dense matrices and activations, in-process)."""
     model_dir = Path(model_dir)
     membw_bytes = membw_bytes or 4 * l3_bytes()
     engines: dict[str, Engine] = {}
+    labels = labels_for(modes, formats)
     try:
         took = 0
-        for k, mode in enumerate(modes):
-            config = dataclasses.replace(mode_config(mode, nodes, spin_us), **(device or {}))
+        for k, (label, mode, fields) in enumerate(labels):
+            config = dataclasses.replace(mode_config(mode, nodes, spin_us), **{**(device or {}), **fields})
             before = psutil.virtual_memory().available
-            engines[mode] = Engine.open(model_dir, config)
+            engines[label] = Engine.open(model_dir, config)
             available = psutil.virtual_memory().available
             took = max(took, before - available)  # the engine's heap, segments and workers
-            check_room_for_modes(took, list(engines), list(modes[k + 1:]), available)
+            check_room_for_modes(took, list(engines), [name for name, _, _ in labels[k + 1:]], available)
         any_eng = next(iter(engines.values()))
         mcfg = any_eng.model_config
         rng = np.random.default_rng(seed)
         prompt = rng.integers(0, min(mcfg.vocab_size, 256), prompt_tokens).tolist()
         results: dict[str, dict] = {m: {"decode_tps": [], "prefill_tps": [], "timings": [], "pairs": 0,
-                                        "expert_loads": 0} for m in modes}
+                                        "expert_loads": 0} for m in engines}
         for eng in engines.values():
             eng.generate(prompt[:8], max_new_tokens=warmup_tokens, stop_at_eos=False)
         for k in range(rounds):
@@ -133,7 +166,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
         report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
                   "spin_us": spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
                   "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(device or {}),
-                  "modes": {}}
+                  "formats": [label for label, _ in formats or []], "modes": {}}
         for mode, eng in engines.items():
             expert_bytes = eng.cpu_expert_bytes()
             res = results[mode]
@@ -147,6 +180,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
             node_info = {n.id: n for n in eng.nodes}
             stored = sum(h["segment_bytes"] or 0 for h in health)  # each node's store, in a segment or the heap
             report["modes"][mode] = {
+                "mode": next(m for label, m, _ in labels if label == mode),
                 "config": {"pool": eng.config.pool, "numa_split": eng.config.numa_split, "plan": pool.plan.digest},
                 "decode_tokens_per_s": summary(res["decode_tps"]),
                 "prefill_tokens_per_s": summary(res["prefill_tps"]),
@@ -161,6 +195,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 "bandwidth_ratio": pool_gbps / bw["gb_per_s"] if pool_gbps else None,
                 "experts": eng.expert_report(),
                 "expert_format": eng.expert_format,
+                "dense_format": eng.dense_format,
                 "stored_bytes_per_weight": stored / eng.cpu_expert_weights() if eng.cpu_expert_weights() else None,
                 "bytes": {"counted": all_calls["bytes_read"], "implied_by_routing": res["expert_loads"] * expert_bytes,
                           "expert_loads": res["expert_loads"], "routed_pairs": res["pairs"]},
@@ -173,17 +208,39 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 "balance": node_balance(res["timings"], pool.plan),
             }
         if quality_positions:
-            for mode in list(engines)[1:]:  # measured: their memory goes to the f32 reference engine
-                engines.pop(mode).close()
-            report["quality"] = measure_quality(model_dir, any_eng, quality_positions, seed, device or {})
-        base = report["modes"].get("inproc", {}).get("decode_tokens_per_s", {}).get("median")
-        for mode, m in report["modes"].items():
-            med = m["decode_tokens_per_s"]["median"]
-            m["decode_vs_inproc"] = med / base if base and med else None
+            # the first mode in each format (the first mode alone without formats); the rest are measured and
+            # closed first: their memory goes to the f32 reference engine
+            compared = [label for label, mode, _ in labels if mode == modes[0]]
+            for label in [name for name in engines if name not in compared]:
+                engines.pop(label).close()
+            quality = measure_quality(model_dir, engines, compared, quality_positions, seed, device or {})
+            report["quality"] = quality[compared[0]]
+            if formats:
+                report["quality_by_format"] = quality
+        add_ratios(report, formats)
         return report
     finally:
         for eng in engines.values():
             eng.close()
+
+
+def _ratio(report: dict, label: str, base_label: str, key: str) -> float | None:
+    base = report["modes"].get(base_label, {}).get(key, {}).get("median")
+    value = report["modes"][label][key]["median"]
+    return value / base if base and value else None
+
+
+def add_ratios(report: dict, formats: list[tuple[str, dict]] | None) -> None:
+    """Each label's decode against inproc in its format; with formats, its decode and prefill against the same
+    mode in the first format. Both from the same interleaved rounds."""
+    for label, m in report["modes"].items():
+        fmt = label.partition("@")[2]
+        m["decode_vs_inproc"] = _ratio(report, label, f"inproc@{fmt}" if fmt else "inproc", "decode_tokens_per_s")
+        if formats:
+            first = f"{m['mode']}@{formats[0][0]}"
+            m["vs_first_format"] = {"of": first,
+                                    "decode": _ratio(report, label, first, "decode_tokens_per_s"),
+                                    "prefill": _ratio(report, label, first, "prefill_tokens_per_s")}
 
 
 def node_balance(timings, plan) -> dict:
@@ -207,22 +264,31 @@ def per_token_overhead(decode: dict, moe_layers: int, decode_tps: list[float]) -
     return {"us": per_layer * moe_layers, "share_of_step": per_layer * moe_layers / step_us, "moe_layers": moe_layers}
 
 
-def measure_quality(model_dir: Path, eng: Engine, positions: int, seed: int, device: dict) -> dict:
-    """The engine's logits against an f32 computation of the same checkpoint, over one prompt: one decode step
-    a position, and (under "prefill") the prompt in one pass, as prefill computes it."""
+def measure_quality(model_dir: Path, engines: dict[str, Engine], compared: list[str], positions: int, seed: int,
+                    device: dict) -> dict[str, dict]:
+    """The logits of each engine named in ``compared`` against one f32 computation of the same checkpoint,
+    over one prompt: one decode step a position, and (under "prefill") the prompt in one pass, as prefill
+    computes it. Each engine is closed (and taken out of ``engines``) once its logits are taken, so the
+    reference opens beside none of them."""
     rng = np.random.default_rng(seed + 1)
-    prompt = rng.integers(0, min(eng.model_config.vocab_size, 256), positions).tolist()
-    got = eng.logits(prompt, steps=True)  # decode steps: where quantised activations are used
-    got_prefill = eng.logits(prompt)  # [positions, V] in one pass: prefill's kernels
+    prompt = rng.integers(0, min(engines[compared[0]].model_config.vocab_size, 256), positions).tolist()
+    got = {}
+    for label in compared:
+        eng = engines[label]
+        # decode steps (where quantised activations are used), then [positions, V] in one pass: prefill's kernels
+        got[label] = (eng.logits(prompt, steps=True), eng.logits(prompt),
+                      {"expert_format": eng.expert_format, "dense_format": eng.dense_format,
+                       "activations": eng.config.activations})
+        engines.pop(label).close()
     ref_config = EngineConfig(pool="inproc", expert_dtype="f32", dense_dtype="f32", activations="f32",
                               **{k: v for k, v in device.items() if k not in QUALITY_SETTINGS})
     with Engine.open(model_dir, ref_config) as ref:
         want = ref.logits(prompt, steps=True)
         want_prefill = ref.logits(prompt)
-    return {"expert_format": eng.expert_format, "dense_format": eng.dense_format,
-            "activations": eng.config.activations,
-            "reference": "f32 experts, dense matrices and activations, in-process, one decode step a position",
-            **compare_logits(want, got), "prefill": compare_logits(want_prefill, got_prefill)}
+    return {label: {**about, "reference": "f32 experts, dense matrices and activations, in-process, one decode "
+                                          "step a position",
+                    **compare_logits(want, steps), "prefill": compare_logits(want_prefill, one_pass)}
+            for label, (steps, one_pass, about) in got.items()}
 
 
 QUALITY_SETTINGS = ("expert_dtype", "dense_dtype", "activations")  # what the quality reference sets itself
@@ -249,6 +315,11 @@ def markdown(report: dict) -> str:
             f"| {_fmt(m['pool_gb_per_s'])} | {_fmt(m['membw']['gb_per_s'])} | {_fmt(m['bandwidth_ratio'], '.2f')} |")
     lines.append("")
     for mode, m in report["modes"].items():
+        r = m.get("vs_first_format")
+        if r and r["of"] != mode:
+            lines.append(f"{mode}: decode {_fmt(r['decode'], '.2f')}x and prefill {_fmt(r['prefill'], '.2f')}x "
+                         f"{r['of']} (experts {m['expert_format']}, dense {m['dense_format']}; the same rounds)")
+    for mode, m in report["modes"].items():
         o = m["overhead_per_token"]
         if o["us"] is not None:
             lines.append(f"{mode}: boundary overhead per token = {o['us']:.0f} us over {o['moe_layers']} MoE layers, "
@@ -264,16 +335,16 @@ def markdown(report: dict) -> str:
     for mode, m in report["modes"].items():
         lines.append(f"{mode}: CPU experts stored as {m['expert_format']}, "
                      f"{_fmt(m['stored_bytes_per_weight'], '.3f')} bytes a weight")
-    q = report.get("quality")
-    if q:
-        lines.append(f"quality of experts {q['expert_format']} + dense {q['dense_format']}, activations "
-                     f"{q['activations']}, against {q['reference']}, "
+    for label, q in (report.get("quality_by_format") or {"": report["quality"]} if report.get("quality")
+                     else {}).items():
+        lines.append(f"{label + ': ' if label else ''}quality of experts {q['expert_format']} + dense "
+                     f"{q['dense_format']}, activations {q['activations']}, against {q['reference']}, "
                      f"{q['positions']} positions: max rel logits error {q['max_rel_logits_error']:.2e}, mean KL "
                      f"{q['mean_kl']:.2e}, top-1 agreement {q['top1_agreement']:.1%}")
         p = q["prefill"]
-        lines.append(f"quality of the same in one prefill pass over the {p['positions']} positions: max rel logits "
-                     f"error {p['max_rel_logits_error']:.2e}, mean KL {p['mean_kl']:.2e}, top-1 agreement "
-                     f"{p['top1_agreement']:.1%}")
+        lines.append(f"{label + ': ' if label else ''}quality of the same in one prefill pass over the "
+                     f"{p['positions']} positions: max rel logits error {p['max_rel_logits_error']:.2e}, mean KL "
+                     f"{p['mean_kl']:.2e}, top-1 agreement {p['top1_agreement']:.1%}")
     lines.append("")
     for mode, m in report["modes"].items():
         e = m["experts"]

@@ -379,7 +379,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import MODES, markdown, plot, run_bench, write_json
+    from .bench import MODES, markdown, parse_formats, plot, run_bench, write_json
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -389,11 +389,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..engine import refuse_shared_cpus
 
         refuse_shared_cpus(args.nodes)
+    formats = parse_formats(args.formats) if args.formats is not None else None
+    if formats and (args.expert_dtype or args.dense_dtype):
+        raise StrataError("--formats sets the storage formats of every engine: give it without --expert-dtype "
+                          "and --dense-dtype (an entry EXPERTS+DENSE gives both)")
     device = {name: getattr(args, name) for name in DEVICE_FLAGS + ("expert_dtype", "dense_dtype", "activations")
               if getattr(args, name) is not None}
     spin_us = resolve_setting("pool_spin_us", args.spin_us)  # --spin-us > STRATA_POOL_SPIN_US > EngineConfig's
     report = run_bench(args.model, modes, nodes=args.nodes, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
-                       rounds=args.rounds, spin_us=spin_us, device=device, quality_positions=args.quality_positions)
+                       rounds=args.rounds, spin_us=spin_us, device=device, quality_positions=args.quality_positions,
+                       formats=formats)
     print(markdown(report))
     if args.json:
         write_json(report, args.json)
@@ -542,6 +547,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the CPU experts are stored in every mode (default: auto)")
     p.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
                    help="without a GPU, how the dense matrices are stored in every mode (default: auto)")
+    p.add_argument("--formats", default=None,
+                   help="comma-separated storage formats, each mode opened once per format and measured side "
+                        "by side (mode@format), with decode and prefill as ratios to the first: FORMAT (experts "
+                        "and dense matrices) or EXPERTS+DENSE, e.g. f32,bf16 or q4k+q8,q8 (instead of "
+                        "--expert-dtype and --dense-dtype)")
     _add_activations_flag(p)
     p.add_argument("--quality-positions", dest="quality_positions", type=int, default=128,
                    help="compare the logits over this many positions with an f32 computation of the same "
