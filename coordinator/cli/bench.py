@@ -298,6 +298,13 @@ def _fmt(v, spec=".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _quality_by_label(report: dict) -> dict[str, dict]:
+    """The quality figures to print: per format's label, or the one set under no label (no --formats)."""
+    if report.get("quality_by_format"):
+        return report["quality_by_format"]
+    return {"": report["quality"]} if report.get("quality") else {}
+
+
 def markdown(report: dict) -> str:
     lines = [f"model {report['model']} ({report['arch']}), {report['prompt_tokens']} prompt + {report['tokens']} "
              f"new tokens, {report['rounds']} interleaved rounds; STREAM array {report['membw_bytes'] / 2**20:.0f} MiB "
@@ -335,8 +342,7 @@ def markdown(report: dict) -> str:
     for mode, m in report["modes"].items():
         lines.append(f"{mode}: CPU experts stored as {m['expert_format']}, "
                      f"{_fmt(m['stored_bytes_per_weight'], '.3f')} bytes a weight")
-    for label, q in (report.get("quality_by_format") or {"": report["quality"]} if report.get("quality")
-                     else {}).items():
+    for label, q in _quality_by_label(report).items():
         lines.append(f"{label + ': ' if label else ''}quality of experts {q['expert_format']} + dense "
                      f"{q['dense_format']}, activations {q['activations']}, against {q['reference']}, "
                      f"{q['positions']} positions: max rel logits error {q['max_rel_logits_error']:.2e}, mean KL "
