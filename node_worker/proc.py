@@ -7,7 +7,8 @@ It pins itself to its node's CPUs (or runs under numactl), names itself
 segment (shm/pool_io.py), connects, says HELLO, and then serves until SHUTDOWN:
 layers (and empty round trips) arrive through the data-path segment and its
 doorbell, the rest (STREAM reads, shutdown, anything malformed) over the socket.
-One thread waits on both: it spins ``spin_us`` on the request word, then sleeps
+One thread waits on both: it spins ``spin_us`` on the request word (yielding
+the CPU each round: doorbell.spin_pause), then sleeps
 on its doorbell (a futex) for at most POLL_S, and looks at the socket whenever
 it wakes; the coordinator rings the doorbell after each socket message too.
 Where the kernel threads spin after a kernel (experts in an integer format:
@@ -168,7 +169,7 @@ class WorkerProcess:
                 try:
                     return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    pass
+                    doorbell.spin_pause()
         if self.sock.poll(int(POLL_S * 1000)):
             return self.sock.recv_multipart(copy=False)
         return None
@@ -184,6 +185,7 @@ class WorkerProcess:
             while time.perf_counter() < deadline:
                 if io.asked(k) != self.done_seq or io.my_bell_count(k) != seen:
                     return
+                doorbell.spin_pause()
         io.wait_my_bell(k, seen, POLL_S, self.team)
 
     def on_request(self) -> None:

@@ -621,6 +621,36 @@ def test_worker_killed_while_the_coordinator_spins(tiny):
         assert np.array_equal(got, want) and eng.pool.stats["restarts"] == 1
 
 
+@pytest.mark.parametrize("spin_us", [60e6, 0.0])
+def test_a_spinning_coordinator_gives_its_cpu_away_each_round(tiny, monkeypatch, spin_us):
+    """Spinning on the partials, the coordinator yields its CPU at each round (doorbell.spin_pause), so a
+    worker thread waiting for that CPU runs (on this 2-vCPU host the worker's team shares the coordinator's
+    CPUs). The worker is stopped until the coordinator has paused 20 times: its partial can only come after
+    those rounds, and equals the one computed before. Without a spin there is no round to pause in: the
+    coordinator sleeps on its doorbell."""
+    from shm import doorbell
+
+    with Engine.open(tiny, EngineConfig(pool="process", pool_spin_us=spin_us)) as eng:
+        x = np.ones((2, eng.model_config.hidden_size), np.float32)
+        req = PoolRequest(0, x, np.array([0, 1]), np.array([1, 2]), np.array([0.5, 0.5], np.float32))
+        eng.pool.submit(req)
+        want = eng.pool.collect()
+        pid, pauses = eng.pool.workers[0].pid, []
+
+        def pause():
+            pauses.append(1)
+            if len(pauses) == 20:
+                os.kill(pid, signal.SIGCONT)
+
+        monkeypatch.setattr(doorbell, "spin_pause", pause)
+        if spin_us:
+            os.kill(pid, signal.SIGSTOP)  # asked, it cannot answer until the coordinator has paused 20 times
+        eng.pool.submit(req)
+        got = eng.pool.collect()
+        assert np.array_equal(got, want) and eng.pool.stats["restarts"] == 0
+        assert len(pauses) >= 20 if spin_us else pauses == []
+
+
 SPINNING_COORDINATOR = """
 import sys
 from coordinator import Engine, EngineConfig

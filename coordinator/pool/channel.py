@@ -30,6 +30,7 @@ import psutil
 import zmq
 
 from node_worker import protocol as P
+from shm import doorbell
 from shm.segments import process_start_time
 
 from ..errors import StrataError
@@ -143,6 +144,7 @@ class Channel:
             while time.perf_counter() < deadline:
                 if self.sock.poll(0):
                     return True, set()
+                doorbell.spin_pause()
         fds = tuple(fds)
         if self._poller is None or fds != self._fds:  # built once per set of worker pidfds
             self._poller, self._fds = zmq.Poller(), fds

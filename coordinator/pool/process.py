@@ -6,7 +6,8 @@ rung, and each worker writes its partial in place and rings back. The channel
 (channel.py) carries the rest over ZeroMQ (the handshake, errors, last words,
 STREAM reads, shutdown); the supervisor (supervisor.py) keeps the workers
 alive. ``submit`` asks every worker (restarting a dead one first), ``collect``
-spins ``pool_spin_us`` on the partials' sequence numbers, then sleeps on its
+spins ``pool_spin_us`` on the partials' sequence numbers (yielding the CPU each
+round: doorbell.spin_pause), then sleeps on its
 doorbell in slices of SLICE_S, between which it looks for deaths (the pidfds),
 last words and errors (the socket) and hangs (silent past the hang deadline: a
 setting, or derived from the layer times seen, with a floor); a worker
@@ -177,6 +178,8 @@ class ProcessPool(ExpertPool):
                 return arrived
             if time.perf_counter() >= spin_until:
                 io.wait_bell(seen, SLICE_S, self.wait_threads)
+            else:
+                doorbell.spin_pause()
             if time.monotonic() >= look_at or io.bell_count() == seen and time.perf_counter() >= spin_until:
                 look_at = time.monotonic() + SLICE_S  # quiet, or spinning for a while: look at the workers
                 self._look_at_workers(seq, pending, deadline_s)
