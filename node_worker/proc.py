@@ -163,13 +163,8 @@ class WorkerProcess:
 
     def recv(self):
         """The next socket message, spinning ``spin_us`` before blocking; None on timeout (no data path)."""
-        if self.spin_s:
-            deadline = time.perf_counter() + self.spin_s
-            while time.perf_counter() < deadline:
-                try:
-                    return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    doorbell.spin_pause()
+        if self.spin_s and doorbell.spin_until(self.spin_s, lambda: self.sock.poll(0)):
+            return self.sock.recv_multipart(copy=False)
         if self.sock.poll(int(POLL_S * 1000)):
             return self.sock.recv_multipart(copy=False)
         return None
@@ -180,12 +175,9 @@ class WorkerProcess:
         seen = io.my_bell_count(k)
         if io.asked(k) != self.done_seq:
             return
-        if self.spin_s:
-            deadline = time.perf_counter() + self.spin_s
-            while time.perf_counter() < deadline:
-                if io.asked(k) != self.done_seq or io.my_bell_count(k) != seen:
-                    return
-                doorbell.spin_pause()
+        if self.spin_s and doorbell.spin_until(
+                self.spin_s, lambda: io.asked(k) != self.done_seq or io.my_bell_count(k) != seen):
+            return
         io.wait_my_bell(k, seen, POLL_S, self.team)
 
     def on_request(self) -> None:

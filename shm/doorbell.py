@@ -222,6 +222,16 @@ def spin_pause() -> None:
     os.sched_yield()
 
 
+def spin_until(seconds: float, ready) -> bool:
+    """Spin up to ``seconds`` until ``ready()`` is true, a spin_pause each round; whether it became true."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        if ready():
+            return True
+        spin_pause()
+    return False
+
+
 def ring(words: np.ndarray, index: int) -> None:
     """Bump doorbell ``words[index]`` and wake its sleepers."""
     fetch_add(words, index, np.uint32(1))
@@ -238,5 +248,5 @@ def wait_ring_team(words: np.ndarray, index: int, seen: int, timeout_s: float, t
     futex_wait_team(word_address(words, index), seen, timeout_s, threads)
 
 
-__all__ = ["fetch_add", "futex_available", "load_acquire", "ring", "spin_pause", "store_release", "wait_ring",
+__all__ = ["fetch_add", "futex_available", "load_acquire", "ring", "spin_pause", "spin_until", "store_release", "wait_ring",
            "wait_ring_team", "warm_up"]

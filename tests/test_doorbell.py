@@ -69,3 +69,19 @@ def test_a_team_wait_ends_at_its_timeout_without_a_ring():
     started = time.monotonic()
     doorbell.wait_ring_team(words, 0, int(words[0]), 0.05, 2)
     assert time.monotonic() - started >= 0.05 and words[0] == 0
+
+
+def test_spin_until_pauses_between_looks_and_stops_when_ready_or_out_of_time(monkeypatch):
+    """Every spinning wait (the coordinator's socket, a worker's request word and socket) is spin_until: it
+    yields the CPU (spin_pause) after each look that finds nothing, stops at the first true look, and gives up
+    when its time is spent."""
+    pauses, looks = [], []
+    monkeypatch.setattr(doorbell, "spin_pause", lambda: pauses.append(1))
+
+    def ready():
+        looks.append(1)
+        return len(looks) == 5
+
+    assert doorbell.spin_until(60.0, ready) is True
+    assert (len(looks), len(pauses)) == (5, 4)
+    assert doorbell.spin_until(0.0, ready) is False and len(looks) == 5  # no time: no look

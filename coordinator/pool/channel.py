@@ -139,12 +139,8 @@ class Channel:
         With ``backlog`` a kept-back message counts as waiting."""
         if backlog and self.backlog:
             return True, set()
-        if self.spin_s and timeout_ms:
-            deadline = time.perf_counter() + self.spin_s
-            while time.perf_counter() < deadline:
-                if self.sock.poll(0):
-                    return True, set()
-                doorbell.spin_pause()
+        if self.spin_s and timeout_ms and doorbell.spin_until(self.spin_s, lambda: self.sock.poll(0)):
+            return True, set()
         fds = tuple(fds)
         if self._poller is None or fds != self._fds:  # built once per set of worker pidfds
             self._poller, self._fds = zmq.Poller(), fds
