@@ -460,6 +460,63 @@ def test_bf16_products_without_the_instruction_are_its_bits():
         assert np.array_equal(native, generic) and not np.array_equal(native, acc)
 
 
+def _bf16_round_reference(x: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_bf16 in NumPy: the top half of u + 0x7fff + (bit 16 of u); a NaN's top half, quiet."""
+    u = x.view(np.uint32).astype(np.uint64)
+    nearest = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where((u & 0x7FFFFFFF) > 0x7F800000, ((u >> 16) | 64).astype(np.uint16), nearest)
+
+
+def test_rounding_to_bf16_without_the_instruction_is_ggmls_and_the_instructions_bits():
+    """bf16dp.bf16_bits written in integers (a CPU without AVX-512 BF16, where LLVM's fptrunc to bfloat is a call
+    numba cannot link) against ggml's rounding on ties, carries into the exponent, the largest floats, the
+    infinities, NaNs and denormals; and, where the host has the instruction, against it: every value but the
+    denormals, which it takes as zero."""
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from node_worker.kernels import bf16dp
+    from node_worker.kernels.common import JIT
+    from node_worker.kernels.simd import _byte_ptr
+
+    def rounding(native):
+        @intrinsic
+        def one(typingctx, x, out):
+            def codegen(context, builder, signature, args):
+                xp, op = (builder.bitcast(_byte_ptr(context, builder, t, v), ty.as_pointer())
+                          for t, v, ty in zip(signature.args, args, (ir.VectorType(ir.FloatType(), 32),
+                                                                     ir.VectorType(ir.IntType(16), 32))))
+                builder.store(bf16dp.bf16_bits(builder, builder.load(xp, align=4), native), op, align=2)
+                return context.get_dummy_value()
+
+            return types.void(x, out), codegen
+
+        @njit(**{**JIT, "cache": False})
+        def run(x, out):
+            for i in range(x.shape[0]):
+                one(x[i], out[i])
+
+        return run
+
+    rng = np.random.default_rng(17)
+    bits = rng.integers(0, 2**32, 32 * 2000, dtype=np.uint64).astype(np.uint32)
+    special = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3FFFFFFF, 0x7F7FFFFF, 0x7F800000, 0xFF800000,
+                        0x7FC00001, 0x7F800001, 0xFFFFFFFF, 0x00000001, 0x807FFFFF, 0x00008000, 0, 0x80000000],
+                       np.uint32)  # ties below and above, carries, max, +-inf, NaNs (one signalling), denormals
+    bits[:special.size] = special
+    x = bits.view(np.float32).reshape(-1, 32)
+    portable = np.zeros(x.shape, np.uint16)
+    rounding(False)(x, portable)
+    assert np.array_equal(portable, _bf16_round_reference(x))
+    if not bf16dp.host_has_dpbf16():
+        pytest.skip("no AVX-512 BF16 on this host to compare with")
+    native = np.zeros(x.shape, np.uint16)
+    rounding(True)(x, native)
+    normal = (x.view(np.uint32) & 0x7F800000) != 0  # denormals: the instruction gives a signed zero
+    assert np.array_equal(native[normal], portable[normal]) and not np.array_equal(native, portable)
+
+
 def test_node_compute_refuses_a_negative_expert_or_a_token_outside_x_and_skips_experts_it_lacks():
     """The compiled layer call checks the routing before it indexes anything."""
     fmt = formats.get("q8")

@@ -30,15 +30,14 @@ token 15.1 / 14.9. A dense 4096 x 2048 matrix by 64 tokens: 600-650 GFLOP/s agai
 
 from __future__ import annotations
 
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import bf16
-from .common import JIT
-from .ir import F32, I32, LANES
+from .common import JIT, target_features
+from .ir import F32, I16, I32, LANES
 
 SCALED = False
 BLOCK_BYTES = bf16.BLOCK_BYTES
@@ -65,7 +64,7 @@ VB = ir.VectorType(BF16, LANES)  # <32 x bfloat>
 
 
 def host_has_dpbf16() -> bool:
-    return bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+    return "avx512bf16" in target_features()
 
 
 NATIVE = host_has_dpbf16()  # a constant of the compiled kernels (numba's cache is per CPU)
@@ -77,9 +76,35 @@ def pairs(builder, row, b):
     return builder.load(builder.bitcast(ptr, VI.as_pointer()), align=1)
 
 
+def bf16_bits(builder, x, native=None):
+    """The bits (i16, or <n x i16>) of float x (or <n x float>) rounded to the nearest bf16, ties to even.
+
+    Where the kernels' CPU has AVX-512 BF16, LLVM's fptrunc to bfloat (vcvtneps2bf16). Elsewhere LLVM makes
+    that fptrunc a call to __truncsfbf2, which numba's linker does not have (the process stopped: "LLVM
+    ERROR: Symbol not found: __truncsfbf2", on every AVX2 host), so it is written out in integers as ggml
+    writes it (ggml_compute_fp32_to_bf16): u + 0x7fff + (bit 16 of u), the top half; a NaN keeps its top half,
+    made quiet. The same bits as the instruction for every value but denormals, which it takes as zero
+    (tests/test_formats.py)."""
+    if NATIVE if native is None else native:
+        bf = BF16 if isinstance(x.type, ir.FloatType) else ir.VectorType(BF16, x.type.count)
+        return builder.bitcast(builder.fptrunc(x, bf), ir.IntType(16) if bf is BF16 else ir.VectorType(I16, bf.count))
+
+    n = None if isinstance(x.type, ir.FloatType) else x.type.count
+    u = builder.bitcast(x, I32 if n is None else ir.VectorType(I32, n))
+
+    def each(value):
+        return ir.Constant(u.type, value if n is None else [value] * n)
+
+    top = builder.lshr(u, each(16))
+    nearest = builder.lshr(builder.add(u, builder.add(each(0x7FFF), builder.and_(top, each(1)))), each(16))
+    nan = builder.icmp_unsigned(">", builder.and_(u, each(0x7FFFFFFF)), each(0x7F800000))
+    bits = builder.select(nan, builder.or_(top, each(64)), nearest)
+    return builder.trunc(bits, I16 if n is None else ir.VectorType(I16, n))
+
+
 def activations(builder, xv):
     """<32 x float> of a token -> its bf16 pairs <16 x i32>, each value rounded to the nearest bf16."""
-    return builder.bitcast(builder.fptrunc(xv, VB), VI)
+    return builder.bitcast(bf16_bits(builder, xv), VI)
 
 
 def dot_pairs(builder, acc, w, x, native=None):
@@ -103,12 +128,12 @@ def dot_pairs(builder, acc, w, x, native=None):
 
 def rounded(builder, x):
     """float x rounded to the nearest bf16, as a float."""
-    return builder.fpext(builder.fptrunc(x, BF16), F32)
+    return widened(builder, bf16_bits(builder, x))
 
 
 def widened(builder, bits):
-    """The i16 bits of a bf16 as a float (exact)."""
-    return builder.fpext(builder.bitcast(bits, BF16), F32)
+    """The i16 bits of a bf16 as a float (exact: the top half of the float's bits)."""
+    return builder.bitcast(builder.shl(builder.zext(bits, I32), ir.Constant(I32, 16)), F32)
 
 
 @intrinsic
@@ -117,7 +142,7 @@ def _bf16_bits(typingctx, x):
     sig = types.uint16(x)
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], BF16), ir.IntType(16))
+        return bf16_bits(builder, args[0])
 
     return sig, codegen
 

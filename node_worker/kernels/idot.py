@@ -47,10 +47,10 @@ from __future__ import annotations
 
 import os
 
-import llvmlite.binding as llvm
 from llvmlite import ir
 from numba.core import cgutils
 
+from .common import target_features
 from .ir import I8, I16, I32, LANES
 
 V32 = ir.VectorType(I8, LANES)
@@ -67,14 +67,14 @@ def host_lowering() -> str:
         if forced not in LOWERINGS:
             raise ValueError(f"STRATA_IDOT_LOWERING={forced!r}: expected one of {', '.join(LOWERINGS)}")
         return forced
-    features = {name for name, on in llvm.get_host_cpu_features().items() if on}
+    features = target_features()
     return next(how for how in LOWERINGS if host_has(how, features))
 
 
 def host_has(lowering: str, features: set[str] | None = None) -> bool:
     """Whether this host's CPU can run ``lowering``."""
     if features is None:
-        features = {name for name, on in llvm.get_host_cpu_features().items() if on}
+        features = target_features()
     if lowering == "vnni":
         return {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features
     return FEATURES.get(lowering, set()) <= features

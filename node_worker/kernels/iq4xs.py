@@ -13,13 +13,13 @@ LLVM lowers to byte blends at whatever width the host has.
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 from llvmlite import ir
 from numba.core import cgutils
 
 from shm.formats.iq4xs import KVALUES
 
 from . import idot
+from .common import target_features
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, byte_at, const, half_at, splat, super_block, vec_load
 
 SCALED = True
@@ -51,9 +51,8 @@ def levels(builder, index, shuffle: bool | None = None):
     return choices[0]
 
 
-def _host_features() -> set[str]:
-    features = llvm.get_host_cpu_features()
-    return {name for name, on in features.items() if on}
+def _host_features() -> frozenset[str]:
+    return target_features()
 
 
 def _int_scale_and_indices(builder, base, j: int):

@@ -53,13 +53,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import bf16, bf16dp, f32, iq4xs, q4, q4k, q5k, q6k, q8
+from .common import target_features
 from .ir import F32, I8, I16, I32, I64, LANES, VF, const, prefetch, splat
 
 FAST = ("fast",)
@@ -406,7 +406,7 @@ WIDE_FORMATS = ("f32", "bf16", "bf16dp")  # four rows at a time on WIDE_TILES ho
 def host_has_512_bit_vectors() -> bool:
     """AVX-512 (32 registers of 16 floats): dot4r4's 16 accumulators of <32 x float> fit in them. On AVX2 (16
     registers of 8 floats) dot2r4's eight already take twice the register file."""
-    return bool(llvm.get_host_cpu_features().get("avx512f", False))
+    return "avx512f" in target_features()
 
 
-WIDE_TILES = host_has_512_bit_vectors()  # a constant of the compiled kernels (numba's cache is per CPU)
+WIDE_TILES = host_has_512_bit_vectors()  # a constant of the compiled kernels (numba's cache is per CPU and features)
