@@ -219,6 +219,7 @@ def test_formats_are_benched_side_by_side_with_ratios_to_the_first(tmp_path, cap
                  "--quality-positions", "6", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["formats"] == ["f32", "bf16", "q8+bf16"]
+    assert report["kernels"].startswith("kernels compiled for the host's: ")  # no NUMBA_CPU_NAME here
     assert list(report["modes"]) == ["inproc@f32", "inproc@bf16", "inproc@q8+bf16",
                                      "single@f32", "single@bf16", "single@q8+bf16"]
     stored = {"f32": ("f32", r"f32"), "bf16": ("bf16", r"\d+ bf16"), "q8+bf16": ("q8", r"\d+ bf16")}
@@ -241,6 +242,7 @@ def test_formats_are_benched_side_by_side_with_ratios_to_the_first(tmp_path, cap
     assert q["inproc@q8+bf16"]["expert_format"] == "q8" and q["inproc@q8+bf16"]["positions"] == 6
     text = capsys.readouterr().out
     assert re.search(r"single@bf16: decode \d+\.\d\dx and prefill \d+\.\d\dx single@f32", text)
+    assert report["kernels"] in text
 
 
 @pytest.mark.parametrize("argv, match", [

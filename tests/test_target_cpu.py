@@ -37,7 +37,8 @@ want = (xq.reshape(1, 8, 32) * xd[..., None].astype(np.float64)).reshape(1, 256)
 bf = PackedMatrix.encode(w, formats.get("bf16"))
 want_bf = x.astype(np.float64) @ bf.decoded().astype(np.float64).T
 error = lambda got, want: float(np.abs(got - want).max() / np.abs(want).max())
-print(json.dumps({"wide_tiles": simd.WIDE_TILES, "native_bf16": bf16dp.NATIVE, "lowering": idot.host_lowering(),
+from node_worker.kernels import target_summary
+print(json.dumps({"summary": target_summary(), "wide_tiles": simd.WIDE_TILES, "native_bf16": bf16dp.NATIVE, "lowering": idot.host_lowering(),
                   "q8_error": error(x[:1] @ q8.T, want), "bf16_error": error(x @ bf.T, want_bf)}))
 """
 
@@ -57,6 +58,8 @@ def test_kernels_compiled_for_an_avx2_cpu_take_its_instructions(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert (got["wide_tiles"], got["native_bf16"], got["lowering"]) == (False, False, "avx2")
+    assert got["summary"] == ("kernels compiled for haswell (NUMBA_CPU_NAME): 256-bit tiles, vdpbf16ps no, "
+                              "integer dots avx2")  # what strata bench prints
     assert got["q8_error"] <= 2e-6 and got["bf16_error"] <= 2e-6
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from node_worker.kernels import target_summary
+
 from ..config import DENSE_DTYPES, EXPERT_DTYPES, EngineConfig
 from ..engine import Engine
 from ..errors import StrataError
@@ -166,7 +168,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
         report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
                   "spin_us": spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
                   "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(device or {}),
-                  "formats": [label for label, _ in formats or []], "modes": {}}
+                  "formats": [label for label, _ in formats or []], "kernels": target_summary(), "modes": {}}
         for mode, eng in engines.items():
             expert_bytes = eng.cpu_expert_bytes()
             res = results[mode]
@@ -308,7 +310,7 @@ def _quality_by_label(report: dict) -> dict[str, dict]:
 def markdown(report: dict) -> str:
     lines = [f"model {report['model']} ({report['arch']}), {report['prompt_tokens']} prompt + {report['tokens']} "
              f"new tokens, {report['rounds']} interleaved rounds; STREAM array {report['membw_bytes'] / 2**20:.0f} MiB "
-             f"(4x LLC); KV cache {report.get('kv_bytes_per_token', 0)} bytes a token", "",
+             f"(4x LLC); KV cache {report.get('kv_bytes_per_token', 0)} bytes a token; {report.get('kernels', '')}", "",
              "| mode | decode tok/s (min-max) | vs inproc | prefill tok/s | MoE layer wall us | worker compute us "
              "| overhead us | empty RTT us | overhead/RTT | pool GB/s | STREAM GB/s | ratio |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

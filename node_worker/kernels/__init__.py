@@ -15,5 +15,19 @@ dense.py   a whole stored matrix times a few rows, and rows decoded for BLAS (th
            dense matrices, coordinator/model/packed.py)
 rows8.py   q8 rows interleaved eight at a time (llama.cpp's repacked Q8_0): eight rows a vector, for every T
            (the dense q8 matrices with integer activations)
-common.py  numba's options and the disk cache of the compiled code
+common.py  numba's options, the disk cache of the compiled code and the CPU it is compiled for
 """
+
+from __future__ import annotations
+
+
+def target_summary() -> str:
+    """The CPU the kernels are compiled for and what that chose, for a benchmark's report: "host" or numba's
+    NUMBA_CPU_NAME, the 512-bit tiles (simd.WIDE_TILES), vdpbf16ps (bf16dp.NATIVE), the integer dot lowering."""
+    from numba.core import config
+
+    from . import bf16dp, idot, simd
+
+    cpu = f"{config.CPU_NAME} (NUMBA_CPU_NAME)" if config.CPU_NAME else "the host's"
+    return (f"kernels compiled for {cpu}: {'512' if simd.WIDE_TILES else '256'}-bit tiles, "
+            f"vdpbf16ps {'yes' if bf16dp.NATIVE else 'no'}, integer dots {idot.host_lowering()}")
