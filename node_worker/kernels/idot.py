@@ -61,7 +61,8 @@ FEATURES = {"vnni512": {"avx512vnni", "avx512bw", "avx512vl"}, "avx2": {"avx2"}}
 
 
 def host_lowering() -> str:
-    """The lowering the host's CPU takes (STRATA_IDOT_LOWERING, one of LOWERINGS, forces one; tests)."""
+    """The lowering the kernels' target CPU takes (common.target_features: the host's, or numba's
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES); STRATA_IDOT_LOWERING, one of LOWERINGS, forces one (tests)."""
     forced = os.environ.get("STRATA_IDOT_LOWERING", "")
     if forced:
         if forced not in LOWERINGS:
@@ -72,7 +73,7 @@ def host_lowering() -> str:
 
 
 def host_has(lowering: str, features: set[str] | None = None) -> bool:
-    """Whether this host's CPU can run ``lowering``."""
+    """Whether the kernels' target CPU (or ``features``) can run ``lowering``."""
     if features is None:
         features = target_features()
     if lowering == "vnni":
