@@ -248,5 +248,5 @@ def wait_ring_team(words: np.ndarray, index: int, seen: int, timeout_s: float, t
     futex_wait_team(word_address(words, index), seen, timeout_s, threads)
 
 
-__all__ = ["fetch_add", "futex_available", "load_acquire", "ring", "spin_pause", "spin_until", "store_release", "wait_ring",
-           "wait_ring_team", "warm_up"]
+__all__ = ["fetch_add", "futex_available", "load_acquire", "ring", "spin_pause", "spin_until", "store_release",
+           "wait_ring", "wait_ring_team", "warm_up"]

@@ -120,9 +120,10 @@ def test_both_iq4xs_level_lookups_give_the_levels(shuffle):
     from numba.extending import intrinsic
 
     from node_worker.kernels import iq4xs
+    from node_worker.kernels.common import target_features
     from node_worker.kernels.ir import I8, LANES
 
-    if shuffle and "ssse3" not in iq4xs._host_features():
+    if shuffle and "ssse3" not in target_features():
         pytest.skip("no SSSE3 byte shuffle on this host")
     V32 = ir.VectorType(I8, LANES)
 

@@ -38,7 +38,8 @@ bf = PackedMatrix.encode(w, formats.get("bf16"))
 want_bf = x.astype(np.float64) @ bf.decoded().astype(np.float64).T
 error = lambda got, want: float(np.abs(got - want).max() / np.abs(want).max())
 from node_worker.kernels import target_summary
-print(json.dumps({"summary": target_summary(), "wide_tiles": simd.WIDE_TILES, "native_bf16": bf16dp.NATIVE, "lowering": idot.host_lowering(),
+print(json.dumps({"summary": target_summary(), "wide_tiles": simd.WIDE_TILES, "native_bf16": bf16dp.NATIVE,
+                  "lowering": idot.host_lowering(),
                   "q8_error": error(x[:1] @ q8.T, want), "bf16_error": error(x @ bf.T, want_bf)}))
 """
 

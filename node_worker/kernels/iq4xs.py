@@ -35,7 +35,7 @@ def levels(builder, index, shuffle: bool | None = None):
     """KVALUES[index] for a <32 x i8> of indices in [0, 16): a byte shuffle of the 16 levels where the host has
     one (x86's SSSE3 pshufb, chosen when the kernels compile, so the disk cache holds it per CPU), else a tree
     of vector selects on the index bits (15 selects of <32 x i8>, one bit a level). ``shuffle``: force one."""
-    if shuffle if shuffle is not None else "ssse3" in _host_features():
+    if shuffle if shuffle is not None else "ssse3" in target_features():
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16, [V16, V16]),
                                             "llvm.x86.ssse3.pshuf.b.128")
         halves = [builder.call(fn, [ir.Constant(V16, list(KVALUES)),
@@ -49,10 +49,6 @@ def levels(builder, index, shuffle: bool | None = None):
                                        ir.Constant(V32, [0] * LANES))
         choices = [builder.select(chosen, hi, lo) for lo, hi in zip(choices[0::2], choices[1::2])]
     return choices[0]
-
-
-def _host_features() -> frozenset[str]:
-    return target_features()
 
 
 def _int_scale_and_indices(builder, base, j: int):
