@@ -555,3 +555,24 @@ def test_kernel_silu_is_within_a_few_float32_steps_of_float64_everywhere():
     assert np.all(np.abs(out[:, :n][big] - 2 * s[big]) <= 2 * 2.0 ** -24 * 2 * s[big])
     assert np.all((out[:, :n][s < -87] <= 0) & (out[:, :n][s < -87] > -1e-30))
     assert np.all(out[:, n:] == 7.0)
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 5, 6, 7, 37])  # four streams of ceil(R / 4) rows, the last ones short
+@pytest.mark.parametrize("hidden", [H, 50])
+def test_one_tokens_bf16_rows_read_as_four_streams_give_f32s_bits(R, hidden):
+    """One token's bf16 rows go four at a time from the matrix's four quarters (rows.stream_quad), without
+    the prefetch, where f32's go four rows side by side: every row is still summed by the same code, so
+    bf16 rows give the bits of f32 rows holding the same values, at every R (the quarters' ends repeat
+    the last row, computed and not stored), in the dense matrices and in an expert's gate, up and down."""
+    from coordinator.model.packed import PackedMatrix
+
+    rng = np.random.default_rng(R)
+    w = rng.standard_normal((R, hidden)).astype(np.float32)
+    bf = PackedMatrix.encode(w, formats.get("bf16"))
+    f32 = PackedMatrix.encode(bf.decoded(), formats.get("f32"))
+    for T in (1, 2):
+        x = rng.standard_normal((T, hidden)).astype(np.float32)
+        y = x @ bf.T
+        assert np.array_equal(y, x @ f32.T)
+        np.testing.assert_allclose(y, x.astype(np.float64) @ bf.decoded().astype(np.float64).T, rtol=1e-5,
+                                   atol=1e-5)

@@ -3,8 +3,8 @@
 A dense matrix W [R, K] stored in a format (shm/formats: rows of K weights,
 ``row_bytes`` apart from byte ``base`` of ``data``) serves the coordinator's
 CPU device side (coordinator/model/packed.py) the way the expert kernels serve
-the pool: x [T, K] -> x·Wᵀ [T, R] in one compiled call, four rows at a time,
-rows split over numba's threads.
+the pool: x [T, K] -> x·Wᵀ [T, R] in one compiled call, four rows at a time (bf16
+rows: four streams, the matrix's quarters, rows.stream_quad), rows split over numba's threads.
 
     matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act)
                                                             out [T, R] = x [T, K] · Wᵀ  (T small; int_act:
@@ -33,12 +33,17 @@ from . import rows8
 from .common import JIT
 from .activations import quantize_rows_biased, quantize_rows_super
 from .rows import (BF16DP, block_int, dot4, dot_chunks, quad_super, quantised_if, rounded_if, row_decode,
-                   row_tokens_block, row_tokens_int)
+                   row_tokens_block, row_tokens_int, stream_quad, streamed)
 
 
 @njit(parallel=True, **JIT)
 def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
     use_int = block_int(fmt, int_act)  # integer dot products on x quantised per block (the K types: matmul_tokens_int)
+    if streamed(fmt, use_int):  # bf16 rows: the matrix's four quarters as four streams
+        for q in prange((R + 3) // 4):
+            for t in range(x.shape[0]):
+                stream_quad(fmt, data, base, row_bytes, R, K, x[t], out[t], q)
+        return
     xq, xd, xs = quantised_if(use_int, x)
     for q in prange((R + 3) // 4):
         r = 4 * q

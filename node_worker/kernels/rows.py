@@ -5,7 +5,7 @@ routed to it. Every matrix is read as rows of the store's format and taken in
 dot products (simd.py: each block widened and scaled in registers): the gate
 and up rows [R, H] against the tokens' rows of x, then W_down's rows [H, R]
 against silu(gate) * up, giving the group's contribution [n, H]. One token
-(decode): four rows at a time. n >= 2 tokens (prefill, padded to a multiple
+(decode): four rows at a time (bf16's from the matrix's four quarters: streamed). n >= 2 tokens (prefill, padded to a multiple
 of 4): two rows (four for f32 and bf16 on hosts with 512-bit vectors: wide_tiles) by four tokens at a
 time, each block widened once for the four, their accumulators in registers; bf16 rows by bf16 activations
 (bf16dp.py, EngineConfig.activations bf16) on the tokens rounded to bf16 once per matrix. With integer
@@ -43,6 +43,7 @@ INT_FROM = FORMAT_IDS["q8"]  # formats from this id to BF16DP have integers to m
 BF16DP = FORMAT_IDS["bf16dp"]
 assert list(FORMAT_IDS)[INT_FROM:BF16DP] == list(isimd.INT_FORMATS) and BF16DP == len(FORMAT_IDS) - 1
 WIDE_IDS = tuple(FORMAT_IDS[name] for name in simd.WIDE_FORMATS)  # f32, bf16: wide_tiles
+STREAM_IDS = tuple(FORMAT_IDS[name] for name in simd.STREAM_FORMATS)  # bf16, bf16dp: stream_quad
 SUPER_IDS = tuple(FORMAT_IDS[name] for name in isuper.SUPER_FORMATS)  # the super-block integer loop: the K types, iq4xs
 SUPER_FROM, SUPER_TO = SUPER_IDS[0], SUPER_IDS[-1] + 1
 assert SUPER_IDS == tuple(range(SUPER_FROM, SUPER_TO))
@@ -133,9 +134,51 @@ def quad_super(fmt, data, o, row_bytes, rows, hidden, xq, xd, bs, out, first) ->
 
 
 @njit(inline="always", **JIT)
+def streamed(fmt, use_int) -> bool:
+    """One token's bf16 rows (bf16dp's too) four streams at a time (stream_quad), not four rows side by side.
+
+    Four bf16 rows side by side are four streams 4 KiB apart (H 2048), and they read memory slower than
+    f32's 8 KiB apart, whatever the arithmetic. Measured on an AVX-512 host (Zen 5, 2 threads): the lm_head
+    (151936 x 2048, one token) as bf16 rows 41-58 GB/s, its bytes taken as f32 rows of 1024 values the same,
+    f32 rows 46-69 in the same rounds. With the matrix's four quarters as the four rows and no software
+    prefetch (the hardware prefetcher follows four long streams): 43 -> 52-54 GB/s where f32 read 53-54;
+    8 random experts of 64 (gate, up, down; 768 x 2048) 45 -> 53 GB/s (f32 53), 64-65 -> 72-73 (f32 76-81),
+    with AVX2 code 42 -> 53. With a prefetch two rows on per stream, 2-6 % less; f32 rows gained nothing, so
+    they stay side by side. `strata bench -m MODEL --modes inproc --formats f32,bf16` (Qwen3-MoE geometry,
+    4 layers), four runs alternating with the rows side by side: bf16 decode 1.64-1.69x -> 2.08-2.15x f32's,
+    the MoE layer 1306-1342 -> 1068-1086 us, its pool GB/s 53-57 -> 67-68 (f32 64-67). Each row is summed
+    by the same code either way: the same bits."""
+    return not use_int and (fmt == STREAM_IDS[0] or fmt == STREAM_IDS[1])
+
+
+@njit(inline="always", **JIT)
+def stream_quad(fmt, data, o, row_bytes, rows, hidden, x, out, q) -> None:
+    """out[q + k S] = x · row q + k S, k < 4, of the bf16 (or bf16dp's) rows row_bytes apart from byte o, S =
+    ceil(rows / 4): the four quarters of the matrix read as four streams (streamed); a row past the end
+    repeats the last row (computed, not stored)."""
+    S = (rows + 3) // 4
+    last = rows - 1
+    o0 = o + q * row_bytes
+    o1 = o + min(q + S, last) * row_bytes
+    o2 = o + min(q + 2 * S, last) * row_bytes
+    o3 = o + min(q + 3 * S, last) * row_bytes
+    if fmt == BF16DP:
+        a0, a1, a2, a3 = simd.dot4s_bf16dp(data, o0, o1, o2, o3, hidden, x)
+    else:
+        a0, a1, a2, a3 = simd.dot4s_bf16(data, o0, o1, o2, o3, hidden, x)
+    out[q] = a0
+    if q + S < rows:
+        out[q + S] = a1
+    if q + 2 * S < rows:
+        out[q + 2 * S] = a2
+    if q + 3 * S < rows:
+        out[q + 3 * S] = a3
+
+
+@njit(inline="always", **JIT)
 def rows_dot(fmt, int_act, data, o, row_bytes, rows, hidden, x, out) -> None:
     """out[r] = x · row r, r < rows (rows row_bytes apart from byte o, ``hidden`` weights each): four rows at a
-    time, a short last group repeating its last row (computed, not stored); integer dot products on x
+    time (bf16's four streams: stream_quad), a short last group repeating its last row (computed, not stored); integer dot products on x
     quantised per block when int_act and the format has integers (per super-block for a K type or IQ4_XS:
     quad_super)."""
     if super_int(fmt, int_act):
@@ -145,6 +188,10 @@ def rows_dot(fmt, int_act, data, o, row_bytes, rows, hidden, x, out) -> None:
             quad_super(fmt, data, o, row_bytes, rows, hidden, xq, xd, bs, out2, r)
         return
     use_int = block_int(fmt, int_act)
+    if streamed(fmt, use_int):
+        for q in range((rows + 3) // 4):
+            stream_quad(fmt, data, o, row_bytes, rows, hidden, x, out, q)
+        return
     xq, xd, xs = quantised_if(use_int, x[:hidden].reshape((1, hidden)))
     for r in range(0, rows, 4):
         m = min(4, rows - r)

@@ -18,6 +18,11 @@ dot2r4 prefetches the rows four pairs ahead):
 
     dot4_F(data, o0, o1, o2, o3, hidden, x)             -> (x·w0, x·w1, x·w2, x·w3)    x [H] float32
 
+and, for bf16 rows (and bf16dp's), the same without the prefetch, for four rows that are four streams far
+apart (rows.stream_quad: a matrix's four quarters; the hardware prefetcher follows them):
+
+    dot4s_F(data, o0, o1, o2, o3, hidden, x)            as dot4_F, F in STREAM_FORMATS
+
 one for groups of several tokens (prefill), the format a run-time argument (its FORMATS index), its
 accumulators unrolled into registers:
 
@@ -145,7 +150,10 @@ def _tail(builder, hidden, nb):
     return cgutils.for_range_slice(builder, builder.mul(nb, const(LANES)), hidden, const(1))
 
 
-def _make_dot4(fmt: ModuleType):
+def _make_dot4(fmt: ModuleType, ahead: bool = True):
+    """dot4_F; ``ahead``: prefetch the rows PREFETCH_ROWS rows further on (rows side by side), else nothing (the
+    four rows are four streams apart: dot4s_F)."""
+
     @intrinsic
     def dot4(typingctx, data, o0, o1, o2, o3, hidden, x):
         sig = types.UniTuple(types.float32, 4)(data, o0, o1, o2, o3, hidden, x)
@@ -156,14 +164,15 @@ def _make_dot4(fmt: ModuleType):
             rows = [builder.gep(base, [o]) for o in offsets]
             xp = builder.bitcast(_byte_ptr(context, builder, signature.args[6], x_v), F32.as_pointer())
             if getattr(fmt, "DOT_PAIRS", False):
-                sums = _dot_pairs(builder, fmt, rows, [xp], hidden_v)[0]
+                sums = _dot_pairs(builder, fmt, rows, [xp], hidden_v, ahead=ahead)[0]
                 return context.make_tuple(builder, signature.return_type, [builder.load(s) for s in sums])
             nb = builder.udiv(hidden_v, const(LANES))
             G = _groups(fmt)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES)) for _ in rows]
             with cgutils.for_range(builder, builder.udiv(nb, const(G))) as loop:
                 i = loop.index
-                _prefetch_ahead(builder, fmt, rows, i)
+                if ahead:
+                    _prefetch_ahead(builder, fmt, rows, i)
                 for j in range(G):
                     b = builder.add(builder.mul(i, const(G)), const(j))
                     xv = builder.load(builder.bitcast(builder.gep(xp, [builder.mul(b, const(LANES))]),
@@ -273,7 +282,7 @@ def _make_dotk(NR: int, K: int, names=FORMATS):
     return dotk
 
 
-def _dot_pairs(builder, fmt, rows, xrows, hidden_v, rounded=False) -> list:
+def _dot_pairs(builder, fmt, rows, xrows, hidden_v, rounded=False, ahead=True) -> list:
     """bf16dp.py's loop: [len(xrows)][len(rows)] float sums (allocas) of each row with each token's row, an
     accumulator of 16 pair sums per (token, row) in a register. ``xrows``: float pointers to float32 rows, each
     block rounded to bf16 in the registers once for all the rows; or (rounded) i16 pointers to rows rounded
@@ -282,7 +291,8 @@ def _dot_pairs(builder, fmt, rows, xrows, hidden_v, rounded=False) -> list:
     NR = len(rows)
 
     def step(i, accs):  # accs [tokens * NR], token-major
-        _prefetch_ahead(builder, fmt, rows, i)
+        if ahead:
+            _prefetch_ahead(builder, fmt, rows, i)
         ws = [fmt.pairs(builder, row, i) for row in rows]
         out = []
         for xr, k in zip(xrows, range(0, len(accs), NR)):
@@ -397,6 +407,8 @@ dot4_f32, dot4_bf16, dot4_q8, dot4_q4, dot4_q4k, dot4_q5k, dot4_q6k, dot4_iq4xs,
     _make_dot4(m) for m in FORMATS.values())
 decode_f32, decode_bf16, decode_q8, decode_q4, decode_q4k, decode_q5k, decode_q6k, decode_iq4xs, _ = (
     _make_decode(m) for m in FORMATS.values())  # bf16dp's rows decode as bf16's
+STREAM_FORMATS = ("bf16", "bf16dp")  # one token's rows read as four streams (rows.stream_quad): dot4s_F
+dot4s_bf16, dot4s_bf16dp = (_make_dot4(FORMATS[name], ahead=False) for name in STREAM_FORMATS)
 dot2r4 = _make_dotk(2, 4, tuple(name for name in FORMATS if name != "bf16dp"))
 dot4r4 = _make_dotk(4, 4, ("f32", "bf16"))  # only where the host's registers hold its 16 accumulators: WIDE_TILES
 pairs2r4, pairs4r4 = _make_pairsk(2, 4), _make_pairsk(4, 4)  # bf16dp's rows (the tokens rounded to bf16 first)
