@@ -576,3 +576,40 @@ def test_one_tokens_bf16_rows_read_as_four_streams_give_f32s_bits(R, hidden):
         assert np.array_equal(y, x @ f32.T)
         np.testing.assert_allclose(y, x.astype(np.float64) @ bf.decoded().astype(np.float64).T, rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["f32", "bf16", "bf16dp"])
+def test_a_groups_last_one_to_three_tokens_in_a_short_tile_give_the_padded_tiles_bits(name):
+    """rows.short_tile: a group's last n mod 4 tokens (f32 and bf16 rows, bf16dp's) go in a tile of one, two
+    or three tokens (simd.dot2rK, dot4rK, pairs2rK, pairs4rK) where they took a four-token tile padded with
+    zero tokens; each (row, token) is summed as in that tile, so every n gives its bits, and the padding
+    rows of the output are not written."""
+    from numba import njit
+
+    from node_worker.kernels import rows as krows
+    from node_worker.kernels.common import JIT
+
+    @njit(**{**JIT, "cache": False})
+    def chunks(fmt, data, row_bytes, R, K, xg, xb, out, n):
+        krows.dot_chunks(fmt, data, 0, row_bytes, R, K, xg, xb, out, 0, n)
+
+    fmt = formats.get("bf16" if name == "bf16dp" else name)
+    fmt_id = krows.FORMAT_IDS[name]
+    rng = np.random.default_rng(21)
+    R, hidden = 11, 2 * H  # rows: two four-row tiles, a two-row one and an odd last row
+    stored = np.empty((R, fmt.row_bytes(hidden) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+    fmt.encode_into(stored, rng.standard_normal((R, hidden)).astype(np.float32))
+    data = stored.reshape(-1).view(np.uint8)
+    w = formats.decoded(fmt, stored).astype(np.float64)
+    for n in range(2, 12):
+        padded = -(-n // 4) * 4
+        xg = np.zeros((padded, hidden), np.float32)
+        xg[:n] = rng.standard_normal((n, hidden))
+        xb = krows.rounded_if(name == "bf16dp", xg)
+        short, whole = np.full((padded, R + 1), np.nan, np.float32), np.full((padded, R + 1), np.nan, np.float32)
+        chunks(fmt_id, data, fmt.row_bytes(hidden), R, hidden, xg, xb, short, n)
+        chunks(fmt_id, data, fmt.row_bytes(hidden), R, hidden, xg, xb, whole, padded)
+        assert np.array_equal(short[:n, :R], whole[:n, :R]), n
+        assert np.isnan(short[n:]).all() and not np.isnan(whole[n:, :R]).any()  # the padding: not computed
+        x = bf16_rounded(xg[:n]) if name == "bf16dp" else xg[:n].astype(np.float64)
+        np.testing.assert_allclose(short[:n, :R], x @ w.T, rtol=1e-4, atol=1e-4)

@@ -73,7 +73,8 @@ def matmul_tiles(fmt, data, base, row_bytes, R, K, x, out):
     xb = rounded_if(fmt == BF16DP, x)  # bf16dp's: x rounded to bf16 once
     for c in prange((R + TILE_ROWS - 1) // TILE_ROWS):
         r = c * TILE_ROWS
-        dot_chunks(fmt, data, base + r * row_bytes, row_bytes, min(TILE_ROWS, R - r), K, x, xb, out, r)
+        rows = min(TILE_ROWS, R - r)
+        dot_chunks(fmt, data, base + r * row_bytes, row_bytes, rows, K, x, xb, out, r, x.shape[0])
 
 
 @njit(parallel=True, **JIT)

@@ -39,10 +39,16 @@ accumulators unrolled into registers:
                                                         (rows of whole blocks; a partial last block's few
                                                         values may be added in another order)
 
+and the same tiles of one to three tokens for f32 and bf16 rows (a group's last tokens, rows.short_tiles):
+
+    dot2rK, dot4rK(fmt, data, o, row_step, hidden, xg, t0, out, col)    t < K, K = 1, 2, 3: each (row, token)
+                                                        summed as in the four-token tiles, the same bits
+
 and for bf16 rows by bf16 activations (bf16dp.py; dot4_bf16dp rounds the token in the registers):
 
     pairs2r4(data, o, row_step, hidden, xb, t0, out, col)   as dot2r4, xb [n, H] uint16 the tokens rounded
     pairs4r4(...)                                           to bf16 (bf16dp.round_rows); four rows (WIDE_TILES)
+    pairs2rK, pairs4rK(...)                                 K = 1, 2, 3 tokens
 
 and one that writes a row out as float32 (for BLAS on many tokens):
 
@@ -412,6 +418,11 @@ dot4s_bf16, dot4s_bf16dp = (_make_dot4(FORMATS[name], ahead=False) for name in S
 dot2r4 = _make_dotk(2, 4, tuple(name for name in FORMATS if name != "bf16dp"))
 dot4r4 = _make_dotk(4, 4, ("f32", "bf16"))  # only where the host's registers hold its 16 accumulators: WIDE_TILES
 pairs2r4, pairs4r4 = _make_pairsk(2, 4), _make_pairsk(4, 4)  # bf16dp's rows (the tokens rounded to bf16 first)
+# a group's last one to three tokens, in place of a tile padded with zero tokens (rows.short_tiles): f32, bf16, bf16dp
+dot2r1, dot2r2, dot2r3 = (_make_dotk(2, K, ("f32", "bf16")) for K in (1, 2, 3))
+dot4r1, dot4r2, dot4r3 = (_make_dotk(4, K, ("f32", "bf16")) for K in (1, 2, 3))
+pairs2r1, pairs2r2, pairs2r3 = (_make_pairsk(2, K) for K in (1, 2, 3))
+pairs4r1, pairs4r2, pairs4r3 = (_make_pairsk(4, K) for K in (1, 2, 3))
 WIDE_FORMATS = ("f32", "bf16", "bf16dp")  # four rows at a time on WIDE_TILES hosts: dot4r4's formats, pairs4r4's
 
 
