@@ -182,12 +182,22 @@ def test_host_rope_and_decode_attention_equal_float64():
     assert np.array_equal(parallel, serial) and np.array_equal(got, parallel)  # the same loop per pair
     np.testing.assert_allclose(got, ops.gqa_attention(q.astype(np.float64), k.astype(np.float64),
                                                       v.astype(np.float64), mask), rtol=1e-5, atol=1e-6)
-    T = ops.HOST_ATTENTION_TOKENS + 1  # longer prompts take the batched matmuls: the two agree
+    T = ops.HOST_ATTENTION_TOKENS + 1  # a prompt over up to HOST_ATTENTION_KEYS keys: the loop, every token
     q, k = rng.standard_normal((T, 4, 16)).astype(np.float32), rng.standard_normal((T, 2, 16)).astype(np.float32)
     mask = ops.attention_mask(np.arange(T), np.arange(T), None)
-    np.testing.assert_allclose(ops.gqa_attention(q, k, k, mask),
-                               np.concatenate([ops.gqa_attention(q[t:t + 1], k, k, mask[t:t + 1]) for t in range(T)]),
-                               rtol=1e-5, atol=1e-6)
+    looped = np.empty((T, 4 * 16), np.float32)
+    host_ops.gqa_attention_parallel(q, k, k, mask, np.float32(16**-0.5), looped)
+    assert np.array_equal(ops.gqa_attention(q, k, k, mask), looped)
+    S = ops.HOST_ATTENTION_KEYS + 1  # over more keys: the batched matmuls, which agree with the loop
+    q, k = rng.standard_normal((T, 4, 16)).astype(np.float32), rng.standard_normal((S, 2, 16)).astype(np.float32)
+    mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), None)
+    looped = np.empty((T, 4 * 16), np.float32)
+    host_ops.gqa_attention_parallel(q, k, k, mask, np.float32(16**-0.5), looped)
+    batched = ops.gqa_attention(q, k, k, mask)
+    assert not np.array_equal(batched, looped)  # another order of the same sums: the matmuls did run
+    np.testing.assert_allclose(batched, looped, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(batched, np.concatenate([ops.gqa_attention(q[t:t + 1], k, k, mask[t:t + 1])
+                                                        for t in range(T)]), rtol=1e-5, atol=1e-6)
 
 
 CACHED_VS_FRESH = """
