@@ -613,3 +613,45 @@ def test_a_groups_last_one_to_three_tokens_in_a_short_tile_give_the_padded_tiles
         assert np.isnan(short[n:]).all() and not np.isnan(whole[n:, :R]).any()  # the padding: not computed
         x = bf16_rounded(xg[:n]) if name == "bf16dp" else xg[:n].astype(np.float64)
         np.testing.assert_allclose(short[:n, :R], x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["f32", "bf16"])
+def test_tiles_with_accumulators_in_register_parts_give_the_plain_loops_bits(name):
+    """simd._emit_dotk_parts (f32 and bf16 four-token tiles on AVX2: simd.PARTED) keeps each <32 x
+    float> accumulator as parts of one register, taken in turn over chunks of PART_BLOCKS blocks; every lane
+    adds its products in the plain loop's order and the parts are joined before the same reduction, so each
+    tile shape (two and four rows by one to four tokens, parted here whatever the host takes) gives the plain
+    loop's bits, at a hidden size of whole chunks, one that ends within a chunk, and one that ends within a
+    block (its last values one by one)."""
+    from numba import njit
+
+    from node_worker.kernels import rows as krows
+    from node_worker.kernels import simd
+
+    shapes = [(NR, K) for NR in (2, 4) for K in (1, 2, 3, 4)]
+    names = ("f32", "bf16")
+    parted = [simd._make_dotk(NR, K, names, parted=(simd.f32, simd.bf16)) for NR, K in shapes]
+    plain = [simd._make_dotk(NR, K, names, parted=()) for NR, K in shapes]
+
+    def pair(a, b, NR, K):
+        @njit(cache=False)
+        def run(fmt, data, row_bytes, hidden, x, out_a, out_b):
+            for r in range(0, 8, NR):
+                a(fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_a, r)
+                b(fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_b, r)
+        return run
+
+    fmt = formats.get(name)
+    rng = np.random.default_rng(5)
+    for hidden in (8 * 32 * simd.PART_BLOCKS, 32 * (simd.PART_BLOCKS + 1) + 32, 32 * 3 + 7):
+        stored = np.empty((8, fmt.row_bytes(hidden) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+        fmt.encode_into(stored, rng.standard_normal((8, hidden)).astype(np.float32))
+        data = stored.reshape(-1).view(np.uint8)
+        w = formats.decoded(fmt, stored).astype(np.float64)
+        x = rng.standard_normal((4, hidden)).astype(np.float32)
+        for (NR, K), a, b in zip(shapes, parted, plain):
+            got, want = np.full((4, 9), np.nan, np.float32), np.full((4, 9), np.nan, np.float32)
+            pair(a, b, NR, K)(krows.FORMAT_IDS[name], data, fmt.row_bytes(hidden), hidden, x, got, want)
+            assert np.array_equal(got, want, equal_nan=True), (hidden, NR, K)
+            assert np.isnan(got[K:]).all()
+            np.testing.assert_allclose(got[:K, :8], x[:K].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4)

@@ -20,6 +20,14 @@ def block(builder, row, b, hidden):
     return builder.bitcast(builder.shl(builder.zext(bits, VI32), ir.Constant(VI32, [16] * LANES)), VF), None
 
 
+def lanes(builder, row, b, first, count):
+    """<count x float> values first .. first + count - 1 of block b (simd._emit_dotk_parts: a register's share)."""
+    vi = ir.VectorType(I32, count)
+    bits = vec_load(builder, builder.gep(row, [builder.add(builder.mul(b, const(2 * LANES)), const(2 * first))]),
+                    ir.VectorType(I16, count))
+    return builder.bitcast(builder.shl(builder.zext(bits, vi), ir.Constant(vi, [16] * count)), ir.VectorType(F32, count))
+
+
 def value(builder, row, i):
     bits = builder.load(builder.gep(builder.bitcast(row, I16.as_pointer()), [i]), align=1)
     return builder.bitcast(builder.shl(builder.zext(bits, I32), ir.Constant(I32, 16)), F32)

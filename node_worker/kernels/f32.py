@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from llvmlite import ir
+
 from .ir import F32, LANES, VF, const, vec_load
 
 SCALED = False  # no per-block scale
@@ -15,6 +17,12 @@ BLOCK_BYTES = 128  # bytes of the row per block of 32 values, its scale included
 def block(builder, row, b, hidden):
     """<32 x float> block b of the row at byte pointer ``row``."""
     return vec_load(builder, builder.gep(row, [builder.mul(b, const(4 * LANES))]), VF), None
+
+
+def lanes(builder, row, b, first, count):
+    """<count x float> values first .. first + count - 1 of block b (simd._emit_dotk_parts: a register's share)."""
+    return vec_load(builder, builder.gep(row, [builder.add(builder.mul(b, const(4 * LANES)), const(4 * first))]),
+                    ir.VectorType(F32, count))
 
 
 def value(builder, row, i):

@@ -24,7 +24,8 @@ apart (rows.stream_quad: a matrix's four quarters; the hardware prefetcher follo
     dot4s_F(data, o0, o1, o2, o3, hidden, x)            as dot4_F, F in STREAM_FORMATS
 
 one for groups of several tokens (prefill), the format a run-time argument (its FORMATS index), its
-accumulators unrolled into registers:
+accumulators unrolled into registers (on AVX2, f32's and bf16's four-token tiles as parts of one register
+each, taken in turn over a few blocks: _emit_dotk_parts, PARTED, the same bits):
 
     dot2r4(fmt, data, o, row_step, hidden, xg, t0, out, col)
                                                         out[t0 + t, col + j] = xg[t0 + t] · the row at
@@ -267,7 +268,12 @@ def _tile(context, builder, data, o, row_step, out, t0, col, NR: int, NT: int):
                        for t in tok]
 
 
-def _make_dotk(NR: int, K: int, names=FORMATS):
+def _make_dotk(NR: int, K: int, names=FORMATS, parted=None):
+    """The tile intrinsic of NR rows by K tokens for the formats ``names``; ``parted``: the formats that take
+    _emit_dotk_parts (None: PARTED for a tile of four tokens, none for the short tiles; tests and
+    tools/tile_probe.py set it to compare the two loops)."""
+    parted = (PARTED if K == 4 else ()) if parted is None else parted
+
     @intrinsic
     def dotk(typingctx, fmt, data, o, row_step, hidden, xg, t0, out, col):
         """out[t0 + t, col + j] = xg[t0 + t] · the row at byte offset o + j row_step, t < K, j < NR (any format:
@@ -280,7 +286,8 @@ def _make_dotk(NR: int, K: int, names=FORMATS):
                                      (signature.args[7], out_v), t0, col, NR, K)
             xp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], xg_v), F32.as_pointer())
             _per_format(context, builder, signature.args[0], fmt_v,
-                        lambda fmt: _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok), names)
+                        lambda fmt: (_emit_dotk_parts if fmt in parted else _emit_dotk)(
+                            builder, fmt, rows, xp, dests, hidden_v, tok), names)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -368,6 +375,13 @@ def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
         return accs
 
     flat = _register_loop(builder, builder.udiv(nb, const(G)), [_zero()] * (len(tok) * NR), step)
+    _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb, flat)
+
+
+def _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb, flat) -> None:
+    """Reduce a tile's accumulators flat [K * NR] (token-major, <32 x float> each), add a partial last block's
+    values one by one, store the sums at dests."""
+    NR = len(rows)
     accs = [flat[k:k + NR] for k in range(0, len(flat), NR)]  # [K][NR]
     sums = [[cgutils.alloca_once_value(builder, _reduce(builder, acc)) for acc in per_t] for per_t in accs]
     if not fmt.SCALED:
@@ -380,6 +394,73 @@ def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
     for per_t, per_dest in zip(sums, dests):
         for acc, dest in zip(per_t, per_dest):
             builder.store(builder.load(acc), dest, align=4)
+
+
+PART_BLOCKS = 4  # blocks a chunk of _emit_dotk_parts: its rows' and tokens' share stays in L1 for every part
+
+
+def _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
+    """_emit_dotk's tile for f32 or bf16 rows (PARTED) with each <32 x float> accumulator kept as PART_LANES
+    parts: the block's lanes 0-15 and 16-31 (AVX-512), or four parts of 8 (AVX2), each part a register, taken
+    in turn over a chunk of PART_BLOCKS blocks. A 4 x 4 tile's 16 accumulators of <32 x float> take 32
+    registers of 16 floats, all of AVX-512's (and dot2r4's 8 take twice AVX2's 16): LLVM kept some on the stack
+    and reloaded them each block (12 stack loads and stores a block of bf16, 32 FMAs). A part's 16 (8)
+    accumulators, its rows' and tokens' lanes leave registers free, and the chunk's bytes are read again for the
+    next part from L1. Each lane adds its products in the same order over the blocks as _emit_dotk's, and the
+    parts are joined into the same <32 x float> before the same reduction: the same bits.
+
+    Measured on one thread (AMD EPYC Zen 5, tools/tile_probe.py: 64 rows x 2048, 12 tokens, in cache; medians
+    of 5-9 alternating rounds, GFLOP/s, plain / parts): AVX-512, four rows by four tokens, bf16 142-160 /
+    162-179, f32 111-131 / 98-109 (so f32 keeps _emit_dotk there); AVX2 code (NUMBA_CPU_NAME=haswell), two rows
+    by four tokens, bf16 58-63 / 80-87, f32 63 / 77-79. The short tiles (one to three tokens) keep _emit_dotk:
+    their few accumulators leave registers free already, and a part's four FMA chains (four rows by one token)
+    wait on the FMA's latency (AVX-512 bf16 by one token 120 / 89, by two 142 / 144, by three 158 / 154).
+    Chunks of 8 and 16 blocks were no faster, 2 slower. A whole MoE layer with AVX2 code (tools/kernel_bench.py
+    --formats bf16,f32 --experts 64 --tokens 8, then 5, --activations f32 --threads 2; the checkout before and
+    after alternating three times, ms a layer before / after): bf16 39.5-40.2 / 26.2-26.9 and 24.2 /
+    17.5-18.1, f32 (memory-bound there) 61.5-64.4 / 59.6-61.9 and 35.0-36.6 / 30.2-36.2. AVX-512 keeps _emit_dotk for bf16 too: its gain in cache
+    did not reach a whole layer (tools/kernel_bench.py --formats bf16 --experts 64 --tokens 8 and 5 --threads 2,
+    three alternations, ms a layer plain / parts: 17.1-19.8 / 18.6-20.1 and 14.4-15.8 / 14.6-15.1), nor the
+    dense matrices' prefill (4096 x 2048 by 64 tokens, 2 threads: 331-344 / 291-352 GFLOP/s)."""
+    nb = builder.udiv(hidden_v, const(LANES))
+    NR, K, W = len(rows), len(tok), PART_LANES
+    S = LANES // W  # parts
+    VW = ir.VectorType(F32, W)
+
+    def chunk(c, accs):  # accs [S][K * NR], part-major then token-major
+        start = builder.mul(c, const(PART_BLOCKS))
+        stop = builder.add(start, const(PART_BLOCKS))
+        count = builder.sub(builder.select(builder.icmp_unsigned("<", stop, nb), stop, nb), start)
+        out = []
+        for s in range(S):
+            def step(i, part, s=s):
+                b = builder.add(start, i)
+                if s == 0:
+                    _prefetch_ahead(builder, fmt, rows, b)  # as _emit_dotk's, once a block
+                ws = [fmt.lanes(builder, row, b, W * s, W) for row in rows]
+                col = builder.add(builder.mul(b, const(LANES)), const(W * s))
+                new = []
+                for t, k in zip(tok, range(0, len(part), NR)):
+                    xv = builder.load(builder.bitcast(_row_major(builder, xp, t, hidden_v, col), VW.as_pointer()),
+                                      align=4)
+                    new += [_fma(builder, acc, w, xv) for w, acc in zip(ws, part[k:k + NR])]
+                return new
+            out += _register_loop(builder, count, accs[s * K * NR:(s + 1) * K * NR], step)
+        return out
+
+    chunks = builder.udiv(builder.add(nb, const(PART_BLOCKS - 1)), const(PART_BLOCKS))
+    flat = _register_loop(builder, chunks, [ir.Constant(VW, [0.0] * W)] * (S * K * NR), chunk)
+    _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb,
+                 [_joined(builder, [flat[s * K * NR + j] for s in range(S)]) for j in range(K * NR)])
+
+
+def _joined(builder, parts):
+    """One vector of the parts' lanes in order (<W x float> each, a power of two of them)."""
+    while len(parts) > 1:
+        n = parts[0].type.count
+        order = ir.Constant(ir.VectorType(I32, 2 * n), list(range(2 * n)))
+        parts = [builder.shuffle_vector(parts[i], parts[i + 1], order) for i in range(0, len(parts), 2)]
+    return parts[0]
 
 
 def _make_decode(fmt: ModuleType):
@@ -409,6 +490,20 @@ def _make_decode(fmt: ModuleType):
     return decode
 
 
+def host_has_512_bit_vectors() -> bool:
+    """AVX-512 (32 registers of 16 floats): dot4r4's 16 accumulators of <32 x float> fit in them (as parts of
+    16: _emit_dotk_parts). On AVX2 (16 registers of 8 floats) dot2r4's eight already take twice the register
+    file (as parts of 8 they take half)."""
+    return "avx512f" in target_features()
+
+
+WIDE_TILES = host_has_512_bit_vectors()  # a constant of the compiled kernels (numba's cache is per CPU and features)
+PART_LANES = 16 if WIDE_TILES else 8  # floats a register holds: an accumulator part of _emit_dotk_parts
+# the four-token tiles' formats that take _emit_dotk_parts: on AVX2 only. AVX-512's bf16 tile gained ~10 % in
+# cache (tools/tile_probe.py) but nothing in a whole MoE layer or dense prefill (_emit_dotk_parts' docstring)
+PARTED = () if WIDE_TILES else (f32, bf16)
+
+
 dot4_f32, dot4_bf16, dot4_q8, dot4_q4, dot4_q4k, dot4_q5k, dot4_q6k, dot4_iq4xs, dot4_bf16dp = (
     _make_dot4(m) for m in FORMATS.values())
 decode_f32, decode_bf16, decode_q8, decode_q4, decode_q4k, decode_q5k, decode_q6k, decode_iq4xs, _ = (
@@ -426,10 +521,4 @@ pairs4r1, pairs4r2, pairs4r3 = (_make_pairsk(4, K) for K in (1, 2, 3))
 WIDE_FORMATS = ("f32", "bf16", "bf16dp")  # four rows at a time on WIDE_TILES hosts: dot4r4's formats, pairs4r4's
 
 
-def host_has_512_bit_vectors() -> bool:
-    """AVX-512 (32 registers of 16 floats): dot4r4's 16 accumulators of <32 x float> fit in them. On AVX2 (16
-    registers of 8 floats) dot2r4's eight already take twice the register file."""
-    return "avx512f" in target_features()
 
-
-WIDE_TILES = host_has_512_bit_vectors()  # a constant of the compiled kernels (numba's cache is per CPU and features)
