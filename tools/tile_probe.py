@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=12, help="a multiple of the tile's")
-    ap.add_argument("--tile-tokens", type=int, default=4, choices=(1, 2, 3, 4), help="tokens a tile (1-3: short_tile's)")
+    ap.add_argument("--tile-tokens", type=int, default=4, choices=(1, 2, 3, 4),
+                    help="tokens a tile (1-3: short_tile's)")
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
     R, K, T = args.rows, args.hidden, args.tokens
@@ -60,8 +61,8 @@ def main() -> None:
     tile_tokens = args.tile_tokens
     loops = {name: runner(simd._make_dotk(ROWS_A_TILE, tile_tokens, ("f32", "bf16"), parted=parted), tile_tokens)
              for name, parted in (("plain", ()), ("parts", (simd.f32, simd.bf16)))}
-    print(f"tiles of {ROWS_A_TILE} rows x {tile_tokens} tokens, {R} rows x {K}, {T} tokens, one thread; the engine parts "
-          f"{[m.__name__.rsplit('.', 1)[1] for m in simd.PARTED]} in {simd.PART_LANES}-lane registers")
+    print(f"tiles of {ROWS_A_TILE} rows x {tile_tokens} tokens, {R} rows x {K}, {T} tokens, one thread; the engine "
+          f"parts {[m.__name__.rsplit('.', 1)[1] for m in simd.PARTED]} in {simd.PART_LANES}-lane registers")
     for name, fmt, data in (("bf16", 1, bits.view(np.uint8).ravel()),
                             ("f32", 0, (bits.astype(np.uint32) << 16).view(np.uint8).ravel())):
         row_bytes = data.size // R

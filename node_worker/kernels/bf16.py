@@ -25,7 +25,8 @@ def lanes(builder, row, b, first, count):
     vi = ir.VectorType(I32, count)
     bits = vec_load(builder, builder.gep(row, [builder.add(builder.mul(b, const(2 * LANES)), const(2 * first))]),
                     ir.VectorType(I16, count))
-    return builder.bitcast(builder.shl(builder.zext(bits, vi), ir.Constant(vi, [16] * count)), ir.VectorType(F32, count))
+    widened = builder.shl(builder.zext(bits, vi), ir.Constant(vi, [16] * count))
+    return builder.bitcast(widened, ir.VectorType(F32, count))
 
 
 def value(builder, row, i):

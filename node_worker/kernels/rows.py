@@ -507,5 +507,6 @@ def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, co
     for _ in prange(G):  # a thread's first iteration takes groups until none is left; the rest find none
         g = take(counter, 0)
         while g < G:
-            group_task(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start, int_act, g)
+            group_task(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start,
+                       int_act, g)
             g = take(counter, 0)

@@ -418,10 +418,11 @@ def _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
     Chunks of 8 and 16 blocks were no faster, 2 slower. A whole MoE layer with AVX2 code (tools/kernel_bench.py
     --formats bf16,f32 --experts 64 --tokens 8, then 5, --activations f32 --threads 2; the checkout before and
     after alternating three times, ms a layer before / after): bf16 39.5-40.2 / 26.2-26.9 and 24.2 /
-    17.5-18.1, f32 (memory-bound there) 61.5-64.4 / 59.6-61.9 and 35.0-36.6 / 30.2-36.2. AVX-512 keeps _emit_dotk for bf16 too: its gain in cache
-    did not reach a whole layer (tools/kernel_bench.py --formats bf16 --experts 64 --tokens 8 and 5 --threads 2,
-    three alternations, ms a layer plain / parts: 17.1-19.8 / 18.6-20.1 and 14.4-15.8 / 14.6-15.1), nor the
-    dense matrices' prefill (4096 x 2048 by 64 tokens, 2 threads: 331-344 / 291-352 GFLOP/s)."""
+    17.5-18.1, f32 (memory-bound there) 61.5-64.4 / 59.6-61.9 and 35.0-36.6 / 30.2-36.2. AVX-512 keeps
+    _emit_dotk for bf16 too: its gain in cache did not reach a whole layer (tools/kernel_bench.py --formats
+    bf16 --experts 64 --tokens 8 and 5 --threads 2, three alternations, ms a layer plain / parts: 17.1-19.8 /
+    18.6-20.1 and 14.4-15.8 / 14.6-15.1), nor the dense matrices' prefill (4096 x 2048 by 64 tokens, 2
+    threads: 331-344 / 291-352 GFLOP/s)."""
     nb = builder.udiv(hidden_v, const(LANES))
     NR, K, W = len(rows), len(tok), PART_LANES
     S = LANES // W  # parts
