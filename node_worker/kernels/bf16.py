@@ -8,16 +8,14 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .ir import F32, I16, I32, LANES, VF, const, vec_load
+from .ir import F32, I16, I32, LANES, const, vec_load
 
 SCALED = False
 BLOCK_BYTES = 64  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
-VI32 = ir.VectorType(I32, LANES)
 
 
 def block(builder, row, b, hidden):
-    bits = vec_load(builder, builder.gep(row, [builder.mul(b, const(2 * LANES))]), ir.VectorType(I16, LANES))
-    return builder.bitcast(builder.shl(builder.zext(bits, VI32), ir.Constant(VI32, [16] * LANES)), VF), None
+    return lanes(builder, row, b, 0, LANES), None
 
 
 def lanes(builder, row, b, first, count):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .ir import F32, LANES, VF, const, vec_load
+from .ir import F32, LANES, const, vec_load
 
 SCALED = False  # no per-block scale
 BLOCK_BYTES = 128  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
@@ -16,7 +16,7 @@ BLOCK_BYTES = 128  # bytes of the row per block of 32 values, its scale included
 
 def block(builder, row, b, hidden):
     """<32 x float> block b of the row at byte pointer ``row``."""
-    return vec_load(builder, builder.gep(row, [builder.mul(b, const(4 * LANES))]), VF), None
+    return lanes(builder, row, b, 0, LANES), None
 
 
 def lanes(builder, row, b, first, count):
