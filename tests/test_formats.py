@@ -217,7 +217,8 @@ def test_segment_bytes_per_format_and_a_leftover_of_another_format(bf16_model):
 def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name, monkeypatch):
     """The row loops (up to 8 tokens) and the decoded tiles + BLAS (more) on 37 rows (the last group of four
     cut short); f32 and bf16 rows of 50 values end in a partial block of 18. On a host with 512-bit vectors
-    f32 and bf16 take dense.matmul_tiles from 3 tokens on (37 rows: tasks of 16, 16 and 5, the last an odd
+    f32 and bf16 take dense.matmul_tiles from 3 tokens on (37 rows: tasks of 24 and 13, each in six-row tiles
+    (rows.six_rows: rows of up to 1024 weights, or 12 tokens and more) then four and two, the last an odd
     row)."""
     from coordinator.model.packed import PackedMatrix
     from node_worker.kernels import dense, simd
@@ -238,14 +239,14 @@ def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name, monk
     ref_w = REFS[name](np.frombuffer(packed.data, fmt.STORED_DTYPE).reshape(R, -1))  # [R, K] float64
     assert np.array_equal(packed.decoded(), ref_w.astype(np.float32))
     assert packed.nbytes == R * fmt.row_bytes(K)
-    for T in (1, 3, 9, 20):
+    for T in (1, 3, 9, 20, 33):  # 33: from rows.UNFETCHED_TOKENS on, the six-row tiles without the prefetch
         x = rng.standard_normal((T, K)).astype(np.float32)
         y = x @ packed.T
         assert y.shape == (T, R) and y.dtype == np.float32
         np.testing.assert_allclose(y, x.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-5)
     x3 = rng.standard_normal((2, 3, K)).astype(np.float32)  # leading axes kept
     np.testing.assert_allclose(x3 @ packed.T, x3.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-5)
-    assert tiled == ([4, 12, 20, 8] if simd.WIDE_TILES and name in simd.WIDE_FORMATS else [])
+    assert tiled == ([4, 12, 20, 36, 8] if simd.WIDE_TILES and name in simd.WIDE_FORMATS else [])
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 9])
@@ -333,43 +334,48 @@ def test_row_kernel_on_rows_ending_in_a_partial_block(name, tokens_per_expert, h
 @pytest.mark.parametrize("name", ["f32", "bf16"])
 @pytest.mark.parametrize("hidden", [64, 50])
 def test_four_row_tiles_give_the_two_row_tiles_and_the_one_token_loops_bits(name, hidden):
-    """simd.dot4r4 (f32 and bf16 prefill and dense tiles on hosts with 512-bit vectors) sums every (row, token)
-    in dot2r4's order, and dot4's (one token): the same bits on any host, whichever tile a host takes, for rows
-    of whole blocks. hidden 50 (a partial last block of 18 values, taken value by value): LLVM may reorder
-    those few sums differently in each tile, so there only the float64 reference binds."""
+    """simd.dot4r4 and the six-row tiles dot6r4, dot6r4n (f32 and bf16 prefill and dense tiles on hosts with
+    512-bit vectors) sum every (row, token) in dot2r4's order, and dot4's (one token): the same bits on any
+    host, whichever tile a host takes, for rows of whole blocks. hidden 50 (a partial last block of 18
+    values, taken value by value): LLVM may reorder those few sums differently in each tile, so there only
+    the float64 reference binds."""
     from numba import njit
 
     from node_worker.kernels import simd
     from node_worker.kernels.common import JIT
     from node_worker.kernels.rows import FORMAT_IDS
 
-    @njit(**{**JIT, "cache": False})  # the kernels' flags: fastmath lets the final sums go as a tree
-    def tiles(fmt, data, row_bytes, R, K, x, four, two):
+    @njit(**{**JIT, "cache": False})  # the kernels' flags
+    def tiles(fmt, data, row_bytes, R, K, x, four, two, six, six_n):
         for r in range(0, R, 4):
             for t0 in range(0, x.shape[0], 4):
                 simd.dot4r4(fmt, data, r * row_bytes, row_bytes, K, x, t0, four, r)
                 simd.dot2r4(fmt, data, r * row_bytes, row_bytes, K, x, t0, two, r)
                 simd.dot2r4(fmt, data, (r + 2) * row_bytes, row_bytes, K, x, t0, two, r + 2)
+        for r in range(0, R, 6):
+            for t0 in range(0, x.shape[0], 4):
+                simd.dot6r4(fmt, data, r * row_bytes, row_bytes, K, x, t0, six, r)
+                simd.dot6r4n(fmt, data, r * row_bytes, row_bytes, K, x, t0, six_n, r)
 
     fmt = formats.get(name)
     rng = np.random.default_rng(11)
-    R, T = 8, 8
+    R, T = 12, 8
     stored = np.empty((R, fmt.row_bytes(hidden) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
     fmt.encode_into(stored, rng.standard_normal((R, hidden)).astype(np.float32))
     data = stored.reshape(-1).view(np.uint8)
     x = rng.standard_normal((T, hidden)).astype(np.float32)
-    four, two = np.full((T, R), np.nan, np.float32), np.full((T, R), np.nan, np.float32)
-    tiles(FORMAT_IDS[name], data, fmt.row_bytes(hidden), R, hidden, x, four, two)
+    four, two, six, six_n = (np.full((T, R), np.nan, np.float32) for _ in range(4))
+    tiles(FORMAT_IDS[name], data, fmt.row_bytes(hidden), R, hidden, x, four, two, six, six_n)
     w = formats.decoded(fmt, stored).astype(np.float64)
-    np.testing.assert_allclose(four, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(two, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    for got in (four, two, six, six_n):
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
     from coordinator.model.packed import PackedMatrix
 
     packed = PackedMatrix(fmt, stored, (R, hidden))
     one_by_one = np.concatenate([x[t:t + 1] @ packed.T for t in range(T)])  # the row loops, a token each
     np.testing.assert_allclose(x @ packed.T, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
     if hidden % 32 == 0:
-        assert np.array_equal(four, two)
+        assert np.array_equal(four, two) and np.array_equal(six, four) and np.array_equal(six_n, four)
         assert np.array_equal(x @ packed.T, four) and np.array_equal(one_by_one, four)
 
 
@@ -596,7 +602,8 @@ def test_a_groups_last_one_to_three_tokens_in_a_short_tile_give_the_padded_tiles
     fmt = formats.get("bf16" if name == "bf16dp" else name)
     fmt_id = krows.FORMAT_IDS[name]
     rng = np.random.default_rng(21)
-    R, hidden = 11, 2 * H  # rows: two four-row tiles, a two-row one and an odd last row
+    R, hidden = 11, 2 * H  # rows: two four-row tiles, a two-row one and an odd last row (AVX-512: a six-row
+    # tile, a four-row one and the odd last row: rows.six_rows)
     stored = np.empty((R, fmt.row_bytes(hidden) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
     fmt.encode_into(stored, rng.standard_normal((R, hidden)).astype(np.float32))
     data = stored.reshape(-1).view(np.uint8)
@@ -617,41 +624,109 @@ def test_a_groups_last_one_to_three_tokens_in_a_short_tile_give_the_padded_tiles
 
 @pytest.mark.parametrize("name", ["f32", "bf16"])
 def test_tiles_with_accumulators_in_register_parts_give_the_plain_loops_bits(name):
-    """simd._emit_dotk_parts (f32 and bf16 four-token tiles on AVX2: simd.PARTED) keeps each <32 x
-    float> accumulator as parts of one register, taken in turn over chunks of PART_BLOCKS blocks; every lane
-    adds its products in the plain loop's order and the parts are joined before the same reduction, so each
-    tile shape (two and four rows by one to four tokens, parted here whatever the host takes) gives the plain
-    loop's bits, at a hidden size of whole chunks, one that ends within a chunk, and one that ends within a
-    block (its last values one by one)."""
+    """simd._emit_dotk_parts (f32 and bf16 four-token tiles on AVX2: simd.PARTED; the six-row tiles over the
+    whole row on AVX-512: chunk 0) keeps each <32 x float> accumulator as parts of one register, taken in turn
+    over chunks of PART_BLOCKS blocks or the whole row; every lane adds its products in the plain loop's order
+    and the parts are joined before the same reduction, so each tile shape (two, four and six rows by one to
+    four tokens, parted here whatever the host takes) gives the plain loop's bits, at a hidden size of whole
+    chunks, one that ends within a chunk, and one that ends within a block (its last values one by one)."""
     from numba import njit
 
     from node_worker.kernels import rows as krows
     from node_worker.kernels import simd
 
-    shapes = [(NR, K) for NR in (2, 4) for K in (1, 2, 3, 4)]
+    shapes = [(NR, K) for NR in (2, 4, 6) for K in (1, 2, 3, 4)]
     names = ("f32", "bf16")
-    parted = [simd._make_dotk(NR, K, names, parted=(simd.f32, simd.bf16)) for NR, K in shapes]
+    parted = [(simd._make_dotk(NR, K, names, parted=(simd.f32, simd.bf16)),
+               simd._make_dotk(NR, K, names, parted=(simd.f32, simd.bf16), chunk=0)) for NR, K in shapes]
     plain = [simd._make_dotk(NR, K, names, parted=()) for NR, K in shapes]
+    R = 12
 
-    def pair(a, b, NR, K):
+    def trio(a, b, c, NR, K):
         @njit(cache=False)
-        def run(fmt, data, row_bytes, hidden, x, out_a, out_b):
-            for r in range(0, 8, NR):
+        def run(fmt, data, row_bytes, hidden, x, out_a, out_b, out_c):
+            for r in range(0, R, NR):
                 a(fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_a, r)
                 b(fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_b, r)
+                c(fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_c, r)
         return run
 
     fmt = formats.get(name)
     rng = np.random.default_rng(5)
     for hidden in (8 * 32 * simd.PART_BLOCKS, 32 * (simd.PART_BLOCKS + 1) + 32, 32 * 3 + 7):
-        stored = np.empty((8, fmt.row_bytes(hidden) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
-        fmt.encode_into(stored, rng.standard_normal((8, hidden)).astype(np.float32))
+        stored = np.empty((R, fmt.row_bytes(hidden) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
+        fmt.encode_into(stored, rng.standard_normal((R, hidden)).astype(np.float32))
         data = stored.reshape(-1).view(np.uint8)
         w = formats.decoded(fmt, stored).astype(np.float64)
         x = rng.standard_normal((4, hidden)).astype(np.float32)
-        for (NR, K), a, b in zip(shapes, parted, plain):
-            got, want = np.full((4, 9), np.nan, np.float32), np.full((4, 9), np.nan, np.float32)
-            pair(a, b, NR, K)(krows.FORMAT_IDS[name], data, fmt.row_bytes(hidden), hidden, x, got, want)
+        for (NR, K), (a, whole), b in zip(shapes, parted, plain):
+            got, got_whole, want = (np.full((4, R + 1), np.nan, np.float32) for _ in range(3))
+            trio(a, whole, b, NR, K)(krows.FORMAT_IDS[name], data, fmt.row_bytes(hidden), hidden, x, got, got_whole,
+                                     want)
             assert np.array_equal(got, want, equal_nan=True), (hidden, NR, K)
+            assert np.array_equal(got_whole, want, equal_nan=True), (hidden, NR, K)
             assert np.isnan(got[K:]).all()
-            np.testing.assert_allclose(got[:K, :8], x[:K].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got[:K, :R], x[:K].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_tile_sums_and_decode_sums_are_the_tree_of_halves():
+    """simd._tree_sums: each accumulator's lanes summed as a tree of halves (lanes i and i + n/2, then again on
+    the n/2 sums), the tile's accumulators reduced together with shuffles; rows of one block (32 weights) make
+    each lane one product w·x (its rounding alone), so the sums are the float32 tree's exactly, computed here
+    with NumPy: every tile shape (two, four and six rows by one to four tokens) and decode's four-row loop."""
+    from numba import njit
+
+    from node_worker.kernels import simd
+
+    def tree(products):  # [..., 32] float32 -> the sums, halves first
+        while products.shape[-1] > 1:
+            half = products.shape[-1] // 2
+            products = products[..., :half] + products[..., half:]
+        return products[..., 0]
+
+    rng = np.random.default_rng(9)
+    R, K, hidden = 12, 4, 32
+    w = rng.standard_normal((R, hidden)).astype(np.float32)
+    x = rng.standard_normal((K, hidden)).astype(np.float32)
+    want = tree(x[:, None, :] * w[None, :, :])  # [K, R]
+    for NR in (2, 4, 6):
+        for k in (1, 2, 3, 4):
+            dot = simd._make_dotk(NR, k, ("f32",), parted=())
+
+            @njit(cache=False)
+            def run(data, row_bytes, x, out):
+                for r in range(0, R, NR):
+                    dot(0, data, r * row_bytes, row_bytes, hidden, x, 0, out, r)
+
+            out = np.full((K, R + 1), np.nan, np.float32)
+            run(w.reshape(-1).view(np.uint8), 4 * hidden, x, out)
+            assert np.array_equal(out[:k, :R], want[:k]), (NR, k)
+
+    @njit(cache=False)
+    def decode(data, x, out):
+        for r in range(0, R, 4):
+            out[r], out[r + 1], out[r + 2], out[r + 3] = simd.dot4_f32(
+                data, 4 * hidden * r, 4 * hidden * (r + 1), 4 * hidden * (r + 2), 4 * hidden * (r + 3), hidden, x)
+
+    one = np.empty(R, np.float32)
+    decode(w.reshape(-1).view(np.uint8), x[0], one)
+    assert np.array_equal(one, want[0])
+
+
+def test_a_groups_gathered_rows_start_on_a_cache_line():
+    """rows.aligned_zeros (a prefill group's gathered tokens and silu(gate) * up): zeros [rows, cols] from a
+    64-byte boundary, contiguous, whatever the allocator gives, so each tile's 64-byte load of a token's row
+    reads one cache line."""
+    from numba import njit
+
+    from node_worker.kernels.rows import aligned_zeros
+
+    @njit(cache=False)
+    def make(rows, cols):
+        return aligned_zeros(rows, cols)
+
+    for rows, cols in ((1, 32), (3, 2048), (5, 768), (17, 48), (4, 1)):
+        for _ in range(4):  # several allocations: the allocator's offsets vary
+            got = make(rows, cols)
+            assert got.shape == (rows, cols) and got.dtype == np.float32 and got.flags.c_contiguous
+            assert got.ctypes.data % 64 == 0 and not got.any()

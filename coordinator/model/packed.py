@@ -25,6 +25,7 @@ from node_worker.kernels import dense, rows8, simd
 from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
 from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, WIDE_IDS, loop_id
 from shm import formats
+from shm.expert_store import aligned_buffer
 from shm.formats.encode import encode_into
 from shm.huge_pages import advised_copy, advised_empty
 
@@ -130,8 +131,10 @@ class PackedMatrix:
             dense.matmul_tokens_int(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
             return out[:T].reshape(*lead, R)
         if self.fmt_id in WIDE_IDS and (simd.WIDE_TILES or self.bf16_products) and T >= WIDE_TILE_TOKENS:
-            padded = np.zeros((-(-T // 4) * 4, K), np.float32)  # [T rounded up to 4, K]
+            rows = -(-T // 4) * 4
+            padded = aligned_buffer(rows * K * 4).view(np.float32).reshape(rows, K)  # [T rounded up to 4, K]
             padded[:T] = x2
+            padded[T:] = 0
             out = np.empty((padded.shape[0], R + 1), np.float32)
             dense.matmul_tiles(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
             return out[:T, :R].reshape(*lead, R)

@@ -62,7 +62,7 @@ def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
                 out[t, r + 3] = a3
 
 
-TILE_ROWS = 16  # rows a task of matmul_tiles: four of dot4r4's tiles
+TILE_ROWS = 24  # rows a task of matmul_tiles: four of dot6r4's tiles
 
 
 @njit(parallel=True, **JIT)

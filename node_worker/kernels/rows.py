@@ -8,8 +8,9 @@ against silu(gate) * up, giving the group's contribution [n, H]. One token
 (decode): four rows at a time (bf16's from the matrix's four quarters:
 streamed). n >= 2 tokens (prefill, padded to a multiple of 4; f32's and
 bf16's last one to three in a short tile: short_tiles): two rows (four for
-f32 and bf16 on hosts with 512-bit vectors: wide_tiles) by four tokens at a
-time, each block widened once for the four, their accumulators in registers; bf16 rows by bf16 activations
+f32 and bf16 on hosts with 512-bit vectors: wide_tiles; six for short rows or
+many tokens: six_rows) by four tokens at a time, each block widened once for
+the four, their accumulators in registers; bf16 rows by bf16 activations
 (bf16dp.py, EngineConfig.activations bf16) on the tokens rounded to bf16 once per matrix. With integer
 activations (int_act), a K type's or IQ4_XS's matrix is taken in integers instead, on the tokens
 quantised per super-block (isuper.py), in decode too; q8's and q4's on the tokens quantised per block
@@ -220,6 +221,9 @@ def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, xb, out, col, n) -> No
     tile padded with zero tokens); an odd last row fills column col + R. bf16dp's rows take xb instead: xg
     rounded to bf16 (rounded_if)."""
     r = 0
+    while six_rows(fmt, hidden, n) and r + 6 <= rows:
+        six_row_tiles(fmt, data, o + r * row_bytes, row_bytes, hidden, xg, out, col + r, n)
+        r += 6
     while wide_tiles(fmt) and r + 4 <= rows:
         tile_tokens(fmt, True, data, o + r * row_bytes, row_bytes, hidden, xg, xb, out, col + r, n)
         r += 4
@@ -227,6 +231,62 @@ def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, xb, out, col, n) -> No
         step = row_bytes if r + 1 < rows else 0
         tile_tokens(fmt, False, data, o + r * row_bytes, step, hidden, xg, xb, out, col + r, n)
         r += 2
+
+
+# f32 and bf16 rows on WIDE_TILES hosts, six at a time (simd.dot6rK) where the rows are at most this long (an
+# expert's down rows: its R weights; four tokens' x and six rows of bf16 stay in L1) ...
+SIX_ROWS_WIDTH = 1024
+# ... or the tokens this many or more (a larger group's gate and up rows, the dense matrices' prefill) ...
+SIX_ROWS_TOKENS = 12
+# ... and from this many tokens on each row's bytes are read for so many tiles that the four-token tiles leave the
+# prefetch out (simd.dot6r4n; the hardware's prefetcher follows the rows)
+UNFETCHED_TOKENS = 32
+
+
+@njit(inline="always", **JIT)
+def six_rows(fmt, hidden, n) -> bool:
+    """Six rows at a time (six_row_tiles) for this format, rows of ``hidden`` weights and n tokens.
+
+    Measured (AMD EPYC Zen 5, 2 threads, bf16; tools/tile_probe.py --experts E --rows R --hidden H
+    --tokens-per-expert N --variants 4x4plain,6x4whole,6x4wholenopf, GFLOP/s, four rows plain / six whole /
+    six whole without the prefetch): out of cache, 64 experts by 1-17 tokens each, down rows 2048 x 768
+    293-299 / 339-347, gate and up rows 1536 x 2048 267-276 / 225-260; gate and up rows (32 experts, 16 for
+    48) by 8 tokens each 276 / 242, by 10 301 / 278, by 12 271 / 302 / 289, by 16 285 / 339 / 317, by 24 314
+    / 369 / 357, by 48 305 / 390 / 408 (few tokens read each row's bytes from memory for too few tiles to
+    hide it behind two passes: they keep four rows). The engine's 64-token prefill (tools/prefill_parts.py -m
+    /tmp/qg dense_dtype=bf16, alternating with the parent commit): the dense tiles 32.9 -> 24.5-24.9 ms."""
+    return simd.WIDE_TILES and (fmt == WIDE_IDS[0] or fmt == WIDE_IDS[1]) and (
+        hidden <= SIX_ROWS_WIDTH or n >= SIX_ROWS_TOKENS)
+
+
+@njit(inline="always", **JIT)
+def six_row_tiles(fmt, data, o, step, hidden, xg, out, col, n) -> None:
+    """out[:n, col:col + 6] <- xg [>= n, H] · the six rows from byte offset o, ``step`` bytes apart: four
+    tokens at a time, the last n mod 4 in a tile of their own (tile_tokens' order: the same bits)."""
+    t0 = 0
+    while t0 + 4 <= n:
+        if n < UNFETCHED_TOKENS:
+            simd.dot6r4(fmt, data, o, step, hidden, xg, t0, out, col)
+        else:
+            simd.dot6r4n(fmt, data, o, step, hidden, xg, t0, out, col)
+        t0 += 4
+    if n - t0 == 3:
+        simd.dot6r3(fmt, data, o, step, hidden, xg, t0, out, col)
+    elif n - t0 == 2:
+        simd.dot6r2(fmt, data, o, step, hidden, xg, t0, out, col)
+    elif n - t0 == 1:
+        simd.dot6r1(fmt, data, o, step, hidden, xg, t0, out, col)
+
+
+@njit(inline="always", **JIT)
+def aligned_zeros(rows, cols):
+    """float32 zeros [rows, cols] from a 64-byte boundary: the tiles' 64-byte loads of a token's row then each
+    read one cache line, where NumPy's allocator starts an array 16 bytes past one as often as not and every
+    load spans two. One thread in cache (tools/tile_probe.py, bf16, --x-offset 0 / 16, GFLOP/s): four rows by
+    four tokens 162 / 148, by three 188 / 173, six rows by four (whole) 204 / 152."""
+    buf = np.zeros(rows * cols + 16, np.float32)
+    skip = (64 - buf.ctypes.data % 64) % 64 // 4
+    return buf[skip:skip + rows * cols].reshape((rows, cols))
 
 
 @njit(inline="always", **JIT)
@@ -452,7 +512,7 @@ def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act, n) -> None:
     xr = rounded_if(shape[1] == BF16DP or shape[3] == BF16DP, xg)  # once for both
     matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, xb, xr, gate, n)
     matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, xb, xr, up, n)
-    h = np.zeros((padded, width), np.float32)  # silu(gate) * up, per token and row (zeros past R and n)
+    h = aligned_zeros(padded, width)  # silu(gate) * up, per token and row (zeros past R and n)
     silu_times(gate, up, h, n, R)
     hs = quantised_super_if(super_int(fmt_d, int_act), h)
     hb = quantised_block_if(block_int(fmt_d, int_act), grouped8(fmt_d, int_act, hidden, n), h[:n])
@@ -475,7 +535,7 @@ def group_task(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, co
     og, ou, od = offsets[g, 0], offsets[g, 1], offsets[g, 2]
     if n > 1:  # prefill's groups, padded with rows of zeros to a multiple of 4 tokens (8: tiled_tokens)
         padded = max(tiled_tokens(n), (n + 3) // 4 * 4)
-        xg = np.zeros((padded, hidden), np.float32)
+        xg = aligned_zeros(padded, hidden)
         for j in range(n):
             xg[j] = x[tokens[t0 + j]]
         yg = out if padded == n else np.empty((padded, hidden), np.float32)

@@ -39,11 +39,18 @@ each, taken in turn over a few blocks: _emit_dotk_parts, PARTED, the same bits):
                                                         summed in the same order as dot2r4's: the same bits
                                                         (rows of whole blocks; a partial last block's few
                                                         values may be added in another order)
+    dot6r4, dot6r4n(fmt, data, o, row_step, hidden, xg, t0, out, col)
+                                                        the same, j < 6, f32 and bf16 on WIDE_TILES hosts
+                                                        (rows.six_rows: a matrix by 12 tokens or more, or
+                                                        rows of up to 1024 weights), each accumulator as two
+                                                        registers taken in turn over the whole row
+                                                        (_emit_dotk_parts); dot6r4n without the prefetch
 
 and the same tiles of one to three tokens for f32 and bf16 rows (a group's last tokens, rows.short_tiles):
 
-    dot2rK, dot4rK(fmt, data, o, row_step, hidden, xg, t0, out, col)    t < K, K = 1, 2, 3: each (row, token)
-                                                        summed as in the four-token tiles, the same bits
+    dot2rK, dot4rK, dot6rK(fmt, data, o, row_step, hidden, xg, t0, out, col)
+                                                        t < K, K = 1, 2, 3: each (row, token) summed as in
+                                                        the four-token tiles, the same bits
 
 and for bf16 rows by bf16 activations (bf16dp.py; dot4_bf16dp rounds the token in the registers):
 
@@ -72,7 +79,7 @@ from numba.extending import intrinsic
 
 from . import bf16, bf16dp, f32, iq4xs, q4, q4k, q5k, q6k, q8
 from .common import target_features
-from .ir import F32, I8, I16, I32, I64, LANES, VF, const, prefetch, splat
+from .ir import EXACT, F32, I8, I16, I32, I64, LANES, VF, const, prefetch, splat
 
 FAST = ("fast",)
 FORMATS: dict[str, ModuleType] = {"f32": f32, "bf16": bf16, "q8": q8, "q4": q4, "q4k": q4k, "q5k": q5k, "q6k": q6k,
@@ -84,9 +91,58 @@ def _byte_ptr(context, builder, aryty, ary):
 
 
 def _reduce(builder, vec):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32, VF]),
-                                        f"llvm.vector.reduce.fadd.v{LANES}f32")
-    return builder.call(fn, [ir.Constant(F32, 0.0), vec])  # numba's fastmath pass lets LLVM add as a tree
+    """The sum of a <32 x float>'s lanes, as a tree of halves (_tree_sums): a row's sum in decode's loops and
+    a tile's (_finish_tile) add the same way, so a token gives the same bits in either."""
+    return _tree_sums(builder, [vec])[0]
+
+
+def _lanes_of(builder, a, b, picks):
+    """<len(picks) x float> of a's and b's lanes (a's 0..n-1, then b's n..2n-1)."""
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, len(picks)), picks))
+
+
+def _tree_sums(builder, vecs) -> list:
+    """The sums of the lanes of each <n x float> of vecs, each as a tree of halves: the first half's lanes plus
+    the second half's, lane by lane, again on the n/2 sums, down to one (EXACT: LLVM keeps the order). The
+    vectors are reduced together, two at a time: at each step a pair's halves are gathered into two vectors
+    of the pair's width (shuffles) and added in one operation, so the steps' additions are each sum's own, in
+    the order a lone tree adds them (the same bits for a vector alone or among others).
+
+    It replaces llvm.vector.reduce.fadd on each accumulator (numba's fastmath let LLVM choose the tree), which
+    LLVM lowered to about 50 instructions an accumulator in the tiles, a third of them stack loads and
+    stores: 1250 for a six-row tile's 24, against 24 iterations of 48 for a row of 768 weights. Measured on
+    one thread (AMD EPYC Zen 5, the tiles of both reductions in one process, as tools/tile_probe.py --hidden
+    768 times them: 96 rows by 24 tokens in cache, GFLOP/s, before / after): rows of 768 weights (an
+    expert's down rows), four rows by four tokens 175 / 203, by three 204 / 214, six by four 215 / 227; rows
+    of 2048 unchanged (159-161, 173-182)."""
+    parts = [(v, [k]) for k, v in enumerate(vecs)]  # (vector, its sums in order); each sum size lanes in a row
+    size = vecs[0].type.count
+    while size > 1:
+        half = size // 2
+        if len(parts) % 2 and len(parts) > 1:
+            parts.append((ir.Constant(parts[0][0].type, [0.0] * parts[0][0].type.count), []))
+        if len(parts) == 1:  # one vector left: its sums' halves within it
+            v, ids = parts[0]
+            n = v.type.count
+            lo = [g * size + i for g in range(n // size) for i in range(half)]
+            parts = [(builder.fadd(_lanes_of(builder, v, v, lo), _lanes_of(builder, v, v, [i + half for i in lo]),
+                                   flags=EXACT), ids)]
+        else:
+            paired = []
+            for (a, ia), (b, ib) in zip(parts[0::2], parts[1::2]):
+                n = a.type.count
+                lo = [g * size + i for g in range(n // size) for i in range(half)]
+                lo = lo + [n + i for i in lo]  # a's sums' first halves, then b's
+                hi = [i + half for i in lo]
+                paired.append((builder.fadd(_lanes_of(builder, a, b, lo), _lanes_of(builder, a, b, hi), flags=EXACT),
+                               ia + ib))
+            parts = paired
+        size = half
+    sums = [None] * len(vecs)
+    for v, ids in parts:
+        for lane, k in enumerate(ids):
+            sums[k] = builder.extract_element(v, ir.Constant(I32, lane))
+    return sums
 
 
 PREFETCH_ROWS = 8  # dot4/axpy4 prefetch the rows this many rows further on (two calls ahead)
@@ -268,11 +324,13 @@ def _tile(context, builder, data, o, row_step, out, t0, col, NR: int, NT: int):
                        for t in tok]
 
 
-def _make_dotk(NR: int, K: int, names=FORMATS, parted=None):
+def _make_dotk(NR: int, K: int, names=FORMATS, parted=None, chunk=None, ahead=True):
     """The tile intrinsic of NR rows by K tokens for the formats ``names``; ``parted``: the formats that take
     _emit_dotk_parts (None: PARTED for a tile of four tokens, none for the short tiles; tests and
-    tools/tile_probe.py set it to compare the two loops)."""
+    tools/tile_probe.py set it to compare the loops); ``chunk``: its blocks a chunk (None: PART_BLOCKS, 0:
+    the whole row)."""
     parted = (PARTED if K == 4 else ()) if parted is None else parted
+    chunk = PART_BLOCKS if chunk is None else chunk
 
     @intrinsic
     def dotk(typingctx, fmt, data, o, row_step, hidden, xg, t0, out, col):
@@ -286,8 +344,8 @@ def _make_dotk(NR: int, K: int, names=FORMATS, parted=None):
                                      (signature.args[7], out_v), t0, col, NR, K)
             xp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], xg_v), F32.as_pointer())
             _per_format(context, builder, signature.args[0], fmt_v,
-                        lambda fmt: (_emit_dotk_parts if fmt in parted else _emit_dotk)(
-                            builder, fmt, rows, xp, dests, hidden_v, tok), names)
+                        lambda fmt: _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok, chunk, ahead)
+                        if fmt in parted else _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok, ahead), names)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -355,14 +413,15 @@ def _make_pairsk(NR: int, K: int):
     return pairsk
 
 
-def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
+def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok, ahead=True) -> None:
     nb = builder.udiv(hidden_v, const(LANES))
     NR = len(rows)
 
     G = _groups(fmt)
 
     def step(i, accs):  # accs [K * NR], token-major
-        _prefetch_ahead(builder, fmt, rows, i)  # the rows four pairs on (the first chunk of tokens brings them)
+        if ahead:
+            _prefetch_ahead(builder, fmt, rows, i)  # the rows four pairs on (the first chunk of tokens brings them)
         for j in range(G):
             ws = [_weights(builder, fmt, row, i, j, hidden_v) for row in rows]  # each widened once for K tokens
             col = builder.mul(builder.add(builder.mul(i, const(G)), const(j)), const(LANES))
@@ -382,8 +441,8 @@ def _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb, flat) -> None
     """Reduce a tile's accumulators flat [K * NR] (token-major, <32 x float> each), add a partial last block's
     values one by one, store the sums at dests."""
     NR = len(rows)
-    accs = [flat[k:k + NR] for k in range(0, len(flat), NR)]  # [K][NR]
-    sums = [[cgutils.alloca_once_value(builder, _reduce(builder, acc)) for acc in per_t] for per_t in accs]
+    totals = _tree_sums(builder, flat)
+    sums = [[cgutils.alloca_once_value(builder, total) for total in totals[k:k + NR]] for k in range(0, len(flat), NR)]
     if not fmt.SCALED:
         with _tail(builder, hidden_v, nb) as (i, _):
             wis = [fmt.value(builder, row, i) for row in rows]
@@ -399,7 +458,7 @@ def _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb, flat) -> None
 PART_BLOCKS = 4  # blocks a chunk of _emit_dotk_parts: its rows' and tokens' share stays in L1 for every part
 
 
-def _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
+def _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok, chunk=PART_BLOCKS, ahead=True) -> None:
     """_emit_dotk's tile for f32 or bf16 rows (PARTED) with each <32 x float> accumulator kept as PART_LANES
     parts: the block's lanes 0-15 and 16-31 (AVX-512), or four parts of 8 (AVX2), each part a register, taken
     in turn over a chunk of PART_BLOCKS blocks. A 4 x 4 tile's 16 accumulators of <32 x float> take 32
@@ -422,22 +481,34 @@ def _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
     _emit_dotk for bf16 too: its gain in cache did not reach a whole layer (tools/kernel_bench.py --formats
     bf16 --experts 64 --tokens 8 and 5 --threads 2, three alternations, ms a layer plain / parts: 17.1-19.8 /
     18.6-20.1 and 14.4-15.8 / 14.6-15.1), nor the dense matrices' prefill (4096 x 2048 by 64 tokens, 2
-    threads: 331-344 / 291-352 GFLOP/s)."""
+    threads: 331-344 / 291-352 GFLOP/s).
+
+    ``chunk`` 0: each part over the whole row, the six-row tiles' (dot6rK, AVX-512): 24 accumulators of 16
+    lanes, six rows' and a token's lanes take 31 of the 32 registers, and the second part reads the row's
+    bytes again from L1 or L2. On one thread in cache (x aligned, the prefetch left out, GFLOP/s): six rows by
+    four tokens, rows of 2048 bf16, chunks of 4 blocks / the whole row 180 / 234 (gcc's code of the same loop;
+    four rows by four, plain, 199 in gcc, 162-172 here), by three 233, by two 222. Out of cache, 2 threads,
+    rows of 768 (an expert's down rows: tools/tile_probe.py --experts 64 --rows 2048 --hidden 768, 1-17 tokens
+    an expert): 339-347 against four rows plain 293-299; rows of 2048 (gate, up): 225-260 against 267-276, so
+    those keep four rows in a group of fewer than 12 tokens (rows.six_rows)."""
     nb = builder.udiv(hidden_v, const(LANES))
     NR, K, W = len(rows), len(tok), PART_LANES
     S = LANES // W  # parts
     VW = ir.VectorType(F32, W)
 
-    def chunk(c, accs):  # accs [S][K * NR], part-major then token-major
-        start = builder.mul(c, const(PART_BLOCKS))
-        stop = builder.add(start, const(PART_BLOCKS))
+    per_chunk = const(chunk) if chunk else nb  # 0: the whole row a chunk
+
+    def chunk_step(c, accs):  # accs [S][K * NR], part-major then token-major
+        start = builder.mul(c, per_chunk)
+        stop = builder.add(start, per_chunk)
         count = builder.sub(builder.select(builder.icmp_unsigned("<", stop, nb), stop, nb), start)
         out = []
         for s in range(S):
             def step(i, part, s=s):
                 b = builder.add(start, i)
                 if s == 0:
-                    _prefetch_ahead(builder, fmt, rows, b)  # as _emit_dotk's, once a block
+                    if ahead:
+                        _prefetch_ahead(builder, fmt, rows, b)  # as _emit_dotk's, once a block
                 ws = [fmt.lanes(builder, row, b, W * s, W) for row in rows]
                 col = builder.add(builder.mul(b, const(LANES)), const(W * s))
                 new = []
@@ -449,8 +520,8 @@ def _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok) -> None:
             out += _register_loop(builder, count, accs[s * K * NR:(s + 1) * K * NR], step)
         return out
 
-    chunks = builder.udiv(builder.add(nb, const(PART_BLOCKS - 1)), const(PART_BLOCKS))
-    flat = _register_loop(builder, chunks, [ir.Constant(VW, [0.0] * W)] * (S * K * NR), chunk)
+    chunks = builder.udiv(builder.add(nb, const(chunk - 1)), const(chunk)) if chunk else const(1)
+    flat = _register_loop(builder, chunks, [ir.Constant(VW, [0.0] * W)] * (S * K * NR), chunk_step)
     _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb,
                  [_joined(builder, [flat[s * K * NR + j] for s in range(S)]) for j in range(K * NR)])
 
@@ -519,6 +590,9 @@ dot2r1, dot2r2, dot2r3 = (_make_dotk(2, K, ("f32", "bf16")) for K in (1, 2, 3))
 dot4r1, dot4r2, dot4r3 = (_make_dotk(4, K, ("f32", "bf16")) for K in (1, 2, 3))
 pairs2r1, pairs2r2, pairs2r3 = (_make_pairsk(2, K) for K in (1, 2, 3))
 pairs4r1, pairs4r2, pairs4r3 = (_make_pairsk(4, K) for K in (1, 2, 3))
+dot6r4, dot6r3, dot6r2 = (_make_dotk(6, K, ("f32", "bf16"), parted=(f32, bf16), chunk=0) for K in (4, 3, 2))
+dot6r1 = _make_dotk(6, 1, ("f32", "bf16"), parted=())
+dot6r4n = _make_dotk(6, 4, ("f32", "bf16"), parted=(f32, bf16), chunk=0, ahead=False)
 WIDE_FORMATS = ("f32", "bf16", "bf16dp")  # four rows at a time on WIDE_TILES hosts: dot4r4's formats, pairs4r4's
 
 
