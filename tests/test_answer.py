@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from numba import njit
 
 from node_worker.answer import compute_answer_sleep
 from node_worker.kernels.layer import layer_moe
@@ -53,3 +54,43 @@ def test_a_bad_token_publishes_nothing_and_rings_nothing():
     got = compute_answer_sleep(*args, line, 7, 0, 0, ring, bell.ctypes.data, 1, doorbell.timespec(60.0).ctypes.data,
                                2)
     assert got == -1 and not line.any() and ring[0] == 0
+
+
+@njit(fastmath=True, cache=False)
+def _pairs_in_order(y, contrib, sorted_tokens, sorted_weights, hidden):
+    """The serial sum weigh_and_sum replaces: every pair in order, into its token's row."""
+    y[:, :] = 0
+    for p in range(sorted_tokens.size):
+        for i in range(hidden):
+            y[sorted_tokens[p], i] += sorted_weights[p] * contrib[p * hidden + i]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_weighted_sum_by_token_rows_adds_each_tokens_pairs_in_pair_order(threads):
+    """layer.weigh_and_sum: each token's row by a thread, its contributions in pair (group) order, so y is the
+    serial loop's bits whatever the threads; a token routed nowhere gets a row of zeros."""
+    import numba
+
+    from node_worker.kernels.layer import weigh_and_sum
+
+    from node_worker.kernels.layer import SUM_PAIRS
+
+    rng = np.random.default_rng(3)
+    T, hidden = 9, 70
+    for P in (5, SUM_PAIRS + 13):  # decode's few pairs serially, a prefill's in parallel
+        sorted_tokens = rng.integers(0, T - 1, P).astype(np.int64)  # token T - 1: none
+        weights = rng.random(P).astype(np.float32)
+        contrib = rng.standard_normal(P * hidden).astype(np.float32)
+        want = np.full((T, hidden), np.nan, np.float32)
+        _pairs_in_order(want, contrib, sorted_tokens, weights, hidden)
+        before = numba.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            got = np.full((T, hidden), np.nan, np.float32)
+            weigh_and_sum(got, contrib, sorted_tokens, weights, hidden)
+        finally:
+            numba.set_num_threads(before)
+        assert np.array_equal(got, want) and not got[-1].any(), P
+        ref = np.zeros((T, hidden))
+        np.add.at(ref, sorted_tokens, weights[:, None].astype(np.float64) * contrib.reshape(P, hidden))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
