@@ -134,13 +134,28 @@ def test_sampling_params_refuse_bad_values():
             SamplingParams(**bad)
 
 
+def test_rms_norm_of_a_column_slice_is_the_contiguous_rows_result():
+    """ops.rms_norm of the q heads as a view of the fused QKV output (not contiguous) takes the compiled loop
+    on a copy: the same bits as the same values contiguous, and the float64 formula."""
+    qkv = rng.standard_normal((6, 5 * 64)).astype(np.float32)
+    q = qkv[:, :3 * 64].reshape(6, 3, 64)  # [T, heads, hd], rows 5 * 64 apart
+    assert not q.flags.c_contiguous
+    w = rng.standard_normal(64).astype(np.float32)
+    got = ops.rms_norm(q, w, 1e-6)
+    assert np.array_equal(got, ops.rms_norm(np.ascontiguousarray(q), w, 1e-6))
+    q64 = q.astype(np.float64)
+    np.testing.assert_allclose(got, q64 / np.sqrt((q64 ** 2).mean(-1, keepdims=True) + 1e-6) * w, rtol=2e-6,
+                               atol=1e-6)
+
+
 def test_host_rms_norm_and_top_k_equal_the_numpy_forms():
-    """host_ops' compiled loops (NumPy float32 C-contiguous rows) against ops.py's NumPy forms (taken here
-    through Fortran-ordered copies, which the compiled path declines)."""
+    """host_ops' compiled loops (NumPy float32 rows) against ops.py's NumPy forms (top_k's taken here through
+    Fortran-ordered copies, which the compiled path declines; rms_norm copies those for its loop, so its NumPy
+    form is written out)."""
     x = rng.standard_normal((5, 3, 64)).astype(np.float32)  # q_norm's [T, heads, hd] too
     w = rng.standard_normal(64).astype(np.float32)
-    np.testing.assert_allclose(ops.rms_norm(x, w, 1e-6), ops.rms_norm(np.asfortranarray(x), w, 1e-6), rtol=2e-6,
-                               atol=1e-7)
+    numpy_form = (x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(1e-6))) * w
+    np.testing.assert_allclose(ops.rms_norm(x, w, 1e-6), numpy_form, rtol=2e-6, atol=1e-7)
     for normalize in (True, False):
         logits = rng.standard_normal((7, 40)).astype(np.float32) * 3
         logits[0, 5] = logits[0, 9] = logits[0, 30] = 50.0  # a three-way tie: the lower ids first

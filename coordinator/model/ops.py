@@ -19,7 +19,11 @@ def _host_rows(*arrays: np.ndarray) -> bool:
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x [..., D] -> x / sqrt(mean(x²) + eps) * weight."""
+    """x [..., D] -> x / sqrt(mean(x²) + eps) * weight. A host x that is not contiguous (the q and k heads, a
+    column slice of the fused QKV output) is copied for the compiled loop: NumPy's ufuncs on the slice took
+    0.19 ms a call for a 64-token prompt's q heads [64, 32, 128], the copy and the loop a few tens of µs."""
+    if type(x) is np.ndarray and x.dtype == np.float32 and not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
     if _host_rows(x, weight) and x.ndim >= 1 and x.size:
         out = np.empty_like(x)
         host_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, np.float32(eps), out.reshape(-1, x.shape[-1]))
