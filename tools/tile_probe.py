@@ -1,14 +1,25 @@
 #!/usr/bin/env python
-"""The prefill tiles' two loops side by side: each accumulator one <32 x float> (simd._emit_dotk) or kept as
-parts of one register each (simd._emit_dotk_parts), f32 and bf16 rows, GFLOP/s on one thread, alternating.
+"""The prefill tiles side by side (simd._make_dotk: rows by tokens, the loop, the prefetch), alternating, GFLOP/s.
 
-    .venv/bin/python tools/tile_probe.py [--rows 64] [--hidden 2048] [--tokens 12] [--tile-tokens 4] [--rounds 9]
+    .venv/bin/python tools/tile_probe.py [--variants 4x4plain,6x4whole] [--rows 96] [--hidden 2048]
+        [--tokens 24] [--format bf16] [--x-offset 0] [--rounds 5]
+    .venv/bin/python tools/tile_probe.py --experts 64 [--rows 1536] [--hidden 2048]
+        [--tokens-per-expert 1,3,5,6,7,8,9,10,11,13,14,17] [--variants ...]
 
-The engine's own tile intrinsics (simd._make_dotk with parted=() for the plain loop, and with each format
-parted): four rows by --tile-tokens tokens where the host has 512-bit vectors (dot4rK), else two (dot2rK), over a
-matrix small enough to stay in cache, so the figure is the loop's arithmetic, not the memory's. Both give the
-same bits; the probe checks it. NUMBA_CPU_NAME=haswell (and NUMBA_CPU_FEATURES) times the AVX2 code.
-simd.PARTED is what the engine parts on this host, in its four-token tiles only.
+A variant is ROWSxTOKENS and its loop: ``plain`` (simd._emit_dotk: each accumulator one <32 x float>),
+``partsN`` (simd._emit_dotk_parts over chunks of N blocks) or ``whole`` (the same over the whole row);
+``nopf`` at the end leaves the prefetch out. All give the same bits; the probe checks it.
+
+In cache (default): one thread, the tile run over --rows rows of --hidden weights by --tokens tokens (a multiple
+of the tile's), small enough for L2, so the figure is the loop's arithmetic. The tokens' rows start on a 64-byte
+boundary, plus --x-offset bytes (16: where NumPy's allocator may put them; each 64-byte load then spans two
+cache lines).
+
+Out of cache (--experts E): numba's threads take E experts of --rows rows each (a MoE layer's gate and up rows:
+1536 x 2048; its down rows: 2048 x 768), each by its own tokens, their counts cycled from --tokens-per-expert,
+as rows.dot_chunks does: tiles of the variant's tokens, the last one to three tokens in tiles of as many of the
+variant's loop (one token: plain), rows past the last whole tile left out.
+NUMBA_CPU_NAME=haswell (and NUMBA_CPU_FEATURES) times the AVX2 code.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import os
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as coordinator/__init__.py, before NumPy loads
 
 import argparse  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -27,58 +39,142 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from numba import njit  # noqa: E402
+from numba import njit, prange  # noqa: E402
+from numba.typed import List  # noqa: E402
 
 from node_worker.kernels import simd  # noqa: E402
+from node_worker.kernels.schedule import take  # noqa: E402
 
-ROWS_A_TILE = 4 if simd.WIDE_TILES else 2
+FORMAT_IDS = {"f32": 0, "bf16": 1}  # rows.FORMAT_IDS
 
 
-def runner(tile, K):
+def tile(rows: int, tokens: int, loop: str, ahead: bool):
+    """The engine's tile intrinsic of ``rows`` x ``tokens`` with ``loop``: plain, partsN or whole."""
+    if loop == "plain":
+        return simd._make_dotk(rows, tokens, ("f32", "bf16"), parted=(), ahead=ahead)
+    chunk = 0 if loop == "whole" else int(loop[len("parts"):])
+    return simd._make_dotk(rows, tokens, ("f32", "bf16"), parted=(simd.f32, simd.bf16), chunk=chunk, ahead=ahead)
+
+
+def parse(variant: str) -> tuple[int, int, str, bool]:
+    m = re.fullmatch(r"(\d+)x(\d+)(plain|parts\d+|whole)(nopf)?", variant)
+    if not m:
+        raise SystemExit(f"variant {variant!r}: ROWSxTOKENS then plain, partsN or whole, then nopf or nothing")
+    return int(m[1]), int(m[2]), m[3], not m[4]
+
+
+def in_cache(variant: str):
+    NR, K, loop, ahead = parse(variant)
+    dot = tile(NR, K, loop, ahead)
+
     @njit(nogil=True, fastmath=True)
     def run(fmt, data, row_bytes, rows, hidden, x, out, reps):
         for _ in range(reps):
-            for r in range(0, rows, ROWS_A_TILE):
+            for r in range(0, rows - NR + 1, NR):
                 for t0 in range(0, x.shape[0] - K + 1, K):
-                    tile(fmt, data, r * row_bytes, row_bytes, hidden, x, t0, out, r)
+                    dot(fmt, data, r * row_bytes, row_bytes, hidden, x, t0, out, r)
     return run
+
+
+def out_of_cache(variant: str):
+    NR, K, loop, ahead = parse(variant)
+    full = tile(NR, K, loop, ahead)
+    short = [tile(NR, k, loop if k > 1 else "plain", ahead) for k in range(1, K)]
+    one, two, three = (short + [full, full, full])[:3]  # only those below K are called
+
+    @njit(parallel=True, nogil=True, fastmath=True)
+    def run(fmt, data, row_bytes, experts, rows, hidden, xs, out, reps):
+        for _ in range(reps):
+            counter = np.zeros(1, np.int64)
+            for _ in prange(experts):  # a thread's first iteration takes experts until none is left
+                e = take(counter, 0)
+                while e < experts:
+                    x = xs[e]
+                    n = x.shape[0]
+                    for r in range(0, rows - NR + 1, NR):
+                        o = (e * rows + r) * row_bytes
+                        t0 = 0
+                        while t0 + K <= n:
+                            full(fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
+                            t0 += K
+                        if n - t0 == 3:
+                            three(fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
+                        elif n - t0 == 2:
+                            two(fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
+                        elif n - t0 == 1:
+                            one(fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
+                    e = take(counter, 0)
+    return run
+
+
+def aligned_rows(values: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of float32 values [n, H] starting ``offset`` bytes past a 64-byte boundary."""
+    buf = np.empty(values.nbytes + 128, np.uint8)
+    start = -buf.ctypes.data % 64 + offset
+    out = buf[start:start + values.nbytes].view(np.float32).reshape(values.shape)
+    out[:] = values
+    return out
+
+
+def stored(rng, n: int, hidden: int, name: str) -> np.ndarray:
+    """n rows of random bf16 values, stored as bf16 or (the same values) f32, as bytes."""
+    bits = (rng.standard_normal((n, hidden)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return (bits if name == "bf16" else bits.astype(np.uint32) << 16).view(np.uint8).ravel()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--variants", default="4x4plain,4x4parts4,6x4whole,6x4wholenopf")
+    ap.add_argument("--format", choices=FORMAT_IDS, default="bf16")
+    ap.add_argument("--rows", type=int, default=None, help="rows (an expert's, with --experts); default 96, 1536")
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--tokens", type=int, default=12, help="a multiple of the tile's")
-    ap.add_argument("--tile-tokens", type=int, default=4, choices=(1, 2, 3, 4),
-                    help="tokens a tile (1-3: short_tile's)")
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--tokens", type=int, default=24, help="in cache: a multiple of every variant's tokens")
+    ap.add_argument("--x-offset", type=int, default=0, help="in cache: bytes past a 64-byte boundary")
+    ap.add_argument("--experts", type=int, default=0, help="out of cache: this many experts of --rows rows")
+    ap.add_argument("--tokens-per-expert", default="1,3,5,6,7,8,9,10,11,13,14,17")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    R, K, T = args.rows, args.hidden, args.tokens
+    variants = args.variants.split(",")
+    fmt, H = FORMAT_IDS[args.format], args.hidden
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((R, K)).astype(np.float32)
-    bits = (w.view(np.uint32) >> 16).astype(np.uint16)  # bf16 rows; as f32 the same values
-    x = rng.standard_normal((T, K)).astype(np.float32)
-    tile_tokens = args.tile_tokens
-    loops = {name: runner(simd._make_dotk(ROWS_A_TILE, tile_tokens, ("f32", "bf16"), parted=parted), tile_tokens)
-             for name, parted in (("plain", ()), ("parts", (simd.f32, simd.bf16)))}
-    print(f"tiles of {ROWS_A_TILE} rows x {tile_tokens} tokens, {R} rows x {K}, {T} tokens, one thread; the engine "
-          f"parts {[m.__name__.rsplit('.', 1)[1] for m in simd.PARTED]} in {simd.PART_LANES}-lane registers")
-    for name, fmt, data in (("bf16", 1, bits.view(np.uint8).ravel()),
-                            ("f32", 0, (bits.astype(np.uint32) << 16).view(np.uint8).ravel())):
-        row_bytes = data.size // R
-        outs = {k: np.zeros((T, R + 1), np.float32) for k in loops}
-        for k, run in loops.items():
-            run(fmt, data, row_bytes, R, K, x, outs[k], 1)
-        assert np.array_equal(outs["plain"], outs["parts"]), "the two loops gave other bits"
-        reps = max(1, int(1e9 / (2 * R * K * T)))
-        rates: dict[str, list[float]] = {k: [] for k in loops}
-        for _ in range(args.rounds):
-            for k, run in loops.items():
-                t = time.perf_counter()
-                run(fmt, data, row_bytes, R, K, x, outs[k], reps)
-                rates[k].append(2 * R * K * T * reps / (time.perf_counter() - t) / 1e9)
-        print(f"{name}: GFLOP/s median (min-max) " + ", ".join(
-            f"{k} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for k, v in rates.items()))
+    if args.experts:
+        E, R = args.experts, args.rows or 1536
+        counts = [int(n) for n in args.tokens_per_expert.split(",")]
+        data = stored(rng, E * R, H, args.format)
+        xs = List()
+        for e in range(E):
+            xs.append(aligned_rows(rng.standard_normal((counts[e % len(counts)], H)).astype(np.float32), 0))
+        runs = {v: out_of_cache(v) for v in variants}
+        outs = {v: np.zeros((E, max(counts), R + 1), np.float32) for v in variants}
+        args_of = {v: (fmt, data, data.size // (E * R), E, R, H, xs, outs[v]) for v in variants}
+        flops = 2 * R * H * sum(counts[e % len(counts)] for e in range(E))
+        print(f"out of cache: {E} experts x {R} rows x {H} {args.format}, {args.tokens_per_expert} tokens an "
+              f"expert, {data.nbytes / 1e6:.0f} MB, numba's threads")
+    else:
+        R, T = args.rows or 96, args.tokens
+        data = stored(rng, R, H, args.format)
+        x = aligned_rows(rng.standard_normal((T, H)).astype(np.float32), args.x_offset)
+        runs = {v: in_cache(v) for v in variants}
+        outs = {v: np.zeros((T, R + 1), np.float32) for v in variants}
+        args_of = {v: (fmt, data, data.size // R, R, H, x, outs[v]) for v in variants}
+        flops = 2 * R * H * T
+        print(f"in cache: {R} rows x {H} {args.format} by {T} tokens (x at +{args.x_offset} bytes), one thread")
+    for v in variants:
+        runs[v](*args_of[v], 1)
+    covered = {v: parse(v)[0] for v in variants}  # rows past the last whole tile are left out
+    first = variants[0]
+    for v in variants[1:]:
+        rows = min(R // covered[v] * covered[v], R // covered[first] * covered[first])
+        assert np.array_equal(outs[v][..., :rows], outs[first][..., :rows]), f"{v} gave other bits than {first}"
+    reps = max(1, int(2e9 / flops))
+    rates: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v in variants:
+            t = time.perf_counter()
+            runs[v](*args_of[v], reps)
+            rates[v].append(flops * R // covered[v] * covered[v] / R * reps / (time.perf_counter() - t) / 1e9)
+    for v, r in rates.items():
+        print(f"{v}: GFLOP/s median {statistics.median(r):.1f} ({min(r):.1f}-{max(r):.1f})")
 
 
 if __name__ == "__main__":
