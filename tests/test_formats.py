@@ -249,6 +249,24 @@ def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name, monk
     assert tiled == ([4, 12, 20, 36, 8] if simd.WIDE_TILES and name in simd.WIDE_FORMATS else [])
 
 
+def test_the_dense_warm_up_compiles_the_prefill_tiles_ahead_of_the_first_prompt():
+    """dense.warm_up (the engine's and the workers' start) compiles dense.matmul_tiles for the types a
+    PackedMatrix passes, so a prompt of three tokens or more (here bf16 rows by bf16 activations, which take
+    the tiles on every host) adds no compiled version inside the request."""
+    from coordinator.model.packed import PackedMatrix
+    from node_worker.kernels import dense
+
+    dense.warm_up()
+    compiled = len(dense.matmul_tiles.overloads)
+    assert compiled >= 1
+    rng = np.random.default_rng(2)
+    packed = PackedMatrix.encode(rng.standard_normal((8, 64)).astype(np.float32), formats.get("bf16"),
+                                 bf16_products=True)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    assert (x @ packed.T).shape == (5, 8)
+    assert len(dense.matmul_tiles.overloads) == compiled
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 9])
 def test_packed_bf16_matrix_by_bf16_activations_equals_float64_of_the_rounded_activations(T):
     """A dense bf16 matrix with bf16_products (activations "bf16"): one and two tokens through the row loop,

@@ -113,4 +113,7 @@ def warm_up() -> None:
                       np.zeros((4, 1), np.float32))
     decode_rows(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
     decode_rows_serial(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
+    # the prefill tiles (f32, bf16 and bf16dp rows): until 2026-12-05 compiled by the first prompt of 3 tokens or
+    # more, inside the request (a fresh cache: seconds)
+    matmul_tiles(0, data, 0, 4 * 32, 1, 32, np.zeros((4, 32), np.float32), np.zeros((4, 2), np.float32))
     rows8.warm_up()
