@@ -55,12 +55,16 @@ def weigh_and_sum(y, contrib, sorted_tokens, sorted_weights, hidden):
     other waited; decode's eight pairs stay serial (a parallel loop's start costs more than their sum)."""
     T = y.shape[0]
     P = sorted_tokens.size
-    by_token = np.argsort(sorted_tokens, kind="mergesort")  # [P] the pairs by token, in pair order within one
     first = np.zeros(T + 1, np.int64)  # token t's pairs: by_token[first[t]:first[t + 1]]
     for p in range(P):
         first[sorted_tokens[p] + 1] += 1
     for t in range(T):
         first[t + 1] += first[t]
+    by_token = np.empty(P, np.int64)  # [P] the pairs by token, in pair order within one (a counting placement)
+    filled = first[:T].copy()
+    for p in range(P):
+        by_token[filled[sorted_tokens[p]]] = p
+        filled[sorted_tokens[p]] += 1
     if P >= SUM_PAIRS:
         token_rows_parallel(y, contrib, sorted_weights, by_token, first, hidden)
     else:

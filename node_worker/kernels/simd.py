@@ -90,12 +90,6 @@ def _byte_ptr(context, builder, aryty, ary):
     return builder.bitcast(context.make_array(aryty)(context, builder, ary).data, I8.as_pointer())
 
 
-def _reduce(builder, vec):
-    """The sum of a <32 x float>'s lanes, as a tree of halves (_tree_sums): a row's sum in decode's loops and
-    a tile's (_finish_tile) add the same way, so a token gives the same bits in either."""
-    return _tree_sums(builder, [vec])[0]
-
-
 def _lanes_of(builder, a, b, picks):
     """<len(picks) x float> of a's and b's lanes (a's 0..n-1, then b's n..2n-1)."""
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, len(picks)), picks))
@@ -106,7 +100,8 @@ def _tree_sums(builder, vecs) -> list:
     the second half's, lane by lane, again on the n/2 sums, down to one (EXACT: LLVM keeps the order). The
     vectors are reduced together, two at a time: at each step a pair's halves are gathered into two vectors
     of the pair's width (shuffles) and added in one operation, so the steps' additions are each sum's own, in
-    the order a lone tree adds them (the same bits for a vector alone or among others).
+    the order a lone tree adds them (the same bits for a vector alone or among others). Decode's rows
+    (_make_dot4) and the tiles (_finish_tile) both sum this way, so a token gives the same bits in either.
 
     It replaces llvm.vector.reduce.fadd on each accumulator (numba's fastmath let LLVM choose the tree), which
     LLVM lowered to about 50 instructions an accumulator in the tiles, a third of them stack loads and
@@ -244,7 +239,8 @@ def _make_dot4(fmt: ModuleType, ahead: bool = True):
                         w = _weights(builder, fmt, row, i, j, hidden_v)
                         builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xv, flags=FAST), flags=FAST),
                                       acc)
-            sums = [cgutils.alloca_once_value(builder, _reduce(builder, builder.load(acc))) for acc in accs]
+            sums = [cgutils.alloca_once_value(builder, total)  # the four trees together, each its own bits
+                    for total in _tree_sums(builder, [builder.load(acc) for acc in accs])]
             if not fmt.SCALED:
                 with _tail(builder, hidden_v, nb) as (i, _):
                     xi = builder.load(builder.gep(xp, [i]), align=4)
