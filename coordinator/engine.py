@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from node_worker import NodeWorker, kernel_threads
+from node_worker.kernels import dense
 from node_worker.job import ExpertJob, NodeJob, WorkerJob, max_message_bytes
 from shm import formats
 from shm.checkpoint import Checkpoint
@@ -23,6 +24,7 @@ from shm.topology import Node, format_cpulist, select_nodes
 
 from .config import EngineConfig
 from .errors import ConfigValueError, StrataError
+from .model import host_ops
 from .model.backend import select_device
 from .model.packed import pack_dense
 from .model.decoder import Decoder
@@ -100,6 +102,16 @@ def check_prompt_ids(mcfg: ModelConfig, ids: Sequence[int], max_new_tokens: int,
     if len(ids) + max_new_tokens > limit:
         raise ConfigValueError(f"{len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the maximum sequence "
                                f"length {limit}")
+
+
+def warm_up_host(backend: str, dense_format: str) -> None:
+    """Compile (or load from the disk cache) the host loops this engine's requests call, before the first one:
+    the decoder's row loops on a NumPy device side (host_ops) and, with dense matrices kept packed, their
+    kernels (an in-process pool's NodeWorker warms those too; with the process pool only this does)."""
+    if backend == "numpy":
+        host_ops.warm_up()
+    if dense_format != "f32":
+        dense.warm_up()
 
 
 def build_plan(mcfg: ModelConfig, nodes: list[Node], fmt: str = "f32") -> PoolPlan:
@@ -273,6 +285,7 @@ class Engine:
         pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
                           cpu_set_digest(ckpt, device_set, fmt), fmt, runs_kernels)
         decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
+        warm_up_host(backend, dense_format)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
         return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,

@@ -255,3 +255,33 @@ def test_attention_loaded_from_the_disk_cache_gives_a_fresh_compiles_bits(tmp_pa
     for run in ("writes", "loads"):
         serial, cached, fresh = np.load(tmp_path / f"{run}.npy")
         assert np.array_equal(cached, fresh) and np.array_equal(serial, fresh), run
+
+
+def test_the_engine_compiles_the_host_loops_ahead_of_the_first_prompt(tiny_model):
+    """Engine.open compiles (or loads from the disk cache) host_ops' loops and, with the dense matrices kept
+    packed, the dense kernels the coordinator runs itself (process pool): a first prompt whose attention takes
+    the parallel loop adds no compiled version. In a fresh process, where nothing was loaded before."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = f"""
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.model import host_ops, ops
+from node_worker.kernels import dense
+ops.PARALLEL_ATTENTION_MACS = 0  # any prompt of more than HOST_ATTENTION_TOKENS takes the parallel loop
+loops = [host_ops.rms_norm, host_ops.top_k, host_ops.rope, host_ops.gqa_attention, host_ops.gqa_attention_parallel,
+         dense.matmul_tiles, dense.matmul_rows]
+assert [len(f.overloads) for f in loops] == [0] * len(loops)
+with Engine.open({str(tiny_model())!r}, EngineConfig(device="cpu", pool="process", nodes=1, dense_dtype="bf16",
+                 activations="bf16")) as eng:
+    before = [len(f.overloads) for f in loops]
+    eng.generate(list(range(1, 9)), max_new_tokens=2, stop_at_eos=False)
+    after = [len(f.overloads) for f in loops]
+print(before, after)
+assert min(before) >= 1 and before == after, (before, after)
+"""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -153,3 +153,23 @@ def gqa_attention_parallel(q, k, v, mask, scale, out) -> None:
         scores = np.empty((nh // nkv, k.shape[0]), np.float32)
         acc = np.empty((nh // nkv, hd), np.float32)
         _kv_group(q, k, v, mask, scale, out, i // nkv, i % nkv, scores, acc)
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) every loop here before the first request, on the types ops.py
+    passes. Left to the first use, a prompt long enough for gqa_attention_parallel (PARALLEL_ATTENTION_MACS)
+    loaded it inside the request: after `strata bench`'s 8-token warm-up, the first 64-token prefill of a
+    4-layer Qwen3-MoE geometry model spent 7.3-7.6 ms in ops.gqa_attention, the next ones 2.8-3.9 (three
+    processes, tools/prefill_parts.py's timers around generate_full)."""
+    x = np.ones((2, 8), np.float32)
+    weight = np.ones(8, np.float32)
+    rms_norm(x, weight, np.float32(1e-6), np.empty_like(x))
+    weight.flags.writeable = False  # a checkpoint's norm weights: read-only views of the file, another type
+    rms_norm(x, weight, np.float32(1e-6), np.empty_like(x))
+    top_k(x, 2, True, np.empty((2, 2), np.int64), np.empty((2, 2), np.float32))
+    heads = np.ones((2, 2, 8), np.float32)  # [T, heads, hd]
+    rope(heads, x, x, np.empty_like(heads))
+    mask = np.ones((2, 2), np.bool_)  # [T, S]
+    out = np.empty((2, 16), np.float32)
+    for loop in (gqa_attention, gqa_attention_parallel):
+        loop(heads, heads[:, :1].copy(), heads[:, :1].copy(), mask, np.float32(0.5), out)
