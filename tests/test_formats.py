@@ -748,3 +748,25 @@ def test_a_groups_gathered_rows_start_on_a_cache_line():
             got = make(rows, cols)
             assert got.shape == (rows, cols) and got.dtype == np.float32 and got.flags.c_contiguous
             assert got.ctypes.data % 64 == 0 and not got.any()
+
+
+@pytest.mark.parametrize("name", ["f32", "bf16"])
+def test_dense_tiles_over_token_blocks_give_each_tokens_own_bits(name):
+    """dense.matmul_tiles takes the tokens in blocks that fit L2 (dense.token_block: 32 tokens of 4096 values);
+    68 tokens (blocks of 32, 32, 4) give each token's row the bits of its own one-token product (matmul_rows)."""
+    from node_worker.kernels import dense, rows
+
+    R, K, T = 14, 4096, 68
+    assert dense.token_block(K, T) == 32
+    from coordinator.model.packed import PackedMatrix
+
+    rng = np.random.default_rng(21)
+    packed = PackedMatrix.encode(rng.standard_normal((R, K)).astype(np.float32), formats.get(name))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    fid = rows.FORMAT_IDS[name]
+    tiled = np.zeros((T, R + 1), np.float32)
+    dense.matmul_tiles(fid, packed.data, 0, packed.row_bytes, R, K, x, tiled)
+    alone = np.zeros((T, R), np.float32)
+    for t in range(T):
+        dense.matmul_rows(fid, packed.data, 0, packed.row_bytes, R, K, x[t:t + 1], alone[t:t + 1], False)
+    assert np.array_equal(tiled[:, :R], alone)
