@@ -9,7 +9,10 @@ With ``formats`` (``--formats f32,bf16``) each mode is opened once per storage f
 ``mode@format``, and each label's decode and prefill are also given as a ratio to the same mode in the
 first format, from the same rounds (issue 13's "bf16 decode >= 1.8x our f32" is such a ratio).
 
-Rounds interleave the modes (A B C A B C ...) after a warm-up. Per mode: decode
+Rounds interleave the modes (A B C A B C ...) after a warm-up: the whole prompt and a few new tokens per
+mode, as llama-bench warms up on the test it times. After an 8-token warm-up the first 64-token prefill of a
+process ran 4-9 ms slower than the next ones (a 4-layer Qwen3-MoE geometry model, bf16, three processes; the
+parallel attention loop was then loaded in it, now at open). Per mode: decode
 and prefill tokens/s; per MoE layer at decode, the pool's wall time (first send
 to last partial), the workers' own compute and the difference, next to the empty
 round trip over the same sockets; the pool's effective bandwidth (expert bytes
@@ -150,7 +153,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
         results: dict[str, dict] = {m: {"decode_tps": [], "prefill_tps": [], "timings": [], "pairs": 0,
                                         "expert_loads": 0} for m in engines}
         for eng in engines.values():
-            eng.generate(prompt[:8], max_new_tokens=warmup_tokens, stop_at_eos=False)
+            eng.generate(prompt, max_new_tokens=warmup_tokens, stop_at_eos=False)
         for k in range(rounds):
             print(f"bench: round {k + 1} of {rounds} ({', '.join(engines)})", file=sys.stderr, flush=True)
             for mode, eng in engines.items():  # interleaved: A B C A B C ...
