@@ -285,3 +285,17 @@ assert min(before) >= 1 and before == after, (before, after)
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("T", [7, 8])
+def test_the_parallel_attention_takes_every_token_of_a_prompt_once(T):
+    """gqa_attention_parallel hands the tokens out in zigzag order (0, T - 1, 1, T - 2, ...): every token's row
+    equals the serial loop's bits, for an odd and an even count, causal with a window."""
+    q = rng.standard_normal((T, 8, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((T + 3, 2, 16)).astype(np.float32) for _ in range(2))
+    mask = ops.attention_mask(np.arange(3, T + 3), np.arange(T + 3), 4)
+    serial, parallel = np.full((2, T, 8 * 16), np.nan, np.float32)
+    host_ops.gqa_attention(q, k, v, mask, np.float32(0.25), serial)
+    host_ops.gqa_attention_parallel(q, k, v, mask, np.float32(0.25), parallel)
+    assert sorted(host_ops.zigzag(i, T) for i in range(T)) == list(range(T))
+    assert not np.isnan(serial).any() and np.array_equal(parallel, serial)
