@@ -336,6 +336,34 @@ def test_engine_failure_reports_each_sequence_once(engine, monkeypatch):
 # -- the batched forward -----------------------------------------------------
 
 
+def test_the_last_layer_carries_on_with_each_sequences_last_row_alone(engine, monkeypatch):
+    """With last_only the last layer's attention takes each sequence's last query alone (every row's keys and
+    values still cached) and its MoE routes only those rows, as llama.cpp's inp_out_ids; the logits equal the
+    full forward's last rows, and the caches grow by every token."""
+    dec = engine.decoder
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 320, size=n).astype(np.int64) for n in (5, 1, 6)]
+    full = [dec.forward(p, dec.new_cache())[-1:] for p in prompts]
+    routed = []  # rows each MoE layer routed
+    real = dec._route
+
+    def spy(i, lw, x):
+        routed.append((i, x.shape[0]))
+        return real(i, lw, x)
+
+    monkeypatch.setattr(dec, "_route", spy)
+    caches = [dec.new_cache() for _ in prompts]
+    got = dec.forward_batch(list(zip(prompts, caches)))
+    moe = [i for i in range(dec.cfg.num_layers) if dec.cfg.sparse_layers[i]]
+    assert moe and moe[-1] == dec.cfg.num_layers - 1
+    assert routed == [(i, 12) for i in moe[:-1]] + [(moe[-1], 3)]
+    assert [c.length for c in caches] == [5, 1, 6]
+    for g, w in zip(got, full):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
+    routed.clear()
+    dec.forward_batch(list(zip(prompts, [dec.new_cache() for _ in prompts])), last_only=False)
+    assert routed == [(i, 12) for i in moe]  # every row when every row's logits are asked for
+
 def test_forward_batch_equals_separate_forwards(engine):
     dec = engine.decoder
     rng = np.random.default_rng(0)
