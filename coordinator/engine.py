@@ -104,12 +104,12 @@ def check_prompt_ids(mcfg: ModelConfig, ids: Sequence[int], max_new_tokens: int,
                                f"length {limit}")
 
 
-def warm_up_host(backend: str, dense_format: str) -> None:
+def warm_up_host(dense_format: str) -> None:
     """Compile (or load from the disk cache) the host loops this engine's requests call, before the first one:
-    the decoder's row loops on a NumPy device side (host_ops) and, with dense matrices kept packed, their
-    kernels (an in-process pool's NodeWorker warms those too; with the process pool only this does)."""
-    if backend == "numpy":
-        host_ops.warm_up()
+    the decoder's row loops (host_ops: all of them on a NumPy device side, the router's top-k with a GPU too)
+    and, with dense matrices kept packed, their kernels (an in-process pool's NodeWorker warms those too; with
+    the process pool only this does)."""
+    host_ops.warm_up()
     if dense_format != "f32":
         dense.warm_up()
 
@@ -285,7 +285,7 @@ class Engine:
         pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
                           cpu_set_digest(ckpt, device_set, fmt), fmt, runs_kernels)
         decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
-        warm_up_host(backend, dense_format)
+        warm_up_host(dense_format)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
         return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,
