@@ -750,18 +750,18 @@ def test_a_groups_gathered_rows_start_on_a_cache_line():
             assert got.ctypes.data % 64 == 0 and not got.any()
 
 
-@pytest.mark.parametrize("name", ["f32", "bf16"])
+@pytest.mark.parametrize("name", ["f32", "bf16", "bf16dp"])
 def test_dense_tiles_over_token_blocks_give_each_tokens_own_bits(name):
     """dense.matmul_tiles takes the tokens in blocks that fit L2 (dense.token_block: 32 tokens of 4096 values);
-    68 tokens (blocks of 32, 32, 4) give each token's row the bits of its own one-token product (matmul_rows)."""
+    68 tokens (blocks of 32, 32, 4) give each token's row the bits of its own one-token product (matmul_rows),
+    bf16 rows by bf16 activations (bf16dp: the tokens rounded once, then cut in blocks) too."""
+    from coordinator.model.packed import PackedMatrix
     from node_worker.kernels import dense, rows
 
     R, K, T = 14, 4096, 68
     assert dense.token_block(K, T) == 32
-    from coordinator.model.packed import PackedMatrix
-
     rng = np.random.default_rng(21)
-    packed = PackedMatrix.encode(rng.standard_normal((R, K)).astype(np.float32), formats.get(name))
+    packed = PackedMatrix.encode(rng.standard_normal((R, K)).astype(np.float32), formats.get(name[:4]))
     x = rng.standard_normal((T, K)).astype(np.float32)
     fid = rows.FORMAT_IDS[name]
     tiled = np.zeros((T, R + 1), np.float32)
