@@ -169,6 +169,13 @@ def test_both_attention_forms_match_transformers(absorb):
         cache = eng.decoder.new_cache()  # chunks over cached latents, as the server's chunked prefill runs them
         chunks = [eng.decoder.forward(np.array(c, np.int64), cache) for c in (ids[:5], ids[5:13], ids[13:])]
         assert float(np.max(np.abs(np.concatenate(chunks) - ref["full_logits"]))) < 2e-4
+        cache = eng.decoder.new_cache()  # last_only: the last layer takes each sequence's last query alone
+        for a, b in ((0, 5), (5, 13), (13, len(ids))):
+            last = eng.decoder.forward(np.array(ids[a:b], np.int64), cache, last_only=True)  # [1, V]
+            assert float(np.max(np.abs(last[0] - ref["full_logits"][b - 1]))) < 2e-4
+        pair = eng.decoder.forward_batch([(np.array(ids[:n], np.int64), eng.decoder.new_cache()) for n in (7, 4)])
+        for got, n in zip(pair, (7, 4)):
+            assert float(np.max(np.abs(got[0] - ref["full_logits"][n - 1]))) < 2e-4
     assert eng.decoder._absorbed(1, 64) is absorb
 
 

@@ -140,15 +140,15 @@ class RoutingStats:
         self.pool_wait_ns += ns
 
 
-def last_rows(xp, bounds: np.ndarray, x):
-    """Each sequence's last row of x [N, ...] (bounds: the sequences' row ranges).
+def last_row_ids(xp, bounds: np.ndarray):
+    """Each sequence's last row [len(bounds) - 1] (bounds: the sequences' row ranges), an index on the device.
 
     With last_only the last layer carries on with these rows alone once every row's keys and values are
-    cached: its attention takes only their queries, and the other rows' output projection, MoE, MLP and norms,
-    which would feed no logits, are left out. llama.cpp does the same (its graphs take ``inp_out_ids``' rows in
+    cached: its attention computes only their queries, and the other rows' query projection, output
+    projection, MoE, MLP and norms, which would feed no logits, are left out. llama.cpp does the same (its graphs take ``inp_out_ids``' rows in
     the last layer). A 64-token prefill of a 4-layer Qwen3-MoE geometry model spent a quarter of its MoE time
     (16 of 65 ms) in that layer's 63 unread rows."""
-    return x[xp.asarray(bounds[1:] - 1)]
+    return xp.asarray(bounds[1:] - 1)
 
 
 class Decoder:
@@ -213,12 +213,13 @@ class Decoder:
         masks: dict = {}  # (sequence, window) -> [T_s, S_s] on the device: uploaded once, not once a layer
         h = self.w.embed[xp.asarray(np.concatenate([ids for ids, _ in seqs]))]  # [N, H]
         a = ops.rms_norm(h, layers[0].input_norm if layers else self.w.final_norm, eps)  # [N, H]
-        cut = last_only and len(seqs) < bounds[-1]  # rows whose output nobody reads: dropped in the last layer
+        # the rows the last layer carries on with, where others' output nobody reads (last_row_ids)
+        keep = last_row_ids(xp, bounds) if last_only and layers and len(seqs) < bounds[-1] else None
         for i, lw in enumerate(layers):  # each residual add joined to the norm after it
-            last = cut and i == len(layers) - 1  # every row's keys and values cached, then only the last rows
-            attended = self._attention(i, lw, a, seqs, bounds, positions, rope, masks, last)  # [N or len(seqs), H]
-            if last:
-                h = last_rows(xp, bounds, h)  # [len(seqs), H] from here on
+            rows = keep if i == len(layers) - 1 else None  # every row's keys and values cached, then these rows
+            attended = self._attention(i, lw, a, seqs, bounds, positions, rope, masks, rows)  # [N or len(rows), H]
+            if rows is not None:
+                h = h[rows]  # [len(seqs), H] from here on
             h, m = ops.add_rms_norm(h, attended, lw.post_attn_norm, eps)
             y = self._moe(i, lw, m) if self.cfg.sparse_layers[i] else ops.swiglu_mlp(
                 m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down)
@@ -226,7 +227,7 @@ class Decoder:
                                     eps)  # a: the next layer's input, after the last the final norm's output
         for (_, cache), n in zip(seqs, lengths):
             cache.advance(n)
-        if last_only and not (cut and layers):  # no layer dropped the rows: each sequence's last one here
+        if last_only and keep is None:  # no layer dropped the rows: each sequence's last one here
             a = xp.concatenate([a[hi - 1:hi] for hi in bounds[1:]])
         logits = to_host(a @ self.w.lm_head.T)  # [*, V]; a: after the final norm
         if last_only:
@@ -240,75 +241,77 @@ class Decoder:
         return masks[(s, window)]
 
     def _attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope,
-                   masks: dict, last: bool = False) -> np.ndarray:
-        """The attention's output [N, H], or with ``last`` each sequence's last row's [len(seqs), H] (every row's
-        keys and values cached either way)."""
+                   masks: dict, rows=None) -> np.ndarray:
+        """The attention's output [N, H], or with ``rows`` (last_row_ids: each sequence's last row) only those
+        rows' queries and output [len(seqs), H]; every row's keys and values are cached either way."""
         cfg = self.cfg
         if lw.mla is not None:
-            return self._mla_attention(i, lw, x, seqs, bounds, positions, rope, masks, last)
-        q, k, v = self._project_qkv(i, lw, x)  # [N, nh, hd], [N, nkv, hd], [N, nkv, hd]
+            return self._mla_attention(i, lw, x, seqs, bounds, positions, rope, masks, rows)
+        q, k, v = self._project_qkv(i, lw, x, rows)  # [N or len(rows), nh, hd], [N, nkv, hd], [N, nkv, hd]
         cos, sin = rope
-        q = ops.norm_rope(q, lw.q_norm, cfg.rms_norm_eps, cos, sin)  # q_norm (Qwen3; or none), then RoPE
-        k = ops.norm_rope(k, lw.k_norm, cfg.rms_norm_eps, cos, sin)
+        q = ops.norm_rope(q, lw.q_norm, cfg.rms_norm_eps, *((cos, sin) if rows is None else (cos[rows], sin[rows])))
+        k = ops.norm_rope(k, lw.k_norm, cfg.rms_norm_eps, cos, sin)  # q_norm, k_norm (Qwen3; or none), then RoPE
         parts = []  # each sequence's [T_s, nh*hd]
         for s, (_, cache) in enumerate(seqs):
             r = slice(bounds[s], bounds[s + 1])
             keys, values = cache.extend(i, k[r], v[r])  # [S, nkv, hd]
             mask = self._mask(masks, s, positions[s], keys.shape[0], cfg.sliding_windows[i])  # [T_s, S]
-            if last:
-                r, mask = slice(r.stop - 1, r.stop), mask[-1:]
+            if rows is not None:  # sequence s's last query alone: row s of q
+                r, mask = slice(s, s + 1), mask[-1:]
             parts.append(ops.gqa_attention(q[r], keys, values, mask))
         out = parts[0] if len(parts) == 1 else self.xp.concatenate(parts)  # [N (or len(seqs)), nh*hd]
         return out @ lw.o.T  # [N (or len(seqs)), H]
 
-    def _project_qkv(self, i: int, lw: LayerWeights, x: np.ndarray):
-        """x [N, H] -> q [N, nh, hd], k and v [N, nkv, hd]: one matmul where the layer's are fused (the device
-        side; then views of its output), else three."""
+    def _project_qkv(self, i: int, lw: LayerWeights, x: np.ndarray, rows=None):
+        """x [N, H] -> q [N, nh, hd] (only ``rows``' queries, [len(rows), nh, hd], where given), k and v [N, nkv,
+        hd]: one matmul where the layer's are fused (the device side; then views of its output), else three."""
         cfg, N, fused = self.cfg, x.shape[0], self.qkv[i]
         if fused is not None:
             qkv = x @ fused.weight.T  # [N, (nh + 2 nkv) * hd]
             if fused.bias is not None:
                 qkv = qkv + fused.bias
             q, k, v = qkv[:, : fused.q_end], qkv[:, fused.q_end : fused.k_end], qkv[:, fused.k_end :]
+            q = q if rows is None else q[rows]
         else:
-            q, k, v = x @ lw.q.T, x @ lw.k.T, x @ lw.v.T  # [N, nh*hd], [N, nkv*hd], [N, nkv*hd]
+            q = (x if rows is None else x[rows]) @ lw.q.T  # [N or len(rows), nh*hd]
+            k, v = x @ lw.k.T, x @ lw.v.T  # [N, nkv*hd]
             if lw.q_bias is not None:
                 q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
-        return (q.reshape(N, cfg.num_heads, cfg.head_dim), k.reshape(N, cfg.num_kv_heads, cfg.head_dim),
+        return (q.reshape(q.shape[0], cfg.num_heads, cfg.head_dim), k.reshape(N, cfg.num_kv_heads, cfg.head_dim),
                 v.reshape(N, cfg.num_kv_heads, cfg.head_dim))
 
     def _mla_attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, positions, rope,
-                       masks: dict, last: bool = False) -> np.ndarray:
-        """DeepSeek's multi-head latent attention; the cache keeps each token's latent and rope key."""
+                       masks: dict, rows=None) -> np.ndarray:
+        """DeepSeek's multi-head latent attention; the cache keeps each token's latent and rope key. ``rows``:
+        as _attention's."""
         cfg, m, w = self.cfg, self.cfg.mla, lw.mla
-        N, nh, dn = x.shape[0], cfg.num_heads, m.qk_nope_head_dim
+        nh, dn = cfg.num_heads, m.qk_nope_head_dim
+        xq = x if rows is None else x[rows]  # the rows whose queries are asked for
         if w.q is not None:
-            q = x @ w.q.T
+            q = xq @ w.q.T
         else:
-            q = ops.rms_norm(x @ w.q_a.T, w.q_a_norm, cfg.rms_norm_eps) @ w.q_b.T
-        q = q.reshape(N, nh, m.qk_head_dim)  # [N, nh, dn+dr]
+            q = ops.rms_norm(xq @ w.q_a.T, w.q_a_norm, cfg.rms_norm_eps) @ w.q_b.T
+        q = q.reshape(xq.shape[0], nh, m.qk_head_dim)  # [N or len(rows), nh, dn+dr]
         q_nope, q_rope = q[..., :dn], q[..., dn:]
         ckv = x @ w.kv_a.T  # [N, c+dr]
         latent = ops.rms_norm(self.xp.ascontiguousarray(ckv[:, : m.kv_lora_rank]), w.kv_a_norm, cfg.rms_norm_eps)
         k_rope = ckv[:, None, m.kv_lora_rank :]  # [N, 1, dr]
         rotate = ops.apply_rope_interleaved if m.rope_interleave else ops.apply_rope
-        out = self.xp.empty((N, nh * m.v_head_dim), np.float32)  # [N, nh*dv]
+        out = self.xp.empty((xq.shape[0], nh * m.v_head_dim), np.float32)  # [N or len(rows), nh*dv]
         for s, (_, cache) in enumerate(seqs):
             r = slice(bounds[s], bounds[s + 1])
             cos, sin = rope[0][r], rope[1][r]
             lat, kr = cache.extend(i, latent[r], rotate(k_rope[r], cos, sin)[:, 0])  # [S, c], [S, dr]
             mask = self._mask(masks, s, positions[s], lat.shape[0], None)  # [T_s, S]
+            if rows is not None:  # sequence s's last query alone: row s of q
+                r, cos, sin, mask = slice(s, s + 1), cos[-1:], sin[-1:], mask[-1:]
             qr = rotate(q_rope[r], cos, sin)
-            if last:  # the last row's query alone
-                r, qr, mask = slice(r.stop - 1, r.stop), qr[-1:], mask[-1:]
             if self._absorbed(r.stop - r.start, lat.shape[0]):
                 out[r] = ops.mla_attention_absorbed(q_nope[r], qr, lat, kr, w.w_uk, w.w_uv, mask, m.softmax_scale)
             else:
                 kv = (lat @ w.kv_b.T).reshape(lat.shape[0], nh, dn + m.v_head_dim)  # [S, nh, dn+dv]
                 out[r] = ops.mla_attention(q_nope[r], qr, kv[..., :dn], kr, kv[..., dn:], mask, m.softmax_scale)
-        if last:
-            out = last_rows(self.xp, bounds, out)  # [len(seqs), nh*dv]
-        return out @ lw.o.T  # [N (or len(seqs)), H]
+        return out @ lw.o.T  # [N or len(rows), H]
 
     def _absorbed(self, T: int, S: int) -> bool:
         """Whether T new tokens over S cached ones take the absorbed form: the one with fewer multiply-adds.
