@@ -13,6 +13,7 @@ import numpy as np
 
 from node_worker import NodeWorker, kernel_threads
 from node_worker.kernels import dense
+from node_worker.kernels.kernel_set import KernelSet
 from node_worker.job import ExpertJob, NodeJob, WorkerJob, max_message_bytes
 from shm import formats
 from shm.checkpoint import Checkpoint
@@ -104,14 +105,13 @@ def check_prompt_ids(mcfg: ModelConfig, ids: Sequence[int], max_new_tokens: int,
                                f"length {limit}")
 
 
-def warm_up_host(dense_format: str) -> None:
+def warm_up_host(dense_kernels: Sequence[KernelSet] = ()) -> None:
     """Compile (or load from the disk cache) the host loops this engine's requests call, before the first one:
     the decoder's row loops (host_ops: all of them on a NumPy device side, the router's top-k with a GPU too)
-    and, with dense matrices kept packed, their kernels (an in-process pool's NodeWorker warms those too; with
-    the process pool only this does)."""
+    and, with dense matrices kept packed, their kernels (one kernel set per format)."""
     host_ops.warm_up()
-    if dense_format != "f32":
-        dense.warm_up()
+    for kernels in dense_kernels:
+        dense.warm_up(kernels)
 
 
 def build_plan(mcfg: ModelConfig, nodes: list[Node], fmt: str = "f32") -> PoolPlan:
@@ -267,11 +267,11 @@ class Engine:
                                    "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")
         device_set, placement = device_expert_set(mcfg, ckpt, config)  # a count the model cannot give: refused now
         weights = load_weights(mcfg, ckpt)
-        dense_format = "f32"
+        dense_format, dense_kernels = "f32", []
         if config.dense_dtype != "f32" and backend == "numpy":
             fmt = None if config.dense_dtype == formats.AUTO else formats.get(config.dense_dtype)
-            nbytes, dense_format = pack_dense(weights, fmt, config.activations != "f32", ckpt,
-                                              config.activations == "bf16")
+            nbytes, dense_format, dense_kernels = pack_dense(weights, fmt, config.activations != "f32", ckpt,
+                                                             config.activations == "bf16")
             log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
@@ -285,7 +285,7 @@ class Engine:
         pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
                           cpu_set_digest(ckpt, device_set, fmt), fmt, runs_kernels)
         decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
-        warm_up_host(dense_format)
+        warm_up_host(dense_kernels)
         log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                  model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
         return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,

@@ -21,15 +21,15 @@ from shm.doorbell import monotonic_ns, store_release, team_futex_wait
 from shm.pool_io import NODE_BYTES, NODE_COMPUTE_NS, NODE_DONE, NODE_RECEIVED_NS, NODE_SENT_NS, NODE_STATUS, STATUS_OK
 
 from .kernels.common import JIT
-from .kernels.layer import layer_moe
+from .kernels.layer import layer_moe, sample_args
 
 
 @njit(**JIT)
-def compute_answer_sleep(data, hidden, x, tokens, experts, weights, offsets, shapes, y, int_act,  # layer_moe's
+def compute_answer_sleep(ks, data, hidden, x, tokens, experts, weights, offsets, shapes, y,  # layer_moe's
                          line, seq, received_ns, started_ns, ring, bell_address, seen, timespec_address, threads):
     """Compute, publish and sleep; returns the layer's expert bytes, or layer_moe's -1 (nothing published,
     no sleep: the caller answers with the error)."""
-    nbytes = layer_moe(data, hidden, x, tokens, experts, weights, offsets, shapes, y, int_act)
+    nbytes = layer_moe(ks, data, hidden, x, tokens, experts, weights, offsets, shapes, y)
     if nbytes < 0:
         return nbytes
     sent = monotonic_ns()
@@ -43,15 +43,12 @@ def compute_answer_sleep(data, hidden, x, tokens, experts, weights, offsets, sha
     return nbytes
 
 
-def warm_up() -> None:
-    """Compile (or load from the disk cache) before the first request: one tiny layer, its sleep over at once."""
+def warm_up(ks) -> None:
+    """Compile (or load from the disk cache) the kernel set ``ks``'s call before the first request: one tiny
+    layer (kernels/layer.py's sample), its sleep over at once."""
     bell = np.zeros(1, np.uint32)
     ring = np.zeros(16, np.uint32)
     line = np.zeros(8, np.int64)
     timespec = np.zeros(2, np.int64)
-    hidden = 32  # one f32 row of 32 through one expert (down [32, 1]), as kernels/layer.py's warm_up
-    layer = (np.zeros(3 * 4 * hidden, np.uint8), hidden, np.zeros((1, hidden), np.float32), np.zeros(1, np.int64),
-             np.zeros(1, np.int64), np.ones(1, np.float32), np.array([[0, 4 * hidden, 8 * hidden]], np.int64),
-             np.array([[1, 0, 4 * hidden, 0, 4 * hidden, 0, 1, 4]], np.int64), np.zeros((1, hidden), np.float32), True)
-    compute_answer_sleep(*layer, line, 1, 0, 0, ring, bell.ctypes.data, 1, timespec.ctypes.data, 1)
+    compute_answer_sleep(*sample_args(ks), line, 1, 0, 0, ring, bell.ctypes.data, 1, timespec.ctypes.data, 1)
     assert line[NODE_DONE] == 1 and ring[0] == 1

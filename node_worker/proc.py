@@ -147,7 +147,7 @@ class WorkerProcess:
         if job.pool_io:
             self.io = pool_io.attach(job.pool_io, job.model_digest, plan.digest)
             doorbell.warm_up()
-            answer.warm_up()
+            answer.warm_up(self.worker.kernels)
             pool_io.check_routing(self.io.tokens[:0], self.io.experts[:0], self.io.weights[:0], 1, 1)  # compiled
             self.done_seq = self.io.done(self.index)
         placement = segment_placement(os.getpid(), report.segment, nj.local_node)

@@ -26,7 +26,7 @@ import numpy as np
 from shm import formats
 from shm.expert_source import ExpertSlice
 
-from .kernels import dense
+from .kernels.kernel_set import KernelSet, for_formats
 from .kernels.layer import layer_moe, warm_up
 from .kernels.rows import SHAPE, loop_id
 from .tasks import TaskRunner
@@ -53,15 +53,15 @@ class NodeWorker:
                  cpus: Sequence[int] | None = None, activations: str = "q8"):
         self.node = node
         self.activations = activations  # "q8": integer dot products where the format has integers; "f32"
-        self.int_act = activations in ("q8", "bf16")
         self.bf16_products = activations == "bf16"  # bf16 rows by bf16 activations (kernels/bf16dp.py)
+        # the loops the layer kernel is compiled with: the store's formats, in this activation mode
+        self.kernels: KernelSet = for_formats(store.formats.names, activations)
         self.store = store
         self.hidden_size = hidden_size
         self.runner = TaskRunner(threads, cpus, name=f"node{node}")
         self.bytes_read = 0  # expert weight bytes touched, for the benchmark
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> expert offsets [E, 3], rows [E]
-        warm_up()  # compiled (or loaded from the disk cache) now, not in the first request
-        dense.warm_up()
+        warm_up(self.kernels)  # loaded from the disk cache (or compiled) now, not in the first request
 
     @property
     def threads(self) -> int:
@@ -88,16 +88,16 @@ class NodeWorker:
         x = np.ascontiguousarray(x, np.float32)
         y = np.empty((x.shape[0], self.hidden_size), np.float32) if out is None else out[: x.shape[0]]
         self.use_node_threads()
-        return (self.store.data, self.hidden_size, x, np.ascontiguousarray(tokens, np.int64),
+        return (self.kernels, self.store.data, self.hidden_size, x, np.ascontiguousarray(tokens, np.int64),
                 np.ascontiguousarray(experts, np.int64), np.ascontiguousarray(weights, np.float32), offsets, shapes,
-                y, self.int_act)
+                y)
 
     def compute(self, layer: int, x: np.ndarray, tokens: np.ndarray, experts: np.ndarray, weights: np.ndarray,
                 out: np.ndarray | None = None) -> np.ndarray:
         """This node's partial output Y_n [T, H] for the routed pairs (``out[:T]`` when given): layer_args'."""
         args = self.layer_args(layer, x, tokens, experts, weights, out)
-        self.count(layer, layer_moe(*args), args[2].shape[0])
-        return args[8]
+        self.count(layer, layer_moe(*args), args[3].shape[0])
+        return args[9]
 
     def count(self, layer: int, nbytes: int, rows: int) -> None:
         """layer_moe's answer: the expert bytes it read, or the error it found."""

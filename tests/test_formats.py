@@ -9,6 +9,7 @@ import pytest
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from coordinator.errors import ConfigValueError
+from node_worker.kernels.kernel_set import KernelSet
 from node_worker.worker import NodeWorker
 from shm import formats
 from shm.expert_source import ExpertSlice
@@ -256,12 +257,12 @@ def test_the_dense_warm_up_compiles_the_prefill_tiles_ahead_of_the_first_prompt(
     from coordinator.model.packed import PackedMatrix
     from node_worker.kernels import dense
 
-    dense.warm_up()
-    compiled = len(dense.matmul_tiles.overloads)
-    assert compiled >= 1
     rng = np.random.default_rng(2)
     packed = PackedMatrix.encode(rng.standard_normal((8, 64)).astype(np.float32), formats.get("bf16"),
                                  bf16_products=True)
+    dense.warm_up(packed.kernels)
+    compiled = len(dense.matmul_tiles.overloads)
+    assert compiled >= 1
     x = rng.standard_normal((5, 64)).astype(np.float32)
     assert (x @ packed.T).shape == (5, 8)
     assert len(dense.matmul_tiles.overloads) == compiled
@@ -364,16 +365,16 @@ def test_four_row_tiles_give_the_two_row_tiles_and_the_one_token_loops_bits(name
     from node_worker.kernels.rows import FORMAT_IDS
 
     @njit(**{**JIT, "cache": False})  # the kernels' flags
-    def tiles(fmt, data, row_bytes, R, K, x, four, two, six, six_n):
+    def tiles(ks, fmt, data, row_bytes, R, K, x, four, two, six, six_n):
         for r in range(0, R, 4):
             for t0 in range(0, x.shape[0], 4):
-                simd.dot4r4(fmt, data, r * row_bytes, row_bytes, K, x, t0, four, r)
-                simd.dot2r4(fmt, data, r * row_bytes, row_bytes, K, x, t0, two, r)
-                simd.dot2r4(fmt, data, (r + 2) * row_bytes, row_bytes, K, x, t0, two, r + 2)
+                simd.dot4r4(ks, fmt, data, r * row_bytes, row_bytes, K, x, t0, four, r)
+                simd.dot2r4(ks, fmt, data, r * row_bytes, row_bytes, K, x, t0, two, r)
+                simd.dot2r4(ks, fmt, data, (r + 2) * row_bytes, row_bytes, K, x, t0, two, r + 2)
         for r in range(0, R, 6):
             for t0 in range(0, x.shape[0], 4):
-                simd.dot6r4(fmt, data, r * row_bytes, row_bytes, K, x, t0, six, r)
-                simd.dot6r4n(fmt, data, r * row_bytes, row_bytes, K, x, t0, six_n, r)
+                simd.dot6r4(ks, fmt, data, r * row_bytes, row_bytes, K, x, t0, six, r)
+                simd.dot6r4n(ks, fmt, data, r * row_bytes, row_bytes, K, x, t0, six_n, r)
 
     fmt = formats.get(name)
     rng = np.random.default_rng(11)
@@ -383,7 +384,8 @@ def test_four_row_tiles_give_the_two_row_tiles_and_the_one_token_loops_bits(name
     data = stored.reshape(-1).view(np.uint8)
     x = rng.standard_normal((T, hidden)).astype(np.float32)
     four, two, six, six_n = (np.full((T, R), np.nan, np.float32) for _ in range(4))
-    tiles(FORMAT_IDS[name], data, fmt.row_bytes(hidden), R, hidden, x, four, two, six, six_n)
+    tiles(KernelSet.of([name], False), FORMAT_IDS[name], data, fmt.row_bytes(hidden), R, hidden, x, four, two, six,
+          six_n)
     w = formats.decoded(fmt, stored).astype(np.float64)
     for got in (four, two, six, six_n):
         np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
@@ -614,11 +616,12 @@ def test_a_groups_last_one_to_three_tokens_in_a_short_tile_give_the_padded_tiles
     from node_worker.kernels.common import JIT
 
     @njit(**{**JIT, "cache": False})
-    def chunks(fmt, data, row_bytes, R, K, xg, xb, out, n):
-        krows.dot_chunks(fmt, data, 0, row_bytes, R, K, xg, xb, out, 0, n)
+    def chunks(ks, fmt, data, row_bytes, R, K, xg, xb, out, n):
+        krows.dot_chunks(ks, fmt, data, 0, row_bytes, R, K, xg, xb, out, 0, n)
 
     fmt = formats.get("bf16" if name == "bf16dp" else name)
     fmt_id = krows.FORMAT_IDS[name]
+    ks = KernelSet.of([name], False)
     rng = np.random.default_rng(21)
     R, hidden = 11, 2 * H  # rows: two four-row tiles, a two-row one and an odd last row (AVX-512: a six-row
     # tile, a four-row one and the odd last row: rows.six_rows)
@@ -632,8 +635,8 @@ def test_a_groups_last_one_to_three_tokens_in_a_short_tile_give_the_padded_tiles
         xg[:n] = rng.standard_normal((n, hidden))
         xb = krows.rounded_if(name == "bf16dp", xg)
         short, whole = np.full((padded, R + 1), np.nan, np.float32), np.full((padded, R + 1), np.nan, np.float32)
-        chunks(fmt_id, data, fmt.row_bytes(hidden), R, hidden, xg, xb, short, n)
-        chunks(fmt_id, data, fmt.row_bytes(hidden), R, hidden, xg, xb, whole, padded)
+        chunks(ks, fmt_id, data, fmt.row_bytes(hidden), R, hidden, xg, xb, short, n)
+        chunks(ks, fmt_id, data, fmt.row_bytes(hidden), R, hidden, xg, xb, whole, padded)
         assert np.array_equal(short[:n, :R], whole[:n, :R]), n
         assert np.isnan(short[n:]).all() and not np.isnan(whole[n:, :R]).any()  # the padding: not computed
         x = bf16_rounded(xg[:n]) if name == "bf16dp" else xg[:n].astype(np.float64)
@@ -662,11 +665,11 @@ def test_tiles_with_accumulators_in_register_parts_give_the_plain_loops_bits(nam
 
     def trio(a, b, c, NR, K):
         @njit(cache=False)
-        def run(fmt, data, row_bytes, hidden, x, out_a, out_b, out_c):
+        def run(ks, fmt, data, row_bytes, hidden, x, out_a, out_b, out_c):
             for r in range(0, R, NR):
-                a(fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_a, r)
-                b(fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_b, r)
-                c(fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_c, r)
+                a(ks, fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_a, r)
+                b(ks, fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_b, r)
+                c(ks, fmt, data, r * row_bytes, row_bytes, hidden, x, 0, out_c, r)
         return run
 
     fmt = formats.get(name)
@@ -679,8 +682,8 @@ def test_tiles_with_accumulators_in_register_parts_give_the_plain_loops_bits(nam
         x = rng.standard_normal((4, hidden)).astype(np.float32)
         for (NR, K), (a, whole), b in zip(shapes, parted, plain):
             got, got_whole, want = (np.full((4, R + 1), np.nan, np.float32) for _ in range(3))
-            trio(a, whole, b, NR, K)(krows.FORMAT_IDS[name], data, fmt.row_bytes(hidden), hidden, x, got, got_whole,
-                                     want)
+            trio(a, whole, b, NR, K)(KernelSet.of([name], False), krows.FORMAT_IDS[name], data, fmt.row_bytes(hidden),
+                                     hidden, x, got, got_whole, want)
             assert np.array_equal(got, want, equal_nan=True), (hidden, NR, K)
             assert np.array_equal(got_whole, want, equal_nan=True), (hidden, NR, K)
             assert np.isnan(got[K:]).all()
@@ -703,6 +706,7 @@ def test_tile_sums_and_decode_sums_are_the_tree_of_halves():
         return products[..., 0]
 
     rng = np.random.default_rng(9)
+    f32_loops = KernelSet.of(["f32"], False)
     R, K, hidden = 12, 4, 32
     w = rng.standard_normal((R, hidden)).astype(np.float32)
     x = rng.standard_normal((K, hidden)).astype(np.float32)
@@ -712,22 +716,23 @@ def test_tile_sums_and_decode_sums_are_the_tree_of_halves():
             dot = simd._make_dotk(NR, k, ("f32",), parted=())
 
             @njit(cache=False)
-            def run(data, row_bytes, x, out):
+            def run(ks, data, row_bytes, x, out):
                 for r in range(0, R, NR):
-                    dot(0, data, r * row_bytes, row_bytes, hidden, x, 0, out, r)
+                    dot(ks, 0, data, r * row_bytes, row_bytes, hidden, x, 0, out, r)
 
             out = np.full((K, R + 1), np.nan, np.float32)
-            run(w.reshape(-1).view(np.uint8), 4 * hidden, x, out)
+            run(f32_loops, w.reshape(-1).view(np.uint8), 4 * hidden, x, out)
             assert np.array_equal(out[:k, :R], want[:k]), (NR, k)
 
     @njit(cache=False)
-    def decode(data, x, out):
+    def decode(ks, data, x, out):
         for r in range(0, R, 4):
-            out[r], out[r + 1], out[r + 2], out[r + 3] = simd.dot4_f32(
-                data, 4 * hidden * r, 4 * hidden * (r + 1), 4 * hidden * (r + 2), 4 * hidden * (r + 3), hidden, x)
+            out[r], out[r + 1], out[r + 2], out[r + 3] = simd.dot4(
+                ks, 0, data, 4 * hidden * r, 4 * hidden * (r + 1), 4 * hidden * (r + 2), 4 * hidden * (r + 3), hidden,
+                x)
 
     one = np.empty(R, np.float32)
-    decode(w.reshape(-1).view(np.uint8), x[0], one)
+    decode(f32_loops, w.reshape(-1).view(np.uint8), x[0], one)
     assert np.array_equal(one, want[0])
 
 
@@ -765,8 +770,9 @@ def test_dense_tiles_over_token_blocks_give_each_tokens_own_bits(name):
     x = rng.standard_normal((T, K)).astype(np.float32)
     fid = rows.FORMAT_IDS[name]
     tiled = np.zeros((T, R + 1), np.float32)
-    dense.matmul_tiles(fid, packed.data, 0, packed.row_bytes, R, K, x, tiled)
+    ks = KernelSet.of([name], False)
+    dense.matmul_tiles(ks, fid, packed.data, 0, packed.row_bytes, R, K, x, tiled)
     alone = np.zeros((T, R), np.float32)
     for t in range(T):
-        dense.matmul_rows(fid, packed.data, 0, packed.row_bytes, R, K, x[t:t + 1], alone[t:t + 1], False)
+        dense.matmul_rows(ks, fid, packed.data, 0, packed.row_bytes, R, K, x[t:t + 1], alone[t:t + 1])
     assert np.array_equal(tiled[:, :R], alone)

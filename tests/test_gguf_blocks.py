@@ -62,12 +62,14 @@ def test_compiled_readers_of_k_blocks_dequantise_bit_exactly(ggml_type):
     """The kernels' own reading of a row (node_worker/kernels: each 32-group of a super-block widened in
     registers) gives gguf.quants' weights bit for bit: no second rounding, no fused multiply-add."""
     from node_worker.kernels import dense
+    from node_worker.kernels.kernel_set import KernelSet
     from node_worker.kernels.rows import FORMAT_IDS
 
     raw = random_rows(ggml_type, 5, np.random.default_rng(int(ggml_type)), hidden=512)
     name, stored = gguf_blocks.repack(raw, ggml_type, 512)
     out = np.empty((5, 512), np.float32)
-    dense.decode_rows(FORMAT_IDS[name], np.ascontiguousarray(stored).reshape(-1), 0, stored.shape[1], 0, out)
+    dense.decode_rows(KernelSet.of([name], False), FORMAT_IDS[name], np.ascontiguousarray(stored).reshape(-1), 0,
+                      stored.shape[1], 0, out)
     want = quants.dequantize(raw, Q(ggml_type)).astype(np.float32)
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 

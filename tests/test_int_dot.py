@@ -404,11 +404,12 @@ def test_rows_interleaved_on_the_fly_are_the_stored_groups():
     from numba import njit
 
     from node_worker.kernels import rows8
+    from node_worker.kernels.kernel_set import KernelSet
     from node_worker.kernels.rows import FORMAT_IDS
 
     @njit
-    def interleave8(fmt, data, o, row_bytes, hidden, groups):
-        rows8.interleave8(fmt, data, o, row_bytes, hidden, groups)
+    def interleave8(ks, fmt, data, o, row_bytes, hidden, groups):
+        rows8.interleave8(ks, fmt, data, o, row_bytes, hidden, groups)
 
     rng = np.random.default_rng(11)
     q8 = formats.get("q8")
@@ -419,7 +420,8 @@ def test_rows_interleaved_on_the_fly_are_the_stored_groups():
             row_bytes = fmt.row_bytes(K)
             for g in range(2):
                 groups = np.zeros(K // 32 * rows8.GROUP_BYTES, np.uint8)
-                interleave8(FORMAT_IDS[name], stored.reshape(-1), g * 8 * row_bytes, row_bytes, K, groups)
+                interleave8(KernelSet.of([name], True), FORMAT_IDS[name], stored.reshape(-1), g * 8 * row_bytes,
+                            row_bytes, K, groups)
                 rows = stored[8 * g:8 * g + 8]
                 if name == "q8":
                     assert np.array_equal(groups, rows8.interleave(rows, K))

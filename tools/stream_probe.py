@@ -11,8 +11,8 @@ both ways, and times it on the lm_head (151936 x 2048, one token, the rows
 split over numba's threads) and on 8 random experts of 64 (gate and up 768 x
 2048, down 2048 x 768) a call:
 
-    side by side, the prefetch 8 rows on (simd.dot4_F: what f32 rows take)
-    four streams (the matrix's quarters), no prefetch (simd.dot4s_F, rows.stream_quad: what bf16's take)
+    side by side, the prefetch 8 rows on (simd.dot4: what f32 rows take)
+    four streams (the matrix's quarters), no prefetch (simd.dot4s, rows.stream_quad: what bf16's take)
 
 Each lm_head result is checked against the engine's own product (x @ PackedMatrix.T) bit for bit. Its
 numba code is compiled apart (not cached), in a few seconds.
@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.model.packed import PackedMatrix  # noqa: E402
 from node_worker.kernels import simd  # noqa: E402
+from node_worker.kernels.kernel_set import KernelSet  # noqa: E402
+from node_worker.kernels.rows import FORMAT_IDS  # noqa: E402
 from shm import formats  # noqa: E402
 
 
@@ -39,13 +41,13 @@ def matrix_loop(dot4, stream: bool):
     """out [R] = x . the rows of a matrix [R, H] (R a multiple of 4), four at a time over the threads."""
 
     @njit(parallel=True, fastmath=True, nogil=True)
-    def matrix(data, row_bytes, R, H, x, out):
+    def matrix(ks, fmt, data, row_bytes, R, H, x, out):
         S = R // 4
         for q in prange(S):
             first, apart = (q, S) if stream else (4 * q, 1)  # rows first + k apart, k < 4
             o = first * row_bytes
             d = apart * row_bytes
-            a0, a1, a2, a3 = dot4(data, o, o + d, o + 2 * d, o + 3 * d, H, x)
+            a0, a1, a2, a3 = dot4(ks, fmt, data, o, o + d, o + 2 * d, o + 3 * d, H, x)
             out[first], out[first + apart], out[first + 2 * apart], out[first + 3 * apart] = a0, a1, a2, a3
 
     return matrix
@@ -55,7 +57,7 @@ def expert_loop(dot4, stream: bool):
     """8 experts a call, one token: gate, up [R, H] and down [H, R] of each, the experts over the threads."""
 
     @njit(parallel=True, fastmath=True, nogil=True)
-    def layer(data, expert_bytes, wbytes, H, R, x, experts, out):
+    def layer(ks, fmt, data, expert_bytes, wbytes, H, R, x, experts, out):
         for g in prange(experts.size):
             base = experts[g] * expert_bytes
             for m in range(3):
@@ -67,7 +69,7 @@ def expert_loop(dot4, stream: bool):
                     first, apart = (q, S) if stream else (4 * q, 1)
                     oo = o + first * step
                     d = apart * step
-                    a0, a1, a2, a3 = dot4(data, oo, oo + d, oo + 2 * d, oo + 3 * d, width, x)
+                    a0, a1, a2, a3 = dot4(ks, fmt, data, oo, oo + d, oo + 2 * d, oo + 3 * d, width, x)
                     out[g, m, q] = a0 + a1 + a2 + a3
 
     return layer
@@ -93,9 +95,10 @@ def main() -> None:
     what = args.what.split(",")
     rng = np.random.default_rng(0)
     H, R, E = 2048, 768, 64
-    # the engine's one-token loop: with the prefetch (simd.dot4_F) or without (simd.dot4s_F)
-    dots = {(name, stream): simd._make_dot4(simd.FORMATS[name], ahead=not stream)
+    # the engine's one-token loop: with the prefetch (simd.dot4) or without (simd.dot4s)
+    dots = {(name, stream): simd._make_dot4((name,), ahead=not stream)
             for name in ("bf16", "f32") for stream in (False, True)}
+    loop_args = {name: (KernelSet.of([name], False), FORMAT_IDS[name]) for name in ("bf16", "f32")}
     if "lm_head" in what:
         V = 151936
         w = rng.standard_normal((V, H)).astype(np.float32)
@@ -119,10 +122,10 @@ def main() -> None:
                     pm = packed[name]
                     got = np.empty(pm.shape[0], np.float32)
                     fn = loops[(name, stream)]
-                    fn(pm.data, pm.row_bytes, pm.shape[0], H, x, got)
+                    fn(*loop_args[name], pm.data, pm.row_bytes, pm.shape[0], H, x, got)
                     assert np.array_equal(got, want[name]), (name, label)  # the engine's bits
                     got_gbs[f"lm_head {name}"] = median_gbs(
-                        lambda: fn(pm.data, pm.row_bytes, pm.shape[0], H, x, got), pm.nbytes, 7)
+                        lambda: fn(*loop_args[name], pm.data, pm.row_bytes, pm.shape[0], H, x, got), pm.nbytes, 7)
                 if "experts" in what:
                     data = stores[name]
                     eb = data.nbytes // E
@@ -130,7 +133,8 @@ def main() -> None:
                     efn = eloops[(name, stream)]
 
                     def call():
-                        efn(data, eb, wbytes, H, R, xe, rng.choice(E, 8, replace=False).astype(np.int64), out)
+                        efn(*loop_args[name], data, eb, wbytes, H, R, xe, rng.choice(E, 8, replace=False).astype(np.int64),
+                            out)
 
                     call()
                     got_gbs[f"experts {name}"] = median_gbs(call, 8 * eb, 40)

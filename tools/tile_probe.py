@@ -43,6 +43,7 @@ from numba import njit, prange  # noqa: E402
 from numba.typed import List  # noqa: E402
 
 from node_worker.kernels import simd  # noqa: E402
+from node_worker.kernels.kernel_set import KernelSet  # noqa: E402
 from node_worker.kernels.schedule import take  # noqa: E402
 
 FORMAT_IDS = {"f32": 0, "bf16": 1}  # rows.FORMAT_IDS
@@ -68,11 +69,11 @@ def in_cache(variant: str):
     dot = tile(NR, K, loop, ahead)
 
     @njit(nogil=True, fastmath=True)
-    def run(fmt, data, row_bytes, rows, hidden, x, out, reps):
+    def run(ks, fmt, data, row_bytes, rows, hidden, x, out, reps):
         for _ in range(reps):
             for r in range(0, rows - NR + 1, NR):
                 for t0 in range(0, x.shape[0] - K + 1, K):
-                    dot(fmt, data, r * row_bytes, row_bytes, hidden, x, t0, out, r)
+                    dot(ks, fmt, data, r * row_bytes, row_bytes, hidden, x, t0, out, r)
     return run
 
 
@@ -83,7 +84,7 @@ def out_of_cache(variant: str):
     one, two, three = (short + [full, full, full])[:3]  # only those below K are called
 
     @njit(parallel=True, nogil=True, fastmath=True)
-    def run(fmt, data, row_bytes, experts, rows, hidden, xs, out, reps):
+    def run(ks, fmt, data, row_bytes, experts, rows, hidden, xs, out, reps):
         for _ in range(reps):
             counter = np.zeros(1, np.int64)
             for _ in prange(experts):  # a thread's first iteration takes experts until none is left
@@ -95,14 +96,14 @@ def out_of_cache(variant: str):
                         o = (e * rows + r) * row_bytes
                         t0 = 0
                         while t0 + K <= n:
-                            full(fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
+                            full(ks, fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
                             t0 += K
                         if n - t0 == 3:
-                            three(fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
+                            three(ks, fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
                         elif n - t0 == 2:
-                            two(fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
+                            two(ks, fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
                         elif n - t0 == 1:
-                            one(fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
+                            one(ks, fmt, data, o, row_bytes, hidden, x, t0, out[e], r)
                     e = take(counter, 0)
     return run
 
@@ -136,6 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     variants = args.variants.split(",")
     fmt, H = FORMAT_IDS[args.format], args.hidden
+    loops = KernelSet.of([args.format], False)
     rng = np.random.default_rng(0)
     if args.experts:
         E, R = args.experts, args.rows or 1536
@@ -146,7 +148,7 @@ def main() -> None:
             xs.append(aligned_rows(rng.standard_normal((counts[e % len(counts)], H)).astype(np.float32), 0))
         runs = {v: out_of_cache(v) for v in variants}
         outs = {v: np.zeros((E, max(counts), R + 1), np.float32) for v in variants}
-        args_of = {v: (fmt, data, data.size // (E * R), E, R, H, xs, outs[v]) for v in variants}
+        args_of = {v: (loops, fmt, data, data.size // (E * R), E, R, H, xs, outs[v]) for v in variants}
         flops = 2 * R * H * sum(counts[e % len(counts)] for e in range(E))
         print(f"out of cache: {E} experts x {R} rows x {H} {args.format}, {args.tokens_per_expert} tokens an "
               f"expert, {data.nbytes / 1e6:.0f} MB, numba's threads")
@@ -156,7 +158,7 @@ def main() -> None:
         x = aligned_rows(rng.standard_normal((T, H)).astype(np.float32), args.x_offset)
         runs = {v: in_cache(v) for v in variants}
         outs = {v: np.zeros((T, R + 1), np.float32) for v in variants}
-        args_of = {v: (fmt, data, data.size // R, R, H, x, outs[v]) for v in variants}
+        args_of = {v: (loops, fmt, data, data.size // R, R, H, x, outs[v]) for v in variants}
         flops = 2 * R * H * T
         print(f"in cache: {R} rows x {H} {args.format} by {T} tokens (x at +{args.x_offset} bytes), one thread")
     for v in variants:

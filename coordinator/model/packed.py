@@ -23,7 +23,8 @@ import numpy as np
 
 from node_worker.kernels import dense, rows8, simd
 from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
-from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, WIDE_IDS, loop_id
+from node_worker.kernels.kernel_set import KernelSet, loop_name
+from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, WIDE_IDS
 from shm import formats
 from shm.expert_store import aligned_buffer
 from shm.formats.encode import encode_into
@@ -62,6 +63,12 @@ GROUPED = ("q8",)
 # 64 (BLAS before) 187 / 272, 264 / 279; 2048 x 4096 by 8 134 / 204, 196 / 203, by 64 257 / 260, 250 / 257.
 
 
+def kernel_set(format_name: str, int_act: bool, bf16_products: bool) -> KernelSet:
+    """The loops a matrix stored in shm format ``format_name`` is multiplied with (node_worker/kernels/dense.py):
+    its format's alone, so each format's dense kernels compile once, whatever the model mixes them with."""
+    return KernelSet.of([loop_name(format_name, bf16_products)], int_act)
+
+
 class PackedMatrix:
     """W [R, K] in a storage format; ``x @ packed.T`` = x · Wᵀ."""
 
@@ -80,7 +87,8 @@ class PackedMatrix:
             self.data = rows8.interleave(rows, shape[1], advised_empty(rows.nbytes))
         else:
             self.data = advised_copy(stored)  # [R * row_bytes] in huge pages where the kernel gives them
-        self.fmt_id = loop_id(fmt.NAME, self.bf16_products)
+        self.fmt_id = FORMAT_IDS[loop_name(fmt.NAME, self.bf16_products)]
+        self.kernels = kernel_set(fmt.NAME, int_act, bf16_products)  # its format's loops alone: compiled per format
 
     @classmethod
     def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False,
@@ -103,7 +111,7 @@ class PackedMatrix:
         """W as float32 [R, K] (tests, and the reference computations)."""
         out = np.empty(self.shape, np.float32)
         rows = rows8.rows_of(self.data, *self.shape).reshape(-1) if self.grouped else self.data
-        dense.decode_rows(self.fmt_id, rows, 0, self.row_bytes, 0, out)
+        dense.decode_rows(self.kernels, self.fmt_id, rows, 0, self.row_bytes, 0, out)
         return out
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
@@ -114,11 +122,11 @@ class PackedMatrix:
         T = x2.shape[0]
         if self.grouped:
             out = np.empty((T, R), np.float32)
-            rows8.matmul_groups(self.data, R, K, x2, out)
+            rows8.matmul_groups(self.kernels, self.data, R, K, x2, out)
             return out.reshape(*lead, R)
         if self.int_act and self.fmt_id in BLOCK_IDS and R % rows8.GROUP_ROWS == 0 and T >= GROUPED_FROM:
             out = np.empty((T, R), np.float32)  # q4's rows eight at a time, interleaved on the fly
-            rows8.matmul_rows_by_eight(self.fmt_id, self.data, self.row_bytes, R, K, x2, out)
+            rows8.matmul_rows_by_eight(self.kernels, self.fmt_id, self.data, self.row_bytes, R, K, x2, out)
             return out.reshape(*lead, R)
         if self.int_act and ((T < INT_TOKENS and self.fmt_id in SUPER_IDS) or
                              (1 < T < BLOCK_INT_TOKENS and self.fmt_id in BLOCK_IDS)):
@@ -128,7 +136,7 @@ class PackedMatrix:
                 padded = np.zeros((T + 3, K), np.float32)
                 padded[:T] = x2
             out = np.empty((padded.shape[0], R), np.float32)
-            dense.matmul_tokens_int(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
+            dense.matmul_tokens_int(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
             return out[:T].reshape(*lead, R)
         if self.fmt_id in WIDE_IDS and (simd.WIDE_TILES or self.bf16_products) and T >= WIDE_TILE_TOKENS:
             rows = -(-T // 4) * 4
@@ -136,16 +144,16 @@ class PackedMatrix:
             padded[:T] = x2
             padded[T:] = 0
             out = np.empty((padded.shape[0], R + 1), np.float32)
-            dense.matmul_tiles(self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
+            dense.matmul_tiles(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
             return out[:T, :R].reshape(*lead, R)
         out = np.empty((T, R), np.float32)  # [T, R]
         if T <= FEW_TOKENS:
-            dense.matmul_rows(self.fmt_id, self.data, 0, self.row_bytes, R, K, x2, out, self.int_act)
+            dense.matmul_rows(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K, x2, out)
         else:
             tile = np.empty((min(TILE, R), K), np.float32)
             for r in range(0, R, TILE):
                 n = min(TILE, R - r)
-                dense.decode_rows(self.fmt_id, self.data, 0, self.row_bytes, r, tile[:n])
+                dense.decode_rows(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, r, tile[:n])
                 np.matmul(x2, tile[:n].T, out=out[:, r:r + n])
         return out.reshape(*lead, R)
 
@@ -176,15 +184,17 @@ def file_blocks(ckpt, name: str, shape: tuple[int, int], int_act: bool) -> Packe
 
 
 def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None,
-               bf16_products: bool = False) -> tuple[int, str]:
+               bf16_products: bool = False) -> tuple[int, str, list[KernelSet]]:
     """Store the model's dense matrices (attention, dense and shared MLPs, lm_head) in ``fmt``, in place;
-    returns their bytes and how many are in each format ("14 q4k, 3 q6k"). A matrix whose rows do not fall on
+    returns their bytes, how many are in each format ("14 q4k, 3 q6k") and the kernel sets they are multiplied
+    with (one per format). A matrix whose rows do not fall on
     the format's blocks stays float32. ``fmt`` None (dense_dtype auto): each matrix as ``ckpt``, a GGUF file,
     has it quantised (file_blocks), as llama.cpp reads them; the others stay float32. ``int_act``: a few tokens
     take integer dot products (EngineConfig.activations q8 or bf16); ``bf16_products``: bf16 matrices take
     the activations rounded to bf16 (activations bf16)."""
     total = 0
     count: dict[str, int] = {}
+    kernels: dict[KernelSet, None] = {}  # in first-use order
 
     def packed(w: np.ndarray) -> PackedMatrix | None:
         if fmt is None:
@@ -199,6 +209,8 @@ def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None
         total += (p or w).nbytes
         key = p.fmt.NAME if p is not None else "f32"
         count[key] = count.get(key, 0) + 1
+        if p is not None:
+            kernels[p.kernels] = None
         return p or w
 
     def pack(obj, name):
@@ -213,4 +225,5 @@ def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None
                 for f in fields(mlp):
                     pack(mlp, f.name)
     weights.lm_head = store(weights.lm_head)  # tied: a packed copy; the embedding keeps its rows for the lookup
-    return total, ", ".join(f"{n} {name}" for name, n in sorted(count.items(), key=lambda kv: -kv[1]))
+    return (total, ", ".join(f"{n} {name}" for name, n in sorted(count.items(), key=lambda kv: -kv[1])),
+            list(kernels))

@@ -20,7 +20,7 @@ vdpbf16ps treats them as zero.
 
 A partial last block (H not a multiple of 32) is taken value by value: fma(w[i], bf16(x[i]), sum).
 
-Decode (one token, simd.dot4_bf16dp) rounds the token's blocks in the registers; the tiles of several tokens
+Decode (one token, simd.dot4 of bf16dp) rounds the token's blocks in the registers; the tiles of several tokens
 (simd.pairs4r4, pairs2r4) take them rounded once for all the matrix's rows (round_rows): the conversion in
 the registers for every four rows cost as much as the products. Measured on an AVX-512 BF16 host (Zen 5, 2
 threads; tools/kernel_bench.py --formats bf16 --experts 64 --activations q8,bf16, ms a layer, exact against

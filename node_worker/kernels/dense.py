@@ -6,22 +6,23 @@ CPU device side (coordinator/model/packed.py) the way the expert kernels serve
 the pool: x [T, K] -> x·Wᵀ [T, R] in one compiled call, four rows at a time (bf16
 rows: four streams, the matrix's quarters, rows.stream_quad), rows split over numba's threads.
 
-    matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act)
+Each takes the kernel set first (kernel_set.py: the formats compiled in; its int_act, the integer loops):
+
+    matmul_rows(ks, fmt, data, base, row_bytes, R, K, x, out)
                                                             out [T, R] = x [T, K] · Wᵀ  (T small; int_act:
                                                             integer dot products for Q8_0 and Q4_0)
-    matmul_tiles(fmt, data, base, row_bytes, R, K, x, out)   out [T, R + 1] = the same for f32 or bf16 rows (or
+    matmul_tiles(ks, fmt, data, base, row_bytes, R, K, x, out)
+                                                            out [T, R + 1] = the same for f32 or bf16 rows (or
                                                             bf16dp's: by bf16 activations), T a multiple of 4:
                                                             four rows by four tokens at a time (rows.dot_chunks)
-    matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out)
+    matmul_tokens_int(ks, fmt, data, base, row_bytes, R, K, x, out)
                                                             the same for a K type or IQ4_XS (rows.SUPER_IDS), T = 1
                                                             (four rows at a time) or not 1 mod 4 (a row by eight
                                                             tokens, then four, three, two), on x quantised per
                                                             super-block; or for q8 or q4, any T, per block
                                                             (iblock.py)
-    decode_rows(fmt, data, base, row_bytes, first, out)     out [n, K] = W[first:first + n] as float32
+    decode_rows(ks, fmt, data, base, row_bytes, first, out) out [n, K] = W[first:first + n] as float32
     (q8 matrices of whole groups of eight rows with integer activations: rows8.py's interleaved layout and loop)
-    decode_rows_serial(...)                                  the same on the calling thread alone (for
-                                                             callers that run on threads of their own)
 """
 
 from __future__ import annotations
@@ -30,19 +31,20 @@ import numpy as np
 from numba import njit, prange
 
 from . import rows8
+from . import simd
 from .common import JIT
 from .activations import quantize_rows_biased, quantize_rows_super
-from .rows import (BF16DP, block_int, dot4, dot_chunks, quad_super, quantised_if, rounded_if, row_decode,
+from .rows import (BF16DP, FORMAT_IDS, WIDE_IDS, block_int, dot4, dot_chunks, quad_super, quantised_if, rounded_if,
                    row_tokens_block, row_tokens_int, stream_quad, streamed)
 
 
 @njit(parallel=True, **JIT)
-def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
-    use_int = block_int(fmt, int_act)  # integer dot products on x quantised per block (the K types: matmul_tokens_int)
+def matmul_rows(ks, fmt, data, base, row_bytes, R, K, x, out):
+    use_int = block_int(ks, fmt)  # integer dot products on x quantised per block (the K types: matmul_tokens_int)
     if streamed(fmt, use_int):  # bf16 rows: the matrix's four quarters as four streams
         for q in prange((R + 3) // 4):
             for t in range(x.shape[0]):
-                stream_quad(fmt, data, base, row_bytes, R, K, x[t], out[t], q)
+                stream_quad(ks, fmt, data, base, row_bytes, R, K, x[t], out[t], q)
         return
     xq, xd, xs = quantised_if(use_int, x)
     for q in prange((R + 3) // 4):
@@ -52,7 +54,7 @@ def matmul_rows(fmt, data, base, row_bytes, R, K, x, out, int_act):
         o2 = base + min(r + 2, R - 1) * row_bytes
         o3 = base + min(r + 3, R - 1) * row_bytes
         for t in range(x.shape[0]):
-            a0, a1, a2, a3 = dot4(fmt, use_int, data, o, o1, o2, o3, K, x[t], xq[t], xd[t], xs[t])
+            a0, a1, a2, a3 = dot4(ks, fmt, use_int, data, o, o1, o2, o3, K, x[t], xq[t], xd[t], xs[t])
             out[t, r] = a0
             if r + 1 < R:
                 out[t, r + 1] = a1
@@ -81,7 +83,7 @@ def token_block(K, T) -> int:
 
 
 @njit(parallel=True, **JIT)
-def matmul_tiles(fmt, data, base, row_bytes, R, K, x, out):
+def matmul_tiles(ks, fmt, data, base, row_bytes, R, K, x, out):
     """out [T, R + 1] = x [T, K] · Wᵀ (column R: scratch) for f32 or bf16 rows (or bf16dp's), T a multiple of 4:
     the experts' prefill loop (rows.dot_chunks: four or six rows by four tokens, each block widened once for
     them), TILE_ROWS rows a task over the threads, each task's tokens in blocks (token_block)."""
@@ -93,47 +95,44 @@ def matmul_tiles(fmt, data, base, row_bytes, R, K, x, out):
         rows = min(TILE_ROWS, R - r)
         for t0 in range(0, T, block):
             t1 = min(T, t0 + block)
-            dot_chunks(fmt, data, base + r * row_bytes, row_bytes, rows, K, x[t0:t1], xb[t0:t1], out[t0:t1], r,
+            dot_chunks(ks, fmt, data, base + r * row_bytes, row_bytes, rows, K, x[t0:t1], xb[t0:t1], out[t0:t1], r,
                        t1 - t0)
 
 
 @njit(parallel=True, **JIT)
-def matmul_tokens_int(fmt, data, base, row_bytes, R, K, x, out):
-    if block_int(fmt, True):  # q8 or q4: a row by eight tokens (then four to one), on x quantised per block
+def matmul_tokens_int(ks, fmt, data, base, row_bytes, R, K, x, out):
+    if block_int(ks, fmt):  # q8 or q4: a row by eight tokens (then four to one), on x quantised per block
         xu, xd = quantize_rows_biased(x)
         for r in prange(R):
-            row_tokens_block(fmt, data, base + r * row_bytes, row_bytes, K, xu, xd, out, r, x.shape[0])
+            row_tokens_block(ks, fmt, data, base + r * row_bytes, row_bytes, K, xu, xd, out, r, x.shape[0])
         return
     xq, xd, bs = quantize_rows_super(x)  # [T, K] once for every row
     if x.shape[0] == 1:  # decode
         for q in prange((R + 3) // 4):
-            quad_super(fmt, data, base, row_bytes, R, K, xq, xd, bs, out, 4 * q)
+            quad_super(ks, fmt, data, base, row_bytes, R, K, xq, xd, bs, out, 4 * q)
         return
     for r in prange(R):
-        row_tokens_int(fmt, data, base + r * row_bytes, row_bytes, K, xq, xd, bs, out, r, x.shape[0])
+        row_tokens_int(ks, fmt, data, base + r * row_bytes, row_bytes, K, xq, xd, bs, out, r, x.shape[0])
 
 
 @njit(parallel=True, **JIT)
-def decode_rows(fmt, data, base, row_bytes, first, out):
+def decode_rows(ks, fmt, data, base, row_bytes, first, out):
     for i in prange(out.shape[0]):
-        row_decode(fmt, data, base + (first + i) * row_bytes, out.shape[1], out[i])
+        simd.decode(ks, fmt, data, base + (first + i) * row_bytes, out.shape[1], out[i])
 
 
-@njit(**JIT)
-def decode_rows_serial(fmt, data, base, row_bytes, first, out):
-    for i in range(out.shape[0]):
-        row_decode(fmt, data, base + (first + i) * row_bytes, out.shape[1], out[i])
-
-
-def warm_up() -> None:
-    """Compile these and rows8.py's (or load them from the disk cache) before the first request."""
-    data = np.zeros(4 * 32, np.uint8)
-    matmul_rows(0, data, 0, 4 * 32, 1, 32, np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32), True)
-    matmul_tokens_int(4, np.zeros(144, np.uint8), 0, 144, 1, 256, np.zeros((4, 256), np.float32),
-                      np.zeros((4, 1), np.float32))
-    decode_rows(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
-    decode_rows_serial(0, data, 0, 4 * 32, 0, np.zeros((1, 32), np.float32))
-    # the prefill tiles (f32, bf16 and bf16dp rows): until 2026-12-05 compiled by the first prompt of 3 tokens or
-    # more, inside the request (a fresh cache: seconds)
-    matmul_tiles(0, data, 0, 4 * 32, 1, 32, np.zeros((4, 32), np.float32), np.zeros((4, 2), np.float32))
-    rows8.warm_up()
+def warm_up(ks) -> None:
+    """Compile (or load from the disk cache) what coordinator/model/packed.py calls for matrices of the kernel
+    set ``ks`` (kernel_set.KernelSet), on the types it passes, before the first request: the few-token rows and
+    the decoded rows (every format), the integer loops (int_act), the float tiles (f32, bf16, bf16dp), rows8.py's
+    interleaved q8 and q4 loops."""
+    fmt = FORMAT_IDS[ks.loops[0]]
+    data = np.zeros(4 * 256 * 4, np.uint8)  # room for four rows of 256 in any format
+    x, out = np.zeros((1, 256), np.float32), np.zeros((1, 1), np.float32)
+    matmul_rows(ks, fmt, data, 0, 4 * 256, 1, 256, x, out)
+    decode_rows(ks, fmt, data, 0, 4 * 256, 0, np.zeros((1, 256), np.float32))
+    if ks.int_act:
+        matmul_tokens_int(ks, fmt, data, 0, 4 * 256, 1, 256, np.zeros((4, 256), np.float32), np.zeros((4, 1), np.float32))
+    if any(FORMAT_IDS[name] in WIDE_IDS for name in ks.loops):
+        matmul_tiles(ks, fmt, data, 0, 4 * 256, 1, 256, np.zeros((4, 256), np.float32), np.zeros((4, 2), np.float32))
+    rows8.warm_up(ks)

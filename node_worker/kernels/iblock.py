@@ -31,7 +31,7 @@ row's pass then read 256 KiB of activations, out of L1, and the loop ran at 89 G
 the scales broadcast from 4 bytes (q8, 768 x 2048, 2 threads, medians of five alternating runs; no
 difference at 8 tokens, where both fit in L1).
 
-    dot1r8b(fmt, data, o, row_step, hidden, xu, xd, t0, out, col)      (dot1r4b .. dot1r1b: t < 4 .. 1)
+    dot1r8b(ks, fmt, data, o, row_step, hidden, xu, xd, t0, out, col)  (dot1r4b .. dot1r1b: t < 4 .. 1)
         out[t0 + t, col] = x'[t0 + t] . the row at byte o, t < 8, x' = xd (.) q the quantised activations;
         fmt a BLOCK_FORMATS format's FORMATS index; row_step the bytes to the next row (prefetched ahead)
 """
@@ -132,17 +132,18 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
 
 def _make(NR: int, NT: int):
     @intrinsic
-    def dotk(typingctx, fmt, data, o, row_step, hidden, xu, xd, t0, out, col):
-        sig = types.void(fmt, data, o, row_step, hidden, xu, xd, t0, out, col)
+    def dotk(typingctx, kernels, fmt, data, o, row_step, hidden, xu, xd, t0, out, col):
+        sig = types.void(kernels, fmt, data, o, row_step, hidden, xu, xd, t0, out, col)
 
         def codegen(context, builder, signature, args):
-            fmt_v, data_v, o, row_step, hidden_v, xu_v, xd_v, t0, out_v, col = args
-            rows, tok, dests = _tile(context, builder, (signature.args[1], data_v), o, row_step,
-                                     (signature.args[8], out_v), t0, col, NR, NT)
-            xu = _byte_ptr(context, builder, signature.args[5], xu_v)
-            xd = builder.bitcast(_byte_ptr(context, builder, signature.args[6], xd_v), F32.as_pointer())
-            _per_format(context, builder, signature.args[0], fmt_v,
-                        lambda m: _emit(builder, m, rows, row_step, (xu, xd), hidden_v, tok, dests), BLOCK_FORMATS)
+            fmt_v, data_v, o, row_step, hidden_v, xu_v, xd_v, t0, out_v, col = args[1:]
+            rows, tok, dests = _tile(context, builder, (signature.args[2], data_v), o, row_step,
+                                     (signature.args[9], out_v), t0, col, NR, NT)
+            xu = _byte_ptr(context, builder, signature.args[6], xu_v)
+            xd = builder.bitcast(_byte_ptr(context, builder, signature.args[7], xd_v), F32.as_pointer())
+            _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
+                        lambda m: _emit(builder, m, rows, row_step, (xu, xd), hidden_v, tok, dests), BLOCK_FORMATS,
+                        True)
             return context.get_dummy_value()
 
         return sig, codegen

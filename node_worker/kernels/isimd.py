@@ -12,7 +12,7 @@ its scale (a float) and its offset (or None), with w = scale * q - offset; then 
 which is x' · w on the quantised activations x' = xd ⊙ xq, exactly up to the float32 rounding of the
 scales and the sum. The f32 and bf16 formats have no integers to multiply and keep simd.py's loops.
 
-    dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)   -> the four rows' dot products (decode; fmt
+    dot4i(ks, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)  -> the four rows' dot products (decode; fmt
                                                             q8's or q4's FORMATS index)
 
 Decode only. For several tokens the per-block conversion and scaling per token is as much float work
@@ -106,21 +106,23 @@ def _emit_rows(builder, fmt, rows, x, hidden_v):
 
 
 @intrinsic
-def dot4i(typingctx, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
-    """The four rows' dot products for the integer format whose FORMATS index is ``fmt`` (a run-time value)."""
-    sig = types.UniTuple(types.float32, 4)(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
+def dot4i(typingctx, kernels, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
+    """The four rows' dot products for the integer format whose FORMATS index is ``fmt`` (a run-time value; the
+    kernel set ``kernels`` says which formats' integer loops are compiled)."""
+    sig = types.UniTuple(types.float32, 4)(kernels, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
 
     def codegen(context, builder, signature, args):
-        base = _byte_ptr(context, builder, signature.args[1], args[1])
+        args = args[1:]
+        base = _byte_ptr(context, builder, signature.args[2], args[1])
         rows = [builder.gep(base, [o]) for o in args[2:6]]
-        x = _pointers(context, builder, signature.args[7:10], args[7:10])
+        x = _pointers(context, builder, signature.args[8:11], args[7:10])
         sums = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in rows]
 
         def emit(fmt_module):
             for total, dest in zip(_emit_rows(builder, fmt_module, rows, x, args[6]), sums):
                 builder.store(total, dest)
 
-        _per_format(context, builder, signature.args[0], args[0], emit, BLOCK_FORMATS)
+        _per_format(context, builder, signature.args[0], signature.args[1], args[0], emit, BLOCK_FORMATS, True)
         return context.make_tuple(builder, signature.return_type, [builder.load(s) for s in sums])
 
     return sig, codegen

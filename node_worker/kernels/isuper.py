@@ -21,11 +21,11 @@ live than the registers hold; measured on this machine with q4k and q6k, 8 token
 768 x 2048, 2 threads, GFLOP/s median of 15 calls: float 38 / 30, two rows by four 49 / 44, one by four
 50 / 46, one by eight 55 / 57.)
 
-    dot1r4s(fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)      (dot1r8s, 1r3s, 1r2s: t < 8, 3, 2)
+    dot1r4s(ks, fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)      (dot1r8s, 1r3s, 1r2s: t < 8, 3, 2)
         out[t0 + t, col] = x'[t0 + t] . the row at byte o, t < 4, with x' = xd (.) xq the quantised
         activations [n, hidden] (hidden a multiple of 256); fmt a SUPER_FORMATS format's FORMATS index;
         row_step the bytes to the next row (prefetched ahead)
-    dot4r1s(fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)
+    dot4r1s(ks, fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)
         decode's tile: out[t0, col + j] = x'[t0] . the row at byte o + j row_step, j < 4 (the token's
         integers loaded once for the four rows)
 
@@ -132,18 +132,19 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
 
 def _make(NR: int, NT: int):
     @intrinsic
-    def dotk(typingctx, fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col):
-        sig = types.void(fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)
+    def dotk(typingctx, kernels, fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col):
+        sig = types.void(kernels, fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)
 
         def codegen(context, builder, signature, args):
-            fmt_v, data_v, o, row_step, hidden_v, xq_v, xd_v, bs_v, t0, out_v, col = args
-            rows, tok, dests = _tile(context, builder, (signature.args[1], data_v), o, row_step,
-                                     (signature.args[9], out_v), t0, col, NR, NT)
-            xq = _byte_ptr(context, builder, signature.args[5], xq_v)
-            xd = builder.bitcast(_byte_ptr(context, builder, signature.args[6], xd_v), F32.as_pointer())
-            bs = builder.bitcast(_byte_ptr(context, builder, signature.args[7], bs_v), I16.as_pointer())
-            _per_format(context, builder, signature.args[0], fmt_v,
-                        lambda m: _emit(builder, m, rows, row_step, (xq, xd, bs), hidden_v, tok, dests), SUPER_FORMATS)
+            fmt_v, data_v, o, row_step, hidden_v, xq_v, xd_v, bs_v, t0, out_v, col = args[1:]
+            rows, tok, dests = _tile(context, builder, (signature.args[2], data_v), o, row_step,
+                                     (signature.args[10], out_v), t0, col, NR, NT)
+            xq = _byte_ptr(context, builder, signature.args[6], xq_v)
+            xd = builder.bitcast(_byte_ptr(context, builder, signature.args[7], xd_v), F32.as_pointer())
+            bs = builder.bitcast(_byte_ptr(context, builder, signature.args[8], bs_v), I16.as_pointer())
+            _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
+                        lambda m: _emit(builder, m, rows, row_step, (xq, xd, bs), hidden_v, tok, dests), SUPER_FORMATS,
+                        True)
             return context.get_dummy_value()
 
         return sig, codegen

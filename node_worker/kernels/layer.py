@@ -8,6 +8,7 @@ contributions in group order (experts ascending), so y is the same bits
 whatever the thread count or timing. Nothing here touches a Python object: the
 per-layer tables are arrays.
 
+    ks      KernelSet       the formats whose loops are compiled in (kernel_set.py): every format of the tables
     offsets [E, 3] int64    byte offsets of expert e's gate, up and down matrices in the store
     shapes  [E, 8] int64    expert e's matrices (rows.py's SHAPE columns): the node's rows R (0, or e >= E: it
                             holds none); gate's and up's format (FORMAT_IDS) and bytes of a stored row; down's
@@ -73,7 +74,7 @@ def weigh_and_sum(y, contrib, sorted_tokens, sorted_weights, hidden):
 
 
 @njit(**JIT)
-def layer_moe(data, hidden, x, tokens, experts, weights, offsets, shapes, y, int_act) -> int:
+def layer_moe(ks, data, hidden, x, tokens, experts, weights, offsets, shapes, y) -> int:
     E = shapes.shape[0]
     P = experts.size
     T = x.shape[0]
@@ -116,17 +117,21 @@ def layer_moe(data, hidden, x, tokens, experts, weights, offsets, shapes, y, int
         contrib_start[g] = total
         total += (tok_stop[g] - tok_start[g]) * hidden
     contrib = np.empty(total, np.float32)
-    layer_rows(data, hidden, x, sorted_tokens, tok_start[:G], tok_stop[:G], group_offsets, group_shapes, contrib,
-               contrib_start, int_act)
+    layer_rows(ks, data, hidden, x, sorted_tokens, tok_start[:G], tok_stop[:G], group_offsets, group_shapes, contrib,
+               contrib_start)
     weigh_and_sum(y, contrib, sorted_tokens[:n_pairs], sorted_weights[:n_pairs], hidden)  # in group order
     return nbytes
 
 
-def warm_up() -> None:
-    """Compile (or load from the disk cache) before the first request."""
+def sample_args(ks) -> tuple:
+    """layer_moe's arguments for one f32 row of 32 through one expert (down [32, 1]), of the types a node's
+    requests pass: what warm_up compiles with (and answer.py's warm-up)."""
     hidden = 32
-    data = np.zeros(3 * 4 * hidden, np.uint8)
-    layer_moe(data, hidden, np.zeros((1, hidden), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64),
-              np.ones(1, np.float32), np.array([[0, 4 * hidden, 8 * hidden]], np.int64),
-              np.array([[1, 0, 4 * hidden, 0, 4 * hidden, 0, 1, 4]], np.int64),
-              np.zeros((1, hidden), np.float32), True)  # one f32 row, down [32, 1]
+    return (ks, np.zeros(3 * 4 * hidden, np.uint8), hidden, np.zeros((1, hidden), np.float32), np.zeros(1, np.int64),
+            np.zeros(1, np.int64), np.ones(1, np.float32), np.array([[0, 4 * hidden, 8 * hidden]], np.int64),
+            np.array([[1, 0, 4 * hidden, 0, 4 * hidden, 0, 1, 4]], np.int64), np.zeros((1, hidden), np.float32))
+
+
+def warm_up(ks) -> None:
+    """Compile (or load from the disk cache) the layer kernel of the kernel set ``ks`` before the first request."""
+    layer_moe(*sample_args(ks))

@@ -12,7 +12,7 @@ f32 and bf16 on hosts with 512-bit vectors: wide_tiles; six for short rows or
 many tokens: six_rows) by four tokens at a time, each block widened once for
 the four, their accumulators in registers; bf16 rows by bf16 activations
 (bf16dp.py, EngineConfig.activations bf16) on the tokens rounded to bf16 once per matrix. With integer
-activations (int_act), a K type's or IQ4_XS's matrix is taken in integers instead, on the tokens
+activations (the kernel set's int_act), a K type's or IQ4_XS's matrix is taken in integers instead, on the tokens
 quantised per super-block (isuper.py), in decode too; q8's and q4's on the tokens quantised per block
 (isimd.py in decode, iblock.py in prefill; their matrices of whole groups of eight rows in a group of
 GROUPED_FROM tokens or more: eight rows a vector, interleaved on the fly, rows8.py). Tasks run in parallel
@@ -21,6 +21,7 @@ only its own contribution, and the caller adds them in group order, so the resul
 thread count or timing.
 
 Inputs (C-contiguous):
+    ks              KernelSet       the formats whose loops are compiled in (kernel_set.py), a compile-time value
     data            [bytes] uint8   the store's buffer (shm/expert_store.py's layout)
     x               [T, H] float32  the layer's rows
     tokens          [P] int64       rows of x, grouped: group g owns tokens[tok_start[g]:tok_stop[g]]
@@ -39,8 +40,15 @@ from numba import njit, prange
 from . import bf16dp, iblock, isimd, isuper, rows8, simd
 from .activations import quantize_rows, quantize_rows_biased, quantize_rows_summed, quantize_rows_super
 from .common import JIT
+from .kernel_set import int_products, loop_name
 from .schedule import take
 from .silu import silu_times
+
+# The large steps (a group's task, a matrix by a group's tokens, decode's rows, the float tiles) are compiled apart,
+# each once, and called: inlined, every call site copied its whole tree into its caller, and the parallel loop's
+# passes copied that again, so the layer kernel took minutes and gigabytes to compile. A call costs nanoseconds
+# beside the microseconds of rows each one computes.
+APART = JIT
 
 # f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7; bf16dp 8 (bf16 rows by bf16 activations, bf16dp.py)
 FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}
@@ -58,83 +66,38 @@ SHAPE = ("rows", "gate format", "gate row bytes", "up format", "up row bytes", "
 
 
 @njit(inline="always", **JIT)
-def row_decode(fmt, data, o, hidden, out) -> None:
-    """out [H] float32 <- the row at byte offset o of the store, dequantised (exactly shm.formats' decode)."""
-    if fmt == 0:
-        simd.decode_f32(data, o, hidden, out)
-    elif fmt == 1:
-        simd.decode_bf16(data, o, hidden, out)
-    elif fmt == 2:
-        simd.decode_q8(data, o, hidden, out)
-    elif fmt == 3:
-        simd.decode_q4(data, o, hidden, out)
-    elif fmt == 4:
-        simd.decode_q4k(data, o, hidden, out)
-    elif fmt == 5:
-        simd.decode_q5k(data, o, hidden, out)
-    elif fmt == 6:
-        simd.decode_q6k(data, o, hidden, out)
-    elif fmt == 7:
-        simd.decode_iq4xs(data, o, hidden, out)
-    else:  # bf16dp: bf16 rows
-        simd.decode_bf16(data, o, hidden, out)
-
-
-@njit(inline="always", **JIT)
-def rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x):
-    """Dot products with x of the four rows at byte offsets o0..o3 of the store, in its format."""
-    if fmt == 0:
-        return simd.dot4_f32(data, o0, o1, o2, o3, hidden, x)
-    if fmt == 1:
-        return simd.dot4_bf16(data, o0, o1, o2, o3, hidden, x)
-    if fmt == 2:
-        return simd.dot4_q8(data, o0, o1, o2, o3, hidden, x)
-    if fmt == 3:
-        return simd.dot4_q4(data, o0, o1, o2, o3, hidden, x)
-    if fmt == 4:
-        return simd.dot4_q4k(data, o0, o1, o2, o3, hidden, x)
-    if fmt == 5:
-        return simd.dot4_q5k(data, o0, o1, o2, o3, hidden, x)
-    if fmt == 6:
-        return simd.dot4_q6k(data, o0, o1, o2, o3, hidden, x)
-    if fmt == 7:
-        return simd.dot4_iq4xs(data, o0, o1, o2, o3, hidden, x)
-    return simd.dot4_bf16dp(data, o0, o1, o2, o3, hidden, x)
-
-
-@njit(inline="always", **JIT)
 def quantised_if(use_int, x):
     """x [n, K] quantised per block (activations.py) when use_int, else the same three arrays empty ([n, 0])."""
     return quantize_rows(x[:, :x.shape[1] if use_int else 0])
 
 
 @njit(inline="always", **JIT)
-def block_int(fmt, int_act) -> bool:
-    """The per-32 integer loops for this format (Q8_0 or Q4_0, EngineConfig.activations q8): decode's
-    (isimd.py) and prefill's (iblock.py)."""
-    return int_act and INT_FROM <= fmt < SUPER_FROM
+def block_int(ks, fmt) -> bool:
+    """The per-32 integer loops for this format (Q8_0 or Q4_0, EngineConfig.activations q8: the kernel set's
+    int_act): decode's (isimd.py) and prefill's (iblock.py)."""
+    return int_products(ks) and INT_FROM <= fmt < SUPER_FROM
 
 
 @njit(inline="always", **JIT)
-def dot4(fmt, use_int, data, o0, o1, o2, o3, hidden, x, xq, xd, xs):
+def dot4(ks, fmt, use_int, data, o0, o1, o2, o3, hidden, x, xq, xd, xs):
     """The four rows' dot products with one token: integer ones against its quantised row (xq, xd, xs) when
     use_int (block_int), else float ones against x."""
     if use_int:
-        return isimd.dot4i(fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
-    return rows_dot4(fmt, data, o0, o1, o2, o3, hidden, x)
+        return isimd.dot4i(ks, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
+    return simd.dot4(ks, fmt, data, o0, o1, o2, o3, hidden, x)
 
 
 @njit(inline="always", **JIT)
-def quad_super(fmt, data, o, row_bytes, rows, hidden, xq, xd, bs, out, first) -> None:
+def quad_super(ks, fmt, data, o, row_bytes, rows, hidden, xq, xd, bs, out, first) -> None:
     """out[0, c] = x' · row c for the four rows c from ``first`` (fewer at the end: each of the last rows alone,
     repeated four times into a scratch tile), rows row_bytes apart from byte o; x' = xd (.) xq [1, hidden]
     quantised per super-block (isuper.dot4r1s, decode's integer loop for a K type or IQ4_XS)."""
     if first + 4 <= rows:
-        isuper.dot4r1s(fmt, data, o + first * row_bytes, row_bytes, hidden, xq, xd, bs, 0, out, first)
+        isuper.dot4r1s(ks, fmt, data, o + first * row_bytes, row_bytes, hidden, xq, xd, bs, 0, out, first)
         return
     tile = np.empty((1, 4), np.float32)
     for c in range(first, rows):
-        isuper.dot4r1s(fmt, data, o + c * row_bytes, 0, hidden, xq, xd, bs, 0, tile, 0)
+        isuper.dot4r1s(ks, fmt, data, o + c * row_bytes, 0, hidden, xq, xd, bs, 0, tile, 0)
         out[0, c] = tile[0, 0]
 
 
@@ -157,7 +120,7 @@ def streamed(fmt, use_int) -> bool:
 
 
 @njit(inline="always", **JIT)
-def stream_quad(fmt, data, o, row_bytes, rows, hidden, x, out, q) -> None:
+def stream_quad(ks, fmt, data, o, row_bytes, rows, hidden, x, out, q) -> None:
     """out[q + k S] = x · row q + k S, k < 4, of the bf16 (or bf16dp's) rows row_bytes apart from byte o, S =
     ceil(rows / 4): the four quarters of the matrix read as four streams (streamed); a row past the end
     repeats the last row (computed, not stored)."""
@@ -167,10 +130,7 @@ def stream_quad(fmt, data, o, row_bytes, rows, hidden, x, out, q) -> None:
     o1 = o + min(q + S, last) * row_bytes
     o2 = o + min(q + 2 * S, last) * row_bytes
     o3 = o + min(q + 3 * S, last) * row_bytes
-    if fmt == BF16DP:
-        a0, a1, a2, a3 = simd.dot4s_bf16dp(data, o0, o1, o2, o3, hidden, x)
-    else:
-        a0, a1, a2, a3 = simd.dot4s_bf16(data, o0, o1, o2, o3, hidden, x)
+    a0, a1, a2, a3 = simd.dot4s(ks, fmt, data, o0, o1, o2, o3, hidden, x)
     out[q] = a0
     if q + S < rows:
         out[q + S] = a1
@@ -180,28 +140,28 @@ def stream_quad(fmt, data, o, row_bytes, rows, hidden, x, out, q) -> None:
         out[q + 3 * S] = a3
 
 
-@njit(inline="always", **JIT)
-def rows_dot(fmt, int_act, data, o, row_bytes, rows, hidden, x, out) -> None:
+@njit(**APART)
+def rows_dot(ks, fmt, data, o, row_bytes, rows, hidden, x, out) -> None:
     """out[r] = x · row r, r < rows (rows row_bytes apart from byte o, ``hidden`` weights each): four rows at a
     time (bf16's four streams: stream_quad), a short last group repeating its last row (computed, not
-    stored); integer dot products on x quantised per block when int_act and the format has integers (per
-    super-block for a K type or IQ4_XS: quad_super)."""
-    if super_int(fmt, int_act):
+    stored); integer dot products on x quantised per block when the kernel set takes them and the format has
+    integers (per super-block for a K type or IQ4_XS: quad_super)."""
+    if super_int(ks, fmt):
         xq, xd, bs = quantize_rows_super(x[:hidden].reshape((1, hidden)))
         out2 = out[:rows].reshape((1, rows))
         for r in range(0, rows, 4):
-            quad_super(fmt, data, o, row_bytes, rows, hidden, xq, xd, bs, out2, r)
+            quad_super(ks, fmt, data, o, row_bytes, rows, hidden, xq, xd, bs, out2, r)
         return
-    use_int = block_int(fmt, int_act)
+    use_int = block_int(ks, fmt)
     if streamed(fmt, use_int):
         for q in range((rows + 3) // 4):
-            stream_quad(fmt, data, o, row_bytes, rows, hidden, x, out, q)
+            stream_quad(ks, fmt, data, o, row_bytes, rows, hidden, x, out, q)
         return
     xq, xd, xs = quantised_if(use_int, x[:hidden].reshape((1, hidden)))
     for r in range(0, rows, 4):
         m = min(4, rows - r)
         o0 = o + r * row_bytes
-        a0, a1, a2, a3 = dot4(fmt, use_int, data, o0, o0 + min(1, m - 1) * row_bytes,
+        a0, a1, a2, a3 = dot4(ks, fmt, use_int, data, o0, o0 + min(1, m - 1) * row_bytes,
                               o0 + min(2, m - 1) * row_bytes, o0 + min(3, m - 1) * row_bytes, hidden, x, xq[0], xd[0],
                               xs[0])
         out[r] = a0
@@ -213,8 +173,8 @@ def rows_dot(fmt, int_act, data, o, row_bytes, rows, hidden, x, out) -> None:
             out[r + 3] = a3
 
 
-@njit(inline="always", **JIT)
-def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, xb, out, col, n) -> None:
+@njit(**APART)
+def dot_chunks(ks, fmt, data, o, row_bytes, rows, hidden, xg, xb, out, col, n) -> None:
     """out[:n, col:col + R] (+ column col + R) <- xg [>= n, H] · the R rows from byte offset o (xg's rows a
     multiple of 4, zeros past n): four rows (wide_tiles) or two and four tokens at a time (x read once for the
     rows, four tokens' x in L1), the last one to three of n in a tile of their own (short_tiles; else the
@@ -222,14 +182,14 @@ def dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, xb, out, col, n) -> No
     rounded to bf16 (rounded_if)."""
     r = 0
     while six_rows(fmt, hidden, n) and r + 6 <= rows:
-        six_row_tiles(fmt, data, o + r * row_bytes, row_bytes, hidden, xg, out, col + r, n)
+        six_row_tiles(ks, fmt, data, o + r * row_bytes, row_bytes, hidden, xg, out, col + r, n)
         r += 6
     while wide_tiles(fmt) and r + 4 <= rows:
-        tile_tokens(fmt, True, data, o + r * row_bytes, row_bytes, hidden, xg, xb, out, col + r, n)
+        tile_tokens(ks, fmt, True, data, o + r * row_bytes, row_bytes, hidden, xg, xb, out, col + r, n)
         r += 4
     while r < rows:
         step = row_bytes if r + 1 < rows else 0
-        tile_tokens(fmt, False, data, o + r * row_bytes, step, hidden, xg, xb, out, col + r, n)
+        tile_tokens(ks, fmt, False, data, o + r * row_bytes, step, hidden, xg, xb, out, col + r, n)
         r += 2
 
 
@@ -260,22 +220,22 @@ def six_rows(fmt, hidden, n) -> bool:
 
 
 @njit(inline="always", **JIT)
-def six_row_tiles(fmt, data, o, step, hidden, xg, out, col, n) -> None:
+def six_row_tiles(ks, fmt, data, o, step, hidden, xg, out, col, n) -> None:
     """out[:n, col:col + 6] <- xg [>= n, H] · the six rows from byte offset o, ``step`` bytes apart: four
     tokens at a time, the last n mod 4 in a tile of their own (tile_tokens' order: the same bits)."""
     t0 = 0
     while t0 + 4 <= n:
         if n < UNFETCHED_TOKENS:
-            simd.dot6r4(fmt, data, o, step, hidden, xg, t0, out, col)
+            simd.dot6r4(ks, fmt, data, o, step, hidden, xg, t0, out, col)
         else:
-            simd.dot6r4n(fmt, data, o, step, hidden, xg, t0, out, col)
+            simd.dot6r4n(ks, fmt, data, o, step, hidden, xg, t0, out, col)
         t0 += 4
     if n - t0 == 3:
-        simd.dot6r3(fmt, data, o, step, hidden, xg, t0, out, col)
+        simd.dot6r3(ks, fmt, data, o, step, hidden, xg, t0, out, col)
     elif n - t0 == 2:
-        simd.dot6r2(fmt, data, o, step, hidden, xg, t0, out, col)
+        simd.dot6r2(ks, fmt, data, o, step, hidden, xg, t0, out, col)
     elif n - t0 == 1:
-        simd.dot6r1(fmt, data, o, step, hidden, xg, t0, out, col)
+        simd.dot6r1(ks, fmt, data, o, step, hidden, xg, t0, out, col)
 
 
 @njit(inline="always", **JIT)
@@ -290,21 +250,21 @@ def aligned_zeros(rows, cols):
 
 
 @njit(inline="always", **JIT)
-def tile_tokens(fmt, four, data, o, step, hidden, xg, xb, out, col, n) -> None:
+def tile_tokens(ks, fmt, four, data, o, step, hidden, xg, xb, out, col, n) -> None:
     """out[:n, col:col + 4 (four) or 2] <- every four tokens of xg (of xb for bf16dp's rows) · the rows from
     byte offset o, ``step`` bytes apart; the last n mod 4 in a short tile (short_tiles), else padded."""
     whole = n // 4 * 4 if short_tiles(fmt) else xg.shape[0]
     for t0 in range(0, whole, 4):
         if fmt == BF16DP and four:
-            simd.pairs4r4(data, o, step, hidden, xb, t0, out, col)
+            simd.pairs4r4(ks, data, o, step, hidden, xb, t0, out, col)
         elif fmt == BF16DP:
-            simd.pairs2r4(data, o, step, hidden, xb, t0, out, col)
+            simd.pairs2r4(ks, data, o, step, hidden, xb, t0, out, col)
         elif four:
-            simd.dot4r4(fmt, data, o, step, hidden, xg, t0, out, col)
+            simd.dot4r4(ks, fmt, data, o, step, hidden, xg, t0, out, col)
         else:
-            simd.dot2r4(fmt, data, o, step, hidden, xg, t0, out, col)
+            simd.dot2r4(ks, fmt, data, o, step, hidden, xg, t0, out, col)
     if whole < n:
-        short_tile(fmt, four, data, o, step, hidden, xg, xb, out, col, whole, n - whole)
+        short_tile(ks, fmt, four, data, o, step, hidden, xg, xb, out, col, whole, n - whole)
 
 
 @njit(inline="always", **JIT)
@@ -316,35 +276,35 @@ def short_tiles(fmt) -> bool:
 
 
 @njit(inline="always", **JIT)
-def short_tile(fmt, four, data, o, step, hidden, xg, xb, out, col, t0, k) -> None:
+def short_tile(ks, fmt, four, data, o, step, hidden, xg, xb, out, col, t0, k) -> None:
     """out[t0:t0 + k, col:col + 4 (four) or 2] <- tokens t0..t0 + k - 1 (k < 4) · the rows (tile_tokens)."""
     if fmt == BF16DP:
         if four:
             if k == 1:
-                simd.pairs4r1(data, o, step, hidden, xb, t0, out, col)
+                simd.pairs4r1(ks, data, o, step, hidden, xb, t0, out, col)
             elif k == 2:
-                simd.pairs4r2(data, o, step, hidden, xb, t0, out, col)
+                simd.pairs4r2(ks, data, o, step, hidden, xb, t0, out, col)
             else:
-                simd.pairs4r3(data, o, step, hidden, xb, t0, out, col)
+                simd.pairs4r3(ks, data, o, step, hidden, xb, t0, out, col)
         elif k == 1:
-            simd.pairs2r1(data, o, step, hidden, xb, t0, out, col)
+            simd.pairs2r1(ks, data, o, step, hidden, xb, t0, out, col)
         elif k == 2:
-            simd.pairs2r2(data, o, step, hidden, xb, t0, out, col)
+            simd.pairs2r2(ks, data, o, step, hidden, xb, t0, out, col)
         else:
-            simd.pairs2r3(data, o, step, hidden, xb, t0, out, col)
+            simd.pairs2r3(ks, data, o, step, hidden, xb, t0, out, col)
     elif four:
         if k == 1:
-            simd.dot4r1(fmt, data, o, step, hidden, xg, t0, out, col)
+            simd.dot4r1(ks, fmt, data, o, step, hidden, xg, t0, out, col)
         elif k == 2:
-            simd.dot4r2(fmt, data, o, step, hidden, xg, t0, out, col)
+            simd.dot4r2(ks, fmt, data, o, step, hidden, xg, t0, out, col)
         else:
-            simd.dot4r3(fmt, data, o, step, hidden, xg, t0, out, col)
+            simd.dot4r3(ks, fmt, data, o, step, hidden, xg, t0, out, col)
     elif k == 1:
-        simd.dot2r1(fmt, data, o, step, hidden, xg, t0, out, col)
+        simd.dot2r1(ks, fmt, data, o, step, hidden, xg, t0, out, col)
     elif k == 2:
-        simd.dot2r2(fmt, data, o, step, hidden, xg, t0, out, col)
+        simd.dot2r2(ks, fmt, data, o, step, hidden, xg, t0, out, col)
     else:
-        simd.dot2r3(fmt, data, o, step, hidden, xg, t0, out, col)
+        simd.dot2r3(ks, fmt, data, o, step, hidden, xg, t0, out, col)
 
 
 @njit(inline="always", **JIT)
@@ -358,9 +318,8 @@ def rounded_if(use, x):
 
 
 def loop_id(name: str, bf16_products: bool) -> int:
-    """The kernels' id (FORMAT_IDS) of the loop that takes a matrix stored in shm format ``name``: its own, or
-    bf16dp's for bf16 rows by bf16 activations (EngineConfig.activations bf16)."""
-    return FORMAT_IDS["bf16dp" if bf16_products and name == "bf16" else name]
+    """The kernels' id (FORMAT_IDS) of the loop that takes a matrix stored in shm format ``name`` (kernel_set.loop_name)."""
+    return FORMAT_IDS[loop_name(name, bf16_products)]
 
 
 @njit(inline="always", **JIT)
@@ -374,31 +333,32 @@ def wide_tiles(fmt) -> bool:
 
 
 @njit(inline="always", **JIT)
-def super_int(fmt, int_act) -> bool:
-    """Prefill's integer loop for this format (a K type or IQ4_XS, EngineConfig.activations q8)."""
-    return int_act and SUPER_FROM <= fmt < SUPER_TO
+def super_int(ks, fmt) -> bool:
+    """The super-block integer loop for this format (a K type or IQ4_XS, EngineConfig.activations q8: the kernel
+    set's int_act)."""
+    return int_products(ks) and SUPER_FROM <= fmt < SUPER_TO
 
 
 @njit(inline="always", **JIT)
-def row_tokens_int(fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col, n) -> None:
+def row_tokens_int(ks, fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col, n) -> None:
     """out[:n, col] <- the first n tokens of the quantised xq, xd, bs (quantize_rows_super of [>= n, H]) · the
     row at byte offset o (rows row_bytes apart): eight tokens at a time, then four, then the last two or
     three (n mod 4 is not 1: tiled_tokens) (isuper.py)."""
     t0 = 0
     while t0 + 8 <= n:
-        isuper.dot1r8s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
+        isuper.dot1r8s(ks, fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
         t0 += 8
     if t0 + 4 <= n:
-        isuper.dot1r4s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
+        isuper.dot1r4s(ks, fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
         t0 += 4
     if n - t0 == 3:
-        isuper.dot1r3s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
+        isuper.dot1r3s(ks, fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
     elif n - t0 == 2:
-        isuper.dot1r2s(fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
+        isuper.dot1r2s(ks, fmt, data, o, row_bytes, hidden, xq, xd, bs, t0, out, col)
 
 
 @njit(inline="always", **JIT)
-def row_tokens_block(fmt, data, o, row_bytes, hidden, xu, xd, out, col, n) -> None:
+def row_tokens_block(ks, fmt, data, o, row_bytes, hidden, xu, xd, out, col, n) -> None:
     """out[:n, col] <- the first n tokens of xu, xd (quantize_rows_biased of [>= n, H]) . the q8 or q4 row at
     byte offset o: eight tokens at a time, then four, then the last one to three (iblock.py). No padding:
     the tiles of fewer tokens ran at 94 (two) and 74 (one) GFLOP/s against 112 (eight) and 106 (four) on
@@ -406,24 +366,24 @@ def row_tokens_block(fmt, data, o, row_bytes, hidden, xu, xd, out, col, n) -> No
     work on zero rows."""
     t0 = 0
     while t0 + 8 <= n:
-        iblock.dot1r8b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
+        iblock.dot1r8b(ks, fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
         t0 += 8
     if t0 + 4 <= n:
-        iblock.dot1r4b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
+        iblock.dot1r4b(ks, fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
         t0 += 4
     if n - t0 == 3:
-        iblock.dot1r3b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
+        iblock.dot1r3b(ks, fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
     elif n - t0 == 2:
-        iblock.dot1r2b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
+        iblock.dot1r2b(ks, fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
     elif n - t0 == 1:
-        iblock.dot1r1b(fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
+        iblock.dot1r1b(ks, fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
 
 
 GROUPED_FROM = 3  # a q8 or q4 group of this many tokens or more: its matrices' rows eight at a time (grouped8)
 
 
 @njit(inline="always", **JIT)
-def grouped8(fmt, int_act, rows, n) -> bool:
+def grouped8(ks, fmt, rows, n) -> bool:
     """q8 or q4 rows taken eight at a time, interleaved on the fly (rows8.py), for a group of n tokens: whole
     groups of eight rows, and enough tokens to pay for the interleaving (GROUPED_FROM). Measured on this AVX2 host
     (2 threads, q8 rows, 48 experts' matrices, random values, alternating in one process, time against
@@ -431,7 +391,7 @@ def grouped8(fmt, int_act, rows, n) -> bool:
     same way (their nibbles - 8 as bytes): tools/kernel_bench.py --formats q4 --experts 64 --tokens 8, three
     alternating pairs, 52.3 / 51.8 / 49.4 -> 45.2 / 39.3 / 33.8 ms a layer; as unsigned bytes (q + 8,
     rows8.UNSIGNED) 33.5 / 39.1 -> 25.8 / 26.8."""
-    return block_int(fmt, int_act) and rows % rows8.GROUP_ROWS == 0 and n >= GROUPED_FROM
+    return block_int(ks, fmt) and rows % rows8.GROUP_ROWS == 0 and n >= GROUPED_FROM
 
 
 @njit(inline="always", **JIT)
@@ -468,65 +428,65 @@ def tiled_tokens(n):
     return n
 
 
-@njit(inline="always", **JIT)
-def matrix_tokens(fmt, int_act, data, o, row_bytes, rows, hidden, xg, quantised, blocks, rounded, out, n) -> None:
+@njit(**APART)
+def matrix_tokens(ks, fmt, data, o, row_bytes, rows, hidden, xg, quantised, blocks, rounded, out, n) -> None:
     """out [n, R (+1)] <- xg [n, H] · the R rows from byte offset o (xg padded with zero rows to a multiple
     of 4, or of 8: tiled_tokens): the integer loop on ``quantised`` (quantised_super_if of xg) for a K type or
-    IQ4_XS when int_act, on the tiled_tokens(n) first tokens then the rest one by one; on ``blocks``
+    IQ4_XS when the kernel set takes integers, on the tiled_tokens(n) first tokens then the rest one by one; on ``blocks``
     (quantised_block_if of xg) for q8 or q4, the n tokens (in whole groups of eight rows: grouped8, on the
     signed values, computed once for gate and up); else the float one on every row of xg (bf16dp's on
     ``rounded``, rounded_if of xg)."""
-    if grouped8(fmt, int_act, rows, n):
+    if grouped8(ks, fmt, rows, n):
         _, xd, xq, xsum = blocks
-        rows8.rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
-    elif block_int(fmt, int_act):
+        rows8.rows_by_eight(ks, fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
+    elif block_int(ks, fmt):
         xu, xd, _, _ = blocks
         for r in range(rows):
-            row_tokens_block(fmt, data, o + r * row_bytes, row_bytes, hidden, xu, xd, out, r, n)
-    elif super_int(fmt, int_act):
+            row_tokens_block(ks, fmt, data, o + r * row_bytes, row_bytes, hidden, xu, xd, out, r, n)
+    elif super_int(ks, fmt):
         xq, xd, bs = quantised
         tiled = tiled_tokens(n)
         for r in range(rows):
-            row_tokens_int(fmt, data, o + r * row_bytes, row_bytes, hidden, xq, xd, bs, out, r, tiled)
+            row_tokens_int(ks, fmt, data, o + r * row_bytes, row_bytes, hidden, xq, xd, bs, out, r, tiled)
         for t in range(tiled, n):
             for c in range(0, rows, 4):
-                quad_super(fmt, data, o, row_bytes, rows, hidden, xq[t:t + 1], xd[t:t + 1], bs[t:t + 1],
+                quad_super(ks, fmt, data, o, row_bytes, rows, hidden, xq[t:t + 1], xd[t:t + 1], bs[t:t + 1],
                            out[t:t + 1], c)
     else:
-        dot_chunks(fmt, data, o, row_bytes, rows, hidden, xg, rounded, out, 0, n)
+        dot_chunks(ks, fmt, data, o, row_bytes, rows, hidden, xg, rounded, out, 0, n)
 
 
 @njit(inline="always", **JIT)
-def task_tokens(data, hidden, xg, og, ou, od, shape, out, int_act, n) -> None:
+def task_tokens(ks, data, hidden, xg, og, ou, od, shape, out, n) -> None:
     """A group of n tokens (xg [padded, H], gathered, zero rows past n to a multiple of 4): gate and up against
     the tokens, then W_down's H rows (R weights each) the same way against silu(gate) * up [n, R] into out
-    [padded, H] (rows past n: not the group's); a K type's or IQ4_XS's rows in integers when int_act
-    (matrix_tokens)."""
+    [padded, H] (rows past n: not the group's); a K type's or IQ4_XS's rows in integers when the kernel set
+    takes them (matrix_tokens)."""
     R, width, fmt_d, down_bytes = shape[0], shape[6], shape[5], shape[7]
     padded = xg.shape[0]
     gate = np.zeros((padded, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
     up = np.zeros((padded, R + 1), np.float32)
-    xs = quantised_super_if(super_int(shape[1], int_act) or super_int(shape[3], int_act), xg)  # once for both
-    xb = quantised_block_if(block_int(shape[1], int_act) or block_int(shape[3], int_act),  # no padding
-                            grouped8(shape[1], int_act, R, n) or grouped8(shape[3], int_act, R, n), xg[:n])
+    xs = quantised_super_if(super_int(ks, shape[1]) or super_int(ks, shape[3]), xg)  # once for both
+    xb = quantised_block_if(block_int(ks, shape[1]) or block_int(ks, shape[3]),  # no padding
+                            grouped8(ks, shape[1], R, n) or grouped8(ks, shape[3], R, n), xg[:n])
     xr = rounded_if(shape[1] == BF16DP or shape[3] == BF16DP, xg)  # once for both
-    matrix_tokens(shape[1], int_act, data, og, shape[2], R, hidden, xg, xs, xb, xr, gate, n)
-    matrix_tokens(shape[3], int_act, data, ou, shape[4], R, hidden, xg, xs, xb, xr, up, n)
+    matrix_tokens(ks, shape[1], data, og, shape[2], R, hidden, xg, xs, xb, xr, gate, n)
+    matrix_tokens(ks, shape[3], data, ou, shape[4], R, hidden, xg, xs, xb, xr, up, n)
     h = aligned_zeros(padded, width)  # silu(gate) * up, per token and row (zeros past R and n)
     silu_times(gate, up, h, n, R)
-    hs = quantised_super_if(super_int(fmt_d, int_act), h)
-    hb = quantised_block_if(block_int(fmt_d, int_act), grouped8(fmt_d, int_act, hidden, n), h[:n])
+    hs = quantised_super_if(super_int(ks, fmt_d), h)
+    hb = quantised_block_if(block_int(ks, fmt_d), grouped8(ks, fmt_d, hidden, n), h[:n])
     hr = rounded_if(fmt_d == BF16DP, h)
     if hidden % 2 == 0:
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, hr, out, n)
+        matrix_tokens(ks, fmt_d, data, od, down_bytes, hidden, width, h, hs, hb, hr, out, n)
     else:
         wide = np.empty((padded, hidden + 1), np.float32)  # the odd last row's repeat lands in the extra column
-        matrix_tokens(fmt_d, int_act, data, od, down_bytes, hidden, width, h, hs, hb, hr, wide, n)
+        matrix_tokens(ks, fmt_d, data, od, down_bytes, hidden, width, h, hs, hb, hr, wide, n)
         out[:, :] = wide[:, :hidden]
 
 
-@njit(inline="always", **JIT)
-def group_task(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start, int_act, g):
+@njit(**APART)
+def group_task(ks, data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start, g):
     """Group g's contribution [n, H] into contrib (layer_rows' task)."""
     R, width, down_bytes = shapes[g, 0], shapes[g, 6], shapes[g, 7]
     t0, t1 = tok_start[g], tok_stop[g]
@@ -539,17 +499,17 @@ def group_task(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, co
         for j in range(n):
             xg[j] = x[tokens[t0 + j]]
         yg = out if padded == n else np.empty((padded, hidden), np.float32)
-        task_tokens(data, hidden, xg, og, ou, od, shapes[g], yg, int_act, n)
+        task_tokens(ks, data, hidden, xg, og, ou, od, shapes[g], yg, n)
         if padded != n:
             out[:, :] = yg[:n]
         return
     xj = x[tokens[t0]]
     gate = np.zeros(width, np.float32)  # [R], then silu(gate) * up (zeros past R)
     up = np.empty(R, np.float32)
-    rows_dot(shapes[g, 1], int_act, data, og, shapes[g, 2], R, hidden, xj, gate)
-    rows_dot(shapes[g, 3], int_act, data, ou, shapes[g, 4], R, hidden, xj, up)
+    rows_dot(ks, shapes[g, 1], data, og, shapes[g, 2], R, hidden, xj, gate)
+    rows_dot(ks, shapes[g, 3], data, ou, shapes[g, 4], R, hidden, xj, up)
     silu_times(gate.reshape((1, width)), up.reshape((1, R)), gate.reshape((1, width)), 1, R)
-    rows_dot(shapes[g, 5], int_act, data, od, down_bytes, hidden, width, gate, out[0])
+    rows_dot(ks, shapes[g, 5], data, od, down_bytes, hidden, width, gate, out[0])
 
 
 # The groups are handed out one at a time in their order (schedule.take), where prange split them into one run
@@ -561,12 +521,11 @@ def group_task(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, co
 # layers, 64 tokens, bf16, 2 threads, alternating runs). Each group still writes only its own contribution,
 # added in group order after the loop (layer.py): the same bits.
 @njit(parallel=True, **JIT)
-def layer_rows(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start, int_act):
+def layer_rows(ks, data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start):
     G = tok_start.size
     counter = np.zeros(1, np.int64)
     for _ in prange(G):  # a thread's first iteration takes groups until none is left; the rest find none
         g = take(counter, 0)
         while g < G:
-            group_task(data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start,
-                       int_act, g)
+            group_task(ks, data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start, g)
             g = take(counter, 0)

@@ -33,19 +33,20 @@ a layer.
 
     interleave(rows [R, row_bytes] uint8, K) -> [R / 8 nb 272] uint8    q8.py's rows as groups (numpy)
     rows_of(groups, R, K) -> [R, row_bytes] uint8                       the inverse
-    matmul_groups(data, R, K, x, out)    out [T, R] = x [T, K] . W^T: the groups split over numba's threads,
+    matmul_groups(ks, data, R, K, x, out)
+                                         out [T, R] = x [T, K] . W^T: the groups split over numba's threads,
                                          two tokens at a time (one for an odd last)
-    dot8r2 / dot8r1(data, o, hidden, xq, xd, t0, out, col)
+    dot8r2 / dot8r1(ks, data, o, hidden, xq, xd, t0, out, col)
                                          out[t0 + t, col:col + 8] <- the group at byte o . token t0 + t
-    interleave8(fmt, data, o, row_step, hidden, groups)
+    interleave8(ks, fmt, data, o, row_step, hidden, groups)
                                          groups <- the eight rows at byte o, row_step apart, of q8 or q4 (fmt
                                          its FORMATS index), interleaved: q4's values as unsigned bytes
-    dot8u2 / dot8u1(data, o, hidden, xq, xd, xsum, t0, out, col)
+    dot8u2 / dot8u1(ks, data, o, hidden, xq, xd, xsum, t0, out, col)
                                          the same for a group of unsigned values u = q + OFFSET (q4's)
-    rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
+    rows_by_eight(ks, fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n)
                                          out[:n, :rows] <- the tokens . row-major q8 or q4 rows (an expert's
                                          matrix in a prefill group): each eight rows interleaved on the fly
-    matmul_rows_by_eight(fmt, data, row_bytes, R, K, x, out)
+    matmul_rows_by_eight(ks, fmt, data, row_bytes, R, K, x, out)
                                          out [T, R] = x . W^T for row-major q8 or q4 rows (a dense q4 matrix),
                                          the groups split over numba's threads
 
@@ -164,16 +165,24 @@ def _emit(builder, group, xq, xd, xsum, hidden_v, tok, accs_out) -> None:
         builder.store(total, builder.bitcast(dest, VW.as_pointer()), align=4)
 
 
+def compiled(kernels) -> bool:
+    """Whether a kernel set (a KernelSetType) holds this loop: q8's or q4's integer loop."""
+    return any(kernels.emits(name, integer=True) for name in BLOCK_FORMATS)
+
+
 def _codegen(NT: int, with_sums: bool):
     def codegen(context, builder, signature, args):
+        if not compiled(signature.args[0]):
+            return context.get_dummy_value()
+        types_, args = signature.args[1:], args[1:]
         data_v, o, hidden_v, xq_v, xd_v = args[:5]
         t0, out_v, col = args[-3:]
-        group = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
-        xq = _byte_ptr(context, builder, signature.args[3], xq_v)
-        xd = builder.bitcast(_byte_ptr(context, builder, signature.args[4], xd_v), F32.as_pointer())
-        xsum = builder.bitcast(_byte_ptr(context, builder, signature.args[5], args[5]), I32.as_pointer()) \
+        group = builder.gep(_byte_ptr(context, builder, types_[0], data_v), [o])
+        xq = _byte_ptr(context, builder, types_[3], xq_v)
+        xd = builder.bitcast(_byte_ptr(context, builder, types_[4], xd_v), F32.as_pointer())
+        xsum = builder.bitcast(_byte_ptr(context, builder, types_[5], args[5]), I32.as_pointer()) \
             if with_sums else None
-        outa = context.make_array(signature.args[-2])(context, builder, out_v)
+        outa = context.make_array(types_[-2])(context, builder, out_v)
         outp = builder.bitcast(outa.data, F32.as_pointer())
         width = builder.extract_value(outa.shape, 1)
         tok = [builder.add(t0, const(t)) for t in range(NT)]
@@ -186,18 +195,19 @@ def _codegen(NT: int, with_sums: bool):
 
 def _make(NT: int):
     @intrinsic
-    def dot8(typingctx, data, o, hidden, xq, xd, t0, out, col):
-        """out[t0 + t, col:col + 8] <- the group at byte o . token t0 + t's quantised row, t < NT."""
-        return types.void(data, o, hidden, xq, xd, t0, out, col), _codegen(NT, False)
+    def dot8(typingctx, kernels, data, o, hidden, xq, xd, t0, out, col):
+        """out[t0 + t, col:col + 8] <- the group at byte o . token t0 + t's quantised row, t < NT (nothing where the
+        kernel set has neither q8's nor q4's integer loop)."""
+        return types.void(kernels, data, o, hidden, xq, xd, t0, out, col), _codegen(NT, False)
 
     return dot8
 
 
 def _make_unsigned(NT: int):
     @intrinsic
-    def dot8u(typingctx, data, o, hidden, xq, xd, xsum, t0, out, col):
+    def dot8u(typingctx, kernels, data, o, hidden, xq, xd, xsum, t0, out, col):
         """The same for a group of unsigned values (q + OFFSET), xsum [n, nb] int32 the activations' block sums."""
-        return types.void(data, o, hidden, xq, xd, xsum, t0, out, col), _codegen(NT, True)
+        return types.void(kernels, data, o, hidden, xq, xd, xsum, t0, out, col), _codegen(NT, True)
 
     return dot8u
 
@@ -247,17 +257,17 @@ def _interleave_rows(builder, fmt, rows, row_step, hidden_v, dest) -> None:
 
 
 @intrinsic
-def interleave8(typingctx, fmt, data, o, row_step, hidden, groups):
+def interleave8(typingctx, kernels, fmt, data, o, row_step, hidden, groups):
     """groups [nb 272] uint8 <- the 8 rows at byte o of data, row_step apart, in a BLOCK_FORMATS format (q8, q4:
     fmt its FORMATS index), interleaved as the layout above (q4's values unsigned, q + OFFSET)."""
-    sig = types.void(fmt, data, o, row_step, hidden, groups)
+    sig = types.void(kernels, fmt, data, o, row_step, hidden, groups)
 
     def codegen(context, builder, signature, args):
-        fmt_v, data_v, o, row_step, hidden_v, groups_v = args
-        base = _byte_ptr(context, builder, signature.args[1], data_v)
+        fmt_v, data_v, o, row_step, hidden_v, groups_v = args[1:]
+        base = _byte_ptr(context, builder, signature.args[2], data_v)
         rows = [builder.gep(base, [builder.add(o, builder.mul(row_step, const(r)))]) for r in range(8)]
-        dest = _byte_ptr(context, builder, signature.args[5], groups_v)
-        _per_format(context, builder, signature.args[0], fmt_v,
+        dest = _byte_ptr(context, builder, signature.args[6], groups_v)
+        _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
                     lambda m: _interleave_rows(builder, m, rows, row_step, hidden_v, dest), BLOCK_FORMATS)
         return context.get_dummy_value()
 
@@ -265,62 +275,66 @@ def interleave8(typingctx, fmt, data, o, row_step, hidden, groups):
 
 
 @njit(inline="always", **JIT)
-def group_tokens(data, o, hidden, xq, xd, n, out, col) -> None:
+def group_tokens(ks, data, o, hidden, xq, xd, n, out, col) -> None:
     """out[:n, col:col + 8] <- the group at byte o . the n tokens of xq, xd: two at a time, one for an odd last."""
     for t0 in range(0, n - 1, 2):
-        dot8r2(data, o, hidden, xq, xd, t0, out, col)
+        dot8r2(ks, data, o, hidden, xq, xd, t0, out, col)
     if n % 2 == 1:
-        dot8r1(data, o, hidden, xq, xd, n - 1, out, col)
+        dot8r1(ks, data, o, hidden, xq, xd, n - 1, out, col)
 
 
 @njit(inline="always", **JIT)
-def group_tokens_unsigned(data, o, hidden, xq, xd, xsum, n, out, col) -> None:
+def group_tokens_unsigned(ks, data, o, hidden, xq, xd, xsum, n, out, col) -> None:
     """group_tokens for a group of unsigned values (q + OFFSET), xsum the activations' block sums."""
     for t0 in range(0, n - 1, 2):
-        dot8u2(data, o, hidden, xq, xd, xsum, t0, out, col)
+        dot8u2(ks, data, o, hidden, xq, xd, xsum, t0, out, col)
     if n % 2 == 1:
-        dot8u1(data, o, hidden, xq, xd, xsum, n - 1, out, col)
+        dot8u1(ks, data, o, hidden, xq, xd, xsum, n - 1, out, col)
 
 
 @njit(inline="always", **JIT)
-def rows_by_eight(fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n) -> None:
+def rows_by_eight(ks, fmt, data, o, row_bytes, rows, hidden, xq, xd, xsum, out, n) -> None:
     """out[:n, :rows] <- the n tokens of xq, xd, xsum (quantize_rows_summed) . the q8 or q4 rows from byte o (rows
     a multiple of 8): each eight rows interleaved into a scratch in L1 (interleave8), then two tokens at a time
     (one for an odd last)."""
     scratch = np.empty((hidden // 32) * GROUP_BYTES, np.uint8)
     for g in range(rows // GROUP_ROWS):
-        interleave8(fmt, data, o + g * GROUP_ROWS * row_bytes, row_bytes, hidden, scratch)
+        interleave8(ks, fmt, data, o + g * GROUP_ROWS * row_bytes, row_bytes, hidden, scratch)
         if UNSIGNED[fmt]:
-            group_tokens_unsigned(scratch, 0, hidden, xq, xd, xsum, n, out, g * GROUP_ROWS)
+            group_tokens_unsigned(ks, scratch, 0, hidden, xq, xd, xsum, n, out, g * GROUP_ROWS)
         else:
-            group_tokens(scratch, 0, hidden, xq, xd, n, out, g * GROUP_ROWS)
+            group_tokens(ks, scratch, 0, hidden, xq, xd, n, out, g * GROUP_ROWS)
 
 
 @njit(parallel=True, **JIT)
-def matmul_rows_by_eight(fmt, data, row_bytes, R, K, x, out):
+def matmul_rows_by_eight(ks, fmt, data, row_bytes, R, K, x, out):
     """out [T, R] = x [T, K] . W^T, W's R rows (a multiple of 8) row-major q8 or q4 rows: the groups of eight rows
     split over numba's threads, each interleaved on the fly."""
     xq, xd, xsum = quantize_rows_summed(x)
     for g in prange(R // GROUP_ROWS):
         scratch = np.empty((K // 32) * GROUP_BYTES, np.uint8)
-        interleave8(fmt, data, g * GROUP_ROWS * row_bytes, row_bytes, K, scratch)
+        interleave8(ks, fmt, data, g * GROUP_ROWS * row_bytes, row_bytes, K, scratch)
         if UNSIGNED[fmt]:
-            group_tokens_unsigned(scratch, 0, K, xq, xd, xsum, x.shape[0], out, g * GROUP_ROWS)
+            group_tokens_unsigned(ks, scratch, 0, K, xq, xd, xsum, x.shape[0], out, g * GROUP_ROWS)
         else:
-            group_tokens(scratch, 0, K, xq, xd, x.shape[0], out, g * GROUP_ROWS)
+            group_tokens(ks, scratch, 0, K, xq, xd, x.shape[0], out, g * GROUP_ROWS)
 
 
 @njit(parallel=True, **JIT)
-def matmul_groups(data, R, K, x, out):
+def matmul_groups(ks, data, R, K, x, out):
     xq, xd, _ = quantize_rows(x)  # [T, K] once for every group
     group_bytes = (K // 32) * GROUP_BYTES
     for g in prange(R // GROUP_ROWS):
-        group_tokens(data, g * group_bytes, K, xq, xd, x.shape[0], out, g * GROUP_ROWS)
+        group_tokens(ks, data, g * group_bytes, K, xq, xd, x.shape[0], out, g * GROUP_ROWS)
 
 
-def warm_up() -> None:
-    """Compile (or load from the disk cache) before the first request."""
-    matmul_groups(np.zeros(GROUP_BYTES, np.uint8), 8, 32, np.zeros((3, 32), np.float32), np.zeros((3, 8), np.float32))
-    q4 = list(FORMATS).index("q4")
-    matmul_rows_by_eight(q4, np.zeros(8 * 18, np.uint8), 18, 8, 32, np.zeros((3, 32), np.float32),
-                         np.zeros((3, 8), np.float32))
+def warm_up(ks) -> None:
+    """Compile (or load from the disk cache) the loops a kernel set ``ks`` (kernel_set.KernelSet) takes here,
+    before the first request: q8 matrices interleaved (matmul_groups), q8 or q4 ones interleaved on the fly."""
+    if not any(name in ks for name in BLOCK_FORMATS) or not ks.int_act:
+        return
+    matmul_groups(ks, np.zeros(GROUP_BYTES, np.uint8), 8, 32, np.zeros((3, 32), np.float32),
+                  np.zeros((3, 8), np.float32))
+    fmt = next(name for name in BLOCK_FORMATS if name in ks)
+    matmul_rows_by_eight(ks, list(FORMATS).index(fmt), np.zeros(8 * FORMATS[fmt].BLOCK_BYTES, np.uint8),
+                         FORMATS[fmt].BLOCK_BYTES, 8, 32, np.zeros((3, 32), np.float32), np.zeros((3, 8), np.float32))

@@ -12,26 +12,29 @@ row, which is reduced once at the end of the row. The IR names no instruction
 set: LLVM lowers ``<32 x float>`` to four AVX2 registers, two AVX-512 ones, or
 whatever the host has, so nothing assumes a vector width.
 
-One intrinsic per format on four rows at byte offsets o0..o3 of ``data`` (decode: every matrix of an expert,
-and the dense matrices, is read as rows taken in dot products; the rows two calls ahead are prefetched, as
-dot2r4 prefetches the rows four pairs ahead):
+Every intrinsic takes the kernel set first (kernel_set.py: a compile-time value naming the formats whose loops
+are generated) and the format as a run-time argument, its FORMATS index, switched on in the code.
 
-    dot4_F(data, o0, o1, o2, o3, hidden, x)             -> (x·w0, x·w1, x·w2, x·w3)    x [H] float32
+One on four rows at byte offsets o0..o3 of ``data`` (decode: every matrix of an expert, and the dense
+matrices, is read as rows taken in dot products; the rows two calls ahead are prefetched, as dot2r4 prefetches
+the rows four pairs ahead):
+
+    dot4(ks, fmt, data, o0, o1, o2, o3, hidden, x)      -> (x·w0, x·w1, x·w2, x·w3)    x [H] float32
 
 and, for bf16 rows (and bf16dp's), the same without the prefetch, for four rows that are four streams far
 apart (rows.stream_quad: a matrix's four quarters; the hardware prefetcher follows them):
 
-    dot4s_F(data, o0, o1, o2, o3, hidden, x)            as dot4_F, F in STREAM_FORMATS
+    dot4s(ks, fmt, data, o0, o1, o2, o3, hidden, x)     as dot4, fmt one of STREAM_FORMATS
 
 one for groups of several tokens (prefill), the format a run-time argument (its FORMATS index), its
 accumulators unrolled into registers (on AVX2, f32's and bf16's four-token tiles as parts of one register
 each, taken in turn over a few blocks: _emit_dotk_parts, PARTED, the same bits):
 
-    dot2r4(fmt, data, o, row_step, hidden, xg, t0, out, col)
+    dot2r4(ks, fmt, data, o, row_step, hidden, xg, t0, out, col)
                                                         out[t0 + t, col + j] = xg[t0 + t] · the row at
                                                         o + j row_step, t < 4, j < 2 (each block widened
                                                         once for the four tokens, x read once for both rows)
-    dot4r4(fmt, data, o, row_step, hidden, xg, t0, out, col)
+    dot4r4(ks, fmt, data, o, row_step, hidden, xg, t0, out, col)
                                                         the same, j < 4, for f32 and bf16 (WIDE_FORMATS) on
                                                         hosts with 512-bit vectors (WIDE_TILES): its 16
                                                         accumulators fill AVX-512's 32 registers, and each x
@@ -39,7 +42,7 @@ each, taken in turn over a few blocks: _emit_dotk_parts, PARTED, the same bits):
                                                         summed in the same order as dot2r4's: the same bits
                                                         (rows of whole blocks; a partial last block's few
                                                         values may be added in another order)
-    dot6r4, dot6r4n(fmt, data, o, row_step, hidden, xg, t0, out, col)
+    dot6r4, dot6r4n(ks, fmt, data, o, row_step, hidden, xg, t0, out, col)
                                                         the same, j < 6, f32 and bf16 on WIDE_TILES hosts
                                                         (rows.six_rows: a matrix by 12 tokens or more, or
                                                         rows of up to 1024 weights), each accumulator as two
@@ -48,19 +51,19 @@ each, taken in turn over a few blocks: _emit_dotk_parts, PARTED, the same bits):
 
 and the same tiles of one to three tokens for f32 and bf16 rows (a group's last tokens, rows.short_tiles):
 
-    dot2rK, dot4rK, dot6rK(fmt, data, o, row_step, hidden, xg, t0, out, col)
+    dot2rK, dot4rK, dot6rK(ks, fmt, data, o, row_step, hidden, xg, t0, out, col)
                                                         t < K, K = 1, 2, 3: each (row, token) summed as in
                                                         the four-token tiles, the same bits
 
-and for bf16 rows by bf16 activations (bf16dp.py; dot4_bf16dp rounds the token in the registers):
+and for bf16 rows by bf16 activations (bf16dp.py; dot4 of bf16dp rounds the token in the registers):
 
-    pairs2r4(data, o, row_step, hidden, xb, t0, out, col)   as dot2r4, xb [n, H] uint16 the tokens rounded
+    pairs2r4(ks, data, o, row_step, hidden, xb, t0, out, col)   as dot2r4, xb [n, H] uint16 the tokens rounded
     pairs4r4(...)                                           to bf16 (bf16dp.round_rows); four rows (WIDE_TILES)
     pairs2rK, pairs4rK(...)                                 K = 1, 2, 3 tokens
 
 and one that writes a row out as float32 (for BLAS on many tokens):
 
-    decode_F(data, o, hidden, out)                      out [H] float32 = w
+    decode(ks, fmt, data, o, hidden, out)               out [H] float32 = w
 
 f32 and bf16 rows may end in a partial block (H not a multiple of 32): those
 values are taken one by one after the vector loop. The order of the float
@@ -208,45 +211,58 @@ def _tail(builder, hidden, nb):
     return cgutils.for_range_slice(builder, builder.mul(nb, const(LANES)), hidden, const(1))
 
 
-def _make_dot4(fmt: ModuleType, ahead: bool = True):
-    """dot4_F; ``ahead``: prefetch the rows PREFETCH_ROWS rows further on (rows side by side), else nothing (the
-    four rows are four streams apart: dot4s_F)."""
+def _emit_dot4(builder, fmt, rows, xp, hidden_v, ahead: bool) -> list:
+    """The four rows' dot products with the float32 row at xp, in format ``fmt``: four float values. ``ahead``:
+    prefetch the rows PREFETCH_ROWS rows further on (rows side by side), else nothing (the four rows are four
+    streams apart: dot4s)."""
+    if getattr(fmt, "DOT_PAIRS", False):
+        return [builder.load(s) for s in _dot_pairs(builder, fmt, rows, [xp], hidden_v, ahead=ahead)[0]]
+    nb = builder.udiv(hidden_v, const(LANES))
+    G = _groups(fmt)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES)) for _ in rows]
+    with cgutils.for_range(builder, builder.udiv(nb, const(G))) as loop:
+        i = loop.index
+        if ahead:
+            _prefetch_ahead(builder, fmt, rows, i)
+        for j in range(G):
+            b = builder.add(builder.mul(i, const(G)), const(j))
+            xv = builder.load(builder.bitcast(builder.gep(xp, [builder.mul(b, const(LANES))]),
+                                              VF.as_pointer()), align=4)  # [32] of x, shared by the rows
+            for row, acc in zip(rows, accs):
+                w = _weights(builder, fmt, row, i, j, hidden_v)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xv, flags=FAST), flags=FAST), acc)
+    sums = [cgutils.alloca_once_value(builder, total)  # the four trees together, each its own bits
+            for total in _tree_sums(builder, [builder.load(acc) for acc in accs])]
+    if not fmt.SCALED:
+        with _tail(builder, hidden_v, nb) as (i, _):
+            xi = builder.load(builder.gep(xp, [i]), align=4)
+            for row, acc in zip(rows, sums):
+                w = fmt.value(builder, row, i)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xi, flags=FAST), flags=FAST), acc)
+    return [builder.load(s) for s in sums]
+
+
+def _make_dot4(names, ahead: bool = True):
+    """dot4 (every format) or dot4s (``names``: STREAM_FORMATS, ``ahead`` False)."""
 
     @intrinsic
-    def dot4(typingctx, data, o0, o1, o2, o3, hidden, x):
-        sig = types.UniTuple(types.float32, 4)(data, o0, o1, o2, o3, hidden, x)
+    def dot4(typingctx, kernels, fmt, data, o0, o1, o2, o3, hidden, x):
+        """(x·w0, x·w1, x·w2, x·w3) of the four rows at byte offsets o0..o3 of data, in the format whose
+        FORMATS index is fmt (a run-time value; the kernels' set says which formats are compiled)."""
+        sig = types.UniTuple(types.float32, 4)(kernels, fmt, data, o0, o1, o2, o3, hidden, x)
 
         def codegen(context, builder, signature, args):
-            data_v, offsets, hidden_v, x_v = args[0], args[1:5], args[5], args[6]
-            base = _byte_ptr(context, builder, signature.args[0], data_v)
+            fmt_v, data_v, offsets, hidden_v, x_v = args[1], args[2], args[3:7], args[7], args[8]
+            base = _byte_ptr(context, builder, signature.args[2], data_v)
             rows = [builder.gep(base, [o]) for o in offsets]
-            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[6], x_v), F32.as_pointer())
-            if getattr(fmt, "DOT_PAIRS", False):
-                sums = _dot_pairs(builder, fmt, rows, [xp], hidden_v, ahead=ahead)[0]
-                return context.make_tuple(builder, signature.return_type, [builder.load(s) for s in sums])
-            nb = builder.udiv(hidden_v, const(LANES))
-            G = _groups(fmt)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES)) for _ in rows]
-            with cgutils.for_range(builder, builder.udiv(nb, const(G))) as loop:
-                i = loop.index
-                if ahead:
-                    _prefetch_ahead(builder, fmt, rows, i)
-                for j in range(G):
-                    b = builder.add(builder.mul(i, const(G)), const(j))
-                    xv = builder.load(builder.bitcast(builder.gep(xp, [builder.mul(b, const(LANES))]),
-                                                      VF.as_pointer()), align=4)  # [32] of x, shared by the rows
-                    for row, acc in zip(rows, accs):
-                        w = _weights(builder, fmt, row, i, j, hidden_v)
-                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xv, flags=FAST), flags=FAST),
-                                      acc)
-            sums = [cgutils.alloca_once_value(builder, total)  # the four trees together, each its own bits
-                    for total in _tree_sums(builder, [builder.load(acc) for acc in accs])]
-            if not fmt.SCALED:
-                with _tail(builder, hidden_v, nb) as (i, _):
-                    xi = builder.load(builder.gep(xp, [i]), align=4)
-                    for row, acc in zip(rows, sums):
-                        w = fmt.value(builder, row, i)
-                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xi, flags=FAST), flags=FAST), acc)
+            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[8], x_v), F32.as_pointer())
+            sums = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in rows]
+
+            def emit(fmt_module):
+                for total, dest in zip(_emit_dot4(builder, fmt_module, rows, xp, hidden_v, ahead), sums):
+                    builder.store(total, dest)
+
+            _per_format(context, builder, signature.args[0], signature.args[1], fmt_v, emit, names)
             return context.make_tuple(builder, signature.return_type, [builder.load(s) for s in sums])
 
         return sig, codegen
@@ -290,14 +306,15 @@ def _register_loop(builder, count, inits, step) -> list:
     return values
 
 
-def _per_format(context, builder, fmt_type, fmt_value, emit, names=FORMATS) -> None:
+def _per_format(context, builder, kernels, fmt_type, fmt_value, emit, names=FORMATS, integer: bool = False) -> None:
     """emit(format module) for the format whose FORMATS index is the run-time value ``fmt_value``, one of
-    ``names`` (others: nothing)."""
+    ``names`` that the kernel set ``kernels`` (a KernelSetType) holds: its float loop, or (``integer``) its
+    integer loop (others: nothing)."""
     index = context.cast(builder, fmt_value, fmt_type, types.int64)
     done = builder.append_basic_block("format.done")
     switch = builder.switch(index, done)
     for i, name in enumerate(FORMATS):
-        if name not in names:
+        if name not in names or not kernels.emits(name, integer):
             continue
         block = builder.append_basic_block(f"format.{name}")
         switch.add_case(const(i), block)
@@ -329,17 +346,17 @@ def _make_dotk(NR: int, K: int, names=FORMATS, parted=None, chunk=None, ahead=Tr
     chunk = PART_BLOCKS if chunk is None else chunk
 
     @intrinsic
-    def dotk(typingctx, fmt, data, o, row_step, hidden, xg, t0, out, col):
-        """out[t0 + t, col + j] = xg[t0 + t] · the row at byte offset o + j row_step, t < K, j < NR (any format:
-        fmt = its FORMATS index; out [n, >= col + NR] float32)."""
-        sig = types.void(fmt, data, o, row_step, hidden, xg, t0, out, col)
+    def dotk(typingctx, kernels, fmt, data, o, row_step, hidden, xg, t0, out, col):
+        """out[t0 + t, col + j] = xg[t0 + t] · the row at byte offset o + j row_step, t < K, j < NR (any format
+        of the kernel set: fmt = its FORMATS index; out [n, >= col + NR] float32)."""
+        sig = types.void(kernels, fmt, data, o, row_step, hidden, xg, t0, out, col)
 
         def codegen(context, builder, signature, args):
-            fmt_v, data_v, o, row_step, hidden_v, xg_v, t0, out_v, col = args
-            rows, tok, dests = _tile(context, builder, (signature.args[1], data_v), o, row_step,
-                                     (signature.args[7], out_v), t0, col, NR, K)
-            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], xg_v), F32.as_pointer())
-            _per_format(context, builder, signature.args[0], fmt_v,
+            fmt_v, data_v, o, row_step, hidden_v, xg_v, t0, out_v, col = args[1:]
+            rows, tok, dests = _tile(context, builder, (signature.args[2], data_v), o, row_step,
+                                     (signature.args[8], out_v), t0, col, NR, K)
+            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[6], xg_v), F32.as_pointer())
+            _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
                         lambda fmt: _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok, chunk, ahead)
                         if fmt in parted else _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok, ahead), names)
             return context.get_dummy_value()
@@ -387,16 +404,19 @@ def _dot_pairs(builder, fmt, rows, xrows, hidden_v, rounded=False, ahead=True) -
 
 def _make_pairsk(NR: int, K: int):
     @intrinsic
-    def pairsk(typingctx, data, o, row_step, hidden, xb, t0, out, col):
+    def pairsk(typingctx, kernels, data, o, row_step, hidden, xb, t0, out, col):
         """out[t0 + t, col + j] = xb[t0 + t] · the bf16 row at byte offset o + j row_step, t < K, j < NR: xb [n, H]
-        uint16, the tokens rounded to bf16 (bf16dp.round_rows); bf16dp.py's products."""
-        sig = types.void(data, o, row_step, hidden, xb, t0, out, col)
+        uint16, the tokens rounded to bf16 (bf16dp.round_rows); bf16dp.py's products (nothing where the kernel
+        set lacks bf16dp)."""
+        sig = types.void(kernels, data, o, row_step, hidden, xb, t0, out, col)
 
         def codegen(context, builder, signature, args):
-            data_v, o, row_step, hidden_v, xb_v, t0, out_v, col = args
-            rows, tok, dests = _tile(context, builder, (signature.args[0], data_v), o, row_step,
-                                     (signature.args[6], out_v), t0, col, NR, K)
-            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[4], xb_v), I16.as_pointer())
+            data_v, o, row_step, hidden_v, xb_v, t0, out_v, col = args[1:]
+            if not kernels.emits("bf16dp"):
+                return context.get_dummy_value()
+            rows, tok, dests = _tile(context, builder, (signature.args[1], data_v), o, row_step,
+                                     (signature.args[7], out_v), t0, col, NR, K)
+            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], xb_v), I16.as_pointer())
             sums = _dot_pairs(builder, bf16dp, rows, [_row_major(builder, xp, t, hidden_v, const(0)) for t in tok],
                               hidden_v, rounded=True)
             for per_t, per_dest in zip(sums, dests):
@@ -531,31 +551,36 @@ def _joined(builder, parts):
     return parts[0]
 
 
-def _make_decode(fmt: ModuleType):
-    @intrinsic
-    def decode(typingctx, data, o, hidden, out):
-        sig = types.void(data, o, hidden, out)
+def _emit_decode(builder, fmt, row, outp, hidden_v) -> None:
+    """outp[:hidden] <- the row at ``row`` in format ``fmt`` as float32 (exactly shm.formats' decode)."""
+    nb = builder.udiv(hidden_v, const(LANES))
+    G = _groups(fmt)
+    with cgutils.for_range(builder, builder.udiv(nb, const(G))) as loop:
+        i = loop.index
+        for j in range(G):
+            b = builder.add(builder.mul(i, const(G)), const(j))
+            optr = builder.bitcast(builder.gep(outp, [builder.mul(b, const(LANES))]), VF.as_pointer())
+            builder.store(_weights(builder, fmt, row, i, j, hidden_v), optr, align=4)
+    if not fmt.SCALED:
+        with _tail(builder, hidden_v, nb) as (i, _):
+            builder.store(fmt.value(builder, row, i), builder.gep(outp, [i]), align=4)
 
-        def codegen(context, builder, signature, args):
-            data_v, o, hidden_v, out_v = args
-            row = builder.gep(_byte_ptr(context, builder, signature.args[0], data_v), [o])
-            outp = builder.bitcast(_byte_ptr(context, builder, signature.args[3], out_v), F32.as_pointer())
-            nb = builder.udiv(hidden_v, const(LANES))
-            G = _groups(fmt)
-            with cgutils.for_range(builder, builder.udiv(nb, const(G))) as loop:
-                i = loop.index
-                for j in range(G):
-                    b = builder.add(builder.mul(i, const(G)), const(j))
-                    optr = builder.bitcast(builder.gep(outp, [builder.mul(b, const(LANES))]), VF.as_pointer())
-                    builder.store(_weights(builder, fmt, row, i, j, hidden_v), optr, align=4)
-            if not fmt.SCALED:
-                with _tail(builder, hidden_v, nb) as (i, _):
-                    builder.store(fmt.value(builder, row, i), builder.gep(outp, [i]), align=4)
-            return context.get_dummy_value()
 
-        return sig, codegen
+@intrinsic
+def decode(typingctx, kernels, fmt, data, o, hidden, out):
+    """out [H] float32 <- the row at byte offset o of data, in the format whose FORMATS index is fmt, dequantised
+    (exactly shm.formats' decode; bf16dp's rows are bf16's)."""
+    sig = types.void(kernels, fmt, data, o, hidden, out)
 
-    return decode
+    def codegen(context, builder, signature, args):
+        fmt_v, data_v, o, hidden_v, out_v = args[1:]
+        row = builder.gep(_byte_ptr(context, builder, signature.args[2], data_v), [o])
+        outp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], out_v), F32.as_pointer())
+        _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
+                    lambda m: _emit_decode(builder, bf16 if m is bf16dp else m, row, outp, hidden_v))
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def host_has_512_bit_vectors() -> bool:
@@ -572,12 +597,9 @@ PART_LANES = 16 if WIDE_TILES else 8  # floats a register holds: an accumulator 
 PARTED = () if WIDE_TILES else (f32, bf16)
 
 
-dot4_f32, dot4_bf16, dot4_q8, dot4_q4, dot4_q4k, dot4_q5k, dot4_q6k, dot4_iq4xs, dot4_bf16dp = (
-    _make_dot4(m) for m in FORMATS.values())
-decode_f32, decode_bf16, decode_q8, decode_q4, decode_q4k, decode_q5k, decode_q6k, decode_iq4xs, _ = (
-    _make_decode(m) for m in FORMATS.values())  # bf16dp's rows decode as bf16's
-STREAM_FORMATS = ("bf16", "bf16dp")  # one token's rows read as four streams (rows.stream_quad): dot4s_F
-dot4s_bf16, dot4s_bf16dp = (_make_dot4(FORMATS[name], ahead=False) for name in STREAM_FORMATS)
+dot4 = _make_dot4(FORMATS)
+STREAM_FORMATS = ("bf16", "bf16dp")  # one token's rows read as four streams (rows.stream_quad): dot4s
+dot4s = _make_dot4(STREAM_FORMATS, ahead=False)
 dot2r4 = _make_dotk(2, 4, tuple(name for name in FORMATS if name != "bf16dp"))
 dot4r4 = _make_dotk(4, 4, ("f32", "bf16"))  # only where the host's registers hold its 16 accumulators: WIDE_TILES
 pairs2r4, pairs4r4 = _make_pairsk(2, 4), _make_pairsk(4, 4)  # bf16dp's rows (the tokens rounded to bf16 first)
