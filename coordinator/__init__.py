@@ -9,7 +9,18 @@ import os
 # import of it; the user's own setting wins. (libgomp's, OMP_WAIT_POLICY: node_worker/kernels/common.py.)
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-from .config import EngineConfig  # noqa: E402
-from .engine import Engine  # noqa: E402
-
 __all__ = ["Engine", "EngineConfig"]
+
+
+def __getattr__(name: str):
+    """Engine and EngineConfig, imported on first use: a process that runs one module of the package (the
+    kernel compile, python -m coordinator.warmup) does not load the engine first."""
+    if name == "Engine":
+        from .engine import Engine
+
+        return Engine
+    if name == "EngineConfig":
+        from .config import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ import numpy as np
 
 from node_worker import NodeWorker, kernel_threads
 from node_worker.kernels import dense
-from node_worker.kernels.kernel_set import KernelSet
+from node_worker.kernels.kernel_set import KernelSet, for_formats
 from node_worker.job import ExpertJob, NodeJob, WorkerJob, max_message_bytes
 from shm import formats
 from shm.checkpoint import Checkpoint
@@ -33,12 +33,25 @@ from .model.gguf_tokenizer import gguf_codec
 from .model.model_config import ModelConfig, load_model_config, parse_model_config
 from .model.sampling import Sampler, SamplingParams
 from .model.tokenizer import TextCodec
-from .model.weights import MLPWeights, load_weights
+from .model.weights import MLPWeights, layer_experts, load_weights
 from .pool import ExpertPool, InprocPool
 from .pool.hot_experts import ExpertProfile, choose_device_experts
 from .serving.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from .warmup import Unit, engine_units, ensure_compiled
 
 log = logging.getLogger(__name__)
+
+
+class Compiles:
+    """ensure_compiled for an engine's start, the seconds spent where something was compiled added up."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.seconds = quiet, 0.0
+
+    def __call__(self, units) -> None:
+        start = time.perf_counter()
+        if ensure_compiled(units, self.quiet):
+            self.seconds += time.perf_counter() - start
 
 
 @dataclass
@@ -106,12 +119,22 @@ def check_prompt_ids(mcfg: ModelConfig, ids: Sequence[int], max_new_tokens: int,
 
 
 def warm_up_host(dense_kernels: Sequence[KernelSet] = ()) -> None:
-    """Compile (or load from the disk cache) the host loops this engine's requests call, before the first one:
-    the decoder's row loops (host_ops: all of them on a NumPy device side, the router's top-k with a GPU too)
-    and, with dense matrices kept packed, their kernels (one kernel set per format)."""
+    """Load (or compile) the host loops this engine's requests call, before the first one: the decoder's row
+    loops (host_ops: all of them on a NumPy device side, the router's top-k with a GPU too) and, with dense
+    matrices kept packed, their kernels (one kernel set per format)."""
     host_ops.warm_up()
     for kernels in dense_kernels:
         dense.warm_up(kernels)
+
+
+def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, backend: str) -> tuple[str, list[Unit]]:
+    """(the CPU experts' formats as an ExpertFormats spec, the compile units an engine needs before it loads
+    anything: coordinator/warmup.py's host loops, doorbells, experts and encoders), from the checkpoint's index
+    alone; the dense matrices' units follow once they are packed."""
+    spec = expert_format(config, mcfg, ckpt, layer_experts(mcfg, ckpt))
+    names = formats.ExpertFormats.parse(spec).names
+    encoders = [*names, config.dense_dtype] if backend == "numpy" else names  # q8 and q4 quantise floats
+    return spec, engine_units(config.pool, for_formats(names, config.activations), encoders)
 
 
 def build_plan(mcfg: ModelConfig, nodes: list[Node], fmt: str = "f32") -> PoolPlan:
@@ -237,14 +260,18 @@ class Engine:
     dense_format: str = "f32"  # how the CPU device side's dense matrices are stored: formats and counts
     chat_template: ChatTemplate | None = None  # the model's, when it has one (serving/chat_template.py)
     chat_template_error: str | None = None  # why the model's template cannot be used, when it is broken
+    load_s: float = 0.0  # seconds Engine.open took: the weights, the workers, the kernels compiled on a first run
+    compile_s: float = 0.0  # of which compiling kernels this build lacked (coordinator/warmup.py)
 
     @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len or self.model_config.max_position_embeddings
 
     @classmethod
-    def open(cls, model_dir: str | Path, config: EngineConfig | None = None, source: tuple | None = None) -> "Engine":
-        """``source``: open_source(model_dir)'s result when the caller has it already (not opened twice)."""
+    def open(cls, model_dir: str | Path, config: EngineConfig | None = None, source: tuple | None = None,
+             quiet: bool = False) -> "Engine":
+        """``source``: open_source(model_dir)'s result when the caller has it already (not opened twice).
+        ``quiet``: say nothing on stderr of the kernels compiled on a first run (coordinator/warmup.py)."""
         config = config or EngineConfig()
         if not isinstance(config, EngineConfig):
             raise ConfigValueError(f"config must be an EngineConfig, got {type(config).__name__}")
@@ -266,6 +293,9 @@ class Engine:
             raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
                                    "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")
         device_set, placement = device_expert_set(mcfg, ckpt, config)  # a count the model cannot give: refused now
+        compile_missing = Compiles(quiet)  # before anything runs them, in a child, what this build lacks
+        planned, units = start_units(config, mcfg, ckpt, backend)
+        compile_missing(units)
         weights = load_weights(mcfg, ckpt)
         dense_format, dense_kernels = "f32", []
         if config.dense_dtype != "f32" and backend == "numpy":
@@ -273,9 +303,12 @@ class Engine:
             nbytes, dense_format, dense_kernels = pack_dense(weights, fmt, config.activations != "f32", ckpt,
                                                              config.activations == "bf16")
             log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
+            compile_missing([Unit.dense(kernels) for kernels in dense_kernels])
         device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
+        if fmt != planned:  # the layers' first experts named other formats than the whole layers (not seen)
+            compile_missing([Unit.experts(for_formats(formats.ExpertFormats.parse(fmt).names, config.activations))])
         plan = build_plan(mcfg, nodes, fmt)
         for size in sorted({size for size, _, _ in plan.left_out}):  # one line per expert size
             idle = [(node, reason) for s, node, reason in plan.left_out if s == size]
@@ -284,14 +317,19 @@ class Engine:
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
         pool = build_pool(model_dir, ckpt, mcfg, plan, nodes, cpu_experts, config, max_seq_len,
                           cpu_set_digest(ckpt, device_set, fmt), fmt, runs_kernels)
-        decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
-        warm_up_host(dense_kernels)
-        log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
-                 model_dir, mcfg.arch, mcfg.num_layers, time.perf_counter() - start, plan.digest, plan.node_ids)
-        return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,
-                   {"backend": backend, "experts": len(device_set), "chosen": placement,
-                    "bytes": len(device_set) * expert_bytes(mcfg)}, fmt, dense_format, chat_template,
-                   chat_template_error)
+        try:
+            decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
+            warm_up_host(dense_kernels)
+            load_s = time.perf_counter() - start
+            log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
+                     model_dir, mcfg.arch, mcfg.num_layers, load_s, plan.digest, plan.node_ids)
+            return cls(model_dir, config, mcfg, ckpt, decoder, pool, codec, nodes,
+                       {"backend": backend, "experts": len(device_set), "chosen": placement,
+                        "bytes": len(device_set) * expert_bytes(mcfg)}, fmt, dense_format, chat_template,
+                       chat_template_error, load_s, compile_missing.seconds)
+        except BaseException:  # Ctrl-C included: the workers, their segments and the pool's folder go too
+            pool.close()
+            raise
 
     def cpu_expert_bytes(self) -> float:
         """Bytes of one whole routed expert (gate, up, down) in the CPU side's storage formats (the mean over
@@ -379,11 +417,15 @@ class Engine:
 
     def generate_full(self, token_ids: Sequence[int], max_new_tokens: int = 16, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-                      on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                      on_token: Callable[[int], None] | None = None, min_p: float = 0.0,
+                      repetition_penalty: float = 1.0) -> GenerationResult:
+        """Generate after ``token_ids`` (sampling.SamplingParams' meanings; repetition_penalty over the prompt
+        and the answer, as transformers'); ``on_token`` sees each token as it is chosen."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ConfigValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
         ids = self._check_ids(token_ids, max_new_tokens)
-        sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed))
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed, min_p=min_p,
+                                         repetition_penalty=repetition_penalty), ids.tolist())
         eos = set(self.model_config.eos_token_ids) if stop_at_eos else set()
         cache = self.decoder.new_cache()
         out: list[int] = []

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import zmq
 
-from shm import doorbell, pool_io, segments
+from shm import compile_log, doorbell, pool_io, segments
+from shm.interrupts import deferred
 from shm.gguf_checkpoint import open_checkpoint
 from shm.node_store import open_node_store
 from shm.placement import segment_placement
@@ -87,8 +88,15 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="parent-watch", daemon=True).start()
 
 
+_terminating: list[int] = []
+
+
 def _term(signum, frame):
-    raise SystemExit(128 + signum)
+    """SIGTERM (the coordinator's stop, or the parent-watch's): unwind through the clean-up once; a second
+    signal while it runs is ignored, so it finishes."""
+    if not _terminating:
+        _terminating.append(signum)
+        raise SystemExit(128 + signum)
 
 
 def load_job(path: Path, node: int) -> WorkerJob:
@@ -138,8 +146,12 @@ class WorkerProcess:
                                         model_digest=job.model_digest, node_free=nj.node_free or None,
                                         fmt=job.expert_format)
         store.segment.keep = job.keep_shm
-        self.worker = NodeWorker(self.node, store, job.hidden, threads=nj.threads, cpus=self.cpus,
-                                 activations=job.activations)
+        try:
+            self.worker = NodeWorker(self.node, store, job.hidden, threads=nj.threads, cpus=self.cpus,
+                                     activations=job.activations)
+        except BaseException:  # stopped (SIGTERM) or failed while loading its kernels: the segment goes unless kept
+            store.close()
+            raise
         self.worker.use_node_threads()  # this thread's numba count, set again by each layer's layer_args
         self.team = kernel_threads.team_size()  # the threads that sleep on the doorbell: the layer kernel's team
         # a layer's answer and the team's sleep in one compiled call (node_worker/answer.py)
@@ -148,7 +160,7 @@ class WorkerProcess:
             self.io = pool_io.attach(job.pool_io, job.model_digest, plan.digest)
             doorbell.warm_up()
             answer.warm_up(self.worker.kernels)
-            pool_io.check_routing(self.io.tokens[:0], self.io.experts[:0], self.io.weights[:0], 1, 1)  # compiled
+            pool_io.check_routing(self.io.tokens[:0], self.io.experts[:0], self.io.weights[:0], 1, 1)  # loaded
             self.done_seq = self.io.done(self.index)
         placement = segment_placement(os.getpid(), report.segment, nj.local_node)
         rows = plan.slice_of(job.intermediate, self.node)
@@ -158,6 +170,7 @@ class WorkerProcess:
             "slice_rows": [rows.start, rows.stop] if rows else None, "threads": self.worker.threads,
             "cpus": self.cpus, "segment": report.segment, "segment_bytes": report.bytes,
             "reloaded": report.reloaded, "expert_format": job.expert_format, "load_s": report.seconds, "load_gb_per_s": report.gb_per_s,
+            "compiled": compile_log.compiled(),  # [] where the coordinator compiled everything beforehand
             "placement": placement.as_dict() if placement else None,
         })))
 
@@ -295,6 +308,10 @@ class WorkerProcess:
                     return
 
     def close(self) -> None:
+        with deferred():  # a SIGTERM meanwhile waits until the segment is gone
+            self._close()
+
+    def _close(self) -> None:
         if self.io is not None:
             self.io.close()
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -347,3 +364,5 @@ def main(argv=None) -> int:
         return 3
     finally:
         proc.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # cleaned up: a later signal (the parent-watch's, as the
+            signal.signal(sig, signal.SIG_IGN)     # coordinator exits) leaves the exit to finish quietly

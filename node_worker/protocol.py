@@ -12,7 +12,8 @@ COMPUTE  coordinator -> worker   header <QIIII: request id, layer, T, P, H
 RESULT   worker -> coordinator   header <QIIQQqq: request id, T, H, compute ns, expert bytes read,
                                  received and sent at (CLOCK_MONOTONIC ns, shared by the processes);  frame Y [T, H] f32
 ERROR    worker -> coordinator   header <QB:    request id (0 = none), fatal flag;  frame utf-8 message
-HELLO    worker -> coordinator   JSON: version, pid, node, model/plan digests, slice rows, threads, placement
+HELLO    worker -> coordinator   JSON: version, pid, node, model/plan digests, slice rows, threads, placement,
+                                 the functions it compiled itself (none where the cache held them)
 PING     coordinator -> worker   header <Q: request id      (an empty round trip, the benchmark's floor)
 PONG     worker -> coordinator   header <Q: request id
 MEMBW    coordinator -> worker   header <QQI: request id, bytes to read, repeats  (a STREAM-style read)

@@ -38,6 +38,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .jit import CACHED
+
 # -- atomics on int64 and uint32 words of a NumPy array ------------------------------------------------------
 
 
@@ -80,20 +82,17 @@ def _fetch_add(typingctx, ary, index, value):
     return sig, codegen
 
 
-_OPTS = dict(nogil=True, cache=True)
-
-
-@njit(**_OPTS)
+@njit(**CACHED)
 def load_acquire(ary, index):
     return _load_acquire(ary, index)
 
 
-@njit(**_OPTS)
+@njit(**CACHED)
 def store_release(ary, index, value):
     _store_release(ary, index, value)
 
 
-@njit(**_OPTS)
+@njit(**CACHED)
 def fetch_add(ary, index, value):
     return _fetch_add(ary, index, value)
 
@@ -155,12 +154,12 @@ def _monotonic_ns(typingctx):
     return sig, codegen
 
 
-@njit(**_OPTS)
+@njit(**CACHED)
 def monotonic_ns() -> int:
     return _monotonic_ns()
 
 
-@njit(parallel=True, **_OPTS)
+@njit(parallel=True, **CACHED)
 def team_futex_wait(address, expected, timespec_address, threads, ring_words, ring_index):
     """futex_wait_team from compiled code: each of ``threads`` numba threads sleeps on ``address`` while it holds
     ``expected``, at most the timespec at ``timespec_address``; first, from inside the team's wait (so that

@@ -43,7 +43,11 @@ def gguf_path(path: str | Path) -> Path | None:
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         return path
-    if path.exists() and not path.is_dir():
+    if not path.exists():
+        what = "file" if path.suffix == ".gguf" else "model folder or file"
+        raise GgufError(f"{path}: no such {what}: give a checkpoint folder (config.json and safetensors) or a GGUF "
+                        "file (.gguf)")
+    if not path.is_dir():
         raise GgufError(f"{path} is a file, not a model: give a checkpoint folder (config.json and safetensors) or "
                         "a GGUF file (.gguf)")
     if path.is_dir() and not (path / "config.json").exists():

@@ -40,6 +40,7 @@ import numpy as np
 from numba import njit
 
 from . import doorbell, segments
+from .jit import CACHED
 
 LINE = 64
 MESSAGE_BYTES = 512
@@ -50,7 +51,7 @@ STATUS_OK, STATUS_ERROR = 0, 1
 LAYOUT_KIND = "pool-io"
 
 
-@njit(nogil=True, cache=True)
+@njit(**CACHED)
 def check_routing(tokens, experts, weights, rows, num_experts):
     """0 when every pair is in range, else 1 (token), 2 (expert) or 3 (weight not finite): one pass."""
     for i in range(tokens.size):
@@ -231,3 +232,8 @@ def attach(name: str, model_digest: str, plan_digest: str) -> PoolIo:
     except BaseException:
         seg.close()
         raise
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) check_routing for the segment's arrays, as a node worker calls it."""
+    check_routing(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32), 1, 1)  # PoolIo's views

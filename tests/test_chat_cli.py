@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,7 @@ def test_chat_streams_the_greedy_answers_and_reset_forgets(chat_model):
 
 def test_a_model_without_a_template_is_refused_before_loading(tiny_model, capsys):
     model = tiny_model()
+    (model / "tokenizer_config.json").unlink()  # make-model's ChatML template
     assert main(["chat", "-m", str(model), "--pool", "inproc"]) == 2
     err = capsys.readouterr().err
     assert "has no chat template" in err and "pool " not in err  # refused before the engine loaded
@@ -108,3 +110,30 @@ def test_fit_history_drops_the_oldest_exchanges_and_keeps_the_system_message():
     assert (history, dropped, max_new) == ([system, {"role": "user", "content": "now"}], 1, 5)
     with pytest.raises(StrataError, match="prompt of 10 tokens; the context holds 10"):
         fit_history([{"role": "user", "content": "too long"}], render, 10, 5)
+
+
+def test_help_lists_the_commands_and_an_unknown_command_is_not_sent(chat_model):
+    """/help lists the commands; /nonsense is refused with a pointer to /help and nothing is generated for it;
+    "//x" sends "/x" as text."""
+    env = {k: v for k, v in os.environ.items() if k not in {var for var, _ in ENV_VARS.values()}}
+    proc = subprocess.run([sys.executable, "-m", "coordinator", "chat", "-m", str(chat_model), "-n", "3", "--pool",
+                           "inproc"], cwd=REPO, env=env, input="/help\n/nonsense\n//x\n", capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert all(name in proc.stderr for name in ("/help", "/reset", "/exit"))
+    assert "unknown command /nonsense (not sent); /help lists the commands" in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("[prompt:")]) == 1  # "//x" alone
+
+
+def test_the_readmes_chat_example_runs_on_the_demo_model(tmp_path):
+    """The README's chat example, on a model `strata make-model` wrote (its ChatML template): answers a line."""
+    readme = (REPO / "README.md").read_text()
+    example = next(line.strip() for line in readme.splitlines() if line.strip().startswith("strata chat -m /tmp/tiny"))
+    model = tmp_path / "tiny"
+    make_model(model, seed=0)
+    argv = shlex.split(example.split("#")[0])[1:]
+    argv = [str(model) if a == "/tmp/tiny" else a for a in argv]
+    env = {k: v for k, v in os.environ.items() if k not in {var for var, _ in ENV_VARS.values()}}
+    proc = subprocess.run([sys.executable, "-m", "coordinator", *argv, "-n", "4"], cwd=REPO, env=env,
+                          input="hello\n", capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "[prompt:" in proc.stderr, proc.stderr

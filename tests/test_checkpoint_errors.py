@@ -200,8 +200,23 @@ def test_hidden_act_other_than_silu_is_named(tiny_model, checkpoint_tools):
 def test_no_config_json_is_named(tiny_model):
     d = tiny_model()
     (d / "config.json").unlink()
-    with pytest.raises(ModelConfigError, match=re.escape(str(d / "config.json")) + ": not found"):
+    with pytest.raises(ModelConfigError, match=re.escape(str(d / "config.json")) + ": not found, and no GGUF file"):
         open_engine(d)
+
+
+def test_a_missing_model_path_is_named_as_missing(tmp_path):
+    """-m tiny.gguf that does not exist: the file is named as missing (not "tiny.gguf/config.json: not found");
+    an empty folder's message names both kinds of model."""
+    from coordinator.engine import open_source
+    from shm.gguf_file import GgufError
+
+    with pytest.raises(GgufError, match=re.escape(str(tmp_path / "tiny.gguf")) + ": no such file"):
+        open_source(tmp_path / "tiny.gguf")
+    with pytest.raises(GgufError, match=re.escape(str(tmp_path / "absent")) + ": no such model folder or file"):
+        open_source(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelConfigError, match="config.json: not found, and no GGUF file"):
+        open_source(tmp_path / "empty")
 
 
 def test_config_json_not_json_is_named(tiny_model):

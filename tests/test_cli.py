@@ -260,7 +260,7 @@ def test_openblas_threads_sleep_at_once_unless_the_user_says_otherwise(given, ex
             "        seen.append(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))\n"
             "    return real(name, *args, **kwargs)\n"
             "builtins.__import__ = spy\n"
-            "import coordinator\n"
+            "import coordinator.engine\n"
             "print(seen[0])\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [expected]  # its value when NumPy was first imported

@@ -7,8 +7,12 @@ the mistake, so the message itself shows nothing was loaded.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,7 +140,7 @@ def test_prompt_ids_outside_the_vocabulary_or_the_context_are_refused_before_the
     err = refused(capsys, "generate", "-m", str(tiny), "--prompt-ids", " , ")
     assert "--prompt-ids is empty" in err
     err = refused(capsys, "generate", "-m", str(tiny), "-p", "a" * 5000)  # byte-level: 5000 tokens
-    assert "5000 prompt tokens + 32 new tokens exceed the maximum sequence length 4096" in err
+    assert "5000 prompt tokens + 256 new tokens exceed the maximum sequence length 4096" in err
     (tiny / "tokenizer.json").rename(tiny / "tokenizer.json.away")
     try:
         err = refused(capsys, "generate", "-m", str(tiny), "-p", "hello")
@@ -162,8 +166,12 @@ def test_generate_ends_with_a_speed_line_on_stderr(tiny, capsys):
     out = capsys.readouterr()
     assert out.out.strip()  # the text on stdout, the speed line apart on stderr
     last = out.err.strip().splitlines()[-1]
-    assert re.fullmatch(r"prompt: 3 tokens in \d+\.\d\d s \(\d+\.\d tok/s\) \| decode: 3 tokens in \d+\.\d\d s "
-                        r"\(\d+\.\d tok/s\) \| time to first token \d+\.\d\d s", last), last
+    assert re.fullmatch(r"load \d+\.\d s( \(of which compiling kernels \d+\.\d s, first run\))? \| prompt: 3 tokens in "
+                        r"\d+\.\d\d s \(\d+\.\d tok/s\) \| decode: 3 tokens in \d+\.\d\d s \(\d+\.\d tok/s\) \| time to "
+                        r"first token \d+\.\d\d s", last), last
+    assert main(["generate", "-m", str(tiny), "--prompt-ids", "5,6,7", "-n", "4", "--pool", "inproc", "--json"]) == 0
+    timing = json.loads(capsys.readouterr().out)["timing"]
+    assert timing["load_s"] > 0 and 0 <= timing["compile_s"] <= timing["load_s"]
 
 
 def test_the_no_gpu_warning_comes_once_per_machine_state(tmp_path, monkeypatch, caplog):
@@ -319,3 +327,132 @@ def test_shm_list_placement_judges_a_virtual_nodes_pages_by_its_owners_real_node
     finally:
         seg.close()
         segments.unlink(name)
+
+
+# -- what a newcomer types (issue 43) --------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_llama_cpp_flags_mean_what_they_mean_there():
+    """-c/--ctx-size, -s, --temp, -f, --min-p, --repeat-penalty, --n-predict; and every command that generates
+    takes the same default -n."""
+    parser = build_parser()
+    args = parser.parse_args(["generate", "-m", "M", "-f", __file__, "-c", "2048", "-s", "7", "--temp", "0.5",
+                              "--min-p", "0.05", "--repeat-penalty", "1.1", "--n-predict", "9"])
+    assert (args.max_seq_len, args.seed, args.temperature, args.min_p, args.repetition_penalty, args.max_new_tokens) \
+        == (2048, 7, 0.5, 0.05, 1.1, 9)
+    assert str(args.file) == __file__ and args.prompt is None
+    defaults = {cmd: parser.parse_args(argv).max_new_tokens for cmd, argv in (
+        ("generate", ["generate", "-m", "M", "-p", "x"]), ("chat", ["chat", "-m", "M"]), ("client", ["client", "x"]),
+        ("profile", ["profile", "-m", "M", "--prompts", __file__, "--out", "p.json"]))}
+    assert len(set(defaults.values())) == 1, defaults
+
+
+def test_config_mistakes_name_the_flags_not_the_config_fields(tmp_path, capsys):
+    err = refused(capsys, "generate", "-m", str(tmp_path / "absent"), "-p", "hi", "--nodes", "2")
+    assert "--nodes 2 needs --numa-split" in err and "numa_split" not in err and "absent" not in err
+    err = refused(capsys, "generate", "-m", str(tmp_path / "absent"), "-p", "hi", "--gpu-expert-memory", "1")
+    assert "--gpu-expert-memory places the hottest experts: it needs --expert-profile" in err
+
+
+def test_the_prompt_from_a_file_or_stdin(tiny, tmp_path, capsys, monkeypatch):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time")
+    assert main(["generate", "-m", str(tiny), "-f", str(prompt), "-n", "3", "--pool", "inproc", "--json"]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert main(["generate", "-m", str(tiny), "-p", "Once upon a time", "-n", "3", "--pool", "inproc", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == from_file["ids"]
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("Once upon a time"))
+    assert main(["generate", "-m", str(tiny), "-p", "-", "-n", "3", "--pool", "inproc", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == from_file["prompt_ids"]
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO(""))
+    err = refused(capsys, "generate", "-m", str(tiny), "-p", "-")
+    assert "the prompt from standard input (-p -) is empty" in err
+
+
+def test_min_p_and_the_repeat_penalty_reach_the_sampler(tiny, capsys):
+    """Greedy on the tiny model repeats itself; a strong repeat penalty takes other tokens (and --min-p 1 with a
+    temperature keeps only the most likely token: the greedy answer)."""
+    def ids(*flags) -> list[int]:
+        assert main(["generate", "-m", str(tiny), "--prompt-ids", "72,101", "-n", "12", "--pool", "inproc", "--json",
+                     *flags]) == 0
+        return json.loads(capsys.readouterr().out)["ids"]
+
+    greedy = ids()
+    penalised = ids("--repeat-penalty", "50")
+    assert len(set(greedy)) < len(greedy) and penalised != greedy
+    assert len(set(penalised)) > len(set(greedy))
+    assert ids("--temp", "1.5", "--min-p", "1", "-s", "3") == greedy
+
+
+def test_make_model_writes_a_chat_template_and_names_an_unwritable_out(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["make-model", "--out", str(out), "--layers", "1"]) == 0
+    from coordinator.serving.chat_template import load_chat_template
+
+    template = load_chat_template(out)
+    assert template is not None and template.eos_token == "<|im_end|>"
+    assert template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    capsys.readouterr()
+    err = refused(capsys, "make-model", "--out", "/proc/self/strata-test")
+    assert "--out /proc/self/strata-test: the folder cannot be written (" in err and "GiB" not in err
+    err = refused(capsys, "make-model", "--out", "/sys/strata-test")
+    assert "--out /sys/strata-test: the folder cannot be written (" in err and "Traceback" not in err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    err = refused(capsys, "make-model", "--out", str(a_file), "--force")
+    assert f"--out {a_file} is a file" in err and a_file.read_text() == "mine"
+
+
+def test_bench_checks_for_matplotlib_before_measuring(tmp_path, capsys, monkeypatch):
+    from coordinator.cli import bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured before the check"))
+    err = refused(capsys, "bench", "-m", str(tmp_path / "absent"), "--plot", str(tmp_path / "p.png"))
+    assert "--plot needs matplotlib: pip install 'strata-numa[plot]'" in err
+
+
+def test_bench_sizes_its_stream_array_by_the_machine():
+    from coordinator.cli.bench import STREAM_MAX_BYTES, STREAM_MIN_BYTES, stream_bytes
+
+    gib, mib = 1 << 30, 1 << 20
+    assert stream_bytes(32 * mib, 64 * gib) == 128 * mib  # four times the L3
+    assert stream_bytes(480 * mib, 2 * gib) == 128 * mib  # a guest's big L3 on a small machine: its memory decides
+    assert stream_bytes(480 * mib, 512 * gib) == STREAM_MAX_BYTES
+    assert stream_bytes(1 * mib, 64 * gib) == STREAM_MIN_BYTES
+
+
+def test_serve_without_bind_takes_a_free_port_when_the_default_is_taken(tiny, tmp_path):
+    import socket
+    import time
+
+    from coordinator.serving.api import DEFAULT_ADDRESS
+
+    host, port = DEFAULT_ADDRESS.rsplit(":", 1)[0][len("tcp://"):], int(DEFAULT_ADDRESS.rsplit(":", 1)[1])
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        holder.bind((host, port))
+        holder.listen()
+    except OSError:
+        pass  # another server holds it already: the same case
+    env = {k: v for k, v in os.environ.items() if k not in {var for var, _ in ENV_VARS.values()}}
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "serve", "-m", str(tiny), "--pool", "inproc"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert re.fullmatch(r"serving on tcp://127\.0\.0\.1:(\d+)\n", line) and not line.endswith(f":{port}\n"), line
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+        holder.close()
+    assert f"{DEFAULT_ADDRESS} is in use" in err and "Traceback" not in err
+
+
+def test_launch_script_help():
+    out = subprocess.run(["bash", str(REPO / "tools" / "launch.sh"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "tools/launch.sh generate --model DIR" in out.stdout
+    assert subprocess.run(["bash", str(REPO / "tools" / "launch.sh")], capture_output=True).returncode == 2

@@ -287,6 +287,7 @@ def test_no_template_full_queue_and_sigterm(tmp_path):
     """Chat without a template is a 400; with one sequence active and one queued the next request is a 429;
     SIGTERM ends the running stream with an error event and the queued request with a 503."""
     model = make_model(tmp_path / "plain", seed=1)
+    (model / "tokenizer_config.json").unlink()  # make-model's ChatML template
     s = start_server(model, tmp_path, "--http", "127.0.0.1:0", "--max-active", "1", "--max-queued", "1")
     queued: list[BaseException | None] = [None]
     try:

@@ -11,6 +11,14 @@
 # `numactl --cpunodebind=N --membind=N` on real nodes (CPU affinity on virtual
 # ones), so this script is a convenience, not a second code path.
 set -euo pipefail
+usage() {  # the comment block above, without its first line and the comment marks
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  echo "The arguments are strata's: tools/launch.sh generate --help, tools/launch.sh serve --help."
+}
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  "") usage >&2; exit 2 ;;
+esac
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STRATA="${STRATA:-$ROOT/.venv/bin/strata}"
 [ -x "$STRATA" ] || STRATA="$(command -v strata)"

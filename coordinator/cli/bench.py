@@ -123,6 +123,27 @@ def layer_figures(timings, decode_only: bool = True) -> dict:
     }
 
 
+STREAM_MAX_BYTES = 1 << 30  # the STREAM-style read's array: at most this ...
+STREAM_MEMORY_SHARE = 16  # ... and this share of the available memory (beside the modes' engines) ...
+STREAM_MIN_BYTES = 64 << 20  # ... and at least this, wherever the others come out smaller
+
+
+def stream_bytes(last_level_cache: int, available: int) -> int:
+    """The STREAM-style read's array: four times the last-level cache (out of it, as STREAM asks), within
+    STREAM_MAX_BYTES and a STREAM_MEMORY_SHARE of the memory available beside the engines (a guest that
+    reports a large L3 made it 1.9 GiB beside a 2 MB model on a small machine)."""
+    return max(STREAM_MIN_BYTES, min(4 * last_level_cache, STREAM_MAX_BYTES, available // STREAM_MEMORY_SHARE))
+
+
+def plot_available() -> str:
+    """'' when --plot can draw (matplotlib imports), else what to install."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib: pip install 'strata-numa[plot]'"
+    return ""
+
+
 def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 64, prompt_tokens: int = 256,
               rounds: int = 3, warmup_tokens: int = 4, membw_bytes: int | None = None, seed: int = 0,
               spin_us: float = 0.0, device: dict | None = None, quality_positions: int = 0,
@@ -134,7 +155,6 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
     over that many positions, one decode step each, with an f32 computation of the same checkpoint (f32
     experts, dense matrices and activations, in-process)."""
     model_dir = Path(model_dir)
-    membw_bytes = membw_bytes or 4 * l3_bytes()
     engines: dict[str, Engine] = {}
     labels = labels_for(modes, formats)
     try:
@@ -146,6 +166,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
             available = psutil.virtual_memory().available
             took = max(took, before - available)  # the engine's heap, segments and workers
             check_room_for_modes(took, list(engines), [name for name, _, _ in labels[k + 1:]], available)
+        membw_bytes = membw_bytes or stream_bytes(l3_bytes(), available)  # beside every mode's engine
         any_eng = next(iter(engines.values()))
         mcfg = any_eng.model_config
         rng = np.random.default_rng(seed)
@@ -379,13 +400,10 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'strata-numa[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     modes = list(report["modes"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.bar(modes, [report["modes"][m]["decode_tokens_per_s"]["median"] or 0 for m in modes])

@@ -8,7 +8,9 @@ end of input at the prompt ends the chat). After each answer one line on stderr,
     [prompt: 31 tok, 812.4 tok/s | decode: 63 tok, 41.0 tok/s | first token: 38 ms]
 
 The oldest exchanges are dropped (the system message kept) when the prompt and --max-new-tokens would not fit
-the context. Commands: /reset (forget the conversation), /exit.
+the context. Commands (COMMANDS): /help, /reset (forget the conversation), /exit; another word after a "/" is
+refused, not sent ("//" sends a line that starts with "/"). At a terminal the line is read with readline: the
+line can be edited and earlier lines recalled with the arrow keys.
 
 At a terminal, Ctrl-C during an answer is read as a key (the terminal's signal keys off while the model
 writes): the terminal would send SIGINT to the node worker processes too, which stop on it.
@@ -27,7 +29,8 @@ from typing import Callable
 
 from ..errors import StrataError
 
-COMMANDS = ("/reset", "/exit")
+COMMANDS = {"/help": "list the commands", "/reset": "forget the conversation (the system message stays)",
+            "/exit": "leave (so does Ctrl-D, or Ctrl-C at the prompt)"}
 CTRL_C = b"\x03"
 
 
@@ -43,7 +46,7 @@ def add_chat_command(sub, common) -> None:
     p.add_argument("-m", "--model", required=True, type=Path,
                    help="a checkpoint folder or a GGUF file, with a chat template")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message first in the conversation")
-    _add_sampling_flags(p, max_new_tokens=256)
+    _add_sampling_flags(p)
     _add_engine_flags(p)
     p.set_defaults(func=cmd_chat)
 
@@ -89,7 +92,9 @@ class _CtrlC:
         self.saved = None
 
     def _on_sigint(self, signum, frame):
-        if self.requested:
+        if self.requested:  # a second Ctrl-C: interrupted as anywhere else (the command's own handler)
+            if callable(self.previous):
+                self.previous(signum, frame)
             raise KeyboardInterrupt
         self.requested = True
 
@@ -148,7 +153,8 @@ def _answer(engine, ids: list[int], max_new: int, args, seed, tty: bool) -> tupl
 
         try:
             result = engine.generate_full(ids, max_new, args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                          seed=seed, on_token=on_token)
+                                          seed=seed, on_token=on_token, min_p=args.min_p,
+                                          repetition_penalty=args.repetition_penalty)
             reason = result.finish_reason
         except _AnswerStopped as why:
             reason = str(why)
@@ -163,19 +169,35 @@ def _answer(engine, ids: list[int], max_new: int, args, seed, tty: bool) -> tupl
 
 
 def _read_line(tty: bool) -> str | None:
-    """The next line of input without its end; None at end of input or Ctrl-C."""
+    """The next line of input without its end; None at end of input or Ctrl-C. At a terminal through readline
+    (input()): the line editable, earlier lines recalled with the arrow keys."""
     if tty:
-        sys.stdout.write("> ")
-        sys.stdout.flush()
+        try:
+            return input("> ")
+        except (EOFError, KeyboardInterrupt):
+            sys.stdout.write("\n")
+            return None
     try:
         line = sys.stdin.readline()
     except KeyboardInterrupt:
         line = ""
-    if not line:
-        if tty:
-            sys.stdout.write("\n")
-        return None
-    return line.rstrip("\r\n")
+    return line.rstrip("\r\n") if line else None
+
+
+def command_of(line: str) -> tuple[str, str]:
+    """(command, text): a line "/word ..." is the command "/word" (text ''); "//..." is the text "/..."; any
+    other line is text to send."""
+    stripped = line.strip()
+    if stripped.startswith("//"):
+        return "", stripped[1:]
+    if stripped.startswith("/") and len(stripped) > 1:
+        return stripped.split()[0], ""
+    return "", line
+
+
+def help_text() -> str:
+    return "\n".join(f"  {name:<7} {what}" for name, what in COMMANDS.items()) + \
+        "\n  //text  send a line that starts with /; Ctrl-C stops an answer"
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -199,10 +221,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
                           "`strata generate` for plain text")
     system = [{"role": "system", "content": args.system}] if args.system else []
     tty = sys.stdin.isatty()
-    with Engine.open(args.model, config, source) as engine:
-        print(engine.pool_description(), file=sys.stderr)
+    with Engine.open(args.model, config, source, quiet=args.quiet) as engine:
+        if not args.quiet:
+            print(engine.pool_description(), file=sys.stderr)
         print(f"chat: {', '.join(COMMANDS)}; Ctrl-C stops an answer, Ctrl-D (end of input) leaves", file=sys.stderr,
               flush=True)
+        if tty:
+            import readline  # noqa: F401  (input() then edits the line and keeps the history)
 
         def render(history: list[dict]) -> list[int]:
             return engine.encode(engine.chat_template.render(history, add_generation_prompt=True))
@@ -210,16 +235,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history = list(system)
         answers = 0
         while (line := _read_line(tty)) is not None:
-            command = line.strip()
-            if not command:
-                continue
+            command, text = command_of(line)
             if command == "/exit":
                 break
+            if command == "/help":
+                print(help_text(), file=sys.stderr, flush=True)
+                continue
             if command == "/reset":
                 history = list(system)
                 print("[history cleared]", file=sys.stderr, flush=True)
                 continue
-            history.append({"role": "user", "content": line})
+            if command:
+                print(f"strata: unknown command {command} (not sent); /help lists the commands", file=sys.stderr,
+                      flush=True)
+                continue
+            if not text.strip():
+                continue
+            history.append({"role": "user", "content": text})
             try:
                 ids, dropped, max_new = fit_history(history, render, engine.max_seq_len, args.max_new_tokens)
             except StrataError as exc:

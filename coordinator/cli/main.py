@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from shm.checkpoint import CheckpointError
 from .make_model import PRESETS
 from ..config import (ACTIVATIONS, API_KEY_VAR, DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config,
                       resolve_setting)
-from ..errors import StrataError
+from ..errors import ConfigValueError, StrataError
 from ..serving.api import (DEFAULT_ADDRESS, DEFAULT_HTTP_HEADER_TIMEOUT_S, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS,
                            DEFAULT_MAX_QUEUED)
 
@@ -105,8 +106,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="leave the segments in /dev/shm at exit for a fast restart")
     g.add_argument("--route-tail-skip", dest="route_tail_skip", type=float, default=None,
                    help="drop routed experts whose weight is below this (0 = off) (default 0)")
-    g.add_argument("--max-seq-len", dest="max_seq_len", type=_number(int, "--max-seq-len", 1), default=None,
-                   help="the longest sequence, prompt and new tokens (default: the model's max_position_embeddings)")
+    g.add_argument("-c", "--ctx-size", "--max-seq-len", dest="max_seq_len", type=_number(int, "--ctx-size", 1),
+                   default=None, help="the context: the longest sequence, prompt and new tokens (default: the model's "
+                                      "max_position_embeddings)")
     g.add_argument("--worker-hang-timeout", dest="worker_hang_timeout", type=float, default=None,
                    help="seconds a node worker may stay silent on one layer before it is declared hung, killed and "
                         "restarted (default: derived from the measured layer time, at least 10 s)")
@@ -155,14 +157,49 @@ def _add_device_flags(g) -> None:
 CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; the library defaults to inproc
 
 
+# EngineConfig fields the engine flags set ("--" + the field, dashed); the others only through their variable
+FLAG_FIELDS = ("numa_split", "nodes", "pool", "pool_node", "worker_threads", "keep_shm", "route_tail_skip", "max_seq_len",
+               "worker_hang_timeout", "worker_restart_window", "expert_dtype", "dense_dtype", "activations",
+               "prefill_chunk", "device", "expert_profile", "gpu_experts", "gpu_expert_memory")
+
+
+def in_users_words(message: str, flags: dict) -> str:
+    """An EngineConfig message in the words the user typed: ``field=value`` as ``--flag value`` (``--flag`` for
+    True) or, where the value came from its variable or the field has no flag, ``STRATA_VAR=value``; a field's
+    bare name likewise where it cannot be an ordinary word (it has an underscore, or starts the message)."""
+    def name(field: str) -> str:
+        var = ENV_VARS[field][0]
+        return var if field not in FLAG_FIELDS or (flags.get(field) is None and var in os.environ) \
+            else "--" + field.replace("_", "-")
+
+    for field in sorted(ENV_VARS, key=len, reverse=True):
+        who = name(field)
+        joiner = "=" if who.startswith("STRATA_") else " "
+
+        def assigned(m: re.Match, who=who, joiner=joiner) -> str:
+            value = m.group(1)
+            return who if value == "True" and joiner == " " else f"{who}{joiner}{value}"
+
+        message = re.sub(rf"(?<![\w-]){field}=([^\s,;)]+)", assigned, message)
+        if "_" in field:
+            message = re.sub(rf"(?<![\w-]){field}(?![\w=])", who, message)
+        elif message.startswith(field + " "):  # an ordinary word elsewhere ("at most 2 nodes")
+            message = who + message[len(field):]
+    return message
+
+
 def _engine_config(args: argparse.Namespace, check: bool = True):
-    """The effective config; a split over more nodes than CPUs is refused here, before anything loads."""
+    """The effective config; a split over more nodes than CPUs is refused here, before anything loads. Its
+    errors name the flags (or variables) the user gave, not EngineConfig's fields."""
     from ..engine import refuse_shared_cpus
 
     flags = {name: getattr(args, name, None) for name in ENV_VARS}
-    config, sources = resolve_config(flags, defaults=CLI_DEFAULTS)
-    if check and config.numa_split and not getattr(args, "print_config", False):
-        refuse_shared_cpus(config.nodes)
+    try:
+        config, sources = resolve_config(flags, defaults=CLI_DEFAULTS)
+        if check and config.numa_split and not getattr(args, "print_config", False):
+            refuse_shared_cpus(config.nodes)
+    except ConfigValueError as exc:
+        raise ConfigValueError(in_users_words(str(exc), flags)) from None
     return config, sources
 
 
@@ -171,21 +208,48 @@ def _print_config(config, sources) -> None:
         print(f"{name:16} {getattr(config, name)!r:12} ({sources[name]}; variable {var})")
 
 
+def _folder_problem(folder: Path) -> str:
+    """'' when ``folder`` (made, with its parents, if absent) takes new files, else why not (the OS's words)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".strata-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        return ""
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from .make_model import make_model
 
     overrides = {"num_layers": args.layers} if args.layers else {}
-    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-        if not args.force:
-            raise StrataError(f"--out {args.out} is not an empty folder; pass --force to replace it whole")
-        if args.out.is_dir():
-            shutil.rmtree(args.out)  # whole: no shard or index of the old model left to be loaded with the new
-        else:
-            args.out.unlink()
-    out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype,
-                     max_shard_bytes=args.max_shard_bytes, **overrides)
-    arch = json.loads((out / "config.json").read_text())["model_type"]
-    print(f"wrote {args.preset} {arch} model (seed {args.seed}, {args.dtype}) to {out}")
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise StrataError(f"--out {out} is a file; give a folder to write the model into (--force replaces a "
+                          "folder, never a file)")
+    replacing = out.is_dir() and any(out.iterdir())
+    if replacing and not args.force:
+        raise StrataError(f"--out {out} is not an empty folder; pass --force to replace it whole")
+    made = not out.exists()
+    problem = _folder_problem(out)
+    if problem:
+        raise StrataError(f"--out {out}: the folder cannot be written ({problem})")
+    try:
+        if replacing:
+            shutil.rmtree(out)  # whole: no shard or index of the old model left to be loaded with the new
+        written = make_model(out, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype,
+                             max_shard_bytes=args.max_shard_bytes, **overrides)
+    except OSError as exc:  # the disk filled up, or the folder went away, while writing
+        if made or replacing:
+            shutil.rmtree(out, ignore_errors=True)  # no half-written model left to be loaded
+        raise StrataError(f"cannot write the model into {out}: {exc.strerror or exc}") from None
+    except BaseException:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    arch = json.loads((written / "config.json").read_text())["model_type"]
+    print(f"wrote {args.preset} {arch} model (seed {args.seed}, {args.dtype}) to {written}")
     return 0
 
 
@@ -202,6 +266,23 @@ def _given_ids(args: argparse.Namespace) -> list[int] | None:
     return ids
 
 
+def _prompt_text(args: argparse.Namespace) -> str:
+    """The prompt: --prompt's text, stdin's for ``-p -``, or --file's."""
+    if args.file is not None:
+        try:
+            text = args.file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StrataError(f"--file {args.file}: cannot be read: {exc}") from None
+        where = f"--file {args.file}"
+    elif args.prompt == "-":
+        text, where = sys.stdin.read(), "standard input (-p -)"
+    else:
+        text, where = args.prompt, "--prompt"
+    if not text:
+        raise StrataError(f"the prompt from {where} is empty: give some text to continue")
+    return text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ..engine import Engine, check_prompt_ids, open_source
     from ..model.tokenizer import StreamDecoder
@@ -216,10 +297,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if ids is None:
         if codec is None:
             raise StrataError(f"{args.model} has no tokenizer; pass token ids (--prompt-ids) instead of text")
-        ids = codec.encode(args.prompt)
+        ids = codec.encode(_prompt_text(args))
     check_prompt_ids(mcfg, ids, args.max_new_tokens, config.max_seq_len)
-    with Engine.open(args.model, config, source) as engine:
-        print(engine.pool_description(), file=sys.stderr)
+    with Engine.open(args.model, config, source, quiet=args.quiet) as engine:
+        if not args.quiet:
+            print(engine.pool_description(), file=sys.stderr)
 
         stream = StreamDecoder(engine.codec) if engine.codec is not None and not args.json else None
 
@@ -229,13 +311,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
 
         result = engine.generate_full(ids, args.max_new_tokens, args.temperature, top_k=args.top_k,
-                                      top_p=args.top_p, seed=args.seed, on_token=on_token)
+                                      top_p=args.top_p, seed=args.seed, on_token=on_token, min_p=args.min_p,
+                                      repetition_penalty=args.repetition_penalty)
+        timings = {"load_s": engine.load_s, "compile_s": engine.compile_s, **result.timings}
         if args.json:
             text = engine.decode(result.ids) if engine.codec is not None else None
             plan = engine.pool.plan
             doc = {
                 "prompt_ids": result.prompt_ids, "ids": result.ids, "text": text,
-                "finish_reason": result.finish_reason, "timing": result.timings,
+                "finish_reason": result.finish_reason, "timing": timings,
                 "experts": engine.expert_report(),
                 "kv_bytes_per_token": engine.model_config.kv_bytes_per_token,  # float32, all layers
                 "pool": {"kind": config.pool, "numa_split": config.numa_split, "plan": plan.digest,
@@ -249,19 +333,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(",".join(str(t) for t in result.ids))
         sys.stdout.flush()
-        print(speed_line(result.timings), file=sys.stderr)  # after the text, as llama.cpp ends a run
+        print(speed_line(timings), file=sys.stderr)  # after the text, as llama.cpp ends a run
     return 0
 
 
 def speed_line(t: dict) -> str:
-    """llama.cpp's summary after a generation: prompt and decode speeds, time to the first token."""
+    """llama.cpp's summary after a generation: the load (and the kernels compiled on a first run), prompt and
+    decode speeds, time to the first token."""
     def rate(tokens: int, seconds: float) -> str:
         if seconds <= 0:
             return f"{tokens} tokens"
         return f"{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s)"
 
-    return (f"prompt: {rate(t['prefill_tokens'], t['prefill_s'])} | decode: {rate(t['decode_tokens'], t['decode_s'])}"
-            f" | time to first token {t['time_to_first_token_s']:.2f} s")
+    load = ""
+    if "load_s" in t:
+        compiled = f" (of which compiling kernels {t['compile_s']:.1f} s, first run)" if t.get("compile_s") else ""
+        load = f"load {t['load_s']:.1f} s{compiled} | "
+    return (f"{load}prompt: {rate(t['prefill_tokens'], t['prefill_s'])} | decode: "
+            f"{rate(t['decode_tokens'], t['decode_s'])} | time to first token {t['time_to_first_token_s']:.2f} s")
 
 
 def cmd_topo(args: argparse.Namespace) -> int:
@@ -334,13 +423,22 @@ def cmd_shm_clean(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..serving.api import Limits
-    from ..serving.server import check_bind, serve
+    from ..serving.server import BindRefused, check_bind, serve
 
     config, sources = _engine_config(args)
     if args.print_config:
         _print_config(config, sources)
         return 0
-    check_bind(args.bind, args.curve_keys is not None, args.insecure_remote)  # before loading anything
+    bind = args.bind
+    if bind is None:  # the clients' default address, or any free port when another server holds it
+        try:
+            check_bind(DEFAULT_ADDRESS, False, False)
+            bind = DEFAULT_ADDRESS
+        except BindRefused:
+            bind = f"{DEFAULT_ADDRESS.rsplit(':', 1)[0]}:*"
+            print(f"strata: {DEFAULT_ADDRESS} is in use (another server?); this one takes a free port, named on "
+                  "its 'serving on' line (give clients --address)", file=sys.stderr)
+    check_bind(bind, args.curve_keys is not None, args.insecure_remote)  # before loading anything
     http = None
     if args.http is not None:
         host, port = args.http
@@ -350,10 +448,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "model_name": args.served_model_name or args.model.name,
                 "header_timeout_s": args.http_header_timeout}
     logging.getLogger("coordinator.serving").setLevel(logging.INFO)  # one line per request, -v or not
-    with Engine.open(args.model, config) as engine:
-        print(engine.pool_description(), file=sys.stderr)
+    with Engine.open(args.model, config, quiet=args.quiet) as engine:
+        if not args.quiet:
+            print(engine.pool_description(), file=sys.stderr)
         limits = Limits(max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
-        return serve(engine, args.bind, http=http, limits=limits, max_active=args.max_active,
+        return serve(engine, bind, http=http, limits=limits, max_active=args.max_active,
                      max_queued=args.max_queued, curve_keys=args.curve_keys, insecure_remote=args.insecure_remote)
 
 
@@ -361,7 +460,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     from ..serving.client import Client
 
     params = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, stream=not args.json)
+                  top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty, stream=not args.json)
     if args.seed is not None:
         params["seed"] = args.seed
     if args.stop:
@@ -379,8 +478,10 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import MODES, markdown, parse_formats, plot, run_bench, write_json
+    from .bench import MODES, markdown, parse_formats, plot, plot_available, run_bench, write_json
 
+    if args.plot and plot_available():  # before minutes of measuring, not after
+        raise StrataError(plot_available())
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -414,7 +515,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     if not prompts:
         raise StrataError(f"{args.prompts}: no prompts (one per line)")
-    with Engine.open(args.model, config) as engine:
+    with Engine.open(args.model, config, quiet=args.quiet) as engine:
         tokens = 0
         for text in prompts:
             r = engine.generate_full(engine.encode(text), args.max_new_tokens)
@@ -426,32 +527,91 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """Where the compiled kernels are kept, how large, and what this build has compiled (coordinator/warmup.py)."""
+    from ..warmup import cache_report
+
+    report = cache_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"kernel cache: {report['root']}")
+    print(f"this build:   {report['build']} ({report['describe']}), {_mb(report['build_bytes'])}")
+    if not report["units"]:
+        print("  nothing compiled yet: the first run of a model compiles what it needs")
+    for u in report["units"]:
+        print(f"  {u['label']:<44} {u['seconds']:7.1f} s  {u['functions']:4d} functions  peak {u['peak_mb']} MB  "
+              f"{u['finished']}")
+    others = report["other_builds"]
+    if others:
+        total = sum(o["bytes"] for o in others)
+        print(f"other builds: {len(others)} folder{'s' if len(others) > 1 else ''}, {_mb(total)} (other sources, "
+              "numba versions or CPUs): `strata cache clear --others` removes them")
+    return 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    from shm import jit
+
+    from ..warmup import folder_bytes, legacy_folders, remove_build_folders
+
+    root = jit.cache_root()
+    sizes = {f: folder_bytes(f) for f in [*(root.iterdir() if root.is_dir() else []), *legacy_folders()]
+             if f.is_dir()}
+    removed = remove_build_folders(root, keep=jit.build_dir().name if args.others else None)
+    kept = [f for f in sizes if f not in removed and (not args.others or f.name != jit.build_dir().name)]
+    print(f"removed {len(removed)} build folder{'' if len(removed) == 1 else 's'} "
+          f"({_mb(sum(sizes[f] for f in removed))}) from {root}")
+    if kept:
+        print(f"kept {len(kept)} that another process is compiling into: {', '.join(f.name for f in kept)}")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     config, sources = _engine_config(args, check=False)
     _print_config(config, sources)
     return 0
 
 
-def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    """generate's and client's sampling flags, the same names, checks and defaults."""
-    p.add_argument("-n", "--max-new-tokens", dest="max_new_tokens", type=_number(int, "--max-new-tokens", 1),
-                   default=max_new_tokens, help="the most tokens to generate (default %(default)s)")
-    p.add_argument("--temperature", type=_number(float, "--temperature", 0.0), default=0.0,
-                   help="0 is greedy (default %(default)s)")
+DEFAULT_MAX_NEW_TOKENS = 256  # -n of every command that generates (generate, chat, client, profile)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """The sampling flags of every command that generates: the same names (llama.cpp's where it has them),
+    checks and defaults."""
+    p.add_argument("-n", "--max-new-tokens", "--n-predict", dest="max_new_tokens",
+                   type=_number(int, "--max-new-tokens", 1), default=DEFAULT_MAX_NEW_TOKENS,
+                   help="the most tokens to generate (default %(default)s)")
+    p.add_argument("--temp", "--temperature", dest="temperature", type=_number(float, "--temperature", 0.0),
+                   default=0.0, help="0 is greedy (default %(default)s)")
     p.add_argument("--top-k", dest="top_k", type=_number(int, "--top-k", 0), default=0,
                    help="sample from the k most likely tokens; 0 = all (default %(default)s)")
     p.add_argument("--top-p", dest="top_p", type=_number(float, "--top-p", 0.0, 1.0, low_open=True), default=1.0,
                    help="sample from the smallest set of tokens whose probabilities reach p (default %(default)s)")
-    p.add_argument("--seed", type=int, default=None, help="for reproducible sampling (default: random)")
+    p.add_argument("--min-p", dest="min_p", type=_number(float, "--min-p", 0.0, 1.0), default=0.0,
+                   help="drop the tokens less likely than min-p times the most likely one; 0 = off (default "
+                        "%(default)s)")
+    p.add_argument("--repeat-penalty", "--repetition-penalty", dest="repetition_penalty",
+                   type=_number(float, "--repeat-penalty", 0.0, low_open=True), default=1.0,
+                   help="divide the positive logits (multiply the negative ones) of the tokens in the prompt and the "
+                        "answer by this, as transformers' repetition_penalty; 1 = off (default %(default)s)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="for reproducible sampling (default: random)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="MoE decoding across NUMA nodes")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (also after the command)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print no progress (also after the command)")
     parser.add_argument("--version", action="version", version=f"strata {_version()}")
     common = argparse.ArgumentParser(add_help=False)  # flags every command takes after its name too
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log at INFO level")
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="print no progress (the kernels compiled on a first run, the pool's layout)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="write a deterministic random checkpoint", parents=[common])
@@ -472,9 +632,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from a prompt", parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("-p", "--prompt", type=_text("--prompt"), help="the prompt text")
+    src.add_argument("-p", "--prompt", type=_text("--prompt"), help="the prompt text; - reads it from stdin")
+    src.add_argument("-f", "--file", type=_readable_file, help="read the prompt from this file")
     src.add_argument("--prompt-ids", dest="prompt_ids", help="the prompt as comma-separated token ids")
-    _add_sampling_flags(p, max_new_tokens=32)
+    _add_sampling_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timing")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
@@ -485,8 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve the ZeroMQ client API", parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
-    p.add_argument("--bind", default=DEFAULT_ADDRESS,
-                   help="tcp://HOST:PORT (loopback) or ipc://PATH (default %(default)s)")
+    p.add_argument("--bind", default=None,
+                   help=f"tcp://HOST:PORT (loopback; PORT * for any free one) or ipc://PATH (default {DEFAULT_ADDRESS}, "
+                        "or a free port when another server holds it)")
     p.add_argument("--max-active", dest="max_active", type=int, default=DEFAULT_MAX_ACTIVE,
                    help="sequences decoded together (default %(default)s)")
     p.add_argument("--max-queued", dest="max_queued", type=int, default=DEFAULT_MAX_QUEUED,
@@ -516,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("client", help="send one prompt to a running server", parents=[common])
     p.add_argument("prompt", type=_text("the prompt"), help="the prompt text")
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's endpoint (default %(default)s)")
-    _add_sampling_flags(p, max_new_tokens=64)
+    _add_sampling_flags(p)
     p.add_argument("--stop", action="append", default=None,
                    help="end the answer before this text (repeatable; default: none)")
     p.add_argument("--timeout", type=_number(float, "--timeout", 0.0, low_open=True), default=30.0,
@@ -567,7 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, type=_readable_file, help="a text file, one prompt per line")
     p.add_argument("--out", required=True, type=_writable_file, help="the profile to write (JSON)")
     p.add_argument("-n", "--max-new-tokens", dest="max_new_tokens", type=_number(int, "--max-new-tokens", 1),
-                   default=16, help="tokens generated after each prompt (default %(default)s)")
+                   default=DEFAULT_MAX_NEW_TOKENS, help="tokens generated after each prompt (default %(default)s)")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_profile)
 
@@ -593,6 +755,17 @@ def build_parser() -> argparse.ArgumentParser:
                        parents=[common])
     _add_engine_flags(p)
     p.set_defaults(func=cmd_config)
+
+    cache_p = sub.add_parser("cache", help="where the compiled CPU kernels are kept and what is compiled",
+                             parents=[common])
+    cache_p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    cache_p.set_defaults(func=cmd_cache)
+    cache_sub = cache_p.add_subparsers(dest="cache_command")
+    p = cache_sub.add_parser("clear", help="remove the compiled kernels (the next run compiles again)",
+                             parents=[common])
+    p.add_argument("--others", action="store_true",
+                   help="only the other builds' folders (other sources, numba versions or CPUs), not this one's")
+    p.set_defaults(func=cmd_cache_clear)
     return parser
 
 

@@ -3,7 +3,9 @@
 A preset fixes the geometry; ``--arch`` picks the architecture's config keys
 and tensor names; ``--seed`` fixes every weight. The output is exactly what a
 user's checkpoint directory holds: config.json, generation_config.json,
-model.safetensors (or shards plus an index), tokenizer.json.
+model.safetensors (or shards plus an index), tokenizer.json, and
+tokenizer_config.json with a ChatML chat template (Qwen's), so that
+`strata chat` and the HTTP API's chat work on it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ ARCH_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM
               "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 256  # <|endoftext|>, right after the 256 byte tokens
+# ChatML as Qwen2's tokenizer_config.json has it (no default system message): a turn ends at <|im_end|>
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 @dataclass(frozen=True)
@@ -337,5 +342,8 @@ def make_model(out: str | Path, preset: str = "tiny", arch: str | None = None, s
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID], "do_sample": False}, indent=2))
     byte_level_tokenizer(SPECIAL_TOKENS).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None},
+        indent=2))
     save_checkpoint(out, random_tensors(arch, g, seed), dtype=dtype, max_shard_bytes=max_shard_bytes)
     return out

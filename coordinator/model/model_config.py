@@ -541,7 +541,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ModelConfigError(f"{path}: not found; a model directory needs config.json") from None
+        raise ModelConfigError(f"{path}: not found, and no GGUF file (.gguf) beside it: a model is a checkpoint "
+                               "folder (config.json and safetensors), a GGUF file, or a folder holding one") from None
     except json.JSONDecodeError as exc:
         raise ModelConfigError(f"{path}: not valid JSON: {exc}") from exc
     return parse_model_config(cfg, model_dir)

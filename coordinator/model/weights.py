@@ -165,6 +165,14 @@ def expert_refs(cfg: ModelConfig, r: _Reader, layer: int) -> dict[int, ExpertRef
     return refs
 
 
+def layer_experts(cfg: ModelConfig, ckpt: Checkpoint) -> dict[tuple[int, int], ExpertRefs]:
+    """(layer, 0) -> the first routed expert's refs, for every MoE layer: where its matrices are and (through
+    ckpt.info) their dtypes, read from the checkpoint's index alone, before any tensor (a layer's experts share
+    their tensors' dtypes)."""
+    r = _Reader(ckpt)
+    return {(layer, 0): expert_refs(cfg, r, layer)[0] for layer in cfg.moe_layers}
+
+
 def load_weights(cfg: ModelConfig, ckpt: Checkpoint) -> ModelWeights:
     dense = sum(1 for name in ckpt.names() if ".experts." not in name)  # what is read now (experts: by the nodes)
     progress = Progress(dense, "loading the non-expert weights", unit="tensors")

@@ -102,15 +102,19 @@ class Channel:
         self.spin_s = spin_us / 1e6
         remove_stale_pool_dirs()
         self.dir = Path(tempfile.mkdtemp(prefix=POOL_DIR_PREFIX))
-        os.chmod(self.dir, 0o700)
-        self.write_file(OWNER_FILE, json.dumps({"pid": os.getpid(), "start": process_start_time(os.getpid())}))
-        self.endpoint = f"ipc://{self.dir}/pool.sock"
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.LINGER, 0),
-                           (zmq.MAXMSGSIZE, max_message_bytes)):
-            self.sock.setsockopt(opt, value)
-        self.sock.bind(self.endpoint)
+        try:  # stopped half-way (Ctrl-C), the folder goes
+            os.chmod(self.dir, 0o700)
+            self.write_file(OWNER_FILE, json.dumps({"pid": os.getpid(), "start": process_start_time(os.getpid())}))
+            self.endpoint = f"ipc://{self.dir}/pool.sock"
+            self.ctx = zmq.Context()
+            self.sock = self.ctx.socket(zmq.ROUTER)
+            for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.LINGER, 0),
+                               (zmq.MAXMSGSIZE, max_message_bytes)):
+                self.sock.setsockopt(opt, value)
+            self.sock.bind(self.endpoint)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         self.backlog: deque[tuple[bytes, object]] = deque()  # received while waiting for something else
         self._poller: zmq.Poller | None = None
         self._fds: tuple[int, ...] = ()
@@ -189,6 +193,8 @@ class Channel:
         return hellos
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.sock.close(0)
+            self.ctx.term()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -30,6 +30,7 @@ from node_worker import kernel_threads
 from node_worker import protocol as P
 from node_worker.job import WorkerJob
 from shm import doorbell, pool_io
+from shm.interrupts import deferred
 from shm.plan import PoolPlan
 from shm.topology import Node
 
@@ -62,15 +63,19 @@ class ProcessPool(ExpertPool):
         self.wait_threads = kernel_threads.team_size() if kernel_team else 1
         self.closed = False
         self.io: pool_io.PoolIo | None = None
-        try:
-            doorbell.warm_up()
-            for name in pool_io.remove_stale():
-                log.info("removed %s: its coordinator is gone", name)
-            self.io = pool_io.create(pool_io.PoolIoLayout(len(nodes), job.max_tokens, job.max_tokens * job.num_experts,
-                                                          job.hidden), job.model_digest, plan.digest)
+        self.supervisor: Supervisor | None = None
+        try:  # whatever stops the start (Ctrl-C included), everything made so far goes (close)
+            self._start(plan, nodes, job, config)
         except BaseException:
-            self.channel.close()
+            self.close()
             raise
+
+    def _start(self, plan: PoolPlan, nodes: list[Node], job: WorkerJob, config: EngineConfig) -> None:
+        doorbell.warm_up()
+        for name in pool_io.remove_stale():
+            log.info("removed %s: its coordinator is gone", name)
+        self.io = pool_io.create(pool_io.PoolIoLayout(len(nodes), job.max_tokens, job.max_tokens * job.num_experts,
+                                                      job.hidden), job.model_digest, plan.digest)
         self.job = replace(job, endpoint=self.channel.endpoint, pool_io=self.io.segment.name)
         job_path = self.channel.write_file("job.json", self.job.to_json())
         self.supervisor = Supervisor(nodes, self.channel, job_path, plan.digest, job.model_digest,
@@ -87,11 +92,7 @@ class ProcessPool(ExpertPool):
         self.timings = []
         self.stats = new_pool_stats(len(nodes))
         self._handlers = {P.Error: self._on_error, P.Hello: self._on_hello}
-        try:
-            self.supervisor.start_all()
-        except BaseException:
-            self.close()
-            raise
+        self.supervisor.start_all()
 
     @property
     def wait_hook(self):
@@ -273,12 +274,16 @@ class ProcessPool(ExpertPool):
         self.supervisor.maintain()
 
     def close(self) -> None:
+        """Stop the workers, remove their segments (unless kept), the pool's segment and its folder; a Ctrl-C
+        meanwhile waits until it is done (shm/interrupts.py). Also after a start that stopped half-way."""
         if self.closed:
             return
         self.closed = True
-        try:
-            self.supervisor.close()
-            self.channel.close()
-        finally:
-            if self.io is not None:
-                self.io.close()
+        with deferred():
+            try:
+                if self.supervisor is not None:
+                    self.supervisor.close()
+                self.channel.close()
+            finally:
+                if self.io is not None:
+                    self.io.close()

@@ -31,7 +31,7 @@ import zmq
 
 from node_worker import protocol as P
 from node_worker.kernel_threads import worker_env
-from shm import segments
+from shm import jit, segments
 from shm.topology import Node
 
 from ..errors import StepInterrupted, StrataError
@@ -149,8 +149,10 @@ class Supervisor:
         cmd = numactl_prefix(n) + [sys.executable, "-m", "node_worker", "--job", str(self.job_path),
                                    "--node", str(n.id), "--identity", w.identity.decode(),
                                    "--parent-pid", str(os.getpid())]
-        w.proc = subprocess.Popen(cmd, env=dict(os.environ, **WORKER_ENV, **worker_env(self.expert_format)),
-                                  stdin=subprocess.DEVNULL)
+        # a session of its own: the terminal's Ctrl-C reaches the coordinator alone, which stops the workers in
+        # order (a worker stopped by it while filling its segment left the segment behind)
+        env = dict(os.environ, **WORKER_ENV, **worker_env(self.expert_format), **jit.child_env())  # this cache's
+        w.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             w.pidfd = os.pidfd_open(w.proc.pid)
         except (OSError, AttributeError):
@@ -181,6 +183,9 @@ class Supervisor:
             if problems:
                 raise PoolError(f"node worker {w.node.id} (pid {w.pid}) handshake mismatch: {'; '.join(problems)}")
             w.hello = info
+            if info.get("compiled"):
+                log.warning("node worker %s compiled %d functions itself (%s): the kernel cache lacked them",
+                            w.node.id, len(info["compiled"]), ", ".join(info["compiled"][:3]))
             log.info("node %s ready: pid %s, rows %s, %s threads, %s, placement %s", w.node.id, info.get("pid"),
                      info.get("slice_rows"), info.get("threads"),
                      "reloaded" if info.get("reloaded") else "reattached", info.get("placement"))
@@ -347,17 +352,20 @@ class Supervisor:
                     w.proc.kill()
                     w.proc.wait()
             w.close_pidfd()
-            self._remove_orphan_segment(w)
+            self.remove_orphan_segment(w)
 
-    def _remove_orphan_segment(self, w: WorkerHandle) -> None:
-        """A worker that died cannot unlink its segment; its parent does, unless asked to keep it."""
-        name = w.hello.get("segment")
-        if not name or self.keep_shm or w.proc is None or w.proc.returncode == 0:
+    def remove_orphan_segment(self, w: WorkerHandle) -> None:
+        """A worker that died cannot unlink its segment; its parent does: a half-written one always (a worker
+        stopped while it filled it, before its HELLO), a complete one unless asked to keep it. The segment's
+        name follows from the model, the plan and the node (shm/segments.py), HELLO or not."""
+        if w.proc is None:
             return
+        name = w.hello.get("segment") or segments.segment_name(self.model_digest, self.plan_digest, w.node.id)
         try:
             header = segments.read_header(name)
         except segments.SegmentError:
             return
-        if header.owner_pid == w.pid and not segments.owner_alive(header):
-            segments.unlink(name)
-            log.info("removed segment %s of dead node worker %s (pid %s)", name, w.node.id, w.pid)
+        if header.owner_pid != w.pid or segments.owner_alive(header) or (self.keep_shm and header.complete):
+            return
+        segments.unlink(name)
+        log.info("removed segment %s of dead node worker %s (pid %s)", name, w.node.id, w.pid)

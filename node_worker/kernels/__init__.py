@@ -15,7 +15,9 @@ dense.py   a whole stored matrix times a few rows, and rows decoded for BLAS (th
            dense matrices, coordinator/model/packed.py)
 rows8.py   q8 rows interleaved eight at a time (llama.cpp's repacked Q8_0): eight rows a vector, for every T
            (the dense q8 matrices with integer activations)
-common.py  numba's options, the disk cache of the compiled code and the CPU it is compiled for
+common.py  numba's options and the CPU the code is compiled for (shm/jit.py keeps the compiled code)
+kernel_set.py  the formats a kernel is compiled with: a compile-time argument of every entry, so a model compiles
+           its own formats' loops alone (coordinator/warmup.py compiles them before anything runs them)
 """
 
 from __future__ import annotations

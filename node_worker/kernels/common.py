@@ -1,40 +1,22 @@
-"""What the compiled kernels share: numba's options and where their compiled code is kept.
+"""What the compiled kernels share: numba's options and the CPU they are compiled for.
 
-numba's disk cache checks only the stamp of the file that holds a jitted
-function, not of the modules whose intrinsics it inlines (simd.py, the format
-readers): an edited reader would be served from a stale cache. So the cache
-lives in a folder named by a digest of every kernel source, under the user's
-cache folder (or NUMBA_CACHE_DIR when set): a change of any kernel compiles
-anew, and a copy of the project elsewhere reuses the same compiled code. A lowering of the integer dot
-products forced by STRATA_IDOT_LOWERING (idot.py) is part of the name too.
+The compiled code is kept by shm/jit.py (one folder per build: the kernel sources, numba's version and the
+target CPU), so a change of any kernel compiles anew and another checkout of the same sources reuses it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import platform
-from pathlib import Path
 
-import llvmlite.binding as llvm
-import numba
 from numba.core import config
+
+from shm.jit import FAST, target_features
 
 from .. import kernel_threads  # noqa: F401  (libgomp's wait settings, before the first kernel runs)
 
-JIT = dict(nogil=True, cache=True, fastmath=True)  # compiled once per machine, kept in the disk cache below
+JIT = FAST  # nogil, cached (shm/jit.py's folder), fastmath where the IR does not fix the order
 
-
-def target_features() -> frozenset[str]:
-    """The CPU features numba compiles the kernels for, which choose their instructions (a 512-bit tile, an
-    integer dot product, vdpbf16ps): numba's own rule, NUMBA_CPU_FEATURES where set (numba sets it empty for
-    NUMBA_CPU_NAME=generic, the portable cache), else the host's. Only the features named with "+" count: a
-    CPU name's implied ones are not listed, and leaving one out costs speed, where taking one the target
-    lacks would stop LLVM or the CPU. Asking the host alone, NUMBA_CPU_NAME=haswell on an AVX-512 host
-    emitted AVX-512 intrinsics into haswell code."""
-    if config.CPU_FEATURES is not None:
-        return frozenset(f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+"))
-    return frozenset(name for name, on in llvm.get_host_cpu_features().items() if on)
+__all__ = ["JIT", "KernelTargetError", "check_target", "target_features"]
 
 
 class KernelTargetError(RuntimeError):
@@ -55,20 +37,3 @@ def check_target(features: frozenset[str], machine: str) -> None:
 
 
 check_target(target_features(), platform.machine())
-
-
-def sources_digest() -> str:
-    digest = hashlib.sha256(numba.__version__.encode() + os.environ.get("STRATA_IDOT_LOWERING", "").encode())
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "strata-numa", "numba")
-    return Path(root) / f"kernels-{sources_digest()}"
-
-
-CACHE_DIR = cache_dir()
-numba.config.CACHE_DIR = str(CACHE_DIR)  # read when a cache=True function is decorated: import this module first

@@ -18,7 +18,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-EXACT = dict(nogil=True, cache=True)  # no fastmath; one source file, so numba's own cache check suffices
+from ..jit import CACHED
+
+EXACT = CACHED  # no fastmath
 BLOCK = 32
 
 
@@ -84,3 +86,12 @@ def encode_into(fmt, dest: np.ndarray, src: np.ndarray) -> None:
     values = H if fmt.NAME == "q8" else H // 2  # bytes of values before the scales
     (_q8_values if fmt.NAME == "q8" else _q4_values)(src, d16.astype(np.float32), dest)
     dest[:, values:] = d16.view(np.uint8).reshape(R, -1)
+
+
+def warm_up(name: str) -> None:
+    """Compile (or load from the disk cache) format ``name``'s encoder (q8 or q4; the others are NumPy), on the
+    types the fill passes: float32 rows into a store's rows."""
+    from . import get
+
+    fmt = get(name)
+    encode_into(fmt, np.zeros((1, fmt.row_bytes(BLOCK)), np.uint8), np.zeros((1, BLOCK), np.float32))

@@ -1,0 +1,412 @@
+"""The first run: the kernels compiled once, in one child process, before any worker starts; a cache shared by
+every checkout of the same sources, keyed by their contents; what a compile finished kept through a Ctrl-C;
+and a start stopped at any moment (Ctrl-C, a start timeout) leaving no segment, folder, process or traceback.
+
+The tests that need an empty cache give their processes one of their own (NUMBA_CACHE_DIR) and pay a compile
+of the f32 kernels (tens of seconds on two cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from coordinator.cli.make_model import make_model
+from coordinator.config import ENV_VARS
+from coordinator.pool.channel import POOL_DIR_PREFIX
+from coordinator.warmup import Unit, engine_units, marker, missing
+from node_worker.kernels.kernel_set import KernelSet, for_formats
+from shm import jit
+
+REPO = Path(__file__).resolve().parents[1]
+UNIT_LINE = re.compile(r"^  \[(\d+)/(\d+)\] (.+): (\d+\.\d) s, (\d+) functions compiled$")
+
+
+def clean_env(cache: Path | None = None, **extra) -> dict:
+    """The test process's environment without STRATA_* settings, with a kernel cache of its own when given."""
+    env = {k: v for k, v in os.environ.items() if k not in {var for var, _ in ENV_VARS.values()}}
+    env.pop("NUMBA_CACHE_DIR", None)
+    if cache is not None:
+        env["NUMBA_CACHE_DIR"] = str(cache)
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def strata(*args: str, env: dict, cwd: Path = REPO, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coordinator", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600, **kwargs)
+
+
+def build_folder(cache: Path, env: dict, cwd: Path = REPO) -> Path:
+    """The build folder a process with ``env`` (started in ``cwd``) uses under ``cache``."""
+    code = "from shm import jit; print(jit.build_dir())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, check=True)
+    folder = Path(out.stdout.strip())
+    assert folder.parent == cache
+    return folder
+
+
+LOADED = """
+import json, sys
+from coordinator import Engine, EngineConfig
+from shm import compile_log
+import coordinator
+cfg = EngineConfig(pool="process", numa_split=True, nodes=2)
+with Engine.open(sys.argv[1], cfg) as eng:
+    workers = [w.hello["compiled"] for w in eng.pool.workers]
+    eng.generate([1, 2, 3], max_new_tokens=2)
+print(json.dumps({"coordinator": compile_log.compiled(), "workers": workers, "source": coordinator.__file__}))
+"""
+
+
+def test_a_first_run_compiles_once_in_a_child_and_every_process_then_loads_the_cache(tmp_path):
+    """A cold split generate: one line naming what is compiled and why, one line per unit as it finishes, its
+    marker written; then a second run and a copy of the project in another folder (a second clone) load it all:
+    no compile line, and neither the coordinator nor a node worker compiles a function."""
+    cache = tmp_path / "cache"
+    env = clean_env(cache)
+    model = make_model(tmp_path / "m", seed=0)
+    first = strata("generate", "-m", str(model), "--prompt-ids", "1,2,3", "-n", "4", "--numa-split", "--nodes", "2",
+                   env=env)
+    assert first.returncode == 0, first.stderr
+    lines = first.stderr.splitlines()
+    head = next(i for i, line in enumerate(lines) if "compiling CPU kernels" in line)
+    assert "host loops, doorbells, experts (f32)" in lines[head] and "first run of this build" in lines[head]
+    units = [UNIT_LINE.match(line) for line in lines[head + 1:head + 4]]
+    assert all(units), lines
+    assert [u[3] for u in units] == ["host loops", "doorbells", "experts (f32)"] and all(int(u[5]) > 0 for u in units)
+    assert "Traceback" not in first.stderr and "compiled" not in " ".join(lines[head + 4:])  # no worker compiled
+    folder = build_folder(cache, env)
+    for unit in (Unit("host"), Unit("doorbells"), Unit.experts(KernelSet.of(["f32"], True))):
+        info = marker(unit, folder)
+        assert info is not None and info["functions"] > 0 and info["peak_mb"] > 0, unit
+
+    again = strata("generate", "-m", str(model), "--prompt-ids", "1,2,3", "-n", "4", "--numa-split", "--nodes", "2",
+                   env=env)
+    assert again.returncode == 0 and "compiling" not in again.stderr, again.stderr
+    assert again.stdout == first.stdout  # the same tokens
+    loaded = json.loads(subprocess.run([sys.executable, "-c", LOADED, str(model)], cwd=REPO, env=env,
+                                       capture_output=True, text=True, check=True).stdout)
+    assert loaded["coordinator"] == [] and loaded["workers"] == [[], []], loaded
+
+    clone = tmp_path / "elsewhere" / "clone"  # another checkout of the same sources
+    for package in ("coordinator", "node_worker", "shm"):
+        shutil.copytree(REPO / package, clone / package, ignore=shutil.ignore_patterns("__pycache__"))
+    clone_env = {**env, "PYTHONPATH": str(clone)}
+    assert build_folder(cache, clone_env, cwd=tmp_path) == folder
+    loaded = json.loads(subprocess.run([sys.executable, "-c", LOADED, str(model)], cwd=tmp_path, env=clone_env,
+                                       capture_output=True, text=True, check=True).stdout)
+    assert loaded["source"].startswith(str(clone))
+    assert loaded["coordinator"] == [] and loaded["workers"] == [[], []], loaded
+
+    listed = strata("cache", env=env)
+    assert listed.returncode == 0 and str(cache) in listed.stdout and folder.name in listed.stdout
+    assert all(label in listed.stdout for label in ("host loops", "doorbells", "experts (f32)"))
+    cleared = strata("cache", "clear", env=env)
+    assert cleared.returncode == 0 and "removed 1 build folder" in cleared.stdout and not folder.exists()
+    assert "nothing compiled yet" in strata("cache", env=env).stdout
+
+
+def test_an_interrupted_compile_keeps_the_units_it_finished(tmp_path):
+    """Ctrl-C during the second unit: exit status 130, no traceback, the first unit's marker kept, no
+    half-written file in the cache; the next run compiles the second unit alone."""
+    cache = tmp_path / "cache"
+    env = clean_env(cache)
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.warmup", "host", "experts/f32"], cwd=REPO, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if "host loops:" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(60) == 130
+    finally:
+        proc.kill()
+    assert "Traceback" not in rest
+    folder = build_folder(cache, env)
+    assert marker(Unit("host"), folder) is not None and marker(Unit("experts", "f32"), folder) is None
+    assert not [p for p in folder.rglob("*") if ".tmp" in p.name]
+    rerun = subprocess.run([sys.executable, "-m", "coordinator.warmup", "host", "experts/f32"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert [m[3] for m in map(UNIT_LINE.match, rerun.stderr.splitlines()) if m] == ["experts (f32)"]
+
+
+def test_two_compiles_into_one_build_take_turns(tmp_path):
+    """A second process compiling into the same build folder waits for the first (it says whom it waits for)
+    and then finds the unit compiled: the unit is compiled once."""
+    cache = tmp_path / "cache"
+    env = clean_env(cache)
+    first = subprocess.Popen([sys.executable, "-m", "coordinator.warmup", "host"], cwd=REPO, env=env,
+                             stderr=subprocess.PIPE, text=True)
+    lock = build_folder(cache, env) / "compile.lock"
+    deadline = time.monotonic() + 60
+    while not (lock.exists() and lock.read_text().startswith("pid")) and first.poll() is None:
+        assert time.monotonic() < deadline, "the first compile never took the lock"
+        time.sleep(0.01)
+    second = subprocess.run([sys.executable, "-m", "coordinator.warmup", "host"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0
+    compiled = [m for text in (err, second.stderr) for m in map(UNIT_LINE.match, text.splitlines()) if m]
+    assert len(compiled) == 1, (err, second.stderr)
+    if compiled[0].string in err:  # the second started while the first held the lock
+        assert f"waiting for pid {first.pid}" in second.stderr
+
+
+def test_the_build_key_follows_the_sources_not_their_folder(tmp_path):
+    """Two copies of the project in different folders name the same build; an edited kernel names another."""
+    def key(root: Path) -> str:
+        out = subprocess.run([sys.executable, "-c", "from shm import jit; print(jit.build_key().name)"], cwd=tmp_path,
+                             env={**clean_env(tmp_path / "c"), "PYTHONPATH": str(root)}, capture_output=True,
+                             text=True, check=True)
+        return out.stdout.strip()
+
+    copy = tmp_path / "a" / "copy"
+    for package in ("coordinator", "node_worker", "shm"):
+        shutil.copytree(REPO / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    assert key(copy) == key(REPO)
+    rows = copy / "node_worker" / "kernels" / "rows.py"
+    rows.write_text(rows.read_text() + "\n# an edit\n")
+    assert key(copy) != key(REPO)
+
+
+def test_every_module_with_compiled_code_is_part_of_the_build_key():
+    """Every module that compiles (a numba decorator, an intrinsic) is in JIT_SOURCES, and so is every module of
+    the project they import at the top (whose constants their code holds): an edit to any of them is a new
+    build, never a stale cache."""
+    import ast
+
+    covered = set(jit.source_files())
+    project = [p for package in ("coordinator", "node_worker", "shm") for p in (REPO / package).rglob("*.py")]
+    compiles = [p for p in project if re.search(r"@(njit|intrinsic|register_jitable|vectorize)\b", p.read_text())]
+    assert compiles and not [str(p.relative_to(REPO)) for p in compiles if p not in covered]
+
+    def module_file(name: str) -> Path | None:
+        base = REPO.joinpath(*name.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+        return None
+
+    # pool_io's segment plumbing (shm.segments) runs in Python only, beside its one compiled check
+    python_only = {REPO / "shm" / "segments.py"}
+    uncovered = []
+    for path in covered:
+        package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                base = (package.rsplit(".", node.level - 1)[0] if node.level > 1 else package) if node.level else ""
+                name = f"{base}.{node.module}" if base and node.module else (node.module or base)
+                # each imported name: its own module where it is one, else the module it comes from
+                names = [f"{name}.{a.name}" if module_file(f"{name}.{a.name}") else name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            files = {module_file(n) for n in names if n.split(".")[0] in ("coordinator", "node_worker", "shm")}
+            uncovered += [(str(path.relative_to(REPO)), str(f.relative_to(REPO))) for f in files
+                          if f is not None and f not in covered and f not in python_only]
+    assert not uncovered, uncovered
+
+
+def test_a_kernel_set_generates_its_own_formats_loops_alone():
+    """The kernel set is a compile-time argument: a function specialised for f32 holds no switch case of
+    another format's loop, one for every format holds them all; the format names map to the loops
+    EngineConfig.activations takes."""
+    import numba
+    import numpy as np
+    from numba import njit
+
+    from node_worker.kernels import simd
+
+    @njit(cache=False)
+    def four_rows(ks, fmt, data, x):
+        return simd.dot4(ks, fmt, data, 0, 0, 0, 0, x.size, x)
+
+    data, x = np.zeros(1024, np.uint8), np.zeros(32, np.float32)
+    f32, every = KernelSet.of(["f32"], True), KernelSet.everything()
+    for ks in (f32, every):
+        assert four_rows(ks, 0, data, x) == (0.0, 0.0, 0.0, 0.0)
+    ir = {str(sig[0]): four_rows.inspect_llvm(sig) for sig in four_rows.signatures}
+    assert set(re.findall(r"format\.(\w+):", ir[str(numba.typeof(f32))])) - {"done"} == {"f32"}
+    assert set(re.findall(r"format\.(\w+):", ir[str(numba.typeof(every))])) - {"done"} == set(simd.FORMATS)
+    assert f32.int_act is False  # f32 has no integer loop: one set whatever the activations
+    assert for_formats(["bf16"], "bf16") == KernelSet(("bf16dp",), False)
+    assert for_formats(["q6k", "q4k", "q4k"], "q8") == KernelSet(("q4k", "q6k"), True)
+    assert for_formats(["q4k"], "f32") == KernelSet(("q4k",), False)
+    assert KernelSet.from_tag(for_formats(["q4k", "q6k"], "q8").tag) == KernelSet(("q4k", "q6k"), True)
+    assert engine_units("process", f32, ["q8", "f32"]) == [Unit("host"), Unit("doorbells"), Unit("experts", "f32"),
+                                                           Unit("encode", "q8")]
+    assert [u.name for u in engine_units("inproc", None)] == ["host"]
+
+
+# -- stopped starts leave nothing behind -----------------------------------------------------------------------
+
+def leftovers(pid: int, segments_before: set[str], folders_before: set[Path], children=()) -> list[str]:
+    """What a stopped ``strata`` run (pid) left: its workers or compile (``children``: the processes it had
+    started, seen before it was stopped), segments, pool folders."""
+    import tempfile
+
+    from shm.segments import SegmentError, owner_alive, read_header
+
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if f"--parent-pid {pid}" in cmd or ("coordinator.warmup" in cmd and p.ppid() == pid):
+            left.append(f"process {p.pid}: {cmd}")
+    for child in children:
+        try:
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"process {child.pid}: {' '.join(child.cmdline())}")
+        except psutil.Error:
+            pass
+    for name in {p.name for p in Path("/dev/shm").glob("strata.*")} - segments_before:
+        try:
+            if owner_alive(read_header("/" + name)):
+                continue
+        except SegmentError:
+            pass
+        left.append(f"segment {name}")
+    left += [f"folder {d}" for d in set(Path(tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*")) - folders_before]
+    return left
+
+
+def interrupted(args: list[str], env: dict, when, signum=signal.SIGINT, group: bool = False) -> tuple[int, str]:
+    """Start ``strata ARGS``, wait for ``when(proc, stderr so far)`` to be true, send the signal (to the process
+    group, as a terminal's Ctrl-C, when ``group``), and return its exit status and stderr."""
+    import tempfile
+
+    from coordinator.pool.channel import POOL_DIR_PREFIX as prefix
+
+    before = {p.name for p in Path("/dev/shm").glob("strata.*")}
+    folders = set(Path(tempfile.gettempdir()).glob(prefix + "*"))
+    err_path = Path(tempfile.mkstemp(suffix=".err")[1])
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "coordinator", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=err, stdin=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not when(proc, err_path.read_text()):
+            assert proc.poll() is None, f"ended before the moment: {err_path.read_text()}"
+            assert time.monotonic() < deadline, "the moment never came"
+            time.sleep(0.02)
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)  # its workers and compile, if started
+        except psutil.Error:
+            children = []
+        if group:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err_path.read_text()
+    err_path.unlink()
+    deadline = time.monotonic() + 10  # the workers' own exit, after their parent's
+    while (left := leftovers(proc.pid, before, folders, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, left
+    return code, text
+
+
+def has_worker(proc, _err: str) -> bool:
+    """A node worker has started (its command line says so until it names itself strata-node<N>)."""
+    try:
+        return any("node_worker" in " ".join(c.cmdline()) or "strata-node" in " ".join(c.cmdline())
+                   for c in psutil.Process(proc.pid).children())
+    except psutil.Error:
+        return False
+
+
+def has_segment(proc, _err: str) -> bool:
+    return any(p.name.startswith("strata.") and not p.name.startswith("strata.pool") and has_worker(proc, _err)
+               for p in Path("/dev/shm").glob("strata.*"))
+
+
+@pytest.mark.parametrize("moment", ["importing", "compiling", "workers starting", "segments filled", "generating"])
+def test_a_split_generate_stopped_at_any_moment_leaves_nothing_and_no_traceback(tmp_path, moment):
+    """SIGINT (as `kill -INT`) at each phase of `generate --numa-split --nodes 2`: during the imports, the kernel
+    compile (an empty cache), the workers' start, their segments' fill, the generation. Exit status 130, no
+    traceback, and no worker, compile, segment or pool folder left."""
+    model = make_model(tmp_path / "m", seed=0, num_layers=2)
+    cold = moment in ("importing", "compiling")
+    env = clean_env(tmp_path / "cache" if cold else None)
+    args = ["generate", "-m", str(model), "--prompt", "Once upon a time", "--numa-split", "--nodes", "2", "-n",
+            "4" if cold else "4000"]  # warm: long enough a run to catch each moment of it
+    if not cold:  # compiled beforehand: the start itself is what is interrupted
+        assert strata(*args[:-1], "1", env=env).returncode == 0
+    started = time.monotonic()
+    when = {"importing": lambda p, e: time.monotonic() - started > 0.3,
+            "compiling": lambda p, e: "compiling CPU kernels" in e,
+            "workers starting": has_worker,
+            "segments filled": has_segment,
+            "generating": lambda p, e: "pool process" in e}[moment]
+    code, err = interrupted(args, env, when)
+    assert code == 130, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_chat_stopped_at_its_prompt_by_a_terminals_ctrl_c_leaves_nothing(tmp_path):
+    """Ctrl-C at chat's idle prompt, as a terminal sends it (the whole process group): the chat ends with 130,
+    no "Exception ignored" from a worker, nothing left (the node workers run in sessions of their own)."""
+    model = make_model(tmp_path / "m", seed=0, num_layers=2)
+    env = clean_env()
+    args = ["chat", "-m", str(model), "--numa-split", "--nodes", "2"]
+    code, err = interrupted(args, env, lambda p, e: "chat: /help" in e, group=True)
+    assert code == 130 and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_a_worker_start_timeout_leaves_nothing(tmp_path):
+    """Workers that do not say HELLO within STRATA_WORKER_START_TIMEOUT: the error names the nodes and the
+    setting, and the workers, their segments and the pool's folder are gone."""
+    import tempfile
+
+    model = make_model(tmp_path / "m", seed=0, num_layers=2)
+    env = clean_env()
+    assert strata("generate", "-m", str(model), "--prompt-ids", "1", "-n", "1", env=env).returncode == 0  # compiled
+    before = {p.name for p in Path("/dev/shm").glob("strata.*")}
+    folders = set(Path(tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*"))
+    out = strata("generate", "-m", str(model), "--prompt-ids", "1", "-n", "1", "--numa-split", "--nodes", "2",
+                 env={**env, "STRATA_WORKER_START_TIMEOUT": "0.2"})
+    assert out.returncode == 2, out.stderr
+    assert re.search(r"node 0 \(pid \d+\), node 1 \(pid \d+\) did not finish starting within 0s", out.stderr)
+    assert "STRATA_WORKER_START_TIMEOUT" in out.stderr and "Traceback" not in out.stderr
+    assert not [p.name for p in Path("/dev/shm").glob("strata.*") if p.name not in before]
+    assert not set(Path(tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*")) - folders
+
+
+def test_a_worker_gone_before_its_hello_has_its_segment_removed(tmp_path):
+    """The supervisor's clean-up knows a worker's segment by name (model, plan, node) without its HELLO: a
+    worker stopped while filling it (dead, its segment half-written) leaves nothing."""
+    from coordinator.pool.supervisor import Supervisor, WorkerHandle
+    from shm import segments
+    from shm.topology import Node
+
+    name = segments.segment_name("m" * 16, "p" * 16, 3)
+    code = ("import sys; from shm import segments; "
+            f"segments.create({name!r}, 3, {'m' * 16!r}, {'p' * 16!r}, {{'kind': 'test'}}, 4096)")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)  # makes it, then exits without unlinking
+    assert child.wait(60) == 0
+    try:
+        assert not segments.read_header(name).complete
+        sup = Supervisor.__new__(Supervisor)
+        sup.plan_digest, sup.model_digest, sup.keep_shm = "p" * 16, "m" * 16, True  # kept: a complete one only
+        handle = WorkerHandle(Node(3, (0,), None, None), b"node3")
+        handle.proc = child
+        sup.remove_orphan_segment(handle)
+        with pytest.raises(segments.SegmentError, match="does not exist"):
+            segments.read_header(name)
+    finally:
+        segments.unlink(name)
