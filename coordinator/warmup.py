@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Iterable, Sequence, TextIO
 
 from shm import compile_log, jit
+from shm.paths import write_problem
 
 from .errors import StrataError
 
@@ -295,18 +296,6 @@ def compile_units(units: Sequence[Unit], out: TextIO | None = sys.stderr) -> lis
     return done
 
 
-def cache_writable(folder: Path) -> str:
-    """'' when ``folder`` (made if absent) takes new files, else why not."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".probe.{os.getpid()}"
-        probe.write_bytes(b"0")
-        probe.unlink()
-        return ""
-    except OSError as exc:
-        return exc.strerror or str(exc)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m coordinator.warmup",
                                 description="compile CPU kernel units into this build's cache (Engine.open runs it)")
@@ -318,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"strata: error: {exc}", file=sys.stderr)
         return 2
-    problem = cache_writable(jit.build_dir())
+    problem = write_problem(jit.build_dir())
     if problem:
         print(f"strata: error: the kernel cache folder {jit.build_dir()} cannot be written ({problem}); set "
               "NUMBA_CACHE_DIR to a writable folder", file=sys.stderr)

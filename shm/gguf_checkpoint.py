@@ -44,9 +44,10 @@ def gguf_path(path: str | Path) -> Path | None:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if not path.exists():
-        what = "file" if path.suffix == ".gguf" else "model folder or file"
-        raise GgufError(f"{path}: no such {what}: give a checkpoint folder (config.json and safetensors) or a GGUF "
-                        "file (.gguf)")
+        if path.suffix == ".gguf":
+            raise GgufError(f"{path}: no such file: give a GGUF file (.gguf) or a checkpoint folder (config.json and "
+                            "safetensors)")
+        return None  # a folder that is not there: load_model_config names it
     if not path.is_dir():
         raise GgufError(f"{path} is a file, not a model: give a checkpoint folder (config.json and safetensors) or "
                         "a GGUF file (.gguf)")

@@ -212,7 +212,7 @@ def test_a_missing_model_path_is_named_as_missing(tmp_path):
 
     with pytest.raises(GgufError, match=re.escape(str(tmp_path / "tiny.gguf")) + ": no such file"):
         open_source(tmp_path / "tiny.gguf")
-    with pytest.raises(GgufError, match=re.escape(str(tmp_path / "absent")) + ": no such model folder or file"):
+    with pytest.raises(ModelConfigError, match=re.escape(str(tmp_path / "absent")) + ": no such model folder or file"):
         open_source(tmp_path / "absent")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelConfigError, match="config.json: not found, and no GGUF file"):

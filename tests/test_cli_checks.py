@@ -427,7 +427,6 @@ def test_bench_sizes_its_stream_array_by_the_machine():
 
 def test_serve_without_bind_takes_a_free_port_when_the_default_is_taken(tiny, tmp_path):
     import socket
-    import time
 
     from coordinator.serving.api import DEFAULT_ADDRESS
 

@@ -23,7 +23,7 @@ import pytest
 from coordinator.cli.make_model import make_model
 from coordinator.config import ENV_VARS
 from coordinator.pool.channel import POOL_DIR_PREFIX
-from coordinator.warmup import Unit, engine_units, marker, missing
+from coordinator.warmup import Unit, engine_units, marker
 from node_worker.kernels.kernel_set import KernelSet, for_formats
 from shm import jit
 
@@ -410,3 +410,26 @@ def test_a_worker_gone_before_its_hello_has_its_segment_removed(tmp_path):
             segments.read_header(name)
     finally:
         segments.unlink(name)
+
+
+def test_a_cache_that_cannot_be_written_or_fills_up_is_named(tmp_path, monkeypatch, capsys):
+    """An unwritable cache folder and a full disk while numba writes: one line each naming the folder and the
+    cause (exit status 2), and the engine's start says the compile failed, pointing at it."""
+    out = subprocess.run([sys.executable, "-m", "coordinator.warmup", "host"], cwd=REPO,
+                         env=clean_env(Path("/proc/self/strata-cache")), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "the kernel cache folder /proc/self/strata-cache/" in out.stderr and "cannot be written" in out.stderr
+    assert "NUMBA_CACHE_DIR" in out.stderr
+
+    import errno
+
+    from coordinator import warmup
+
+    def full(self) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(warmup.Unit, "compile", full)
+    monkeypatch.setattr(warmup, "missing", lambda units: list(units))
+    assert warmup.main(["host", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "writing the kernel cache in" in err and "failed: No space left on device" in err

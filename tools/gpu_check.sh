@@ -63,10 +63,8 @@ PY
 if [ "${1:-}" != "--bench" ]; then
   exec "$PY" -m pytest -p no:cacheprovider -m gpu -v tests/test_gpu.py tests/test_device_kernels.py "$@"
 fi
-"$PY" -c 'import time, coordinator
-from node_worker.kernels import dense, layer
-t = time.perf_counter(); layer.warm_up(); dense.warm_up()
-print("numba kernels ready in %.1f s (the first run compiles them, later ones load them)" % (time.perf_counter() - t))'
+# the CPU kernels the bench's engines need (the deep preset's f32 experts), compiled as a first run compiles them
+"$PY" -m coordinator.warmup host doorbells experts/f32
 DEEP="${TMPDIR:-/tmp}/strata-deep"
 [ -f "$DEEP/config.json" ] || "$PY" -m coordinator make-model --preset deep --out "$DEEP" --force
 exec "$PY" -m coordinator bench -m "$DEEP" --modes inproc,single,split --device cuda --tokens 32 \

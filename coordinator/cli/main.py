@@ -208,19 +208,9 @@ def _print_config(config, sources) -> None:
         print(f"{name:16} {getattr(config, name)!r:12} ({sources[name]}; variable {var})")
 
 
-def _folder_problem(folder: Path) -> str:
-    """'' when ``folder`` (made, with its parents, if absent) takes new files, else why not (the OS's words)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".strata-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-        return ""
-    except OSError as exc:
-        return exc.strerror or str(exc)
-
-
 def cmd_make_model(args: argparse.Namespace) -> int:
+    from shm.paths import write_problem
+
     from .make_model import make_model
 
     overrides = {"num_layers": args.layers} if args.layers else {}
@@ -232,7 +222,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     if replacing and not args.force:
         raise StrataError(f"--out {out} is not an empty folder; pass --force to replace it whole")
     made = not out.exists()
-    problem = _folder_problem(out)
+    problem = write_problem(out)
     if problem:
         raise StrataError(f"--out {out}: the folder cannot be written ({problem})")
     try:

@@ -537,6 +537,9 @@ def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
+    if not model_dir.exists():
+        raise ModelConfigError(f"{model_dir}: no such model folder or file: give a checkpoint folder (config.json "
+                               "and safetensors) or a GGUF file (.gguf)")
     path = model_dir / "config.json"
     try:
         cfg = json.loads(path.read_text())
