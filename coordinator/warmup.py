@@ -9,8 +9,9 @@ writes each unit's marker as it finishes and exits, giving back the compiler's m
 (the coordinator, the node workers) then only loads the compiled code.
 
     host            the decoder's host loops (norms, top-k, RoPE, attention)    the coordinator
-    doorbells       futex doorbells, atomics, the request check                 both sides of a process pool
-    experts/TAG     a node's MoE layer and its answer, for kernel set TAG       node workers, an in-process pool
+    doorbells       futex doorbells and atomics                                 both sides of a process pool
+    experts/TAG     a node's MoE layer, its answer and its STREAM read, for     node workers, an in-process pool
+                    kernel set TAG
     dense/TAG       the packed dense matrices of one format (kernel set TAG)    the coordinator without a GPU
     encode/FMT      q8 or q4 quantisation of float weights                      wherever such weights are stored
 
@@ -101,10 +102,9 @@ class Unit:
 
             host_ops.warm_up()
         elif self.kind == "doorbells":
-            from shm import doorbell, pool_io
+            from shm import doorbell
 
             doorbell.warm_up()
-            pool_io.warm_up()
         elif self.kind == "encode":
             from shm.formats import encode
 
@@ -116,8 +116,11 @@ class Unit:
 
             kernels = KernelSet.from_tag(self.arg)
             if self.kind == "experts":
+                from node_worker import membw
+
                 layer.warm_up(kernels)
                 answer.warm_up(kernels)
+                membw.warm_up()  # the node's STREAM read, for a benchmark
             else:
                 dense.warm_up(kernels)
 

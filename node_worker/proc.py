@@ -129,11 +129,10 @@ class WorkerProcess:
         self.io: pool_io.PoolIo | None = None
         self.index = [n.node for n in job.nodes].index(node)  # this node's line and partial in the segment
         self.done_seq = 0
-        self.num_experts = job.num_experts
         self.spin_s = job.spin_us / 1e6
         self.poll_timespec = doorbell.timespec(POLL_S)  # the longest sleep of compute_answer_sleep
         self.team, self.answer_and_sleep = 1, False  # set in start(), once the node's threads are known
-        self.handlers = {P.Compute: self.on_compute, P.MemBw: self.on_membw, P.Ping: self.on_ping}
+        self.handlers = {P.MemBw: self.on_membw}  # the socket's requests; layers come through the data path
 
     def send(self, frames: list) -> None:
         self.sock.send_multipart(frames, copy=False)
@@ -148,7 +147,7 @@ class WorkerProcess:
         store.segment.keep = job.keep_shm
         try:
             self.worker = NodeWorker(self.node, store, job.hidden, threads=nj.threads, cpus=self.cpus,
-                                     activations=job.activations)
+                                     activations=job.activations, num_experts=job.num_experts)
         except BaseException:  # stopped (SIGTERM) or failed while loading its kernels: the segment goes unless kept
             store.close()
             raise
@@ -156,12 +155,10 @@ class WorkerProcess:
         self.team = kernel_threads.team_size()  # the threads that sleep on the doorbell: the layer kernel's team
         # a layer's answer and the team's sleep in one compiled call (node_worker/answer.py)
         self.answer_and_sleep = self.team > 1 and not self.spin_s and doorbell.futex_available()
-        if job.pool_io:
-            self.io = pool_io.attach(job.pool_io, job.model_digest, plan.digest)
-            doorbell.warm_up()
-            answer.warm_up(self.worker.kernels)
-            pool_io.check_routing(self.io.tokens[:0], self.io.experts[:0], self.io.weights[:0], 1, 1)  # loaded
-            self.done_seq = self.io.done(self.index)
+        self.io = pool_io.attach(job.pool_io, job.model_digest, plan.digest)
+        doorbell.warm_up()
+        answer.warm_up(self.worker.kernels)
+        self.done_seq = self.io.done(self.index)
         placement = segment_placement(os.getpid(), report.segment, nj.local_node)
         rows = plan.slice_of(job.intermediate, self.node)
         self.send(P.encode_hello(P.Hello({
@@ -173,14 +170,6 @@ class WorkerProcess:
             "compiled": compile_log.compiled(),  # [] where the coordinator compiled everything beforehand
             "placement": placement.as_dict() if placement else None,
         })))
-
-    def recv(self):
-        """The next socket message, spinning ``spin_us`` before blocking; None on timeout (no data path)."""
-        if self.spin_s and doorbell.spin_until(self.spin_s, lambda: self.sock.poll(0)):
-            return self.sock.recv_multipart(copy=False)
-        if self.sock.poll(int(POLL_S * 1000)):
-            return self.sock.recv_multipart(copy=False)
-        return None
 
     def wait(self) -> None:
         """Until the coordinator asks for something new or rings: spin, then sleep on the doorbell."""
@@ -194,8 +183,8 @@ class WorkerProcess:
         io.wait_my_bell(k, seen, POLL_S, self.team)
 
     def on_request(self) -> None:
-        """The request the data path asks this node for: check its fixed fields and arrays, compute into
-        this node's partial in the segment, ring back."""
+        """The request the data path asks this node for: check its fixed fields, compute into this node's
+        partial in the segment (the kernel checks the routing: layer_moe), ring back."""
         io, k = self.io, self.index
         seq = io.asked(k)
         received = time.monotonic_ns()
@@ -221,7 +210,7 @@ class WorkerProcess:
                     bytes_read = layer_moe(*args)
                 compute_ns = time.monotonic_ns() - started
                 if bytes_read < 0:
-                    problem = f"a negative expert id or a token outside [0, {T})"
+                    problem = self.worker.routing_error(bytes_read, T)
                 else:
                     self.worker.count(layer, bytes_read, T)
         elif kind != pool_io.KIND_PING:
@@ -233,7 +222,7 @@ class WorkerProcess:
         self.done_seq = seq
 
     def check_request(self, layer: int, T: int, Pn: int) -> str:
-        """What is wrong with a request's fixed fields and routing arrays ('' when nothing)."""
+        """What is wrong with a request's fixed fields ('' when nothing)."""
         lay = self.io.layout
         if not 0 < T <= lay.max_tokens:
             return f"{T} rows outside [1, {lay.max_tokens}]"
@@ -241,11 +230,6 @@ class WorkerProcess:
             return f"{Pn} pairs outside [0, {lay.max_pairs}]"
         if layer not in self.moe_layers:
             return f"layer {layer} is not a MoE layer"
-        bad = pool_io.check_routing(self.io.tokens[:Pn], self.io.experts[:Pn], self.io.weights[:Pn], T,
-                                    self.num_experts)
-        if bad:
-            return (f"token index out of range [0, {T})", f"expert id out of range [0, {self.num_experts})",
-                    "routing weights must be finite")[bad - 1]
         return ""
 
     def handle(self, frames) -> bool:
@@ -270,35 +254,11 @@ class WorkerProcess:
             handler(msg, received)
         return True
 
-    def on_compute(self, msg: P.Compute, received: int) -> None:
-        job = self.job
-        try:
-            P.check_compute(msg, job.num_layers, job.num_experts, job.hidden, job.max_tokens)
-            if msg.layer not in self.moe_layers:
-                raise P.ProtocolError(f"layer {msg.layer} is not a MoE layer")
-        except P.ProtocolError as exc:
-            self.send(P.encode_error(P.Error(msg.request_id, False, f"node {self.node}: bad COMPUTE: {exc}")))
-            return
-        t0 = time.perf_counter_ns()
-        before = self.worker.bytes_read
-        y = self.worker.compute(msg.layer, msg.x, msg.tokens, msg.experts, msg.weights)
-        compute = time.perf_counter_ns() - t0
-        self.send(P.encode_result(P.Result(msg.request_id, y, compute, self.worker.bytes_read - before,
-                                           received, time.monotonic_ns())))
-
     def on_membw(self, msg: P.MemBw, received: int) -> None:
-        seconds, gbps = read_bandwidth(self.worker.runner, msg.nbytes, msg.repeats)
+        seconds, gbps = read_bandwidth(self.worker.threads, msg.nbytes, msg.repeats)
         self.send(P.encode_membw_result(P.MemBwResult(msg.request_id, seconds, gbps)))
 
-    def on_ping(self, msg: P.Ping, received: int) -> None:
-        self.send(P.encode_pong(P.Pong(msg.request_id)))
-
     def serve(self) -> None:
-        if self.io is None:  # no data path: everything over the socket
-            while True:
-                frames = self.recv()
-                if frames is not None and not self.handle(frames):
-                    return
         while True:
             self.wait()
             if self.io.asked(self.index) != self.done_seq:

@@ -11,8 +11,7 @@ All of it, the grouping of the routed pairs included, is one compiled call
 store's format directly on numba's threads, the GIL released, whatever a
 group's token count; every format computes with exactly its dequantised
 weights. Python only looks up the layer's expert table. (Decoding the rows to
-float32 for BLAS, the old prefill path, was 3x slower on groups of 16 tokens:
-tools/kernel_bench.py --tokens 16.)
+float32 for BLAS is slower, even on a prefill's groups of many tokens.)
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ from shm import formats
 from shm.expert_source import ExpertSlice
 
 from .kernels.kernel_set import KernelSet, for_formats
-from .kernels.layer import layer_moe, warm_up
+from .kernels.layer import ROUTING_ERRORS, layer_moe, warm_up
 from .kernels.rows import SHAPE, loop_id
-from .tasks import TaskRunner
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +48,11 @@ class ExpertStore(Protocol):
 
 class NodeWorker:
     def __init__(self, node: int, store: ExpertStore, hidden_size: int, threads: int = 1,
-                 cpus: Sequence[int] | None = None, activations: str = "q8"):
+                 cpus: Sequence[int] | None = None, activations: str = "q8", num_experts: int | None = None):
+        """``num_experts``: the model's routed experts per layer (default: the highest one the store holds, + 1):
+        an id past them is refused."""
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         self.node = node
         self.activations = activations  # "q8": integer dot products where the format has integers; "f32"
         self.bf16_products = activations == "bf16"  # bf16 rows by bf16 activations (kernels/bf16dp.py)
@@ -58,14 +60,12 @@ class NodeWorker:
         self.kernels: KernelSet = for_formats(store.formats.names, activations)
         self.store = store
         self.hidden_size = hidden_size
-        self.runner = TaskRunner(threads, cpus, name=f"node{node}")
+        self.threads = threads  # numba's team for this node's kernels (the process is pinned to ``cpus``)
+        self.cpus = list(cpus or [])
+        self.num_experts = num_experts or max((e for _, e in store.offsets), default=-1) + 1
         self.bytes_read = 0  # expert weight bytes touched, for the benchmark
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> expert offsets [E, 3], rows [E]
         warm_up(self.kernels)  # loaded from the disk cache (or compiled) now, not in the first request
-
-    @property
-    def threads(self) -> int:
-        return self.runner.threads
 
     def use_node_threads(self) -> int:
         """Set numba's thread count (this calling thread's) to the node's, and return it."""
@@ -100,10 +100,14 @@ class NodeWorker:
         return args[9]
 
     def count(self, layer: int, nbytes: int, rows: int) -> None:
-        """layer_moe's answer: the expert bytes it read, or the error it found."""
+        """layer_moe's answer: the expert bytes it read, or the routing error it found (ValueError)."""
         if nbytes < 0:
-            raise ValueError(f"layer {layer}: a negative expert id or a token outside [0, {rows})")
+            raise ValueError(f"layer {layer}: {self.routing_error(nbytes, rows)}")
         self.bytes_read += nbytes
+
+    def routing_error(self, code: int, rows: int) -> str:
+        """What layer_moe's negative answer ``code`` says of a request of ``rows`` rows."""
+        return ROUTING_ERRORS[code].format(rows=rows, experts=self.num_experts)
 
     def _table(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer's expert table, built once: byte offsets [E, 3] and shapes [E, 8] (kernels/rows.py's SHAPE:
@@ -113,7 +117,7 @@ class NodeWorker:
             gate, up, down = (formats.get(n) for n in self.store.formats.of(layer))
             H = self.hidden_size
             held = {e: off for (lay, e), off in self.store.offsets.items() if lay == layer}
-            E = max(held, default=-1) + 1
+            E = self.num_experts  # every routable id has a row: 0 rows where this node holds none
             offsets, shapes = np.zeros((E, 3), np.int64), np.zeros((E, len(SHAPE)), np.int64)
             for e, off in held.items():
                 offsets[e] = off
@@ -126,5 +130,4 @@ class NodeWorker:
         return table
 
     def close(self) -> None:
-        self.runner.close()
         self.store.close()

@@ -37,10 +37,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from . import doorbell, segments
-from .jit import CACHED
 
 LINE = 64
 MESSAGE_BYTES = 512
@@ -49,19 +47,6 @@ REQ_SEQ, REQ_LAYER, REQ_T, REQ_P, REQ_KIND = range(5)
 NODE_GO, NODE_DONE, NODE_STATUS, NODE_COMPUTE_NS, NODE_BYTES, NODE_RECEIVED_NS, NODE_SENT_NS = range(1, 8)
 STATUS_OK, STATUS_ERROR = 0, 1
 LAYOUT_KIND = "pool-io"
-
-
-@njit(**CACHED)
-def check_routing(tokens, experts, weights, rows, num_experts):
-    """0 when every pair is in range, else 1 (token), 2 (expert) or 3 (weight not finite): one pass."""
-    for i in range(tokens.size):
-        if tokens[i] < 0 or tokens[i] >= rows:
-            return 1
-        if experts[i] < 0 or experts[i] >= num_experts:
-            return 2
-        if not np.isfinite(weights[i]):
-            return 3
-    return 0
 
 
 def _align(n: int) -> int:
@@ -232,8 +217,3 @@ def attach(name: str, model_digest: str, plan_digest: str) -> PoolIo:
     except BaseException:
         seg.close()
         raise
-
-
-def warm_up() -> None:
-    """Compile (or load from the disk cache) check_routing for the segment's arrays, as a node worker calls it."""
-    check_routing(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32), 1, 1)  # PoolIo's views

@@ -198,7 +198,7 @@ def test_every_module_with_compiled_code_is_part_of_the_build_key():
                 return candidate
         return None
 
-    # pool_io's segment plumbing (shm.segments) runs in Python only, beside its one compiled check
+    # pool_io is in the key for the constants answer.py holds; its segment plumbing (shm.segments) is Python only
     python_only = {REPO / "shm" / "segments.py"}
     uncovered = []
     for path in covered:

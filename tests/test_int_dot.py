@@ -234,11 +234,8 @@ def _float64_expert(mats, name, x, quantised=dequantised):
 
 
 def _node_output(store, activations, x, tokens, routed, weights) -> np.ndarray:
-    worker = NodeWorker(0, store, H, threads=2, activations=activations)
-    try:
-        return worker.compute(0, x, tokens, routed, weights).copy()
-    finally:
-        worker.runner.close()
+    worker = NodeWorker(0, store, H, threads=2, activations=activations)  # the store is the caller's, kept open
+    return worker.compute(0, x, tokens, routed, weights).copy()
 
 
 def _assert_integer_path_taken(got: dict, want: np.ndarray) -> None:

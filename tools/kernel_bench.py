@@ -73,7 +73,6 @@ def main() -> int:
             for _ in range(args.calls):
                 worker.compute(0, x, tokens, experts, weights)
             dt = (time.perf_counter() - t0) / args.calls
-            worker.runner.close()
             n = E * 3 * I * H
             print(f"| {name} | {acts} | {dt * 1e3:.2f} | {n / dt / 1e9:.2f} | "
                   f"{n * fmt.BYTES_PER_WEIGHT / dt / 1e9:.1f} | {2 * n * T / dt / 1e9:.1f} |")

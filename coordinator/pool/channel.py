@@ -34,7 +34,6 @@ from shm import doorbell
 from shm.segments import process_start_time
 
 from ..errors import StrataError
-from .base import PoolRequest
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +129,6 @@ class Channel:
             self.sock.send_multipart([identity] + frames, flags, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer is gone
             raise PeerUnreachable(f"no connected peer {identity.decode()} ({exc})") from None
-
-    @staticmethod
-    def compute_frames(request_id: int, request: PoolRequest) -> list:
-        """One layer's routed work, encoded once for every worker."""
-        return P.encode_compute(P.Compute(request_id, request.layer, request.x, request.tokens.astype("<i4"),
-                                          request.experts.astype("<i4"), request.weights.astype("<f4")))
 
     # -- receiving ---------------------------------------------------------------
     def poll(self, timeout_ms: int, fds: Iterable[int] = (), backlog: bool = True) -> tuple[bool, set[int]]:

@@ -79,7 +79,7 @@ class InprocPool(ExpertPool):
         # the nodes of this pool run one after another in this process: measure them that way
         per_node = []
         for w in self.workers:
-            seconds, gbps = read_bandwidth(w.runner, nbytes, repeats)
+            seconds, gbps = read_bandwidth(w.threads, nbytes, repeats)
             per_node.append({"node": w.node, "seconds": seconds, "gb_per_s": gbps, "threads": w.threads})
         total = sum(p["seconds"] for p in per_node)
         return {"gb_per_s": nbytes * len(per_node) / total / 1e9, "per_node": per_node}

@@ -233,15 +233,6 @@ class Supervisor:
         if self.on_sent is not None:
             self.on_sent(w)
 
-    def send_or_recover(self, w: WorkerHandle, frames: list) -> None:
-        """Send, restarting the worker first (or on the way) when it is dead."""
-        self.ensure_running(w)
-        try:
-            self.send(w, frames)
-        except WorkerDied as died:
-            self.recover(w, died)
-            self.send(w, frames)
-
     # -- deaths and restarts ----------------------------------------------------------------
     def recover(self, w: WorkerHandle, died: WorkerDied) -> None:
         """Count a death and restart the worker, unless it is its second within the window (then raise)."""

@@ -9,13 +9,13 @@ whatever the thread count or timing. Nothing here touches a Python object: the
 per-layer tables are arrays.
 
     ks      KernelSet       the formats whose loops are compiled in (kernel_set.py): every format of the tables
-    offsets [E, 3] int64    byte offsets of expert e's gate, up and down matrices in the store
-    shapes  [E, 8] int64    expert e's matrices (rows.py's SHAPE columns): the node's rows R (0, or e >= E: it
-                            holds none); gate's and up's format (FORMAT_IDS) and bytes of a stored row; down's
+    offsets [E, 3] int64    byte offsets of expert e's gate, up and down matrices in the store (E: the model's
+                            routed experts)
+    shapes  [E, 8] int64    expert e's matrices (rows.py's SHAPE columns): the node's rows R (0: it holds none); gate's and up's format (FORMAT_IDS) and bytes of a stored row; down's
                             format, the weights in a stored row of its [H, R] (R in whole blocks), that row's bytes
 
-Returns the expert bytes the layer read, or -1 when an expert id is negative or a token is outside
-[0, T) (nothing is computed then).
+Returns the expert bytes the layer read, or a negative code when the routing is not valid (nothing is
+computed then): the one place the routing is checked, for both pools (ROUTING_ERRORS names each code).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from .rows import layer_rows
 
 
 SUM_PAIRS = 64  # pairs from which weigh_and_sum takes the tokens' rows in parallel (fewer: decode's, serially)
+BAD_TOKEN, BAD_EXPERT, BAD_WEIGHT = -1, -2, -3  # layer_moe's answers to routing that is not valid
+ROUTING_ERRORS = {BAD_TOKEN: "token index out of range [0, {rows})", BAD_EXPERT: "expert id out of range [0, {experts})",
+                  BAD_WEIGHT: "routing weights must be finite"}
 
 
 @njit(inline="always", **JIT)
@@ -51,9 +54,8 @@ def token_rows_parallel(y, contrib, sorted_weights, by_token, first, hidden) -> 
 def weigh_and_sum(y, contrib, sorted_tokens, sorted_weights, hidden):
     """y [T, H] = for each token, the sum of w · its pairs' contributions in pair order (group order): pair p's
     contribution is contrib[p H:(p + 1) H], its token sorted_tokens[p], its weight sorted_weights[p] (the
-    pairs of the layer's groups, one after another). From SUM_PAIRS pairs on a token's row by a thread: the
-    serial loop over the pairs took 0.6-0.8 ms of a 64-token layer (512 pairs x 2048) on one thread while the
-    other waited; decode's eight pairs stay serial (a parallel loop's start costs more than their sum)."""
+    pairs of the layer's groups, one after another). From SUM_PAIRS pairs on a token's row by a thread: a
+    prefill's serial loop over the pairs would keep the other threads waiting; decode's eight pairs stay serial (a parallel loop's start costs more than their sum)."""
     T = y.shape[0]
     P = sorted_tokens.size
     first = np.zeros(T + 1, np.int64)  # token t's pairs: by_token[first[t]:first[t + 1]]
@@ -75,12 +77,17 @@ def weigh_and_sum(y, contrib, sorted_tokens, sorted_weights, hidden):
 
 @njit(**JIT)
 def layer_moe(ks, data, hidden, x, tokens, experts, weights, offsets, shapes, y) -> int:
-    E = shapes.shape[0]
+    E = shapes.shape[0]  # the model's routed experts (rows of the node's table, 0 rows where it holds none)
     P = experts.size
     T = x.shape[0]
+    weight_bits = weights.view(np.uint32)  # finiteness read from the exponent bits: fastmath assumes no NaN/inf
     for p in range(P):
-        if experts[p] < 0 or tokens[p] < 0 or tokens[p] >= T:
-            return -1
+        if tokens[p] < 0 or tokens[p] >= T:
+            return BAD_TOKEN
+        if experts[p] < 0 or experts[p] >= E:
+            return BAD_EXPERT
+        if weight_bits[p] & 0x7F800000 == 0x7F800000:
+            return BAD_WEIGHT
     order = np.argsort(experts * T + tokens, kind="mergesort")  # [P] by expert, then token
     # groups: the runs of one expert in that order, kept where the node holds rows of the expert
     group_expert = np.empty(P, np.int64)
