@@ -6,8 +6,8 @@ its condition, and sleeps only while the count is still what it read (so a ring
 between the check and the sleep is never lost). Both sides may spin on the
 condition first (``spin_s``), giving the CPU to a thread ready to run on it
 at each round (``spin_pause``); sleeping is a futex wait on the word, woken by
-the kernel directly: measured here 3 µs for a round trip between two processes
-against 53 µs for a ZeroMQ ipc round trip (tools/ and the issue note).
+the kernel directly, a round trip between two processes an order of magnitude
+faster than a ZeroMQ ipc one.
 
 The loads and stores of the sequence numbers that say "the data is written"
 are acquire/release atomics (LLVM's, through numba), so the data written
@@ -18,11 +18,10 @@ A process whose compiled kernels run on numba's OpenMP threads can sleep on a
 doorbell with all of them (``wait_ring_team``): each thread of the team waits
 on the word itself, so one ring wakes them together, and the kernel launched
 next finds its threads awake instead of waking each from libgomp's own sleep
-one after the other (on this 2-vCPU VM a futex wake of an idle vCPU takes
-50-70 us). Compiled code can sleep that way too (``team_futex_wait``, which can
-ring another doorbell first from inside the team's sleep) and read the
-monotonic clock (``monotonic_ns``): node_worker/answer.py answers a layer and
-sleeps in one call.
+one after the other (a futex wake of an idle vCPU is slow). Compiled code can
+sleep that way too (``team_futex_wait``, which can ring another doorbell first
+from inside the team's sleep) and read the monotonic clock (``monotonic_ns``):
+node_worker/answer.py answers a layer and sleeps in one call.
 """
 
 from __future__ import annotations
@@ -213,11 +212,9 @@ def futex_wake(address: int, count: int = 1 << 30) -> None:
 
 def spin_pause() -> None:
     """One round of a spinning wait: the CPU goes to a thread that is ready to run on it, else the call returns
-    at once (sched_yield). Where the processes share CPUs (this 2-vCPU VM: the coordinator and a worker's team
-    of two), a side that spins without it holds a CPU the other side's thread needs until the scheduler takes
-    it away: `--preset deep`, f32, `--spin-us 1000`, split 0.16x in-process (2099 us of overhead a layer)
-    against 0.79-0.81x (60 us) with it; the Qwen3-MoE geometry, q4, single / split 0.50 / 0.50x against
-    0.88 / 0.81x (README, "The process boundary")."""
+    at once (sched_yield). Where the processes share CPUs (the coordinator and a worker's team of two on 2
+    CPUs), a side that spins without it holds a CPU the other side's thread needs until the scheduler takes
+    it away (README, "The process boundary")."""
     os.sched_yield()
 
 

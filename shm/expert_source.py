@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import formats
+from . import formats, gguf_blocks
+from .formats import traits
 from .formats.encode import encode_into as compiled_encode_into
-from . import gguf_blocks
 from .checkpoint import Checkpoint, is_block_dtype
 from .gguf_checkpoint import block_float32, block_geometry
 
@@ -166,7 +166,7 @@ ENCODE_ROWS = 256  # rows converted to float32 at a time before encoding
 def store_into(dest: np.ndarray, raw: np.ndarray, dtype: str, fmt: str) -> None:
     """Stored rows of format ``fmt`` <- checkpoint rows ``raw`` of ``dtype``, zeros past raw's width when a row
     holds more weights (W_down's rows padded to whole blocks). A BF16 source kept as bf16 is copied bit for bit."""
-    if is_block_dtype(dtype) and gguf_blocks.LOSSLESS.get(gguf_blocks.ggml_type(dtype)) == fmt:
+    if is_block_dtype(dtype) and traits.EXACT.get(dtype) == fmt:
         width = formats.get(fmt).hidden_of(dest.shape[1])
         for a in range(0, raw.shape[0], ENCODE_ROWS):  # the file's blocks, their bytes moved (no rounding)
             b = min(a + ENCODE_ROWS, raw.shape[0])

@@ -26,10 +26,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import formats
+from .formats import traits
 
 F32, F16, Q4_0, Q8_0, BF16 = (GGMLQuantizationType[n] for n in ("F32", "F16", "Q4_0", "Q8_0", "BF16"))
-AS_STORED = {GGMLQuantizationType[f.GGML]: f.NAME for f in formats.FILE_FORMATS.values()}  # Q4_K -> q4k, ...
-LOSSLESS = {F32: "f32", F16: "f32", Q4_0: "q4", Q8_0: "q8", BF16: "bf16", **AS_STORED}  # ggml type -> store format
+LOSSLESS = {GGMLQuantizationType[dtype]: name for dtype, name in traits.EXACT.items()}  # ggml type -> store format
 BLOCK = 32
 BLOCK_BYTES = {t: GGML_QUANT_SIZES[t][1] for t in (Q8_0, Q4_0)}  # one block: the float16 scale, then the values
 
@@ -69,7 +69,7 @@ def repack(raw: np.ndarray, ggml_type: int, hidden: int) -> tuple[str, np.ndarra
     fmt = formats.get(name)
     if ggml_type == F16:
         return name, raw.view(np.float16).astype(np.float32)
-    if ggml_type in (F32, BF16) or ggml_type in AS_STORED:
+    if ggml_type in (F32, BF16) or traits.BY_NAME[name].ggml is not None:  # a file format: the blocks as they are
         return name, raw.copy().view(fmt.STORED_DTYPE)
     blocks = raw.reshape(R, hidden // BLOCK, BLOCK_BYTES[ggml_type])  # [R, nb, block bytes]
     values = blocks[:, :, 2:].reshape(R, -1)  # [R, H] int8 (q8) or [R, H / 2] nibble pairs (q4)

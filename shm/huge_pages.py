@@ -4,19 +4,14 @@ A CPU decode step streams every dense matrix once, the lm_head above all
 (151936 x 2048 Q6_K: 254 MB a token in the Q4_K_M file). In 4 KiB pages that
 is 62 000 pages a token, a TLB miss and a page walk every 4 KiB. Anonymous
 memory gets huge pages where /sys/kernel/mm/transparent_hugepage/enabled is
-``always``, or ``madvise`` (the common default, this machine's) and the range
+``always``, or ``madvise`` (the common default) and the range
 is advised MADV_HUGEPAGE; ``never`` leaves it in small pages, unharmed. Shared
-memory (/dev/shm) follows ``shmem_enabled`` instead, ``never`` by default and
-here, so the expert segments keep small pages unless the owner allows it.
+memory (/dev/shm) follows ``shmem_enabled`` instead, ``never`` by default,
+so the expert segments keep small pages unless the owner allows it.
 
-NumPy advises its own allocations from 4 MB too, but the Q4_K_M file's
-lm_head, read through that, held no huge page in /proc/self/smaps (glibc's
-mapping, not aligned); copied here, 242 of its 243 MB were huge pages.
-Measured on this machine (AMD EPYC Zen 3, 2 threads; /tmp/w/lmhead3.py: the
-engine opened in-process on that file, `x @ lm_head.T` for one token, three
-medians of 30 a process, four alternating process pairs, the new prefetch in
-both): round medians 8.82, 8.32, 9.57, 9.79 ms before, 8.54, 8.47, 7.81, 8.29
-after (STREAM 24-29 GB/s).
+NumPy advises its own allocations from 4 MB too, but an array read through
+that can hold no huge page at all (glibc's mapping, not aligned to 2 MiB);
+copied here, nearly all of it is in huge pages (/proc/self/smaps).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ One folder per build, shared by every checkout and process of the same build on 
 The build key digests what decides the compiled code: every source file that holds or inlines jitted code
 (JIT_SOURCES: numba checks only the file of the function it loads, not the intrinsics and constants it
 inlined from others), numba's, llvmlite's and Python's versions, the target CPU and its features (numba's
-NUMBA_CPU_NAME / NUMBA_CPU_FEATURES where set) and STRATA_IDOT_LOWERING. Not the checkout's path: numba's
+NUMBA_CPU_NAME / NUMBA_CPU_FEATURES where set). Not the checkout's path: numba's
 own locator names a folder by the source's absolute path, so a second clone compiled everything again; here
 (ProjectCacheLocator) a module's files sit under its path inside the project. numba writes each function's
 index and code through a temporary file and a rename, and saves each function as soon as it is compiled, so
@@ -91,13 +91,11 @@ class BuildKey:
     numba: str
     llvmlite: str
     python: str
-    idot_lowering: str
     sources: str  # a digest of JIT_SOURCES' names and contents
 
     @property
     def digest(self) -> str:
-        text = repr((self.cpu, self.features, self.numba, self.llvmlite, self.python, self.idot_lowering,
-                     self.sources))
+        text = repr((self.cpu, self.features, self.numba, self.llvmlite, self.python, self.sources))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
@@ -116,7 +114,7 @@ def build_key() -> BuildKey:
     for path in source_files():
         digest.update(str(path.relative_to(PROJECT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return BuildKey(target_cpu(), tuple(sorted(target_features())), numba.__version__, llvmlite.__version__,
-                    platform.python_version(), os.environ.get("STRATA_IDOT_LOWERING", ""), digest.hexdigest())
+                    platform.python_version(), digest.hexdigest())
 
 
 def build_dir() -> Path:

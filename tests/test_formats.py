@@ -448,7 +448,7 @@ def test_bf16_products_without_the_instruction_are_its_bits():
 
     from node_worker.kernels import bf16dp
     from node_worker.kernels.common import JIT
-    from node_worker.kernels.simd import _byte_ptr
+    from node_worker.kernels.simd import byte_ptr
 
     if not bf16dp.host_has_dpbf16():
         pytest.skip("no AVX-512 BF16 on this host")
@@ -457,7 +457,7 @@ def test_bf16_products_without_the_instruction_are_its_bits():
         @intrinsic
         def one(typingctx, w, x, acc):
             def codegen(context, builder, signature, args):
-                wp, xp, ap = (builder.bitcast(_byte_ptr(context, builder, t, v), ty.as_pointer())
+                wp, xp, ap = (builder.bitcast(byte_ptr(context, builder, t, v), ty.as_pointer())
                               for t, v, ty in zip(signature.args, args, (bf16dp.VI, ir.VectorType(ir.FloatType(), 32),
                                                                            bf16dp.VP)))
                 xb = bf16dp.activations(builder, builder.load(xp, align=4))
@@ -504,13 +504,13 @@ def test_rounding_to_bf16_without_the_instruction_is_ggmls_and_the_instructions_
 
     from node_worker.kernels import bf16dp
     from node_worker.kernels.common import JIT
-    from node_worker.kernels.simd import _byte_ptr
+    from node_worker.kernels.simd import byte_ptr
 
     def rounding(native):
         @intrinsic
         def one(typingctx, x, out):
             def codegen(context, builder, signature, args):
-                xp, op = (builder.bitcast(_byte_ptr(context, builder, t, v), ty.as_pointer())
+                xp, op = (builder.bitcast(byte_ptr(context, builder, t, v), ty.as_pointer())
                           for t, v, ty in zip(signature.args, args, (ir.VectorType(ir.FloatType(), 32),
                                                                      ir.VectorType(ir.IntType(16), 32))))
                 builder.store(bf16dp.bf16_bits(builder, builder.load(xp, align=4), native), op, align=2)
@@ -543,18 +543,22 @@ def test_rounding_to_bf16_without_the_instruction_is_ggmls_and_the_instructions_
     assert np.array_equal(native[normal], portable[normal]) and not np.array_equal(native, portable)
 
 
-def test_node_compute_refuses_a_negative_expert_or_a_token_outside_x_and_skips_experts_it_lacks():
-    """The compiled layer call checks the routing before it indexes anything."""
+def test_node_compute_refuses_routing_outside_the_model_and_skips_experts_it_lacks():
+    """The compiled layer call checks the routing before it indexes anything: an expert id outside the
+    model's experts (negative, or past them), a token outside x, a weight that is not finite."""
     fmt = formats.get("q8")
     slices = {(0, 0): ExpertSlice(*expert(fmt, 0), "q8")}
-    worker = NodeWorker(0, HeapExpertStore(0, slices, "q8"), H, threads=1)
+    worker = NodeWorker(0, HeapExpertStore(0, slices, "q8"), H, threads=1, num_experts=8)
     try:
         x = np.ones((2, H), np.float32)
         one = np.ones(1, np.float32)
-        with pytest.raises(ValueError, match="negative expert"):
-            worker.compute(0, x, np.array([0]), np.array([-1]), one)
-        with pytest.raises(ValueError, match=r"token outside \[0, 2\)"):
+        for bad in (-1, 8):
+            with pytest.raises(ValueError, match=r"expert id out of range \[0, 8\)"):
+                worker.compute(0, x, np.array([0]), np.array([bad]), one)
+        with pytest.raises(ValueError, match=r"token index out of range \[0, 2\)"):
             worker.compute(0, x, np.array([2]), np.array([0]), one)
+        with pytest.raises(ValueError, match="routing weights must be finite"):
+            worker.compute(0, x, np.array([0]), np.array([0]), np.array([np.inf], np.float32))
         y = worker.compute(0, x, np.array([0, 1]), np.array([7, 0]), np.ones(2, np.float32))  # no rows of 7
         assert not y[0].any() and y[1].any()
     finally:
@@ -658,9 +662,9 @@ def test_tiles_with_accumulators_in_register_parts_give_the_plain_loops_bits(nam
 
     shapes = [(NR, K) for NR in (2, 4, 6) for K in (1, 2, 3, 4)]
     names = ("f32", "bf16")
-    parted = [(simd._make_dotk(NR, K, names, parted=(simd.f32, simd.bf16)),
-               simd._make_dotk(NR, K, names, parted=(simd.f32, simd.bf16), chunk=0)) for NR, K in shapes]
-    plain = [simd._make_dotk(NR, K, names, parted=()) for NR, K in shapes]
+    parted = [(simd.make_dotk(NR, K, names, parted=(simd.f32, simd.bf16)),
+               simd.make_dotk(NR, K, names, parted=(simd.f32, simd.bf16), chunk=0)) for NR, K in shapes]
+    plain = [simd.make_dotk(NR, K, names, parted=()) for NR, K in shapes]
     R = 12
 
     def trio(a, b, c, NR, K):
@@ -691,7 +695,7 @@ def test_tiles_with_accumulators_in_register_parts_give_the_plain_loops_bits(nam
 
 
 def test_tile_sums_and_decode_sums_are_the_tree_of_halves():
-    """simd._tree_sums: each accumulator's lanes summed as a tree of halves (lanes i and i + n/2, then again on
+    """simd.tree_sums: each accumulator's lanes summed as a tree of halves (lanes i and i + n/2, then again on
     the n/2 sums), the tile's accumulators reduced together with shuffles; rows of one block (32 weights) make
     each lane one product w·x (its rounding alone), so the sums are the float32 tree's exactly, computed here
     with NumPy: every tile shape (two, four and six rows by one to four tokens) and decode's four-row loop."""
@@ -713,7 +717,7 @@ def test_tile_sums_and_decode_sums_are_the_tree_of_halves():
     want = tree(x[:, None, :] * w[None, :, :])  # [K, R]
     for NR in (2, 4, 6):
         for k in (1, 2, 3, 4):
-            dot = simd._make_dotk(NR, k, ("f32",), parted=())
+            dot = simd.make_dotk(NR, k, ("f32",), parted=())
 
             @njit(cache=False)
             def run(ks, data, row_bytes, x, out):

@@ -47,7 +47,6 @@ print(json.dumps({"summary": target_summary(), "wide_tiles": simd.WIDE_TILES, "n
 def _run_child(tmp_path, cpu: str, features: str | None) -> subprocess.CompletedProcess:
     env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CACHE_DIR": str(tmp_path)}
     env.pop("NUMBA_CPU_FEATURES", None)
-    env.pop("STRATA_IDOT_LOWERING", None)
     if features is not None:
         env["NUMBA_CPU_FEATURES"] = features  # generic: numba takes none
     return subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,

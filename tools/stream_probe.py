@@ -6,7 +6,7 @@
 Why bf16 rows read as four streams (node_worker/kernels/rows.py, ``streamed``):
 four rows side by side are four streams one row apart (bf16: 4 KiB for H 2048;
 f32: 8 KiB), and on some hosts the bf16 ones read memory slower whatever the
-arithmetic. This probe takes the engine's own one-token loop, simd._make_dot4,
+arithmetic. This probe takes the engine's own one-token loop, simd.make_dot4,
 both ways, and times it on the lm_head (151936 x 2048, one token, the rows
 split over numba's threads) and on 8 random experts of 64 (gate and up 768 x
 2048, down 2048 x 768) a call:
@@ -96,7 +96,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     H, R, E = 2048, 768, 64
     # the engine's one-token loop: with the prefetch (simd.dot4) or without (simd.dot4s)
-    dots = {(name, stream): simd._make_dot4((name,), ahead=not stream)
+    dots = {(name, stream): simd.make_dot4((name,), ahead=not stream)
             for name in ("bf16", "f32") for stream in (False, True)}
     loop_args = {name: (KernelSet.of([name], False), FORMAT_IDS[name]) for name in ("bf16", "f32")}
     if "lm_head" in what:

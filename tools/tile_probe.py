@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The prefill tiles side by side (simd._make_dotk: rows by tokens, the loop, the prefetch), alternating, GFLOP/s.
+"""The prefill tiles side by side (simd.make_dotk: rows by tokens, the loop, the prefetch), alternating, GFLOP/s.
 
     .venv/bin/python tools/tile_probe.py [--variants 4x4plain,6x4whole] [--rows 96] [--hidden 2048]
         [--tokens 24] [--format bf16] [--x-offset 0] [--rounds 5]
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as coordinator/__init__.py, before NumPy loads
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as shm/threads_env.py sets it, before NumPy loads
 
 import argparse  # noqa: E402
 import re  # noqa: E402
@@ -52,9 +52,9 @@ FORMAT_IDS = {"f32": 0, "bf16": 1}  # rows.FORMAT_IDS
 def tile(rows: int, tokens: int, loop: str, ahead: bool):
     """The engine's tile intrinsic of ``rows`` x ``tokens`` with ``loop``: plain, partsN or whole."""
     if loop == "plain":
-        return simd._make_dotk(rows, tokens, ("f32", "bf16"), parted=(), ahead=ahead)
+        return simd.make_dotk(rows, tokens, ("f32", "bf16"), parted=(), ahead=ahead)
     chunk = 0 if loop == "whole" else int(loop[len("parts"):])
-    return simd._make_dotk(rows, tokens, ("f32", "bf16"), parted=(simd.f32, simd.bf16), chunk=chunk, ahead=ahead)
+    return simd.make_dotk(rows, tokens, ("f32", "bf16"), parted=(simd.f32, simd.bf16), chunk=chunk, ahead=ahead)
 
 
 def parse(variant: str) -> tuple[int, int, str, bool]:

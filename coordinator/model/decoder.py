@@ -43,7 +43,7 @@ def on_device(obj, xp, _uploaded: dict | None = None):
 
 @dataclass(frozen=True, eq=False)
 class FusedQKV:
-    """A layer's q, k and v projections as one matrix: the device side's one matmul where it took three (at
+    """A layer's q, k and v projections as one matrix: the device side's one matmul in place of three (at
     decode each call costs more than its work)."""
 
     weight: object  # [(nh + 2 nkv) * hd, H]: q's rows, then k's, then v's
@@ -146,8 +146,7 @@ def last_row_ids(xp, bounds: np.ndarray):
     With last_only the last layer carries on with these rows alone once every row's keys and values are
     cached: its attention computes only their queries, and the other rows' query projection, output
     projection, MoE, MLP and norms, which would feed no logits, are left out. llama.cpp does the same (its graphs take ``inp_out_ids``' rows in
-    the last layer). A 64-token prefill of a 4-layer Qwen3-MoE geometry model spent a quarter of its MoE time
-    (16 of 65 ms) in that layer's 63 unread rows."""
+    the last layer)."""
     return xp.asarray(bounds[1:] - 1)
 
 
@@ -315,8 +314,7 @@ class Decoder:
 
     def _absorbed(self, T: int, S: int) -> bool:
         """Whether T new tokens over S cached ones take the absorbed form: the one with fewer multiply-adds.
-        Decode always does (measured with DeepSeek-V3's heads on 2 cores: 13x at 512 cached tokens, 18x at
-        2048); a prefill of a few hundred tokens expands the latents through kv_b_proj (1.5x at 512)."""
+        Decode always does; a prefill of a few hundred tokens expands the latents through kv_b_proj."""
         if self.mla_absorb is not None:
             return self.mla_absorb
         m, nh = self.cfg.mla, self.cfg.num_heads

@@ -1,20 +1,14 @@
 """Fused CuPy kernels for the decoder's small per-row ops: one launch where CuPy's array calls take five to ten.
 
 At decode a layer's rows are one token, so the device side is bound by calls, not
-arithmetic: each CuPy call costs tens of microseconds on the host whatever its size.
-Measured on an H200 (deep preset: 48 layers, hidden 512, `strata bench --device cuda`,
-2026-12-04) the CuPy decoder spent about 3.5 ms a layer outside the pool, a 192 ms
-decode step, most of it in the ~100 array calls a layer of rms_norm (6 calls), RoPE
-(6), the masked softmax (8), the router (14) and silu (5). Each of those is one
-kernel here (and the router's top-k runs on the host, on logits copied once);
-ops.py calls them for CuPy arrays and keeps its NumPy forms (and host_ops'
+arithmetic: each CuPy call costs tens of microseconds on the host whatever its size,
+and rms_norm, RoPE, the masked softmax, the router and silu take several calls each.
+Each of those is one kernel here (and the router's top-k runs on the host, on logits
+copied once); ops.py calls them for CuPy arrays and keeps its NumPy forms (and host_ops'
 compiled loops) for the host. Results equal the NumPy forms to float32 rounding
-(tests/test_gpu.py, against float64). With them the same bench decoded at 13.8
-instead of 5.2 tok/s (a 72 ms step; two lent machines of the same kind, not one
-run); what was left was mostly gqa_attention's
-batched matmuls over broadcast, transposed operands (about 450 µs a layer under
-cProfile) and the projections (about 200 µs). So a layer's attention is now one
-launch for up to ops.DEVICE_ATTENTION_TOKENS query tokens, q/k norm and RoPE one
+(tests/test_gpu.py, against float64). A layer's attention is one launch too (CuPy's
+batched matmuls over broadcast, transposed operands cost more than the projections):
+one launch for up to ops.DEVICE_ATTENTION_TOKENS query tokens, q/k norm and RoPE one
 launch each reading the fused QKV output in place (decoder.fuse_qkv: one matmul
 for the three projections), and each residual add joins the norm after it.
 Those four were written without a GPU at hand: tests/test_device_kernels.py

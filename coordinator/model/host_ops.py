@@ -2,8 +2,7 @@
 
 At decode a row is one token: rms_norm's NumPy form is five calls of about 10 µs
 each for a few hundred multiplies, and route_top_k's a softmax, a stable argsort
-and a gather. On the deep preset (48 layers, hidden 512) they were 16 ms of a
-52 ms decode step (cProfile, q8). Here each is one compiled loop over the rows;
+and a gather, so the calls cost more than the arithmetic. Here each is one compiled loop over the rows;
 the results equal ops.py's to float32 rounding (tests/test_ops.py), ties in
 the top-k going to the lower expert id as there.
 
@@ -13,22 +12,19 @@ the top-k going to the lower expert id as there.
     gqa_attention(q [T, nh, hd], k, v [S, nkv, hd], mask [T, S], scale, out [T, nh*hd])
     gqa_attention_parallel(the same)                         the (token, KV head) pairs over the threads
 
-At decode gqa_attention's NumPy form (a broadcast batched matmul, a masked
-softmax, another matmul, transposes) took 122 µs for Qwen3-30B-A3B's heads (32
-query, 4 KV, 128 dims) over 65 cached tokens; here the heads that share a KV
+At decode gqa_attention's NumPy form is several calls (a broadcast batched matmul, a masked
+softmax, another matmul, transposes); here the heads that share a KV
 head read each key and value row once, one loop for all of them, and the
 softmax's e^x is silu.exp (float32 operations LLVM vectorises; libm's expf is a
 call per value).
 
 A sum is never taken in a loop that also stores (the softmax's total is added
-up after e^x is written). With the two in one loop, gqa_attention_parallel
-loaded from numba's disk cache gave other last bits than the same function
-compiled in the process (339 of 4096 values of a long-context decode step on
-an AVX-512 host, the threads' count and the schedule not involved). LLVM
-vectorises such a loop behind a run-time check that the stored and the loaded
-arrays do not overlap, with the scalar loop as the fallback, and the two add
-in different orders: the likely cause. A loop that only adds has no such
-check, and the difference went away (tests/test_ops.py, run on a warm cache).
+up after e^x is written): LLVM vectorises such a loop behind a run-time check
+that the stored and the loaded arrays do not overlap, with the scalar loop as
+the fallback, and the two add in different orders, so the function loaded from
+numba's disk cache could give other last bits than the same function compiled
+in the process. A loop that only adds has no such check (tests/test_ops.py
+runs on a warm cache to check it).
 """
 
 from __future__ import annotations
@@ -156,9 +152,8 @@ def zigzag(i, T) -> int:
 @njit(parallel=True, **JIT)
 def gqa_attention_parallel(q, k, v, mask, scale, out) -> None:
     """gqa_attention with the (token, KV head) pairs shared among the threads (tokens in zigzag order): long
-    contexts, and prompts. Measured on 2 threads (Qwen3-30B-A3B's heads, 64 tokens, causal, ms serial /
-    parallel): 1.04 / 0.74 with the tokens in order (the second thread's run held three times the first's
-    work) and the masked keys' zero-weight products taken; 0.76 / 0.43 in zigzag order, those skipped."""
+    contexts, and prompts. The zigzag order balances the threads' runs of a causal prompt, and the masked
+    keys' zero-weight products are skipped."""
     T, nh, hd = q.shape
     nkv = k.shape[1]
     for i in prange(T * nkv):
@@ -170,9 +165,7 @@ def gqa_attention_parallel(q, k, v, mask, scale, out) -> None:
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop here before the first request, on the types ops.py
     passes. Left to the first use, a prompt long enough for gqa_attention_parallel (PARALLEL_ATTENTION_MACS)
-    loaded it inside the request: after `strata bench`'s 8-token warm-up, the first 64-token prefill of a
-    4-layer Qwen3-MoE geometry model spent 7.3-7.6 ms in ops.gqa_attention, the next ones 2.8-3.9 (three
-    processes, tools/prefill_parts.py's timers around generate_full)."""
+    would load it inside the request and pay for the load in its latency."""
     x = np.ones((2, 8), np.float32)
     weight = np.ones(8, np.float32)
     rms_norm(x, weight, np.float32(1e-6), np.empty_like(x))

@@ -20,8 +20,8 @@ def _host_rows(*arrays: np.ndarray) -> bool:
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x [..., D] -> x / sqrt(mean(x²) + eps) * weight. A host x that is not contiguous (the q and k heads, a
-    column slice of the fused QKV output) is copied for the compiled loop: NumPy's ufuncs on the slice took
-    0.19 ms a call for a 64-token prompt's q heads [64, 32, 128], the copy and the loop a few tens of µs."""
+    column slice of the fused QKV output) is copied for the compiled loop: the copy and the loop cost less
+    than NumPy's ufuncs on the strided slice."""
     if type(x) is np.ndarray and x.dtype == np.float32 and not x.flags.c_contiguous:
         x = np.ascontiguousarray(x)
     if _host_rows(x, weight) and x.ndim >= 1 and x.size:
@@ -116,14 +116,10 @@ def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> 
 HOST_ATTENTION_TOKENS = 4  # decode and small batches: host_ops' loop over any number of keys
 # A prompt's tokens (more than HOST_ATTENTION_TOKENS) take host_ops' loop up to this many keys, NumPy's batched
 # matmuls (BLAS) beyond. The loop skips the masked keys' products and reads each KV row once for the heads
-# that share it; the matmuls compute every score and copy transposes. Measured on 2 threads, Qwen3-30B-A3B's
-# heads (32 query, 4 KV, 128 dims), causal, ms numpy / loop: 32 tokens 0.52 / 0.18, 64 tokens 2.1-2.5 / 0.71
-# (a 4-layer model's 64-token prefill spent 9 of its 137 ms in attention), 256 16.1 / 10.9, 512 55-86 / 40,
-# 512 tokens over 2048 keys 227 / 187-197, over 4096 keys 353 / 405; 64 tokens of 16 MHA heads 0.9-1.2 / 0.55.
+# that share it; the matmuls compute every score and copy transposes. Past this many keys the matmuls win.
 HOST_ATTENTION_KEYS = 2048
 # From this many multiply-adds (Qwen3-30B-A3B's heads over 512 cached keys) the (token, KV head) pairs are shared
-# among the threads. Measured on 2 threads, serial / parallel: 65 keys 37 / 23 µs, 512 keys 305 / 165, 4096 keys
-# 4.2-6.6 / 2.1-2.3 ms; below it a parallel region's wake-up (60-70 µs where the coordinator's threads sleep,
+# among the threads; below it a parallel region's wake-up (where the coordinator's threads sleep,
 # kernel_threads.py) would cost more than it saves.
 PARALLEL_ATTENTION_MACS = 1 << 21
 # Up to this many query tokens the device runs device_ops' one-launch attention (a block a token and head, every

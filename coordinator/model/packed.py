@@ -22,28 +22,21 @@ from types import ModuleType
 import numpy as np
 
 from node_worker.kernels import dense, rows8, simd
-from node_worker.kernels.isimd import BLOCK_FORMATS, INT_FORMATS
 from node_worker.kernels.kernel_set import KernelSet, loop_name
 from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, WIDE_IDS
 from shm import formats
 from shm.expert_store import aligned_buffer
+from shm.formats import traits
 from shm.formats.encode import encode_into
 from shm.huge_pages import advised_copy, advised_empty
 
-BLOCK_IDS = tuple(FORMAT_IDS[name] for name in BLOCK_FORMATS)  # q8, q4: iblock.py's prefill loop
+BLOCK_IDS = tuple(FORMAT_IDS[name] for name in traits.BLOCK_INT_LOOPS)  # q8, q4: iblock.py's prefill loop
 
 FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles of TILE rows and BLAS
-# a K type's or IQ4_XS's integer loop (isuper.py) below this many rows of x, BLAS on decoded tiles from it on.
-# Measured on random Q4_K / Q6_K blocks, 2 threads, GFLOP/s integer / BLAS, three runs each, after the loop stopped
-# spilling (idot.kept): 4096 x 2048 q4k at 48, 64, 128 tokens 144-150 / 88-89, 131-142 / 82-101, 114-120 /
-# 102-140; 2048 x 4096 116-141 / 99-114, 146-149 / 97-124, 117-135 / 128-144; 512 x 2048 q6k 116-122 / 78-80,
-# 105-115 / 84-86, 101-103 / 102-109. 64-token prefill of the Q4_K_M file, six alternating runs in one process:
-# 255-290 ms with 48 here, 226-243 with 96. (Before idot.kept it was 48: at 64 tokens 95 / 113.)
+# a K type's or IQ4_XS's integer loop (isuper.py) below this many rows of x, BLAS on decoded tiles from it on:
+# the integer loop is the faster up to about this many tokens.
 INT_TOKENS = 96
-# q8's and q4's (iblock.py): 4096 x 2048 q8 at 48, 64, 128 tokens 112-118 / 88-98, 107-112 / 88-111, 67-69 /
-# 88-138; the Q8_0 file's 64-token prefill 340-369 ms with 48, 362-382 with 96. With the scales broadcast
-# (iblock.py), 64 tokens, seven alternations, GFLOP/s integer / BLAS: 4096 x 2048 91 / 86, 2048 x 4096 80 / 88,
-# 512 x 2048 80 / 86: still no gain, so 48 stays
+# q8's and q4's (iblock.py): BLAS on decoded tiles overtakes iblock's loop at fewer tokens than isuper's
 BLOCK_INT_TOKENS = 48
 TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
 # f32 and bf16 matrices by this many tokens or more, on a host with 512-bit vectors (simd.WIDE_TILES): the experts'
@@ -51,16 +44,11 @@ TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
 # bf16 rows by bf16 activations (bf16_products) take it on every host (BLAS would multiply float32 activations)
 WIDE_TILE_TOKENS = 3
 # q8 with integer activations in whole groups of 8 rows: stored interleaved (rows8.py) and taken by its loop for
-# every T, in place of isimd's and iblock's loops and of BLAS. The Q8_0 file in-process, three alternating runs
-# against the row-major layout (medians of five 64-token prefills, 28 decode steps): the dense matrices' time in
-# a prefill 152 / 107 / 100 -> 71 / 64 / 65 ms, the prefill 449 / 350 / 346 -> 348 / 311 / 317 ms, a decode step
-# 22.2 / 21.5 / 21.3 -> 22.2 / 18.1 / 20.6 ms.
+# every T, in place of isimd's and iblock's loops and of BLAS: faster at prefill, no slower at decode.
 GROUPED = ("q8",)
 # q4 matrices of whole groups of 8 rows with integer activations stay row-major (decode's isimd loop reads them so)
 # and from rows.GROUPED_FROM tokens on are interleaved on the fly, values unsigned (rows8.matmul_rows_by_eight), in
-# place of iblock's loop and of BLAS from BLOCK_INT_TOKENS on. Random q4 rows, 2 threads, two alternating pairs,
-# GFLOP/s before / after (/tmp/w3/dq4.py in the session note): 4096 x 2048 by 8 tokens 138 / 208, 195 / 211, by
-# 64 (BLAS before) 187 / 272, 264 / 279; 2048 x 4096 by 8 134 / 204, 196 / 203, by 64 257 / 260, 250 / 257.
+# place of iblock's loop and of BLAS from BLOCK_INT_TOKENS on, which it outruns at 8 tokens and matches at 64.
 
 
 def kernel_set(format_name: str, int_act: bool, bf16_products: bool) -> KernelSet:
@@ -172,13 +160,15 @@ def file_blocks(ckpt, name: str, shape: tuple[int, int], int_act: bool) -> Packe
     """The tensor ``name`` of a GGUF file kept as the file's quantised blocks (Q8_0, Q4_0, the K types,
     IQ4_XS: shm.gguf_blocks' lossless formats), or None: not a GGUF file, a float type, a type no format keeps,
     or rows the loader reorders (a Mixtral file's permuted q and k)."""
-    from shm.gguf_blocks import LOSSLESS, ggml_type, repack
+    from shm.gguf_blocks import ggml_type, repack
 
     if not hasattr(ckpt, "file") or ckpt.file.qk_heads(ckpt.index[name]) is not None:
         return None
-    qtype = ggml_type(ckpt.info(name).dtype)  # a GGUF tensor's type name is always ggml's
-    if LOSSLESS.get(qtype) not in INT_FORMATS:
+    dtype = ckpt.info(name).dtype  # a GGUF tensor's type name is always ggml's
+    kept = traits.EXACT.get(dtype)
+    if kept is None or traits.BY_NAME[kept].integer is None:  # float types are packed as --dense-dtype says
         return None
+    qtype = ggml_type(dtype)
     fmt_name, stored = repack(ckpt.raw(name).reshape(shape[0], -1), qtype, shape[1])
     return PackedMatrix(formats.get(fmt_name), stored, shape, int_act)
 

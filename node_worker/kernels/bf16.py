@@ -1,17 +1,18 @@
-"""bf16 rows (shm/formats/bf16.py) for simd.py's loops: widened in the registers, never copied.
-
-    row of H weights: bytes [0, 2H) uint16 bits[i], the top half of float32 w[i]
-    w[i] = float32 with bits (bits[i] << 16): exact. A partial last block is read value by value.
+"""bf16 rows for simd.py's loops (the layout: shm/formats/bf16.py): widened in the registers (the bits shifted
+into a float32's top half: exact), never copied. A partial last block is read value by value.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
+from shm.formats.traits import BY_NAME
+
 from .ir import F32, I16, I32, LANES, const, vec_load
 
-SCALED = False
-BLOCK_BYTES = 64  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
+TRAITS = BY_NAME["bf16"]  # its block and bytes
+SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
+BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 
 
 def block(builder, row, b, hidden):

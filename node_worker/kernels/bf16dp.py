@@ -14,18 +14,15 @@ token's block, rounded from float32 to the nearest bf16 (ties to even) in the re
 A bf16 by bf16 product has at most 16 significant bits, so each fma is the exact product added and rounded
 once. On a host with AVX-512 BF16 that pair of steps is one vdpbf16ps (32 products per instruction against
 16 for a float32 FMA, and half the activation bytes); elsewhere it is two FMAs on the pairs split by shifts,
-in the same order: the same bits as vdpbf16ps, measured on this session's Zen 5 over random blocks at three
-scales (tests/test_formats.py repeats it wherever the host has the instruction). Only denormals differ:
+in the same order: the same bits as vdpbf16ps over random blocks at three scales (tests/test_formats.py
+checks it wherever the host has the instruction). Only denormals differ:
 vdpbf16ps treats them as zero.
 
 A partial last block (H not a multiple of 32) is taken value by value: fma(w[i], bf16(x[i]), sum).
 
 Decode (one token, simd.dot4 of bf16dp) rounds the token's blocks in the registers; the tiles of several tokens
 (simd.pairs4r4, pairs2r4) take them rounded once for all the matrix's rows (round_rows): the conversion in
-the registers for every four rows cost as much as the products. Measured on an AVX-512 BF16 host (Zen 5, 2
-threads; tools/kernel_bench.py --formats bf16 --experts 64 --activations q8,bf16, ms a layer, exact against
-these): by 16 tokens 34.1 / 22.5 (429 GFLOP/s); by 8 tokens 18.7 / 17.6 (at memory speed either way); one
-token 15.1 / 14.9. A dense 4096 x 2048 matrix by 64 tokens: 600-650 GFLOP/s against 275-320 exact.
+the registers for every four rows would cost as much as the products.
 """
 
 from __future__ import annotations

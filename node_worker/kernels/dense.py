@@ -76,9 +76,7 @@ def token_block(K, T) -> int:
     to 4.
 
     Each six-row tile reads its four tokens' rows from L2 or further; 64 tokens of 4096 (an attention output
-    projection's x: 1 MiB) spilled out of L2 at every tile. Measured on one thread (AMD EPYC Zen 5,
-    tools/tile_probe.py --rows 24 --hidden 4096 --tokens T --variants 6x4wholenopf, GFLOP/s): 32 tokens 234, 64
-    tokens 198; rows of 2048 by 32 / 64 / 128 tokens 236 / 244 / 235."""
+    projection's x: 1 MiB) would spill out of L2 at every tile."""
     return max(4, min(TOKEN_BLOCK_BYTES // (4 * K) // 4 * 4, (T + 3) // 4 * 4))
 
 

@@ -1,17 +1,18 @@
-"""f32 rows (shm/formats/f32.py) for simd.py's loops: read in place.
-
-    row of H weights: bytes [0, 4H) float32 w[i]; block b = w[32 b : 32 b + 32]; a partial last block
-    (H not a multiple of 32) is read value by value
+"""f32 rows for simd.py's loops, read in place (the layout: shm/formats/f32.py). A block is 32 consecutive
+weights; a partial last block (H not a multiple of 32) is read value by value.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
+from shm.formats.traits import BY_NAME
+
 from .ir import F32, LANES, const, vec_load
 
-SCALED = False  # no per-block scale
-BLOCK_BYTES = 128  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
+TRAITS = BY_NAME["f32"]  # its block and bytes
+SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
+BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 
 
 def block(builder, row, b, hidden):

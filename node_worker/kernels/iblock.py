@@ -20,16 +20,11 @@ token (isimd.py, idot.dot); the row's correction is the accumulator's starting v
 vpmaddubsw would saturate on q8's (q + 128) s pairs: there q8 takes the sign trick on q itself (idot.dot),
 q4 (|s| <= 8) the same biased form. Per row and token that is a multiply-add in integers, a conversion, a
 multiply and an add per G weights, where the float loop (simd.py's dot2r4) widens every weight and spends
-two FMAs per 32 weights and token. Measured on an AVX2 host (AMD EPYC, 2 threads: the avx2 lowering, q8
-with the sign trick) with tools/kernel_bench.py --formats q8,q4 --activations q8,f32 --experts 16 --tokens 8,
-both loops in one run, two runs, GFLOP/s integer / float: q8 87 / 50 and 69 / 46, q4 88 / 49 and 66 / 29.
-The 512-bit layout (two blocks a step, an odd last block alone on 256 bits) is tested on any host with
-STRATA_IDOT_LOWERING=generic512 (idot.py).
+two FMAs per 32 weights and token. The 512-bit layout (two blocks a step, an odd last block alone on 256
+bits) is taken on hosts whose lowering is vnni512 (idot.py).
 
-The scales were first laid out eight times over (a <8 x float> load per block and token): at 64 tokens a
-row's pass then read 256 KiB of activations, out of L1, and the loop ran at 89 GFLOP/s against 107 with
-the scales broadcast from 4 bytes (q8, 768 x 2048, 2 threads, medians of five alternating runs; no
-difference at 8 tokens, where both fit in L1).
+The scales are broadcast from 4 bytes, not laid out eight times over (a <8 x float> load per block and
+token): at 64 tokens a row's pass would then read 256 KiB of activations, out of L1.
 
     dot1r8b(ks, fmt, data, o, row_step, hidden, xu, xd, t0, out, col)  (dot1r4b .. dot1r1b: t < 4 .. 1)
         out[t0 + t, col] = x'[t0 + t] . the row at byte o, t < 8, x' = xd (.) q the quantised activations;
@@ -45,8 +40,9 @@ from numba.extending import intrinsic
 
 from . import idot
 from .ir import F32, I8, I32, LANES, const
-from .isimd import BLOCK_FORMATS, _reduce
-from .simd import FAST, _byte_ptr, _per_format, _prefetch_ahead, _register_loop, _tile
+from .isimd import BLOCK_FORMATS
+from .loops import byte_ptr, per_format, prefetch_ahead, reduce_sum, register_loop, tile
+from .simd import FAST
 
 SAFE_ON_AVX2 = 63  # |s| up to this: vpmaddubsw's pairs of (q + 128) s stay below 2^15 (idot.biased)
 
@@ -109,12 +105,12 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
 
     def step(i, accs):
         for k in range(G // LANES):  # each block's share of the row PREFETCH_ROWS rows on
-            _prefetch_ahead(builder, fmt, rows, builder.add(builder.mul(i, const(G // LANES)), const(k)), row_step)
+            prefetch_ahead(builder, fmt, rows, builder.add(builder.mul(i, const(G // LANES)), const(k)), row_step)
         return _accumulate(builder, fmt, how, rows, x, hidden_v, tok, i, G, accs)
 
     zero = ir.Constant(ir.VectorType(F32, G // 4), [0.0] * (G // 4))
-    flat = _register_loop(builder, builder.udiv(hidden_v, const(G)), [zero] * n, step)
-    totals = [_reduce(builder, v) for v in flat]
+    flat = register_loop(builder, builder.udiv(hidden_v, const(G)), [zero] * n, step)
+    totals = [reduce_sum(builder, v) for v in flat]
     if G > LANES:  # hidden an odd number of blocks: the last one by itself, on 32 weights
         last = builder.udiv(hidden_v, const(LANES))
         odd = builder.icmp_unsigned("!=", builder.urem(last, const(2)), const(0))
@@ -124,7 +120,7 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
             tail = _accumulate(builder, fmt, how, rows, x, hidden_v, tok, builder.sub(last, const(1)), LANES,
                                [zero8] * n)
             for slot, total, extra in zip(slots, totals, tail):
-                builder.store(builder.fadd(total, _reduce(builder, extra), flags=FAST), slot)
+                builder.store(builder.fadd(total, reduce_sum(builder, extra), flags=FAST), slot)
         totals = [builder.load(slot) for slot in slots]
     for total, dest in zip(totals, (d for per_t in dests for d in per_t)):
         builder.store(total, dest, align=4)
@@ -137,11 +133,11 @@ def _make(NR: int, NT: int):
 
         def codegen(context, builder, signature, args):
             fmt_v, data_v, o, row_step, hidden_v, xu_v, xd_v, t0, out_v, col = args[1:]
-            rows, tok, dests = _tile(context, builder, (signature.args[2], data_v), o, row_step,
+            rows, tok, dests = tile(context, builder, (signature.args[2], data_v), o, row_step,
                                      (signature.args[9], out_v), t0, col, NR, NT)
-            xu = _byte_ptr(context, builder, signature.args[6], xu_v)
-            xd = builder.bitcast(_byte_ptr(context, builder, signature.args[7], xd_v), F32.as_pointer())
-            _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
+            xu = byte_ptr(context, builder, signature.args[6], xu_v)
+            xd = builder.bitcast(byte_ptr(context, builder, signature.args[7], xd_v), F32.as_pointer())
+            per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
                         lambda m: _emit(builder, m, rows, row_step, (xu, xd), hidden_v, tok, dests), BLOCK_FORMATS,
                         True)
             return context.get_dummy_value()

@@ -32,20 +32,17 @@ says which, ``joined`` puts two groups side by side. The products and sums are t
 How the products are taken is chosen when the kernels compile, for the host (the disk cache is per CPU,
 as for iq4xs.py's byte shuffle):
     vnni512  AVX512-VNNI with BW: as vnni, on two groups at once (vpmaddubsw and vpdpwssd on 512 bits): the
-             same instruction rate as 256 bits on the cores measured, so twice the products (tools/
-             kernel_bench.py); decode's per-32 dot stays on 256 bits (its scales are per block of 32)
+             same instruction rate as 256 bits on AVX-512 cores, so twice the products; decode's per-32 dot
+             stays on 256 bits (its scales are per block of 32)
     vnni     AVX512-VNNI with VL, or AVX-VNNI: vpdpbusd, 32 products an instruction (scaled_add: vpdpwssd)
     avx2     vpmaddubsw (pairs into int16) then vpmaddwd with ones (pairs into int32) (scaled_add: vpmaddwd
              with the scales, then an add)
     generic  widened to <32 x i32>, multiplied, and the four strided quarters added (any host)
     generic512  the generic products on vnni512's layout, two groups a call (any host; never chosen by
-             itself: STRATA_IDOT_LOWERING=generic512 runs the 512-bit loops' data layout, which only vnni512
-             hosts take, on a host without AVX-512, for the tests)
+             itself: tests/test_int_dot.py checks vnni512's data layout with it on a host without AVX-512)
 """
 
 from __future__ import annotations
-
-import os
 
 from llvmlite import ir
 from numba.core import cgutils
@@ -62,12 +59,7 @@ FEATURES = {"vnni512": {"avx512vnni", "avx512bw", "avx512vl"}, "avx2": {"avx2"}}
 
 def host_lowering() -> str:
     """The lowering the kernels' target CPU takes (common.target_features: the host's, or numba's
-    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES); STRATA_IDOT_LOWERING, one of LOWERINGS, forces one (tests)."""
-    forced = os.environ.get("STRATA_IDOT_LOWERING", "")
-    if forced:
-        if forced not in LOWERINGS:
-            raise ValueError(f"STRATA_IDOT_LOWERING={forced!r}: expected one of {', '.join(LOWERINGS)}")
-        return forced
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, which choose another target for every kernel alike)."""
     features = target_features()
     return next(how for how in LOWERINGS if host_has(how, features))
 
@@ -90,9 +82,9 @@ def kept(builder, values: list, lowering: str | None = None) -> list:
     """The values, through one empty inline asm on x86 lowerings (any other: the values themselves): LLVM
     cannot see through it, so it neither reassociates an accumulator's sums across the groups before and
     after it nor computes one accumulator's later groups before the others' earlier ones. Without it, LLVM
-    turned the integer loop's per-token chain over a super-block's groups into a tree, token by token, which
+    turns the integer loop's per-token chain over a super-block's groups into a tree, token by token, which
     keeps every group's unpacked weights and scales live at once: more than AVX2's 16 registers hold, so they
-    were spilled and reloaded for every token."""
+    are spilled and reloaded for every token."""
     if (lowering or host_lowering()) not in ("avx2", "vnni", "vnni512") or not values:
         return values
     n = len(values)
@@ -122,10 +114,7 @@ def unsigned_and_signed(builder, q, x, signed: bool, lowering: str | None = None
     """(a, b) with a unsigned and a_i * b_i == q_i * x_i: q and x themselves when q is unsigned. x is never
     -128 (the activations' int8 levels are symmetric, -127..127), so negating it never wraps. On avx2, 32
     lanes: vpabsb and vpsignb (x negated where q < 0, zeroed where q is 0, whose magnitude is 0 anyway),
-    where the generic select form became a compare, two xors and a subtraction per token (iblock's q8 on
-    avx2, tools/kernel_bench.py --formats q8 --activations q8 --experts 16 --calls 30 --tokens 8, four
-    alternating pairs of checkouts, GFLOP/s before / after: 96.2 / 101.1, 75.6 / 87.5, 73.5 / 91.7, 74.4 /
-    104.1; iq4xs, whose levels take the same trick, moved within the noise: 101.6-138.8 / 80.5-142.5)."""
+    where the generic select form becomes a compare, two xors and a subtraction per token."""
     if not signed:
         return q, x
     zero = ir.Constant(q.type, [0] * q.type.count)

@@ -1,10 +1,9 @@
-"""iq4xs rows (shm/formats/iq4xs.py: a GGUF file's IQ4_XS super-blocks of 256, 136 bytes) for simd.py's loops.
+"""iq4xs rows for simd.py's loops (the layout: shm/formats/iq4xs.py, a GGUF file's IQ4_XS super-blocks).
 
-One loop step reads a super-block s (at byte 136 s) as 8 groups of 32, j a constant of the unrolled loop:
-      scale     (scales_l nibble j | scales_h bits 2j..2j+1 << 4) - 32, an int8; d float16 at byte 0
-      indices   the 16 bytes at 8 + 16 j: low nibbles the first 16 weights, high nibbles the next 16 (as q4.py)
-    weights = (d * scale) * float(KVALUES[index]), as gguf.quants does it; returned whole.
-For the integer loop (isuper.py, int8 activations): the levels signed (int8), scale an integer per group, d.
+One loop step reads a super-block as 8 groups of 32, the group j a constant of the unrolled loop: its signed
+6-bit scale, d, and 32 level indices; weights = (d * scale) * float(KVALUES[index]), as gguf.quants does
+it, returned whole. For the integer loop (isuper.py, int8 activations): the levels signed (int8), the scale
+an integer per group, d.
 
 The 16-level lookup is a byte shuffle where the host has one (SSSE3's pshufb
 on x86: two per group), else a tree of vector selects on the index bits that
@@ -18,14 +17,17 @@ from numba.core import cgutils
 
 from shm.formats.iq4xs import KVALUES
 
+from shm.formats.traits import BY_NAME
+
 from . import idot
 from .common import target_features
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, byte_at, const, half_at, splat, super_block, vec_load
 
-SCALED = True
+TRAITS = BY_NAME["iq4xs"]  # its block and bytes
+SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 OFFSETS = False  # levels and a scale, no offset
-GROUPS = 8  # 32-groups a loop step reads: one super-block
-BLOCK_BYTES = 136  # bytes of the row per loop step: the prefetch's stride
+GROUPS = TRAITS.block // LANES  # 32-groups a loop step reads: one super-block
+BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 HALF = LANES // 2
 V16 = ir.VectorType(I8, HALF)
 V32 = ir.VectorType(I8, LANES)

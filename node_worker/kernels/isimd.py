@@ -16,9 +16,8 @@ scales and the sum. The f32 and bf16 formats have no integers to multiply and ke
                                                             q8's or q4's FORMATS index)
 
 Decode only. For several tokens the per-block conversion and scaling per token is as much float work
-as simd.py's dot2r4 spends (two FMAs a token per 32 weights, AVX-512): measured on this machine
-(tools/kernel_bench.py --tokens 8, q8, q4k, q6k, 2 threads), an integer dot2r4 in this form was 5-15 %
-slower than the float one. Prefill takes iblock.py's loop instead (the activations biased for vpdpbusd, a
+as simd.py's dot2r4 spends (two FMAs a token per 32 weights, AVX-512), so an integer dot2r4 in this form
+gains nothing on the float one. Prefill takes iblock.py's loop instead (the activations biased for vpdpbusd, a
 conversion per 64 weights), and the K types' (isuper.py) adds a super-block's products in integers, with the
 formats' integer scales, and converts once per 256.
 """
@@ -32,27 +31,22 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from shm.formats.traits import BLOCK_INT_LOOPS, INT_LOOPS
+
 from . import idot
 from .ir import F32, I8, LANES, const, splat
-from .simd import FAST, FORMATS, _byte_ptr, _groups, _per_format, _prefetch_tile, _register_loop
+from .loops import FORMATS, byte_ptr, per_format, prefetch_tile, reduce_sum, register_loop, step_groups
+from .simd import FAST
 
-BLOCK_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "igroup")}  # dot4i's
-INT_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items()
-                                      if hasattr(m, "igroup") or hasattr(m, "isuper")}  # integers to multiply
+BLOCK_FORMATS: dict[str, ModuleType] = {name: FORMATS[name] for name in BLOCK_INT_LOOPS}  # dot4i's: q8, q4
+INT_FORMATS: dict[str, ModuleType] = {name: FORMATS[name] for name in INT_LOOPS}  # integers to multiply
 V8F = ir.VectorType(F32, LANES // 4)
 V32 = ir.VectorType(I8, LANES)
 
 
-def _reduce(builder, vec):
-    """The float sum of a <n x float>'s lanes."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32, vec.type]),
-                                        f"llvm.vector.reduce.fadd.v{vec.type.count}f32")
-    return builder.call(fn, [ir.Constant(F32, 0.0), vec])
-
-
 def _pointers(context, builder, sig_args, args):
     """(int8 pointer of xq, float pointers of xd and xs)."""
-    xq, xd, xs = (_byte_ptr(context, builder, t, v) for t, v in zip(sig_args, args))
+    xq, xd, xs = (byte_ptr(context, builder, t, v) for t, v in zip(sig_args, args))
     return xq, builder.bitcast(xd, F32.as_pointer()), builder.bitcast(xs, F32.as_pointer())
 
 
@@ -75,7 +69,7 @@ class _Acc:
         return _Acc(vec, off)
 
     def total(self, builder):
-        return builder.fsub(_reduce(builder, self.vec), self.off, flags=FAST)
+        return builder.fsub(reduce_sum(builder, self.vec), self.off, flags=FAST)
 
 
 def _zero_acc() -> _Acc:
@@ -88,9 +82,9 @@ def _emit_rows(builder, fmt, rows, x, hidden_v):
 
     def step(i, flat):
         accs = [_Acc(flat[2 * k], flat[2 * k + 1]) for k in range(len(rows))]
-        _prefetch_tile(builder, fmt, rows, i)  # decode's four rows of a matrix, one after another: one run
-        for j in range(_groups(fmt)):
-            b = builder.add(builder.mul(i, const(_groups(fmt))), const(j))  # block b of the row (32 values)
+        prefetch_tile(builder, fmt, rows, i)  # decode's four rows of a matrix, one after another: one run
+        for j in range(step_groups(fmt)):
+            b = builder.add(builder.mul(i, const(step_groups(fmt))), const(j))  # block b of the row (32 values)
             xv = builder.load(builder.bitcast(builder.gep(xq, [builder.mul(b, const(LANES))]), V32.as_pointer()),
                               align=1)
             dx, xsum = (builder.load(builder.gep(p, [b]), align=4) for p in (xd, xs))
@@ -100,7 +94,7 @@ def _emit_rows(builder, fmt, rows, x, hidden_v):
         return [v for a in accs for v in (a.vec, a.off)]
 
     init = [v for _ in rows for v in (_zero_acc().vec, _zero_acc().off)]
-    flat = _register_loop(builder, builder.udiv(builder.udiv(hidden_v, const(LANES)), const(_groups(fmt))), init,
+    flat = register_loop(builder, builder.udiv(builder.udiv(hidden_v, const(LANES)), const(step_groups(fmt))), init,
                           step)
     return [_Acc(flat[2 * k], flat[2 * k + 1]).total(builder) for k in range(len(rows))]
 
@@ -113,7 +107,7 @@ def dot4i(typingctx, kernels, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
 
     def codegen(context, builder, signature, args):
         args = args[1:]
-        base = _byte_ptr(context, builder, signature.args[2], args[1])
+        base = byte_ptr(context, builder, signature.args[2], args[1])
         rows = [builder.gep(base, [o]) for o in args[2:6]]
         x = _pointers(context, builder, signature.args[8:11], args[7:10])
         sums = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in rows]
@@ -122,7 +116,7 @@ def dot4i(typingctx, kernels, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs):
             for total, dest in zip(_emit_rows(builder, fmt_module, rows, x, args[6]), sums):
                 builder.store(total, dest)
 
-        _per_format(context, builder, signature.args[0], signature.args[1], args[0], emit, BLOCK_FORMATS, True)
+        per_format(context, builder, signature.args[0], signature.args[1], args[0], emit, BLOCK_FORMATS, True)
         return context.make_tuple(builder, signature.return_type, [builder.load(s) for s in sums])
 
     return sig, codegen

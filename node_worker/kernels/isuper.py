@@ -16,10 +16,9 @@ registers (two groups a call), else 8
 
 [d | -dmin] is built once per row and super-block for the tokens, so a token's float work per super-block
 is one conversion, a multiply and an add on one vector, where the float loop (simd.py's dot2r4) spends two
-FMAs on every 32 weights and token and widens every weight. One row by four or eight tokens at a time: each super-block's integers read once for the tokens. (Two rows by four, as dot2r4, kept more vectors
-live than the registers hold; measured on this machine with q4k and q6k, 8 tokens, 16 experts of
-768 x 2048, 2 threads, GFLOP/s median of 15 calls: float 38 / 30, two rows by four 49 / 44, one by four
-50 / 46, one by eight 55 / 57.)
+FMAs on every 32 weights and token and widens every weight. One row by four or eight tokens at a time:
+each super-block's integers read once for the tokens. (Two rows by four, as dot2r4, keep more vectors live
+than the registers hold.)
 
     dot1r4s(ks, fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)      (dot1r8s, 1r3s, 1r2s: t < 8, 3, 2)
         out[t0 + t, col] = x'[t0 + t] . the row at byte o, t < 4, with x' = xd (.) xq the quantised
@@ -30,21 +29,12 @@ live than the registers hold; measured on this machine with q4k and q6k, 8 token
         integers loaded once for the four rows)
 
 The groups' sums go through idot.kept after each group, so LLVM keeps the loop group by group (every
-token's accumulator, then the next group's weights): left alone it made each token's chain over the eight
-groups a tree, token by token, with all eight groups' weights and scales live, and spilled them (q4k, one row
-by eight tokens, AVX2: 477 instructions a super-block with 136 stack references, now 398 with 58). Measured
-with tools/kernel_bench.py --formats q4k,q6k --activations q8 --experts 16 --calls 30 --tokens 8, four
-alternating pairs of checkouts, GFLOP/s before / after: q4k 83.5 / 111.3, 95.0 / 96.8, 85.4 / 108.0, 95.6 /
-129.1; q6k 76.8 / 91.1, 88.4 / 105.2, 83.8 / 98.8, 93.2 / 143.9. Decode (--experts 64 --tokens 1) is
-memory-bound and did not move (q4k 20.7-27.4 GB/s either way).
+token's accumulator, then the next group's weights): left alone it makes each token's chain over the eight
+groups a tree, token by token, with all eight groups' weights and scales live, and spills them.
 
-Decode takes the same form as llama.cpp does for these types (its q8_K activations). Against isimd.py's
-per-32 loop (a conversion, a scale and a float add per 32 weights and row), measured on this machine with
-tools/kernel_bench.py --formats q4k,q5k,q6k,iq4xs --activations q8 --experts 64 (one token against 64
-experts of 768 x 2048, 2 threads; two alternating pairs of runs, the per-32 loop from commit e2dca4a),
-G weights/s per-32 / super-block: q4k 12.8-13.2 / 21.8-22.5, q5k 10.0-12.2 / 17.2-18.9, q6k 12.2-13.0 /
-15.6-17.9, iq4xs 14.5-14.7 / 13.6-14.5 (its sign trick, per row and token, stays). An ad hoc probe of
-tiles of two and of eight rows found neither faster than four.
+Decode takes the same form as llama.cpp does for these types (its q8_K activations): it does less float
+work per row than isimd.py's per-32 loop (a conversion, a scale and a float add per 32 weights and row).
+Four rows at a time: tiles of two or of eight rows are no faster.
 """
 
 from __future__ import annotations
@@ -55,12 +45,14 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from . import idot
-from .ir import F32, I8, I16, I32, LANES, const, splat
-from .isimd import _reduce
-from .simd import FAST, FORMATS, _byte_ptr, _per_format, _prefetch_tile, _register_loop, _tile
+from shm.formats.traits import SUPER_INT_LOOPS
 
-SUPER_FORMATS: dict[str, ModuleType] = {name: m for name, m in FORMATS.items() if hasattr(m, "isuper")}
+from . import idot
+from .ir import F32, I8, I16, I32, const, splat
+from .loops import FORMATS, byte_ptr, per_format, prefetch_tile, reduce_sum, register_loop, tile
+from .simd import FAST
+
+SUPER_FORMATS: dict[str, ModuleType] = {name: FORMATS[name] for name in SUPER_INT_LOOPS}  # traits' "super"
 SUPER = 256
 V8I = ir.VectorType(I32, 8)
 V16S = ir.VectorType(I16, 16)
@@ -96,7 +88,7 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
     VA = ir.VectorType(F32, A)
 
     def step(s, accs):  # accs [NT * NR] <A x float>, token-major
-        _prefetch_tile(builder, fmt, rows, s, row_step)
+        prefetch_tile(builder, fmt, rows, s, row_step)
         blocks = [fmt.isuper(builder, row, s, G) for row in rows]  # each row's super-block once for the tokens
         firsts = [builder.add(builder.mul(t, hidden_v), builder.mul(s, const(SUPER))) for t in tok]
         ints = [ir.Constant(ir.VectorType(I32, W), [0] * W)] * (NT * NR)  # token-major, as accs
@@ -125,9 +117,9 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
         return out
 
     zero = ir.Constant(VA, [0.0] * A)
-    flat = _register_loop(builder, supers, [zero] * (len(tok) * NR), step)
+    flat = register_loop(builder, supers, [zero] * (len(tok) * NR), step)
     for k, dest in enumerate(d for per_t in dests for d in per_t):
-        builder.store(_reduce(builder, flat[k]), dest, align=4)
+        builder.store(reduce_sum(builder, flat[k]), dest, align=4)
 
 
 def _make(NR: int, NT: int):
@@ -137,12 +129,12 @@ def _make(NR: int, NT: int):
 
         def codegen(context, builder, signature, args):
             fmt_v, data_v, o, row_step, hidden_v, xq_v, xd_v, bs_v, t0, out_v, col = args[1:]
-            rows, tok, dests = _tile(context, builder, (signature.args[2], data_v), o, row_step,
+            rows, tok, dests = tile(context, builder, (signature.args[2], data_v), o, row_step,
                                      (signature.args[10], out_v), t0, col, NR, NT)
-            xq = _byte_ptr(context, builder, signature.args[6], xq_v)
-            xd = builder.bitcast(_byte_ptr(context, builder, signature.args[7], xd_v), F32.as_pointer())
-            bs = builder.bitcast(_byte_ptr(context, builder, signature.args[8], bs_v), I16.as_pointer())
-            _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
+            xq = byte_ptr(context, builder, signature.args[6], xq_v)
+            xd = builder.bitcast(byte_ptr(context, builder, signature.args[7], xd_v), F32.as_pointer())
+            bs = builder.bitcast(byte_ptr(context, builder, signature.args[8], bs_v), I16.as_pointer())
+            per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
                         lambda m: _emit(builder, m, rows, row_step, (xq, xd, bs), hidden_v, tok, dests), SUPER_FORMATS,
                         True)
             return context.get_dummy_value()

@@ -21,7 +21,7 @@ from numba.core import types
 from numba.extending import NativeValue, intrinsic, models, register_model, typeof_impl, unbox
 
 from .isimd import INT_FORMATS
-from .simd import FORMATS
+from .loops import FORMATS
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .common import JIT
-from .rows import layer_rows
+from .rows import DOWN_BYTES, GATE_BYTES, ROWS, UP_BYTES, layer_rows
 
 
 SUM_PAIRS = 64  # pairs from which weigh_and_sum takes the tokens' rows in parallel (fewer: decode's, serially)
@@ -55,7 +55,8 @@ def weigh_and_sum(y, contrib, sorted_tokens, sorted_weights, hidden):
     """y [T, H] = for each token, the sum of w · its pairs' contributions in pair order (group order): pair p's
     contribution is contrib[p H:(p + 1) H], its token sorted_tokens[p], its weight sorted_weights[p] (the
     pairs of the layer's groups, one after another). From SUM_PAIRS pairs on a token's row by a thread: a
-    prefill's serial loop over the pairs would keep the other threads waiting; decode's eight pairs stay serial (a parallel loop's start costs more than their sum)."""
+    prefill's serial loop over the pairs would keep the other threads waiting; decode's eight pairs stay
+    serial (a parallel loop's start costs more than their sum)."""
     T = y.shape[0]
     P = sorted_tokens.size
     first = np.zeros(T + 1, np.int64)  # token t's pairs: by_token[first[t]:first[t + 1]]
@@ -99,7 +100,7 @@ def layer_moe(ks, data, hidden, x, tokens, experts, weights, offsets, shapes, y)
     p = 0
     while p < P:
         e = experts[order[p]]
-        held = e < E and shapes[e, 0] > 0
+        held = e < E and shapes[e, ROWS] > 0
         tok_start[G] = n_pairs
         while p < P and experts[order[p]] == e:
             if held:
@@ -120,7 +121,7 @@ def layer_moe(ks, data, hidden, x, tokens, experts, weights, offsets, shapes, y)
         e = group_expert[g]
         group_offsets[g] = offsets[e]
         group_shapes[g] = shapes[e]
-        nbytes += shapes[e, 0] * (shapes[e, 2] + shapes[e, 4]) + hidden * shapes[e, 7]
+        nbytes += shapes[e, ROWS] * (shapes[e, GATE_BYTES] + shapes[e, UP_BYTES]) + hidden * shapes[e, DOWN_BYTES]
         contrib_start[g] = total
         total += (tok_stop[g] - tok_start[g]) * hidden
     contrib = np.empty(total, np.float32)

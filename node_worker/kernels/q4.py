@@ -1,21 +1,20 @@
-"""q4 rows (shm/formats/q4.py) for simd.py's loops.
-
-    row of H weights, nb = H / 32 blocks:
-      bytes [0, H/2)            16 bytes per block b: byte j = (q[32 b + j] + 8) | (q[32 b + j + 16] + 8) << 4
-      bytes [H/2, H/2 + 2 nb)   float16 d[b]
-    block b = d[b] * float(q[32 b : 32 b + 32]): low nibbles are values 0..15, high nibbles 16..31, so the
-    16 bytes give the block in order as (low, high) without any interleaving
+"""q4 rows for simd.py's loops (the layout: shm/formats/q4.py). A block's 16 bytes give its values in order
+as (low nibbles, high nibbles) without any interleaving, minus 8; its scale is returned apart, so the loop
+multiplies it in once per block; the integer loops (isimd.py, iblock.py) take the nibbles as integers.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
+from shm.formats.traits import BY_NAME
+
 from .ir import F32, I8, I32, LANES, VF, const, half_scale, vec_load
 
-SCALED = True
+TRAITS = BY_NAME["q4"]  # its block and bytes
+SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 SPAN = 8  # the largest |value|: q in [-8, 7]
-BLOCK_BYTES = 18  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
+BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 HALF = LANES // 2
 V32 = ir.VectorType(I8, LANES)
 

@@ -1,26 +1,27 @@
-"""q4k rows (shm/formats/q4k.py: a GGUF file's Q4_K super-blocks of 256, 144 bytes) for simd.py's loops.
+"""q4k rows for simd.py's loops (the layout: shm/formats/q4k.py, a GGUF file's Q4_K super-blocks).
 
-One loop step reads a super-block s (at byte 144 s) as 8 groups of 32, j a constant of the unrolled loop:
-      d, dmin   float16 at bytes 0 and 2;  (sc, m) = the 6-bit pair j of bytes [4, 16)
-      q         the nibbles of the 32 bytes at 16 + 32 (j // 2): low ones for even j, high for odd
-    weights = (d * sc) * float(q) - (dmin * m), each operation as gguf.quants does it (no contraction: the
-    weights are the file's bit for bit); returned whole, no scale apart.
+One loop step reads a super-block as 8 groups of 32, the group j a constant of the unrolled loop: d, dmin,
+group j's 6-bit (sc, m) and its nibbles; weights = (d * sc) * float(q) - (dmin * m), each operation as
+gguf.quants does it (no contraction: the weights are the file's bit for bit), returned whole, no scale apart.
 
-For the integer loop (isuper.py, int8 activations) a super-block is d, dmin, and per group q with the integer sc, and
-the integer m of every 16 values: w = d sc q - dmin m.
+For the integer loop (isuper.py, int8 activations) a super-block is d, dmin, and per group q with the
+integer sc, and the integer m of every 16 values: w = d sc q - dmin m.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
+from shm.formats.traits import BY_NAME
+
 from . import idot
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, const, half_at, k_scale_min, splat, super_block, vec_load
 
-SCALED = True  # whole blocks only (no partial last block to read value by value)
+TRAITS = BY_NAME["q4k"]  # its block and bytes
+SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 OFFSETS = True  # w = d sc q - dmin m: the integer loop adds the mins apart (isuper.py)
-GROUPS = 8  # 32-groups a loop step reads: one super-block
-BLOCK_BYTES = 144  # bytes of the row per loop step: the prefetch's stride
+GROUPS = TRAITS.block // LANES  # 32-groups a loop step reads: one super-block
+BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 V32 = ir.VectorType(I8, LANES)
 V64 = ir.VectorType(I8, 2 * LANES)
 

@@ -1,23 +1,24 @@
-"""q5k rows (shm/formats/q5k.py: a GGUF file's Q5_K super-blocks of 256, 176 bytes) for simd.py's loops.
+"""q5k rows for simd.py's loops (the layout: shm/formats/q5k.py, a GGUF file's Q5_K super-blocks).
 
-One loop step reads a super-block s (at byte 176 s) as 8 groups of 32, j a constant of the unrolled loop:
-      d, dmin   float16 at bytes 0 and 2;  (sc, m) = the 6-bit pair j of bytes [4, 16)
-      q         low 4 bits: the nibbles of the 32 bytes at 48 + 32 (j // 2) (low ones for even j);
-                fifth bit: bit j of the 32 bytes at 16
-    weights = (d * sc) * float(q) - (dmin * m), as gguf.quants does it; returned whole.
+One loop step reads a super-block as 8 groups of 32, the group a constant of the unrolled loop: its low
+four bits from q4k's nibble runs (q4k.nibbles), its fifth bit from the high-bit bytes; weights =
+(d * sc) * float(q) - (dmin * m), as gguf.quants does it, returned whole.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
+from shm.formats.traits import BY_NAME
+
 from .ir import EXACT, LANES, VF, const, splat, super_block, vec_load
 from .q4k import V32, int_scales, nibbles, scale_and_offset
 
-SCALED = True
+TRAITS = BY_NAME["q5k"]  # its block and bytes
+SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 OFFSETS = True  # w = d sc q - dmin m
-GROUPS = 8
-BLOCK_BYTES = 176
+GROUPS = TRAITS.block // LANES  # 32-groups a loop step reads: one super-block
+BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 
 
 def group(builder, row, s, j: int):

@@ -1,11 +1,8 @@
-"""q6k rows (shm/formats/q6k.py: a GGUF file's Q6_K super-blocks of 256, 210 bytes) for simd.py's loops.
+"""q6k rows for simd.py's loops (the layout: shm/formats/q6k.py, a GGUF file's Q6_K super-blocks).
 
-One loop step reads a super-block s (at byte 210 s) as 8 groups of 32, g a constant of the unrolled loop,
-h = g // 4:
-      low 4 bits    the 32 bytes at 64 h + 32 (g % 2), low nibbles for g // 2 even, high for odd
-      high 2 bits   bits 2 (g % 4) .. + 1 of the 32 bytes at 128 + 32 h
-      scales        int8 at 192 + 2 g (the first 16 values) and 192 + 2 g + 1 (the next 16); d float16 at 208
-    weights = (d * scale) * float(q - 32), as gguf.quants does it; returned whole.
+One loop step reads a super-block as 8 groups of 32, the group a constant of the unrolled loop: four low
+bits from the nibble runs, two high bits from the high-bit runs, an int8 scale per 16 values;
+weights = (d * scale) * float(q - 32), as gguf.quants does it, returned whole.
 
 For the integer loop (isuper.py, int8 activations): w = d sc q - d (32 sc), q unsigned, sc the 16 int8 scales.
 """
@@ -14,13 +11,16 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from shm.formats.traits import BY_NAME
+
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, const, half_at, super_block, vec_load
 from .q4k import V32, V64, shift_halves
 
-SCALED = True
+TRAITS = BY_NAME["q6k"]  # its block and bytes
+SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 OFFSETS = True  # w = d sc q - d (32 sc): an offset per 16 values
-GROUPS = 8
-BLOCK_BYTES = 210
+GROUPS = TRAITS.block // LANES  # 32-groups a loop step reads: one super-block
+BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 
 
 def _unsigned(builder, base, g: int):

@@ -1,21 +1,20 @@
-"""q8 rows (shm/formats/q8.py) for simd.py's loops.
-
-    row of H weights, nb = H / 32 blocks:
-      bytes [0, H)          int8 q[i]
-      bytes [H, H + 2 nb)   float16 d[b]
-    block b = d[b] * float(q[32 b : 32 b + 32]): the int8 values widened to <32 x float>, the scale
-    returned apart so that the loop multiplies it in once per block
+"""q8 rows for simd.py's loops (the layout: shm/formats/q8.py). A block's int8 values are widened to
+<32 x float> and its scale returned apart, so the loop multiplies it in once per block; the integer loops
+(isimd.py, iblock.py) take the int8 values as they are.
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 
+from shm.formats.traits import BY_NAME
+
 from .ir import I8, LANES, VF, const, half_scale, vec_load
 
-SCALED = True
+TRAITS = BY_NAME["q8"]  # its block and bytes
+SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 SPAN = 128  # the largest |value| a block can hold (a file's int8: -128; ours stay within 127)
-BLOCK_BYTES = 34  # bytes of the row per block of 32 values, its scale included: the prefetch's stride
+BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 
 
 def block(builder, row, b, hidden):

@@ -37,6 +37,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from shm.formats.traits import (BF16_PRODUCTS, BLOCK_INT_LOOPS, LOOP_IDS, STREAM_LOOPS, SUPER_INT_LOOPS,
+                                 WIDE_LOOPS)
+
 from . import bf16dp, iblock, isimd, isuper, rows8, simd
 from .activations import quantize_rows, quantize_rows_biased, quantize_rows_summed, quantize_rows_super
 from .common import JIT
@@ -45,24 +48,30 @@ from .schedule import take
 from .silu import silu_times
 
 # The large steps (a group's task, a matrix by a group's tokens, decode's rows, the float tiles) are compiled apart,
-# each once, and called: inlined, every call site copied its whole tree into its caller, and the parallel loop's
-# passes copied that again, so the layer kernel took minutes and gigabytes to compile. A call costs nanoseconds
-# beside the microseconds of rows each one computes.
+# each once, and called: inlined, every call site would copy its whole tree into its caller, and the parallel
+# loop's passes would copy that again, so the layer kernel would take minutes and gigabytes to compile. A call
+# costs nanoseconds beside the microseconds of rows each one computes.
 APART = JIT
 
-# f32 0, bf16 1, q8 2, q4 3, q4k 4, q5k 5, q6k 6, iq4xs 7; bf16dp 8 (bf16 rows by bf16 activations, bf16dp.py)
-FORMAT_IDS = {name: i for i, name in enumerate(simd.FORMATS)}
-INT_FROM = FORMAT_IDS["q8"]  # formats from this id to BF16DP have integers to multiply (isimd.INT_FORMATS)
-BF16DP = FORMAT_IDS["bf16dp"]
-assert list(FORMAT_IDS)[INT_FROM:BF16DP] == list(isimd.INT_FORMATS) and BF16DP == len(FORMAT_IDS) - 1
-WIDE_IDS = tuple(FORMAT_IDS[name] for name in simd.WIDE_FORMATS)  # f32, bf16: wide_tiles
-STREAM_IDS = tuple(FORMAT_IDS[name] for name in simd.STREAM_FORMATS)  # bf16, bf16dp: stream_quad
-SUPER_IDS = tuple(FORMAT_IDS[name] for name in isuper.SUPER_FORMATS)  # the super-block integer loop: the K types, iq4xs
-SUPER_FROM, SUPER_TO = SUPER_IDS[0], SUPER_IDS[-1] + 1
-assert SUPER_IDS == tuple(range(SUPER_FROM, SUPER_TO))
-assert list(FORMAT_IDS)[INT_FROM:SUPER_FROM] == list(isimd.BLOCK_FORMATS)  # q8, q4: isimd.dot4i's
+FORMAT_IDS = LOOP_IDS  # every loop's id: the storage formats' (shm/formats/traits.py), then bf16dp's
+BF16DP = FORMAT_IDS[BF16_PRODUCTS]
+
+
+def loops_with(names) -> tuple[int, ...]:
+    """The ids of the loops ``names`` (the kernels test a loop's capability as ``fmt in`` such a tuple)."""
+    return tuple(i for name, i in FORMAT_IDS.items() if name in names)
+
+
+BLOCK_INT = loops_with(BLOCK_INT_LOOPS)  # the per-32 integer loops (q8, q4: isimd.dot4i, iblock)
+SUPER_INT = loops_with(SUPER_INT_LOOPS)  # the super-block integer loop (the K types, iq4xs: isuper)
+STREAMS = loops_with(STREAM_LOOPS)  # bf16, bf16dp: stream_quad
+WIDE = loops_with(WIDE_LOOPS)  # f32, bf16, bf16dp: four-row tiles on WIDE_TILES hosts, short tiles
+SIX_ROWS = loops_with([name for name in WIDE_LOOPS if name != BF16_PRODUCTS])  # f32, bf16: six-row tiles
+WIDE_IDS = tuple(FORMAT_IDS[name] for name in WIDE_LOOPS)
+SUPER_IDS = tuple(FORMAT_IDS[name] for name in SUPER_INT_LOOPS)
 SHAPE = ("rows", "gate format", "gate row bytes", "up format", "up row bytes", "down format", "down row weights",
-         "down row bytes")  # the columns of an expert's shapes row
+         "down row bytes")  # the columns of an expert's shapes row, numbered below
+ROWS, GATE_FMT, GATE_BYTES, UP_FMT, UP_BYTES, DOWN_FMT, DOWN_WIDTH, DOWN_BYTES = range(len(SHAPE))
 
 
 @njit(inline="always", **JIT)
@@ -75,7 +84,7 @@ def quantised_if(use_int, x):
 def block_int(ks, fmt) -> bool:
     """The per-32 integer loops for this format (Q8_0 or Q4_0, EngineConfig.activations q8: the kernel set's
     int_act): decode's (isimd.py) and prefill's (iblock.py)."""
-    return int_products(ks) and INT_FROM <= fmt < SUPER_FROM
+    return int_products(ks) and fmt in BLOCK_INT
 
 
 @njit(inline="always", **JIT)
@@ -106,17 +115,11 @@ def streamed(fmt, use_int) -> bool:
     """One token's bf16 rows (bf16dp's too) four streams at a time (stream_quad), not four rows side by side.
 
     Four bf16 rows side by side are four streams 4 KiB apart (H 2048), and they read memory slower than
-    f32's 8 KiB apart, whatever the arithmetic. Measured on an AVX-512 host (Zen 5, 2 threads): the lm_head
-    (151936 x 2048, one token) as bf16 rows 41-58 GB/s, its bytes taken as f32 rows of 1024 values the same,
-    f32 rows 46-69 in the same rounds. With the matrix's four quarters as the four rows and no software
-    prefetch (the hardware prefetcher follows four long streams): 43 -> 52-54 GB/s where f32 read 53-54;
-    8 random experts of 64 (gate, up, down; 768 x 2048) 45 -> 53 GB/s (f32 53), 64-65 -> 72-73 (f32 76-81),
-    with AVX2 code 42 -> 53. With a prefetch two rows on per stream, 2-6 % less; f32 rows gained nothing, so
-    they stay side by side. `strata bench -m MODEL --modes inproc --formats f32,bf16` (Qwen3-MoE geometry,
-    4 layers), four runs alternating with the rows side by side: bf16 decode 1.64-1.69x -> 2.08-2.15x f32's,
-    the MoE layer 1306-1342 -> 1068-1086 us, its pool GB/s 53-57 -> 67-68 (f32 64-67). Each row is summed
+    f32's 8 KiB apart, whatever the arithmetic. The matrix's four quarters as the four rows, with no software
+    prefetch (the hardware prefetcher follows four long streams; a prefetch ahead per stream only costs),
+    read at f32's speed. f32 rows gain nothing from it, so they stay side by side. Each row is summed
     by the same code either way: the same bits."""
-    return not use_int and (fmt == STREAM_IDS[0] or fmt == STREAM_IDS[1])
+    return not use_int and fmt in STREAMS
 
 
 @njit(inline="always", **JIT)
@@ -207,15 +210,9 @@ UNFETCHED_TOKENS = 32
 def six_rows(fmt, hidden, n) -> bool:
     """Six rows at a time (six_row_tiles) for this format, rows of ``hidden`` weights and n tokens.
 
-    Measured (AMD EPYC Zen 5, 2 threads, bf16; tools/tile_probe.py --experts E --rows R --hidden H
-    --tokens-per-expert N --variants 4x4plain,6x4whole,6x4wholenopf, GFLOP/s, four rows plain / six whole /
-    six whole without the prefetch): out of cache, 64 experts by 1-17 tokens each, down rows 2048 x 768
-    293-299 / 339-347, gate and up rows 1536 x 2048 267-276 / 225-260; gate and up rows (32 experts, 16 for
-    48) by 8 tokens each 276 / 242, by 10 301 / 278, by 12 271 / 302 / 289, by 16 285 / 339 / 317, by 24 314
-    / 369 / 357, by 48 305 / 390 / 408 (few tokens read each row's bytes from memory for too few tiles to
-    hide it behind two passes: they keep four rows). The engine's 64-token prefill (tools/prefill_parts.py -m
-    /tmp/qg dense_dtype=bf16, alternating with the parent commit): the dense tiles 32.9 -> 24.5-24.9 ms."""
-    return simd.WIDE_TILES and (fmt == WIDE_IDS[0] or fmt == WIDE_IDS[1]) and (
+    Short rows and many tokens gain from six rows; long rows by few tokens read each row's bytes from memory
+    for too few tiles to hide it behind two passes: they keep four rows."""
+    return simd.WIDE_TILES and fmt in SIX_ROWS and (
         hidden <= SIX_ROWS_WIDTH or n >= SIX_ROWS_TOKENS)
 
 
@@ -242,8 +239,7 @@ def six_row_tiles(ks, fmt, data, o, step, hidden, xg, out, col, n) -> None:
 def aligned_zeros(rows, cols):
     """float32 zeros [rows, cols] from a 64-byte boundary: the tiles' 64-byte loads of a token's row then each
     read one cache line, where NumPy's allocator starts an array 16 bytes past one as often as not and every
-    load spans two. One thread in cache (tools/tile_probe.py, bf16, --x-offset 0 / 16, GFLOP/s): four rows by
-    four tokens 162 / 148, by three 188 / 173, six rows by four (whole) 204 / 152."""
+    load spans two."""
     buf = np.zeros(rows * cols + 16, np.float32)
     skip = (64 - buf.ctypes.data % 64) % 64 // 4
     return buf[skip:skip + rows * cols].reshape((rows, cols))
@@ -270,9 +266,9 @@ def tile_tokens(ks, fmt, four, data, o, step, hidden, xg, xb, out, col, n) -> No
 @njit(inline="always", **JIT)
 def short_tiles(fmt) -> bool:
     """A group's last n mod 4 tokens in a tile of one, two or three tokens (short_tile) for f32 and bf16 rows
-    and bf16dp's, where they took a tile of four padded with zero tokens. A 64-token prefill routes about 8
-    tokens to each expert (8 of 64), and padding them to fours computed 9.5 on average (1.19x the work)."""
-    return fmt == WIDE_IDS[0] or fmt == WIDE_IDS[1] or fmt == WIDE_IDS[2]
+    and bf16dp's, not a tile of four padded with zero tokens: a prefill's groups are small (about 8 tokens
+    each at 64 tokens, top-8 of 64 experts), so the padding would be a sizeable share of the work."""
+    return fmt in WIDE
 
 
 @njit(inline="always", **JIT)
@@ -324,19 +320,16 @@ def loop_id(name: str, bf16_products: bool) -> int:
 
 @njit(inline="always", **JIT)
 def wide_tiles(fmt) -> bool:
-    """Four rows by four tokens (simd.dot4r4, pairs4r4) for f32 and bf16 rows on a host with 512-bit vectors.
-    Measured on an AVX-512 host (Zen 5, 2 threads): bf16 768 x 2048 matrices by eight tokens, 64 of them (out
-    of cache), GFLOP/s: two rows at a time 224, four 264; by 16 tokens 207 / 266; `tools/kernel_bench.py
-    --formats bf16 --experts 64 --tokens 8` 23.8 -> 17.7 ms a layer; a dense 4096 x 2048 bf16 matrix by 64
-    tokens 320 against BLAS on decoded tiles 135 (dense.matmul_tiles)."""
-    return simd.WIDE_TILES and (fmt == WIDE_IDS[0] or fmt == WIDE_IDS[1] or fmt == WIDE_IDS[2])
+    """Four rows by four tokens (simd.dot4r4, pairs4r4) for f32 and bf16 rows on a host with 512-bit vectors,
+    whose 32 registers hold the sixteen accumulators: each token's block is loaded once for four rows."""
+    return simd.WIDE_TILES and fmt in WIDE
 
 
 @njit(inline="always", **JIT)
 def super_int(ks, fmt) -> bool:
     """The super-block integer loop for this format (a K type or IQ4_XS, EngineConfig.activations q8: the kernel
     set's int_act)."""
-    return int_products(ks) and SUPER_FROM <= fmt < SUPER_TO
+    return int_products(ks) and fmt in SUPER_INT
 
 
 @njit(inline="always", **JIT)
@@ -360,10 +353,9 @@ def row_tokens_int(ks, fmt, data, o, row_bytes, hidden, xq, xd, bs, out, col, n)
 @njit(inline="always", **JIT)
 def row_tokens_block(ks, fmt, data, o, row_bytes, hidden, xu, xd, out, col, n) -> None:
     """out[:n, col] <- the first n tokens of xu, xd (quantize_rows_biased of [>= n, H]) . the q8 or q4 row at
-    byte offset o: eight tokens at a time, then four, then the last one to three (iblock.py). No padding:
-    the tiles of fewer tokens ran at 94 (two) and 74 (one) GFLOP/s against 112 (eight) and 106 (four) on
-    768 x 2048 q8 rows, 2 threads, where a 64-token prefill's groups padded to four spent a fifth of their
-    work on zero rows."""
+    byte offset o: eight tokens at a time, then four, then the last one to three (iblock.py). No padding: the
+    tiles of fewer tokens run slower a token, but a prefill's small groups padded to four would spend more
+    on zero rows."""
     t0 = 0
     while t0 + 8 <= n:
         iblock.dot1r8b(ks, fmt, data, o, row_bytes, hidden, xu, xd, t0, out, col)
@@ -385,12 +377,8 @@ GROUPED_FROM = 3  # a q8 or q4 group of this many tokens or more: its matrices' 
 @njit(inline="always", **JIT)
 def grouped8(ks, fmt, rows, n) -> bool:
     """q8 or q4 rows taken eight at a time, interleaved on the fly (rows8.py), for a group of n tokens: whole
-    groups of eight rows, and enough tokens to pay for the interleaving (GROUPED_FROM). Measured on this AVX2 host
-    (2 threads, q8 rows, 48 experts' matrices, random values, alternating in one process, time against
-    iblock's 1 row x 8 tokens): 768 x 2048 by 8 tokens 0.85, by 16 0.73; 2048 x 768 by 8 0.95. q4's rows the
-    same way (their nibbles - 8 as bytes): tools/kernel_bench.py --formats q4 --experts 64 --tokens 8, three
-    alternating pairs, 52.3 / 51.8 / 49.4 -> 45.2 / 39.3 / 33.8 ms a layer; as unsigned bytes (q + 8,
-    rows8.UNSIGNED) 33.5 / 39.1 -> 25.8 / 26.8."""
+    groups of eight rows, and enough tokens to pay for the interleaving (GROUPED_FROM). q4's rows go the same
+    way, as unsigned bytes (q + 8, rows8.UNSIGNED)."""
     return block_int(ks, fmt) and rows % rows8.GROUP_ROWS == 0 and n >= GROUPED_FROM
 
 
@@ -414,12 +402,9 @@ def tiled_tokens(n):
     """Of a group's n tokens, how many the integer loop's tiles (eight, four, three, two: row_tokens_int) take:
     more than n where padding with zero rows is the cheaper, n - 1 where the one left over is cheaper alone
     against four rows at a time (quad_super). By n mod 8: 1 or 5, one alone; 2 or 3, a tile of two or three;
-    6 or 7, padded to an eight. Measured with tools/kernel_bench.py --formats q4k --tokens 5, 6, 9, 10 (16
-    experts, 2 threads, medians of three runs against padding to a multiple of 4, ms a layer): 8.3 / 11.9, 9.6
-    / 11.1 (padded to eight either way), 13.3 / 20.5. The tiles alone (768 x 2048, 24 tokens, 2 threads,
-    GFLOP/s, q4k / q6k): by eight 230 / 198, four 189 / 176, three 190 / 154, two 140 / 120, one 92 / 48,
-    four rows by one token 91 / 89: two or three left cost less as a tile than padded to four, six or seven
-    about as much as padded to eight."""
+    6 or 7, padded to an eight. Per token the tiles of more tokens are the faster, down to one row by one
+    token, which is no faster than four rows by one: two or three left cost less as a tile than padded to
+    four, six or seven about as much as padded to eight."""
     r = n % 8
     if r == 1 or r == 5:
         return n - 1
@@ -462,16 +447,16 @@ def task_tokens(ks, data, hidden, xg, og, ou, od, shape, out, n) -> None:
     the tokens, then W_down's H rows (R weights each) the same way against silu(gate) * up [n, R] into out
     [padded, H] (rows past n: not the group's); a K type's or IQ4_XS's rows in integers when the kernel set
     takes them (matrix_tokens)."""
-    R, width, fmt_d, down_bytes = shape[0], shape[6], shape[5], shape[7]
+    R, width, fmt_d, down_bytes = shape[ROWS], shape[DOWN_WIDTH], shape[DOWN_FMT], shape[DOWN_BYTES]
     padded = xg.shape[0]
     gate = np.zeros((padded, R + 1), np.float32)  # [n, R] (+ a column for an odd R's repeated last row)
     up = np.zeros((padded, R + 1), np.float32)
-    xs = quantised_super_if(super_int(ks, shape[1]) or super_int(ks, shape[3]), xg)  # once for both
-    xb = quantised_block_if(block_int(ks, shape[1]) or block_int(ks, shape[3]),  # no padding
-                            grouped8(ks, shape[1], R, n) or grouped8(ks, shape[3], R, n), xg[:n])
-    xr = rounded_if(shape[1] == BF16DP or shape[3] == BF16DP, xg)  # once for both
-    matrix_tokens(ks, shape[1], data, og, shape[2], R, hidden, xg, xs, xb, xr, gate, n)
-    matrix_tokens(ks, shape[3], data, ou, shape[4], R, hidden, xg, xs, xb, xr, up, n)
+    xs = quantised_super_if(super_int(ks, shape[GATE_FMT]) or super_int(ks, shape[UP_FMT]), xg)  # once for both
+    xb = quantised_block_if(block_int(ks, shape[GATE_FMT]) or block_int(ks, shape[UP_FMT]),  # no padding
+                            grouped8(ks, shape[GATE_FMT], R, n) or grouped8(ks, shape[UP_FMT], R, n), xg[:n])
+    xr = rounded_if(shape[GATE_FMT] == BF16DP or shape[UP_FMT] == BF16DP, xg)  # once for both
+    matrix_tokens(ks, shape[GATE_FMT], data, og, shape[GATE_BYTES], R, hidden, xg, xs, xb, xr, gate, n)
+    matrix_tokens(ks, shape[UP_FMT], data, ou, shape[UP_BYTES], R, hidden, xg, xs, xb, xr, up, n)
     h = aligned_zeros(padded, width)  # silu(gate) * up, per token and row (zeros past R and n)
     silu_times(gate, up, h, n, R)
     hs = quantised_super_if(super_int(ks, fmt_d), h)
@@ -488,7 +473,7 @@ def task_tokens(ks, data, hidden, xg, og, ou, od, shape, out, n) -> None:
 @njit(**APART)
 def group_task(ks, data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start, g):
     """Group g's contribution [n, H] into contrib (layer_rows' task)."""
-    R, width, down_bytes = shapes[g, 0], shapes[g, 6], shapes[g, 7]
+    R, width, down_bytes = shapes[g, ROWS], shapes[g, DOWN_WIDTH], shapes[g, DOWN_BYTES]
     t0, t1 = tok_start[g], tok_stop[g]
     n = t1 - t0
     out = contrib[contrib_start[g]:contrib_start[g] + n * hidden].reshape((n, hidden))
@@ -506,19 +491,17 @@ def group_task(ks, data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes
     xj = x[tokens[t0]]
     gate = np.zeros(width, np.float32)  # [R], then silu(gate) * up (zeros past R)
     up = np.empty(R, np.float32)
-    rows_dot(ks, shapes[g, 1], data, og, shapes[g, 2], R, hidden, xj, gate)
-    rows_dot(ks, shapes[g, 3], data, ou, shapes[g, 4], R, hidden, xj, up)
+    rows_dot(ks, shapes[g, GATE_FMT], data, og, shapes[g, GATE_BYTES], R, hidden, xj, gate)
+    rows_dot(ks, shapes[g, UP_FMT], data, ou, shapes[g, UP_BYTES], R, hidden, xj, up)
     silu_times(gate.reshape((1, width)), up.reshape((1, R)), gate.reshape((1, width)), 1, R)
-    rows_dot(ks, shapes[g, 5], data, od, down_bytes, hidden, width, gate, out[0])
+    rows_dot(ks, shapes[g, DOWN_FMT], data, od, down_bytes, hidden, width, gate, out[0])
 
 
-# The groups are handed out one at a time in their order (schedule.take), where prange split them into one run
+# The groups are handed out one at a time in their order (schedule.take), not split by prange into one run
 # of consecutive groups a thread: a prefill's groups differ (a 64-token prefill routes 1 to 20 or 30 tokens to an
-# expert, 8 on average), and by the tokens routed the busier of two threads' runs held 1-11 % more than the
-# mean, 4.4 % on average (3 prompts x 4 layers of the Qwen3-MoE geometry model), while the other waited at the
-# loop's end. The order stays the experts' (their weights' order in the store): handed out largest first, the
-# same prefill's MoE took 94-100 against 74-82 ms static, in the experts' order 73-83 against 75-100 ms (4
-# layers, 64 tokens, bf16, 2 threads, alternating runs). Each group still writes only its own contribution,
+# expert, 8 on average), so one thread's run would hold more than the other's, which would wait at the loop's
+# end. The order stays the experts' (their weights' order in the store): handed out largest first, the groups
+# would read the weights out of order, slower than static runs. Each group still writes only its own contribution,
 # added in group order after the loop (layer.py): the same bits.
 @njit(parallel=True, **JIT)
 def layer_rows(ks, data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes, contrib, contrib_start):

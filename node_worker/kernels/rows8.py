@@ -1,8 +1,8 @@
 """q8 rows interleaved eight at a time (llama.cpp's repacked Q8_0, ggml-cpu/repack.cpp): the dense matrices' loop.
 
 Row-major q8 rows (q8.py) give each (row, token) pair of a tile its own integer sums, converted, scaled and
-added in float once per block of 32: three float operations per 32 products, which was half the time of
-iblock.py's prefill loop (a probe without them ran at 2.1x). Interleaved, a vector's eight 32-bit lanes are
+added in float once per block of 32: three float operations per 32 products, a large share of iblock.py's
+prefill loop. Interleaved, a vector's eight 32-bit lanes are
 eight rows: one conversion, one multiply and one FMA serve eight rows' block, and the eight rows' results
 come out as one vector, stored whole.
 
@@ -18,18 +18,13 @@ Per group, block b and token t (x' = xd (.) xq, quantised per block of 32: activ
     acc <8 x float> += float(ints) * (d <8 x float> * xd[t, b])
 
 which is eight rows' x' . w up to the float rounding of the scales and the sum (iblock.py's form, in another
-order). Measured on this AVX2 host (AMD EPYC Zen 3, 2 threads, q8 rows of 2048, random values, alternating
-in one process, /tmp/w2/qil.py in the session note): 48 experts x 768 rows by 8 tokens 102 GFLOP/s for
-iblock's 1 row x 8 tokens against 171-185 for this loop by two tokens (151 by one, 150 by four: spills);
-4096 x 2048 by 64 tokens 105 against 195.
+order). Two tokens at a time: by four the accumulators no longer fit AVX2's registers.
 
 The dense matrices (coordinator/model/packed.py) are stored this way. The experts stay row-major in the
 store (its views, the device experts and the GGUF copies read them so): rows.py interleaves each eight rows of
 a prefill group's matrices on the fly into a scratch that stays in L1 (interleave8: eight 32-byte loads, an
 8 x 8 transpose of 32-bit lanes, the next eight rows prefetched), then runs the same loop over the group's
-tokens. Same host and probe: against iblock's 1 row x 8 tokens, 768 x 2048 by 8 tokens 0.85 of its time, by 16
-0.73, 2048 x 768 by 8 0.95; tools/kernel_bench.py --formats q8 --experts 64 --tokens 8 43.5-46.8 -> 36.6-36.9 ms
-a layer.
+tokens, which still beats iblock's loop for a group of rows.GROUPED_FROM tokens or more.
 
     interleave(rows [R, row_bytes] uint8, K) -> [R / 8 nb 272] uint8    q8.py's rows as groups (numpy)
     rows_of(groups, R, K) -> [R, row_bytes] uint8                       the inverse
@@ -61,11 +56,9 @@ xsum [n, nb] int32 the sums of each block's quantised activations (activations.q
 counts them as it quantises): ints are the same integers
 as the signed values give, so the same bits come out. Per four bytes and token that is a broadcast, one
 vpmaddubsw and an add in place of the signed values' five instructions (vpabsb, vpsignb, vpmaddubsw, vpmaddwd,
-an add), and one vpmaddwd a block. Measured on this AVX2 host (2 threads, alternating with the signed form):
-tools/kernel_bench.py --formats q4 --activations q8 --experts 64 --tokens 8, two pairs, 33.5 / 39.1 -> 25.8 /
-26.8 ms a layer, level with q4k's super-block loop (26.3-27.5). A dense q4 matrix (rows of a safetensors
+an add), and one vpmaddwd a block. A dense q4 matrix (rows of a safetensors
 checkpoint stored as --dense-dtype q4, a Q4_0 file's) takes the same way from rows.GROUPED_FROM tokens on,
-interleaved on the fly (matmul_rows_by_eight), where it took iblock's loop, and BLAS from 48 tokens on.
+interleaved on the fly (matmul_rows_by_eight), in place of iblock's loop and of BLAS from 48 tokens on.
 """
 
 from __future__ import annotations
@@ -80,7 +73,8 @@ from .activations import quantize_rows, quantize_rows_summed
 from .common import JIT
 from .ir import F32, I8, I16, I32, const, prefetch, splat
 from .isimd import BLOCK_FORMATS
-from .simd import FAST, FORMATS, _byte_ptr, _per_format, _register_loop
+from .loops import FORMATS, byte_ptr, per_format, register_loop
+from .simd import FAST
 
 GROUP_ROWS = 8
 GROUP_BYTES = 272  # a block of 8 rows: 8 x 32 values, 8 float16 scales
@@ -161,7 +155,7 @@ def _emit(builder, group, xq, xd, xsum, hidden_v, tok, accs_out) -> None:
         return out
 
     zero = ir.Constant(VW, [0.0] * 8)
-    for dest, total in zip(accs_out, _register_loop(builder, nb, [zero] * len(tok), step)):
+    for dest, total in zip(accs_out, register_loop(builder, nb, [zero] * len(tok), step)):
         builder.store(total, builder.bitcast(dest, VW.as_pointer()), align=4)
 
 
@@ -177,10 +171,10 @@ def _codegen(NT: int, with_sums: bool):
         types_, args = signature.args[1:], args[1:]
         data_v, o, hidden_v, xq_v, xd_v = args[:5]
         t0, out_v, col = args[-3:]
-        group = builder.gep(_byte_ptr(context, builder, types_[0], data_v), [o])
-        xq = _byte_ptr(context, builder, types_[3], xq_v)
-        xd = builder.bitcast(_byte_ptr(context, builder, types_[4], xd_v), F32.as_pointer())
-        xsum = builder.bitcast(_byte_ptr(context, builder, types_[5], args[5]), I32.as_pointer()) \
+        group = builder.gep(byte_ptr(context, builder, types_[0], data_v), [o])
+        xq = byte_ptr(context, builder, types_[3], xq_v)
+        xd = builder.bitcast(byte_ptr(context, builder, types_[4], xd_v), F32.as_pointer())
+        xsum = builder.bitcast(byte_ptr(context, builder, types_[5], args[5]), I32.as_pointer()) \
             if with_sums else None
         outa = context.make_array(types_[-2])(context, builder, out_v)
         outp = builder.bitcast(outa.data, F32.as_pointer())
@@ -253,7 +247,7 @@ def _interleave_rows(builder, fmt, rows, row_step, hidden_v, dest) -> None:
             builder.store(builder.fptrunc(d, ir.HalfType()), builder.gep(halves, [const(r)]), align=1)
         return carried
 
-    _register_loop(builder, builder.udiv(hidden_v, const(32)), [], step)
+    register_loop(builder, builder.udiv(hidden_v, const(32)), [], step)
 
 
 @intrinsic
@@ -264,10 +258,10 @@ def interleave8(typingctx, kernels, fmt, data, o, row_step, hidden, groups):
 
     def codegen(context, builder, signature, args):
         fmt_v, data_v, o, row_step, hidden_v, groups_v = args[1:]
-        base = _byte_ptr(context, builder, signature.args[2], data_v)
+        base = byte_ptr(context, builder, signature.args[2], data_v)
         rows = [builder.gep(base, [builder.add(o, builder.mul(row_step, const(r)))]) for r in range(8)]
-        dest = _byte_ptr(context, builder, signature.args[6], groups_v)
-        _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
+        dest = byte_ptr(context, builder, signature.args[6], groups_v)
+        per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
                     lambda m: _interleave_rows(builder, m, rows, row_step, hidden_v, dest), BLOCK_FORMATS)
         return context.get_dummy_value()
 

@@ -1,8 +1,8 @@
 """Explicit vector loops over rows of any format, written in LLVM IR through numba intrinsics.
 
 Numba's auto-vectorizer turns a block-scaled row (a float16 scale every 32
-values) into nested loops that reduce every block horizontally: measured 1.3–5.4
-G weights/s, a fraction of what the memory gives. Here each block of 32 values
+values) into nested loops that reduce every block horizontally, a fraction of
+what the memory gives. Here each block of 32 values
 is one LLVM vector ``<32 x float>``: the format's module (f32.py, bf16.py,
 q8.py, q4.py; q4k.py, q5k.py, q6k.py, iq4xs.py for a GGUF file's blocks, a group of 32
 of their super-blocks of 256 at a time) widens the block in registers and
@@ -73,24 +73,19 @@ the in-process pool, the node workers and the dense matrices share these loops.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import bf16, bf16dp, f32, iq4xs, q4, q4k, q5k, q6k, q8
+from . import bf16, bf16dp, f32
 from .common import target_features
-from .ir import EXACT, F32, I8, I16, I32, I64, LANES, VF, const, prefetch, splat
+from shm.formats.traits import STREAM_LOOPS, WIDE_LOOPS
+
+from .loops import FORMATS, byte_ptr, per_format, prefetch_ahead, register_loop, row_major, step_groups, tile
+from .ir import EXACT, F32, I16, I32, LANES, VF, const, splat
 
 FAST = ("fast",)
-FORMATS: dict[str, ModuleType] = {"f32": f32, "bf16": bf16, "q8": q8, "q4": q4, "q4k": q4k, "q5k": q5k, "q6k": q6k,
-                                  "iq4xs": iq4xs, "bf16dp": bf16dp}  # the last: bf16 rows by bf16 activations
-
-
-def _byte_ptr(context, builder, aryty, ary):
-    return builder.bitcast(context.make_array(aryty)(context, builder, ary).data, I8.as_pointer())
 
 
 def _lanes_of(builder, a, b, picks):
@@ -98,21 +93,17 @@ def _lanes_of(builder, a, b, picks):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, len(picks)), picks))
 
 
-def _tree_sums(builder, vecs) -> list:
+def tree_sums(builder, vecs) -> list:
     """The sums of the lanes of each <n x float> of vecs, each as a tree of halves: the first half's lanes plus
     the second half's, lane by lane, again on the n/2 sums, down to one (EXACT: LLVM keeps the order). The
     vectors are reduced together, two at a time: at each step a pair's halves are gathered into two vectors
     of the pair's width (shuffles) and added in one operation, so the steps' additions are each sum's own, in
     the order a lone tree adds them (the same bits for a vector alone or among others). Decode's rows
-    (_make_dot4) and the tiles (_finish_tile) both sum this way, so a token gives the same bits in either.
+    (make_dot4) and the tiles (_finish_tile) both sum this way, so a token gives the same bits in either.
 
-    It replaces llvm.vector.reduce.fadd on each accumulator (numba's fastmath let LLVM choose the tree), which
-    LLVM lowered to about 50 instructions an accumulator in the tiles, a third of them stack loads and
-    stores: 1250 for a six-row tile's 24, against 24 iterations of 48 for a row of 768 weights. Measured on
-    one thread (AMD EPYC Zen 5, the tiles of both reductions in one process, as tools/tile_probe.py --hidden
-    768 times them: 96 rows by 24 tokens in cache, GFLOP/s, before / after): rows of 768 weights (an
-    expert's down rows), four rows by four tokens 175 / 203, by three 204 / 214, six by four 215 / 227; rows
-    of 2048 unchanged (159-161, 173-182)."""
+    Not llvm.vector.reduce.fadd on each accumulator (numba's fastmath lets LLVM choose the tree): LLVM lowers
+    it to dozens of instructions an accumulator in the tiles, many of them stack loads and stores, which
+    weighs on short rows (an expert's down rows)."""
     parts = [(v, [k]) for k, v in enumerate(vecs)]  # (vector, its sums in order); each sum size lanes in a row
     size = vecs[0].type.count
     while size > 1:
@@ -143,67 +134,15 @@ def _tree_sums(builder, vecs) -> list:
     return sums
 
 
-PREFETCH_ROWS = 8  # dot4/axpy4 prefetch the rows this many rows further on (two calls ahead)
-
-
-def _prefetch_ahead(builder, fmt, rows, b, row_step=None) -> None:
-    """Prefetch, for each row, loop step b's share of the row PREFETCH_ROWS rows further on (rows o1 - o0 bytes
-    apart; stride BLOCK_BYTES, a row's bytes per loop step, so the loop over a row's blocks covers that row's
-    values and scales; a step of a super-block format covers several cache lines, each prefetched).
-
-    A row is 1-4 KiB: too short a stream for the hardware prefetcher to ramp up on, and four rows read side by
-    side look like four streams. Measured out of cache (2 threads, 76k rows x 2048): q8 9.5 -> 15 G weights/s,
-    q4 12 -> 17, bf16 9 -> 10.5; a prefill MoE layer (64 tokens, 64 experts x 768 x 2048): q8 and q4 about 22 %
-    faster, bf16 unchanged. A prefetch never faults, so reading past the data's end is harmless. ``row_step``:
-    the bytes from one row to the next, for a single row."""
-    step = row_step or builder.sub(builder.ptrtoint(rows[1], I64), builder.ptrtoint(rows[0], I64))
-    ahead = builder.add(builder.mul(step, const(PREFETCH_ROWS)), builder.mul(b, const(fmt.BLOCK_BYTES)))
-    lines = -(-fmt.BLOCK_BYTES // 64) if _groups(fmt) > 1 else 1
-    for row in rows:
-        for line in range(lines):
-            prefetch(builder, builder.gep(row, [builder.add(ahead, const(64 * line))]))
-
-
-def _prefetch_tile(builder, fmt, rows, s, row_step=None) -> None:
-    """Prefetch loop step s's share of the tile PREFETCH_ROWS rows further on, read as one run: the tile's rows
-    lie row_step apart one after another (quad_super's and rows_dot's four rows of a matrix), so its bytes from the first
-    row on are prefetched len(rows) x BLOCK_BYTES a step, each cache line of the run once. One row (the
-    prefill tiles): simd._prefetch_ahead's lines, the same addresses.
-
-    simd._prefetch_ahead took each row's own BLOCK_BYTES a step: four runs of ceil(BLOCK_BYTES / 64) lines,
-    BLOCK_BYTES apart (q6k: 16 prefetches a step for 840 bytes, here 14). Measured on this machine (AMD EPYC
-    Zen 3, 2 threads, 4 KiB pages), the same integers and float operations and the same bits either way:
-    the Q4_K_M file's lm_head (151936 x 2048 Q6_K, x @ lm_head.T for one token in the engine, 6 alternating
-    process pairs, 18 timings each) median 12.45 -> 9.52 ms, 20.5 -> 26.8 GB/s (STREAM 19-29 GB/s);
-    tools/kernel_bench.py --activations q8 --experts 64 --tokens 1, 6 alternating pairs, median ms a layer:
-    q6k 12.20 -> 10.50, q4k 9.64 -> 7.15, q5k 10.04 -> 8.27, iq4xs 12.80 -> 12.91 (within its noise).
-    Neither the distance (4 to 32 rows) nor keeping the lines in L2 only (locality 2) moved it further.
-    isimd's decode rows (q8, q4; Q8_0 and Q4_0 files) take it too: kernel_bench --formats q8,q4, 4 alternating
-    pairs, q8 12.3-13.4 -> 10.0-14.8 ms a layer (medians 12.9 -> 10.9), q4 unchanged (9.4 / 9.5); the Q8_0
-    file's decode step (/tmp/w/step.py, 3 pairs) 21.7-23.3 -> 21.9-22.2 ms (medians 23.2 -> 22.0).
-    """
-    row_step = row_step or builder.sub(builder.ptrtoint(rows[1], I64), builder.ptrtoint(rows[0], I64))
-    span = len(rows) * fmt.BLOCK_BYTES  # the tile's bytes a step
-    ahead = builder.add(builder.mul(row_step, const(PREFETCH_ROWS)), builder.mul(s, const(span)))
-    for line in range(-(-span // 64)):
-        prefetch(builder, builder.gep(rows[0], [builder.add(ahead, const(64 * line))]))
-
-
 def _scaled_block(builder, fmt, row, b, hidden):
     """Block b of a row as <32 x float> weights (the scale multiplied in)."""
     w, d = fmt.block(builder, row, b, hidden)
     return w if d is None else builder.fmul(w, splat(builder, d), flags=FAST)
 
 
-def _groups(fmt) -> int:
-    """32-groups a loop step reads: 1, or a super-block format's GROUPS (8 of 32 for 256), unrolled so that
-    each group's position in its super-block (its nibble half, its scale's bits) is a constant."""
-    return getattr(fmt, "GROUPS", 1)
-
-
 def _weights(builder, fmt, row, i, j, hidden):
-    """<32 x float> weights of group j (a Python int < _groups(fmt)) of loop step i of a row."""
-    return _scaled_block(builder, fmt, row, i, hidden) if _groups(fmt) == 1 else fmt.group(builder, row, i, j)
+    """<32 x float> weights of group j (a Python int < step_groups(fmt)) of loop step i of a row."""
+    return _scaled_block(builder, fmt, row, i, hidden) if step_groups(fmt) == 1 else fmt.group(builder, row, i, j)
 
 
 def _tail(builder, hidden, nb):
@@ -218,12 +157,12 @@ def _emit_dot4(builder, fmt, rows, xp, hidden_v, ahead: bool) -> list:
     if getattr(fmt, "DOT_PAIRS", False):
         return [builder.load(s) for s in _dot_pairs(builder, fmt, rows, [xp], hidden_v, ahead=ahead)[0]]
     nb = builder.udiv(hidden_v, const(LANES))
-    G = _groups(fmt)
+    G = step_groups(fmt)
     accs = [cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES)) for _ in rows]
     with cgutils.for_range(builder, builder.udiv(nb, const(G))) as loop:
         i = loop.index
         if ahead:
-            _prefetch_ahead(builder, fmt, rows, i)
+            prefetch_ahead(builder, fmt, rows, i)
         for j in range(G):
             b = builder.add(builder.mul(i, const(G)), const(j))
             xv = builder.load(builder.bitcast(builder.gep(xp, [builder.mul(b, const(LANES))]),
@@ -232,7 +171,7 @@ def _emit_dot4(builder, fmt, rows, xp, hidden_v, ahead: bool) -> list:
                 w = _weights(builder, fmt, row, i, j, hidden_v)
                 builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xv, flags=FAST), flags=FAST), acc)
     sums = [cgutils.alloca_once_value(builder, total)  # the four trees together, each its own bits
-            for total in _tree_sums(builder, [builder.load(acc) for acc in accs])]
+            for total in tree_sums(builder, [builder.load(acc) for acc in accs])]
     if not fmt.SCALED:
         with _tail(builder, hidden_v, nb) as (i, _):
             xi = builder.load(builder.gep(xp, [i]), align=4)
@@ -242,7 +181,7 @@ def _emit_dot4(builder, fmt, rows, xp, hidden_v, ahead: bool) -> list:
     return [builder.load(s) for s in sums]
 
 
-def _make_dot4(names, ahead: bool = True):
+def make_dot4(names, ahead: bool = True):
     """dot4 (every format) or dot4s (``names``: STREAM_FORMATS, ``ahead`` False)."""
 
     @intrinsic
@@ -253,26 +192,21 @@ def _make_dot4(names, ahead: bool = True):
 
         def codegen(context, builder, signature, args):
             fmt_v, data_v, offsets, hidden_v, x_v = args[1], args[2], args[3:7], args[7], args[8]
-            base = _byte_ptr(context, builder, signature.args[2], data_v)
+            base = byte_ptr(context, builder, signature.args[2], data_v)
             rows = [builder.gep(base, [o]) for o in offsets]
-            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[8], x_v), F32.as_pointer())
+            xp = builder.bitcast(byte_ptr(context, builder, signature.args[8], x_v), F32.as_pointer())
             sums = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in rows]
 
             def emit(fmt_module):
                 for total, dest in zip(_emit_dot4(builder, fmt_module, rows, xp, hidden_v, ahead), sums):
                     builder.store(total, dest)
 
-            _per_format(context, builder, signature.args[0], signature.args[1], fmt_v, emit, names)
+            per_format(context, builder, signature.args[0], signature.args[1], fmt_v, emit, names)
             return context.make_tuple(builder, signature.return_type, [builder.load(s) for s in sums])
 
         return sig, codegen
 
     return dot4
-
-
-def _row_major(builder, ptr, t, width, i):
-    """&ptr[t * width + i] for a float pointer."""
-    return builder.gep(ptr, [builder.add(builder.mul(t, width), i)])
 
 
 def _zero():
@@ -283,61 +217,7 @@ def _fma(builder, acc, w, xv):
     return builder.fadd(acc, builder.fmul(w, xv, flags=FAST), flags=FAST)
 
 
-def _register_loop(builder, count, inits, step) -> list:
-    """``for i in range(count): values = step(i, values)`` with the values (vectors) as SSA phis, so LLVM keeps
-    them in registers where an alloca'd accumulator would go through memory; returns the final values."""
-    entry = builder.basic_block
-    loop_bb, body_bb, done_bb = (builder.append_basic_block(f"regloop.{s}") for s in ("head", "body", "done"))
-    builder.branch(loop_bb)
-    builder.position_at_end(loop_bb)
-    i = builder.phi(I64)
-    i.add_incoming(const(0), entry)
-    values = [builder.phi(v.type) for v in inits]
-    for phi, v in zip(values, inits):
-        phi.add_incoming(v, entry)
-    builder.cbranch(builder.icmp_unsigned("<", i, count), body_bb, done_bb)
-    builder.position_at_end(body_bb)
-    updated = step(i, values)
-    for phi, v in zip(values, updated):
-        phi.add_incoming(v, builder.basic_block)
-    i.add_incoming(builder.add(i, const(1)), builder.basic_block)
-    builder.branch(loop_bb)
-    builder.position_at_end(done_bb)
-    return values
-
-
-def _per_format(context, builder, kernels, fmt_type, fmt_value, emit, names=FORMATS, integer: bool = False) -> None:
-    """emit(format module) for the format whose FORMATS index is the run-time value ``fmt_value``, one of
-    ``names`` that the kernel set ``kernels`` (a KernelSetType) holds: its float loop, or (``integer``) its
-    integer loop (others: nothing)."""
-    index = context.cast(builder, fmt_value, fmt_type, types.int64)
-    done = builder.append_basic_block("format.done")
-    switch = builder.switch(index, done)
-    for i, name in enumerate(FORMATS):
-        if name not in names or not kernels.emits(name, integer):
-            continue
-        block = builder.append_basic_block(f"format.{name}")
-        switch.add_case(const(i), block)
-        builder.position_at_end(block)
-        emit(FORMATS[name])
-        builder.branch(done)
-    builder.position_at_end(done)
-
-
-def _tile(context, builder, data, o, row_step, out, t0, col, NR: int, NT: int):
-    """A tile of NR rows by NT tokens: (the rows' byte pointers, o + j row_step in ``data``; the token indices
-    t0 + t; the destinations &out[t0 + t, col + j] as [NT][NR]). data, out: (numba type, value) pairs."""
-    base = _byte_ptr(context, builder, *data)
-    rows = [builder.gep(base, [builder.add(o, builder.mul(row_step, const(j)))]) for j in range(NR)]
-    outa = context.make_array(out[0])(context, builder, out[1])
-    outp = builder.bitcast(outa.data, F32.as_pointer())
-    width = builder.extract_value(outa.shape, 1)
-    tok = [builder.add(t0, const(t)) for t in range(NT)]
-    return rows, tok, [[_row_major(builder, outp, t, width, builder.add(col, const(j))) for j in range(NR)]
-                       for t in tok]
-
-
-def _make_dotk(NR: int, K: int, names=FORMATS, parted=None, chunk=None, ahead=True):
+def make_dotk(NR: int, K: int, names=FORMATS, parted=None, chunk=None, ahead=True):
     """The tile intrinsic of NR rows by K tokens for the formats ``names``; ``parted``: the formats that take
     _emit_dotk_parts (None: PARTED for a tile of four tokens, none for the short tiles; tests and
     tools/tile_probe.py set it to compare the loops); ``chunk``: its blocks a chunk (None: PART_BLOCKS, 0:
@@ -353,10 +233,10 @@ def _make_dotk(NR: int, K: int, names=FORMATS, parted=None, chunk=None, ahead=Tr
 
         def codegen(context, builder, signature, args):
             fmt_v, data_v, o, row_step, hidden_v, xg_v, t0, out_v, col = args[1:]
-            rows, tok, dests = _tile(context, builder, (signature.args[2], data_v), o, row_step,
+            rows, tok, dests = tile(context, builder, (signature.args[2], data_v), o, row_step,
                                      (signature.args[8], out_v), t0, col, NR, K)
-            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[6], xg_v), F32.as_pointer())
-            _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
+            xp = builder.bitcast(byte_ptr(context, builder, signature.args[6], xg_v), F32.as_pointer())
+            per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
                         lambda fmt: _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok, chunk, ahead)
                         if fmt in parted else _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok, ahead), names)
             return context.get_dummy_value()
@@ -376,7 +256,7 @@ def _dot_pairs(builder, fmt, rows, xrows, hidden_v, rounded=False, ahead=True) -
 
     def step(i, accs):  # accs [tokens * NR], token-major
         if ahead:
-            _prefetch_ahead(builder, fmt, rows, i)
+            prefetch_ahead(builder, fmt, rows, i)
         ws = [fmt.pairs(builder, row, i) for row in rows]
         out = []
         for xr, k in zip(xrows, range(0, len(accs), NR)):
@@ -389,7 +269,7 @@ def _dot_pairs(builder, fmt, rows, xrows, hidden_v, rounded=False, ahead=True) -
         return out
 
     zero = ir.Constant(fmt.VP, [0.0] * fmt.PAIRS)
-    flat = _register_loop(builder, nb, [zero] * (len(xrows) * NR), step)
+    flat = register_loop(builder, nb, [zero] * (len(xrows) * NR), step)
     sums = [[cgutils.alloca_once_value(builder, fmt.reduce(builder, acc)) for acc in flat[k:k + NR]]
             for k in range(0, len(flat), NR)]
     with _tail(builder, hidden_v, nb) as (i, _):
@@ -414,10 +294,10 @@ def _make_pairsk(NR: int, K: int):
             data_v, o, row_step, hidden_v, xb_v, t0, out_v, col = args[1:]
             if not kernels.emits("bf16dp"):
                 return context.get_dummy_value()
-            rows, tok, dests = _tile(context, builder, (signature.args[1], data_v), o, row_step,
+            rows, tok, dests = tile(context, builder, (signature.args[1], data_v), o, row_step,
                                      (signature.args[7], out_v), t0, col, NR, K)
-            xp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], xb_v), I16.as_pointer())
-            sums = _dot_pairs(builder, bf16dp, rows, [_row_major(builder, xp, t, hidden_v, const(0)) for t in tok],
+            xp = builder.bitcast(byte_ptr(context, builder, signature.args[5], xb_v), I16.as_pointer())
+            sums = _dot_pairs(builder, bf16dp, rows, [row_major(builder, xp, t, hidden_v, const(0)) for t in tok],
                               hidden_v, rounded=True)
             for per_t, per_dest in zip(sums, dests):
                 for acc, dest in zip(per_t, per_dest):
@@ -433,23 +313,23 @@ def _emit_dotk(builder, fmt, rows, xp, dests, hidden_v, tok, ahead=True) -> None
     nb = builder.udiv(hidden_v, const(LANES))
     NR = len(rows)
 
-    G = _groups(fmt)
+    G = step_groups(fmt)
 
     def step(i, accs):  # accs [K * NR], token-major
         if ahead:
-            _prefetch_ahead(builder, fmt, rows, i)  # the rows four pairs on (the first chunk of tokens brings them)
+            prefetch_ahead(builder, fmt, rows, i)  # the rows four pairs on (the first chunk of tokens brings them)
         for j in range(G):
             ws = [_weights(builder, fmt, row, i, j, hidden_v) for row in rows]  # each widened once for K tokens
             col = builder.mul(builder.add(builder.mul(i, const(G)), const(j)), const(LANES))
             out = []
             for t, k in zip(tok, range(0, len(accs), NR)):
-                xv = builder.load(builder.bitcast(_row_major(builder, xp, t, hidden_v, col), VF.as_pointer()),
+                xv = builder.load(builder.bitcast(row_major(builder, xp, t, hidden_v, col), VF.as_pointer()),
                                   align=4)
                 out += [_fma(builder, acc, w, xv) for w, acc in zip(ws, accs[k:k + NR])]  # one load of x, NR rows
             accs = out
         return accs
 
-    flat = _register_loop(builder, builder.udiv(nb, const(G)), [_zero()] * (len(tok) * NR), step)
+    flat = register_loop(builder, builder.udiv(nb, const(G)), [_zero()] * (len(tok) * NR), step)
     _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb, flat)
 
 
@@ -457,13 +337,13 @@ def _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb, flat) -> None
     """Reduce a tile's accumulators flat [K * NR] (token-major, <32 x float> each), add a partial last block's
     values one by one, store the sums at dests."""
     NR = len(rows)
-    totals = _tree_sums(builder, flat)
+    totals = tree_sums(builder, flat)
     sums = [[cgutils.alloca_once_value(builder, total) for total in totals[k:k + NR]] for k in range(0, len(flat), NR)]
     if not fmt.SCALED:
         with _tail(builder, hidden_v, nb) as (i, _):
             wis = [fmt.value(builder, row, i) for row in rows]
             for t, per_t in zip(tok, sums):
-                xi = builder.load(_row_major(builder, xp, t, hidden_v, i), align=4)
+                xi = builder.load(row_major(builder, xp, t, hidden_v, i), align=4)
                 for wi, acc in zip(wis, per_t):
                     builder.store(builder.fadd(builder.load(acc), builder.fmul(wi, xi, flags=FAST), flags=FAST), acc)
     for per_t, per_dest in zip(sums, dests):
@@ -478,35 +358,23 @@ def _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok, chunk=PART_BL
     """_emit_dotk's tile for f32 or bf16 rows (PARTED) with each <32 x float> accumulator kept as PART_LANES
     parts: the block's lanes 0-15 and 16-31 (AVX-512), or four parts of 8 (AVX2), each part a register, taken
     in turn over a chunk of PART_BLOCKS blocks. A 4 x 4 tile's 16 accumulators of <32 x float> take 32
-    registers of 16 floats, all of AVX-512's (and dot2r4's 8 take twice AVX2's 16): LLVM kept some on the stack
-    and reloaded them each block (12 stack loads and stores a block of bf16, 32 FMAs). A part's 16 (8)
+    registers of 16 floats, all of AVX-512's (and dot2r4's 8 take twice AVX2's 16): LLVM keeps some on the stack
+    and reloads them each block. A part's 16 (8)
     accumulators, its rows' and tokens' lanes leave registers free, and the chunk's bytes are read again for the
     next part from L1. Each lane adds its products in the same order over the blocks as _emit_dotk's, and the
     parts are joined into the same <32 x float> before the same reduction: the same bits.
 
-    Measured on one thread (AMD EPYC Zen 5, tools/tile_probe.py: 64 rows x 2048, 12 tokens, in cache; medians
-    of 5-9 alternating rounds, GFLOP/s, plain / parts): AVX-512, four rows by four tokens, bf16 142-160 /
-    162-179, f32 111-131 / 98-109 (so f32 keeps _emit_dotk there); AVX2 code (NUMBA_CPU_NAME=haswell), two rows
-    by four tokens, bf16 58-63 / 80-87, f32 63 / 77-79. The short tiles (one to three tokens) keep _emit_dotk:
-    their few accumulators leave registers free already, and a part's four FMA chains (four rows by one token)
-    wait on the FMA's latency (AVX-512 bf16 by one token 120 / 89, by two 142 / 144, by three 158 / 154).
-    Chunks of 8 and 16 blocks were no faster, 2 slower. A whole MoE layer with AVX2 code (tools/kernel_bench.py
-    --formats bf16,f32 --experts 64 --tokens 8, then 5, --activations f32 --threads 2; the checkout before and
-    after alternating three times, ms a layer before / after): bf16 39.5-40.2 / 26.2-26.9 and 24.2 /
-    17.5-18.1, f32 (memory-bound there) 61.5-64.4 / 59.6-61.9 and 35.0-36.6 / 30.2-36.2. AVX-512 keeps
-    _emit_dotk for bf16 too: its gain in cache did not reach a whole layer (tools/kernel_bench.py --formats
-    bf16 --experts 64 --tokens 8 and 5 --threads 2, three alternations, ms a layer plain / parts: 17.1-19.8 /
-    18.6-20.1 and 14.4-15.8 / 14.6-15.1), nor the dense matrices' prefill (4096 x 2048 by 64 tokens, 2
-    threads: 331-344 / 291-352 GFLOP/s).
+    The four-token tiles take it on AVX2 only (PARTED): on AVX-512 f32 runs slower in parts, and bf16's gain
+    in cache reaches neither a whole MoE layer nor the dense matrices' prefill. The short tiles (one to three
+    tokens) keep _emit_dotk: their few accumulators leave registers free already, and a part's four FMA
+    chains (four rows by one token) wait on the FMA's latency. Larger chunks than PART_BLOCKS are no faster,
+    smaller ones slower.
 
     ``chunk`` 0: each part over the whole row, the six-row tiles' (dot6rK, AVX-512): 24 accumulators of 16
     lanes, six rows' and a token's lanes take 31 of the 32 registers, and the second part reads the row's
-    bytes again from L1 or L2. On one thread in cache (x aligned, the prefetch left out, GFLOP/s): six rows by
-    four tokens, rows of 2048 bf16, chunks of 4 blocks / the whole row 180 / 234 (gcc's code of the same loop;
-    four rows by four, plain, 199 in gcc, 162-172 here), by three 233, by two 222. Out of cache, 2 threads,
-    rows of 768 (an expert's down rows: tools/tile_probe.py --experts 64 --rows 2048 --hidden 768, 1-17 tokens
-    an expert): 339-347 against four rows plain 293-299; rows of 2048 (gate, up): 225-260 against 267-276, so
-    those keep four rows in a group of fewer than 12 tokens (rows.six_rows)."""
+    bytes again from L1 or L2, which beats chunks of PART_BLOCKS there. Short rows (an expert's down rows)
+    gain from six rows; long ones (gate, up) keep four rows in a group of fewer than 12 tokens
+    (rows.six_rows)."""
     nb = builder.udiv(hidden_v, const(LANES))
     NR, K, W = len(rows), len(tok), PART_LANES
     S = LANES // W  # parts
@@ -524,20 +392,20 @@ def _emit_dotk_parts(builder, fmt, rows, xp, dests, hidden_v, tok, chunk=PART_BL
                 b = builder.add(start, i)
                 if s == 0:
                     if ahead:
-                        _prefetch_ahead(builder, fmt, rows, b)  # as _emit_dotk's, once a block
+                        prefetch_ahead(builder, fmt, rows, b)  # as _emit_dotk's, once a block
                 ws = [fmt.lanes(builder, row, b, W * s, W) for row in rows]
                 col = builder.add(builder.mul(b, const(LANES)), const(W * s))
                 new = []
                 for t, k in zip(tok, range(0, len(part), NR)):
-                    xv = builder.load(builder.bitcast(_row_major(builder, xp, t, hidden_v, col), VW.as_pointer()),
+                    xv = builder.load(builder.bitcast(row_major(builder, xp, t, hidden_v, col), VW.as_pointer()),
                                       align=4)
                     new += [_fma(builder, acc, w, xv) for w, acc in zip(ws, part[k:k + NR])]
                 return new
-            out += _register_loop(builder, count, accs[s * K * NR:(s + 1) * K * NR], step)
+            out += register_loop(builder, count, accs[s * K * NR:(s + 1) * K * NR], step)
         return out
 
     chunks = builder.udiv(builder.add(nb, const(chunk - 1)), const(chunk)) if chunk else const(1)
-    flat = _register_loop(builder, chunks, [ir.Constant(VW, [0.0] * W)] * (S * K * NR), chunk_step)
+    flat = register_loop(builder, chunks, [ir.Constant(VW, [0.0] * W)] * (S * K * NR), chunk_step)
     _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb,
                  [_joined(builder, [flat[s * K * NR + j] for s in range(S)]) for j in range(K * NR)])
 
@@ -554,7 +422,7 @@ def _joined(builder, parts):
 def _emit_decode(builder, fmt, row, outp, hidden_v) -> None:
     """outp[:hidden] <- the row at ``row`` in format ``fmt`` as float32 (exactly shm.formats' decode)."""
     nb = builder.udiv(hidden_v, const(LANES))
-    G = _groups(fmt)
+    G = step_groups(fmt)
     with cgutils.for_range(builder, builder.udiv(nb, const(G))) as loop:
         i = loop.index
         for j in range(G):
@@ -574,9 +442,9 @@ def decode(typingctx, kernels, fmt, data, o, hidden, out):
 
     def codegen(context, builder, signature, args):
         fmt_v, data_v, o, hidden_v, out_v = args[1:]
-        row = builder.gep(_byte_ptr(context, builder, signature.args[2], data_v), [o])
-        outp = builder.bitcast(_byte_ptr(context, builder, signature.args[5], out_v), F32.as_pointer())
-        _per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
+        row = builder.gep(byte_ptr(context, builder, signature.args[2], data_v), [o])
+        outp = builder.bitcast(byte_ptr(context, builder, signature.args[5], out_v), F32.as_pointer())
+        per_format(context, builder, signature.args[0], signature.args[1], fmt_v,
                     lambda m: _emit_decode(builder, bf16 if m is bf16dp else m, row, outp, hidden_v))
         return context.get_dummy_value()
 
@@ -592,26 +460,26 @@ def host_has_512_bit_vectors() -> bool:
 
 WIDE_TILES = host_has_512_bit_vectors()  # a constant of the compiled kernels (numba's cache is per CPU and features)
 PART_LANES = 16 if WIDE_TILES else 8  # floats a register holds: an accumulator part of _emit_dotk_parts
-# the four-token tiles' formats that take _emit_dotk_parts: on AVX2 only. AVX-512's bf16 tile gained ~10 % in
-# cache (tools/tile_probe.py) but nothing in a whole MoE layer or dense prefill (_emit_dotk_parts' docstring)
+# the four-token tiles' formats that take _emit_dotk_parts: on AVX2 only. AVX-512's bf16 tile gains in cache
+# but not in a whole MoE layer or dense prefill (_emit_dotk_parts' docstring)
 PARTED = () if WIDE_TILES else (f32, bf16)
 
 
-dot4 = _make_dot4(FORMATS)
-STREAM_FORMATS = ("bf16", "bf16dp")  # one token's rows read as four streams (rows.stream_quad): dot4s
-dot4s = _make_dot4(STREAM_FORMATS, ahead=False)
-dot2r4 = _make_dotk(2, 4, tuple(name for name in FORMATS if name != "bf16dp"))
-dot4r4 = _make_dotk(4, 4, ("f32", "bf16"))  # only where the host's registers hold its 16 accumulators: WIDE_TILES
+dot4 = make_dot4(FORMATS)
+STREAM_FORMATS = STREAM_LOOPS  # one token's rows read as four streams (rows.stream_quad): dot4s
+dot4s = make_dot4(STREAM_FORMATS, ahead=False)
+dot2r4 = make_dotk(2, 4, tuple(name for name in FORMATS if name != "bf16dp"))
+dot4r4 = make_dotk(4, 4, ("f32", "bf16"))  # only where the host's registers hold its 16 accumulators: WIDE_TILES
 pairs2r4, pairs4r4 = _make_pairsk(2, 4), _make_pairsk(4, 4)  # bf16dp's rows (the tokens rounded to bf16 first)
 # a group's last one to three tokens, in place of a tile padded with zero tokens (rows.short_tiles): f32, bf16, bf16dp
-dot2r1, dot2r2, dot2r3 = (_make_dotk(2, K, ("f32", "bf16")) for K in (1, 2, 3))
-dot4r1, dot4r2, dot4r3 = (_make_dotk(4, K, ("f32", "bf16")) for K in (1, 2, 3))
+dot2r1, dot2r2, dot2r3 = (make_dotk(2, K, ("f32", "bf16")) for K in (1, 2, 3))
+dot4r1, dot4r2, dot4r3 = (make_dotk(4, K, ("f32", "bf16")) for K in (1, 2, 3))
 pairs2r1, pairs2r2, pairs2r3 = (_make_pairsk(2, K) for K in (1, 2, 3))
 pairs4r1, pairs4r2, pairs4r3 = (_make_pairsk(4, K) for K in (1, 2, 3))
-dot6r4, dot6r3, dot6r2 = (_make_dotk(6, K, ("f32", "bf16"), parted=(f32, bf16), chunk=0) for K in (4, 3, 2))
-dot6r1 = _make_dotk(6, 1, ("f32", "bf16"), parted=())
-dot6r4n = _make_dotk(6, 4, ("f32", "bf16"), parted=(f32, bf16), chunk=0, ahead=False)
-WIDE_FORMATS = ("f32", "bf16", "bf16dp")  # four rows at a time on WIDE_TILES hosts: dot4r4's formats, pairs4r4's
+dot6r4, dot6r3, dot6r2 = (make_dotk(6, K, ("f32", "bf16"), parted=(f32, bf16), chunk=0) for K in (4, 3, 2))
+dot6r1 = make_dotk(6, 1, ("f32", "bf16"), parted=())
+dot6r4n = make_dotk(6, 4, ("f32", "bf16"), parted=(f32, bf16), chunk=0, ahead=False)
+WIDE_FORMATS = WIDE_LOOPS  # four rows at a time on WIDE_TILES hosts: dot4r4's formats, pairs4r4's
 
 
 

@@ -19,7 +19,8 @@ the row; filled only by copying the file's rows, never quantised from floats):
     q6k    0.8203 bytes a weight: Q6_K                                 (q6k.py)
     iq4xs  0.5313 bytes a weight: IQ4_XS                               (iq4xs.py)
 
-A format module has NAME, BLOCK, ``row_bytes(H)``, ``encode_into(dest, src)``
+Each format's record (name, id, block, bytes, GGUF type, loops) is traits.py's; its module (its reader) has
+TRAITS, NAME, BLOCK, ``row_bytes(H)``, ``encode_into(dest, src)``
 (float32 rows -> stored rows, at fill) and ``decode_into(dest, src)`` (stored
 rows -> float32, exactly the weights the kernels compute with). Stored rows are
 an array [R, row_bytes(H)] of uint8 (float32 and uint16 views for f32, bf16).
@@ -32,10 +33,15 @@ from types import ModuleType
 
 import numpy as np
 
-from . import bf16, f32, iq4xs, q4, q4k, q5k, q6k, q8
+from importlib import import_module
 
-FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (f32, bf16, q8, q4)}  # made from float weights too
-FILE_FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (q4k, q5k, q6k, iq4xs)}  # a GGUF file's blocks only
+from . import traits
+from .traits import TRAITS
+
+READERS: dict[str, ModuleType] = {t.name: import_module(f"{__name__}.{t.name}") for t in TRAITS}  # name -> reader
+FORMATS: dict[str, ModuleType] = {t.name: READERS[t.name] for t in TRAITS if t.from_floats}  # made from floats too
+FILE_FORMATS: dict[str, ModuleType] = {t.name: READERS[t.name] for t in TRAITS if not t.from_floats}  # a file's
+f32 = READERS["f32"]
 AUTO = "auto"
 
 
@@ -58,16 +64,12 @@ def resolve(name: str, checkpoint_dtype: str, hidden: int) -> ModuleType:
     another GGUF block type needs a chosen format. A file format (q4k, ...) holds only its own GGUF type."""
     if name == AUTO:
         from ..checkpoint import is_block_dtype
-        from ..gguf_blocks import LOSSLESS, ggml_type
 
-        if is_block_dtype(checkpoint_dtype):
-            name = LOSSLESS.get(ggml_type(checkpoint_dtype))
-            if name is None:
-                raise FormatError(f"the experts are {checkpoint_dtype} blocks, which no store format holds exactly "
-                                  "yet: choose --expert-dtype (q8, q4, bf16 or f32) to convert them (a second "
-                                  "rounding)")
-        else:
-            name = "bf16" if checkpoint_dtype == "BF16" else "f32"
+        # a float type: the format that holds it exactly (F16 widens to f32; FP8 is held as f32 too)
+        name = traits.EXACT.get(checkpoint_dtype, None if is_block_dtype(checkpoint_dtype) else "f32")
+        if name is None:
+            raise FormatError(f"the experts are {checkpoint_dtype} blocks, which no store format holds exactly yet: "
+                              f"choose --expert-dtype ({', '.join(FORMATS)}) to convert them (a second rounding)")
     fmt = get(name)
     if name in FILE_FORMATS and checkpoint_dtype != fmt.GGML:
         raise FormatError(f"expert format {name} holds a GGUF file's {fmt.GGML} blocks as they are; these experts "

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-NAME = "bf16"
-BLOCK = 1
+from . import traits
+
+TRAITS = traits.BY_NAME["bf16"]  # name, block, bytes, GGUF type: traits.py
+NAME, BLOCK = TRAITS.name, TRAITS.block
+BYTES_PER_WEIGHT = TRAITS.bytes_per_weight
 STORED_DTYPE = np.uint16
-BYTES_PER_WEIGHT = 2.0
 
 
 def row_bytes(hidden: int) -> int:

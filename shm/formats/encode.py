@@ -1,4 +1,4 @@
-"""Compiled quantisation at fill: the same bytes as shm/formats' NumPy encoders, 20-50x faster.
+"""Compiled quantisation at fill: the same bytes as shm/formats' NumPy encoders, many times faster.
 
 q8 and q4 are encoded in two compiled passes around one NumPy step:
 

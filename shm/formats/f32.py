@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-NAME = "f32"
-BLOCK = 1
+from . import traits
+
+TRAITS = traits.BY_NAME["f32"]  # name, block, bytes, GGUF type: traits.py
+NAME, BLOCK = TRAITS.name, TRAITS.block
+BYTES_PER_WEIGHT = TRAITS.bytes_per_weight
 STORED_DTYPE = np.float32
-BYTES_PER_WEIGHT = 4.0
 
 
 def row_bytes(hidden: int) -> int:

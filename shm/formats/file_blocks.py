@@ -7,17 +7,18 @@ from typing import Callable
 
 import numpy as np
 
-BLOCK = 256  # weights of a super-block along the row
+from .traits import FormatTraits
 
 
-def functions(name: str, ggml: str, super_bytes: int) -> tuple[Callable, Callable, Callable]:
-    """(row_bytes, hidden_of, encode_into) of a format of ``super_bytes``-byte super-blocks."""
+def functions(record: FormatTraits) -> tuple[Callable, Callable, Callable]:
+    """(row_bytes, hidden_of, encode_into) of a format of super-blocks (its traits record: block, block_bytes)."""
+    name, ggml, block, super_bytes = record.name, record.ggml, record.block, record.block_bytes
 
     def row_bytes(hidden: int) -> int:
-        return hidden // BLOCK * super_bytes
+        return hidden // block * super_bytes
 
     def hidden_of(stored_width: int) -> int:
-        return stored_width // super_bytes * BLOCK
+        return stored_width // super_bytes * block
 
     def encode_into(dest: np.ndarray, src: np.ndarray) -> None:
         raise ValueError(f"{name} holds a GGUF file's {ggml} blocks as they are; float weights are not quantised "

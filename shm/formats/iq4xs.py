@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import file_blocks
+from . import file_blocks, traits
 from .file_blocks import halves
 
-NAME = "iq4xs"
-GGML = "IQ4_XS"
-BLOCK = file_blocks.BLOCK
-SUPER_BYTES = 136
+TRAITS = traits.BY_NAME["iq4xs"]  # name, block, bytes, GGUF type: traits.py
+NAME, GGML, BLOCK, SUPER_BYTES = TRAITS.name, TRAITS.ggml, TRAITS.block, TRAITS.block_bytes
+BYTES_PER_WEIGHT = TRAITS.bytes_per_weight
 STORED_DTYPE = np.uint8
-BYTES_PER_WEIGHT = SUPER_BYTES / BLOCK
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 
-row_bytes, hidden_of, encode_into = file_blocks.functions(NAME, GGML, SUPER_BYTES)
+row_bytes, hidden_of, encode_into = file_blocks.functions(TRAITS)
 
 
 def decode_into(dest: np.ndarray, src: np.ndarray) -> None:

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import file_blocks
+from . import file_blocks, traits
 from .file_blocks import halves
 
-NAME = "q4k"
-GGML = "Q4_K"
-BLOCK = file_blocks.BLOCK
-SUPER_BYTES = 144
+TRAITS = traits.BY_NAME["q4k"]  # name, block, bytes, GGUF type: traits.py
+NAME, GGML, BLOCK, SUPER_BYTES = TRAITS.name, TRAITS.ggml, TRAITS.block, TRAITS.block_bytes
+BYTES_PER_WEIGHT = TRAITS.bytes_per_weight
 STORED_DTYPE = np.uint8
-BYTES_PER_WEIGHT = SUPER_BYTES / BLOCK
 
-row_bytes, hidden_of, encode_into = file_blocks.functions(NAME, GGML, SUPER_BYTES)
+row_bytes, hidden_of, encode_into = file_blocks.functions(TRAITS)
 
 
 def scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import file_blocks
+from . import file_blocks, traits
 from .file_blocks import halves
 
-NAME = "q6k"
-GGML = "Q6_K"
-BLOCK = file_blocks.BLOCK
-SUPER_BYTES = 210
+TRAITS = traits.BY_NAME["q6k"]  # name, block, bytes, GGUF type: traits.py
+NAME, GGML, BLOCK, SUPER_BYTES = TRAITS.name, TRAITS.ggml, TRAITS.block, TRAITS.block_bytes
+BYTES_PER_WEIGHT = TRAITS.bytes_per_weight
 STORED_DTYPE = np.uint8
-BYTES_PER_WEIGHT = SUPER_BYTES / BLOCK
 
-row_bytes, hidden_of, encode_into = file_blocks.functions(NAME, GGML, SUPER_BYTES)
+row_bytes, hidden_of, encode_into = file_blocks.functions(TRAITS)
 
 
 def decode_into(dest: np.ndarray, src: np.ndarray) -> None:

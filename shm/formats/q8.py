@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-NAME = "q8"
-BLOCK = 32
+from . import traits
+
+TRAITS = traits.BY_NAME["q8"]  # name, block, bytes, GGUF type: traits.py
+NAME, BLOCK = TRAITS.name, TRAITS.block
+BYTES_PER_WEIGHT = TRAITS.bytes_per_weight
 STORED_DTYPE = np.uint8
-BYTES_PER_WEIGHT = 1 + 2 / BLOCK
 
 
 def row_bytes(hidden: int) -> int:
