@@ -1,13 +1,7 @@
 """The GPU-side process: model, engine loop, expert pools, CLI."""
 
-import os
-
-# OpenBLAS's idle threads spin for 2**28 rounds after each call (its default timeout) on the CPUs that numba's
-# kernels take next: after the attention's BLAS calls a prefill MoE layer took 135 ms instead of 85 on this
-# 2-vCPU machine, and the whole 64-token prefill 760-900 ms instead of 470-540 (Q4_K_M file). 2**4 rounds
-# (the least OpenBLAS takes) puts them to sleep at once. Read when NumPy loads OpenBLAS, so set here before any
-# import of it; the user's own setting wins. (libgomp's, OMP_WAIT_POLICY: node_worker/kernels/common.py.)
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+# Importing the package sets nothing in the environment: the entry points set the thread variables
+# (shm/threads_env.py), which a program using the library sets by calling shm.threads_env.apply() first.
 
 __all__ = ["Engine", "EngineConfig"]
 

@@ -158,6 +158,12 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
 API_KEY_VAR = "STRATA_API_KEY"  # ``strata serve --http``: the Bearer key /v1/* requires (--api-key), not the engine's
 
 
+def resolve_api_key(flag: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The Bearer key ``strata serve --http`` asks for: --api-key over STRATA_API_KEY; None: no key."""
+    environ = os.environ if environ is None else environ
+    return flag or environ.get(API_KEY_VAR) or None
+
+
 def _parse_env(var: str, parse: Callable[[str], object], environ: Mapping[str, str]) -> object:
     try:
         return parse(environ[var])
@@ -188,20 +194,3 @@ def resolve_config(
     if unknown:
         raise ConfigValueError(f"unknown config field(s): {', '.join(unknown)}")
     return EngineConfig(**values), sources  # type: ignore[arg-type]
-
-
-def resolve_setting(name: str, flag: object = None, environ: Mapping[str, str] | None = None) -> object:
-    """One field's value, flag > variable > EngineConfig's default, parsed as in resolve_config and checked
-    by EngineConfig on its own; for a command that needs one setting, not an engine (``strata bench --spin-us``).
-    Only for fields whose checks stand alone (not ``nodes`` or ``gpu_expert_memory``)."""
-    if name not in ENV_VARS:
-        raise ConfigValueError(f"unknown config field: {name}")
-    var, parse = ENV_VARS[name]
-    environ = os.environ if environ is None else environ
-    if flag is not None:
-        value = flag
-    elif var in environ:
-        value = _parse_env(var, parse, environ)
-    else:
-        return getattr(EngineConfig(), name)
-    return getattr(EngineConfig(**{name: value}), name)

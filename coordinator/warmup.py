@@ -29,6 +29,9 @@ import signal
 if __name__ == "__main__":  # the compile child: stopped during its imports (nothing made yet), it just ends
     for _sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_sig, lambda signum, frame: os._exit(128 + signum))
+    from shm.threads_env import apply
+
+    apply()  # before NumPy and numba load
 
 import argparse
 import fcntl

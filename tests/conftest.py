@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-import json
+from shm.threads_env import apply
+
+apply()  # the tests run with the thread settings of the strata command, set before NumPy loads
+
+import json  # noqa: E402
 from pathlib import Path
 
 import numpy as np

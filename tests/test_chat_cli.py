@@ -19,7 +19,7 @@ from coordinator.cli.main import main
 from coordinator.cli.make_model import make_model
 from coordinator.config import ENV_VARS
 from coordinator.errors import StrataError
-from coordinator.serving.chat_template import load_chat_template
+from coordinator.model.chat_template import load_chat_template
 from shm.segments import SegmentError, owner_alive, read_header
 
 REPO = Path(__file__).resolve().parents[1]

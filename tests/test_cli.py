@@ -246,21 +246,47 @@ def test_shm_clean_all_removes_pool_folders_of_gone_coordinators_only(tmp_path, 
     assert (tmp_path / "strata-pool-live").exists() and "strata-pool-live" not in out
 
 
-@pytest.mark.parametrize("given, expected", [(None, "4"), ("12", "12")], ids=["default", "user's"])
-def test_openblas_threads_sleep_at_once_unless_the_user_says_otherwise(given, expected):
-    """coordinator sets OPENBLAS_THREAD_TIMEOUT before NumPy loads OpenBLAS (whose idle threads otherwise spin
-    on the CPUs the kernels take next); a value the user set stays."""
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    if given is not None:
-        env["OPENBLAS_THREAD_TIMEOUT"] = given
-    code = ("import builtins, os\n"
-            "real, seen = builtins.__import__, []\n"
-            "def spy(name, *args, **kwargs):\n"
-            "    if name.split('.')[0] == 'numpy' and not seen:\n"
-            "        seen.append(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))\n"
-            "    return real(name, *args, **kwargs)\n"
-            "builtins.__import__ = spy\n"
-            "import coordinator.engine\n"
-            "print(seen[0])\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [expected]  # its value when NumPy was first imported
+THREAD_VARS = ("OPENBLAS_THREAD_TIMEOUT", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+ENTRY_POINTS = {  # each entry point run in a fresh interpreter as far as its arguments take it
+    "strata": "from coordinator.cli.entry import main\nsys.argv = ['strata', 'config']\nmain()\n",
+    "kernel compile": "import runpy\nsys.argv = ['warmup', '--help']\ntry:\n"
+                      "    runpy.run_module('coordinator.warmup', run_name='__main__')\nexcept SystemExit:\n    pass\n",
+    "node worker": "import runpy\nsys.argv = ['node_worker', '--help']\ntry:\n"
+                   "    runpy.run_module('node_worker', run_name='__main__')\nexcept SystemExit:\n    pass\n",
+}
+
+
+def thread_settings(code: str, given: dict[str, str]) -> dict:
+    """The thread variables (THREAD_VARS) when NumPy was first imported and after ``code``, in a fresh
+    interpreter whose environment has ``given`` of them."""
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
+    spy = ("import builtins, json, os, sys\n"
+           "real, seen = builtins.__import__, []\n"
+           "def spy(name, *args, **kwargs):\n"
+           "    if name.split('.')[0] == 'numpy' and not seen:\n"
+           f"        seen.append({{v: os.environ.get(v) for v in {THREAD_VARS!r}}})\n"
+           "    return real(name, *args, **kwargs)\n"
+           "builtins.__import__ = spy\n")
+    after = ("print(json.dumps({'numpy': seen[0] if seen else None, "
+             f"'after': {{v: os.environ.get(v) for v in {THREAD_VARS!r}}}}}))\n")
+    out = subprocess.run([sys.executable, "-c", spy + code + after], cwd=REPO, env=dict(env, **given),
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("given, expected", [({}, {"OPENBLAS_THREAD_TIMEOUT": "4", "GOMP_SPINCOUNT": "10000"}),
+                                             ({"OPENBLAS_THREAD_TIMEOUT": "12", "OMP_WAIT_POLICY": "PASSIVE"},
+                                              {"OPENBLAS_THREAD_TIMEOUT": "12", "GOMP_SPINCOUNT": None})],
+                         ids=["default", "user's"])
+def test_every_entry_point_sets_the_thread_variables_before_numpy_unless_the_user_did(entry, given, expected):
+    """OpenBLAS's idle threads sleep at once and libgomp's spin a while (shm/threads_env.py), set by each entry
+    point before NumPy loads OpenBLAS; a choice of the user's stays."""
+    got = thread_settings(ENTRY_POINTS[entry], given)
+    want = {"OMP_WAIT_POLICY": given.get("OMP_WAIT_POLICY"), **expected}
+    assert got["numpy"] == got["after"] == want
+
+
+def test_importing_the_packages_sets_no_thread_variable():
+    got = thread_settings("import coordinator.engine, coordinator.cli.main, node_worker.kernel_threads\n", {})
+    assert got["numpy"] == got["after"] == {v: None for v in THREAD_VARS}

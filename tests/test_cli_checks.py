@@ -389,7 +389,7 @@ def test_min_p_and_the_repeat_penalty_reach_the_sampler(tiny, capsys):
 def test_make_model_writes_a_chat_template_and_names_an_unwritable_out(tmp_path, capsys):
     out = tmp_path / "m"
     assert main(["make-model", "--out", str(out), "--layers", "1"]) == 0
-    from coordinator.serving.chat_template import load_chat_template
+    from coordinator.model.chat_template import load_chat_template
 
     template = load_chat_template(out)
     assert template is not None and template.eos_token == "<|im_end|>"
@@ -455,3 +455,118 @@ def test_launch_script_help():
     out = subprocess.run(["bash", str(REPO / "tools" / "launch.sh"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "tools/launch.sh generate --model DIR" in out.stdout
     assert subprocess.run(["bash", str(REPO / "tools" / "launch.sh")], capture_output=True).returncode == 2
+
+
+# -- every command resolves its settings the same way, with one default each (issue 44) ------------------------
+
+class Opened(Exception):
+    """Raised in place of loading an engine: the config it was given is the test's answer."""
+
+
+COMMANDS = {  # argv after the model; each command opens one engine first (bench: its one mode)
+    "generate": ["generate", "-p", "hi"],
+    "chat": ["chat"],
+    "serve": ["serve", "--bind", "ipc://{tmp}/serve/sock"],
+    "bench": ["bench", "--modes", "inproc", "--quality-positions", "0"],
+}
+
+
+def opened_config(monkeypatch, tmp_path, tiny, command: str, *extra: str):
+    """The EngineConfig ``strata COMMAND`` opens its engine with (Engine.open stopped there)."""
+    from coordinator.engine import Engine
+
+    seen = []
+
+    def stop(model_dir, config=None, *args, **kwargs):
+        seen.append(config)
+        raise Opened
+
+    monkeypatch.setattr(Engine, "open", stop)
+    name, *rest = COMMANDS[command]
+    argv = [name, "-m", str(tiny), *(a.format(tmp=tmp_path) for a in rest), *extra]
+    with pytest.raises(Opened):
+        main(argv)
+    assert len(seen) == 1
+    return seen[0]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_takes_a_strata_variable_and_its_flag_beats_it(monkeypatch, tmp_path, tiny, command):
+    """flag > STRATA_* variable > default, through one function (cli/flags.engine_config), in every command
+    that opens an engine: strata bench's engines too, whose mode sets the pool."""
+    assert opened_config(monkeypatch, tmp_path, tiny, command).expert_dtype == "auto"
+    monkeypatch.setenv("STRATA_EXPERT_DTYPE", "q8")
+    monkeypatch.setenv("STRATA_ROUTE_TAIL_SKIP", "0.01")  # a setting without a flag in bench
+    config = opened_config(monkeypatch, tmp_path, tiny, command)
+    assert (config.expert_dtype, config.route_tail_skip) == ("q8", 0.01)
+    config = opened_config(monkeypatch, tmp_path, tiny, command, "--expert-dtype", "q4")
+    assert (config.expert_dtype, config.route_tail_skip) == ("q4", 0.01)
+    if command == "bench":
+        assert config.pool == "inproc"  # the mode's, whatever STRATA_POOL says
+
+
+def test_bench_modes_set_the_pool_whatever_the_variables_say(monkeypatch, tmp_path, tiny):
+    monkeypatch.setenv("STRATA_POOL", "process")
+    monkeypatch.setenv("STRATA_NUMA_SPLIT", "1")
+    config = opened_config(monkeypatch, tmp_path, tiny, "bench")
+    assert (config.pool, config.numa_split, config.nodes) == ("inproc", False, None)
+
+
+def test_help_texts_take_the_defaults_from_the_config(capsys):
+    from coordinator.config import EngineConfig
+    from coordinator.request import DEFAULT_MAX_NEW_TOKENS
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(STRATA_WORKER_RESTART_WINDOW; default {EngineConfig.worker_restart_window:g})" in text
+    assert f"(STRATA_PREFILL_CHUNK; default {EngineConfig.prefill_chunk})" in text
+    assert f"(STRATA_ACTIVATIONS; default {EngineConfig.activations})" in text
+    assert "(STRATA_POOL; default process)" in text  # the command line's, not the library's
+    assert f"the most tokens to generate (default {DEFAULT_MAX_NEW_TOKENS})" in text
+    from coordinator.cli import main as cli_main, flags
+
+    for module in (cli_main, flags):  # no number written into a help text as a default
+        assert not re.search(r"\(default \d", Path(module.__file__).read_text()), module
+
+
+def test_one_default_for_max_new_tokens_everywhere():
+    """The engine's generate, the ZeroMQ API's request and every generating command take the same default."""
+    import inspect
+
+    from coordinator.engine import Engine
+    from coordinator.request import DEFAULT_MAX_NEW_TOKENS, Limits
+    from coordinator.serving.api import decode_request
+
+    defaults = {
+        "generate_full": inspect.signature(Engine.generate_full).parameters["max_new_tokens"].default,
+        "generate": inspect.signature(Engine.generate).parameters["max_new_tokens"].default,
+        "api": decode_request(json.dumps({"type": "generate", "id": "a", "prompt": "x"}).encode(),
+                              Limits()).max_new_tokens,
+        **{cmd: build_parser().parse_args(argv).max_new_tokens for cmd, argv in (
+            ("cli generate", ["generate", "-m", "M", "-p", "x"]), ("cli chat", ["chat", "-m", "M"]),
+            ("cli client", ["client", "x"]), ("cli profile", ["profile", "-m", "M", "--prompts", __file__, "--out",
+                                                               "p.json"]))},
+    }
+    assert set(defaults.values()) == {DEFAULT_MAX_NEW_TOKENS}, defaults
+
+
+def test_generate_stops_on_a_stop_string(tiny, capsys):
+    """--stop ends the answer before the first place the text holds it, streamed and in --json alike; the ids
+    end with the token that completed it."""
+    def run(*extra: str) -> tuple[dict, str]:
+        capsys.readouterr()
+        argv = ["generate", "-m", str(tiny), "-p", "Hello", "-n", "24", "--pool", "inproc", "-q", *extra]
+        assert main([*argv, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert main(argv) == 0
+        return doc, capsys.readouterr().out
+
+    whole, _ = run()
+    text = whole["text"]
+    assert whole["finish_reason"] == "length" and len(text) >= 4, whole
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = text.index(stop)
+    doc, streamed = run("--stop", stop, "--stop", "never in it \u2603")
+    assert doc["finish_reason"] == "stop" and doc["text"] == text[:cut] and streamed == text[:cut] + "\n"
+    assert 0 < len(doc["ids"]) < len(whole["ids"]) and doc["ids"] == whole["ids"][:len(doc["ids"])]

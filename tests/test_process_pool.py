@@ -21,15 +21,14 @@ import pytest
 
 from coordinator import Engine, EngineConfig
 from coordinator.cli.make_model import make_model
-from coordinator.engine import build_inproc_pool, build_plan, pool_nodes, worker_job
+from coordinator.cpu_experts import build_inproc_pool, plan_cpu_experts, pool_nodes, worker_job
 from coordinator.errors import StepInterrupted
-from coordinator.model.model_config import load_model_config
+from coordinator.model.source import open_source
 from coordinator.model.weights import load_weights
 from coordinator.pool import PoolRequest
 from coordinator.pool.process import PoolError, ProcessPool, WorkerDied
 from node_worker import protocol as P
 from node_worker.job import WorkerJob
-from shm.checkpoint import Checkpoint
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
@@ -62,14 +61,11 @@ def random_request(rng, layer, T, k, E, H, cpu_experts):
 def pools_for(model_dir, nodes, threads, fmt="f32", activations=EngineConfig.activations):
     cfg = EngineConfig(pool="process", numa_split=True, nodes=nodes, worker_threads=threads, expert_dtype=fmt,
                        activations=activations)
-    mcfg = load_model_config(model_dir)
-    ckpt = Checkpoint(model_dir)
-    experts = load_weights(mcfg, ckpt).experts
-    node_list = pool_nodes(cfg)
-    plan = build_plan(mcfg, node_list)
-    inproc = build_inproc_pool(ckpt, mcfg, plan, experts, fmt=fmt, activations=activations)
-    proc = ProcessPool(plan, node_list, worker_job(model_dir, ckpt, mcfg, plan, experts, node_list, cfg, 4096), cfg)
-    return mcfg, plan, inproc, proc
+    source = open_source(model_dir)
+    cpu = plan_cpu_experts(source, cfg, load_weights(source.config, source.checkpoint).experts, pool_nodes(cfg))
+    inproc = build_inproc_pool(source, cpu, threads=1, activations=activations)
+    proc = ProcessPool(cpu.plan, list(cpu.nodes), worker_job(source, cpu, cfg, 4096), cfg)
+    return source.config, cpu.plan, inproc, proc
 
 
 NODES_THREADS = list(itertools.product([2, 3], [1, 2, 3]))
@@ -329,8 +325,10 @@ def _fresh_python(code: str, *args: str, env: dict[str, str] | None = None) -> s
 
 
 def _kernel_wait_settings(env: dict[str, str]) -> dict:
-    """What node_worker.kernel_threads sets in a fresh interpreter with ``env``."""
-    return json.loads(_fresh_python("import json, os; from node_worker import kernel_threads as k; "
+    """What the entry points' thread settings and node_worker.kernel_threads make of ``env`` in a fresh
+    interpreter."""
+    return json.loads(_fresh_python("import json, os; from shm import threads_env; threads_env.apply(); "
+                                    "from node_worker import kernel_threads as k; "
                                     "out = {'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env('q4'), "
                                     "'bf16_worker': k.worker_env('bf16/bf16/bf16;1=q8/q8/q8'), "
                                     "'f32_worker': k.worker_env('f32;1=bf16')}; "

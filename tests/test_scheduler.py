@@ -14,7 +14,7 @@ from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from coordinator.errors import StepInterrupted
 from coordinator.serving.api import ApiError, Limits, decode_request
-from coordinator.serving.scheduler import Scheduler
+from coordinator.scheduler import Scheduler
 
 MAX_STEPS = 500  # every loop over steps is bounded by this
 
@@ -759,7 +759,7 @@ def test_cancelled_request_with_logprobs_has_one_entry_per_id(engine):
 
 
 def test_logprobs_token_text_is_empty_without_a_tokenizer(engine, monkeypatch):
-    monkeypatch.setattr(engine, "codec", None)
+    monkeypatch.setattr(engine, "source", dataclasses.replace(engine.source, codec=None))
     rec = Recorder()
     sched = Scheduler(engine, emit=rec)
     ids = [72, 105, 33]

@@ -7,11 +7,10 @@ import json
 import pytest
 
 from coordinator.config import EngineConfig
-from coordinator.engine import build_plan, pool_nodes, worker_job
-from coordinator.model.model_config import load_model_config
+from coordinator.cpu_experts import plan_cpu_experts, pool_nodes, worker_job
+from coordinator.model.source import open_source
 from coordinator.model.weights import load_weights
 from node_worker.job import JobError, WorkerJob, max_message_bytes
-from shm.checkpoint import Checkpoint
 
 
 @pytest.fixture
@@ -19,9 +18,9 @@ def job(tiny_model) -> WorkerJob:
     model = tiny_model()
     cfg = EngineConfig(pool="process", numa_split=True, nodes=2, pool_spin_us=5.0, keep_shm=True,
                        worker_log_level="INFO", worker_threads=1)
-    mcfg, ckpt = load_model_config(model), Checkpoint(model)
-    nodes = pool_nodes(cfg)
-    return worker_job(model, ckpt, mcfg, build_plan(mcfg, nodes), load_weights(mcfg, ckpt).experts, nodes, cfg, 128)
+    source = open_source(model)
+    cpu = plan_cpu_experts(source, cfg, load_weights(source.config, source.checkpoint).experts, pool_nodes(cfg))
+    return worker_job(source, cpu, cfg, 128)
 
 
 def test_round_trip_is_equal_and_carries_the_settings(job):

@@ -10,6 +10,10 @@ and the slowest over the mean (1.33 expected without turns, 1.00 with them).
 
 from __future__ import annotations
 
+from shm import threads_env
+
+threads_env.apply()  # the thread settings strata's commands run with, before NumPy loads
+
 import argparse
 import dataclasses
 import sys

@@ -13,6 +13,10 @@ real first run compiles the shared helpers (the activations' quantisers, the wei
 
 from __future__ import annotations
 
+from shm import threads_env
+
+threads_env.apply()  # the thread settings strata's commands run with, before NumPy loads
+
 import argparse
 import json
 import os

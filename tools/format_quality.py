@@ -30,6 +30,10 @@ K types and IQ4_XS).
 
 from __future__ import annotations
 
+from shm import threads_env
+
+threads_env.apply()  # the thread settings strata's commands run with, before NumPy loads
+
 import argparse
 import json
 import sys

@@ -19,6 +19,10 @@ largest it gets.
 
 from __future__ import annotations
 
+from shm import threads_env
+
+threads_env.apply()  # the thread settings strata's commands run with, before NumPy loads
+
 import argparse
 import http.client
 import json

@@ -13,6 +13,10 @@ iq4xs) is filled with valid random blocks of its type.
 
 from __future__ import annotations
 
+from shm import threads_env
+
+threads_env.apply()  # the thread settings strata's commands run with, before NumPy loads
+
 import argparse
 import sys
 import time

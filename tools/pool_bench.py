@@ -10,6 +10,10 @@ Without --model it builds a model with larger experts in a temporary folder.
 
 from __future__ import annotations
 
+from shm import threads_env
+
+threads_env.apply()  # the thread settings strata's commands run with, before NumPy loads
+
 import argparse
 import statistics
 import tempfile

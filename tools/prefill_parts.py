@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as coordinator/__init__.py, before NumPy loads
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as shm/threads_env.py sets it, before NumPy loads
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402

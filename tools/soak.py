@@ -21,6 +21,10 @@ the loopback server it started.
 
 from __future__ import annotations
 
+from shm import threads_env
+
+threads_env.apply()  # the thread settings strata's commands run with, before NumPy loads
+
 import argparse
 import json
 import os

@@ -20,6 +20,10 @@ numba code is compiled apart (not cached), in a few seconds.
 
 from __future__ import annotations
 
+from shm import threads_env
+
+threads_env.apply()  # the thread settings strata's commands run with, before NumPy loads
+
 import argparse
 import sys
 import time

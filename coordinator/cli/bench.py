@@ -10,9 +10,8 @@ With ``formats`` (``--formats f32,bf16``) each mode is opened once per storage f
 first format, from the same rounds (issue 13's "bf16 decode >= 1.8x our f32" is such a ratio).
 
 Rounds interleave the modes (A B C A B C ...) after a warm-up: the whole prompt and a few new tokens per
-mode, as llama-bench warms up on the test it times. After an 8-token warm-up the first 64-token prefill of a
-process ran 4-9 ms slower than the next ones (a 4-layer Qwen3-MoE geometry model, bf16, three processes; the
-parallel attention loop was then loaded in it, now at open). Per mode: decode
+mode, as llama-bench warms up on the test it times: the first prefill of a process is otherwise slower
+than the next ones. Per mode: decode
 and prefill tokens/s; per MoE layer at decode, the pool's wall time (first send
 to last partial), the workers' own compute and the difference, next to the empty
 round trip over the same sockets; the pool's effective bandwidth (expert bytes
@@ -28,7 +27,9 @@ import json
 import logging
 import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import psutil
@@ -81,7 +82,7 @@ def parse_formats(text: str) -> list[tuple[str, dict]]:
     return out
 
 
-def labels_for(modes, formats) -> list[tuple[str, str, dict]]:
+def labels_for(modes, formats: list[tuple[str, dict]] | None) -> list[tuple[str, str, dict]]:
     """(label, mode, the format's EngineConfig fields) for each mode and format: the mode's name alone without
     formats, else mode@format, the formats of a mode side by side."""
     if not formats:
@@ -89,14 +90,51 @@ def labels_for(modes, formats) -> list[tuple[str, str, dict]]:
     return [(f"{mode}@{label}", mode, fields) for mode in modes for label, fields in formats]
 
 
-def mode_config(mode: str, nodes: int, spin_us: float = 0.0) -> EngineConfig:
-    if mode == "inproc":
-        return EngineConfig(pool="inproc")  # threads: the node's CPUs (see engine.build_inproc_pool)
+def mode_fields(mode: str, nodes: int) -> dict:
+    """The EngineConfig fields a mode sets itself (the rest: the command's flags, variables and defaults)."""
+    if mode == "inproc":  # threads: the node's CPUs (cpu_experts.build_inproc_pool)
+        return {"pool": "inproc", "numa_split": False, "nodes": None}
     if mode == "single":
-        return EngineConfig(pool="process", pool_spin_us=spin_us)
+        return {"pool": "process", "numa_split": False, "nodes": None}
     if mode == "split":
-        return EngineConfig(pool="process", numa_split=True, nodes=nodes, pool_spin_us=spin_us)
+        return {"pool": "process", "numa_split": True, "nodes": nodes, "pool_node": 0}
     raise ValueError(f"unknown bench mode {mode!r}; expected one of {', '.join(MODES)}")
+
+
+@dataclass(frozen=True)
+class BenchEngine:
+    label: str  # the mode's name, or mode@format
+    mode: str
+    config: EngineConfig
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    engines: tuple[BenchEngine, ...]  # opened in this order, all at once, and measured interleaved
+    formats: tuple[str, ...] = ()  # --formats' entries: each mode once per format, the first the ratios' base
+    settings: dict = field(default_factory=dict)  # the settings given beside the modes' own, for the report
+    tokens: int = 64  # decoded a round
+    prompt_tokens: int = 256  # prefilled a round
+    rounds: int = 3
+    warmup_tokens: int = 4
+    membw_bytes: int | None = None  # the STREAM-style read's array; None: stream_bytes
+    seed: int = 0
+    quality_positions: int = 0  # compare the first mode's logits with an f32 computation over this many; 0: not
+
+
+def bench_engines(modes, nodes: int, formats: list[tuple[str, dict]] | None,
+                  resolve: Callable[[dict], EngineConfig]) -> tuple[BenchEngine, ...]:
+    """One engine per mode, or per mode and format, its config ``resolve``d from the fields the mode and the
+    format set (the command resolves the rest as every command does: flag > variable > default)."""
+    return tuple(BenchEngine(label, mode, resolve({**mode_fields(mode, nodes), **fields}))
+                 for label, mode, fields in labels_for(modes, formats))
+
+
+def reference_config(config: EngineConfig) -> EngineConfig:
+    """The quality reference of an engine: the same settings, in-process, with f32 experts, dense matrices and
+    activations."""
+    return dataclasses.replace(config, pool="inproc", numa_split=False, nodes=None, pool_node=0,
+                               **{name: "f32" for name in QUALITY_SETTINGS})
 
 
 def summary(values: list[float]) -> dict:
@@ -130,8 +168,8 @@ STREAM_MIN_BYTES = 64 << 20  # ... and at least this, wherever the others come o
 
 def stream_bytes(last_level_cache: int, available: int) -> int:
     """The STREAM-style read's array: four times the last-level cache (out of it, as STREAM asks), within
-    STREAM_MAX_BYTES and a STREAM_MEMORY_SHARE of the memory available beside the engines (a guest that
-    reports a large L3 made it 1.9 GiB beside a 2 MB model on a small machine)."""
+    STREAM_MAX_BYTES and a STREAM_MEMORY_SHARE of the memory available beside the engines (a guest may
+    report a large L3, which alone would ask for gigabytes beside a tiny model on a small machine)."""
     return max(STREAM_MIN_BYTES, min(4 * last_level_cache, STREAM_MAX_BYTES, available // STREAM_MEMORY_SHARE))
 
 
@@ -144,29 +182,23 @@ def plot_available() -> str:
     return ""
 
 
-def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 64, prompt_tokens: int = 256,
-              rounds: int = 3, warmup_tokens: int = 4, membw_bytes: int | None = None, seed: int = 0,
-              spin_us: float = 0.0, device: dict | None = None, quality_positions: int = 0,
-              formats: list[tuple[str, dict]] | None = None) -> dict:
-    """``device``: EngineConfig fields the same for every mode: the device side (device, expert_profile,
-    gpu_experts, gpu_expert_memory), the storage formats (expert_dtype, dense_dtype) and activations.
-    ``formats`` (parse_formats): each mode once per format, side by side; they set the storage formats.
-    ``quality_positions``: also compare the first mode's logits (with formats, the first mode's in each format)
-    over that many positions, one decode step each, with an f32 computation of the same checkpoint (f32
-    experts, dense matrices and activations, in-process)."""
+def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
+    """Open ``plan``'s engines and measure them side by side. With ``plan.quality_positions`` also compare the
+    first mode's logits (with formats, the first mode's in each format) over that many positions, one decode
+    step each, with an f32 computation of the same checkpoint (reference_config)."""
     model_dir = Path(model_dir)
     engines: dict[str, Engine] = {}
-    labels = labels_for(modes, formats)
+    labels = [(e.label, e.mode) for e in plan.engines]
+    tokens, prompt_tokens, rounds, seed = plan.tokens, plan.prompt_tokens, plan.rounds, plan.seed
     try:
         took = 0
-        for k, (label, mode, fields) in enumerate(labels):
-            config = dataclasses.replace(mode_config(mode, nodes, spin_us), **{**(device or {}), **fields})
+        for k, bench_engine in enumerate(plan.engines):
             before = psutil.virtual_memory().available
-            engines[label] = Engine.open(model_dir, config)
+            engines[bench_engine.label] = Engine.open(model_dir, bench_engine.config)
             available = psutil.virtual_memory().available
             took = max(took, before - available)  # the engine's heap, segments and workers
-            check_room_for_modes(took, list(engines), [name for name, _, _ in labels[k + 1:]], available)
-        membw_bytes = membw_bytes or stream_bytes(l3_bytes(), available)  # beside every mode's engine
+            check_room_for_modes(took, list(engines), [name for name, _ in labels[k + 1:]], available)
+        membw_bytes = plan.membw_bytes or stream_bytes(l3_bytes(), available)  # beside every mode's engine
         any_eng = next(iter(engines.values()))
         mcfg = any_eng.model_config
         rng = np.random.default_rng(seed)
@@ -174,7 +206,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
         results: dict[str, dict] = {m: {"decode_tps": [], "prefill_tps": [], "timings": [], "pairs": 0,
                                         "expert_loads": 0} for m in engines}
         for eng in engines.values():
-            eng.generate(prompt, max_new_tokens=warmup_tokens, stop_at_eos=False)
+            eng.generate(prompt, max_new_tokens=plan.warmup_tokens, stop_at_eos=False)
         for k in range(rounds):
             print(f"bench: round {k + 1} of {rounds} ({', '.join(engines)})", file=sys.stderr, flush=True)
             for mode, eng in engines.items():  # interleaved: A B C A B C ...
@@ -190,9 +222,9 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 res["expert_loads"] += eng.decoder.stats.cpu_expert_loads - loads0
                 res["pairs"] += eng.decoder.stats.routed_pairs - pairs0
         report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
-                  "spin_us": spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
-                  "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(device or {}),
-                  "formats": [label for label, _ in formats or []], "kernels": target_summary(), "modes": {}}
+                  "spin_us": plan.engines[0].config.pool_spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
+                  "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(plan.settings),
+                  "formats": list(plan.formats), "kernels": target_summary(), "modes": {}}
         for mode, eng in engines.items():
             expert_bytes = eng.cpu_expert_bytes()
             res = results[mode]
@@ -206,7 +238,7 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
             node_info = {n.id: n for n in eng.nodes}
             stored = sum(h["segment_bytes"] or 0 for h in health)  # each node's store, in a segment or the heap
             report["modes"][mode] = {
-                "mode": next(m for label, m, _ in labels if label == mode),
+                "mode": next(m for label, m in labels if label == mode),
                 "config": {"pool": eng.config.pool, "numa_split": eng.config.numa_split, "plan": pool.plan.digest},
                 "decode_tokens_per_s": summary(res["decode_tps"]),
                 "prefill_tokens_per_s": summary(res["prefill_tps"]),
@@ -233,17 +265,17 @@ def run_bench(model_dir: str | Path, modes=MODES, nodes: int = 2, tokens: int = 
                 } for h in health],
                 "balance": node_balance(res["timings"], pool.plan),
             }
-        if quality_positions:
+        if plan.quality_positions:
             # the first mode in each format (the first mode alone without formats); the rest are measured and
             # closed first: their memory goes to the f32 reference engine
-            compared = [label for label, mode, _ in labels if mode == modes[0]]
+            compared = [label for label, mode in labels if mode == labels[0][1]]
             for label in [name for name in engines if name not in compared]:
                 engines.pop(label).close()
-            quality = measure_quality(model_dir, engines, compared, quality_positions, seed, device or {})
+            quality = measure_quality(model_dir, engines, compared, plan.quality_positions, seed)
             report["quality"] = quality[compared[0]]
-            if formats:
+            if plan.formats:
                 report["quality_by_format"] = quality
-        add_ratios(report, formats)
+        add_ratios(report, plan.formats)
         return report
     finally:
         for eng in engines.values():
@@ -256,14 +288,14 @@ def _ratio(report: dict, label: str, base_label: str, key: str) -> float | None:
     return value / base if base and value else None
 
 
-def add_ratios(report: dict, formats: list[tuple[str, dict]] | None) -> None:
+def add_ratios(report: dict, formats: tuple[str, ...]) -> None:
     """Each label's decode against inproc in its format; with formats, its decode and prefill against the same
     mode in the first format. Both from the same interleaved rounds."""
     for label, m in report["modes"].items():
         fmt = label.partition("@")[2]
         m["decode_vs_inproc"] = _ratio(report, label, f"inproc@{fmt}" if fmt else "inproc", "decode_tokens_per_s")
         if formats:
-            first = f"{m['mode']}@{formats[0][0]}"
+            first = f"{m['mode']}@{formats[0]}"
             m["vs_first_format"] = {"of": first,
                                     "decode": _ratio(report, label, first, "decode_tokens_per_s"),
                                     "prefill": _ratio(report, label, first, "prefill_tokens_per_s")}
@@ -290,8 +322,8 @@ def per_token_overhead(decode: dict, moe_layers: int, decode_tps: list[float]) -
     return {"us": per_layer * moe_layers, "share_of_step": per_layer * moe_layers / step_us, "moe_layers": moe_layers}
 
 
-def measure_quality(model_dir: Path, engines: dict[str, Engine], compared: list[str], positions: int, seed: int,
-                    device: dict) -> dict[str, dict]:
+def measure_quality(model_dir: Path, engines: dict[str, Engine], compared: list[str], positions: int,
+                    seed: int) -> dict[str, dict]:
     """The logits of each engine named in ``compared`` against one f32 computation of the same checkpoint,
     over one prompt: one decode step a position, and (under "prefill") the prompt in one pass, as prefill
     computes it. Each engine is closed (and taken out of ``engines``) once its logits are taken, so the
@@ -305,9 +337,8 @@ def measure_quality(model_dir: Path, engines: dict[str, Engine], compared: list[
         got[label] = (eng.logits(prompt, steps=True), eng.logits(prompt),
                       {"expert_format": eng.expert_format, "dense_format": eng.dense_format,
                        "activations": eng.config.activations})
+        ref_config = reference_config(eng.config)
         engines.pop(label).close()
-    ref_config = EngineConfig(pool="inproc", expert_dtype="f32", dense_dtype="f32", activations="f32",
-                              **{k: v for k, v in device.items() if k not in QUALITY_SETTINGS})
     with Engine.open(model_dir, ref_config) as ref:
         want = ref.logits(prompt, steps=True)
         want_prefill = ref.logits(prompt)

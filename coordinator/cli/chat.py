@@ -1,9 +1,10 @@
 """``strata chat``: talk to a model in the terminal, the conversation rendered by the model's chat template.
 
 The engine loads once, in this process. Each line read from stdin (a terminal or a pipe) is a user message; the
-history is rendered with add_generation_prompt, tokenised, and the answer streamed as it is generated, until the
-model's eos (or the template's eos_token), --max-new-tokens, or Ctrl-C, which ends that answer only (Ctrl-C or
-end of input at the prompt ends the chat). After each answer one line on stderr, as llama.cpp's:
+history is rendered with add_generation_prompt, tokenised, and the answer streamed as it is generated (through
+Engine.generate_full, the serving loop's sampling and stopping), until the model's eos (or the template's
+eos_token), a --stop string, --max-new-tokens, or Ctrl-C, which ends that answer only (Ctrl-C or end of input
+at the prompt ends the chat). After each answer one line on stderr, as llama.cpp's:
 
     [prompt: 31 tok, 812.4 tok/s | decode: 63 tok, 41.0 tok/s | first token: 38 ms]
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import StrataError
+from .flags import add_engine_flags, add_sampling_flags, engine_config, print_config, sampling_options
 
 COMMANDS = {"/help": "list the commands", "/reset": "forget the conversation (the system message stays)",
             "/exit": "leave (so does Ctrl-D, or Ctrl-C at the prompt)"}
@@ -35,19 +37,17 @@ CTRL_C = b"\x03"
 
 
 class _AnswerStopped(Exception):
-    """Raised from the token callback to end an answer: Ctrl-C, or the template's end-of-turn token."""
+    """Raised from the token callback to end an answer: Ctrl-C."""
 
 
 def add_chat_command(sub, common) -> None:
     """The ``chat`` subcommand: generate's engine and sampling flags, plus --system."""
-    from .main import _add_engine_flags, _add_sampling_flags
-
     p = sub.add_parser("chat", help="chat in the terminal through the model's chat template", parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path,
                    help="a checkpoint folder or a GGUF file, with a chat template")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message first in the conversation")
-    _add_sampling_flags(p)
-    _add_engine_flags(p)
+    add_sampling_flags(p)
+    add_engine_flags(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -129,43 +129,41 @@ class _CtrlC:
 
 
 def _answer(engine, ids: list[int], max_new: int, args, seed, tty: bool) -> tuple[str, str]:
-    """Generate and stream one answer: (its text, why it ended)."""
-    from ..model.tokenizer import StreamDecoder
-    from ..serving.chat_template import turn_end_id
+    """Generate and stream one answer, ended by the model's eos, the template's end-of-turn token, a --stop
+    string, the token limit or Ctrl-C: (its text, why it ended)."""
+    from ..model.chat_template import turn_end_id
 
-    stream = StreamDecoder(engine.codec)
-    eos = set(engine.model_config.eos_token_ids)
     turn_end = turn_end_id(engine.chat_template, engine.codec)
+    options = {**sampling_options(args), "seed": seed, "stop_token_ids": () if turn_end is None else (turn_end,)}
     times: list[float] = []
-    answer: list[int] = []
-    reason = "length"
+    pieces: list[str] = []
     start = time.perf_counter()
+
+    def on_text(piece: str) -> None:
+        pieces.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     with _CtrlC(tty) as ctrl_c:
         def on_token(token: int) -> None:
             times.append(time.perf_counter())
-            if token in eos or token == turn_end:
-                raise _AnswerStopped("eos")
-            answer.append(token)
-            sys.stdout.write(stream.push(token))
-            sys.stdout.flush()
             if ctrl_c.poll():
                 raise _AnswerStopped("interrupted")
 
         try:
-            result = engine.generate_full(ids, max_new, args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                          seed=seed, on_token=on_token, min_p=args.min_p,
-                                          repetition_penalty=args.repetition_penalty)
-            reason = result.finish_reason
+            result = engine.generate_full(ids, max_new, args.temperature, on_token=on_token, on_text=on_text,
+                                          **options)
+            reason, answer = result.finish_reason, result.text
         except _AnswerStopped as why:
-            reason = str(why)
-    sys.stdout.write(stream.flush() + "\n")
+            reason, answer = str(why), "".join(pieces)
+    sys.stdout.write("\n")
     sys.stdout.flush()
     first = times[0] - start if times else time.perf_counter() - start
     decode_s = times[-1] - times[0] if times else 0.0
     print(speed_line(len(ids), first, max(len(times) - 1, 0), decode_s), file=sys.stderr, flush=True)
     if reason == "interrupted":
         print("[answer stopped]", file=sys.stderr, flush=True)
-    return engine.codec.decode(answer), reason
+    return answer, reason
 
 
 def _read_line(tty: bool) -> str | None:
@@ -201,21 +199,19 @@ def help_text() -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from ..engine import Engine, open_source
-    from shm.gguf_checkpoint import GgufCheckpoint
+    from ..engine import Engine
+    from ..model.source import open_source
 
-    from ..serving.chat_template import load_chat_template
-    from .main import _engine_config, _print_config
-
-    config, sources = _engine_config(args)
+    config, sources = engine_config(args)
     if args.print_config:
-        _print_config(config, sources)
+        print_config(config, sources)
         return 0
-    source = open_source(args.model)  # configuration and tokenizer only: what chat needs is checked first
-    ckpt, _, codec = source
-    if codec is None:
+    source = open_source(args.model)  # configuration, tokenizer and template: what chat needs is checked first
+    if source.codec is None:
         raise StrataError(f"{args.model} has no tokenizer; chat needs one")
-    if load_chat_template(args.model, ckpt.file.metadata if isinstance(ckpt, GgufCheckpoint) else None) is None:
+    if source.chat_template_error is not None:
+        raise StrataError(source.chat_template_error)
+    if source.chat_template is None:
         raise StrataError(f"{args.model} has no chat template (chat_template.jinja or tokenizer_config.json's "
                           "chat_template in the folder, tokenizer.chat_template in a GGUF file); use "
                           "`strata generate` for plain text")

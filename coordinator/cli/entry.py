@@ -36,6 +36,9 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
     try:
+        from shm.threads_env import apply
+
+        apply()  # before the command's imports load NumPy (OpenBLAS) and numba (libgomp)
         from .main import main as run
 
         code = run()

@@ -5,79 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import re
 import shutil
 import sys
 from pathlib import Path
 
 from shm.checkpoint import CheckpointError
 
+from ..config import API_KEY_VAR, DENSE_DTYPES, EXPERT_DTYPES, resolve_api_key
+from ..errors import StrataError
+from ..request import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_NEW_TOKENS_LIMIT,
+                       DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_QUEUED)
+from ..serving.api import DEFAULT_ADDRESS, DEFAULT_HTTP_HEADER_TIMEOUT_S
+from .chat import add_chat_command
+from .flags import (add_activations_flag, add_device_flags, add_engine_flags, add_sampling_flags, engine_config,
+                    host_port, non_empty, number, print_config, readable_file, sampling_options, setting, writable_file)
 from .make_model import PRESETS
-from ..config import (ACTIVATIONS, API_KEY_VAR, DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config,
-                      resolve_setting)
-from ..errors import ConfigValueError, StrataError
-from ..serving.api import (DEFAULT_ADDRESS, DEFAULT_HTTP_HEADER_TIMEOUT_S, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS_LIMIT, DEFAULT_MAX_PROMPT_TOKENS,
-                           DEFAULT_MAX_QUEUED)
 
 log = logging.getLogger("strata")
-
-
-def _number(kind, name: str, low=None, high=None, low_open: bool = False):
-    """An argparse type: a number of ``kind`` within [low, high] ((low, high] when low_open), refused at parse
-    time, before anything loads, with the bound named (argparse exits 2)."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if value != value or (low is not None and (value <= low if low_open else value < low)) or \
-                (high is not None and value > high):
-            bounds = f"{'(' if low_open else '['}{low if low is not None else '-inf'}, " \
-                     f"{high if high is not None else 'inf'}]"
-            raise argparse.ArgumentTypeError(f"{name} must be in {bounds}, got {text}")
-        return value
-
-    return parse
-
-
-def _text(name: str):
-    def parse(text: str) -> str:
-        if not text:
-            raise argparse.ArgumentTypeError(f"{name} is empty: give some text to continue")
-        return text
-
-    return parse
-
-
-def _writable_file(text: str) -> Path:
-    """An output path whose folder exists and can be written, checked before the run (not after it)."""
-    path = Path(text)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text}: folder {folder} is not writable")
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
-    return path
-
-
-def _readable_file(text: str) -> Path:
-    path = Path(text)
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
-    return path
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    """HOST:PORT ([V6]:PORT for IPv6; port 0 = any free one) -> (host, port)."""
-    host, sep, port = text.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:8000)")
-    return host, int(port)
 
 
 def _version() -> str:
@@ -87,125 +31,6 @@ def _version() -> str:
         return version("strata-numa")
     except PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (flag > STRATA_* variable > default)")
-    g.add_argument("--numa-split", dest="numa_split", action="store_true", default=None,
-                   help="cut every CPU expert by rows across the NUMA nodes (STRATA_NUMA_SPLIT)")
-    g.add_argument("--nodes", type=int, default=None,
-                   help="nodes in split mode; virtual when the machine has fewer (default: every real node)")
-    g.add_argument("--pool", default=None, choices=["process", "inproc"],
-                   help="process: one node worker process per node (the CLI default); inproc: in this process")
-    g.add_argument("--pool-node", dest="pool_node", type=int, default=None,
-                   help="the node of non-split mode (default 0)")
-    g.add_argument("-t", "--worker-threads", dest="worker_threads", type=_number(int, "--worker-threads", 1),
-                   default=None,
-                   help="threads per node worker (default: the node's CPUs)")
-    g.add_argument("--keep-shm", dest="keep_shm", action="store_true", default=None,
-                   help="leave the segments in /dev/shm at exit for a fast restart")
-    g.add_argument("--route-tail-skip", dest="route_tail_skip", type=float, default=None,
-                   help="drop routed experts whose weight is below this (0 = off) (default 0)")
-    g.add_argument("-c", "--ctx-size", "--max-seq-len", dest="max_seq_len", type=_number(int, "--ctx-size", 1),
-                   default=None, help="the context: the longest sequence, prompt and new tokens (default: the model's "
-                                      "max_position_embeddings)")
-    g.add_argument("--worker-hang-timeout", dest="worker_hang_timeout", type=float, default=None,
-                   help="seconds a node worker may stay silent on one layer before it is declared hung, killed and "
-                        "restarted (default: derived from the measured layer time, at least 10 s)")
-    g.add_argument("--worker-restart-window", dest="worker_restart_window", type=float, default=None,
-                   help="a second worker death within this many seconds is not restarted until it has passed "
-                        "(default 30)")
-    g.add_argument("--expert-dtype", dest="expert_dtype", default=None, choices=list(EXPERT_DTYPES),
-                   help="how the CPU experts are stored: auto (bf16 for a BF16 checkpoint, f32 for F16/F32, a GGUF "
-                        "file's Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks as they are, per tensor), f32, bf16, q8 (8-bit, f16 "
-                        "scale per 32), q4 (4-bit, f16 scale per 32), or q4k/q5k/q6k (a GGUF file's K blocks, only "
-                        "from that type) (STRATA_EXPERT_DTYPE; default auto)")
-    g.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
-                   help="without a GPU, how the dense matrices (attention, dense and shared MLPs, lm_head) are stored "
-                        "and read: auto (a GGUF file's Q8_0/Q4_0/K/IQ4_XS matrices as the file has them, as "
-                        "llama.cpp reads them, the rest float32), f32, bf16, q8, q4 (STRATA_DENSE_DTYPE; default "
-                        "auto)")
-    _add_activations_flag(g)
-    g.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=None,
-                   help="prompt tokens prefilled per serving step, interleaved with decoding (default 512)")
-    _add_device_flags(g)
-    g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
-
-
-DEVICE_FLAGS = ("device", "expert_profile", "gpu_experts", "gpu_expert_memory")
-
-
-def _add_activations_flag(g) -> None:
-    g.add_argument("--activations", dest="activations", default=None, choices=list(ACTIVATIONS),
-                   help="dot products with quantised experts and dense matrices: q8 multiplies the weights' "
-                        "integers by the activations quantised to int8 (per block of 32 for q8 and q4, per 256 for "
-                        "the K types and IQ4_XS), as llama.cpp does; f32 widens the weights to float32, the "
-                        "reference (STRATA_ACTIVATIONS; default q8)")
-
-
-def _add_device_flags(g) -> None:
-    g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
-                   help="where the device side runs: auto (a GPU if usable), cpu, cuda (default auto)")
-    g.add_argument("--expert-profile", dest="expert_profile", default=None,
-                   help="a profile from `strata profile` (default: none)")
-    g.add_argument("--gpu-experts", dest="gpu_experts", type=int, default=None,
-                   help="keep this many experts whole on the device (hottest with a profile; default none)")
-    g.add_argument("--gpu-expert-memory", dest="gpu_expert_memory", type=float, default=None,
-                   help="or as many of the profile's hottest experts as fit in this many GB (default: none)")
-
-
-CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; the library defaults to inproc
-
-
-# EngineConfig fields the engine flags set ("--" + the field, dashed); the others only through their variable
-FLAG_FIELDS = ("numa_split", "nodes", "pool", "pool_node", "worker_threads", "keep_shm", "route_tail_skip", "max_seq_len",
-               "worker_hang_timeout", "worker_restart_window", "expert_dtype", "dense_dtype", "activations",
-               "prefill_chunk", "device", "expert_profile", "gpu_experts", "gpu_expert_memory")
-
-
-def in_users_words(message: str, flags: dict) -> str:
-    """An EngineConfig message in the words the user typed: ``field=value`` as ``--flag value`` (``--flag`` for
-    True) or, where the value came from its variable or the field has no flag, ``STRATA_VAR=value``; a field's
-    bare name likewise where it cannot be an ordinary word (it has an underscore, or starts the message)."""
-    def name(field: str) -> str:
-        var = ENV_VARS[field][0]
-        return var if field not in FLAG_FIELDS or (flags.get(field) is None and var in os.environ) \
-            else "--" + field.replace("_", "-")
-
-    for field in sorted(ENV_VARS, key=len, reverse=True):
-        who = name(field)
-        joiner = "=" if who.startswith("STRATA_") else " "
-
-        def assigned(m: re.Match, who=who, joiner=joiner) -> str:
-            value = m.group(1)
-            return who if value == "True" and joiner == " " else f"{who}{joiner}{value}"
-
-        message = re.sub(rf"(?<![\w-]){field}=([^\s,;)]+)", assigned, message)
-        if "_" in field:
-            message = re.sub(rf"(?<![\w-]){field}(?![\w=])", who, message)
-        elif message.startswith(field + " "):  # an ordinary word elsewhere ("at most 2 nodes")
-            message = who + message[len(field):]
-    return message
-
-
-def _engine_config(args: argparse.Namespace, check: bool = True):
-    """The effective config; a split over more nodes than CPUs is refused here, before anything loads. Its
-    errors name the flags (or variables) the user gave, not EngineConfig's fields."""
-    from ..engine import refuse_shared_cpus
-
-    flags = {name: getattr(args, name, None) for name in ENV_VARS}
-    try:
-        config, sources = resolve_config(flags, defaults=CLI_DEFAULTS)
-        if check and config.numa_split and not getattr(args, "print_config", False):
-            refuse_shared_cpus(config.nodes)
-    except ConfigValueError as exc:
-        raise ConfigValueError(in_users_words(str(exc), flags)) from None
-    return config, sources
-
-
-def _print_config(config, sources) -> None:
-    for name, (var, _) in ENV_VARS.items():
-        print(f"{name:16} {getattr(config, name)!r:12} ({sources[name]}; variable {var})")
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -274,52 +99,48 @@ def _prompt_text(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..engine import Engine, check_prompt_ids, open_source
-    from ..model.tokenizer import StreamDecoder
+    from ..engine import Engine, check_prompt_ids
+    from ..model.source import open_source
 
-    config, sources = _engine_config(args)
+    config, sources = engine_config(args)
     if args.print_config:
-        _print_config(config, sources)
+        print_config(config, sources)
         return 0
     source = open_source(args.model)  # the prompt checked against the configuration before the weights load
-    _, mcfg, codec = source
     ids = _given_ids(args)
     if ids is None:
-        if codec is None:
+        if source.codec is None:
             raise StrataError(f"{args.model} has no tokenizer; pass token ids (--prompt-ids) instead of text")
-        ids = codec.encode(_prompt_text(args))
-    check_prompt_ids(mcfg, ids, args.max_new_tokens, config.max_seq_len)
+        ids = source.codec.encode(_prompt_text(args))
+    check_prompt_ids(source.config, ids, args.max_new_tokens, config.max_seq_len)
+    if args.stop and source.codec is None:
+        raise StrataError(f"{args.model} has no tokenizer: --stop needs text to look for")
     with Engine.open(args.model, config, source, quiet=args.quiet) as engine:
         if not args.quiet:
             print(engine.pool_description(), file=sys.stderr)
+        streaming = engine.codec is not None and not args.json
 
-        stream = StreamDecoder(engine.codec) if engine.codec is not None and not args.json else None
+        def on_text(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
-        def on_token(token: int) -> None:
-            if stream is not None:
-                sys.stdout.write(stream.push(token))
-                sys.stdout.flush()
-
-        result = engine.generate_full(ids, args.max_new_tokens, args.temperature, top_k=args.top_k,
-                                      top_p=args.top_p, seed=args.seed, on_token=on_token, min_p=args.min_p,
-                                      repetition_penalty=args.repetition_penalty)
+        result = engine.generate_full(ids, args.max_new_tokens, args.temperature,
+                                      on_text=on_text if streaming else None, **sampling_options(args))
         timings = {"load_s": engine.load_s, "compile_s": engine.compile_s, **result.timings}
         if args.json:
-            text = engine.decode(result.ids) if engine.codec is not None else None
-            plan = engine.pool.plan
+            health, stats = engine.health(), engine.stats()
             doc = {
-                "prompt_ids": result.prompt_ids, "ids": result.ids, "text": text,
+                "prompt_ids": result.prompt_ids, "ids": result.ids, "text": result.text,
                 "finish_reason": result.finish_reason, "timing": timings,
-                "experts": engine.expert_report(),
+                "experts": stats["experts"],
                 "kv_bytes_per_token": engine.model_config.kv_bytes_per_token,  # float32, all layers
-                "pool": {"kind": config.pool, "numa_split": config.numa_split, "plan": plan.digest,
-                         "nodes": list(plan.node_ids), "node_info": [n.as_dict() for n in engine.nodes]},
-                "routing": {"routed_pairs": engine.decoder.stats.routed_pairs,
-                            "skipped_pairs": engine.decoder.stats.skipped_pairs},
+                "pool": {"kind": health["kind"], "numa_split": config.numa_split, "plan": health["plan"],
+                         "nodes": list(engine.cpu.plan.node_ids), "node_info": [n.as_dict() for n in engine.nodes]},
+                "routing": {"routed_pairs": stats["routed_pairs"], "skipped_pairs": stats["skipped_pairs"]},
             }
             print(json.dumps(doc))
-        elif stream is not None:
-            sys.stdout.write(stream.flush() + "\n")
+        elif streaming:
+            sys.stdout.write("\n")
         else:
             print(",".join(str(t) for t in result.ids))
         sys.stdout.flush()
@@ -412,12 +233,12 @@ def cmd_shm_clean(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..engine import Engine
-    from ..serving.api import Limits
+    from ..request import Limits
     from ..serving.server import BindRefused, check_bind, serve
 
-    config, sources = _engine_config(args)
+    config, sources = engine_config(args)
     if args.print_config:
-        _print_config(config, sources)
+        print_config(config, sources)
         return 0
     bind = args.bind
     if bind is None:  # the clients' default address, or any free port when another server holds it
@@ -434,10 +255,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host, port = args.http
         check_bind(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}", False, args.insecure_remote,
                    remedy="Give --insecure-remote to serve anyone who can reach it (with --api-key to ask a key)")
-        http = {"host": host, "port": port, "api_key": args.api_key or os.environ.get(API_KEY_VAR) or None,
+        http = {"host": host, "port": port, "api_key": resolve_api_key(args.api_key),
                 "model_name": args.served_model_name or args.model.name,
                 "header_timeout_s": args.http_header_timeout}
-    logging.getLogger("coordinator.serving").setLevel(logging.INFO)  # one line per request, -v or not
+    for name in ("coordinator.serving", "coordinator.scheduler"):  # one line per request, -v or not
+        logging.getLogger(name).setLevel(logging.INFO)
     with Engine.open(args.model, config, quiet=args.quiet) as engine:
         if not args.quiet:
             print(engine.pool_description(), file=sys.stderr)
@@ -468,7 +290,8 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import MODES, markdown, parse_formats, plot, plot_available, run_bench, write_json
+    from .bench import (MODES, BenchPlan, bench_engines, markdown, parse_formats, plot, plot_available, run_bench,
+                        write_json)
 
     if args.plot and plot_available():  # before minutes of measuring, not after
         raise StrataError(plot_available())
@@ -476,20 +299,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise StrataError(f"--modes: unknown mode(s) {', '.join(bad)}; expected some of {', '.join(MODES)}")
-    if "split" in modes:
-        from ..engine import refuse_shared_cpus
-
-        refuse_shared_cpus(args.nodes)
     formats = parse_formats(args.formats) if args.formats is not None else None
     if formats and (args.expert_dtype or args.dense_dtype):
         raise StrataError("--formats sets the storage formats of every engine: give it without --expert-dtype "
                           "and --dense-dtype (an entry EXPERTS+DENSE gives both)")
-    device = {name: getattr(args, name) for name in DEVICE_FLAGS + ("expert_dtype", "dense_dtype", "activations")
-              if getattr(args, name) is not None}
-    spin_us = resolve_setting("pool_spin_us", args.spin_us)  # --spin-us > STRATA_POOL_SPIN_US > EngineConfig's
-    report = run_bench(args.model, modes, nodes=args.nodes, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
-                       rounds=args.rounds, spin_us=spin_us, device=device, quality_positions=args.quality_positions,
-                       formats=formats)
+    given: dict = {}  # the settings that came from a flag or a variable, not set by a mode or format
+
+    def resolve(fixed: dict):
+        config, sources = engine_config(args, fixed=fixed)
+        given.update({name: getattr(config, name) for name, source in sources.items()
+                      if source == "flag" or source.startswith("env ")})
+        return config
+
+    engines = bench_engines(modes, args.nodes, formats, resolve)
+    report = run_bench(args.model, BenchPlan(engines, tuple(label for label, _ in formats or ()), given,
+                                             tokens=args.tokens, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
+                                             quality_positions=args.quality_positions))
     print(markdown(report))
     if args.json:
         write_json(report, args.json)
@@ -501,7 +326,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from ..engine import Engine
 
-    config, _ = _engine_config(args)
+    config, _ = engine_config(args)
     prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     if not prompts:
         raise StrataError(f"{args.prompts}: no prompts (one per line)")
@@ -562,34 +387,9 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    config, sources = _engine_config(args, check=False)
-    _print_config(config, sources)
+    config, sources = engine_config(args, check=False)
+    print_config(config, sources)
     return 0
-
-
-DEFAULT_MAX_NEW_TOKENS = 256  # -n of every command that generates (generate, chat, client, profile)
-
-
-def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    """The sampling flags of every command that generates: the same names (llama.cpp's where it has them),
-    checks and defaults."""
-    p.add_argument("-n", "--max-new-tokens", "--n-predict", dest="max_new_tokens",
-                   type=_number(int, "--max-new-tokens", 1), default=DEFAULT_MAX_NEW_TOKENS,
-                   help="the most tokens to generate (default %(default)s)")
-    p.add_argument("--temp", "--temperature", dest="temperature", type=_number(float, "--temperature", 0.0),
-                   default=0.0, help="0 is greedy (default %(default)s)")
-    p.add_argument("--top-k", dest="top_k", type=_number(int, "--top-k", 0), default=0,
-                   help="sample from the k most likely tokens; 0 = all (default %(default)s)")
-    p.add_argument("--top-p", dest="top_p", type=_number(float, "--top-p", 0.0, 1.0, low_open=True), default=1.0,
-                   help="sample from the smallest set of tokens whose probabilities reach p (default %(default)s)")
-    p.add_argument("--min-p", dest="min_p", type=_number(float, "--min-p", 0.0, 1.0), default=0.0,
-                   help="drop the tokens less likely than min-p times the most likely one; 0 = off (default "
-                        "%(default)s)")
-    p.add_argument("--repeat-penalty", "--repetition-penalty", dest="repetition_penalty",
-                   type=_number(float, "--repeat-penalty", 0.0, low_open=True), default=1.0,
-                   help="divide the positive logits (multiply the negative ones) of the tokens in the prompt and the "
-                        "answer by this, as transformers' repetition_penalty; 1 = off (default %(default)s)")
-    p.add_argument("-s", "--seed", type=int, default=None, help="for reproducible sampling (default: random)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -622,17 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from a prompt", parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("-p", "--prompt", type=_text("--prompt"), help="the prompt text; - reads it from stdin")
-    src.add_argument("-f", "--file", type=_readable_file, help="read the prompt from this file")
+    src.add_argument("-p", "--prompt", type=non_empty("--prompt"), help="the prompt text; - reads it from stdin")
+    src.add_argument("-f", "--file", type=readable_file, help="read the prompt from this file")
     src.add_argument("--prompt-ids", dest="prompt_ids", help="the prompt as comma-separated token ids")
-    _add_sampling_flags(p)
+    add_sampling_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timing")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
 
-    from .chat import add_chat_command  # strata chat: cli/chat.py
-
-    add_chat_command(sub, common)
+    add_chat_command(sub, common)  # strata chat: cli/chat.py
 
     p = sub.add_parser("serve", help="serve the ZeroMQ client API", parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
@@ -652,26 +450,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder with server.key_secret and clients/*.key: CURVE authentication (ZAP)")
     p.add_argument("--insecure-remote", dest="insecure_remote", action="store_true",
                    help="allow a non-loopback bind without authentication (ZeroMQ and HTTP)")
-    p.add_argument("--http", type=_host_port, default=None, metavar="HOST:PORT",
+    p.add_argument("--http", type=host_port, default=None, metavar="HOST:PORT",
                    help="also serve the OpenAI-compatible HTTP API there (loopback unless --insecure-remote)")
     p.add_argument("--api-key", dest="api_key", default=None,
                    help=f"the Bearer token the HTTP API's /v1/* routes require (default: ${API_KEY_VAR}; none)")
     p.add_argument("--http-header-timeout", dest="http_header_timeout", default=DEFAULT_HTTP_HEADER_TIMEOUT_S, metavar="S",
-                   type=_number(float, "--http-header-timeout", 0, low_open=True),
+                   type=number(float, "--http-header-timeout", 0, low_open=True),
                    help="close an HTTP connection that has not sent a whole request head within S seconds, and "
                         "an idle one after S (default %(default)s)")
     p.add_argument("--served-model-name", dest="served_model_name", default=None,
                    help="the model id the HTTP API lists and accepts (default: the model's file or folder name)")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("client", help="send one prompt to a running server", parents=[common])
-    p.add_argument("prompt", type=_text("the prompt"), help="the prompt text")
+    p.add_argument("prompt", type=non_empty("the prompt"), help="the prompt text")
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's endpoint (default %(default)s)")
-    _add_sampling_flags(p)
-    p.add_argument("--stop", action="append", default=None,
-                   help="end the answer before this text (repeatable; default: none)")
-    p.add_argument("--timeout", type=_number(float, "--timeout", 0.0, low_open=True), default=30.0,
+    add_sampling_flags(p)
+    p.add_argument("--timeout", type=number(float, "--timeout", 0.0, low_open=True), default=30.0,
                    help="seconds to wait for the server before giving up (default %(default)s)")
     p.add_argument("--curve-keys", dest="curve_keys", default=None,
                    help="folder with server.key and client.key_secret: CURVE authentication (default: none)")
@@ -679,48 +475,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_client)
 
     p = sub.add_parser("bench", help="decode/prefill speed, pool overhead and bandwidth, modes side by side",
-                       parents=[common])
+                       description="Each mode sets its pool (and split mode its nodes); every other engine setting "
+                                   "comes from its flag, else its STRATA_* variable, else the default, as in every "
+                                   "command (strata config lists them).", parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     p.add_argument("--modes", default="inproc,single,split",
                    help="comma-separated, measured side by side: inproc, single, split (default %(default)s)")
-    p.add_argument("--nodes", type=_number(int, "--nodes", 1), default=2,
+    p.add_argument("--nodes", type=number(int, "--nodes", 1), default=2,
                    help="nodes of the split mode (default %(default)s)")
-    p.add_argument("--tokens", type=_number(int, "--tokens", 2), default=64,
+    p.add_argument("--tokens", type=number(int, "--tokens", 2), default=64,
                    help="tokens decoded a round (default %(default)s)")
-    p.add_argument("--prompt-tokens", dest="prompt_tokens", type=_number(int, "--prompt-tokens", 1), default=256,
+    p.add_argument("--prompt-tokens", dest="prompt_tokens", type=number(int, "--prompt-tokens", 1), default=256,
                    help="prompt tokens prefilled a round (default %(default)s)")
-    p.add_argument("--rounds", type=_number(int, "--rounds", 1), default=3,
+    p.add_argument("--rounds", type=number(int, "--rounds", 1), default=3,
                    help="interleaved rounds per mode (default %(default)s)")
-    p.add_argument("--spin-us", dest="spin_us", type=float, default=None,
-                   help="pool_spin_us for the process modes (default: STRATA_POOL_SPIN_US, else "
-                        f"{EngineConfig.pool_spin_us:g})")
-    _add_device_flags(p.add_argument_group("device side, the same in every mode"))
+    p.add_argument("--spin-us", dest="pool_spin_us", type=float, default=None,
+                   help="how long a waiting side of the process modes polls before it blocks, in microseconds "
+                        + setting("pool_spin_us"))
+    add_device_flags(p.add_argument_group("device side, the same in every mode"))
     p.add_argument("--expert-dtype", dest="expert_dtype", default=None, choices=list(EXPERT_DTYPES),
-                   help="how the CPU experts are stored in every mode (default: auto)")
+                   help="how the CPU experts are stored in every mode " + setting("expert_dtype"))
     p.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
-                   help="without a GPU, how the dense matrices are stored in every mode (default: auto)")
+                   help="without a GPU, how the dense matrices are stored in every mode " + setting("dense_dtype"))
     p.add_argument("--formats", default=None,
                    help="comma-separated storage formats, each mode opened once per format and measured side "
                         "by side (mode@format), with decode and prefill as ratios to the first: FORMAT (experts "
                         "and dense matrices) or EXPERTS+DENSE, e.g. f32,bf16 or q4k+q8,q8 (instead of "
                         "--expert-dtype and --dense-dtype)")
-    _add_activations_flag(p)
+    add_activations_flag(p)
     p.add_argument("--quality-positions", dest="quality_positions", type=int, default=128,
                    help="compare the logits over this many positions with an f32 computation of the same "
-                        "checkpoint (max relative error, mean KL, top-1 agreement); 0: skip (default 128)")
-    p.add_argument("--json", default=None, type=_writable_file, help="write every figure to this file")
-    p.add_argument("--plot", default=None, type=_writable_file,
+                        "checkpoint (max relative error, mean KL, top-1 agreement); 0: skip (default %(default)s)")
+    p.add_argument("--json", default=None, type=writable_file, help="write every figure to this file")
+    p.add_argument("--plot", default=None, type=writable_file,
                    help="draw tokens/s and the bandwidth ratio into this PNG (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("profile", help="count the routing over prompts into a frozen expert profile",
                        parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
-    p.add_argument("--prompts", required=True, type=_readable_file, help="a text file, one prompt per line")
-    p.add_argument("--out", required=True, type=_writable_file, help="the profile to write (JSON)")
-    p.add_argument("-n", "--max-new-tokens", dest="max_new_tokens", type=_number(int, "--max-new-tokens", 1),
+    p.add_argument("--prompts", required=True, type=readable_file, help="a text file, one prompt per line")
+    p.add_argument("--out", required=True, type=writable_file, help="the profile to write (JSON)")
+    p.add_argument("-n", "--max-new-tokens", dest="max_new_tokens", type=number(int, "--max-new-tokens", 1),
                    default=DEFAULT_MAX_NEW_TOKENS, help="tokens generated after each prompt (default %(default)s)")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("topo", help="show the NUMA nodes, their CPUs and memory", parents=[common])
@@ -743,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="show the effective engine config and where each value came from",
                        parents=[common])
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.set_defaults(func=cmd_config)
 
     cache_p = sub.add_parser("cache", help="where the compiled CPU kernels are kept and what is compiled",

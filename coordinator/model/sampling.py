@@ -11,49 +11,10 @@ sampling chooses.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 
-from ..errors import ConfigValueError
 from .ops import softmax
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int | None = None
-    min_p: float = 0.0  # 0 = off; keep tokens with p >= min_p * max p
-    presence_penalty: float = 0.0  # 0 = off; subtracted once from each id already generated
-    frequency_penalty: float = 0.0  # 0 = off; subtracted per occurrence among the generated ids
-    repetition_penalty: float = 1.0  # 1 = off; divides positive (multiplies negative) logits of prompt/generated ids
-
-    def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ConfigValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ConfigValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ConfigValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (_number(self.min_p) and 0 <= self.min_p <= 1):
-            raise ConfigValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not _number(getattr(self, name)):
-                raise ConfigValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
-        if not (_number(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ConfigValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any penalty is on (else the logits are used as they come)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+from .sampling_params import SamplingParams
 
 
 def penalized(logits: np.ndarray, params: SamplingParams, prompt_counts: np.ndarray,

@@ -1,7 +1,6 @@
-"""Serving: the ZeroMQ client API.
+"""Serving, above the engine: the ZeroMQ client API and the OpenAI HTTP API.
 
 api.py        the request and event documents and their typed decoder
-scheduler.py  continuous batching over one Engine, free of sockets
-server.py     ``strata serve``: the Scheduler behind a ROUTER socket
+server.py     ``strata serve``: the Scheduler (coordinator/scheduler.py) behind a ROUTER socket
 client.py     the Python client (runs in the user's process, not the server's)
 """

@@ -7,7 +7,7 @@ Requests carry ``"type"`` and, except ``stats`` and ``health``, a client-chosen
 Requests::
 
     {"type": "generate", "id": "r1", "prompt": "text"  |  "prompt_ids": [1, 2],
-     "max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null,
+     "max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null,
      "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": null,
      "stop": ["\\n\\n"], "stop_token_ids": [], "stream": true, "deadline_s": null}
     {"type": "cancel", "id": "r1"}
@@ -73,61 +73,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..request import ApiError, GenerateRequest, Limits
+
 MAX_ID_CHARS = 128
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 16
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 
-# Serving defaults, set here and nowhere else: ``strata serve``/``strata client`` flags, Limits, Server,
-# Scheduler and Client take their defaults from these names.
+# Transport defaults, set here and nowhere else: ``strata serve``/``strata client`` flags, Server and Client
+# take their defaults from these names (a request's own, and the limits on requests: coordinator/request.py).
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"  # the server's bind address and the client's
-DEFAULT_MAX_ACTIVE = 8  # sequences decoded together
-DEFAULT_MAX_QUEUED = 32  # waiting requests before 'busy'
-DEFAULT_MAX_NEW_TOKENS_LIMIT = 4096  # the most max_new_tokens a request may ask for
-DEFAULT_MAX_PROMPT_TOKENS = 32768  # the longest prompt accepted, in tokens
-DEFAULT_MAX_PROMPT_CHARS = 1 << 20  # the longest text prompt accepted, in characters
 MAX_REQUEST_BYTES = 4 << 20  # one request frame; the server refuses more (libzmq MAXMSGSIZE); HTTP: one body
 DEFAULT_HTTP_HEADER_TIMEOUT_S = 15.0  # HTTP: a whole request head within this, and an idle connection's life
 DEFAULT_HTTP_BODY_TIMEOUT_S = 30.0  # HTTP: the body within this after the head
-
-
-class ApiError(ValueError):
-    """A request the server refuses; ``code`` goes into the error event."""
-
-    def __init__(self, code: str, message: str, request_id: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
-    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    id: str
-    prompt: str | None
-    prompt_ids: tuple[int, ...] | None
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
-    stream: bool
-    deadline_s: float | None = None
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,7 +110,8 @@ GENERATE_FIELDS = {"type", "id", "prompt", "prompt_ids", "max_new_tokens", "temp
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token
 
 
-def _int(doc: dict, key: str, default, lo: int, hi: int, rid) -> int:
+def read_int(doc: dict, key: str, default, lo: int, hi: int, rid) -> int:
+    """``doc[key]`` (``default`` when absent) as an integer in [lo, hi]; ApiError naming the key otherwise."""
     v = doc.get(key, default)
     if v is None and default is None:
         return None  # type: ignore[return-value]
@@ -163,7 +123,9 @@ def _int(doc: dict, key: str, default, lo: int, hi: int, rid) -> int:
     return v
 
 
-def _float(doc: dict, key: str, default: float, lo: float, hi: float, rid, lo_open: bool = False) -> float:
+def read_float(doc: dict, key: str, default: float, lo: float, hi: float, rid, lo_open: bool = False) -> float:
+    """``doc[key]`` (``default`` when absent) as a number in [lo, hi] ((lo, hi] with ``lo_open``); ApiError
+    naming the key otherwise."""
     v = doc.get(key, default)
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise ApiError("bad_request", f"'{key}' must be a number, got {type(v).__name__}", rid)
@@ -266,20 +228,22 @@ def decode_request(raw: bytes, limits: Limits):
         shown = logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else type(logprobs).__name__
         raise ApiError("bad_request", f"'logprobs' must be null or an integer between 0 and {MAX_LOGPROBS}, "
                                       f"got {shown}", rid)
+    G = GenerateRequest  # its field defaults are the defaults of the document's fields
     return GenerateRequest(
         id=rid, prompt=prompt, prompt_ids=prompt_ids,
-        max_new_tokens=_int(doc, "max_new_tokens", 64, 1, limits.max_new_tokens, rid),
-        temperature=_float(doc, "temperature", 0.0, 0.0, 100.0, rid),
-        top_p=_float(doc, "top_p", 1.0, 0.0, 1.0, rid, lo_open=True),
-        top_k=_int(doc, "top_k", 0, 0, 1 << 20, rid),
-        seed=_int(doc, "seed", None, 0, 2**63 - 1, rid),
+        max_new_tokens=read_int(doc, "max_new_tokens", G.max_new_tokens, 1, limits.max_new_tokens, rid),
+        temperature=read_float(doc, "temperature", G.temperature, 0.0, 100.0, rid),
+        top_p=read_float(doc, "top_p", G.top_p, 0.0, 1.0, rid, lo_open=True),
+        top_k=read_int(doc, "top_k", G.top_k, 0, 1 << 20, rid),
+        seed=read_int(doc, "seed", G.seed, 0, 2**63 - 1, rid),
         stop=tuple(stop), stream=stream,
-        deadline_s=None if doc.get("deadline_s") is None else _float(doc, "deadline_s", 0.0, 0.0, MAX_DEADLINE_S, rid,
+        deadline_s=None if doc.get("deadline_s") is None else read_float(doc, "deadline_s", 0.0, 0.0, MAX_DEADLINE_S, rid,
                                                                      lo_open=True),
-        min_p=_float(doc, "min_p", 0.0, 0.0, 1.0, rid),
-        presence_penalty=_float(doc, "presence_penalty", 0.0, -2.0, 2.0, rid),
-        frequency_penalty=_float(doc, "frequency_penalty", 0.0, -2.0, 2.0, rid),
-        repetition_penalty=_float(doc, "repetition_penalty", 1.0, 0.0, 10.0, rid, lo_open=True),
+        min_p=read_float(doc, "min_p", G.min_p, 0.0, 1.0, rid),
+        presence_penalty=read_float(doc, "presence_penalty", G.presence_penalty, -2.0, 2.0, rid),
+        frequency_penalty=read_float(doc, "frequency_penalty", G.frequency_penalty, -2.0, 2.0, rid),
+        repetition_penalty=read_float(doc, "repetition_penalty", G.repetition_penalty, 0.0, 10.0, rid,
+                                      lo_open=True),
         logprobs=logprobs, stop_token_ids=tuple(stop_ids),
     )
 

@@ -37,7 +37,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from .api import DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_HEADER_TIMEOUT_S, MAX_REQUEST_BYTES, encode_event
-from .chat_template import ChatTemplateError, turn_end_id
+from ..model.chat_template import ChatTemplateError, turn_end_id
 from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
                          check_model, chunk, completion_logprobs, completion_prompt, completion_response, error_body,
                          from_engine_error, generate_fields, models_list, new_id, stream_flags, template_kwargs,

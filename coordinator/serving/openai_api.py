@@ -25,7 +25,7 @@ import math
 import time
 import uuid
 
-from .api import MAX_STOP_TOKEN_IDS, ApiError, _float, _int
+from .api import MAX_STOP_TOKEN_IDS, ApiError, read_float, read_int
 
 # the ZeroMQ API's error codes -> HTTP status (busy: the queue is full; shutdown: the server is stopping)
 STATUS_OF_CODE = {"bad_request": 400, "too_long": 400, "not_found": 404, "busy": 429, "shutdown": 503,
@@ -126,7 +126,7 @@ def _stop_token_ids(body: dict) -> list[int]:
 def _max_tokens(body: dict, default: int | None, limit: int) -> int | None:
     for key in ("max_completion_tokens", "max_tokens"):
         if body.get(key) is not None:
-            return _field(_int, body, key, None, 1, limit)
+            return _field(read_int, body, key, None, 1, limit)
     return default
 
 
@@ -156,11 +156,11 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             wanted = False
         if not isinstance(wanted, bool):
             raise OpenAIError(400, "'logprobs' must be true or false", param="logprobs")
-        top = _field(_int, body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        top = _field(read_int, body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
         if top is not None and not wanted:
             raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         return (top or 0) if wanted else None
-    return _field(_int, body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    return _field(read_int, body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
 
 
 def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, default_max_tokens: int | None) -> dict:
@@ -170,14 +170,14 @@ def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, defaul
     _refuse_unsupported(body)
     return {
         "max_new_tokens": _max_tokens(body, default_max_tokens, max_new_tokens_limit),
-        "temperature": _field(_float, body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _field(_float, body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        "top_k": max(_field(_int, body, "top_k", 0, -1, 1 << 20), 0),
-        "min_p": _field(_float, body, "min_p", 0.0, 0.0, 1.0),
-        "presence_penalty": _field(_float, body, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": _field(_float, body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": _field(_float, body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
-        "seed": _field(_int, body, "seed", None, 0, 2**63 - 1),
+        "temperature": _field(read_float, body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _field(read_float, body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        "top_k": max(_field(read_int, body, "top_k", 0, -1, 1 << 20), 0),
+        "min_p": _field(read_float, body, "min_p", 0.0, 0.0, 1.0),
+        "presence_penalty": _field(read_float, body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _field(read_float, body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _field(read_float, body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        "seed": _field(read_int, body, "seed", None, 0, 2**63 - 1),
         "stop": _stop(body),
         "stop_token_ids": _stop_token_ids(body),
         "logprobs": _logprobs(body, chat),

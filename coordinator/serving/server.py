@@ -34,9 +34,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StepInterrupted, StrataError
-from .api import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, MAX_REQUEST_BYTES, ApiError, CancelRequest, GenerateRequest, HealthRequest,
-                  Limits, StatsRequest, decode_request, encode_event, error_event)
-from .scheduler import Scheduler
+from ..request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
+from ..scheduler import Scheduler
+from .api import (MAX_REQUEST_BYTES, CancelRequest, HealthRequest, StatsRequest, decode_request, encode_event,
+                  error_event)
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class Server:
         self.deferred: deque[list] = deque()  # requests that came while a step waited on the pool
         self.counts = {"internal_errors": 0, "gone_clients": 0, "deadline_expired": 0, "refused": 0}
         self.max_token_bytes = engine.codec.max_token_bytes() if engine.codec is not None else None
-        engine.pool.wait_hook = self._while_waiting
+        engine.set_wait_hook(self._while_waiting)
 
     def bind_inproc(self) -> str:
         """One more endpoint, in this process only (the HTTP frontend's); its address."""
@@ -386,20 +387,17 @@ class Server:
         s["tokenizing"], s["prefilling"] = len(self.tokenizing), len(sched.prefilling)
         s["tokens_per_s"] = s["tokens"] / s["step_s"] if s["step_s"] else None
         s.update(self.counts)
-        dstats = self.engine.decoder.stats
-        s["routed_pairs"], s["skipped_pairs"] = dstats.routed_pairs, dstats.skipped_pairs
-        s["experts"] = self.engine.expert_report()
+        s.update(self.engine.stats())  # routed_pairs, skipped_pairs, experts
         s["pool"] = self.health()["pool"]
         return s
 
     def health(self) -> dict:
-        pool = self.engine.pool
-        nodes = pool.health()
+        pool = self.engine.health()
         problems = [f"node {n['node']}{' (virtual)' if n['virtual'] else ''}: {n['state']}"
-                    for n in nodes if n["state"] != "ok"]
-        ok = all(n["alive"] for n in nodes) and not self.stopping
+                    for n in pool["nodes"] if n["state"] != "ok"]
+        ok = all(n["alive"] for n in pool["nodes"]) and not self.stopping
         return {"ok": ok, "stopping": self.stopping, "problems": problems, "last_error": self.last_error,
-                "pool": {"kind": self.engine.config.pool, "nodes": nodes, "plan": pool.plan.digest}}
+                "pool": pool}
 
     # -- loop ----------------------------------------------------------------
     def request_stop(self, *_args) -> None:
@@ -435,7 +433,7 @@ class Server:
 
     def _maintain(self) -> None:
         try:
-            self.engine.pool.maintain()
+            self.engine.maintain()
         except StepInterrupted:
             pass
         except Exception as exc:
@@ -443,10 +441,10 @@ class Server:
             log.error("pool maintenance failed: %s", exc)
 
     def _engine_alive(self) -> bool:
-        return all(n["alive"] for n in self.engine.pool.health())
+        return all(n["alive"] for n in self.engine.health()["nodes"])
 
     def close(self) -> None:
-        self.engine.pool.wait_hook = None
+        self.engine.set_wait_hook(None)
         self.tokenizer.shutdown(wait=False, cancel_futures=True)
         self.clients.close()
         self.sock.close(linger=500)  # let the last events (shutdown errors) out

@@ -12,8 +12,6 @@ from numba.core import config
 
 from shm.jit import FAST, target_features
 
-from .. import kernel_threads  # noqa: F401  (libgomp's wait settings, before the first kernel runs)
-
 JIT = FAST  # nogil, cached (shm/jit.py's folder), fastmath where the IR does not fix the order
 
 __all__ = ["JIT", "KernelTargetError", "check_target", "target_features"]

@@ -1,4 +1,4 @@
-"""Continuous batching of generate requests over one Engine, free of sockets.
+"""The generation loop: continuous batching of generate requests over one Engine, free of sockets.
 
 Each ``step`` admits queued requests (up to ``max_active`` prefilling and
 decoding sequences together) and runs ONE forward pass holding the next prompt
@@ -10,7 +10,10 @@ running sequence and for each whose prompt finished in this pass, emits their
 events, and drops the finished ones. A long prompt is therefore prefilled across
 several steps while the running sequences keep getting a token every step, the
 expert pool sees one batch per layer, and a new request joins at the next step.
-The server drives it; tests drive it in-process.
+The server drives it (serving/server.py), Engine.generate drives one request
+through it (``generate``), tests drive it in-process. It uses the engine's
+public surface alone: new_cache, step, check_ids, encode, decode, codec,
+model_config and config.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import StepInterrupted
-from ..model.kv_cache import KVCache
-from ..model.sampling import Sampler, SamplingParams, top_logprobs
-from ..model.tokenizer import StreamDecoder
-from .api import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
+from .errors import ConfigValueError, StepInterrupted
+from .model.kv_cache import KVCache
+from .model.sampling import Sampler, top_logprobs
+from .model.tokenizer import StreamDecoder
+from .request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +86,10 @@ class Scheduler:
 
     # -- admission -----------------------------------------------------------
     def add(self, client: bytes, req: GenerateRequest, ids: list[int] | None = None,
-            arrived: float | None = None) -> None:
+            arrived: float | None = None) -> Sequence:
         """Queue a request; ``ids`` are its text prompt's tokens when already tokenised (the server does that
-        off its loop), ``arrived`` the monotonic time its deadline counts from (default: now)."""
+        off its loop), ``arrived`` the monotonic time its deadline counts from (default: now). Returns its
+        sequence, whose ``out_ids`` grow as it is stepped."""
         if any(s.req.id == req.id and s.client == client for s in self.all()):
             raise ApiError("bad_request", f"request id {req.id!r} is already in flight", req.id)
         if len(self.queue) >= self.max_queued:
@@ -106,20 +110,19 @@ class Scheduler:
         else:
             ids = list(req.prompt_ids)
         try:
-            eng._check_ids(ids, req.max_new_tokens)
-            sampler = Sampler(SamplingParams(req.temperature, req.top_k, req.top_p, req.seed, min_p=req.min_p,
-                                             presence_penalty=req.presence_penalty,
-                                             frequency_penalty=req.frequency_penalty,
-                                             repetition_penalty=req.repetition_penalty), prompt_ids=ids)
+            eng.check_ids(ids, req.max_new_tokens)
+            sampler = Sampler(req.sampling(), prompt_ids=ids)
         except ValueError as exc:
             code = "too_long" if "exceed" in str(exc) else "bad_request"
             raise ApiError(code, str(exc), req.id) from None
         stream = StreamDecoder(eng.codec) if eng.codec is not None else None
         arrived = time.monotonic() if arrived is None else arrived
         deadline = None if req.deadline_s is None else arrived + req.deadline_s
-        self.queue.append(Sequence(client, req, list(ids), sampler, eng.decoder.new_cache(), stream, deadline=deadline,
-                                   logprobs=None if req.logprobs is None else []))
+        seq = Sequence(client, req, list(ids), sampler, eng.new_cache(), stream, deadline=deadline,
+                       logprobs=None if req.logprobs is None else [])
+        self.queue.append(seq)
         self.stats["requests"] += 1
+        return seq
 
     def expire(self, now: float) -> int:
         """End the sequences whose deadline has passed (finish_reason "deadline"); how many."""
@@ -177,7 +180,7 @@ class Scheduler:
         try:
             if not batch:
                 return
-            outs = self.engine.decoder.forward_batch(batch)
+            outs = self.engine.step(batch)
             done = []
             for (s, n), logits in zip(chunks, outs):
                 s.prefilled += n
@@ -215,7 +218,8 @@ class Scheduler:
         if s.logprobs is not None:
             s.logprobs.append(self._logprobs_entry(logits, token, s.req.logprobs))
         self.stats["tokens"] += 1
-        eos = token in self.engine.model_config.eos_token_ids or token in s.req.stop_token_ids
+        eos = ((token in self.engine.model_config.eos_token_ids and not s.req.ignore_eos)
+               or token in s.req.stop_token_ids)
         if s.stream is not None and not eos:
             s.text += s.stream.push(token)
         reason = None
@@ -270,3 +274,65 @@ class Scheduler:
             self.prefilling.remove(s)
         elif s in self.queue:
             self.queue.remove(s)
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    ids: list[int]  # generated ids, the one that ended it (an eos or stop token id, a stop string's end) included
+    finish_reason: str  # "length" | "eos" | "stop"
+    prefill_s: float
+    decode_s: float
+    timings: dict = field(default_factory=dict)
+    text: str | None = None  # the completion, cut before a stop string; None for a model without a tokenizer
+
+
+ONE = b"generate"  # the client of a request driven by ``generate``
+
+
+def generate(engine, req: GenerateRequest, on_token: Callable[[int], None] | None = None,
+             on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """One request driven to its end by a Scheduler of its own: the serving loop's admission, steps, sampling
+    and stopping, with the prompt prefilled in one pass. ``on_token`` sees each id as it is chosen,
+    ``on_text`` each piece of text as the stream lets it out (text that may begin a stop string held back;
+    ``req.stream`` on). An exception from either ends the request, its sequence freed, and goes on to the
+    caller; a request the scheduler refuses is a ConfigValueError."""
+    final: dict = {}
+
+    def emit(_client: bytes, event: dict) -> None:
+        if event["type"] == "token" and on_text is not None:
+            on_text(event["text"])
+        elif event["type"] == "final":
+            final.update(event)
+
+    ids = list(req.prompt_ids) if req.prompt_ids is not None else engine.encode(req.prompt)
+    sched = Scheduler(engine, emit, max_active=1, max_queued=1, prefill_chunk=max(len(ids), 1))
+    try:
+        seq = sched.add(ONE, req, ids)
+    except ApiError as exc:
+        raise ConfigValueError(exc.message) from None
+    seen = 0
+    t0 = time.perf_counter()
+    t1 = None  # the prompt is prefilled and the first token chosen in the first step
+    try:
+        while sched.busy:
+            sched.step()
+            t1 = t1 or time.perf_counter()
+            for token in seq.out_ids[seen:]:
+                if on_token is not None:
+                    on_token(token)
+            seen = len(seq.out_ids)
+    finally:
+        sched.drop_client(ONE)
+    t2 = time.perf_counter()
+    t1 = t1 or t2
+    decode_steps = max(len(seq.out_ids) - 1, 0)
+    timings = {
+        "prefill_tokens": len(ids), "prefill_s": t1 - t0,
+        "prefill_tokens_per_s": len(ids) / (t1 - t0) if t1 > t0 else None,
+        "decode_tokens": decode_steps, "decode_s": t2 - t1,
+        "decode_tokens_per_s": decode_steps / (t2 - t1) if decode_steps and t2 > t1 else None,
+        "time_to_first_token_s": t1 - t0,
+    }
+    return GenerationResult(ids, list(seq.out_ids), final.get("finish_reason", "length"), t1 - t0, t2 - t1,
+                            timings, final.get("text") if engine.codec is not None else None)
