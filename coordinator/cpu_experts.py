@@ -27,10 +27,15 @@ from .pool import ExpertPool, InprocPool
 @dataclass(frozen=True, eq=False)
 class CpuExpertSpec:
     experts: dict  # (layer, expert) -> the tensors of each routed expert the CPU side holds (weights.ExpertRefs)
-    fmt: str  # how they are stored: an ExpertFormats spec (shm/formats)
+    formats: formats.ExpertFormats  # how they are stored, per layer and matrix (parsed once, here)
     nodes: tuple[Node, ...]  # the nodes that hold them, as the topology reported them
     plan: PoolPlan  # which rows of each expert each node holds
-    digest: str  # names this content: the model less the device's experts, in ``fmt`` (cpu_set_digest)
+    digest: str  # names this content: the model less the device's experts, in its formats (cpu_set_digest)
+
+    @property
+    def fmt(self) -> str:
+        """The formats as their spec string: what crosses a boundary (the worker job, a segment's kind)."""
+        return self.formats.spec
 
 
 def pool_nodes(config: EngineConfig) -> list[Node]:
@@ -57,18 +62,19 @@ def refuse_shared_cpus(nodes: int | None) -> None:
                                f"nodes (one CPU each at least); ask for {cpus} or fewer")
 
 
-def build_plan(mcfg: ModelConfig, nodes: list[Node], fmt: str = "f32") -> PoolPlan:
+def build_plan(mcfg: ModelConfig, nodes: list[Node], stored: formats.ExpertFormats = formats.ExpertFormats.F32
+               ) -> PoolPlan:
     """One slice per node, sized by the node's CPUs, cut on the experts' down-format blocks (at least 32 rows;
     256 for a GGUF file's K blocks, whose rows the nodes keep as they are); a single node holds whole experts."""
     sizes = [mcfg.moe_intermediate_size]
     if len(nodes) == 1:
         return single_node_plan(sizes, node=nodes[0].id, workers=len(nodes[0].cpus))
-    block = max(DEFAULT_BLOCK, formats.ExpertFormats.parse(fmt).down_block)
+    block = max(DEFAULT_BLOCK, stored.down_block)
     return make_plan([NodeShare(n.id, len(n.cpus)) for n in nodes], sizes, block)
 
 
-def expert_format(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, experts: dict) -> str:
-    """How the CPU experts are stored, as an ExpertFormats spec (shm/formats): the setting for every matrix, or
+def expert_format(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, experts: dict) -> formats.ExpertFormats:
+    """How the CPU experts are stored (shm/formats' ExpertFormats): the setting for every matrix, or
     with ``auto`` each layer's gate, up and down resolved from their tensors' dtypes (a GGUF file's blocks kept
     as they are: a Q4_K_M file's Q4_K and Q6_K matrices each in their own format)."""
     first = {}  # layer -> the refs of one of its experts (a layer's experts share their tensors' dtypes)
@@ -85,8 +91,8 @@ def expert_format(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, exp
                 raise ConfigValueError(f"{ckpt.dir}: layer {layer} {matrix} ({ref.name}, {dtype}): {exc}") from None
         triples[layer] = tuple(chosen)
     if not triples:
-        return formats.resolve(config.expert_dtype, "F32", mcfg.hidden_size).NAME
-    return formats.ExpertFormats.of_layers(triples).spec
+        return formats.ExpertFormats((formats.resolve(config.expert_dtype, "F32", mcfg.hidden_size).NAME,) * 3)
+    return formats.ExpertFormats.of_layers(triples)
 
 
 def cpu_set_digest(ckpt: Checkpoint, device_set, fmt: str = "f32") -> str:
@@ -98,12 +104,12 @@ def cpu_set_digest(ckpt: Checkpoint, device_set, fmt: str = "f32") -> str:
 
 
 def plan_cpu_experts(source: ModelSource, config: EngineConfig, experts: dict, nodes: list[Node],
-                     device_set=(), fmt: str | None = None) -> CpuExpertSpec:
-    """The CPU side of ``experts`` over ``nodes``: stored as the config says (``fmt``: that format when the
-    caller has resolved it already), the plan cut on its blocks, named apart from a set less ``device_set``."""
-    fmt = fmt or expert_format(config, source.config, source.checkpoint, experts)
-    return CpuExpertSpec(experts, fmt, tuple(nodes), build_plan(source.config, nodes, fmt),
-                         cpu_set_digest(source.checkpoint, device_set, fmt))
+                     device_set=(), stored: formats.ExpertFormats | None = None) -> CpuExpertSpec:
+    """The CPU side of ``experts`` over ``nodes``: stored as the config says (``stored``: those formats when the
+    caller has resolved them already), the plan cut on their blocks, named apart from a set less ``device_set``."""
+    stored = stored or expert_format(config, source.config, source.checkpoint, experts)
+    return CpuExpertSpec(experts, stored, tuple(nodes), build_plan(source.config, nodes, stored),
+                         cpu_set_digest(source.checkpoint, device_set, stored.spec))
 
 
 def build_inproc_pool(source: ModelSource, cpu: CpuExpertSpec, threads: int | None = None,

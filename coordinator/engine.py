@@ -81,12 +81,13 @@ def warm_up_host(dense_kernels: Sequence[KernelSet] = ()) -> None:
         dense.warm_up(kernels)
 
 
-def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, backend: str) -> tuple[str, list[Unit]]:
-    """(the CPU experts' formats as an ExpertFormats spec, the compile units an engine needs before it loads
+def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, backend: str
+                ) -> tuple[formats.ExpertFormats, list[Unit]]:
+    """(the CPU experts' formats, the compile units an engine needs before it loads
     anything: coordinator/warmup.py's host loops, doorbells, experts and encoders), from the checkpoint's index
     alone; the dense matrices' units follow once they are packed."""
     spec = expert_format(config, mcfg, ckpt, layer_experts(mcfg, ckpt))
-    names = formats.ExpertFormats.parse(spec).names
+    names = spec.names
     encoders = [*names, config.dense_dtype] if backend == "numpy" else names  # q8 and q4 quantise floats
     return spec, engine_units(config.pool, for_formats(names, config.activations), encoders)
 
@@ -198,7 +199,7 @@ class Engine:
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
         if fmt != planned:  # the layers' first experts named other formats than the whole layers (not seen)
-            compile_missing([Unit.experts(for_formats(formats.ExpertFormats.parse(fmt).names, config.activations))])
+            compile_missing([Unit.experts(for_formats(fmt.names, config.activations))])
         cpu = plan_cpu_experts(source, config, cpu_experts, nodes, device_set, fmt)
         plan = cpu.plan
         for size in sorted({size for size, _, _ in plan.left_out}):  # one line per expert size
@@ -224,7 +225,7 @@ class Engine:
         """Bytes of one whole routed expert (gate, up, down) in the CPU side's storage formats (the mean over
         the MoE layers where they differ)."""
         mcfg = self.model_config
-        spec = formats.ExpertFormats.parse(self.expert_format)
+        spec = self.cpu.formats
         sizes = [sum(matrix_bytes(spec.of(layer), mcfg.moe_intermediate_size, mcfg.hidden_size))
                  for layer in mcfg.moe_layers]
         return sum(sizes) / max(1, len(sizes))

@@ -52,15 +52,13 @@ def settle(coordinator_kernels: bool) -> str | None:
 MEMORY_BOUND = ("f32", "bf16")  # expert formats whose layer reads at memory speed with one thread as well
 
 
-def worker_env(expert_format: str) -> dict[str, str]:
+def worker_env(stored: formats.ExpertFormats) -> dict[str, str]:
     """What a node worker's environment adds, unless the user chose: for experts in an integer format its
     threads spin SPIN_ROUNDS after a kernel and sleep as a team between layers (team_size); for experts all in
     MEMORY_BOUND formats they sleep at once (GOMP_SPINCOUNT=0), the worker alone on its doorbell."""
     if USER_SET:
         return {}
-    spec = formats.ExpertFormats.parse(expert_format)
-    names = {n for triple in (spec.default, *(t for _, t in spec.layers)) for n in triple}
-    return {"GOMP_SPINCOUNT": "0" if names <= set(MEMORY_BOUND) else SPIN_ROUNDS}
+    return {"GOMP_SPINCOUNT": "0" if set(stored.names) <= set(MEMORY_BOUND) else SPIN_ROUNDS}
 
 
 def team_size() -> int:

@@ -12,6 +12,7 @@ every matrix is computed by the same dot-product loops).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -48,8 +49,9 @@ class ExpertSlice:
     down: np.ndarray  # [H, .] = W_down[:, rows] (R weights each, zeros to whole blocks: formats.down_width)
     fmt: str = "f32"  # one format, or gate/up/down formats (an ExpertFormats spec of one triple)
 
-    @property
+    @cached_property
     def formats(self) -> formats.Triple:
+        """The (gate, up, down) formats ``fmt`` names, read once."""
         return formats.ExpertFormats.parse(self.fmt).default
 
     @property

@@ -328,10 +328,10 @@ def _kernel_wait_settings(env: dict[str, str]) -> dict:
     """What the entry points' thread settings and node_worker.kernel_threads make of ``env`` in a fresh
     interpreter."""
     return json.loads(_fresh_python("import json, os; from shm import threads_env; threads_env.apply(); "
-                                    "from node_worker import kernel_threads as k; "
-                                    "out = {'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env('q4'), "
-                                    "'bf16_worker': k.worker_env('bf16/bf16/bf16;1=q8/q8/q8'), "
-                                    "'f32_worker': k.worker_env('f32;1=bf16')}; "
+                                    "from node_worker import kernel_threads as k; from shm.formats import ExpertFormats; P = ExpertFormats.parse; "
+                                    "out = {'spin': os.environ.get('GOMP_SPINCOUNT'), 'worker': k.worker_env(P('q4')), "
+                                    "'bf16_worker': k.worker_env(P('bf16/bf16/bf16;1=q8/q8/q8')), "
+                                    "'f32_worker': k.worker_env(P('f32;1=bf16'))}; "
                                     "out['settled'] = [k.settle(False), k.settle(True)]; print(json.dumps(out))",
                                     env=env))
 

@@ -31,7 +31,7 @@ import zmq
 
 from node_worker import protocol as P
 from node_worker.kernel_threads import worker_env
-from shm import jit, segments
+from shm import formats, jit, segments
 from shm.topology import Node
 
 from ..errors import StepInterrupted, StrataError
@@ -120,7 +120,7 @@ class Supervisor:
     def __init__(self, nodes: list[Node], channel: Channel, job_path: Path, plan_digest: str, model_digest: str,
                  start_timeout_s: float, restart_window_s: float, keep_shm: bool, expert_format: str = "f32"):
         self.channel = channel
-        self.expert_format = expert_format  # the workers' wait settings follow it (kernel_threads.worker_env)
+        self.expert_formats = formats.ExpertFormats.parse(expert_format)  # the workers' wait settings follow it
         self.job_path = job_path
         self.plan_digest, self.model_digest = plan_digest, model_digest
         self.start_timeout_s = start_timeout_s
@@ -151,7 +151,7 @@ class Supervisor:
                                    "--parent-pid", str(os.getpid())]
         # a session of its own: the terminal's Ctrl-C reaches the coordinator alone, which stops the workers in
         # order (a worker stopped by it while filling its segment left the segment behind)
-        env = dict(os.environ, **WORKER_ENV, **worker_env(self.expert_format), **jit.child_env())  # this cache's
+        env = dict(os.environ, **WORKER_ENV, **worker_env(self.expert_formats), **jit.child_env())  # this cache's
         w.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             w.pidfd = os.pidfd_open(w.proc.pid)

@@ -29,6 +29,7 @@ an array [R, row_bytes(H)] of uint8 (float32 and uint16 views for f32, bf16).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 from types import ModuleType
 
 import numpy as np
@@ -97,6 +98,8 @@ class ExpertFormats:
     default: Triple
     layers: tuple[tuple[int, Triple], ...] = ()  # (layer, triple) where it differs from the default, by layer
 
+    F32: ClassVar["ExpertFormats"]  # every matrix f32 (set below)
+
     @classmethod
     def parse(cls, spec: str) -> "ExpertFormats":
         def triple(text: str) -> Triple:
@@ -145,6 +148,9 @@ class ExpertFormats:
     def down_block(self) -> int:
         """The largest block along W_down's rows: the plan cuts the intermediate axis on it."""
         return max(get(t[2]).BLOCK for t in (self.default, *(t for _, t in self.layers)))
+
+
+ExpertFormats.F32 = ExpertFormats(("f32", "f32", "f32"))
 
 
 def down_width(fmt: ModuleType, rows: int) -> int:
