@@ -11,18 +11,15 @@ from typing import Callable, Sequence
 import numpy as np
 
 from node_worker import kernel_threads
-from node_worker.kernels import dense
-from node_worker.kernels.kernel_set import KernelSet, for_formats
+from node_worker.kernels.kernel_set import for_formats
 from shm import formats
 from shm.checkpoint import Checkpoint
-from shm.expert_source import read_expert_slice
 from shm.expert_store import matrix_bytes
 from shm.topology import Node, format_cpulist
 
 from .config import EngineConfig
 from .cpu_experts import CpuExpertSpec, build_pool, expert_format, plan_cpu_experts, pool_nodes
 from .errors import ConfigValueError, StrataError
-from .model import host_ops
 from .model.backend import select_device
 from .model.chat_template import ChatTemplate
 from .model.decoder import Decoder
@@ -31,26 +28,14 @@ from .model.model_config import ModelConfig
 from .model.packed import pack_dense
 from .model.source import ModelSource, open_source
 from .model.tokenizer import TextCodec
-from .model.weights import MLPWeights, layer_experts, load_weights
+from .model.weights import layer_experts, load_weights
 from .pool import ExpertPool
-from .pool.hot_experts import ExpertProfile, choose_device_experts
+from .pool.hot_experts import ExpertProfile, device_expert_set, expert_bytes, whole_expert
 from .request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest
 from .scheduler import GenerationResult, generate
-from .warmup import Unit, engine_units, ensure_compiled
+from .warmup import Compiles, Unit, engine_units, warm_up_host
 
 log = logging.getLogger(__name__)
-
-
-class Compiles:
-    """ensure_compiled for an engine's start, the seconds spent where something was compiled added up."""
-
-    def __init__(self, quiet: bool):
-        self.quiet, self.seconds = quiet, 0.0
-
-    def __call__(self, units) -> None:
-        start = time.perf_counter()
-        if ensure_compiled(units, self.quiet):
-            self.seconds += time.perf_counter() - start
 
 
 def runs_decode_kernels(config: EngineConfig, backend: str, gguf: bool) -> bool:
@@ -72,15 +57,6 @@ def check_prompt_ids(mcfg: ModelConfig, ids: Sequence[int], max_new_tokens: int,
                                f"length {limit}")
 
 
-def warm_up_host(dense_kernels: Sequence[KernelSet] = ()) -> None:
-    """Load (or compile) the host loops this engine's requests call, before the first one: the decoder's row
-    loops (host_ops: all of them on a NumPy device side, the router's top-k with a GPU too) and, with dense
-    matrices kept packed, their kernels (one kernel set per format)."""
-    host_ops.warm_up()
-    for kernels in dense_kernels:
-        dense.warm_up(kernels)
-
-
 def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, backend: str
                 ) -> tuple[formats.ExpertFormats, list[Unit]]:
     """(the CPU experts' formats, the compile units an engine needs before it loads
@@ -90,26 +66,6 @@ def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, backe
     names = spec.names
     encoders = [*names, config.dense_dtype] if backend == "numpy" else names  # q8 and q4 quantise floats
     return spec, engine_units(config.pool, for_formats(names, config.activations), encoders)
-
-
-def expert_bytes(mcfg: ModelConfig) -> int:
-    """float32 bytes of one whole routed expert (gate, up, down)."""
-    return 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 4
-
-
-def device_expert_set(mcfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig):
-    """(the experts kept whole on the device, how they were chosen)."""
-    profile = None
-    if config.expert_profile:
-        profile = ExpertProfile.load(config.expert_profile, ckpt.digest(), mcfg.moe_layers, mcfg.num_experts)
-    memory = int(config.gpu_expert_memory * 1e9) if config.gpu_expert_memory is not None else None
-    return choose_device_experts(mcfg.moe_layers, mcfg.num_experts, expert_bytes(mcfg), profile,
-                                 config.gpu_experts, memory)
-
-
-def whole_expert(ckpt: Checkpoint, refs, mcfg: ModelConfig) -> MLPWeights:
-    part = read_expert_slice(ckpt, refs, 0, mcfg.moe_intermediate_size)
-    return MLPWeights(part.gate, part.up, part.down)
 
 
 @dataclass(eq=False)

@@ -26,9 +26,12 @@ from __future__ import annotations
 import os
 import signal
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
 if __name__ == "__main__":  # the compile child: stopped during its imports (nothing made yet), it just ends
-    for _sig in (signal.SIGINT, signal.SIGTERM):
+    for _sig in STOP_SIGNALS:
         signal.signal(_sig, lambda signum, frame: os._exit(128 + signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # its parent blocks them while it starts it
     from shm.threads_env import apply
 
     apply()  # before NumPy and numba load
@@ -45,12 +48,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence, TextIO
+from typing import TYPE_CHECKING, Iterable, Sequence, TextIO
 
 from shm import compile_log, jit
 from shm.paths import write_problem
 
 from .errors import StrataError
+
+if TYPE_CHECKING:
+    from node_worker.kernels.kernel_set import KernelSet
 
 KINDS = ("host", "doorbells", "experts", "dense", "encode")
 LOCK_NAME = "compile.lock"
@@ -181,8 +187,16 @@ def ensure_compiled(units: Iterable[Unit], quiet: bool = False) -> list[Unit]:
         print(f"strata: compiling CPU kernels for {', '.join(u.label for u in todo)} (first run of this build on "
               f"this CPU, {key.cpu}; cached in {jit.build_dir()} for next time)", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "coordinator.warmup", *(u.name for u in todo), *(["-q"] if quiet else [])]
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1", **jit.child_env()))
+    # a Ctrl-C while the child starts waits until it is known (else it would outlive this process)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                 env=dict(os.environ, PYTHONUNBUFFERED="1", **jit.child_env()))
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal that came meanwhile is raised here
         code = child.wait()
     except BaseException:
         _stop(child)
@@ -392,3 +406,28 @@ if __name__ == "__main__":
     for _sig in (signal.SIGINT, signal.SIGTERM):  # from here on stopped as by Ctrl-C: what is finished stays
         signal.signal(_sig, _interrupt)
     raise SystemExit(main())
+
+
+class Compiles:
+    """ensure_compiled for an engine's start, the seconds spent where something was compiled added up."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.seconds = quiet, 0.0
+
+    def __call__(self, units) -> None:
+        start = time.perf_counter()
+        if ensure_compiled(units, self.quiet):
+            self.seconds += time.perf_counter() - start
+
+
+def warm_up_host(dense_kernels: Sequence["KernelSet"] = ()) -> None:
+    """Load (or compile) the host loops this engine's requests call, before the first one: the decoder's row
+    loops (host_ops: all of them on a NumPy device side, the router's top-k with a GPU too) and, with dense
+    matrices kept packed, their kernels (one kernel set per format)."""
+    from node_worker.kernels import dense
+
+    from .model import host_ops
+
+    host_ops.warm_up()
+    for kernels in dense_kernels:
+        dense.warm_up(kernels)

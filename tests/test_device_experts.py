@@ -11,7 +11,7 @@ from reference import Reference
 from coordinator import Engine, EngineConfig
 from coordinator.cli.main import main
 from coordinator.cli.make_model import make_model
-from coordinator.engine import expert_bytes
+from coordinator.pool.hot_experts import expert_bytes
 from coordinator.errors import ConfigValueError
 from coordinator.model.backend import DeviceError, probe_cuda
 from coordinator.pool.hot_experts import ExpertProfile, ProfileError, choose_device_experts

@@ -18,7 +18,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from shm.checkpoint import Checkpoint
+from shm.expert_source import read_expert_slice
+
+from ..config import EngineConfig
 from ..errors import StrataError
+from ..model.model_config import ModelConfig
+from ..model.weights import MLPWeights
 
 PROFILE_FORMAT = "strata-expert-profile"
 PROFILE_VERSION = 1
@@ -106,3 +112,24 @@ def choose_device_experts(moe_layers: list[int], num_experts: int, expert_bytes:
     ranked = sorted(((c, layer, e) for layer, row in profile.counts.items() for e, c in enumerate(row)),
                     key=lambda t: (-t[0], t[1], t[2]))  # hottest first; ties by layer, then expert
     return frozenset((layer, e) for _, layer, e in ranked[:budget]), "profiled (hottest over all layers)"
+
+
+def expert_bytes(mcfg: ModelConfig) -> int:
+    """float32 bytes of one whole routed expert (gate, up, down)."""
+    return 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 4
+
+
+def device_expert_set(mcfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig):
+    """(the experts kept whole on the device, how they were chosen)."""
+    profile = None
+    if config.expert_profile:
+        profile = ExpertProfile.load(config.expert_profile, ckpt.digest(), mcfg.moe_layers, mcfg.num_experts)
+    memory = int(config.gpu_expert_memory * 1e9) if config.gpu_expert_memory is not None else None
+    return choose_device_experts(mcfg.moe_layers, mcfg.num_experts, expert_bytes(mcfg), profile,
+                                 config.gpu_experts, memory)
+
+
+def whole_expert(ckpt: Checkpoint, refs, mcfg: ModelConfig) -> MLPWeights:
+    """The routed expert's whole float32 matrices, for the device side."""
+    part = read_expert_slice(ckpt, refs, 0, mcfg.moe_intermediate_size)
+    return MLPWeights(part.gate, part.up, part.down)
