@@ -22,6 +22,7 @@ DENSE_DTYPES = (formats.AUTO, *formats.FORMATS)  # auto: a GGUF file's quantised
 # node_worker/kernels/activations.py: int8 per block of 32 (bf16: and bf16 rows by activations rounded to bf16,
 # node_worker/kernels/bf16dp.py), or float32 as they are
 ACTIVATIONS = ("q8", "bf16", "f32")
+KV_DTYPES = ("auto", "f32", "bf16")  # auto: bf16 on a GPU, f32 on the host
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")  # names logging.basicConfig takes
 
 
@@ -47,9 +48,10 @@ class EngineConfig:
     worker_log_level: str = "WARNING"  # logging level of the node worker processes (a LOG_LEVELS name)
     # how CPU experts are stored: auto (as the file has them) | f32 | bf16 | q8 | q4 | q4k | q5k | q6k | iq4xs
     expert_dtype: str = "auto"
-    # the CPU device side's dense matrices (no GPU): auto (a GGUF file's quantised ones as the file has them,
-    # the rest float32; with a GPU all float32) | f32 | bf16 | q8 | q4
+    # the device side's dense matrices: auto (the file's own: a GGUF file's quantised ones as the file has them;
+    # on a GPU BF16, F16 and FP8 ones as bf16, on the host float32) | f32 | bf16 | q8 | q4
     dense_dtype: str = "auto"
+    kv_dtype: str = "auto"  # the KV cache's values: auto (bf16 on a GPU, f32 on the host) | f32 | bf16 (GPU only)
     # dot products with quantised weights: "q8" multiplies them in integers by the activations quantised to int8
     # (as llama.cpp does): per block of 32 for q8 and q4, per super-block of 256 for the K types and IQ4_XS;
     # bf16 rows by the float32 activations, exactly. "bf16": the same, and bf16 rows by the activations rounded
@@ -102,6 +104,8 @@ class EngineConfig:
             raise ConfigValueError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
         if self.dense_dtype not in DENSE_DTYPES:
             raise ConfigValueError(f"dense_dtype must be one of {', '.join(DENSE_DTYPES)}, got {self.dense_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.activations not in ACTIVATIONS:
             raise ConfigValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
         if self.worker_log_level not in LOG_LEVELS:
@@ -152,6 +156,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "worker_log_level": ("STRATA_WORKER_LOG", parse_log_level),
     "expert_dtype": ("STRATA_EXPERT_DTYPE", str),
     "dense_dtype": ("STRATA_DENSE_DTYPE", str),
+    "kv_dtype": ("STRATA_KV_DTYPE", str),
     "activations": ("STRATA_ACTIVATIONS", str),
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ from shm.topology import Node, format_cpulist
 from .config import EngineConfig
 from .cpu_experts import CpuExpertSpec, build_pool, expert_format, plan_cpu_experts, pool_nodes
 from .errors import ConfigValueError, StrataError
+from .device import load as device_load
+from .device.vram import VramPlan
+from .device.weights import nbytes as device_nbytes
+from .device.weights import upload as device_upload
 from .model.backend import select_device
 from .model.chat_template import ChatTemplate
 from .model.decoder import Decoder
@@ -28,6 +33,7 @@ from .model.model_config import ModelConfig
 from .model.packed import pack_dense
 from .model.source import ModelSource, open_source
 from .model.tokenizer import TextCodec
+from .model.xp import module
 from .model.weights import layer_experts, load_weights
 from .pool import ExpertPool
 from .pool.hot_experts import ExpertProfile, device_expert_set, expert_bytes, whole_expert
@@ -78,9 +84,10 @@ class Engine:
     pool: ExpertPool
     cpu: CpuExpertSpec  # the CPU side's experts: their format, nodes and plan
     device_placement: dict = field(default_factory=dict)  # which experts the device side holds, and why
-    dense_format: str = "f32"  # how the CPU device side's dense matrices are stored: formats and counts
+    dense_format: str = "f32"  # how the device side's dense matrices are stored: formats and counts
     load_s: float = 0.0  # seconds Engine.open took: the weights, the workers, the kernels compiled on a first run
     compile_s: float = 0.0  # of which compiling kernels this build lacked (coordinator/warmup.py)
+    gpu_memory: VramPlan | None = None  # the GPU's memory by category: dense and hot experts as uploaded
 
     @property
     def model_dir(self) -> Path:
@@ -136,10 +143,15 @@ class Engine:
         backend = select_device(config.device)
         runs_kernels = runs_decode_kernels(config, backend, source.gguf)
         kernel_threads.settle(runs_kernels)  # before any kernel runs: libgomp reads its wait setting once
-        if config.dense_dtype not in ("f32", formats.AUTO) and backend != "numpy":
-            raise ConfigValueError(f"dense_dtype {config.dense_dtype} is for a CPU device side (NumPy); the GPU "
-                                   "keeps the dense weights in float32: leave dense_dtype at f32 with a GPU")
-        device_set, placement = device_expert_set(mcfg, ckpt, config)  # a count the model cannot give: refused now
+        gpu = backend == "cupy"
+        hot_formats = device_load.expert_formats(mcfg, ckpt, config.expert_dtype) if gpu else {}
+        one_expert = device_load.largest_expert(mcfg, hot_formats)[0] if gpu else expert_bytes(mcfg)
+        # a count the model cannot give, or a budget, in the experts' real size: refused or counted now
+        device_set, placement = device_expert_set(mcfg, ckpt, config, one_expert)
+        memory = device_load.plan_memory(mcfg, ckpt, config, len(device_set), hot_formats) if gpu else None
+        if memory is not None:
+            log.info("GPU memory planned: %s", memory.describe())
+            memory.check(device_load.free_bytes())  # before anything is read or uploaded
         compile_missing = Compiles(quiet)  # before anything runs them, in a child, what this build lacks
         planned, units = start_units(config, mcfg, ckpt, backend)
         compile_missing(units)
@@ -151,7 +163,15 @@ class Engine:
                                                              config.activations == "bf16")
             log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
             compile_missing([Unit.dense(kernels) for kernels in dense_kernels])
-        device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
+        xp = module(backend)
+        device_weights = device_upload(weights, xp, ckpt, config.dense_dtype) if gpu else None
+        device_experts = (device_load.load_experts(ckpt, weights.experts, device_set, hot_formats, mcfg, xp) if gpu
+                          else {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)})
+        if gpu:
+            dense_format = memory.dense_formats
+            device_load.release_pool()  # the upload's temporaries
+            memory = dataclasses.replace(memory, dense=device_nbytes(device_weights),
+                                         hot_experts=device_experts.nbytes)  # what was uploaded
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
         if fmt != planned:  # the layers' first experts named other formats than the whole layers (not seen)
@@ -165,14 +185,17 @@ class Engine:
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
         pool = build_pool(source, cpu, config, max_seq_len, runs_kernels)
         try:
-            decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend)
+            kv_dtype = "f32" if config.kv_dtype == "f32" or not gpu else "bf16"
+            decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend, device_weights,
+                              kv_dtype)
             warm_up_host(dense_kernels)
             load_s = time.perf_counter() - start
             log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                      model_dir, mcfg.arch, mcfg.num_layers, load_s, plan.digest, plan.node_ids)
             return cls(source, config, decoder, pool, cpu,
                        {"backend": backend, "experts": len(device_set), "chosen": placement,
-                        "bytes": len(device_set) * expert_bytes(mcfg)}, dense_format, load_s, compile_missing.seconds)
+                        "bytes": len(device_set) * one_expert}, dense_format, load_s, compile_missing.seconds,
+                       memory)
         except BaseException:  # Ctrl-C included: the workers, their segments and the pool's folder go too
             pool.close()
             raise
@@ -186,6 +209,11 @@ class Engine:
                  for layer in mcfg.moe_layers]
         return sum(sizes) / max(1, len(sizes))
 
+    def device_expert_bytes(self) -> int:
+        """Bytes of one whole routed expert where the device side holds it (its storage formats on a GPU)."""
+        placed = self.device_placement
+        return placed["bytes"] // placed["experts"] if placed.get("experts") else expert_bytes(self.model_config)
+
     def cpu_expert_weights(self) -> int:
         """Weights of the routed experts held on the CPU side (all nodes together)."""
         mcfg = self.model_config
@@ -198,7 +226,7 @@ class Engine:
         return {"device_experts": self.device_placement, "hit_rate": st.hit_rate, "device_pairs": st.device_pairs,
                 "cpu_pairs": st.cpu_pairs, "routed_pairs": st.routed_pairs, "skipped_pairs": st.skipped_pairs,
                 "expert_format": self.expert_format,
-                "device_bytes_read": st.device_expert_loads * expert_bytes(self.model_config),
+                "device_bytes_read": st.device_expert_loads * self.device_expert_bytes(),
                 "cpu_bytes_read": st.cpu_expert_loads * self.cpu_expert_bytes(),
                 "coordinator_wait_on_pool_s": st.pool_wait_ns / 1e9,
                 "pool_wait_on_coordinator_s": self.pool.stats["idle_ns"] / 1e9}
@@ -218,6 +246,8 @@ class Engine:
         placed = self.device_placement
         device = (f"; device side {placed['backend']} holds {placed['experts']} experts whole ({placed['chosen']})"
                   if placed.get("experts") else "")
+        if self.gpu_memory is not None:
+            device += f"; GPU memory: {self.gpu_memory.describe()}"
         return (f"pool {self.config.pool}, {mode}, experts as {self.expert_format}, plan {self.pool.plan.digest}; "
                 + "; ".join(parts) + device)
 

@@ -35,6 +35,17 @@ def add_tokenizer(w: gguf.GGUFWriter, tok, pre: str = "qwen2", model: str = "gpt
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
 
 
+def blocks_of(t: np.ndarray, qtype: Q, seed: int) -> np.ndarray:
+    """``t`` quantised to ``qtype`` by gguf.quants, or, for a type it cannot write (the K types), valid random
+    blocks of the right size (small weights: the file is for speed and agreement between paths, not text)."""
+    try:
+        return gguf.quants.quantize(t, qtype)
+    except NotImplementedError:
+        values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        shape = (*t.shape[:-1], t.shape[-1] // values * nbytes)
+        return random_blocks(qtype, shape, np.random.default_rng(seed), scale=1e-4)
+
+
 def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q = Q.Q8_0,
                down: Q | dict[int, Q] | None = None, tokenizer=None, pre: str = "qwen2",
                split_max_tensors: int = 0, dense: Q | None = None) -> None:
@@ -78,13 +89,7 @@ def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q
             if qtype == Q.F32:
                 w.add_tensor(name, stacked)
                 continue
-            try:
-                blocks = gguf.quants.quantize(stacked, qtype)
-            except NotImplementedError:  # a type gguf.quants cannot write: valid random blocks of the right size
-                values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-                shape = (*stacked.shape[:-1], stacked.shape[-1] // values * nbytes)
-                blocks = random_blocks(qtype, shape, np.random.default_rng(i), scale=1e-4)
-            w.add_tensor(name, blocks, raw_dtype=qtype)
+            w.add_tensor(name, blocks_of(stacked, qtype, i), raw_dtype=qtype)
     for name in ck.names():
         if ".experts." in name:
             continue
@@ -97,7 +102,7 @@ def write_gguf(ckpt_dir, path, arch: str = "qwen3moe", drop: int = 0, experts: Q
         if mixtral and gname.endswith((".attn_q.weight", ".attn_k.weight")):
             t = permute(t, cfg["num_attention_heads" if gname.endswith("q.weight") else "num_key_value_heads"])
         if dense is not None and t.ndim == 2 and ".gate.weight" not in name:  # the router stays F32, as llama.cpp's
-            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(t), dense), raw_dtype=dense)
+            w.add_tensor(gname, blocks_of(np.ascontiguousarray(t), dense, len(gname)), raw_dtype=dense)
         else:
             w.add_tensor(gname, np.ascontiguousarray(t))
     w.write_header_to_file()

@@ -14,6 +14,7 @@ import pytest
 import cuda_emulator
 from coordinator.model import device_ops, ops
 from coordinator.model.backend import probe_cuda
+from shm.formats import bf16
 
 
 @pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
@@ -151,3 +152,157 @@ def test_device_attention_norm_rope_and_residual_norm_match_float64(cp):
         np.testing.assert_allclose(cupy.asnumpy(normed), want, rtol=2e-6, atol=1e-6, err_msg=str(shape))
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), shm/formats/bf16's rounding."""
+    out = np.empty(x.shape, np.uint16)
+    bf16.encode_into(out, x)
+    return out
+
+
+def _widened(bits: np.ndarray) -> np.ndarray:
+    out = np.empty(bits.shape, np.float32)
+    bf16.decode_into(out, bits)
+    return out
+
+
+def test_bf16_conversions_match_the_bf16_format(cp):
+    """to_bf16 rounds as shm/formats/bf16.encode_into (ties to even, NaN kept NaN, overflow to infinity) bit for
+    bit, into a fresh array or in place into a cache buffer's rows; from_bf16 widens every bf16 pattern exactly."""
+    cupy = cp
+    rng = np.random.default_rng(5)
+    special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x7F7FFFFF,
+                        0xFF7FFFFF, 0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x00000001, 0x00008000,
+                        0x807FFFFF, 0x7F7F8000, 0x7FFF8000], np.uint32)
+    bits = np.concatenate([special, rng.integers(0, 1 << 32, 3000, dtype=np.uint32)])  # NaNs, denormals, all
+    x = bits.view(np.float32).reshape(-1, 6)  # [503, 6]
+    got = cupy.asnumpy(device_ops.to_bf16(cupy.asarray(x)))
+    assert got.dtype == np.uint16 and got.shape == x.shape
+    assert np.array_equal(got, _bf16(x))
+
+    cache = cupy.asarray(np.full((9, 2, 6), 0xABCD, np.uint16))  # [capacity, ...] a cache buffer
+    rows = x[:6].reshape(3, 2, 6)
+    dest = cache[4:7]
+    assert device_ops.to_bf16(cupy.asarray(rows), out=dest) is dest
+    after = cupy.asnumpy(cache)
+    assert np.array_equal(after[4:7], _bf16(rows))
+    assert np.all(after[:4] == 0xABCD) and np.all(after[7:] == 0xABCD)
+    kv_column = cupy.asarray(x)[:, None, 2:]  # [R, 1, 4], its rows apart and an axis of one
+    assert np.array_equal(cupy.asnumpy(device_ops.to_bf16(kv_column)), _bf16(x[:, None, 2:]))
+    fused = x.reshape(-1)[:60].reshape(3, 20)
+    qkv = cupy.asarray(fused)  # the fused QKV output, V its last 12 columns: rows apart
+    v = qkv[:, 8:].reshape(3, 2, 6)
+    assert not v.flags.c_contiguous
+    device_ops.to_bf16(v, out=cache[1:4])
+    assert np.array_equal(cupy.asnumpy(cache[1:4]), _bf16(fused[:, 8:].reshape(3, 2, 6)))
+    assert np.array_equal(cupy.asnumpy(cache[4:7]), _bf16(rows))
+    with pytest.raises(ValueError):
+        device_ops.to_bf16(cupy.asarray(rows[..., :3]), out=cache[4:7, :, :3])  # out's rows apart: not in place
+
+    every = np.arange(1 << 16, dtype=np.uint16)
+    got = cupy.asnumpy(device_ops.from_bf16(cupy.asarray(every.reshape(256, 256))))
+    assert got.dtype == np.float32 and got.shape == (256, 256)
+    assert np.array_equal(got.view(np.uint32).reshape(-1), _widened(every).view(np.uint32))
+
+
+def test_device_attention_reads_a_bf16_cache(cp):
+    """gqa_attention over bf16 K/V bits: equal bit for bit to the float32 kernel over the widened values (a lone
+    bf16 one is widened first), and to float64 as that one is."""
+    cupy = cp
+    rng = np.random.default_rng(13)
+    for T, S, nh, nkv, hd, window in [(1, 37, 8, 2, 64, None), (3, 20, 4, 4, 32, 6), (2, 9, 2, 1, 160, None)]:
+        q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+        k, v = (_bf16((rng.standard_normal((S, nkv, hd)) * 2).astype(np.float32)) for _ in range(2))
+        mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), window)  # [T, S]
+        qd, md = cupy.asarray(q), cupy.asarray(mask)
+        got = cupy.asnumpy(device_ops.gqa_attention(qd, cupy.asarray(k), cupy.asarray(v), md, hd**-0.5))
+        wide = cupy.asnumpy(device_ops.gqa_attention(qd, cupy.asarray(_widened(k)), cupy.asarray(_widened(v)), md,
+                                                     hd**-0.5))
+        assert np.array_equal(got, wide), (T, S, nh, nkv, hd)
+        np.testing.assert_allclose(got, _attention64(q, _widened(k), _widened(v), mask), rtol=2e-5, atol=2e-6)
+        mixed = device_ops.gqa_attention(qd, cupy.asarray(k), cupy.asarray(_widened(v)), md, hd**-0.5)
+        assert np.array_equal(cupy.asnumpy(mixed), wide)
+
+
+def _rope_interleaved64(x, cos, sin):
+    """x [T, heads, d] -> DeepSeek's interleaved rotation, de-interleaved, in float64 from the pairs' angles."""
+    half = x.shape[-1] // 2
+    x = x.astype(np.float64)
+    c, s = cos[:, None, :half].astype(np.float64), sin[:, None, :half].astype(np.float64)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([even * c - odd * s, odd * c + even * s], axis=-1)
+
+
+def test_device_interleaved_rope_matches_float64(cp):
+    """apply_rope_interleaved in one launch, reading q's rope columns and kv_a's rope key where they lie (rows
+    and heads apart), against float64, and equal to it on a contiguous copy."""
+    cupy = cp
+    rng = np.random.default_rng(17)
+    for T, nh, dn, dr, c in [(1, 4, 16, 8, 32), (5, 3, 16, 64, 32), (2, 16, 128, 64, 512)]:
+        q = rng.standard_normal((T, nh, dn + dr)).astype(np.float32)  # a q projection's output
+        ckv = rng.standard_normal((T, c + dr)).astype(np.float32)  # kv_a's output: latent, rope key
+        cos, sin = ops.rope_cos_sin(np.arange(30, 30 + T), ops.yarn_inv_freq(dr, 1e4, 40, 4096, 32, 1))  # [T, dr]
+        cd, sd = cupy.asarray(cos), cupy.asarray(sin)
+        q_rope = cupy.asarray(q)[..., dn:]  # [T, nh, dr], rows and heads apart
+        k_rope = cupy.asarray(ckv)[:, None, c:]  # [T, 1, dr], rows apart
+        for x, want in [(q_rope, _rope_interleaved64(q[..., dn:], cos, sin)),
+                        (k_rope, _rope_interleaved64(ckv[:, None, c:], cos, sin))]:
+            got = device_ops.apply_rope_interleaved(x, cd, sd)
+            assert got.shape == want.shape
+            np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-5, atol=1e-6, err_msg=f"T {T} dr {dr}")
+            assert cupy.array_equal(got, device_ops.apply_rope_interleaved(cupy.ascontiguousarray(x), cd, sd))
+
+
+def _mla64(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, scale):
+    """The attention of T tokens' nh heads over S cached latents, from its definition in float64: keys
+    (W_uk latent, k_rope), values W_uv latent (W_uv = w_uv_t's transpose). -> [T, nh*dv]."""
+    f = np.float64
+    lat_t = latent.astype(f).T  # [c, S]
+    k_nope = w_uk.astype(f) @ lat_t  # [nh, dn, S]
+    v = w_uv_t.astype(f).transpose(0, 2, 1) @ lat_t  # [nh, dv, S]
+    scores = q_nope.astype(f).transpose(1, 0, 2) @ k_nope + q_rope.astype(f).transpose(1, 0, 2) @ k_rope.astype(f).T
+    out = _softmax64(scores, mask, scale) @ v.transpose(0, 2, 1)  # [nh, T, dv]
+    return out.transpose(1, 0, 2).reshape(out.shape[1], -1)
+
+
+def test_device_mla_attention_matches_float64(cp):
+    """mla_attention_absorbed (three launches) against the attention's float64 definition: query rows of several
+    tokens in one block (nh 3), more tokens than a block's, latent widths below and above a block, v dims that
+    split a block unevenly and exceed it, windows that mask whole chunks, the keys split in chunks and not; q's
+    parts read where they lie in q. A bf16 cache gives the float32 kernel's result on the widened values."""
+    cupy = cp
+    assert f"#define MLA_ROWS {device_ops.MLA_ROWS}\n" in device_ops._SOURCE
+    rng = np.random.default_rng(19)
+    #        T,   S,  nh, dn, dr,   c,  dv, window, splits
+    cases = [(1, 1, 4, 16, 8, 32, 16, None, None), (1, 37, 4, 16, 8, 64, 16, None, 3),
+             (4, 37, 4, 16, 8, 32, 16, 5, 4), (3, 40, 3, 16, 8, 32, 24, None, None), (10, 12, 2, 8, 8, 32, 16, 4, 2),
+             (2, 24, 2, 16, 8, 160, 16, None, 2), (1, 10, 2, 16, 8, 32, 144, None, 1)]
+    if not getattr(cp, "EMULATED", False):  # DeepSeek-V3's shapes, long contexts, prefill: a GPU's work
+        cases += [(1, 1000, 128, 128, 64, 512, 128, None, None), (1, 5000, 16, 128, 64, 512, 128, None, None),
+                  (4, 300, 128, 128, 64, 512, 128, None, None), (64, 700, 16, 128, 64, 512, 128, None, None),
+                  (3, 2000, 16, 128, 64, 512, 128, 1000, 5)]
+    for T, S, nh, dn, dr, c, dv, window, splits in cases:
+        q = rng.standard_normal((T, nh, dn + dr)).astype(np.float32)  # [T, nh, dn+dr] q's heads
+        latent = rng.standard_normal((S, c)).astype(np.float32)
+        k_rope = rng.standard_normal((S, dr)).astype(np.float32)
+        kv_b = (rng.standard_normal((nh, dn + dv, c)) / np.sqrt(c)).astype(np.float32)  # kv_b_proj's heads
+        w_uk = np.ascontiguousarray(kv_b[:, :dn])  # [nh, dn, c]
+        w_uv_t = np.ascontiguousarray(kv_b[:, dn:].transpose(0, 2, 1))  # [nh, c, dv]
+        mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), window)  # [T, S]
+        scale = (dn + dr) ** -0.5
+        qd, kv_b_dev = cupy.asarray(q), cupy.asarray(kv_b)
+        weights = cupy.asarray(w_uk), cupy.asarray(w_uv_t), cupy.asarray(mask), scale
+        got = device_ops.mla_attention_absorbed(qd[..., :dn], qd[..., dn:], cupy.asarray(latent),
+                                                cupy.asarray(k_rope), *weights, splits=splits)
+        what = f"T {T} S {S} nh {nh} c {c} dv {dv} window {window} splits {splits}"
+        want = _mla64(q[..., :dn], q[..., dn:], latent, k_rope, w_uk, w_uv_t, mask, scale)
+        np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=5e-5, atol=5e-6, err_msg=what)
+        views = device_ops.mla_attention_absorbed(  # the weights read in kv_b's rows, nothing copied
+            qd[..., :dn], qd[..., dn:], cupy.asarray(latent), cupy.asarray(k_rope), kv_b_dev[:, :dn],
+            kv_b_dev[:, dn:].transpose(0, 2, 1), *weights[2:], splits=splits)
+        assert cupy.array_equal(views, got), what
+        lat16, kr16 = _bf16(latent), _bf16(k_rope)
+        from16 = device_ops.mla_attention_absorbed(qd[..., :dn], qd[..., dn:], cupy.asarray(lat16),
+                                                   cupy.asarray(kr16), *weights, splits=splits)
+        widened = device_ops.mla_attention_absorbed(qd[..., :dn], qd[..., dn:], cupy.asarray(_widened(lat16)),
+                                                    cupy.asarray(_widened(kr16)), *weights, splits=splits)
+        assert cupy.array_equal(from16, widened), what

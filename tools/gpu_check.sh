@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, the GPU suite (tests/test_gpu.py, `pytest -m gpu`) in one command:
 #   ./tools/gpu_check.sh [pytest arguments]
-#   ./tools/gpu_check.sh --bench    then the decode bench with the CuPy coordinator: the kernels' first
-#                                   compile timed, the deep preset (48 layers) made in /tmp/strata-deep
+#   ./tools/gpu_check.sh --bench    then tools/gpu_bench.py (speed, logits against the CPU path, GPU memory by
+#                                   category, hot experts in 8 GB: $OUT/gpu_bench.json) and the decode bench
+#                                   with the CuPy coordinator on the deep preset (48 layers, /tmp/strata-deep)
 # With network: makes .venv, installs the project with its test extra and the CuPy wheel that matches
 # the driver's CUDA (or $STRATA_CUPY_PACKAGE).
 # Without network (this workplace's GPU machines): runs on the machine's own python3 and its CuPy;
@@ -61,10 +62,12 @@ if ok:
     print("device 0:", props["name"].decode(), "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
 PY
 if [ "${1:-}" != "--bench" ]; then
-  exec "$PY" -m pytest -p no:cacheprovider -m gpu -v tests/test_gpu.py tests/test_device_kernels.py "$@"
+  exec "$PY" -m pytest -p no:cacheprovider -m gpu -v tests/test_gpu.py tests/test_device_kernels.py \
+    tests/test_format_kernels.py "$@"
 fi
 # the CPU kernels the bench's engines need (the deep preset's f32 experts), compiled as a first run compiles them
 "$PY" -m coordinator.warmup host doorbells experts/f32
+"$PY" tools/gpu_bench.py --out "${OUT:-/tmp/strata-gpu-out}"
 DEEP="${TMPDIR:-/tmp}/strata-deep"
 [ -f "$DEEP/config.json" ] || "$PY" -m coordinator make-model --preset deep --out "$DEEP" --force
 exec "$PY" -m coordinator bench -m "$DEEP" --modes inproc,single,split --device cuda --tokens 32 \

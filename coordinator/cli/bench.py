@@ -254,6 +254,7 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
                 "experts": eng.expert_report(),
                 "expert_format": eng.expert_format,
                 "dense_format": eng.dense_format,
+                "gpu_memory": eng.gpu_memory.as_dict() if eng.gpu_memory is not None else None,
                 "stored_bytes_per_weight": stored / eng.cpu_expert_weights() if eng.cpu_expert_weights() else None,
                 "bytes": {"counted": all_calls["bytes_read"], "implied_by_routing": res["expert_loads"] * expert_bytes,
                           "expert_loads": res["expert_loads"], "routed_pairs": res["pairs"]},

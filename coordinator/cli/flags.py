@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Mapping
 
-from ..config import ACTIVATIONS, DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, EngineConfig, resolve_config
+from ..config import ACTIVATIONS, DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, KV_DTYPES, EngineConfig, resolve_config
 from ..errors import ConfigValueError
 from ..request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest
 
@@ -21,8 +21,8 @@ CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; t
 
 # EngineConfig fields the engine flags set ("--" + the field, dashed); the others only through their variable
 FLAG_FIELDS = ("numa_split", "nodes", "pool", "pool_node", "worker_threads", "keep_shm", "route_tail_skip", "max_seq_len",
-               "worker_hang_timeout", "worker_restart_window", "expert_dtype", "dense_dtype", "activations",
-               "prefill_chunk", "device", "expert_profile", "gpu_experts", "gpu_expert_memory")
+               "worker_hang_timeout", "worker_restart_window", "expert_dtype", "dense_dtype", "kv_dtype",
+               "activations", "prefill_chunk", "device", "expert_profile", "gpu_experts", "gpu_expert_memory")
 
 
 def number(kind, name: str, low=None, high=None, low_open: bool = False):
@@ -130,9 +130,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "scale per 32), q4 (4-bit, f16 scale per 32), or q4k/q5k/q6k (a GGUF file's K blocks, only "
                         "from that type) " + setting("expert_dtype"))
     g.add_argument("--dense-dtype", dest="dense_dtype", default=None, choices=list(DENSE_DTYPES),
-                   help="without a GPU, how the dense matrices (attention, dense and shared MLPs, lm_head) are stored "
-                        "and read: auto (a GGUF file's Q8_0/Q4_0/K/IQ4_XS matrices as the file has them, as "
-                        "llama.cpp reads them, the rest float32), f32, bf16, q8, q4 " + setting("dense_dtype"))
+                   help="how the dense matrices (attention, dense and shared MLPs, lm_head) are stored and read, on "
+                        "the GPU as on the host: auto (the file's own: a GGUF file's Q8_0/Q4_0/K/IQ4_XS matrices as "
+                        "the file has them, as llama.cpp reads them; on a GPU BF16/F16/FP8 as bf16, on the host "
+                        "float32), f32, bf16, q8, q4 " + setting("dense_dtype"))
+    g.add_argument("--kv-dtype", dest="kv_dtype", default=None, choices=list(KV_DTYPES),
+                   help="the KV cache's values: auto (bf16 on a GPU, f32 on the host), f32, bf16 (a GPU's; the "
+                        "host keeps f32) " + setting("kv_dtype"))
     add_activations_flag(g)
     g.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=None,
                    help="prompt tokens prefilled per serving step, interleaved with decoding "

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..device.experts import DeviceExperts
+from ..device.weights import DeviceMatrix, upload
 from ..pool import ExpertPool, PoolRequest
 from . import ops
 from .kv_cache import KVCache
@@ -53,13 +55,20 @@ class FusedQKV:
 
 
 def fuse_qkv(lw: LayerWeights, xp) -> tuple[LayerWeights, FusedQKV | None]:
-    """The layer with q, k and v (and their biases) as views of one new matrix, and that matrix; an MLA layer
-    as it is, and None."""
+    """The layer with q, k and v (and their biases) as views of one new matrix, and that matrix; an MLA layer,
+    or one whose q, k and v are stored in different formats (a Q4_K_M file's Q6_K v), as it is, and None."""
     if lw.q is None:
         return lw, None
+    mats = (lw.q, lw.k, lw.v)
     q_end, k_end = lw.q.shape[0], lw.q.shape[0] + lw.k.shape[0]
-    weight = xp.concatenate([lw.q, lw.k, lw.v])
-    views = dict(q=weight[:q_end], k=weight[q_end:k_end], v=weight[k_end:])
+    if all(isinstance(m, DeviceMatrix) for m in mats) and len({(m.fmt, m.shape[1]) for m in mats}) == 1:
+        weight = DeviceMatrix.stack(list(mats), xp)
+        views = dict(q=weight.rows(0, q_end), k=weight.rows(q_end, k_end), v=weight.rows(k_end, weight.shape[0]))
+    elif not any(isinstance(m, DeviceMatrix) for m in mats):
+        weight = xp.concatenate(list(mats))
+        views = dict(q=weight[:q_end], k=weight[q_end:k_end], v=weight[k_end:])
+    else:
+        return lw, None
     bias = None
     if lw.q_bias is not None:
         bias = xp.concatenate([lw.q_bias, lw.k_bias, lw.v_bias])
@@ -152,23 +161,34 @@ def last_row_ids(xp, bounds: np.ndarray):
 
 class Decoder:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, pool: ExpertPool, route_tail_skip: float = 0.0,
-                 device_experts: dict | None = None, backend: str = "numpy"):
+                 device_experts: dict | DeviceExperts | None = None, backend: str = "numpy",
+                 device_weights: ModelWeights | None = None, kv_dtype: str = "f32"):
+        """``device_weights``: ``weights`` already on the device (coordinator/device/weights.upload, in their
+        storage formats); None uploads them as float32. ``device_experts``: (layer, e) -> MLPWeights kept
+        whole (the NumPy side), or a DeviceExperts (the GPU's, in their formats). ``kv_dtype``: the KV
+        cache's values, "f32" or "bf16" (the device only)."""
         self.cfg = cfg
         self.backend = backend
         self.xp = module(backend)
         self.staging = HostStaging(backend)  # pinned host buffers for the pool's rows and partials
         self.side = SideStream(backend)  # the device experts' own stream
-        self.w = on_device(weights, self.xp)  # dense weights where the device side runs
+        # dense weights where the device side runs; the embedding stays on the host (a step reads T rows)
+        self.w = weights if self.xp is np else device_weights or upload(weights, self.xp, dense_dtype="f32")
+        self.kv_dtype = kv_dtype if self.xp is not np else "f32"
         self.router_bias = [lw.router_bias for lw in weights.layers]  # host copies: the routing runs on the host
         self.qkv: list[FusedQKV | None] = [None] * len(self.w.layers)  # per layer; the host keeps three matrices
         if self.xp is not np:  # the uploaded q, k, v become views of the fused matrix: no second copy
             for i, lw in enumerate(self.w.layers):
                 self.w.layers[i], self.qkv[i] = fuse_qkv(lw, self.xp)
         self.pool = pool
-        # (layer, e) -> MLPWeights kept whole on the device
-        self.device_experts = {k: on_device(v, self.xp) for k, v in (device_experts or {}).items()}
+        if isinstance(device_experts, DeviceExperts):
+            self.device_experts = device_experts
+            keys = device_experts.keys()
+        else:  # (layer, e) -> MLPWeights kept whole where the device side runs
+            self.device_experts = {k: on_device(v, self.xp) for k, v in (device_experts or {}).items()}
+            keys = list(self.device_experts)
         self.on_device = {i: np.zeros(cfg.num_experts, bool) for i in cfg.moe_layers}  # layer -> [E]
-        for layer, e in self.device_experts:
+        for layer, e in keys:
             self.on_device[layer][e] = True
         self.route_tail_skip = route_tail_skip
         self.rope_scale = 1.0  # multiplies cos and sin (YaRN's attention factor)
@@ -189,7 +209,8 @@ class Decoder:
     def new_cache(self) -> KVCache:
         cfg = self.cfg
         latent = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) if cfg.mla is not None else None
-        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent)
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent,
+                       dtype=self.kv_dtype)
 
     def _rope_tables(self, positions: np.ndarray):
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq)
@@ -210,7 +231,7 @@ class Decoder:
         xp, eps, layers = self.xp, self.cfg.rms_norm_eps, self.w.layers
         rope = self._rope_tables(np.concatenate(positions))  # cos, sin [N, d]: every row's position
         masks: dict = {}  # (sequence, window) -> [T_s, S_s] on the device: uploaded once, not once a layer
-        h = self.w.embed[xp.asarray(np.concatenate([ids for ids, _ in seqs]))]  # [N, H]
+        h = xp.asarray(self.w.embed[np.concatenate([ids for ids, _ in seqs])])  # [N, H]: host rows, uploaded
         a = ops.rms_norm(h, layers[0].input_norm if layers else self.w.final_norm, eps)  # [N, H]
         # the rows the last layer carries on with, where others' output nobody reads (last_row_ids)
         keep = last_row_ids(xp, bounds) if last_only and layers and len(seqs) < bounds[-1] else None
@@ -306,11 +327,21 @@ class Decoder:
                 r, cos, sin, mask = slice(s, s + 1), cos[-1:], sin[-1:], mask[-1:]
             qr = rotate(q_rope[r], cos, sin)
             if self._absorbed(r.stop - r.start, lat.shape[0]):
-                out[r] = ops.mla_attention_absorbed(q_nope[r], qr, lat, kr, w.w_uk, w.w_uv, mask, m.softmax_scale)
+                w_uk, w_uv = (w.w_uk, w.w_uv) if w.w_uk is not None else self._kv_b_heads(w.kv_b)
+                out[r] = ops.mla_attention_absorbed(q_nope[r], qr, lat, kr, w_uk, w_uv, mask, m.softmax_scale)
             else:
+                lat = ops.widen(lat)  # a bf16 cache's latents as float32 for the product
                 kv = (lat @ w.kv_b.T).reshape(lat.shape[0], nh, dn + m.v_head_dim)  # [S, nh, dn+dv]
                 out[r] = ops.mla_attention(q_nope[r], qr, kv[..., :dn], kr, kv[..., dn:], mask, m.softmax_scale)
         return out @ lw.o.T  # [N or len(rows), H]
+
+    def _kv_b_heads(self, kv_b):
+        """(W_uk [nh, dn, c], W_uv [nh, dv, c]): views of kv_b's rows, dequantised where it is stored compact
+        (the device keeps kv_b alone, not a second copy split by head)."""
+        m, nh = self.cfg.mla, self.cfg.num_heads
+        dense = kv_b.decoded() if isinstance(kv_b, DeviceMatrix) else kv_b
+        heads = dense.reshape(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)  # [nh, dn+dv, c]
+        return heads[:, : m.qk_nope_head_dim], heads[:, m.qk_nope_head_dim :]
 
     def _absorbed(self, T: int, S: int) -> bool:
         """Whether T new tokens over S cached ones take the absorbed form: the one with fewer multiply-adds.
@@ -383,6 +414,9 @@ class Decoder:
         if not routing.device.size:
             return None
         with self.side.run():
+            if isinstance(self.device_experts, DeviceExperts):
+                d = routing.device
+                return self.device_experts.run(routing.layer, x, d.tokens, d.experts, d.weights)
             return self._device_experts(routing.layer, x, routing.device)
 
     def _collect_cpu(self, sent: CpuBatch, x: np.ndarray):

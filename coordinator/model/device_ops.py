@@ -11,7 +11,11 @@ batched matmuls over broadcast, transposed operands cost more than the projectio
 one launch for up to ops.DEVICE_ATTENTION_TOKENS query tokens, q/k norm and RoPE one
 launch each reading the fused QKV output in place (decoder.fuse_qkv: one matmul
 for the three projections), and each residual add joins the norm after it.
-Those four were written without a GPU at hand: tests/test_device_kernels.py
+DeepSeek's multi-head latent attention takes three launches (the absorbed form) and its
+interleaved RoPE one. A KV cache may hold bf16: CuPy has no such dtype, so its values are
+uint16 arrays of the bits (a float32's top half, shm/formats/bf16's rounding), written by
+to_bf16 and read by the attention kernels, which widen them exactly.
+Those kernels were written without a GPU at hand: tests/test_device_kernels.py
 checks them against float64 through tests/cuda_emulator.py (the same source
 built for the CPU) and, on a GPU, through CuPy.
 
@@ -19,12 +23,19 @@ built for the CPU) and, on a GPU, through CuPy.
     add_rms_norm(h, delta [..., D], weight, eps)      -> (h + delta, rms_norm(h + delta))
     apply_rope(x [T, heads, hd], cos [T, d], sin)     -> [T, heads, hd], d <= hd (the rest passed through)
     norm_rope(x [T, heads, hd], weight|None, eps, cos, sin) -> apply_rope(rms_norm(x)), x's rows may lie apart
+    apply_rope_interleaved(x [T, heads, d], cos [T, d], sin) -> [T, heads, d]   x's rows and heads may lie apart
     masked_softmax(scores [R, T, S], mask [T, S], s)  -> softmax(where(mask, scores * s, -inf)) over S
     gqa_attention(q [T, nh, hd], k/v [S, nkv, hd], mask [T, S], s) -> [T, nh*hd]   one block a (token, head)
+    mla_attention_absorbed(q_nope [T, nh, dn], q_rope [T, nh, dr], latent [S, c], k_rope [S, dr],
+                           w_uk [nh, dn, c], w_uv_t [nh, c, dv], mask [T, S], s) -> [T, nh*dv]
     silu_mul(g, u)                                    -> g * sigmoid(g) * u, elementwise
+    to_bf16(x [...], out=None)                        -> bf16 bits, uint16 [...] (out: a cache's rows, in place)
+    from_bf16(bits [...])                             -> float32 [...], exact
 
-All take float32 arrays (mask: bool) and return new C-contiguous arrays; the
-joined kernels repeat the separate ones' arithmetic, so their results are equal.
+All take float32 arrays (mask: bool; the attentions' k/v, latent/k_rope: float32 or
+bf16 bits) and return new C-contiguous arrays; the joined kernels repeat the separate
+ones' arithmetic, so their results are equal, and a bf16 cache's attention equals the
+float32 kernel's on the widened values.
 """
 
 from __future__ import annotations
@@ -62,6 +73,11 @@ __device__ float block_max(float v, float* part) {
     v = warp_max(lane < nw ? part[lane] : __int_as_float(0xff800000));
     __syncthreads();
     return v;
+}
+// a key/value cache entry as float: float32 as stored, bf16 bits widened exactly (they are the float's top half)
+__device__ __forceinline__ float kv_load(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float kv_load(const unsigned short* p, long long i) {
+    return __int_as_float((int)((unsigned)p[i] << 16));
 }
 
 // x, out [rows, D]; weight [D]. out = x / sqrt(mean(x^2) + eps) * weight
@@ -148,19 +164,19 @@ extern "C" __global__ void strata_norm_rope(const float* x, long long row_stride
 }
 
 // Attention of T query tokens over S keys, heads sharing KV heads in groups of nh / nkv.
-// q [T, nh, hd]; k, v [S, nkv, hd]; mask [T, S] bytes, nonzero where the key is seen; out [T, nh * hd];
-// scores [T * nh, S] scratch. One block a (token, head):
+// q [T, nh, hd]; k, v [S, nkv, hd] (KV: float, or bf16 bits widened exactly on load); mask [T, S] bytes,
+// nonzero where the key is seen; out [T, nh * hd]; scores [T * nh, S] scratch. One block a (token, head):
 //   scores   a warp a key: the lanes split hd, a shuffle sum; masked keys -inf
 //   softmax  block max, e^(s - max) (masked: 0), block sum (strata_masked_softmax's arithmetic)
 //   output   the threads split (dim, key group): groups = blockDim / hd keys apart, summed in group order
 // Dynamic shared memory: hd + max(blockDim, hd) floats.
-extern "C" __global__ void strata_gqa_attention(const float* q, const float* k, const float* v,
-                                                const unsigned char* mask, float scale, int S, int nh, int nkv,
-                                                int hd, float* scores, float* out) {
-    extern __shared__ float shared[];
+template <typename KV>
+__device__ void gqa_attention(const float* q, const KV* k, const KV* v, const unsigned char* mask, float scale,
+                              int S, int nh, int nkv, int hd, float* scores, float* out) {
+    extern __shared__ float gqa_shared[];  // named apart: a C++ function's and the kernels' would clash
     __shared__ float part[32];
-    float* qs = shared;       // [hd] the query row
-    float* acc = shared + hd; // [groups * hd] the output's partial sums
+    float* qs = gqa_shared;       // [hd] the query row
+    float* acc = gqa_shared + hd; // [groups * hd] the output's partial sums
     long long t = blockIdx.x / nh;
     int h = blockIdx.x % nh, g = h / (nh / nkv);
     const float* qr = q + (long long)blockIdx.x * hd;
@@ -169,17 +185,17 @@ extern "C" __global__ void strata_gqa_attention(const float* q, const float* k, 
     float* sc = scores + (long long)blockIdx.x * S;
     const unsigned char* m = mask + t * S;
     long long kv_row = (long long)nkv * hd;
-    const float* kh = k + (long long)g * hd;
-    const float* vh = v + (long long)g * hd;
+    const KV* kh = k + (long long)g * hd;
+    const KV* vh = v + (long long)g * hd;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int j = w; j < S; j += nw) {
         if (!m[j]) {  // the same j for the whole warp: no lane waits in a shuffle another skips
             if (lane == 0) sc[j] = __int_as_float(0xff800000);
             continue;
         }
-        const float* kr = kh + j * kv_row;
+        const KV* kr = kh + j * kv_row;
         float a = 0.0f;
-        for (int d = lane; d < hd; d += 32) a += qs[d] * kr[d];
+        for (int d = lane; d < hd; d += 32) a += qs[d] * kv_load(kr, d);
         a = warp_sum(a);
         if (lane == 0) sc[j] = a * scale;
     }
@@ -198,7 +214,7 @@ extern "C" __global__ void strata_gqa_attention(const float* q, const float* k, 
     for (int i = threadIdx.x; i < groups * hd; i += blockDim.x) {
         int d = i % hd, grp = i / hd;
         float a = 0.0f;
-        for (int j = grp; j < S; j += groups) a += sc[j] * vh[j * kv_row + d];
+        for (int j = grp; j < S; j += groups) a += sc[j] * kv_load(vh, j * kv_row + d);
         acc[grp * hd + d] = a;
     }
     __syncthreads();
@@ -207,6 +223,274 @@ extern "C" __global__ void strata_gqa_attention(const float* q, const float* k, 
         float a = 0.0f;
         for (int grp = 0; grp < groups; grp++) a += acc[grp * hd + d];
         o[d] = a / sum;
+    }
+}
+extern "C" __global__ void strata_gqa_attention(const float* q, const float* k, const float* v,
+                                                const unsigned char* mask, float scale, int S, int nh, int nkv,
+                                                int hd, float* scores, float* out) {
+    gqa_attention(q, k, v, mask, scale, S, nh, nkv, hd, scores, out);
+}
+extern "C" __global__ void strata_gqa_attention_bf16(const float* q, const unsigned short* k, const unsigned short* v,
+                                                     const unsigned char* mask, float scale, int S, int nh, int nkv,
+                                                     int hd, float* scores, float* out) {
+    gqa_attention(q, k, v, mask, scale, S, nh, nkv, hd, scores, out);
+}
+
+// float32 -> bf16 bits, round to nearest even, NaN kept NaN (shm/formats/bf16.encode_into's integer arithmetic).
+// x: rows of `width` floats, row r at x + r * row_stride (a column slice: V in the fused QKV output); out [n]
+// C-contiguous. x is read as its bits: integer operations only, so every device rounds alike.
+extern "C" __global__ void strata_to_bf16(const unsigned int* x, long long row_stride, long long width, long long n,
+                                          unsigned short* out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned int b = x[(i / width) * row_stride + i % width];
+    bool is_nan = (b & 0x7fffffffu) > 0x7f800000u;  // set quiet, not rounded: a carry could make it infinity
+    out[i] = (unsigned short)(is_nan ? (b >> 16) | 0x40u : (b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// bf16 bits -> float32 (written as its bits), exact
+extern "C" __global__ void strata_from_bf16(const unsigned short* x, long long n, unsigned int* out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = (unsigned int)x[i] << 16;
+}
+
+// DeepSeek's interleaved RoPE (ops.apply_rope_interleaved): x [T, heads, d], row t head h at
+// x + t * row_stride + h * head_stride (column slices of q or of kv_a's output); cos, sin [T, cw], the first
+// d / 2 columns used (half-split layout); out [T, heads, d] de-interleaved:
+// [even cos - odd sin, odd cos + even sin]. A thread an output element.
+extern "C" __global__ void strata_rope_interleaved(const float* x, long long row_stride, long long head_stride,
+                                                   int heads, int d, const float* cos, const float* sin, int cw,
+                                                   long long n, float* out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int j = (int)(i % d), half = d / 2;
+    long long th = i / d, t = th / heads;
+    const float* xr = x + t * row_stride + (th % heads) * head_stride;
+    int p = j < half ? j : j - half;  // the pair (x[2p], x[2p + 1]) and its angle
+    float c = cos[t * cw + p], s = sin[t * cw + p], even = xr[2 * p], odd = xr[2 * p + 1];
+    out[i] = j < half ? even * c - odd * s : odd * c + even * s;
+}
+
+// Absorbed multi-head latent attention (ops.mla_attention_absorbed) in three launches. Query rows r = t * nh + h
+// (R = T * nh); keys: the cached latent [S, c] and rope key [S, dr], both float or both bf16 bits.
+//   1 strata_mla_q_absorb  q_lat [R, c] = q_nope · w_uk[h]: a block a head and MLA_ROWS tokens, so each
+//                          step reads w_uk once, not once a key chunk
+//   2 strata_mla_partial   a block MLA_ROWS rows x one chunk of keys: scores, the chunk's max and sum of
+//                          e^(s - max), part = sum of e^(s - max) latent_j [c]; the rows share each key read, the
+//                          chunks fill the device when the rows are few (decode)
+//   3 strata_mla_combine   a block a head and MLA_ROWS tokens: the chunks merged (flash-decoding's rescale),
+//                          out_lat / sum, then out [T, nh * dv] = out_lat · w_uv_t[h]
+#define MLA_ROWS 8
+
+// q_nope: row t head h at q_nope + t * qn_row + h * qn_head (a column slice of q); w_uk [nh, dn, c], element
+// (h, d, i) at w_uk + h * wk_head + d * wk_row + i * wk_col (a view of kv_b's rows as well); q_lat [R, c].
+// A thread a latent column, the MLA_ROWS tokens' sums in registers. Dynamic shared memory: MLA_ROWS * dn floats.
+extern "C" __global__ void strata_mla_q_absorb(const float* q_nope, long long qn_row, long long qn_head,
+                                               const float* w_uk, long long wk_head, long long wk_row,
+                                               long long wk_col, int T, int nh, int dn, int c, float* q_lat) {
+    extern __shared__ float qn[];  // [MLA_ROWS][dn] the tokens' q_nope rows of head h
+    int h = blockIdx.x % nh;
+    long long t0 = (long long)(blockIdx.x / nh) * MLA_ROWS;
+    int tb = T - t0 < MLA_ROWS ? (int)(T - t0) : MLA_ROWS;
+    for (int i = threadIdx.x; i < tb * dn; i += blockDim.x)
+        qn[i] = q_nope[(t0 + i / dn) * qn_row + (long long)h * qn_head + i % dn];
+    __syncthreads();
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        const float* wk = w_uk + h * wk_head + i * wk_col;
+        float a[MLA_ROWS];
+        for (int tt = 0; tt < MLA_ROWS; tt++) a[tt] = 0.0f;
+        for (int d = 0; d < dn; d++) {
+            float w = wk[d * wk_row];
+#pragma unroll
+            for (int tt = 0; tt < MLA_ROWS; tt++)
+                if (tt < tb) a[tt] += qn[tt * dn + d] * w;
+        }
+#pragma unroll
+        for (int tt = 0; tt < MLA_ROWS; tt++)
+            if (tt < tb) q_lat[((t0 + tt) * nh + h) * c + i] = a[tt];
+    }
+}
+
+// q_lat [R, c]; q_rope: row t head h at q_rope + t * qr_row + h * qr_head; latent [S, c], k_rope [S, dr];
+// mask [T, S] bytes; chunk: keys a block (splits * chunk >= S); part [R, splits, c], stats [R, splits, 2]
+// (max, sum). Block b: rows from (b / splits) * MLA_ROWS, keys from (b % splits) * chunk.
+//   scores   a warp a key: the lanes split c + dr, each value read once for every row, a shuffle sum a row;
+//            masked -inf
+//   softmax  a warp a row: chunk max, e^(s - max) (masked: 0), sum
+//   part     the threads split (latent column, key group), groups = blockDim / c keys apart, summed in order
+// Dynamic shared memory: MLA_ROWS * (max(c + dr, blockDim) + chunk) floats.
+template <typename KV>
+__device__ void mla_partial(const float* q_lat, const float* q_rope, long long qr_row, long long qr_head,
+                            const KV* latent, const KV* k_rope, const unsigned char* mask, float scale, int R,
+                            int nh, int S, int c, int dr, int chunk, int splits, float* part, float* stats) {
+    extern __shared__ float mla_shared[];  // named apart, as gqa_shared
+    int width = c + dr, span = width > (int)blockDim.x ? width : (int)blockDim.x;
+    float* qs = mla_shared;                    // [MLA_ROWS][span] the rows' queries (q_lat, q_rope), then part's sums
+    float* sc = mla_shared + MLA_ROWS * span;  // [MLA_ROWS][chunk] the scores, then e^(s - max)
+    long long r0 = (long long)(blockIdx.x / splits) * MLA_ROWS;
+    int split = blockIdx.x % splits;
+    int rb = R - r0 < MLA_ROWS ? (int)(R - r0) : MLA_ROWS;
+    long long j0 = (long long)split * chunk;
+    int n = S - j0 < chunk ? (int)(S - j0) : chunk;  // this chunk's keys
+    for (int i = threadIdx.x; i < rb * width; i += blockDim.x) {
+        int rr = i / width, e = i % width;
+        long long r = r0 + rr;
+        qs[rr * span + e] = e < c ? q_lat[r * c + e] : q_rope[(r / nh) * qr_row + (r % nh) * qr_head + (e - c)];
+    }
+    __syncthreads();
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int j = w; j < n; j += nw) {
+        long long key = j0 + j;
+        bool seen = false;
+        for (int rr = 0; rr < rb; rr++) seen = seen || mask[((r0 + rr) / nh) * S + key];
+        if (!seen) {  // no row sees it (a later token's key in a prompt): no products
+            if (lane == 0)
+                for (int rr = 0; rr < rb; rr++) sc[rr * chunk + j] = __int_as_float(0xff800000);
+            continue;
+        }
+        float a[MLA_ROWS];
+        for (int rr = 0; rr < MLA_ROWS; rr++) a[rr] = 0.0f;
+        for (int e = lane; e < c; e += 32) {
+            float kv = kv_load(latent, key * c + e);
+#pragma unroll
+            for (int rr = 0; rr < MLA_ROWS; rr++)
+                if (rr < rb) a[rr] += qs[rr * span + e] * kv;
+        }
+        for (int e = lane; e < dr; e += 32) {
+            float kv = kv_load(k_rope, key * dr + e);
+#pragma unroll
+            for (int rr = 0; rr < MLA_ROWS; rr++)
+                if (rr < rb) a[rr] += qs[rr * span + c + e] * kv;
+        }
+#pragma unroll
+        for (int rr = 0; rr < MLA_ROWS; rr++) {  // a constant count, so a[] stays in registers
+            if (rr < rb) {
+                bool m = mask[((r0 + rr) / nh) * S + key];  // the same for the whole warp: no lane skips a shuffle
+                float s = m ? warp_sum(a[rr]) : 0.0f;
+                if (lane == 0) sc[rr * chunk + j] = m ? s * scale : __int_as_float(0xff800000);
+            }
+        }
+    }
+    __syncthreads();
+    for (int rr = w; rr < rb; rr += nw) {
+        long long r = r0 + rr;
+        const unsigned char* m = mask + (r / nh) * S + j0;
+        float* s = sc + rr * chunk;
+        float mx = __int_as_float(0xff800000);
+        for (int j = lane; j < n; j += 32) mx = fmaxf(mx, s[j]);
+        mx = warp_max(mx);
+        float sum = 0.0f;
+        for (int j = lane; j < n; j += 32) {
+            float e = m[j] ? expf(s[j] - mx) : 0.0f;
+            s[j] = e;
+            sum += e;
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            stats[(r * splits + split) * 2] = mx;
+            stats[(r * splits + split) * 2 + 1] = sum;
+        }
+    }
+    __syncthreads();  // sc[] holds every e; qs[] is free for the sums
+    int groups = c <= (int)blockDim.x ? blockDim.x / c : 1;
+    for (int i = threadIdx.x; i < groups * c; i += blockDim.x) {
+        int col = i % c, grp = i / c;
+        float a[MLA_ROWS];
+        for (int rr = 0; rr < MLA_ROWS; rr++) a[rr] = 0.0f;
+        for (int j = grp; j < n; j += groups) {
+            float kv = kv_load(latent, (j0 + j) * c + col);
+#pragma unroll
+            for (int rr = 0; rr < MLA_ROWS; rr++)
+                if (rr < rb) a[rr] += sc[rr * chunk + j] * kv;
+        }
+#pragma unroll
+        for (int rr = 0; rr < MLA_ROWS; rr++)
+            if (rr < rb) qs[rr * span + grp * c + col] = a[rr];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rb * c; i += blockDim.x) {
+        int rr = i / c, col = i % c;
+        float a = 0.0f;
+        for (int grp = 0; grp < groups; grp++) a += qs[rr * span + grp * c + col];
+        part[((r0 + rr) * splits + split) * c + col] = a;
+    }
+}
+extern "C" __global__ void strata_mla_partial(const float* q_lat, const float* q_rope, long long qr_row,
+                                              long long qr_head, const float* latent, const float* k_rope,
+                                              const unsigned char* mask, float scale, int R, int nh, int S, int c,
+                                              int dr, int chunk, int splits, float* part, float* stats) {
+    mla_partial(q_lat, q_rope, qr_row, qr_head, latent, k_rope, mask, scale, R, nh, S, c, dr, chunk, splits, part,
+                stats);
+}
+extern "C" __global__ void strata_mla_partial_bf16(const float* q_lat, const float* q_rope, long long qr_row,
+                                                   long long qr_head, const unsigned short* latent,
+                                                   const unsigned short* k_rope, const unsigned char* mask,
+                                                   float scale, int R, int nh, int S, int c, int dr, int chunk,
+                                                   int splits, float* part, float* stats) {
+    mla_partial(q_lat, q_rope, qr_row, qr_head, latent, k_rope, mask, scale, R, nh, S, c, dr, chunk, splits, part,
+                stats);
+}
+
+// part [R, splits, c], stats [R, splits, 2] (strata_mla_partial's); w_uv_t [nh, c, dv], element (h, k, d) at
+// w_uv_t + h * wv_head + k * wv_row + d * wv_col (contiguous, or w_uv's transposed view); out [T, nh * dv].
+// Block b: head b % nh, tokens from (b / nh) * MLA_ROWS. Each chunk weighs e^(max_s - M) (M the row's largest
+// max; an all-masked chunk, max -inf, weighs 0): out_lat = sum of w_s part_s / sum of w_s sum_s, then a thread a
+// (output dim, column group), groups = blockDim / dv columns apart, summed in group order.
+// Dynamic shared memory: MLA_ROWS * (c + max(splits, blockDim, dv)) floats.
+extern "C" __global__ void strata_mla_combine(const float* part, const float* stats, const float* w_uv_t,
+                                              long long wv_head, long long wv_row, long long wv_col, int T, int nh,
+                                              int c, int dv, int splits, float* out) {
+    extern __shared__ float shared[];
+    float* ol = shared;                  // [MLA_ROWS][c] the tokens' out_lat
+    float* ws = shared + MLA_ROWS * c;   // [MLA_ROWS][splits] the chunks' weights, then the output's partial sums
+    int h = blockIdx.x % nh;
+    long long t0 = (long long)(blockIdx.x / nh) * MLA_ROWS;
+    int tb = T - t0 < MLA_ROWS ? (int)(T - t0) : MLA_ROWS;
+    for (int i = threadIdx.x; i < tb * splits; i += blockDim.x) {
+        int tt = i / splits, s = i % splits;
+        const float* st = stats + ((t0 + tt) * nh + h) * splits * 2;
+        float mx = __int_as_float(0xff800000);
+        for (int k = 0; k < splits; k++) mx = fmaxf(mx, st[2 * k]);
+        ws[tt * splits + s] = expf(st[2 * s] - mx);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < tb * c; i += blockDim.x) {
+        int tt = i / c, col = i % c;
+        long long r = (t0 + tt) * nh + h;
+        const float* st = stats + r * splits * 2;
+        const float* p = part + r * splits * c + col;
+        float a = 0.0f, sum = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float wt = ws[tt * splits + s];
+            a += wt * p[(long long)s * c];
+            sum += wt * st[2 * s + 1];
+        }
+        ol[tt * c + col] = a / sum;
+    }
+    __syncthreads();  // ol[] complete; ws[] is free for the sums
+    int groups = dv <= (int)blockDim.x ? blockDim.x / dv : 1;
+    for (int i = threadIdx.x; i < groups * dv; i += blockDim.x) {
+        int d = i % dv, grp = i / dv;
+        const float* wv = w_uv_t + h * wv_head + d * wv_col;
+        float a[MLA_ROWS];
+        for (int tt = 0; tt < MLA_ROWS; tt++) a[tt] = 0.0f;
+        for (int k = grp; k < c; k += groups) {
+            float w = wv[k * wv_row];
+#pragma unroll
+            for (int tt = 0; tt < MLA_ROWS; tt++)
+                if (tt < tb) a[tt] += ol[tt * c + k] * w;
+        }
+#pragma unroll
+        for (int tt = 0; tt < MLA_ROWS; tt++)
+            if (tt < tb) ws[(grp * MLA_ROWS + tt) * dv + d] = a[tt];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < tb * dv; i += blockDim.x) {
+        int tt = i / dv, d = i % dv;
+        float a = 0.0f;
+        for (int grp = 0; grp < groups; grp++) a += ws[(grp * MLA_ROWS + tt) * dv + d];
+        out[((t0 + tt) * nh + h) * dv + d] = a;
     }
 }
 
@@ -317,17 +601,184 @@ def norm_rope(x, weight, eps: float, cos, sin):
 
 
 def gqa_attention(q, k, v, mask, scale: float):
-    """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] bool -> [T, nh*hd]: one launch, a block a (token, head)."""
+    """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] bool -> [T, nh*hd]: one launch, a block a (token, head).
+    k and v float32, or both bf16 bits (uint16, a bf16 cache's): read and widened in the kernel, the result
+    equal to the float32 kernel's on the widened values."""
     import cupy
 
-    q, k, v = _contiguous_f32(q), _contiguous_f32(k), _contiguous_f32(v)
+    q = _contiguous_f32(q)
+    k, v, bf16 = _kv_pair(k, v)
     T, nh, hd = q.shape
     S, nkv = k.shape[:2]
     out = cupy.empty((T, nh * hd), np.float32)
     if out.size and S:
         scores = cupy.empty((T * nh, S), np.float32)
         m = cupy.ascontiguousarray(mask, dtype=cupy.bool_)
-        _kernel("strata_gqa_attention")((T * nh,), (THREADS,), (
+        _kernel("strata_gqa_attention_bf16" if bf16 else "strata_gqa_attention")((T * nh,), (THREADS,), (
             q, k, v, m, np.float32(scale), np.int32(S), np.int32(nh), np.int32(nkv), np.int32(hd), scores, out),
             shared_mem=(hd + max(THREADS, hd)) * 4)
+    return out
+
+
+def _kv_pair(k, v):
+    """Cache entries as the kernels take them: (k, v, True) both bf16 bits, C-contiguous; else float32 (a lone
+    bf16 one widened), (k, v, False)."""
+    import cupy
+
+    if k.dtype == np.uint16 and v.dtype == np.uint16:
+        return cupy.ascontiguousarray(k), cupy.ascontiguousarray(v), True
+    k, v = (from_bf16(a) if a.dtype == np.uint16 else _contiguous_f32(a) for a in (k, v))
+    return k, v, False
+
+
+def to_bf16(x, out=None):
+    """float32 [...] -> bf16 bits (uint16) [...], round to nearest even, NaN kept NaN: shm/formats/bf16's
+    encode_into. x's rows may lie apart (V's columns of the fused QKV output). ``out``: a C-contiguous uint16
+    array of x's size (rows of a cache buffer), written in place."""
+    import cupy
+
+    x, row_stride, width = _rows_f32(x)
+    if out is None:
+        out = cupy.empty(x.shape, np.uint16)
+    elif out.dtype != np.uint16 or out.size != x.size or not out.flags.c_contiguous:
+        raise ValueError(f"to_bf16: out must be C-contiguous uint16 of {x.size} values, not {out.dtype} "
+                         f"{out.shape} (contiguous: {out.flags.c_contiguous})")
+    if x.size:
+        grid, block = _elementwise_grid(x.size)
+        _kernel("strata_to_bf16")(grid, block, (x, row_stride, width, np.int64(x.size), out))
+    return out
+
+
+def _rows_f32(x):
+    """x [R, ...] as rows of float32 whose own values are adjacent, the rows possibly apart: (x, row stride,
+    row width) in floats; a copy where x is laid out otherwise."""
+    if x.dtype == np.float32 and x.ndim >= 2 and x.strides[0] >= 0 and x.strides[0] % 4 == 0:
+        width = x.size // x.shape[0] if x.shape[0] else 0
+        inner = [4 * int(np.prod(x.shape[i + 1:])) for i in range(1, x.ndim)]  # C-contiguous strides of a row
+        if all(s == want for s, want, n in zip(x.strides[1:], inner, x.shape[1:]) if n > 1):
+            return x, np.int64(x.strides[0] // 4), np.int64(max(width, 1))
+    x = _contiguous_f32(x)
+    return x, np.int64(max(x.size, 1)), np.int64(max(x.size, 1))
+
+
+def from_bf16(bits):
+    """bf16 bits (uint16) [...] -> float32 [...], exact: for the paths that take float32 (CuPy's matmuls)."""
+    import cupy
+
+    if bits.dtype != np.uint16:
+        raise ValueError(f"from_bf16: bf16 bits are uint16, not {bits.dtype}")
+    bits = cupy.ascontiguousarray(bits)
+    out = cupy.empty(bits.shape, np.float32)
+    if bits.size:
+        grid, block = _elementwise_grid(bits.size)
+        _kernel("strata_from_bf16")(grid, block, (bits, np.int64(bits.size), out))
+    return out
+
+
+def _heads_f32(x):
+    """x [T, heads, d] as the kernels read it: float32, each head's d values adjacent; rows and heads may lie
+    apart (column slices of a projection's output). Returns (x, row stride, head stride) in floats."""
+    if x.dtype != np.float32 or x.strides[2] != 4 or min(x.strides) < 0 or any(s % 4 for s in x.strides):
+        x = _contiguous_f32(x)
+    return x, np.int64(x.strides[0] // 4), np.int64(x.strides[1] // 4)
+
+
+def _strided_f32(a):
+    """a float32 array read where it lies: (a, its strides in floats); a copy where they are not whole floats."""
+    if a.dtype != np.float32 or min(a.strides) < 0 or any(s % 4 for s in a.strides):
+        a = _contiguous_f32(a)
+    return a, tuple(np.int64(s // 4) for s in a.strides)
+
+
+def apply_rope_interleaved(x, cos, sin):
+    """x [T, heads, d], d even (its rows and heads may lie apart: q's rope columns, kv_a's rope key); cos, sin
+    [T, >= d/2] in the half-split layout -> [T, heads, d]: ops.apply_rope_interleaved in one launch."""
+    import cupy
+
+    T, heads, d = x.shape
+    if d % 2 or cos.shape != sin.shape or cos.shape[0] != T or cos.shape[-1] < d // 2:
+        raise ValueError(f"apply_rope_interleaved: x {x.shape} (d even) takes cos, sin [{T}, >= {d // 2}], "
+                         f"not {cos.shape}, {sin.shape}")
+    x, row_stride, head_stride = _heads_f32(x)
+    cos, sin = _contiguous_f32(cos), _contiguous_f32(sin)
+    out = cupy.empty((T, heads, d), np.float32)
+    if out.size:
+        grid, block = _elementwise_grid(out.size)
+        _kernel("strata_rope_interleaved")(grid, block, (
+            x, row_stride, head_stride, np.int32(heads), np.int32(d), cos, sin, np.int32(cos.shape[-1]),
+            np.int64(out.size), out))
+    return out
+
+
+MLA_ROWS = 8  # the kernels' MLA_ROWS: query rows (token, head) a strata_mla_partial block, tokens the others' block
+MLA_CHUNK_MIN = 64  # keys a block at least when the keys are split to fill the device ...
+MLA_CHUNK_MAX = 512  # ... and at most: the chunk's scores live in shared memory
+MLA_BLOCKS = 264  # strata_mla_partial's grid is split up to this many blocks: two an H100 SM
+SHARED_FLOATS = 48 * 1024 // 4  # the dynamic shared memory a block gets without opting in
+
+
+def mla_splits(T: int, nh: int, S: int, c: int, dr: int) -> tuple[int, int]:
+    """(splits, chunk): the S keys in ``splits`` chunks of ``chunk`` keys (the last may be shorter) for
+    strata_mla_partial. Few query rows (decode): enough chunks of at least MLA_CHUNK_MIN keys to fill about
+    MLA_BLOCKS blocks; many: as few chunks as shared memory allows."""
+    cap = max(1, min(MLA_CHUNK_MAX, SHARED_FLOATS // MLA_ROWS - max(c + dr, THREADS)))  # < 1: the check raises
+    row_blocks = -(-T * nh // MLA_ROWS)
+    splits = max(-(-S // cap), min(-(-S // MLA_CHUNK_MIN), -(-MLA_BLOCKS // row_blocks)), 1)
+    return _chunked(S, splits)
+
+
+def _chunked(S: int, splits: int) -> tuple[int, int]:
+    chunk = -(-S // max(1, min(splits, S)))
+    return -(-S // chunk), chunk
+
+
+def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, scale: float, splits=None):
+    """Absorbed multi-head latent attention, ops.mla_attention_absorbed's mathematics in three launches.
+
+    q_nope [T, nh, dn], q_rope [T, nh, dr] (rows and heads may lie apart: column slices of q); latent [S, c],
+    k_rope [S, dr]: float32, or both bf16 bits (uint16, a bf16 cache's: equal to float32 on the widened values);
+    w_uk [nh, dn, c], w_uv_t [nh, c, dv]: float32, any layout read where it lies (views of kv_b's rows,
+    w_uv.transpose(0, 2, 1)); w_uk with c, w_uv_t with dv adjacent reads fastest (w_uv [nh, dv, c] transposed
+    once at load); mask [T, S] bool -> [T, nh*dv]. ``splits``: chunks of keys (None: mla_splits' choice; the
+    tests force several)."""
+    import cupy
+
+    T, nh, dn = q_nope.shape
+    S, c = latent.shape
+    dr, dv = k_rope.shape[1], w_uv_t.shape[2]
+    if (q_rope.shape, k_rope.shape, w_uk.shape, w_uv_t.shape[:2], mask.shape) != (
+            (T, nh, dr), (S, dr), (nh, dn, c), (nh, c), (T, S)):  # the kernels trust these: a mismatch reads astray
+        raise ValueError(f"mla_attention_absorbed: shapes q_nope {q_nope.shape} q_rope {q_rope.shape} latent "
+                         f"{latent.shape} k_rope {k_rope.shape} w_uk {w_uk.shape} w_uv_t {w_uv_t.shape} "
+                         f"mask {mask.shape}")
+    q_nope, qn_row, qn_head = _heads_f32(q_nope)
+    q_rope, qr_row, qr_head = _heads_f32(q_rope)
+    latent, k_rope, bf16 = _kv_pair(latent, k_rope)
+    (w_uk, wk_strides), (w_uv_t, wv_strides) = _strided_f32(w_uk), _strided_f32(w_uv_t)
+    out = cupy.empty((T, nh * dv), np.float32)
+    if not (out.size and S):
+        return out
+    splits, chunk = mla_splits(T, nh, S, c, dr) if splits is None else _chunked(S, splits)
+    R = T * nh
+    partial_shared = MLA_ROWS * (max(c + dr, THREADS) + chunk)
+    combine_shared = MLA_ROWS * (c + max(splits, THREADS, dv))
+    if max(partial_shared, combine_shared, MLA_ROWS * dn) > SHARED_FLOATS:
+        raise ValueError(f"mla_attention_absorbed: c {c}, dr {dr}, dv {dv} in {splits} chunks of {chunk} keys "
+                         f"need more than {SHARED_FLOATS * 4} bytes of shared memory a block")
+    scratch = cupy.empty(R * c + R * splits * (c + 2), np.float32)  # one allocation: q_lat, part, stats
+    q_lat = scratch[: R * c]  # [R, c]
+    part = scratch[R * c : R * c + R * splits * c]  # [R, splits, c]
+    stats = scratch[R * c + R * splits * c :]  # [R, splits, 2]
+    token_blocks = nh * -(-T // MLA_ROWS)
+    i32 = np.int32
+    _kernel("strata_mla_q_absorb")((token_blocks,), (THREADS,), (
+        q_nope, qn_row, qn_head, w_uk, *wk_strides, i32(T), i32(nh), i32(dn), i32(c), q_lat),
+        shared_mem=MLA_ROWS * dn * 4)
+    m = cupy.ascontiguousarray(mask, dtype=cupy.bool_)
+    _kernel("strata_mla_partial_bf16" if bf16 else "strata_mla_partial")((-(-R // MLA_ROWS) * splits,), (THREADS,), (
+        q_lat, q_rope, qr_row, qr_head, latent, k_rope, m, np.float32(scale), i32(R), i32(nh), i32(S), i32(c),
+        i32(dr), i32(chunk), i32(splits), part, stats), shared_mem=partial_shared * 4)
+    _kernel("strata_mla_combine")((token_blocks,), (THREADS,), (
+        part, stats, w_uv_t, *wv_strides, i32(T), i32(nh), i32(c), i32(dv), i32(splits), out),
+        shared_mem=combine_shared * 4)
     return out

@@ -1,32 +1,38 @@
 """Per-sequence key/value cache: one growing buffer per layer.
 
-Each cached token holds two float32 entries per layer: the key and the value
+Each cached token holds two entries per layer: the key and the value
 ([kv heads, head dim] each), or, for multi-head latent attention (``latent``),
 the compressed latent after kv_a_layernorm [kv_lora_rank] and the roped shared
-key [qk_rope_head_dim]: (kv_lora_rank + qk_rope_head_dim) floats a layer, not
-2 x heads x head dim.
+key [qk_rope_head_dim]: (kv_lora_rank + qk_rope_head_dim) values a layer, not
+2 x heads x head dim. Values are float32, or on the device bf16 (``dtype``), held
+as uint16 bits (CuPy has no bfloat16): written rounded to nearest even
+(device_ops.to_bf16), read by the attention kernels as they are.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from . import device_ops
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64, xp=np,
-                 latent: tuple[int, int] | None = None):
+                 latent: tuple[int, int] | None = None, dtype: str = "f32"):
         self.length = 0  # tokens already cached
         self.xp = xp  # NumPy, or CuPy when the cache lives on the device
+        self.bf16 = dtype == "bf16"
+        self._dtype = np.uint16 if self.bf16 else np.float32
         # the two entries' shapes per token: (key, value), or MLA's (latent, rope key)
         self._shapes = ((num_kv_heads, head_dim), (num_kv_heads, head_dim)) if latent is None else (
             (latent[0],), (latent[1],))
-        self._k = [xp.zeros((capacity, *self._shapes[0]), np.float32) for _ in range(num_layers)]  # [cap, ...]
-        self._v = [xp.zeros((capacity, *self._shapes[1]), np.float32) for _ in range(num_layers)]
+        self._k = [xp.zeros((capacity, *self._shapes[0]), self._dtype) for _ in range(num_layers)]  # [cap, ...]
+        self._v = [xp.zeros((capacity, *self._shapes[1]), self._dtype) for _ in range(num_layers)]
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one cached token takes over all layers."""
-        per_layer = sum(int(np.prod(s)) for s in self._shapes) * np.dtype(np.float32).itemsize
+        per_layer = sum(int(np.prod(s)) for s in self._shapes) * np.dtype(self._dtype).itemsize
         return len(self._k) * per_layer
 
     def _reserve(self, layer: int, needed: int) -> None:
@@ -35,7 +41,7 @@ class KVCache:
             return
         new_cap = max(needed, 2 * cap)
         for buf, shape in zip((self._k, self._v), self._shapes):
-            grown = self.xp.zeros((new_cap, *shape), np.float32)
+            grown = self.xp.zeros((new_cap, *shape), self._dtype)
             grown[:cap] = buf[layer]
             buf[layer] = grown
 
@@ -44,8 +50,12 @@ class KVCache:
         them [S, ...]."""
         start, stop = self.length, self.length + k.shape[0]
         self._reserve(layer, stop)
-        self._k[layer][start:stop] = k
-        self._v[layer][start:stop] = v
+        if self.bf16:
+            device_ops.to_bf16(k, out=self._k[layer][start:stop])
+            device_ops.to_bf16(v, out=self._v[layer][start:stop])
+        else:
+            self._k[layer][start:stop] = k
+            self._v[layer][start:stop] = v
         return self._k[layer][:stop], self._v[layer][:stop]
 
     def advance(self, tokens: int) -> None:

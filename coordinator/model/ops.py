@@ -127,12 +127,23 @@ PARALLEL_ATTENTION_MACS = 1 << 21
 DEVICE_ATTENTION_TOKENS = 64
 
 
+def widen(a: np.ndarray) -> np.ndarray:
+    """A bf16 cache's values (uint16 bits, kv_cache.py) as float32; float32 as it is."""
+    if a.dtype != np.uint16:
+        return a
+    if is_device(a):
+        return device_ops.from_bf16(a)
+    return (a.astype(np.uint32) << 16).view(np.float32)
+
+
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] -> [T, nh*hd]. Heads share KV in groups of nh/nkv."""
+    """q [T, nh, hd], k/v [S, nkv, hd] (float32, or a bf16 cache's uint16 bits), mask [T, S] -> [T, nh*hd].
+    Heads share KV in groups of nh/nkv."""
     T, nh, hd = q.shape
     nkv = k.shape[1]
     if is_device(q) and T <= DEVICE_ATTENTION_TOKENS:
-        return device_ops.gqa_attention(q, k, v, mask, hd**-0.5)
+        return device_ops.gqa_attention(q, k, v, mask, hd**-0.5)  # reads bf16 keys and values as they are
+    k, v = widen(k), widen(v)
     if (T <= HOST_ATTENTION_TOKENS or k.shape[0] <= HOST_ATTENTION_KEYS) and _host_rows(q, k, v) \
             and mask.dtype == np.bool_ and mask.flags.c_contiguous:
         out = np.empty((T, nh * hd), np.float32)
@@ -191,6 +202,8 @@ def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> n
     """x [T, heads, d] rotated in (x0, x1), (x2, x3), ... pairs, the output de-interleaved as transformers'
     apply_rotary_pos_emb_interleave writes it: [even·cos - odd·sin, odd·cos + even·sin] (q and k alike, so
     their dot products are those of the interleaved rotation). cos, sin [T, d] in the half-split layout."""
+    if is_device(x):
+        return device_ops.apply_rope_interleaved(x, cos, sin)
     half = x.shape[-1] // 2
     c, s = cos[:, None, :half], sin[:, None, :half]
     even, odd = x[..., 0::2], x[..., 1::2]
@@ -241,9 +254,10 @@ def _masked_softmax(scores: np.ndarray, mask: np.ndarray, scale: float) -> np.nd
 def mla_attention(q_nope: np.ndarray, q_rope: np.ndarray, k_nope: np.ndarray, k_rope: np.ndarray,
                   v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
     """Multi-head latent attention with the latent expanded: q_nope [T, nh, dn], q_rope [T, nh, dr],
-    k_nope [S, nh, dn], k_rope [S, dr] (one rope key shared by every head), v [S, nh, dv], mask [T, S]
-    -> [T, nh*dv]. Scores (q_nope·k_nope + q_rope·k_rope) * scale."""
+    k_nope [S, nh, dn], k_rope [S, dr] (one rope key shared by every head; a bf16 cache's bits too), v [S, nh, dv],
+    mask [T, S] -> [T, nh*dv]. Scores (q_nope·k_nope + q_rope·k_rope) * scale."""
     T, nh, _ = q_nope.shape
+    k_rope = widen(k_rope)
     scores = q_nope.transpose(1, 0, 2) @ k_nope.transpose(1, 2, 0)  # [nh, T, S]
     scores = scores + (q_rope.transpose(1, 0, 2) @ k_rope.T)  # [nh, T, S]
     out = _masked_softmax(scores, mask, scale) @ v.transpose(1, 0, 2)  # [nh, T, dv]
@@ -254,7 +268,13 @@ def mla_attention_absorbed(q_nope: np.ndarray, q_rope: np.ndarray, latent: np.nd
                            w_uk: np.ndarray, w_uv: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
     """The same attention on the cached latent [S, c] without expanding it: W_uk [nh, dn, c] folds into q
     (q_nope·(W_uk·l) = (q_nope·W_uk)·l) and W_uv [nh, dv, c] applies after the weighted sum of latents.
-    Work per cached token: nh*(c + dr) instead of the expansion's nh*c*(dn + dv)."""
+    Work per cached token: nh*(c + dr) instead of the expansion's nh*c*(dn + dv). latent and k_rope may be a
+    bf16 cache's bits; W_uk and W_uv may be views of kv_b's rows (decoder._kv_b_heads). On the device one
+    fused kernel (device_ops.mla_attention_absorbed)."""
+    if is_device(q_nope):
+        return device_ops.mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv.transpose(0, 2, 1), mask,
+                                                 scale)  # a view: the kernel reads W_uv where it lies
+    latent, k_rope = widen(latent), widen(k_rope)
     T, nh, _ = q_nope.shape
     q_lat = q_nope.transpose(1, 0, 2) @ w_uk  # [nh, T, c]
     scores = q_lat @ latent.T + q_rope.transpose(1, 0, 2) @ k_rope.T  # [nh, T, S]

@@ -119,13 +119,14 @@ def expert_bytes(mcfg: ModelConfig) -> int:
     return 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 4
 
 
-def device_expert_set(mcfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig):
-    """(the experts kept whole on the device, how they were chosen)."""
+def device_expert_set(mcfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig, one_expert: int | None = None):
+    """(the experts kept whole on the device, how they were chosen); ``one_expert``: an expert's bytes where
+    the device side holds them (a GPU's storage formats; None: float32, the NumPy side's)."""
     profile = None
     if config.expert_profile:
         profile = ExpertProfile.load(config.expert_profile, ckpt.digest(), mcfg.moe_layers, mcfg.num_experts)
     memory = int(config.gpu_expert_memory * 1e9) if config.gpu_expert_memory is not None else None
-    return choose_device_experts(mcfg.moe_layers, mcfg.num_experts, expert_bytes(mcfg), profile,
+    return choose_device_experts(mcfg.moe_layers, mcfg.num_experts, one_expert or expert_bytes(mcfg), profile,
                                  config.gpu_experts, memory)
 
 

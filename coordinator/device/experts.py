@@ -1,0 +1,107 @@
+"""The routed experts kept whole on the device, in their storage formats, run a layer at a time in four launches.
+
+    slots        the layer's device pairs sorted by expert (then token): slot p = (token, expert, weight)
+    gate, up     format_kernels.grouped_matvec over the slots through the layer's pointer tables -> [P, I]
+    silu_mul     device_ops.silu_mul -> [P, I]
+    down         grouped_matvec over the slots -> [P, H]
+    slot sum     y[t] = sum of weight_p * down_p over t's slots in expert order (strata_slot_sum) -> [T, H]
+
+A token's experts are summed in ascending expert order, as the per-expert loop it replaces summed them.
+The slots' bookkeeping (the sort, each token's slot list) runs on the host, where the routing is.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import format_kernels
+
+_SOURCE = r"""
+// y [T, H] = for each token t, the sum over its slots s in order of weight[s] * down[s, :];
+// slots of token t: order[start[t] .. start[t + 1]) (indices into down's rows). One thread an element.
+extern "C" __global__ void strata_slot_sum(const float* down, const float* weight, const int* order,
+                                           const int* start, int T, int H, float* y) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)T * H) return;
+    int t = (int)(i / H), h = (int)(i % H);
+    float acc = 0.0f;
+    for (int j = start[t]; j < start[t + 1]; j++) {
+        int s = order[j];
+        acc += weight[s] * down[(long long)s * H + h];
+    }
+    y[i] = acc;
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    import cupy
+
+    return cupy.RawModule(code=_SOURCE, options=("--std=c++14",))
+
+
+@dataclass(eq=False)
+class LayerExperts:
+    """One MoE layer's device experts: their formats and the device pointer tables of their matrices."""
+
+    formats: tuple[str, str, str]  # gate, up, down
+    index: np.ndarray  # [E] int32: the expert's row in the tables, -1 where it is not on the device
+    tables: tuple  # (gate, up, down) device uint64 [n] matrix addresses
+    matrices: list  # the DeviceMatrix objects the tables point into (kept alive here)
+
+
+class DeviceExperts:
+    """``experts``: (layer, e) -> (gate, up, down) DeviceMatrix, a layer's all in one format triple."""
+
+    def __init__(self, experts: dict, num_experts: int, hidden: int, intermediate: int):
+        self.hidden, self.intermediate = hidden, intermediate
+        self.layers: dict[int, LayerExperts] = {}
+        for layer in sorted({layer for layer, _ in experts}):
+            ids = sorted(e for li, e in experts if li == layer)
+            mats = [experts[(layer, e)] for e in ids]
+            index = np.full(num_experts, -1, np.int32)
+            index[ids] = np.arange(len(ids), dtype=np.int32)
+            tables = tuple(format_kernels.pointer_table([m[k].data for m in mats]) for k in range(3))
+            self.layers[layer] = LayerExperts(tuple(mats[0][k].fmt for k in range(3)), index, tables, mats)
+
+    def keys(self) -> list[tuple[int, int]]:
+        return [(layer, e) for layer, le in self.layers.items() for e in np.flatnonzero(le.index >= 0).tolist()]
+
+    def __contains__(self, key) -> bool:
+        layer, e = key
+        return layer in self.layers and self.layers[layer].index[e] >= 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for le in self.layers.values() for mats in le.matrices for m in mats)
+
+    def run(self, layer: int, x, tokens: np.ndarray, experts: np.ndarray, weights: np.ndarray):
+        """The device experts' share of the layer [T, H] for the pairs (tokens, experts, weights) [P]."""
+        import cupy
+
+        from ..model import device_ops
+
+        le = self.layers[layer]
+        T, H, inter = x.shape[0], self.hidden, self.intermediate
+        order = np.lexsort((tokens, experts))  # slots by expert, then token
+        slot_rows = cupy.asarray(tokens[order].astype(np.int32))  # [P] x's row of each slot
+        slot_matrix = cupy.asarray(le.index[experts[order]])  # [P] the expert's row in the tables
+        xs = cupy.ascontiguousarray(x, dtype=np.float32)
+        g = format_kernels.grouped_matvec(le.formats[0], le.tables[0], H, inter, xs, slot_rows, slot_matrix)
+        u = format_kernels.grouped_matvec(le.formats[1], le.tables[1], H, inter, xs, slot_rows, slot_matrix)
+        act = device_ops.silu_mul(g, u)  # [P, I]
+        P = order.size
+        down = format_kernels.grouped_matvec(le.formats[2], le.tables[2], inter, H, act,
+                                             cupy.asarray(np.arange(P, dtype=np.int32)), slot_matrix)  # [P, H]
+        by_token = np.argsort(tokens[order], kind="stable")  # each token's slots, in expert order
+        start = np.searchsorted(tokens[order][by_token], np.arange(T + 1)).astype(np.int32)  # [T + 1]
+        y = cupy.empty((T, H), np.float32)
+        n = T * H
+        _module().get_function("strata_slot_sum")(((n + 255) // 256,), (256,), (
+            down, cupy.asarray(weights[order].astype(np.float32)), cupy.asarray(by_token.astype(np.int32)),
+            cupy.asarray(start), np.int32(T), np.int32(H), y))
+        return y

@@ -1,0 +1,82 @@
+"""Putting a model on the GPU: the memory planned from the index and checked first, then the upload.
+
+    expert_formats(cfg, ckpt, expert_dtype)     MoE layer -> its hot experts' (gate, up, down) device formats
+    plan_memory(cfg, ckpt, config, experts, formats) -> vram.VramPlan
+    free_bytes(), release_pool()                the device's free memory; CuPy's cached blocks handed back
+    load_experts(ckpt, refs, keys, formats, cfg, xp) -> experts.DeviceExperts
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shm.checkpoint import Checkpoint
+from shm.expert_source import read_expert_slice
+
+from ..config import EngineConfig
+from ..model.model_config import ModelConfig
+from ..model.weights import layer_experts
+from . import storage, vram
+from .experts import DeviceExperts
+from .weights import DeviceMatrix, checkpoint_dtype
+
+Triple = tuple[str, str, str]
+
+
+def expert_formats(cfg: ModelConfig, ckpt: Checkpoint, expert_dtype: str) -> dict[int, Triple]:
+    """Each MoE layer's hot-expert formats: --expert-dtype, or with auto each matrix's own (storage.py)."""
+    out = {}
+    for (layer, _), refs in layer_experts(cfg, ckpt).items():
+        out[layer] = tuple(storage.matrix_format(ckpt.info(ref.name).dtype, expert_dtype, k) for ref, k in
+                           ((refs.gate, cfg.hidden_size), (refs.up, cfg.hidden_size),
+                            (refs.down, cfg.moe_intermediate_size)))
+    return out
+
+
+def largest_expert(cfg: ModelConfig, formats: dict[int, Triple]) -> tuple[int, Triple | None]:
+    """(the bytes of the largest layer's expert, its formats): what a budget of hot experts is counted in."""
+    if not formats:
+        return 0, None
+    layer = max(formats, key=lambda i: vram.expert_bytes(cfg, formats[i]))
+    return vram.expert_bytes(cfg, formats[layer]), formats[layer]
+
+
+def plan_memory(cfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig, experts: int,
+                formats: dict[int, Triple]) -> vram.VramPlan:
+    """What the device will hold, by category (vram.py), from the checkpoint's index alone."""
+    tied = "lm_head.weight" not in ckpt
+
+    def dtype_of(name: str) -> str:
+        return checkpoint_dtype(ckpt, "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name)
+
+    tokens = config.max_seq_len or cfg.max_position_embeddings
+    kv_dtype = "f32" if config.kv_dtype == "f32" else "bf16"
+    return vram.plan(cfg, dtype_of, config.dense_dtype, kv_dtype, tokens, config.prefill_chunk,
+                     largest_expert(cfg, formats)[1], experts)
+
+
+def free_bytes() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.memGetInfo()[0])
+
+
+def release_pool() -> None:
+    """Hand CuPy's cached, unused blocks back to the driver (the host copies and temporaries of the upload)."""
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def load_experts(ckpt: Checkpoint, refs: dict, keys, formats: dict[int, Triple], cfg: ModelConfig,
+                 xp) -> DeviceExperts:
+    """The experts ``keys`` ((layer, e)) read from the checkpoint in their layer's device formats and uploaded."""
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    experts = {}
+    for layer, e in sorted(keys):
+        triple = formats[layer]
+        part = read_expert_slice(ckpt, refs[(layer, e)], 0, inter, "/".join(triple))
+        experts[(layer, e)] = tuple(DeviceMatrix.from_stored(fmt, np.ascontiguousarray(stored), k, xp)
+                                    for fmt, stored, k in zip(triple, (part.gate, part.up, part.down), (H, H, inter)))
+    return DeviceExperts(experts, cfg.num_experts, H, inter)

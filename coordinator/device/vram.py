@@ -1,0 +1,197 @@
+"""The device's memory by category, computed from the checkpoint's index before anything is uploaded.
+
+    dense        every non-expert matrix and vector the device holds, in its storage format (storage.py)
+    hot experts  the routed experts kept whole on the device, each at its real size in its format
+    kv cache     max_seq_len tokens of one sequence, in the cache's dtype
+    scratch      what a prefill chunk needs besides: its activations, the attention's scores over the
+                 whole context, a dequantised tile of the widest matrix, MLA's dequantised kv_b
+
+``VramPlan.check`` refuses a plan larger than the free memory, with every category's figure;
+``fit_experts`` says how many hot experts fit in a budget. The tensor list mirrors
+coordinator/model/weights.py (tests/test_vram.py holds them equal on every architecture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import StrataError
+from ..model.model_config import ModelConfig
+from . import storage
+
+GB = 1e9
+# rows of a quantised matrix dequantised at once for a prefill's cuBLAS product (device/weights.py)
+TILE_ROWS = 4096
+ACTIVATION_COPIES = 8  # [T, width] float32 arrays a layer holds at once at its widest (x, h, q|k|v, gate, up, ...)
+
+
+class VramError(StrataError):
+    """The model does not fit the device's memory; the message gives each category's bytes and the free memory."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+    matrix: bool  # read along its rows by the kernels (a stored format); else float32 (norms, biases, router)
+
+
+def _mlp(prefix: str, inter: int, hidden: int) -> list[Tensor]:
+    return [Tensor(f"{prefix}.gate_proj.weight", (inter, hidden), True),
+            Tensor(f"{prefix}.up_proj.weight", (inter, hidden), True),
+            Tensor(f"{prefix}.down_proj.weight", (hidden, inter), True)]
+
+
+def _attention(cfg: ModelConfig, attn: str) -> list[Tensor]:
+    H, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    if cfg.mla is not None:
+        m = cfg.mla
+        q_out = nh * m.qk_head_dim
+        q = ([Tensor(f"{attn}.q_proj.weight", (q_out, H), True)] if m.q_lora_rank is None else
+             [Tensor(f"{attn}.q_a_proj.weight", (m.q_lora_rank, H), True),
+              Tensor(f"{attn}.q_a_layernorm.weight", (m.q_lora_rank,), False),
+              Tensor(f"{attn}.q_b_proj.weight", (q_out, m.q_lora_rank), True)])
+        return q + [Tensor(f"{attn}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, H), True),
+                    Tensor(f"{attn}.kv_a_layernorm.weight", (m.kv_lora_rank,), False),
+                    Tensor(f"{attn}.kv_b_proj.weight", (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                           True),
+                    Tensor(f"{attn}.o_proj.weight", (H, nh * m.v_head_dim), True)]
+    out = [Tensor(f"{attn}.q_proj.weight", (nh * hd, H), True), Tensor(f"{attn}.k_proj.weight", (nkv * hd, H), True),
+           Tensor(f"{attn}.v_proj.weight", (nkv * hd, H), True), Tensor(f"{attn}.o_proj.weight", (H, nh * hd), True)]
+    if cfg.qkv_bias:
+        out += [Tensor(f"{attn}.{p}_proj.bias", (n * hd,), False) for p, n in (("q", nh), ("k", nkv), ("v", nkv))]
+    if cfg.qk_norm:
+        out += [Tensor(f"{attn}.q_norm.weight", (hd,), False), Tensor(f"{attn}.k_norm.weight", (hd,), False)]
+    return out
+
+
+def dense_tensors(cfg: ModelConfig) -> list[Tensor]:
+    """Every non-expert tensor the device side holds, by checkpoint name (the embedding stays on the host;
+    lm_head is counted when the embedding is tied too: the device holds its own copy)."""
+    H = cfg.hidden_size
+    out: list[Tensor] = []
+    for i in range(cfg.num_layers):
+        base = f"model.layers.{i}"
+        moe = f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
+        out += [Tensor(f"{base}.input_layernorm.weight", (H,), False),
+                Tensor(f"{base}.post_attention_layernorm.weight", (H,), False)]
+        out += _attention(cfg, f"{base}.self_attn")
+        if not cfg.sparse_layers[i]:
+            out += _mlp(f"{base}.mlp", cfg.dense_intermediate_size, H)
+            continue
+        out.append(Tensor(f"{moe}.gate.weight", (cfg.num_experts, H), False))
+        if cfg.group_router is not None and (cfg.mla is None or cfg.group_router.scoring == "sigmoid"):
+            out.append(Tensor(f"{moe}.gate.e_score_correction_bias", (cfg.num_experts,), False))
+        if cfg.shared_expert_intermediate_size > 0:
+            gated = cfg.mla is None and cfg.shared_expert_gate
+            out += _mlp(f"{moe}.shared_expert{'' if gated else 's'}", cfg.shared_expert_intermediate_size, H)
+            if gated:
+                out.append(Tensor(f"{moe}.shared_expert_gate.weight", (1, H), False))
+    out.append(Tensor("model.norm.weight", (H,), False))
+    out.append(Tensor("lm_head.weight", (cfg.vocab_size, H), True))
+    return out
+
+
+def tensor_bytes(t: Tensor, dtype: str, dense_dtype: str) -> tuple[int, str]:
+    """(device bytes, storage format) of one tensor whose checkpoint type is ``dtype``."""
+    if not t.matrix:
+        n = 1
+        for d in t.shape:
+            n *= d
+        return 4 * n, "f32"
+    fmt = storage.matrix_format(dtype, dense_dtype, t.shape[1])
+    return storage.matrix_bytes(fmt, *t.shape), fmt
+
+
+def expert_bytes(cfg: ModelConfig, gate_up: tuple[str, str, str]) -> int:
+    """Device bytes of one whole routed expert whose (gate, up, down) are stored as ``gate_up``'s formats."""
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    g, u, d = gate_up
+    return storage.matrix_bytes(g, inter, H) + storage.matrix_bytes(u, inter, H) + storage.matrix_bytes(d, H, inter)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
+    """Bytes of one cached token over all layers: f32 4 a value, bf16 2."""
+    return cfg.kv_bytes_per_token // 4 * (2 if kv_dtype == "bf16" else 4)
+
+
+def scratch_bytes(cfg: ModelConfig, chunk: int, context: int, widest_row: int) -> int:
+    """A prefill chunk's transient device memory (the module's table)."""
+    H = cfg.hidden_size
+    if cfg.mla is not None:
+        m = cfg.mla
+        width = max(H, cfg.num_heads * m.qk_head_dim, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim))
+        kv_b = 4 * cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank  # absorbed decode's
+    else:
+        width = max(H, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+        kv_b = 0
+    inter = max(cfg.dense_intermediate_size if not all(cfg.sparse_layers) else 0,
+                cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size)
+    activations = 4 * chunk * ACTIVATION_COPIES * max(width, inter)
+    scores = 4 * cfg.num_heads * chunk * context
+    tile = 4 * TILE_ROWS * widest_row
+    logits = 4 * chunk * cfg.vocab_size
+    return activations + scores + tile + kv_b + logits
+
+
+@dataclass(frozen=True)
+class VramPlan:
+    """What the device will hold, in bytes by category, before any of it is uploaded."""
+
+    dense: int
+    hot_experts: int
+    kv: int
+    scratch: int
+    experts: int  # hot experts counted in hot_experts
+    expert_bytes: int  # one of them, at its real size
+    kv_tokens: int
+    dense_formats: str  # "288 q4k, 49 q6k, 97 f32"
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.hot_experts + self.kv + self.scratch
+
+    def categories(self) -> dict[str, int]:
+        return {"dense": self.dense, "hot experts": self.hot_experts, "kv cache": self.kv, "scratch": self.scratch}
+
+    def describe(self) -> str:
+        parts = [f"dense {self.dense / GB:.2f} GB ({self.dense_formats})",
+                 f"hot experts {self.hot_experts / GB:.2f} GB ({self.experts} x {self.expert_bytes / 1e6:.1f} MB)",
+                 f"kv cache {self.kv / GB:.2f} GB ({self.kv_tokens} tokens)", f"scratch {self.scratch / GB:.2f} GB"]
+        return ", ".join(parts) + f"; total {self.total / GB:.2f} GB"
+
+    def check(self, free: int) -> None:
+        """Refuse (VramError, every figure named) when the plan needs more than ``free`` bytes."""
+        if self.total > free:
+            raise VramError(f"the device side needs {self.total / GB:.2f} GB and the GPU has {free / GB:.2f} GB free: "
+                            f"{self.describe()}. Lower --max-seq-len (the kv cache), --gpu-experts or "
+                            "--gpu-expert-memory, or keep the dense weights smaller (--dense-dtype q8 or q4)")
+
+    def as_dict(self) -> dict:
+        return {**{k.replace(" ", "_"): v for k, v in self.categories().items()}, "total": self.total,
+                "experts": self.experts, "expert_bytes": self.expert_bytes, "kv_tokens": self.kv_tokens,
+                "dense_formats": self.dense_formats}
+
+
+def plan(cfg: ModelConfig, dtype_of: Callable[[str], str], dense_dtype: str, kv_dtype: str, kv_tokens: int,
+         prefill_chunk: int, expert_formats: tuple[str, str, str] | None = None, experts: int = 0) -> VramPlan:
+    """The device's memory for ``cfg`` whose tensors' checkpoint types ``dtype_of(name)`` gives (the index
+    alone), with ``experts`` hot experts stored as ``expert_formats`` (gate, up, down)."""
+    dense, counts, widest = 0, {}, cfg.hidden_size
+    for t in dense_tensors(cfg):
+        nbytes, fmt = tensor_bytes(t, dtype_of(t.name) if t.matrix else "F32", dense_dtype)
+        dense += nbytes
+        counts[fmt] = counts.get(fmt, 0) + 1
+        if t.matrix and fmt != "f32":
+            widest = max(widest, t.shape[1])
+    one = expert_bytes(cfg, expert_formats) if expert_formats else 0
+    chunk = min(prefill_chunk, kv_tokens)
+    return VramPlan(dense, experts * one, kv_tokens * kv_bytes_per_token(cfg, kv_dtype),
+                    scratch_bytes(cfg, chunk, kv_tokens, widest), experts, one, kv_tokens,
+                    ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1])))
+
+
+def fit_experts(budget: int, one: int) -> int:
+    """How many experts of ``one`` bytes fit in ``budget`` bytes."""
+    return max(0, budget // one) if one else 0
