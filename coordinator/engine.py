@@ -144,14 +144,13 @@ class Engine:
         runs_kernels = runs_decode_kernels(config, backend, source.gguf)
         kernel_threads.settle(runs_kernels)  # before any kernel runs: libgomp reads its wait setting once
         gpu = backend == "cupy"
-        hot_formats = device_load.expert_formats(mcfg, ckpt, config.expert_dtype) if gpu else {}
-        one_expert = device_load.largest_expert(mcfg, hot_formats)[0] if gpu else expert_bytes(mcfg)
-        # a count the model cannot give, or a budget, in the experts' real size: refused or counted now
-        device_set, placement = device_expert_set(mcfg, ckpt, config, one_expert)
-        memory = device_load.plan_memory(mcfg, ckpt, config, len(device_set), hot_formats) if gpu else None
-        if memory is not None:
-            log.info("GPU memory planned: %s", memory.describe())
-            memory.check(device_load.free_bytes())  # before anything is read or uploaded
+        if gpu:  # the GPU's experts and memory, checked before anything is read or uploaded
+            placed = device_load.place(mcfg, ckpt, config)
+            device_set, placement, hot_formats, one_expert, memory = (placed.experts, placed.chosen, placed.formats,
+                                                                      placed.one_expert, placed.memory)
+        else:  # a count the model cannot give: refused now
+            device_set, placement = device_expert_set(mcfg, ckpt, config)
+            hot_formats, one_expert, memory = {}, expert_bytes(mcfg), None
         compile_missing = Compiles(quiet)  # before anything runs them, in a child, what this build lacks
         planned, units = start_units(config, mcfg, ckpt, backend)
         compile_missing(units)

@@ -107,6 +107,35 @@ def test_gpu_expert_memory_fills_with_experts_at_their_real_size(gpu, tiny_model
                                              gpu_expert_memory=budget)) as eng:
             counts[dtype] = eng.device_placement["experts"]
     assert counts == {"bf16": 5, "f32": 2}
+    with Engine.open(model, EngineConfig(device="cuda", expert_dtype="bf16", expert_profile=str(profile),
+                                         gpu_expert_memory=budget)) as eng:
+        rest = eng.gpu_memory.total - eng.gpu_memory.hot_experts  # dense, kv cache, scratch
+        one = eng.gpu_memory.expert_bytes
+    free = rest + 3 * one + one // 2
+    gpu.cuda.runtime.memGetInfo = lambda: (free, free)
+    with Engine.open(model, EngineConfig(device="cuda", expert_dtype="bf16", expert_profile=str(profile),
+                                         gpu_expert_memory=1000.0)) as eng:
+        assert eng.device_placement["experts"] == 3  # 1000 GB asked for: what the GPU has left holds 3
+
+
+@pytest.mark.parametrize("source", ["BF16", "Q4_K_M"])
+def test_the_planned_memory_is_what_is_uploaded(gpu, tiny_model, tmp_path, source):
+    """The plan made from the index before loading counts the dense weights' bytes the upload then holds, a
+    BF16 checkpoint's and a Q4_K_M file's (q4k and q6k matrices kept as the file has them)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from coordinator.device import load
+    from coordinator.device.weights import nbytes
+    from gguf_writer import write_gguf
+
+    model = tiny_model(**dict(GEOMETRY, num_heads=8), dtype="BF16")
+    if source == "Q4_K_M":
+        write_gguf(model, tmp_path / "m.gguf", experts=Q.Q4_K, down={0: Q.Q6_K}, dense=Q.Q4_K)
+        model = tmp_path / "m.gguf"
+    with Engine.open(model, EngineConfig(device="cuda")) as eng:
+        planned = load.plan_memory(eng.model_config, eng.ckpt, eng.config, 0, {})
+        assert planned.dense == eng.gpu_memory.dense == nbytes(eng.decoder.w)  # q, k, v: views of the fused
+        assert ("q4k" in planned.dense_formats) == (source == "Q4_K_M")
 
 
 def test_the_gpu_bench_runs_through(gpu, tmp_path):

@@ -15,6 +15,7 @@ USABLE, WHY = probe_cuda()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+F32 = dict(kv_dtype="f32")  # the KV cache in float32: the GPU equals the CPU path to float32 rounding
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "large"])
@@ -27,7 +28,7 @@ def model(request, tmp_path_factory):
 
 
 def test_cupy_and_numpy_backends_agree(model):
-    with Engine.open(model, EngineConfig(device="cpu")) as cpu, Engine.open(model, EngineConfig(device="cuda")) as gpu:
+    with Engine.open(model, EngineConfig(device="cpu")) as cpu, Engine.open(model, EngineConfig(device="cuda", **F32)) as gpu:
         assert gpu.decoder.backend == "cupy"
         a, b = cpu.logits(PROMPT), gpu.logits(PROMPT)
         assert isinstance(b, np.ndarray)
@@ -38,7 +39,7 @@ def test_cupy_and_numpy_backends_agree(model):
 def test_hot_experts_on_the_gpu_agree(model):
     with Engine.open(model, EngineConfig(device="cpu")) as cpu:
         want = cpu.logits(PROMPT)
-    with Engine.open(model, EngineConfig(device="cuda", gpu_experts=6)) as gpu:
+    with Engine.open(model, EngineConfig(device="cuda", gpu_experts=6, **F32)) as gpu:
         got = gpu.logits(PROMPT)
         assert gpu.expert_report()["hit_rate"] > 0
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
@@ -91,7 +92,7 @@ def test_device_experts_queue_on_their_own_stream_without_synchronising(model):
     with Engine.open(model, EngineConfig(device="cpu")) as cpu:
         want = cpu.logits(PROMPT)
     with Engine.open(model, EngineConfig(device="cuda", pool="inproc", numa_split=True, nodes=2,
-                                         gpu_experts=6)) as eng:
+                                         gpu_experts=6, **F32)) as eng:
         dec = eng.decoder
         streams = []
         device_experts, to_device = dec._device_experts, dec.staging.to_device
@@ -163,7 +164,7 @@ def test_deepseek_on_the_gpu_matches_transformers(case):
     """MLA (both attention forms), the grouped router and the shared experts in CuPy, hot experts and a split pool."""
     ref = np.load(HF / case / "reference.npz")
     prompt, greedy = ref["input_ids"].tolist(), ref["greedy_ids"].tolist()
-    cfg = dict(device="cuda", numa_split=True, nodes=2)
+    cfg = dict(device="cuda", numa_split=True, nodes=2, **F32)
     with Engine.open(HF / case, EngineConfig(pool="process", gpu_experts=4, **cfg)) as gpu:
         assert gpu.decoder.backend == "cupy"
         assert float(np.max(np.abs(gpu.logits(prompt) - ref["logits"]))) < 2e-4
@@ -187,3 +188,22 @@ def test_fused_qkv_is_one_matrix_of_views(tmp_path):
                 assert cupy.shares_memory(part, f.weight)
             for part in (lw.q_bias, lw.k_bias, lw.v_bias):
                 assert cupy.shares_memory(part, f.bias)
+
+
+def test_compact_weights_and_a_bf16_cache_stay_near_the_cpu_path(tmp_path):
+    """The GPU's defaults on a BF16 checkpoint (dense bf16, hot experts bf16, KV bf16) and a q8 setting: near the
+    CPU path's logits, the same top tokens, the matrices held in their formats."""
+    from coordinator.device.weights import DeviceMatrix
+
+    model = make_model(tmp_path / "m", seed=3, dtype="BF16", hidden_size=256, moe_intermediate_size=256,
+                       head_dim=32)
+    for dense in ("auto", "q8"):
+        with Engine.open(model, EngineConfig(device="cpu", dense_dtype=dense, activations="f32")) as cpu:
+            want = cpu.logits(PROMPT)
+        with Engine.open(model, EngineConfig(device="cuda", dense_dtype=dense, gpu_experts=8)) as gpu:
+            got = gpu.logits(PROMPT)
+            assert isinstance(gpu.decoder.w.lm_head, DeviceMatrix)
+            assert gpu.decoder.w.lm_head.fmt == ("bf16" if dense == "auto" else "q8")
+            assert gpu.gpu_memory.kv_tokens > 0 and gpu.gpu_memory.hot_experts > 0
+        assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+        assert np.array_equal(got.argmax(-1), want.argmax(-1))

@@ -71,7 +71,7 @@ def test_a_plan_larger_than_the_free_memory_is_refused_with_every_figure(tiny_mo
     text = str(err.value)
     for figure in (p.dense, p.hot_experts, p.kv, p.scratch):
         assert f"{figure / GB:.2f} GB" in text
-    assert "10 x" in text and "--max-seq-len" in text
+    assert "10 x" in text and "--ctx-size" in text
 
 
 @pytest.mark.parametrize("preset, source, limit_gb", [("qwen3-30b-a3b", "BF16", 3.2), ("qwen3-30b-a3b", "Q4_K_M", 1.0),

@@ -1,5 +1,6 @@
 """Putting a model on the GPU: the memory planned from the index and checked first, then the upload.
 
+    place(cfg, ckpt, config) -> Placement       the hot experts chosen and the memory planned and checked
     expert_formats(cfg, ckpt, expert_dtype)     MoE layer -> its hot experts' (gate, up, down) device formats
     plan_memory(cfg, ckpt, config, experts, formats) -> vram.VramPlan
     free_bytes(), release_pool()                the device's free memory; CuPy's cached blocks handed back
@@ -7,6 +8,9 @@
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,11 +20,43 @@ from shm.expert_source import read_expert_slice
 from ..config import EngineConfig
 from ..model.model_config import ModelConfig
 from ..model.weights import layer_experts
+from ..pool.hot_experts import device_expert_set
 from . import storage, vram
 from .experts import DeviceExperts
 from .weights import DeviceMatrix, checkpoint_dtype
 
 Triple = tuple[str, str, str]
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    experts: frozenset  # (layer, e) kept whole on the GPU
+    chosen: str  # how they were chosen
+    formats: dict  # MoE layer -> its hot experts' (gate, up, down) formats
+    one_expert: int  # bytes of the largest layer's expert: what the budget counts
+    memory: vram.VramPlan
+
+
+def place(cfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig) -> Placement:
+    """Which experts the GPU holds and its memory by category, from the index, before anything is read:
+    refused (vram.VramError, every figure named) when the dense weights, the KV cache, the scratch and the
+    experts asked for do not fit the free memory. --gpu-expert-memory fills at most what the rest leaves."""
+    formats = expert_formats(cfg, ckpt, config.expert_dtype)
+    one = largest_expert(cfg, formats)[0]
+    free = free_bytes()
+    budget = None
+    if config.gpu_expert_memory is not None:
+        left = max(0, free - plan_memory(cfg, ckpt, config, 0, formats).total)
+        budget = min(int(config.gpu_expert_memory * 1e9), left)
+        if budget < int(config.gpu_expert_memory * 1e9):
+            log.warning("--gpu-expert-memory %.2f GB: the GPU has %.2f GB left after the dense weights, the KV "
+                        "cache and the scratch; the hot experts take that", config.gpu_expert_memory, left / 1e9)
+    experts, chosen = device_expert_set(cfg, ckpt, config, one, budget)  # a count the model cannot give: refused
+    memory = plan_memory(cfg, ckpt, config, len(experts), formats)
+    log.info("GPU memory planned: %s", memory.describe())
+    memory.check(free)
+    return Placement(experts, chosen, formats, one, memory)
 
 
 def expert_formats(cfg: ModelConfig, ckpt: Checkpoint, expert_dtype: str) -> dict[int, Triple]:

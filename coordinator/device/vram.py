@@ -165,7 +165,7 @@ class VramPlan:
         """Refuse (VramError, every figure named) when the plan needs more than ``free`` bytes."""
         if self.total > free:
             raise VramError(f"the device side needs {self.total / GB:.2f} GB and the GPU has {free / GB:.2f} GB free: "
-                            f"{self.describe()}. Lower --max-seq-len (the kv cache), --gpu-experts or "
+                            f"{self.describe()}. Lower --ctx-size (the kv cache), --gpu-experts or "
                             "--gpu-expert-memory, or keep the dense weights smaller (--dense-dtype q8 or q4)")
 
     def as_dict(self) -> dict:

@@ -219,8 +219,8 @@ def nbytes(obj) -> int:
     seen: set[int] = set()
 
     def walk(o) -> int:
-        if o is None or isinstance(o, (int, float, str, np.ndarray)) or id(o) in seen:
-            return 0
+        if o is None or isinstance(o, (int, float, str)) or type(o) is np.ndarray or id(o) in seen:
+            return 0  # host arrays (the embedding) hold no device memory
         seen.add(id(o))
         if isinstance(o, DeviceMatrix):
             return o.nbytes

@@ -414,9 +414,6 @@ class Decoder:
         if not routing.device.size:
             return None
         with self.side.run():
-            if isinstance(self.device_experts, DeviceExperts):
-                d = routing.device
-                return self.device_experts.run(routing.layer, x, d.tokens, d.experts, d.weights)
             return self._device_experts(routing.layer, x, routing.device)
 
     def _collect_cpu(self, sent: CpuBatch, x: np.ndarray):
@@ -433,7 +430,10 @@ class Decoder:
         return y
 
     def _device_experts(self, i: int, x: np.ndarray, pairs: Pairs) -> np.ndarray:
-        """The device-resident experts' share of the layer [T, H], experts in ascending order."""
+        """The device-resident experts' share of the layer [T, H], experts in ascending order: a GPU's in their
+        formats through the grouped kernels, the NumPy side's float32 ones an expert at a time."""
+        if isinstance(self.device_experts, DeviceExperts):
+            return self.device_experts.run(i, x, pairs.tokens, pairs.experts, pairs.weights)
         xp = self.xp
         order = np.argsort(pairs.experts, kind="stable")  # pairs grouped by expert, token order kept within each
         ids, starts = np.unique(pairs.experts[order], return_index=True)

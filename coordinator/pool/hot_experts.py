@@ -119,13 +119,16 @@ def expert_bytes(mcfg: ModelConfig) -> int:
     return 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 4
 
 
-def device_expert_set(mcfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig, one_expert: int | None = None):
+def device_expert_set(mcfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig, one_expert: int | None = None,
+                      memory: int | None = None):
     """(the experts kept whole on the device, how they were chosen); ``one_expert``: an expert's bytes where
-    the device side holds them (a GPU's storage formats; None: float32, the NumPy side's)."""
+    the device side holds them (a GPU's storage formats; None: float32, the NumPy side's); ``memory``: the
+    bytes they may take (None: config.gpu_expert_memory's)."""
     profile = None
     if config.expert_profile:
         profile = ExpertProfile.load(config.expert_profile, ckpt.digest(), mcfg.moe_layers, mcfg.num_experts)
-    memory = int(config.gpu_expert_memory * 1e9) if config.gpu_expert_memory is not None else None
+    if memory is None and config.gpu_expert_memory is not None:
+        memory = int(config.gpu_expert_memory * 1e9)
     return choose_device_experts(mcfg.moe_layers, mcfg.num_experts, one_expert or expert_bytes(mcfg), profile,
                                  config.gpu_experts, memory)
 
