@@ -1,4 +1,5 @@
-"""A NumPy-backed stand-in for CuPy under which the whole engine takes its GPU path on the CPU.
+"""A NumPy-backed stand-in for CuPy under which the whole engine takes its GPU path on the CPU, counting what a GPU
+would be asked to do.
 
 Device arrays are ``DeviceArray``, a NumPy subclass: ops.py's host paths (which take plain ndarrays only) are
 skipped and its device paths taken, and every kernel (device_ops, device/format_kernels, device/experts)
@@ -6,11 +7,21 @@ runs through tests/cuda_emulator.py. Streams and events are no-ops, pinned memor
 "GPU" reports 64 GB free. What it checks: that the device path's code computes what the CPU path computes
 (tests/test_device_decoder.py); not CUDA's rounding, concurrency or speed (tests/test_gpu.py, on a GPU).
 
+``COUNTS`` tallies, as CuPy would do them on a GPU (tests/test_device_counts.py):
+
+    launches       a RawModule kernel; an elementwise, reduction or matmul call; a gather or scatter (an
+                   index by an array); a copy between device arrays; concatenate, sort, where, ...
+    allocations    a new device array (an output CuPy allocates; a view allocates nothing)
+    uploads        host -> device copies (asarray of a host array, a host array assigned into a device one)
+    downloads      device -> host copies (asnumpy, .get)
+    syncs          the host waiting on the device: every download, and Event.synchronize
+
     with device_standin.installed(build_dir, monkeypatch):  ... Engine.open(..., EngineConfig(device="cuda"))
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import types
@@ -21,34 +32,134 @@ import cuda_emulator
 
 FREE_BYTES = 64 << 30
 NAME = b"CPU stand-in (tests/device_standin.py)"
+COUNTS: collections.Counter = collections.Counter()
+# NumPy functions that are views (no launch, no allocation) when CuPy runs them
+VIEWS = {np.reshape, np.transpose, np.swapaxes, np.squeeze, np.expand_dims, np.broadcast_to, np.shape, np.ndim,
+         np.size, np.result_type, np.may_share_memory, np.shares_memory}
+
+
+def _host(a):
+    """A DeviceArray as a plain ndarray view (what NumPy computes on)."""
+    return a.view(np.ndarray) if isinstance(a, DeviceArray) else a
+
+
+def _fancy(key) -> bool:
+    """An index that gathers (an array or list in it), not a view."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, (np.ndarray, list)) for k in keys)
 
 
 class DeviceArray(np.ndarray):
-    """An array "on the device": NumPy memory, a type the host paths do not take."""
+    """An array "on the device": NumPy memory, a type the host paths do not take; CuPy's work counted."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        COUNTS["launches"] += 1
+        out = kwargs.get("out")
+        if out is None:
+            COUNTS["allocations"] += 1
+        else:
+            kwargs["out"] = tuple(_host(o) for o in out)
+        result = getattr(ufunc, method)(*(_host(a) for a in inputs), **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return tuple(_device(r) for r in result) if isinstance(result, tuple) else _device(result)
+
+    def __array_function__(self, func, types_, args, kwargs):
+        if func not in VIEWS:
+            COUNTS["launches"] += 1
+            COUNTS["allocations"] += 1
+        result = func(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
+        return _device(result) if isinstance(result, np.ndarray) else result
+
+    def __getitem__(self, key):
+        if _fancy(key):
+            COUNTS["launches"] += 1
+            COUNTS["allocations"] += 1
+        return _device(_host(self)[tuple(_host(k) for k in key) if isinstance(key, tuple) else _host(key)])
+
+    def __setitem__(self, key, value):
+        if type(value) is np.ndarray:
+            COUNTS["uploads"] += 1
+        elif isinstance(value, DeviceArray) or _fancy(key):
+            COUNTS["launches"] += 1  # a copy or scatter kernel
+        else:
+            COUNTS["launches"] += 1  # a fill
+        _host(self)[tuple(_host(k) for k in key) if isinstance(key, tuple) else _host(key)] = _host(value)
+
+    def astype(self, dtype, copy=True, **kwargs):
+        if not copy and self.dtype == np.dtype(dtype):
+            return self
+        COUNTS["launches"] += 1
+        COUNTS["allocations"] += 1
+        return _device(_host(self).astype(dtype, **kwargs))
+
+    def copy(self, order="C"):
+        COUNTS["launches"] += 1
+        COUNTS["allocations"] += 1
+        return _device(_host(self).copy(order))
 
     def get(self, out=None):
+        COUNTS["downloads"] += 1
+        COUNTS["syncs"] += 1
         if out is None:
-            return np.array(self)
-        out[...] = self
+            return np.array(_host(self))
+        out[...] = _host(self)
         return out
 
 
+def _unwrap(a):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_host(v) for v in a)
+    return _host(a)
+
+
 def _device(a):
-    return a.view(DeviceArray) if isinstance(a, np.ndarray) else a
+    return a.view(DeviceArray) if isinstance(a, np.ndarray) and not isinstance(a, DeviceArray) else a
 
 
-def _wrap(fn):
+def _asarray(a, dtype=None, order=None):
+    """cupy.asarray: a host array uploaded (a new device array), a device array as it is (or converted)."""
+    if isinstance(a, DeviceArray):
+        return a if dtype is None or a.dtype == np.dtype(dtype) else a.astype(dtype)
+    COUNTS["uploads"] += 1
+    COUNTS["allocations"] += 1
+    return _device(np.array(a, dtype=dtype, order=order or "K"))
+
+
+def _ascontiguousarray(a, dtype=None):
+    if isinstance(a, DeviceArray):
+        if a.flags.c_contiguous and (dtype is None or a.dtype == np.dtype(dtype)):
+            return a
+        COUNTS["launches"] += 1
+        COUNTS["allocations"] += 1
+        return _device(np.ascontiguousarray(_host(a), dtype=dtype))
+    return _asarray(np.ascontiguousarray(a, dtype=dtype))
+
+
+def _allocating(fn, launches: int = 0):
     def call(*args, **kwargs):
-        return _device(fn(*args, **kwargs))
+        COUNTS["allocations"] += 1
+        COUNTS["launches"] += launches
+        return _device(fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()}))
     return call
+
+
+def _asnumpy(a):
+    if isinstance(a, DeviceArray):
+        COUNTS["downloads"] += 1
+        COUNTS["syncs"] += 1
+        return np.array(_host(a))
+    return np.asarray(a)
 
 
 class _Event:
     def synchronize(self) -> None:
-        pass
+        COUNTS["syncs"] += 1
 
 
 class _Stream:
+    ptr = 1
+
     def __init__(self, non_blocking: bool = False):
         pass
 
@@ -57,6 +168,9 @@ class _Stream:
 
     def wait_event(self, event: _Event) -> None:
         pass
+
+    def synchronize(self) -> None:
+        COUNTS["syncs"] += 1
 
     def __enter__(self):
         return self
@@ -70,21 +184,39 @@ class _Pool:
         pass
 
 
+class _CountedModule:
+    """cupy.RawModule on the emulator: each kernel launch counted."""
+
+    def __init__(self, code: str, build_dir):
+        self._module = cuda_emulator.EmulatedModule(code, build_dir)
+
+    def get_function(self, name: str):
+        launch = self._module.get_function(name)
+
+        def counted(grid, block, args, shared_mem=0):
+            COUNTS["launches"] += 1
+            launch(grid, block, tuple(_host(a) for a in args), shared_mem=shared_mem)
+        return counted
+
+
 def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
     """(the ``cupy`` stand-in, the ``cupyx`` one)."""
     cp = types.ModuleType("cupy")
     cp.EMULATED = True
     cp.ndarray = DeviceArray
-    for name in ("asarray", "ascontiguousarray", "empty", "empty_like", "zeros", "zeros_like", "concatenate",
-                 "arange", "where", "exp", "sort", "argsort", "take_along_axis", "repeat", "sum", "mean", "sqrt",
-                 "square", "tanh", "max", "matmul", "full", "ones"):
-        setattr(cp, name, _wrap(getattr(np, name)))
+    cp.asarray, cp.ascontiguousarray, cp.asnumpy = _asarray, _ascontiguousarray, _asnumpy
+    for name in ("empty", "empty_like"):
+        setattr(cp, name, _allocating(getattr(np, name)))
+    for name in ("zeros", "zeros_like", "full", "ones", "arange"):  # allocated and filled: a launch
+        setattr(cp, name, _allocating(getattr(np, name), launches=1))
+    for name in ("concatenate", "where", "exp", "sort", "argsort", "take_along_axis", "repeat", "sum", "mean",
+                 "sqrt", "square", "tanh", "max", "matmul"):  # NumPy's own dispatch counts them (DeviceArray)
+        setattr(cp, name, getattr(np, name))
     for name in ("bool_", "float32", "int32", "int64", "uint16", "uint8", "uint64", "array_equal", "shares_memory"):
         setattr(cp, name, getattr(np, name))
-    cp.asnumpy = lambda a: np.array(a).view(np.ndarray)
     cp.get_array_module = lambda *arrays: cp
     cp.get_default_memory_pool = cp.get_default_pinned_memory_pool = _Pool
-    cp.RawModule = lambda code, options=(): cuda_emulator.EmulatedModule(code, build_dir)
+    cp.RawModule = lambda code, options=(): _CountedModule(code, build_dir)
     cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, get_current_stream=lambda: _Stream(),
                                  runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
                                                                memGetInfo=lambda: (FREE_BYTES, FREE_BYTES),
@@ -121,3 +253,10 @@ def installed(build_dir, monkeypatch):
         yield cp
     finally:
         clear_kernel_caches()
+
+
+@contextlib.contextmanager
+def counting():
+    """COUNTS from zero inside the block; yields the Counter (read it after the block)."""
+    COUNTS.clear()
+    yield COUNTS
