@@ -161,3 +161,22 @@ def test_the_gpu_bench_runs_through(gpu, tmp_path):
     assert "q4k" in report["models"][0]["gpu_memory"]["dense_formats"]
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["deep-bf16", "qwen3-30b-a3b-4l-bf16",
                                                                        "qwen3-30b-a3b-4l-q4_k_m.gguf"]
+
+
+def test_generate_and_bench_report_the_gpu_memory(gpu, tiny_model, tmp_path, capsys):
+    """`strata generate` prints the GPU's memory by category, `strata bench --json` reports it."""
+    import json
+
+    from coordinator.cli.main import main
+
+    model = tiny_model(**GEOMETRY)
+    assert main(["generate", "--model", str(model), "-p", "Hi", "-n", "2", "--device", "cuda", "--pool",
+                 "inproc", "--dense-dtype", "q8"]) == 0
+    err = capsys.readouterr().err
+    assert "GPU memory: dense" in err and " q8" in err and "kv cache" in err and "scratch" in err
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(model), "--modes", "inproc", "--device", "cuda", "--tokens", "2",
+                 "--prompt-tokens", "4", "--rounds", "1", "--quality-positions", "0", "--json", str(out)]) == 0
+    memory = json.loads(out.read_text())["modes"]["inproc"]["gpu_memory"]
+    assert memory["dense"] > 0 and memory["kv_cache"] > 0 and memory["total"] == sum(
+        memory[k] for k in ("dense", "hot_experts", "kv_cache", "scratch"))
