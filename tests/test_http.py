@@ -246,6 +246,49 @@ def test_bad_requests_get_their_status(http, body, status, param):
     assert doc["error"]["param"] == param
 
 
+@pytest.mark.parametrize("prompt", ["\U0001F600" * 400000, "\u4e2d" * 700000, "a" * ((4 << 20) - 100)],
+                         ids=["emoji", "cjk", "ascii"])
+def test_a_body_under_the_limit_is_answered_whatever_its_internal_frame(http, engine, prompt):
+    """A body within the 4 MiB limit is answered, to its own client, even where the frontend's frame to the
+    server comes out larger (non-ASCII text escaped as \\uXXXX; the frame's own fields), while a health
+    request in flight at the same moment gets its own answer. The prompt is longer than the server takes: its
+    refusal (400, too_long) is the answer."""
+    import concurrent.futures
+
+    body = json.dumps({"prompt": prompt, "max_tokens": 1}, ensure_ascii=False).encode()
+    assert len(body) <= 4 << 20
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        big = pool.submit(raw, http, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        health = [pool.submit(raw, http, "GET", "/health") for _ in range(3)]
+        status, doc = big.result(timeout=120)
+        assert all(h.result(timeout=60)[0] == 200 for h in health)
+    assert status == 400 and doc["error"]["code"] == "too_long", doc
+
+
+def test_a_chat_too_long_by_its_bytes_is_refused_before_tokenising(http):
+    """A chat whose text alone needs more tokens than a prompt may have is refused by its byte count (the
+    message says so: the refusal after tokenising counts tokens), its messages never rendered or tokenised."""
+    text = "ab cd " * 690000  # 4.14 MB
+    body = json.dumps({"model": "chatm", "messages": [{"role": "user", "content": text[: (4 << 20) - 200]}]})
+    status, doc = raw(http, "POST", "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
+    assert status == 400 and doc["error"]["code"] == "context_length_exceeded", doc
+    assert "at least" in doc["error"]["message"] and doc["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("where", ["content", "tool", "template_kwargs"])
+def test_a_lone_surrogate_in_a_chat_is_a_400_naming_it(http, where):
+    lone = "ab\ud800cd"
+    body = {"model": "chatm", "messages": [{"role": "user", "content": lone if where == "content" else "hi"}]}
+    if where == "tool":
+        body["tools"] = [{"type": "function", "function": {"name": "f", "description": lone}}]
+    if where == "template_kwargs":
+        body["chat_template_kwargs"] = {"note": lone}
+    status, doc = raw(http, "POST", "/v1/chat/completions", json.dumps(body).encode(),
+                      {"Content-Type": "application/json"})
+    assert status == 400 and "lone UTF-16 surrogate" in doc["error"]["message"], doc
+    assert doc["error"]["param"] == {"content": "messages", "tool": "tools"}.get(where, "chat_template_kwargs")
+
+
 def test_unknown_route_chat_without_n1_and_the_server_keeps_serving(http, client, engine):
     assert raw(http, "GET", "/v1/nothing")[0] == 404
     assert raw(http, "GET", "/v1/completions")[0] == 405

@@ -85,6 +85,10 @@ MAX_DEADLINE_S = 7 * 24 * 3600.0
 # take their defaults from these names (a request's own, and the limits on requests: coordinator/request.py).
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"  # the server's bind address and the client's
 MAX_REQUEST_BYTES = 4 << 20  # one request frame; the server refuses more (libzmq MAXMSGSIZE); HTTP: one body
+# The HTTP frontend's frames, whose body was held to MAX_REQUEST_BYTES already: its re-encoding (a chat's token ids,
+# \uXXXX escapes) may be larger, and is never refused for that (its socket is inproc: no transport limit applies).
+BRIDGE_ID = b"strata-http"  # the frontend's routing id on the server's socket
+BRIDGE_FRAME_BYTES = 16 * MAX_REQUEST_BYTES
 DEFAULT_HTTP_HEADER_TIMEOUT_S = 15.0  # HTTP: a whole request head within this, and an idle connection's life
 DEFAULT_HTTP_BODY_TIMEOUT_S = 30.0  # HTTP: the body within this after the head
 

@@ -36,7 +36,8 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from .api import DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_HEADER_TIMEOUT_S, MAX_REQUEST_BYTES, encode_event
+from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_HEADER_TIMEOUT_S,
+                  MAX_REQUEST_BYTES, encode_event)
 from ..model.chat_template import ChatTemplateError, turn_end_id
 from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
                          check_model, chunk, completion_logprobs, completion_prompt, completion_response, error_body,
@@ -55,6 +56,7 @@ class Bridge:
     def __init__(self, ctx: zmq.Context, endpoint: str):
         self.sock = zmq.asyncio.Context.shadow(ctx.underlying).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, BRIDGE_ID)  # the server holds its frames to BRIDGE_FRAME_BYTES
         self.sock.connect(endpoint)
         self.open: dict[str, asyncio.Queue] = {}
         self.calls: dict[str, deque[asyncio.Future]] = {"stats": deque(), "health": deque()}
@@ -80,10 +82,16 @@ class Bridge:
         self.sock.send(encode_event(doc), zmq.NOBLOCK)  # inproc, never full in practice; Again is an error
 
     def begin(self, doc: dict) -> asyncio.Queue:
+        """Send a generate document; its events come back on the queue. A document over the server's limit for
+        this socket is refused here, to its own client (the server's refusal would carry no id to route by)."""
         rid = f"http-{next(self.ids)}"
         doc["id"] = rid
+        frame = encode_event(doc)
+        if len(frame) > BRIDGE_FRAME_BYTES:
+            raise OpenAIError(413, f"the request is {len(frame)} bytes once tokenised; the server takes at most "
+                                   f"{BRIDGE_FRAME_BYTES}")
         queue = self.open[rid] = asyncio.Queue()
-        self.send(doc)
+        self.sock.send(frame, zmq.NOBLOCK)
         return queue
 
     def end(self, rid: str, cancel: bool) -> None:
@@ -274,6 +282,7 @@ class HttpFrontend:
             raise OpenAIError(400, "the model has no tokenizer; use /v1/completions with token ids")
         messages, tools, extra = chat_messages(body), chat_tools(body), template_kwargs(body)
         fields = generate_fields(body, chat=True, max_new_tokens_limit=self._limit(), default_max_tokens=None)
+        self._check_size(messages)  # before the template and the tokenizer see them
         ids = await asyncio.get_running_loop().run_in_executor(None, self._render, messages, tools, extra)
         room = self.engine.max_seq_len - len(ids)
         if room < 1:
@@ -285,6 +294,21 @@ class HttpFrontend:
             fields["stop_token_ids"].append(self.turn_end)  # the assistant's turn ends there (ChatML's <|im_end|>)
         doc = {"type": "generate", "prompt_ids": ids, **fields}
         return await self._run(request, body, doc, chat=True)
+
+    def _check_size(self, messages: list[dict]) -> None:
+        """Refuse messages whose text alone needs more tokens than a prompt may have: no token of the tokenizer
+        is longer than max_token_bytes, so n bytes are at least n / max_token_bytes tokens (as the server
+        refuses a long completion prompt, before tokenising it)."""
+        longest = self.server.max_token_bytes
+        if not longest:
+            return
+        nbytes = sum(len(m["content"].encode("utf-8")) for m in messages if isinstance(m.get("content"), str))
+        least = -(-nbytes // longest)
+        limit = min(self.server.limits.max_prompt_tokens, self.engine.max_seq_len)
+        if least > limit:
+            raise OpenAIError(400, f"the messages' text is {nbytes} bytes, so at least {least} tokens (no token is "
+                                   f"longer than {longest} bytes); the limit is {limit} tokens", param="messages",
+                              code="context_length_exceeded")
 
     def _render(self, messages: list[dict], tools, extra: dict) -> list[int]:
         try:

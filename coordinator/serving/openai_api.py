@@ -25,7 +25,7 @@ import math
 import time
 import uuid
 
-from .api import MAX_STOP_TOKEN_IDS, ApiError, read_float, read_int
+from .api import MAX_STOP_TOKEN_IDS, ApiError, lone_surrogate, read_float, read_int
 
 # the ZeroMQ API's error codes -> HTTP status (busy: the queue is full; shutdown: the server is stopping)
 STATUS_OF_CODE = {"bad_request": 400, "too_long": 400, "not_found": 404, "busy": 429, "shutdown": 503,
@@ -212,12 +212,31 @@ def _text_content(content, where: str) -> str:
     raise OpenAIError(400, f"{where}: 'content' must be a string or a list of text parts", param="messages")
 
 
+def check_unicode(value, param: str, where: str | None = None) -> None:
+    """Every string in ``value`` (nested lists and objects, keys too) valid Unicode: a lone UTF-16 surrogate
+    (JSON's "\\ud800") cannot be tokenised, and is refused naming where it is."""
+    if isinstance(value, str):
+        at = lone_surrogate(value)
+        if at is not None:
+            raise OpenAIError(400, f"{where or param} holds a lone UTF-16 surrogate at character {at}: it is not "
+                                   "valid Unicode", param=param)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(k, param, where)
+            check_unicode(v, param, f"{where or param}.{k}" if isinstance(k, str) and lone_surrogate(k) is None
+                          else where)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_unicode(v, param, f"{where or param}[{i}]")
+
+
 def chat_messages(body: dict) -> list[dict]:
     """``messages`` checked, text parts joined into strings; other keys (name, tool_calls, tool_call_id) kept
     for the template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
+    check_unicode(messages, "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -240,6 +259,7 @@ def chat_tools(body: dict) -> list | None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise OpenAIError(400, "'tools' must be a list of objects", param="tools")
+    check_unicode(tools, "tools")
     return tools
 
 
@@ -251,6 +271,7 @@ def template_kwargs(body: dict) -> dict:
     if not isinstance(extra, dict) or any(k in ("messages", "tools", "add_generation_prompt") for k in extra):
         raise OpenAIError(400, "'chat_template_kwargs' must be an object of extra template variables",
                           param="chat_template_kwargs")
+    check_unicode(extra, "chat_template_kwargs")
     return extra
 
 

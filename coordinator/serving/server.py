@@ -36,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import StepInterrupted, StrataError
 from ..request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 from ..scheduler import Scheduler
-from .api import (MAX_REQUEST_BYTES, CancelRequest, HealthRequest, StatsRequest, decode_request, encode_event,
+from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, MAX_REQUEST_BYTES, CancelRequest, HealthRequest, StatsRequest, decode_request, encode_event,
                   error_event)
 
 log = logging.getLogger(__name__)
@@ -257,8 +257,9 @@ class Server:
         client = frames[0]
         rid = None
         try:
-            if len(frames) > MAX_FRAMES or sum(len(f) for f in frames) > MAX_REQUEST_BYTES:
-                raise ApiError("bad_request", f"a request is one frame of at most {MAX_REQUEST_BYTES} bytes")
+            limit = BRIDGE_FRAME_BYTES if client == BRIDGE_ID else MAX_REQUEST_BYTES
+            if len(frames) > MAX_FRAMES or sum(len(f) for f in frames) > limit:
+                raise ApiError("bad_request", f"a request is one frame of at most {limit} bytes")
             if len(frames) == 3 and frames[1] != b"":
                 raise ApiError("bad_request", "a request is one frame")
             if len(frames) == 3:
