@@ -201,9 +201,13 @@ class Scheduler:
             log.exception("engine step failed")
             self.stats["errors"] += 1
             failed = {id(s): s for s in self.prefilling + self.active}  # each sequence once
+            retry = getattr(exc, "retry_after_s", None)  # a node worker down (pool/supervisor.py): transient
             for s in failed.values():
-                self.emit(s.client, {"type": "error", "id": s.req.id, "code": "engine",
-                                     "message": f"{type(exc).__name__}: {exc}"})
+                event = {"type": "error", "id": s.req.id, "code": "engine" if retry is None else "unavailable",
+                         "message": f"{type(exc).__name__}: {exc}"}
+                if retry is not None:
+                    event["retry_after_s"] = retry
+                self.emit(s.client, event)
             self.prefilling = []
             self.active = []
             raise

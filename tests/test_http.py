@@ -289,6 +289,97 @@ def test_a_lone_surrogate_in_a_chat_is_a_400_naming_it(http, where):
     assert doc["error"]["param"] == {"content": "messages", "tool": "tools"}.get(where, "chat_template_kwargs")
 
 
+def _exchange(http, data: bytes, half_close: bool = False) -> bytes:
+    """Raw bytes to the HTTP port, everything it answers until it closes."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(http.http_url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while True:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+def _status_and_json(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1])
+    assert b"application/json" in head.lower(), head
+    return status, json.loads(body.split(b"\r\n\r\n")[0] if body.startswith(b"{") else body)
+
+
+def test_a_client_that_half_closes_gets_its_answer(http):
+    body = json.dumps({"model": "chatm", "prompt": "abc", "max_tokens": 2, "temperature": 0}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    status, doc = _status_and_json(_exchange(http, request, half_close=True))
+    assert status == 200 and doc["choices"][0]["text"] is not None
+    assert "ConnectionResetError" not in http.stderr()
+
+
+@pytest.mark.parametrize("head", [
+    "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",  # both: request smuggling's shape
+    "X-Long: " + "a" * 9000 + "\r\n",  # a header over aiohttp's 8190 bytes
+    "".join(f"X-{i}: {i}\r\n" for i in range(10000)),  # too many headers
+], ids=["length-and-chunked", "long-header", "many-headers"])
+def test_malformed_http_gets_the_json_error_shape(http, head):
+    request = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{head}\r\nhello".encode()
+    status, doc = _status_and_json(_exchange(http, request))
+    assert status == 400 and set(doc["error"]) == {"message", "type", "param", "code"}, doc
+
+
+def test_after_a_413_the_rest_of_the_body_is_not_a_request(http):
+    """A body over the limit is answered 413 and the connection ends: its remaining bytes are never parsed as
+    the next request (which would log aiohttp's BadHttpMethod)."""
+    body = b"GET /v1/models HTTP/1.1\r\n\r\n" * ((5 << 20) // 28)
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    try:
+        answer = _exchange(http, request)
+    except (ConnectionResetError, BrokenPipeError):  # the server closed while the body was still being sent
+        answer = b""
+    if answer:
+        assert _status_and_json(answer)[0] == 413 and answer.count(b"HTTP/1.1 ") == 1
+    assert "BadHttpMethod" not in http.stderr()
+
+
+def test_405_names_the_allowed_methods(http):
+    answer = _exchange(http, b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                             + f"Authorization: Bearer {KEY}\r\n\r\n".encode())
+    status, _ = _status_and_json(answer)
+    assert status == 405 and b"\r\nAllow: POST" in answer
+
+
+@pytest.mark.parametrize("field, value", [("logit_bias", "x"), ("logit_bias", {"5": 10}), ("tool_choice", 5),
+                                          ("tool_choice", "required"), ("user", 5), ("functions", []),
+                                          ("ignore_eos", "yes"), ("ignore_eos", True), ("min_tokens", -1),
+                                          ("min_tokens", 3), ("stop", ["a"] * 9)])
+def test_fields_it_does_not_act_on_are_refused_not_ignored(http, field, value):
+    body = json.dumps({"prompt": "x", "max_tokens": 1, field: value}).encode()
+    status, doc = raw(http, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 400 and doc["error"]["param"] == field, doc
+    ok = json.dumps({"prompt": "x", "max_tokens": 1, "user": "u", "tool_choice": "auto", "logit_bias": {},
+                     "ignore_eos": False, "min_tokens": 0, "stop": ["a"] * 8}).encode()
+    assert raw(http, "POST", "/v1/completions", ok, {"Content-Type": "application/json"})[0] == 200
+
+
+def test_retry_after_on_busy_and_unavailable():
+    """429 and 503 from the engine carry Retry-After: at least a second, or the refused restart's wait."""
+    from coordinator.serving.openai_api import from_engine_error
+
+    busy = from_engine_error({"type": "error", "code": "busy", "message": "full"})
+    assert busy.status == 429 and busy.headers() == {"Retry-After": "1"}
+    down = from_engine_error({"type": "error", "code": "unavailable", "message": "down", "retry_after_s": 11.2})
+    assert down.status == 503 and down.headers() == {"Retry-After": "12"}
+    assert from_engine_error({"type": "error", "code": "engine", "message": "x"}).headers() == {}
+
+
 def test_unknown_route_chat_without_n1_and_the_server_keeps_serving(http, client, engine):
     assert raw(http, "GET", "/v1/nothing")[0] == 404
     assert raw(http, "GET", "/v1/completions")[0] == 405
@@ -391,9 +482,10 @@ def test_fields_keep_openai_names_and_defaults():
 
 def test_engine_error_codes_map_to_http_statuses():
     got = {code: from_engine_error({"type": "error", "code": code, "message": "m"}).status
-           for code in ("bad_request", "too_long", "not_found", "busy", "shutdown", "engine", "internal", "new")}
+           for code in ("bad_request", "too_long", "not_found", "busy", "shutdown", "unavailable", "engine", "internal",
+                        "new")}
     assert got == {"bad_request": 400, "too_long": 400, "not_found": 404, "busy": 429, "shutdown": 503,
-                   "engine": 500, "internal": 500, "new": 500}
+                   "unavailable": 503, "engine": 500, "internal": 500, "new": 500}
     text = prometheus({"requests": 3, "experts": {"hit_rate": None}, "pool": {"nodes": [{"restarts": 2},
                                                                                       {"restarts": 1}]}},
                       Counter({("/v1/models", 200): 4}), 1)

@@ -155,7 +155,7 @@ def test_kill_kill_again_wait_past_the_window_and_serve(serve, serve_engine):
         assert "SIGKILL" in down["pool"]["nodes"][0]["last_error"]
         with pytest.raises(RequestFailed) as info:  # refused while the window lasts, never "submit() twice"
             list(c.generate(PROMPTS[1], max_new_tokens=5))
-        assert info.value.code == "engine" and "restart" in info.value.message
+        assert info.value.code == "unavailable" and "restart" in info.value.message  # HTTP: 503, Retry-After
         assert "twice without collect" not in info.value.message
         wait_for(lambda: c.health()["ok"], "the worker back once its window passed", timeout_s=30)
         generate_ok()

@@ -50,8 +50,9 @@ WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THRE
 class WorkerDied(StrataError):
     """A node worker exited; names the node, pid and exit status."""
 
-    def __init__(self, node: int, pid: int, status: str, detail: str = ""):
+    def __init__(self, node: int, pid: int, status: str, detail: str = "", retry_after_s: float = 0.0):
         self.node, self.pid, self.status = node, pid, status
+        self.retry_after_s = retry_after_s  # when the pool is worth asking again: the refused restart's wait
         super().__init__(f"node worker {node} (pid {pid}) died: {status}" + (f"; {detail}" if detail else ""))
 
 
@@ -247,7 +248,8 @@ class Supervisor:
             w.down_reason = f"it died twice within {window:.0f}s"
             log.error("%s; it died twice within %.0fs: not restarting for %.0fs", died, window, window)
             raise WorkerDied(died.node, died.pid, died.status,
-                             f"it died twice within {window:.0f}s; it is restarted once {window:.0f}s have passed")
+                             f"it died twice within {window:.0f}s; it is restarted once {window:.0f}s have passed",
+                             window)
         log.warning("%s; restarting it", died)
         self._restart(w)
 
@@ -276,7 +278,7 @@ class Supervisor:
             wait = w.retry_at - time.monotonic()
             if wait > 0:
                 raise WorkerDied(w.node.id, w.pid, exit_status(w.proc.returncode if w.proc else None),
-                                 f"{w.down_reason}; the next restart is tried in {wait:.0f}s")
+                                 f"{w.down_reason}; the next restart is tried in {wait:.0f}s", wait)
             log.info("node worker %s: its restart window has passed; starting it again", w.node.id)
             w.retry_at = None
             self._restart(w)

@@ -40,8 +40,8 @@ Events::
     {"type": "final", "id": "r1", "finish_reason": "length"|"eos"|"stop"|"cancelled"|"deadline",
      "text": "whole completion", "ids": [..], "logprobs": [..],
      "usage": {"prompt_tokens": n, "completion_tokens": m}}
-    {"type": "error", "id": "r1"|null, "code": "bad_request"|"busy"|"too_long"|"engine"|"shutdown"|"internal"|...,
-     "message": "what went wrong"}
+    {"type": "error", "id": "r1"|null, "code": "bad_request"|"busy"|"too_long"|"engine"|"unavailable"|"shutdown"|
+     "internal"|..., "message": "what went wrong", "retry_after_s": s (busy and unavailable: when to try again)}
     {"type": "stats", ...}        {"type": "health", ...}
 
 A token event goes out when the streamed text advances (text that may begin a

@@ -34,7 +34,7 @@ from collections import Counter, deque
 
 import zmq
 import zmq.asyncio
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 
 from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_HEADER_TIMEOUT_S,
                   MAX_REQUEST_BYTES, encode_event)
@@ -121,6 +121,39 @@ class Bridge:
         self.sock.close(0)
 
 
+class _Connection(web_protocol.RequestHandler):
+    """aiohttp's connection, with two answers changed: a client that half-closes (its whole request sent, then
+    its sending side shut) still reads its answer, and a request aiohttp's parser refuses (a Content-Length and
+    Transfer-Encoding conflict, a header too long, too many headers) gets OpenAI's JSON error shape."""
+
+    def eof_received(self) -> bool:
+        self.close()  # no more requests on it: answer the one sent, then close
+        return True  # the socket stays open for writing (asyncio closes it on a false return)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status == 500:  # a defect: aiohttp logs it and answers as it does
+            return super().handle_error(request, status, exc, message)
+        log.debug("HTTP request refused by the parser (%s): %s", status, message or exc)
+        resp = _json(status, error_body(status, f"malformed HTTP request: {message or exc or status}"))
+        resp.force_close()
+        return resp
+
+
+class _Server(web_server.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """aiohttp's runner, its connections _Connection's."""
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # the same object, its connections made by _Server.__call__
+        return server
+
+
 def _json(status: int, doc: dict) -> web.Response:
     return web.Response(status=status, text=json.dumps(doc), content_type="application/json")
 
@@ -185,8 +218,8 @@ class HttpFrontend:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
-        self.runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=self.header_timeout_s,
-                                    shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None)
+        self.runner = _Runner(app, handler_cancellation=True, keepalive_timeout=self.header_timeout_s,
+                              shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
         await site.start()
@@ -217,10 +250,15 @@ class HttpFrontend:
             response = await handler(request)
         except OpenAIError as exc:
             response = _json(exc.status, exc.body())
+            response.headers.update(exc.headers())
         except web.HTTPException as exc:  # aiohttp's own: 404 route, 405 method, 413 body
             message = {404: f"no route {request.method} {request.path}", 413: f"the request body is over "
                        f"{MAX_REQUEST_BYTES} bytes"}.get(exc.status, exc.reason)
             response = _json(exc.status, error_body(exc.status, message))
+            if exc.status == 405:  # the methods the route takes, as HTTP asks of a 405
+                response.headers["Allow"] = ", ".join(sorted(getattr(exc, "allowed_methods", ())))
+            if exc.status == 413:  # the rest of the body is not read: the connection ends with this answer
+                response.force_close()
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:  # a defect of ours: this request's 500, never the server's end

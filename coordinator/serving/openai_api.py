@@ -25,17 +25,17 @@ import math
 import time
 import uuid
 
-from .api import MAX_STOP_TOKEN_IDS, ApiError, lone_surrogate, read_float, read_int
+from .api import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, lone_surrogate, read_float, read_int
 
 # the ZeroMQ API's error codes -> HTTP status (busy: the queue is full; shutdown: the server is stopping)
 STATUS_OF_CODE = {"bad_request": 400, "too_long": 400, "not_found": 404, "busy": 429, "shutdown": 503,
-                  "engine": 500, "internal": 500}
+                  "unavailable": 503, "engine": 500, "internal": 500}
+RETRY_AFTER_S = {"busy": 1.0, "unavailable": 1.0}  # codes worth retrying: the least Retry-After, seconds
 TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                   405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
                   429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "deadline": "length", "cancelled": "stop"}
 MAX_TOP_LOGPROBS = 20
-MAX_STOP = 4  # OpenAI's limit on stop strings
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -43,9 +43,14 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class OpenAIError(Exception):
     """A request answered with an OpenAI error document and an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s  # the Retry-After header's seconds (429, 503), None: no header
+
+    def headers(self) -> dict:
+        return {} if self.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
@@ -59,7 +64,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def from_engine_error(event: dict) -> OpenAIError:
     """An error event of the ZeroMQ API -> the HTTP error it stands for."""
     code = event.get("code", "internal")
-    return OpenAIError(STATUS_OF_CODE.get(code, 500), event.get("message", "engine error"), code=code)
+    retry = RETRY_AFTER_S.get(code)
+    if retry is not None and isinstance(event.get("retry_after_s"), (int, float)):
+        retry = max(retry, float(event["retry_after_s"]))
+    return OpenAIError(STATUS_OF_CODE.get(code, 500), event.get("message", "engine error"), code=code,
+                       retry_after_s=retry)
 
 
 def _field(check, body: dict, key: str, default, lo, hi, **kwargs):
@@ -98,6 +107,44 @@ def _refuse_unsupported(body: dict) -> None:
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise OpenAIError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
                           param="response_format")
+    _check_types(body)
+
+
+def _check_types(body: dict) -> None:
+    """The fields this server does not act on, refused when they would change the answer and checked for
+    their type when they would not: none is taken silently."""
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise OpenAIError(400, "'logit_bias' must be an object of token ids to numbers", param="logit_bias")
+        if bias:
+            raise OpenAIError(400, "'logit_bias' is not supported", param="logit_bias")
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not (choice in ("none", "auto", "required") or (isinstance(choice, dict) and choice.get("type") ==
+                                                            "function" and isinstance(choice.get("function"), dict)
+                                                            and isinstance(choice["function"].get("name"), str))):
+            raise OpenAIError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": "
+                                   "\"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        if choice not in ("none", "auto"):
+            raise OpenAIError(400, "'tool_choice' other than \"auto\" or \"none\" is not supported",
+                              param="tool_choice")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise OpenAIError(400, "'user' must be a string", param="user")
+    for old in ("functions", "function_call"):
+        if body.get(old) is not None:
+            raise OpenAIError(400, f"'{old}' is not supported: use 'tools'", param=old)
+    if body.get("ignore_eos") is not None:
+        if not isinstance(body["ignore_eos"], bool):
+            raise OpenAIError(400, "'ignore_eos' must be true or false", param="ignore_eos")
+        if body["ignore_eos"]:
+            raise OpenAIError(400, "'ignore_eos' is not supported", param="ignore_eos")
+    if body.get("min_tokens") is not None:
+        v = body["min_tokens"]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise OpenAIError(400, "'min_tokens' must be an integer >= 0", param="min_tokens")
+        if v > 0:
+            raise OpenAIError(400, "'min_tokens' other than 0 is not supported", param="min_tokens")
 
 
 def _stop(body: dict) -> list[str]:
@@ -106,9 +153,10 @@ def _stop(body: dict) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise OpenAIError(400, f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings",
-                          param="stop")
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise OpenAIError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
+                               f"of at most {MAX_STOP_CHARS} characters", param="stop")  # the ZeroMQ API's words
     return stop
 
 
