@@ -163,9 +163,13 @@ class Engine:
             log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
             compile_missing([Unit.dense(kernels) for kernels in dense_kernels])
         xp = module(backend)
-        device_weights = device_upload(weights, xp, ckpt, config.dense_dtype) if gpu else None
-        device_experts = (device_load.load_experts(ckpt, weights.experts, device_set, hot_formats, mcfg, xp) if gpu
-                          else {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)})
+        device_weights, device_experts = None, {}
+        if gpu:
+            with device_load.out_of_memory(memory):
+                device_weights = device_upload(weights, xp, ckpt, config.dense_dtype)
+                device_experts = device_load.load_experts(ckpt, weights.experts, device_set, hot_formats, mcfg, xp)
+        else:
+            device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         if gpu:
             dense_format = memory.dense_formats
             device_load.release_pool()  # the upload's temporaries

@@ -179,6 +179,10 @@ class _Stream:
         pass
 
 
+class OutOfMemory(MemoryError):
+    """cupy.cuda.memory.OutOfMemoryError's stand-in."""
+
+
 class _Pool:
     def free_all_blocks(self) -> None:
         pass
@@ -221,6 +225,7 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
                                  runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
                                                                memGetInfo=lambda: (FREE_BYTES, FREE_BYTES),
                                                                getDeviceProperties=lambda i: {"name": NAME}))
+    cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemory)
     cp.cuda = cuda
     cx = types.ModuleType("cupyx")
     cx.empty_pinned = lambda shape, dtype=np.float32: np.empty(shape, dtype)

@@ -93,6 +93,25 @@ def test_a_model_larger_than_the_gpu_is_refused_before_loading(gpu, tiny_model, 
         Engine.open(model, EngineConfig(device="cuda"))
 
 
+def test_an_allocation_that_fails_during_the_upload_is_refused_with_the_plan(gpu, tiny_model, monkeypatch):
+    """The plan fitted, then the memory went elsewhere: the upload's failed allocation is a VramError naming
+    the plan and what is free, and no worker or segment is left (the pool is not started yet)."""
+    model = tiny_model(**GEOMETRY)
+    real = gpu.asarray
+
+    def full(a, *args, **kwargs):
+        if isinstance(a, np.ndarray) and a.nbytes > 100_000:
+            raise device_standin.OutOfMemory("out of memory allocating 327,680 bytes")
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(gpu, "asarray", full)
+    with pytest.raises(vram.VramError, match=r"ran out of memory while the model was uploaded .*planned: dense"):
+        Engine.open(model, EngineConfig(device="cuda", pool="process"))
+    import psutil
+
+    assert psutil.Process().children() == []
+
+
 def test_gpu_expert_memory_fills_with_experts_at_their_real_size(gpu, tiny_model, tmp_path):
     """--gpu-expert-memory counts each hot expert in its device format: twice as many bf16 ones as f32."""
     model = tiny_model(**GEOMETRY)

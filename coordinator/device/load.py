@@ -1,6 +1,7 @@
 """Putting a model on the GPU: the memory planned from the index and checked first, then the upload.
 
     place(cfg, ckpt, config) -> Placement       the hot experts chosen and the memory planned and checked
+    out_of_memory(plan)                         a context in which CuPy's allocation failure is a VramError
     expert_formats(cfg, ckpt, expert_dtype)     MoE layer -> its hot experts' (gate, up, down) device formats
     plan_memory(cfg, ckpt, config, experts, formats) -> vram.VramPlan
     free_bytes(), release_pool()                the device's free memory; CuPy's cached blocks handed back
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -89,6 +91,20 @@ def plan_memory(cfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig, expert
     kv_dtype = "f32" if config.kv_dtype == "f32" else "bf16"
     return vram.plan(cfg, dtype_of, config.dense_dtype, kv_dtype, tokens, config.prefill_chunk,
                      largest_expert(cfg, formats)[1], experts)
+
+
+@contextlib.contextmanager
+def out_of_memory(plan: vram.VramPlan):
+    """The upload inside: a failed allocation (the memory the plan counted taken meanwhile by another process,
+    or fragmented) is refused as a VramError naming the plan and what is free, not a CuPy traceback."""
+    import cupy
+
+    try:
+        yield
+    except cupy.cuda.memory.OutOfMemoryError as exc:
+        release_pool()
+        raise vram.VramError(f"the GPU ran out of memory while the model was uploaded ({exc}); planned: "
+                             f"{plan.describe()}; free now: {free_bytes() / vram.GB:.2f} GB") from None
 
 
 def free_bytes() -> int:
