@@ -234,7 +234,7 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled(http, client, engine)
     (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"prompt": "x", "max_tokens": -3}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": 12}).encode(), 400, "prompt"),
-    (json.dumps({"prompt": "x", "n": 5}).encode(), 400, "n"),
+    (json.dumps({"prompt": "x", "n": 17}).encode(), 400, "n"),
     (json.dumps({"prompt": "x", "stop_token_ids": ["a"]}).encode(), 400, "stop_token_ids"),
     (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404, "model"),
     (json.dumps({"prompt": "x", "pad": "a" * (10 << 20)}).encode(), 413, None),
@@ -369,6 +369,28 @@ def test_fields_it_does_not_act_on_are_refused_not_ignored(http, field, value):
     assert raw(http, "POST", "/v1/completions", ok, {"Content-Type": "application/json"})[0] == 200
 
 
+def test_n_choices_are_the_requests_with_seeds_seed_plus_i(client):
+    """n choices, streamed or not, are each what one request with seed, seed + 1, ... makes; usage counts the
+    prompt once and every choice's tokens."""
+    kw = dict(model="chatm", prompt="Once upon", max_tokens=6, temperature=1.0)
+    singles = [client.completions.create(seed=7 + i, **kw) for i in range(3)]
+    r = client.completions.create(n=3, seed=7, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    texts = ["", "", ""]
+    for part in client.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True}, **kw):
+        for c in part.choices:
+            texts[c.index] += c.text
+        if part.usage is not None:
+            assert part.usage.completion_tokens == r.usage.completion_tokens
+    assert texts == [c.text for c in r.choices]
+    chat = client.chat.completions.create(model="chatm", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
 def test_retry_after_on_busy_and_unavailable():
     """429 and 503 from the engine carry Retry-After: at least a second, or the refused restart's wait."""
     from coordinator.serving.openai_api import from_engine_error
@@ -384,7 +406,7 @@ def test_unknown_route_chat_without_n1_and_the_server_keeps_serving(http, client
     assert raw(http, "GET", "/v1/nothing")[0] == 404
     assert raw(http, "GET", "/v1/completions")[0] == 405
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="chatm", messages=[{"role": "user", "content": "x"}], n=5)
+        client.chat.completions.create(model="chatm", messages=[{"role": "user", "content": "x"}], n=17)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="chatm", messages=[{"role": "wizard", "content": "x"}])
     r = client.completions.create(model="chatm", prompt="abc", max_tokens=3, temperature=0)

@@ -40,9 +40,9 @@ from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, DEFAULT_HTTP_BODY_TIMEOUT_S, DE
                   MAX_REQUEST_BYTES, encode_event)
 from ..model.chat_template import ChatTemplateError, turn_end_id
 from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
-                         check_model, chunk, completion_logprobs, completion_prompt, completion_response, error_body,
-                         from_engine_error, generate_fields, models_list, new_id, stream_flags, template_kwargs,
-                          usage_chunk)
+                         check_model, choices, chunk, completion_logprobs, completion_prompt, completion_response,
+                         error_body, from_engine_error, generate_fields, models_list, new_id, stream_flags,
+                         template_kwargs, usage_chunk)
 
 log = logging.getLogger(__name__)
 
@@ -359,59 +359,91 @@ class HttpFrontend:
         return self.server.limits.max_new_tokens
 
     async def _run(self, request: web.Request, body: dict, doc: dict, chat: bool) -> web.StreamResponse:
-        """Send one generate document and answer with its events: one JSON document, or SSE chunks."""
+        """Send a generate document per choice (``n``; seeds seed, seed + 1, ... when one is given) and answer
+        with their events: one JSON document, or SSE chunks of every choice as they come."""
         stream, include_usage = stream_flags(body)
         want_logprobs = doc["logprobs"] is not None
         doc["stream"] = stream
-        queue = self.bridge.begin(doc)
-        rid, done = doc["id"], False
+        queues, done = [], False
         try:
+            for i in range(choices(body)):
+                one = dict(doc, seed=None if doc["seed"] is None else doc["seed"] + i)
+                queues.append((self.bridge.begin(one), one["id"]))
             if not stream:
-                ev = await queue.get()
+                finals = []
+                for queue, _ in queues:
+                    ev = await queue.get()
+                    if ev["type"] == "error":
+                        raise from_engine_error(ev)
+                    finals.append(ev)
                 done = True
-                if ev["type"] == "error":
-                    raise from_engine_error(ev)
-                return _json(200, completion_response(new_id(chat), self.model_name, ev, chat, want_logprobs))
-            response, done = await self._stream(request, queue, chat, include_usage, want_logprobs)
+                return _json(200, completion_response(new_id(chat), self.model_name, finals, chat, want_logprobs))
+            response, done = await self._stream(request, [q for q, _ in queues], chat, include_usage,
+                                                want_logprobs)
             return response
         finally:
-            self.bridge.end(rid, cancel=not done)
+            for _, rid in queues:
+                self.bridge.end(rid, cancel=not done)
 
-    async def _stream(self, request: web.Request, queue: asyncio.Queue, chat: bool, include_usage: bool,
+    async def _stream(self, request: web.Request, queues: list[asyncio.Queue], chat: bool, include_usage: bool,
                       want_logprobs: bool) -> tuple[web.StreamResponse, bool]:
-        first = await queue.get()
+        """The choices' events as SSE chunks, each tagged with its choice's index, in the order they come."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, queue: asyncio.Queue) -> None:
+            while True:
+                ev = await queue.get()
+                merged.put_nowait((index, ev))
+                if ev["type"] != "token":
+                    return
+
+        tasks = [asyncio.get_running_loop().create_task(forward(i, q)) for i, q in enumerate(queues)]
+        try:
+            return await self._write_stream(request, merged, len(queues), chat, include_usage, want_logprobs)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _write_stream(self, request: web.Request, merged: asyncio.Queue, n: int, chat: bool,
+                            include_usage: bool, want_logprobs: bool) -> tuple[web.StreamResponse, bool]:
+        index, first = await merged.get()
         if first["type"] == "error":  # refused before any token: a plain HTTP error, not a stream
             raise from_engine_error(first)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         self.streams += 1
-        oid, created, offset = new_id(chat), int(time.time()), 0
+        oid, created, offsets, finals = new_id(chat), int(time.time()), [0] * n, {}
         try:
             if chat:
-                await response.write(sse(chunk(oid, self.model_name, created, chat, "", role=True)))
+                for i in range(n):
+                    await response.write(sse(chunk(oid, self.model_name, created, chat, "", role=True, index=i)))
             ev = first
             while True:
                 if ev["type"] == "token":
                     entries = ev.get("logprobs") or []
                     lp = None
                     if want_logprobs:
-                        lp = chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
-                    offset += len(ev["text"])
-                    await response.write(sse(chunk(oid, self.model_name, created, chat, ev["text"], logprobs=lp)))
+                        lp = chat_logprobs(entries) if chat else completion_logprobs(entries, offsets[index])
+                    offsets[index] += len(ev["text"])
+                    await response.write(sse(chunk(oid, self.model_name, created, chat, ev["text"], logprobs=lp,
+                                                   index=index)))
                 elif ev["type"] == "final":
                     finish = FINISH_REASON.get(ev["finish_reason"], "stop")
                     await response.write(sse(chunk(oid, self.model_name, created, chat, None if chat else "",
-                                                   finish=finish)))
-                    if include_usage:
-                        await response.write(sse(usage_chunk(oid, self.model_name, created, chat, ev)))
-                    break
+                                                   finish=finish, index=index)))
+                    finals[index] = ev
+                    if len(finals) == n:
+                        if include_usage:
+                            await response.write(sse(usage_chunk(oid, self.model_name, created, chat,
+                                                                 [finals[i] for i in range(n)])))
+                        break
                 else:  # an error after the stream began (engine failure, shutdown): an error event ends it
                     await response.write(sse(from_engine_error(ev).body()))
                     break
-                ev = await queue.get()
+                index, ev = await merged.get()
             await response.write(sse("[DONE]"))
             await response.write_eof()
-            return response, True
+            return response, len(finals) == n
         finally:
             self.streams -= 1
 

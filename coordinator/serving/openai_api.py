@@ -93,10 +93,16 @@ def check_model(body: dict, served: str) -> None:
                           code="model_not_found")
 
 
+MAX_N = 16  # choices a request may ask for (each one a sequence of its own in the batch)
+
+
+def choices(body: dict) -> int:
+    """``n``: how many choices to make for the prompt, 1..MAX_N."""
+    return _field(read_int, body, "n", 1, 1, MAX_N)
+
+
 def _refuse_unsupported(body: dict) -> None:
-    if body.get("n") not in (None, 1):
-        raise OpenAIError(400, f"'n' must be 1: this server makes one choice per request, got {body.get('n')!r}",
-                          param="n")
+    choices(body)
     if body.get("best_of") not in (None, 1):
         raise OpenAIError(400, "'best_of' must be 1", param="best_of")
     if body.get("echo") not in (None, False):
@@ -329,10 +335,11 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(final: dict) -> dict:
-    u = final["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+def usage(finals: list[dict]) -> dict:
+    """The prompt's tokens once, the choices' completion tokens summed (OpenAI's count for n > 1)."""
+    prompt = finals[0]["usage"]["prompt_tokens"]
+    completion = sum(f["usage"]["completion_tokens"] for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _lp(value: float) -> float:
@@ -357,23 +364,27 @@ def completion_logprobs(entries: list[dict], text_offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-def completion_response(rid: str, model: str, final: dict, chat: bool, want_logprobs: bool) -> dict:
-    entries = final.get("logprobs") or []
-    choice = {"index": 0, "finish_reason": FINISH_REASON.get(final["finish_reason"], "stop")}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": final["text"]}
-        choice["logprobs"] = chat_logprobs(entries) if want_logprobs else None
-    else:
-        choice["text"] = final["text"]
-        choice["logprobs"] = completion_logprobs(entries) if want_logprobs else None
+def completion_response(rid: str, model: str, finals: list[dict], chat: bool, want_logprobs: bool) -> dict:
+    """The answer to a request from its choices' final events, in choice order."""
+    out = []
+    for index, final in enumerate(finals):
+        entries = final.get("logprobs") or []
+        choice = {"index": index, "finish_reason": FINISH_REASON.get(final["finish_reason"], "stop")}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": final["text"]}
+            choice["logprobs"] = chat_logprobs(entries) if want_logprobs else None
+        else:
+            choice["text"] = final["text"]
+            choice["logprobs"] = completion_logprobs(entries) if want_logprobs else None
+        out.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(final)}
+            "model": model, "choices": out, "usage": usage(finals)}
 
 
 def chunk(rid: str, model: str, created: int, chat: bool, text: str | None, finish: str | None = None,
-          logprobs: dict | None = None, role: bool = False) -> dict:
-    """One streamed chunk: a piece of text (or the role, or the finish reason)."""
-    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+          logprobs: dict | None = None, role: bool = False, index: int = 0) -> dict:
+    """One streamed chunk of choice ``index``: a piece of text (or the role, or the finish reason)."""
+    choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if chat:
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
@@ -385,9 +396,9 @@ def chunk(rid: str, model: str, created: int, chat: bool, text: str | None, fini
             "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, created: int, chat: bool, final: dict) -> dict:
+def usage_chunk(rid: str, model: str, created: int, chat: bool, finals: list[dict]) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(final)}
+            "model": model, "choices": [], "usage": usage(finals)}
 
 
 def models_list(model: str, created: int) -> dict:
