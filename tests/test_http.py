@@ -391,6 +391,24 @@ def test_n_choices_are_the_requests_with_seeds_seed_plus_i(client):
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
 
 
+def test_tokenize_and_detokenize(http, engine):
+    """vLLM's /tokenize (a prompt, or messages rendered as the chat routes render them) and /detokenize, under
+    the API key."""
+    status, doc = raw(http, "POST", "/tokenize", json.dumps({"prompt": "Hello there"}).encode())
+    assert status == 200 and doc["tokens"] == engine.encode("Hello there") and doc["count"] == len(doc["tokens"])
+    assert doc["max_model_len"] == engine.max_seq_len
+    messages = [{"role": "user", "content": "hi"}]
+    status, doc = raw(http, "POST", "/tokenize", json.dumps({"messages": messages}).encode())
+    assert status == 200 and doc["tokens"] == chat_ids(engine, messages)
+    status, doc = raw(http, "POST", "/detokenize", json.dumps({"tokens": engine.encode("Hello there")}).encode())
+    assert status == 200 and doc["prompt"] == "Hello there"
+    assert raw(http, "POST", "/detokenize", json.dumps({"tokens": [-1]}).encode())[0] == 400
+    req = urllib.request.Request(http.http_url + "/tokenize", data=b'{"prompt": "x"}', method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 401
+
+
 def test_retry_after_on_busy_and_unavailable():
     """429 and 503 from the engine carry Retry-After: at least a second, or the refused restart's wait."""
     from coordinator.serving.openai_api import from_engine_error

@@ -9,8 +9,8 @@ handler) has its sequence cancelled. Chat prompts are rendered with the model's
 chat template and tokenised here, off the server's loop.
 
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (SSE
-when ``stream``), GET /health, GET /metrics (Prometheus text). ``--api-key``
-(or STRATA_API_KEY) guards /v1/* with a Bearer token. Every error is an OpenAI
+when ``stream``), POST /tokenize and /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text).
+``--api-key`` (or STRATA_API_KEY) guards /v1/* and the tokenizer routes with a Bearer token. Every error is an OpenAI
 error document with its status (openai_api.py). Bodies are capped at
 MAX_REQUEST_BYTES (413); a connection that does not finish its request head
 within ``header_timeout_s`` is closed, a body not sent within
@@ -40,12 +40,13 @@ from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, DEFAULT_HTTP_BODY_TIMEOUT_S, DE
                   MAX_REQUEST_BYTES, encode_event)
 from ..model.chat_template import ChatTemplateError, turn_end_id
 from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
-                         check_model, choices, chunk, completion_logprobs, completion_prompt, completion_response,
+                         check_model, check_unicode, choices, chunk, completion_logprobs, completion_prompt, completion_response,
                          error_body, from_engine_error, generate_fields, models_list, new_id, stream_flags,
                          template_kwargs, usage_chunk)
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # vLLM's: text or messages <-> token ids, under the API key too
 SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their last event on stop
 START_TIMEOUT_S = 30.0
 
@@ -216,6 +217,8 @@ class HttpFrontend:
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self.runner = _Runner(app, handler_cancellation=True, keepalive_timeout=self.header_timeout_s,
@@ -270,7 +273,7 @@ class HttpFrontend:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.api_key and request.path.startswith("/v1/"):
+        if self.api_key and (request.path.startswith("/v1/") or request.path in TOKENIZER_ROUTES):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
@@ -347,6 +350,41 @@ class HttpFrontend:
             raise OpenAIError(400, f"the messages' text is {nbytes} bytes, so at least {least} tokens (no token is "
                                    f"longer than {longest} bytes); the limit is {limit} tokens", param="messages",
                               code="context_length_exceeded")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: {"prompt": text} (add_special_tokens ignored: the tokenizer adds none) or
+        {"messages": [...]} rendered as a chat -> {"tokens", "count", "max_model_len"}."""
+        body = await self._body(request)
+        if self.engine.codec is None:
+            raise OpenAIError(400, "the model has no tokenizer")
+        loop = asyncio.get_running_loop()
+        if "messages" in body:
+            if self.template is None:
+                raise OpenAIError(400, "the model has no usable chat template", param="messages")
+            messages, tools, extra = chat_messages(body), chat_tools(body), template_kwargs(body)
+            self._check_size(messages)
+            ids = await loop.run_in_executor(None, self._render, messages, tools, extra)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise OpenAIError(400, "'prompt' must be a string (or give 'messages')", param="prompt")
+            check_unicode(prompt, "prompt")
+            self._check_size([{"content": prompt}])
+            ids = await loop.run_in_executor(None, self.engine.encode, prompt)
+        return _json(200, {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_seq_len})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        body = await self._body(request)
+        ids = body.get("tokens")
+        vocab = self.engine.model_config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in ids):
+            raise OpenAIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+        if self.engine.codec is None:
+            raise OpenAIError(400, "the model has no tokenizer")
+        text = await asyncio.get_running_loop().run_in_executor(None, self.engine.decode, ids)
+        return _json(200, {"prompt": text})
 
     def _render(self, messages: list[dict], tools, extra: dict) -> list[int]:
         try:
