@@ -60,9 +60,10 @@ class GenerateRequest:
     logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # go on past the model's end-of-sequence ids (Engine.generate's stop_at_eos=False)
+    logit_bias: tuple[tuple[int, float], ...] = SamplingParams.logit_bias
 
     def sampling(self) -> SamplingParams:
         """The sampler's parameters; ConfigValueError names one out of range."""
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, min_p=self.min_p,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty)
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)

@@ -109,6 +109,9 @@ class Scheduler:
                                            f"{self.limits.max_prompt_tokens}", req.id)
         else:
             ids = list(req.prompt_ids)
+        vocab = eng.model_config.vocab_size
+        if any(t >= vocab for t, _ in req.logit_bias):
+            raise ApiError("bad_request", f"'logit_bias' names a token id outside the vocabulary [0, {vocab})", req.id)
         try:
             eng.check_ids(ids, req.max_new_tokens)
             sampler = Sampler(req.sampling(), prompt_ids=ids)

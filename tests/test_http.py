@@ -356,7 +356,8 @@ def test_405_names_the_allowed_methods(http):
     assert status == 405 and b"\r\nAllow: POST" in answer
 
 
-@pytest.mark.parametrize("field, value", [("logit_bias", "x"), ("logit_bias", {"5": 10}), ("tool_choice", 5),
+@pytest.mark.parametrize("field, value", [("logit_bias", "x"), ("logit_bias", {"a": 1}), ("logit_bias", {"5": 101}),
+                                          ("tool_choice", 5),
                                           ("tool_choice", "required"), ("user", 5), ("functions", []),
                                           ("ignore_eos", "yes"), ("ignore_eos", True), ("min_tokens", -1),
                                           ("min_tokens", 3), ("stop", ["a"] * 9)])
@@ -367,6 +368,20 @@ def test_fields_it_does_not_act_on_are_refused_not_ignored(http, field, value):
     ok = json.dumps({"prompt": "x", "max_tokens": 1, "user": "u", "tool_choice": "auto", "logit_bias": {},
                      "ignore_eos": False, "min_tokens": 0, "stop": ["a"] * 8}).encode()
     assert raw(http, "POST", "/v1/completions", ok, {"Content-Type": "application/json"})[0] == 200
+
+
+def test_logit_bias_steers_greedy_decoding(client, engine):
+    """+100 on one id makes greedy decoding choose it at every step; -100 on the unbiased greedy first token
+    makes it choose another; an id outside the vocabulary is a 400."""
+    kw = dict(model="chatm", prompt="Hello", max_tokens=3, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    forced = engine.encode("z")[0]
+    assert client.completions.create(logit_bias={str(forced): 100}, **kw).choices[0].text == "zzz"
+    first = engine.encode(plain)[0]
+    other = client.completions.create(logit_bias={str(first): -100}, **kw).choices[0].text
+    assert engine.encode(other)[0] != first
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(logit_bias={str(engine.model_config.vocab_size): 5}, **kw)
 
 
 def test_n_choices_are_the_requests_with_seeds_seed_plus_i(client):

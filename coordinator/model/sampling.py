@@ -24,7 +24,8 @@ def penalized(logits: np.ndarray, params: SamplingParams, prompt_counts: np.ndar
     ``prompt_counts`` and ``output_counts`` [V] count each id in the prompt and among the generated tokens.
     Repetition (HF/vLLM): the logit of every id in the prompt or the output is divided by
     ``repetition_penalty`` when positive and multiplied by it otherwise. Then (OpenAI/vLLM)
-    ``frequency_penalty * count`` and ``presence_penalty`` (once) come off every id generated so far.
+    ``frequency_penalty * count`` and ``presence_penalty`` (once) come off every id generated so far. Then
+    each (id, bias) of ``logit_bias`` is added.
     """
     if not params.penalized:
         return logits
@@ -37,6 +38,8 @@ def penalized(logits: np.ndarray, params: SamplingParams, prompt_counts: np.ndar
         out -= params.frequency_penalty * output_counts
     if params.presence_penalty:
         out -= params.presence_penalty * (output_counts > 0)
+    for token, bias in params.logit_bias:  # OpenAI's logit_bias: added last, so it steers greedy decoding too
+        out[token] += bias
     return out
 
 

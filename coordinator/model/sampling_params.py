@@ -16,6 +16,9 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -26,6 +29,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0 = off; subtracted once from each id already generated
     frequency_penalty: float = 0.0  # 0 = off; subtracted per occurrence among the generated ids
     repetition_penalty: float = 1.0  # 1 = off; divides positive (multiplies negative) logits of prompt/generated ids
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), after the penalties
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -41,8 +45,13 @@ class SamplingParams:
                 raise ConfigValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if not (_number(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ConfigValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and pair[0] >= 0
+                    and _number(pair[1]) and -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS):
+                raise ConfigValueError(f"logit_bias holds (token id, bias in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]) "
+                                       f"pairs, got {pair!r}")
 
     @property
     def penalized(self) -> bool:
-        """Whether any penalty is on (else the logits are used as they come)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+        """Whether any penalty or bias is on (else the logits are used as they come)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)

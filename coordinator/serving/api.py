@@ -9,7 +9,7 @@ Requests::
     {"type": "generate", "id": "r1", "prompt": "text"  |  "prompt_ids": [1, 2],
      "max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null,
      "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": null,
-     "stop": ["\\n\\n"], "stop_token_ids": [], "stream": true, "deadline_s": null}
+     "stop": ["\\n\\n"], "stop_token_ids": [], "logit_bias": {"50256": -100}, "stream": true, "deadline_s": null}
     {"type": "cancel", "id": "r1"}
     {"type": "stats"}            {"type": "health"}
 
@@ -28,6 +28,8 @@ Sampling (the defaults are off; every field is optional):
   likely alternatives. They are the float64 log-softmax of the logits after the penalties and BEFORE
   temperature, top-k, top-p and min-p (the model's distribution as penalised, not the filtered one
   sampled from; so under greedy decoding the chosen token is the most likely).
+- ``logit_bias`` {"token id": bias in [-100, 100]} (OpenAI's; up to 300 ids): added to those logits after the
+  penalties, so it steers greedy decoding and the logprobs too.
 
 Stopping: ``stop`` (up to 8 strings) cuts the text before the first one made;
 ``stop_token_ids`` (up to 16 ids, vLLM's field) end the request like the model's
@@ -110,7 +112,8 @@ class HealthRequest:
 
 GENERATE_FIELDS = {"type", "id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
                    "stop", "stream", "deadline_s", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logprobs", "stop_token_ids"}
+                   "repetition_penalty", "logprobs", "stop_token_ids", "logit_bias"}
+MAX_LOGIT_BIAS_IDS = 300  # OpenAI's limit on logit_bias entries
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token
 
 
@@ -136,6 +139,24 @@ def read_float(doc: dict, key: str, default: float, lo: float, hi: float, rid, l
     if not (lo < v if lo_open else lo <= v) or v > hi or v != v:
         raise ApiError("bad_request", f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", rid)
     return float(v)
+
+
+def read_logit_bias(value, rid) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` {"id": bias} (null or absent: none) -> ((id, bias), ...) by id; ApiError naming it."""
+    if value is None:
+        return ()
+    bad = ApiError("bad_request", f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS_IDS} token ids "
+                                  f"(as strings) to numbers in [-100, 100]", rid)
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS_IDS:
+        raise bad
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise bad
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
+            raise bad
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
 
 
 def lone_surrogate(text: str) -> int | None:
@@ -223,6 +244,7 @@ def decode_request(raw: bytes, limits: Limits):
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
         raise ApiError("bad_request", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
                        rid)
+    logit_bias = read_logit_bias(doc.get("logit_bias"), rid)
     stream = doc.get("stream", True)
     if not isinstance(stream, bool):
         raise ApiError("bad_request", "'stream' must be true or false", rid)
@@ -248,7 +270,7 @@ def decode_request(raw: bytes, limits: Limits):
         frequency_penalty=read_float(doc, "frequency_penalty", G.frequency_penalty, -2.0, 2.0, rid),
         repetition_penalty=read_float(doc, "repetition_penalty", G.repetition_penalty, 0.0, 10.0, rid,
                                       lo_open=True),
-        logprobs=logprobs, stop_token_ids=tuple(stop_ids),
+        logprobs=logprobs, stop_token_ids=tuple(stop_ids), logit_bias=logit_bias,
     )
 
 

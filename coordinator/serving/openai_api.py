@@ -25,7 +25,8 @@ import math
 import time
 import uuid
 
-from .api import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, lone_surrogate, read_float, read_int
+from .api import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError, lone_surrogate, read_float, read_int,
+                  read_logit_bias)
 
 # the ZeroMQ API's error codes -> HTTP status (busy: the queue is full; shutdown: the server is stopping)
 STATUS_OF_CODE = {"bad_request": 400, "too_long": 400, "not_found": 404, "busy": 429, "shutdown": 503,
@@ -119,12 +120,6 @@ def _refuse_unsupported(body: dict) -> None:
 def _check_types(body: dict) -> None:
     """The fields this server does not act on, refused when they would change the answer and checked for
     their type when they would not: none is taken silently."""
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise OpenAIError(400, "'logit_bias' must be an object of token ids to numbers", param="logit_bias")
-        if bias:
-            raise OpenAIError(400, "'logit_bias' is not supported", param="logit_bias")
     choice = body.get("tool_choice")
     if choice is not None:
         if not (choice in ("none", "auto", "required") or (isinstance(choice, dict) and choice.get("type") ==
@@ -175,6 +170,15 @@ def _stop_token_ids(body: dict) -> list[int]:
         raise OpenAIError(400, f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
                           param="stop_token_ids")
     return ids
+
+
+def _logit_bias(body: dict) -> dict:
+    """``logit_bias`` checked as the ZeroMQ API checks it (api.read_logit_bias), passed on as given."""
+    try:
+        read_logit_bias(body.get("logit_bias"), None)
+    except ApiError as exc:
+        raise OpenAIError(400, exc.message, param="logit_bias") from None
+    return body.get("logit_bias") or {}
 
 
 def _max_tokens(body: dict, default: int | None, limit: int) -> int | None:
@@ -235,6 +239,7 @@ def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, defaul
         "stop": _stop(body),
         "stop_token_ids": _stop_token_ids(body),
         "logprobs": _logprobs(body, chat),
+        "logit_bias": _logit_bias(body),
     }
 
 
