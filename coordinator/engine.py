@@ -290,10 +290,12 @@ class Engine:
         """An empty KV cache for one sequence."""
         return self.decoder.new_cache()
 
-    def step(self, batch: list[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
+    def step(self, batch: list[tuple[np.ndarray, KVCache]], all_rows: frozenset[int] = frozenset()
+             ) -> list[np.ndarray]:
         """One forward pass over several sequences, each (its next token ids int64 [T], its cache): each one's
-        logits [1, V] for the token after them; the caches advance."""
-        return self.decoder.forward_batch(batch)
+        logits [1, V] for the token after them ([T, V], every row's, for the batch indices in ``all_rows``);
+        the caches advance."""
+        return self.decoder.forward_batch(batch, all_rows=all_rows)
 
     def stats(self) -> dict:
         """The routing counted over this engine's life and its expert report."""

@@ -58,6 +58,7 @@ class GenerateRequest:
     frequency_penalty: float = SamplingParams.frequency_penalty
     repetition_penalty: float = SamplingParams.repetition_penalty
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the prompt's tokens' log-probabilities, with this many alternatives each
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # go on past the model's end-of-sequence ids (Engine.generate's stop_at_eos=False)
     logit_bias: tuple[tuple[int, float], ...] = SamplingParams.logit_bias

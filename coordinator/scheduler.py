@@ -47,6 +47,7 @@ class Sequence:
     stream: StreamDecoder | None
     out_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None  # one entry per out_id when the request asked for logprobs
+    prompt_logprobs: list[dict] | None = None  # one entry per prompt id (the first's logprob None) when asked
     sent: int = 0  # out_ids already carried by token events
     text: str = ""  # completion text so far (stop strings cut it)
     emitted: int = 0  # characters of ``text`` already streamed
@@ -122,7 +123,9 @@ class Scheduler:
         arrived = time.monotonic() if arrived is None else arrived
         deadline = None if req.deadline_s is None else arrived + req.deadline_s
         seq = Sequence(client, req, list(ids), sampler, eng.new_cache(), stream, deadline=deadline,
-                       logprobs=None if req.logprobs is None else [])
+                       logprobs=None if req.logprobs is None else [],
+                       prompt_logprobs=None if req.prompt_logprobs is None else [
+                           {"id": ids[0], "token": self._token_text(ids[0]), "logprob": None, "top": []}])
         self.queue.append(seq)
         self.stats["requests"] += 1
         return seq
@@ -183,9 +186,12 @@ class Scheduler:
         try:
             if not batch:
                 return
-            outs = self.engine.step(batch)
+            scored = frozenset(k for k, (s, _) in enumerate(chunks) if s.prompt_logprobs is not None)
+            outs = self.engine.step(batch, all_rows=scored)  # a scored chunk's logits: every row's
             done = []
             for (s, n), logits in zip(chunks, outs):
+                if s.prompt_logprobs is not None:
+                    self._score_prompt(s, n, logits)
                 s.prefilled += n
                 self.stats["prefill_tokens"] += n
                 if s.prefilled == len(s.prompt_ids):
@@ -260,9 +266,19 @@ class Scheduler:
         ev = {"type": "final", "id": s.req.id, "finish_reason": reason, "text": s.text, "ids": s.out_ids}
         if s.logprobs is not None:
             ev["logprobs"] = s.logprobs
+        if s.prompt_logprobs is not None:
+            ev["prompt_logprobs"] = s.prompt_logprobs
         ev["usage"] = {"prompt_tokens": len(s.prompt_ids), "completion_tokens": len(s.out_ids)}
         self.emit(s.client, ev)
         self._remove(s)
+
+    def _score_prompt(self, s: Sequence, n: int, logits: np.ndarray) -> None:
+        """The entries of the prompt tokens a chunk's rows predict: row j (prompt position prefilled + j) gives
+        the next prompt token's log-probability, raw (no penalty or bias), with the request's alternatives."""
+        for j in range(n):
+            nxt = s.prefilled + j + 1
+            if nxt < len(s.prompt_ids):
+                s.prompt_logprobs.append(self._logprobs_entry(logits[j], s.prompt_ids[nxt], s.req.prompt_logprobs))
 
     def _token_text(self, token: int) -> str:
         return self.engine.decode([token]) if self.engine.codec is not None else ""

@@ -17,6 +17,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
@@ -318,9 +319,10 @@ def test_a_client_that_half_closes_gets_its_answer(http):
     body = json.dumps({"model": "chatm", "prompt": "abc", "max_tokens": 2, "temperature": 0}).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    resets = http.stderr().count("ConnectionResetError")  # the dropped streams' of the tests before
     status, doc = _status_and_json(_exchange(http, request, half_close=True))
     assert status == 200 and doc["choices"][0]["text"] is not None
-    assert "ConnectionResetError" not in http.stderr()
+    assert http.stderr().count("ConnectionResetError") == resets
 
 
 @pytest.mark.parametrize("head", [
@@ -368,6 +370,38 @@ def test_fields_it_does_not_act_on_are_refused_not_ignored(http, field, value):
     ok = json.dumps({"prompt": "x", "max_tokens": 1, "user": "u", "tool_choice": "auto", "logit_bias": {},
                      "ignore_eos": False, "min_tokens": 0, "stop": ["a"] * 8}).encode()
     assert raw(http, "POST", "/v1/completions", ok, {"Content-Type": "application/json"})[0] == 200
+
+
+def test_echo_scores_the_prompt_as_the_engine_does(client, engine):
+    """echo with logprobs (how lm-evaluation-harness's local-completions computes log-likelihoods): a list of
+    prompts (text and token ids), max_tokens 0 and 1; each prompt token's log-probability equals the
+    log-softmax of the engine's own logits within 1e-5, the first one's is null, the text is the prompt (and
+    the completion after it)."""
+    prompts = ["The quick brown fox", engine.encode("jumps over the lazy dog")]
+    r = client.completions.create(model="chatm", prompt=prompts, max_tokens=0, echo=True, logprobs=1,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    for prompt, choice in zip(prompts, r.choices):
+        ids = engine.encode(prompt) if isinstance(prompt, str) else prompt
+        text = prompt if isinstance(prompt, str) else engine.decode(prompt)
+        assert choice.text == text
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == text and lp.token_logprobs[0] is None
+        logits = engine.logits(ids).astype(np.float64)
+        want = logits - logits.max(-1, keepdims=True)
+        want -= np.log(np.exp(want).sum(-1, keepdims=True))
+        got = np.array(lp.token_logprobs[1:])
+        np.testing.assert_allclose(got, want[np.arange(len(ids) - 1), ids[1:]], atol=1e-5, rtol=0)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(ids))]
+    one = client.completions.create(model="chatm", prompt=prompts[0], max_tokens=2, echo=True, logprobs=0,
+                                    temperature=0)
+    plain = client.completions.create(model="chatm", prompt=prompts[0], max_tokens=2, temperature=0)
+    assert one.choices[0].text == prompts[0] + plain.choices[0].text
+    assert len(one.choices[0].logprobs.tokens) == len(engine.encode(prompts[0])) + 2
+    singles = [client.completions.create(model="chatm", prompt=p, max_tokens=3, temperature=0).choices[0].text
+               for p in prompts]
+    both = client.completions.create(model="chatm", prompt=prompts, max_tokens=3, temperature=0)
+    assert [c.text for c in both.choices] == singles
 
 
 def test_logit_bias_steers_greedy_decoding(client, engine):

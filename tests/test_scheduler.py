@@ -315,11 +315,11 @@ def test_engine_failure_reports_each_sequence_once(engine, monkeypatch):
     real = engine.decoder.forward_batch
     calls = []
 
-    def failing(seqs, last_only=True):
+    def failing(seqs, last_only=True, **rows):
         calls.append(len(seqs))
         if len(calls) == 2:  # the first decode pass (step 2), right after the step that prefilled the admitted ones
             raise RuntimeError("boom")
-        return real(seqs, last_only)
+        return real(seqs, last_only, **rows)
 
     monkeypatch.setattr(engine.decoder, "forward_batch", failing)
     sched.add(b"c", request(id="a", prompt="abc", max_new_tokens=8))
@@ -402,10 +402,10 @@ class ForwardSpy:
         self.fail_at, self.exc = fail_at, exc
         monkeypatch.setattr(engine.decoder, "forward_batch", self)
 
-    def __call__(self, seqs, last_only=True):
+    def __call__(self, seqs, last_only=True, **rows):
         by_cache = {id(s.cache): s for s in self.sched.all()}
         if not all(id(cache) in by_cache for _, cache in seqs):  # a solo run (check_final): not the scheduler's
-            return self.real(seqs, last_only)
+            return self.real(seqs, last_only, **rows)
         prefill = {}
         for ids, cache in seqs:
             s = by_cache[id(cache)]
@@ -417,7 +417,7 @@ class ForwardSpy:
         self.calls.append(prefill)
         if self.fail_at == len(self.calls):
             raise self.exc
-        return self.real(seqs, last_only)
+        return self.real(seqs, last_only, **rows)
 
 
 def test_chunked_prefill_keeps_decode_going_and_equals_solo(engine, monkeypatch):
@@ -770,3 +770,27 @@ def test_logprobs_token_text_is_empty_without_a_tokenizer(engine, monkeypatch):
     assert [ev["type"] for ev in rec.of("a")] == ["final"]  # no text, so no token events
     assert len(final["logprobs"]) == len(final["ids"])
     assert all(e["token"] == "" and [t["token"] for t in e["top"]] == ["", ""] for e in final["logprobs"])
+
+
+def test_prompt_logprobs_over_chunked_prefill_equal_the_engines_logits(engine):
+    """prompt_logprobs on a prompt prefilled in chunks of 3, batched with a request that asks none: each prompt
+    token after the first gets the log-softmax of the engine's logits at the position before (raw, whatever
+    the penalties), the first a null logprob; the other request and the completion are as without it."""
+    rec = Recorder()
+    sched = Scheduler(engine, emit=rec, prefill_chunk=3)
+    ids = engine.encode("The quick brown fox jumps")
+    sched.add(b"c", request(id="scored", prompt_ids=ids, max_new_tokens=3, prompt_logprobs=2,
+                            repetition_penalty=1.5))
+    sched.add(b"c", request(id="plain", prompt_ids=ids, max_new_tokens=3))
+    run_to_end(sched)
+    entries = rec.final("scored")["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0]["logprob"] is None and entries[0]["id"] == ids[0]
+    logits = engine.logits(ids).astype(np.float64)
+    lp = logits - logits.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    for j, e in enumerate(entries[1:]):
+        assert e["id"] == ids[j + 1] and abs(e["logprob"] - lp[j, ids[j + 1]]) < 1e-5
+        assert [t["id"] for t in e["top"]] == list(np.argsort(-lp[j], kind="stable")[:2])
+    assert "prompt_logprobs" not in rec.final("plain")
+    assert rec.final("plain")["ids"] == engine.generate(ids, 3, temperature=0.0, stop_at_eos=False)[:len(
+        rec.final("plain")["ids"])]

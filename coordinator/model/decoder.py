@@ -222,9 +222,14 @@ class Decoder:
         """token_ids [T] after the cached ones -> logits [T, V] ([1, V] when last_only)."""
         return self.forward_batch([(token_ids, cache)], last_only=last_only)[0]
 
-    def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool = True) -> list[np.ndarray]:
+    def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool = True,
+                      all_rows: frozenset[int] = frozenset()) -> list[np.ndarray]:
         """Several sequences in one pass: attention per sequence, everything else on all rows at once,
-        so the expert pool sees one batch per layer. Returns each sequence's logits."""
+        so the expert pool sees one batch per layer. Returns each sequence's logits: its last row's with
+        last_only, every row's for the sequences in ``all_rows`` (a prompt's log-probabilities)."""
+        if last_only and all_rows:  # every row through the last layer and lm_head, then each sequence its share
+            full = self.forward_batch(seqs, last_only=False)
+            return [logits if k in all_rows else logits[-1:] for k, logits in enumerate(full)]
         lengths = [len(ids) for ids, _ in seqs]
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]

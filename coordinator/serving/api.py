@@ -28,6 +28,10 @@ Sampling (the defaults are off; every field is optional):
   likely alternatives. They are the float64 log-softmax of the logits after the penalties and BEFORE
   temperature, top-k, top-p and min-p (the model's distribution as penalised, not the filtered one
   sampled from; so under greedy decoding the chosen token is the most likely).
+- ``prompt_logprobs`` null (off) or 0..20 (vLLM's): the final event's ``prompt_logprobs`` holds, for each prompt
+  token after the first, its log-probability given the ones before (the model's raw log-softmax: no penalty
+  or bias) and that many alternatives; the first token's entry has a null logprob. How evaluation harnesses
+  score text.
 - ``logit_bias`` {"token id": bias in [-100, 100]} (OpenAI's; up to 300 ids): added to those logits after the
   penalties, so it steers greedy decoding and the logprobs too.
 
@@ -112,7 +116,7 @@ class HealthRequest:
 
 GENERATE_FIELDS = {"type", "id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
                    "stop", "stream", "deadline_s", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logprobs", "stop_token_ids", "logit_bias"}
+                   "repetition_penalty", "logprobs", "prompt_logprobs", "stop_token_ids", "logit_bias"}
 MAX_LOGIT_BIAS_IDS = 300  # OpenAI's limit on logit_bias entries
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token
 
@@ -245,6 +249,8 @@ def decode_request(raw: bytes, limits: Limits):
         raise ApiError("bad_request", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
                        rid)
     logit_bias = read_logit_bias(doc.get("logit_bias"), rid)
+    prompt_logprobs = None if doc.get("prompt_logprobs") is None else read_int(doc, "prompt_logprobs", None, 0,
+                                                                                MAX_LOGPROBS, rid)
     stream = doc.get("stream", True)
     if not isinstance(stream, bool):
         raise ApiError("bad_request", "'stream' must be true or false", rid)
@@ -270,7 +276,7 @@ def decode_request(raw: bytes, limits: Limits):
         frequency_penalty=read_float(doc, "frequency_penalty", G.frequency_penalty, -2.0, 2.0, rid),
         repetition_penalty=read_float(doc, "repetition_penalty", G.repetition_penalty, 0.0, 10.0, rid,
                                       lo_open=True),
-        logprobs=logprobs, stop_token_ids=tuple(stop_ids), logit_bias=logit_bias,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(stop_ids), logit_bias=logit_bias,
     )
 
 

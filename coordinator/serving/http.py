@@ -40,9 +40,9 @@ from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, DEFAULT_HTTP_BODY_TIMEOUT_S, DE
                   MAX_REQUEST_BYTES, encode_event)
 from ..model.chat_template import ChatTemplateError, turn_end_id
 from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
-                         check_model, check_unicode, choices, chunk, completion_logprobs, completion_prompt, completion_response,
-                         error_body, from_engine_error, generate_fields, models_list, new_id, stream_flags,
-                         template_kwargs, usage_chunk)
+                         check_model, check_unicode, choices, chunk, completion_logprobs, completion_prompts,
+                         completion_response, echo, echoed, error_body, from_engine_error, generate_fields,
+                         models_list, new_id, stream_flags, template_kwargs, usage_chunk)
 
 log = logging.getLogger(__name__)
 
@@ -308,9 +308,16 @@ class HttpFrontend:
         body = await self._body(request)
         doc = {"type": "generate", **generate_fields(body, chat=False, max_new_tokens_limit=self._limit(),
                                                      default_max_tokens=min(COMPLETION_MAX_TOKENS, self._limit()))}
-        prompt = completion_prompt(body)
-        doc["prompt_ids" if isinstance(prompt, list) else "prompt"] = prompt
-        return await self._run(request, body, doc, chat=False)
+        prompts = completion_prompts(body)
+        prompt_only = doc["max_new_tokens"] == 0  # echo's prompt alone: one token made and left out
+        if prompt_only:
+            doc["max_new_tokens"] = 1
+        docs = [dict(doc, **{"prompt_ids" if isinstance(p, list) else "prompt": p}) for p in prompts]
+        texts = None
+        if echo(body):
+            texts = [p if isinstance(p, str) else self.engine.decode(p) if self.engine.codec is not None else ""
+                     for p in prompts]
+        return await self._run(request, body, docs, chat=False, echo_texts=texts, prompt_only=prompt_only)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -334,7 +341,7 @@ class HttpFrontend:
         if self.turn_end is not None and self.turn_end not in fields["stop_token_ids"]:
             fields["stop_token_ids"].append(self.turn_end)  # the assistant's turn ends there (ChatML's <|im_end|>)
         doc = {"type": "generate", "prompt_ids": ids, **fields}
-        return await self._run(request, body, doc, chat=True)
+        return await self._run(request, body, [doc], chat=True)
 
     def _check_size(self, messages: list[dict]) -> None:
         """Refuse messages whose text alone needs more tokens than a prompt may have: no token of the tokenizer
@@ -396,17 +403,20 @@ class HttpFrontend:
     def _limit(self) -> int:
         return self.server.limits.max_new_tokens
 
-    async def _run(self, request: web.Request, body: dict, doc: dict, chat: bool) -> web.StreamResponse:
-        """Send a generate document per choice (``n``; seeds seed, seed + 1, ... when one is given) and answer
-        with their events: one JSON document, or SSE chunks of every choice as they come."""
+    async def _run(self, request: web.Request, body: dict, docs: list[dict], chat: bool,
+                   echo_texts: list[str] | None = None, prompt_only: bool = False) -> web.StreamResponse:
+        """Send a generate document per prompt and choice (``n``; seeds seed, seed + 1, ... when one is given)
+        and answer with their events: one JSON document (choice i * n + j: prompt i's choice j; with
+        ``echo_texts``, each prompt before its text), or SSE chunks of every choice as they come."""
         stream, include_usage = stream_flags(body)
-        want_logprobs = doc["logprobs"] is not None
-        doc["stream"] = stream
+        want_logprobs = docs[0]["logprobs"] is not None
+        n = choices(body)
         queues, done = [], False
         try:
-            for i in range(choices(body)):
-                one = dict(doc, seed=None if doc["seed"] is None else doc["seed"] + i)
-                queues.append((self.bridge.begin(one), one["id"]))
+            for doc in docs:
+                for i in range(n):
+                    one = dict(doc, stream=stream, seed=None if doc["seed"] is None else doc["seed"] + i)
+                    queues.append((self.bridge.begin(one), one["id"]))
             if not stream:
                 finals = []
                 for queue, _ in queues:
@@ -415,6 +425,8 @@ class HttpFrontend:
                         raise from_engine_error(ev)
                     finals.append(ev)
                 done = True
+                if echo_texts is not None:
+                    finals = [echoed(f, echo_texts[k // n], prompt_only) for k, f in enumerate(finals)]
                 return _json(200, completion_response(new_id(chat), self.model_name, finals, chat, want_logprobs))
             response, done = await self._stream(request, [q for q, _ in queues], chat, include_usage,
                                                 want_logprobs)

@@ -2,12 +2,14 @@
 
 Pure functions, free of sockets: http.py serves them, tests drive them alone.
 
-A request becomes one ZeroMQ ``generate`` document; its fields keep OpenAI's
-names and ranges in every error (``param`` names the field at fault). Fields
-this engine cannot honour with a non-default value (``n`` > 1, ``best_of`` > 1,
-``echo``, ``suffix``, a JSON ``response_format``, non-text message parts) are
-refused with a 400 rather than ignored; fields it has no use for (``user``,
-``metadata``, ``store``...) are ignored, as OpenAI's own server does.
+A request becomes one ZeroMQ ``generate`` document per prompt and choice (a completions ``prompt`` may
+be a list of prompts; ``n`` choices each); its fields keep OpenAI's names and ranges in every error
+(``param`` names the field at fault). ``echo`` (completions) puts the prompt before the text and, with
+``logprobs``, the prompt tokens' log-probabilities before the completion's (the engine's
+``prompt_logprobs``); ``max_tokens`` 0 with ``echo`` returns the prompt alone, as evaluation harnesses
+ask. Fields this engine cannot honour with a non-default value (``best_of`` > 1, ``suffix``, a JSON
+``response_format``, non-text message parts) are refused with a 400 rather than ignored; fields it has no
+use for (``metadata``, ``store``...) are ignored, as OpenAI's own server does.
 
 Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and, for chat, whatever the context has left (within the server's
@@ -106,8 +108,8 @@ def _refuse_unsupported(body: dict) -> None:
     choices(body)
     if body.get("best_of") not in (None, 1):
         raise OpenAIError(400, "'best_of' must be 1", param="best_of")
-    if body.get("echo") not in (None, False):
-        raise OpenAIError(400, "'echo' is not supported", param="echo")
+    if body.get("echo") is not None and not isinstance(body["echo"], bool):
+        raise OpenAIError(400, "'echo' must be true or false", param="echo")
     if body.get("suffix") is not None:
         raise OpenAIError(400, "'suffix' is not supported", param="suffix")
     fmt = body.get("response_format")
@@ -181,10 +183,17 @@ def _logit_bias(body: dict) -> dict:
     return body.get("logit_bias") or {}
 
 
+def echo(body: dict) -> bool:
+    return bool(body.get("echo"))
+
+
+MAX_PROMPTS = 256  # prompts one completions request may hold
+
+
 def _max_tokens(body: dict, default: int | None, limit: int) -> int | None:
     for key in ("max_completion_tokens", "max_tokens"):
         if body.get(key) is not None:
-            return _field(read_int, body, key, None, 1, limit)
+            return _field(read_int, body, key, None, 0 if echo(body) else 1, limit)  # 0: the echoed prompt alone
     return default
 
 
@@ -226,6 +235,11 @@ def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, defaul
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     _refuse_unsupported(body)
+    if echo(body) and chat:
+        raise OpenAIError(400, "'echo' is for /v1/completions", param="echo")
+    if echo(body) and body.get("stream"):
+        raise OpenAIError(400, "'echo' is not supported with 'stream'", param="echo")
+    logprobs = _logprobs(body, chat)
     return {
         "max_new_tokens": _max_tokens(body, default_max_tokens, max_new_tokens_limit),
         "temperature": _field(read_float, body, "temperature", 1.0, 0.0, 2.0),
@@ -238,23 +252,27 @@ def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, defaul
         "seed": _field(read_int, body, "seed", None, 0, 2**63 - 1),
         "stop": _stop(body),
         "stop_token_ids": _stop_token_ids(body),
-        "logprobs": _logprobs(body, chat),
+        "logprobs": logprobs,
+        "prompt_logprobs": logprobs if echo(body) else None,
         "logit_bias": _logit_bias(body),
     }
 
 
-def completion_prompt(body: dict) -> str | list[int]:
-    """/v1/completions' ``prompt``: a string, a list of token ids, or a list holding one of those."""
+def completion_prompts(body: dict) -> list[str | list[int]]:
+    """/v1/completions' ``prompt``: a string, a list of token ids, or a list of those (several prompts)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise OpenAIError(400, "'prompt' holds several prompts; send one per request", param="prompt")
-    raise OpenAIError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        prompts = [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise OpenAIError(400, f"'prompt' holds {len(prompts)} prompts; the limit is {MAX_PROMPTS}", param="prompt")
+    for p in prompts:
+        if not (isinstance(p, str) and p) and not (isinstance(p, list) and p and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p)):
+            raise OpenAIError(400, "'prompt' must be a non-empty string, a non-empty list of token ids, or a list "
+                                   "of those", param="prompt")
+    return prompts
 
 
 def _text_content(content, where: str) -> str:
@@ -364,9 +382,24 @@ def completion_logprobs(entries: list[dict], text_offset: int = 0) -> dict:
         offsets.append(text_offset)
         text_offset += len(e["token"])
         tokens.append(e["token"])
-    return {"tokens": tokens, "token_logprobs": [_lp(e["logprob"]) for e in entries],
-            "top_logprobs": [{t["token"]: _lp(t["logprob"]) for t in e["top"]} for e in entries],
+    return {"tokens": tokens,  # an echoed prompt's first token has no log-probability: null, as OpenAI's
+            "token_logprobs": [None if e["logprob"] is None else _lp(e["logprob"]) for e in entries],
+            "top_logprobs": [None if e["logprob"] is None else {t["token"]: _lp(t["logprob"]) for t in e["top"]}
+                             for e in entries],
             "text_offset": offsets}
+
+
+def echoed(final: dict, prompt_text: str, prompt_only: bool) -> dict:
+    """A final event with the prompt before its text and its prompt entries before its logprobs (``echo``);
+    ``prompt_only`` (max_tokens 0): the prompt alone."""
+    prompt_entries = final.get("prompt_logprobs")
+    out = dict(final, text=prompt_text + ("" if prompt_only else final["text"]))
+    if prompt_entries is not None:
+        out["logprobs"] = prompt_entries + ([] if prompt_only else final.get("logprobs") or [])
+    if prompt_only:
+        out["finish_reason"] = "length"
+        out["usage"] = dict(final["usage"], completion_tokens=0)
+    return out
 
 
 def completion_response(rid: str, model: str, finals: list[dict], chat: bool, want_logprobs: bool) -> dict:
