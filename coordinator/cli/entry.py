@@ -25,6 +25,7 @@ _received: list[int] = []
 def _on_signal(signum, frame) -> None:
     _received.append(signum)
     if len(_received) == 1:
+        sys.unraisablehook = _quiet  # what the interrupt leaves half-built (llvmlite's, mid-import) fails in __del__
         raise KeyboardInterrupt
     if len(_received) > 1 + FORCE_AFTER:
         os.write(2, b"\nstrata: stopped before its clean-up finished; `strata shm clean --all` removes what a "
@@ -49,6 +50,10 @@ def main() -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
     return 128 + _received[0] if _received else code
+
+
+def _quiet(_unraisable) -> None:
+    """After Ctrl-C: nothing is reported of the objects the interrupt cut short, as they are collected."""
 
 
 if __name__ == "__main__":
