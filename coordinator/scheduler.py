@@ -28,6 +28,7 @@ import numpy as np
 
 from .errors import ConfigValueError, StepInterrupted
 from .model.kv_cache import KVCache
+from .latency import new_histograms
 from .model.sampling import Sampler, top_logprobs
 from .model.tokenizer import StreamDecoder
 from .request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
@@ -55,6 +56,8 @@ class Sequence:
     prefilled: int = 0  # prompt tokens already in ``cache`` (chunked prefill)
     deadline: float | None = None  # monotonic time at which it ends with finish_reason "deadline"
     started: float = field(default_factory=time.monotonic)  # when the scheduler took it
+    arrived: float = 0.0  # monotonic: when the request arrived (its latencies count from here)
+    last_token_at: float | None = None  # monotonic: when its last token was chosen
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -84,6 +87,7 @@ class Scheduler:
         self.active: list[Sequence] = []  # running: prompt cached, out_ids[-1] sampled but not yet in the cache
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "tokens": 0, "steps": 0,
                       "prefill_tokens": 0, "busy_rejections": 0, "started": time.time(), "step_s": 0.0}
+        self.latency = new_histograms()  # coordinator/latency.py: queue, first token, inter-token, end to end
 
     # -- admission -----------------------------------------------------------
     def add(self, client: bytes, req: GenerateRequest, ids: list[int] | None = None,
@@ -125,7 +129,8 @@ class Scheduler:
         seq = Sequence(client, req, list(ids), sampler, eng.new_cache(), stream, deadline=deadline,
                        logprobs=None if req.logprobs is None else [],
                        prompt_logprobs=None if req.prompt_logprobs is None else [
-                           {"id": ids[0], "token": self._token_text(ids[0]), "logprob": None, "top": []}])
+                           {"id": ids[0], "token": self._token_text(ids[0]), "logprob": None, "top": []}],
+                       arrived=arrived)
         self.queue.append(seq)
         self.stats["requests"] += 1
         return seq
@@ -171,7 +176,9 @@ class Scheduler:
         """Admit, run one forward pass (prompt chunks + one decode token per running sequence), sample and emit."""
         t0 = time.perf_counter()
         while self.queue and len(self.prefilling) + len(self.active) < self.max_active:
-            self.prefilling.append(self.queue.popleft())
+            s = self.queue.popleft()
+            self.latency["queue"].observe(time.monotonic() - s.arrived)
+            self.prefilling.append(s)
         chunks: list[tuple[Sequence, int]] = []  # (prefilling sequence, prompt tokens it gets this step)
         budget = self.prefill_chunk
         for s in self.prefilling:
@@ -228,6 +235,12 @@ class Scheduler:
         """Sample one token for s and emit; False when s is finished."""
         token, logits = s.sampler.choose(s.logits)
         s.out_ids.append(token)
+        now = time.monotonic()
+        if s.last_token_at is None:
+            self.latency["first_token"].observe(now - s.arrived)
+        else:
+            self.latency["inter_token"].observe(now - s.last_token_at)
+        s.last_token_at = now
         if s.logprobs is not None:
             s.logprobs.append(self._logprobs_entry(logits, token, s.req.logprobs))
         self.stats["tokens"] += 1
@@ -261,6 +274,7 @@ class Scheduler:
         return True
 
     def _finish(self, s: Sequence, reason: str) -> None:
+        self.latency["end_to_end"].observe(time.monotonic() - s.arrived)
         log.info("request %s: %d prompt + %d new tokens in %.2f s, %s", s.req.id, len(s.prompt_ids), len(s.out_ids),
                  time.monotonic() - s.started, reason)
         ev = {"type": "final", "id": s.req.id, "finish_reason": reason, "text": s.text, "ids": s.out_ids}

@@ -58,10 +58,13 @@ def engine(chat_model):
     eng.close()
 
 
+PAGE = "http://page.example:3000"  # the one origin --cors lets in
+
+
 @pytest.fixture(scope="module")
 def http(chat_model, tmp_path_factory):
     s = start_server(chat_model, tmp_path_factory.mktemp("http-logs"), "--http", "127.0.0.1:0", "--api-key", KEY,
-                     "--http-header-timeout", str(HEADER_TIMEOUT_S))
+                     "--http-header-timeout", str(HEADER_TIMEOUT_S), "--cors", PAGE)
     assert s.http_url and s.http_url.startswith("http://127.0.0.1:"), s.http_url
     yield s
     assert stop_server(s) == 0, s.stderr()
@@ -501,6 +504,64 @@ def test_metrics_and_health(http, client):
                  "strata_queue_depth", "strata_worker_restarts_total", "strata_hot_expert_hit_rate"):
         assert f"# TYPE {name} " in text and any(line.startswith(name + " ") for line in text.splitlines()), name
     assert 'strata_http_responses_total{route="/v1/completions",status="200"}' in text
+
+
+def _histogram(text: str, name: str) -> dict[str, float]:
+    """A histogram's samples by their last label's value (le) or suffix (_sum, _count)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            out[line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
+        elif line.startswith((name + "_sum{", name + "_count{")):
+            assert 'model_name="chatm"' in line
+            out[line.split("{")[0][len(name):]] = float(line.split()[-1])
+    return out
+
+
+def test_cors_lets_the_named_origin_in_and_no_other(http):
+    """--cors ORIGIN: its preflight is answered (before the key is asked), its answers name it; another
+    origin's requests get no CORS header, so a browser keeps its page out."""
+    def headers(method: str, path: str, origin: str, extra: dict | None = None, key: bool = True):
+        h = {"Origin": origin, **({"Authorization": f"Bearer {KEY}"} if key else {}), **(extra or {})}
+        req = urllib.request.Request(http.http_url + path, method=method, headers=h)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.headers
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers
+
+    status, h = headers("OPTIONS", "/v1/chat/completions", PAGE, {"Access-Control-Request-Method": "POST",
+                                                                   "Access-Control-Request-Headers": "authorization"},
+                        key=False)
+    assert status == 204 and h["Access-Control-Allow-Origin"] == PAGE and "POST" in h["Access-Control-Allow-Methods"]
+    status, h = headers("GET", "/v1/models", PAGE)
+    assert status == 200 and h["Access-Control-Allow-Origin"] == PAGE
+    status, h = headers("GET", "/v1/models", "http://elsewhere.example")
+    assert status == 200 and "Access-Control-Allow-Origin" not in h
+    status, h = headers("OPTIONS", "/v1/models", "http://elsewhere.example", {"Access-Control-Request-Method": "GET"},
+                        key=False)
+    assert status != 204 and "Access-Control-Allow-Origin" not in h
+
+
+def test_latency_histograms_as_vllm_names_them(http, client):
+    """Time to first token, inter-token latency, end to end and queue time: vLLM's names, cumulative buckets,
+    one more request counted in each (and its 4 tokens: 3 gaps between them)."""
+    def read() -> str:
+        with urllib.request.urlopen(http.http_url + "/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    names = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+             "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds")
+    before = {n: _histogram(read(), n) for n in names}
+    client.completions.create(model="chatm", prompt="abc", max_tokens=4, temperature=0, stop=None)
+    text = read()
+    for n in names:
+        h = _histogram(text, n)
+        assert f"# TYPE {n} histogram" in text and h["+Inf"] == h["_count"], n
+        counts = [v for k, v in h.items() if not k.startswith("_")]
+        assert counts == sorted(counts), n  # cumulative
+        grew = 3 if n == "vllm:inter_token_latency_seconds" else 1
+        assert h["_count"] == before[n].get("_count", 0) + grew and h["_sum"] >= before[n].get("_sum", 0), n
 
 
 # -- a server of its own: no template, a full queue, then SIGTERM with requests in flight -----------------------

@@ -257,7 +257,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    remedy="Give --insecure-remote to serve anyone who can reach it (with --api-key to ask a key)")
         http = {"host": host, "port": port, "api_key": resolve_api_key(args.api_key),
                 "model_name": args.served_model_name or args.model.name,
-                "header_timeout_s": args.http_header_timeout}
+                "header_timeout_s": args.http_header_timeout, "cors": tuple(args.cors)}
     for name in ("coordinator.serving", "coordinator.scheduler"):  # one line per request, -v or not
         logging.getLogger(name).setLevel(logging.INFO)
     with Engine.open(args.model, config, quiet=args.quiet) as engine:
@@ -458,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
                    type=number(float, "--http-header-timeout", 0, low_open=True),
                    help="close an HTTP connection that has not sent a whole request head within S seconds, and "
                         "an idle one after S (default %(default)s)")
+    p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN (e.g. http://localhost:3000; * for any) call the HTTP API: "
+                        "CORS headers and preflight answers; repeat for more origins (default: none)")
     p.add_argument("--served-model-name", dest="served_model_name", default=None,
                    help="the model id the HTTP API lists and accepts (default: the model's file or folder name)")
     add_engine_flags(p)

@@ -38,6 +38,7 @@ from aiohttp import web, web_protocol, web_server
 
 from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_HEADER_TIMEOUT_S,
                   MAX_REQUEST_BYTES, encode_event)
+from .. import latency
 from ..model.chat_template import ChatTemplateError, turn_end_id
 from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
                          check_model, check_unicode, choices, chunk, completion_logprobs, completion_prompts,
@@ -166,8 +167,9 @@ def sse(doc: dict | str) -> bytes:
 class HttpFrontend:
     def __init__(self, server, host: str, port: int, model_name: str, api_key: str | None = None,
                  header_timeout_s: float = DEFAULT_HTTP_HEADER_TIMEOUT_S,
-                 body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S):
+                 body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S, cors: tuple[str, ...] = ()):
         self.server = server
+        self.cors = cors  # origins whose pages may call the API (--cors; "*": any); none: no CORS headers
         self.engine = server.engine
         self.host, self.port = host, port
         self.model_name = model_name
@@ -212,7 +214,7 @@ class HttpFrontend:
     async def _start(self) -> None:
         self.bridge = Bridge(self.server.ctx, self.endpoint)
         self.bridge.start()
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._errors, self._auth])
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._cors, self._errors, self._auth])
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions)
@@ -269,6 +271,26 @@ class HttpFrontend:
             response = _json(500, error_body(500, f"the server could not handle this request: "
                                                   f"{type(exc).__name__}: {exc}"))
         self.counts[(route, response.status)] += 1
+        return response
+
+    @web.middleware
+    async def _cors(self, request: web.Request, handler):
+        """--cors: a preflight (OPTIONS with Access-Control-Request-Method) from an allowed origin is answered
+        here, before the key is asked; every answer to an allowed origin says so. Other origins get no CORS
+        header, so browsers keep their pages out."""
+        origin = request.headers.get("Origin")
+        allowed = origin is not None and ("*" in self.cors or origin in self.cors)
+        if allowed and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            response = web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                                    "Authorization, Content-Type"),
+                "Access-Control-Max-Age": "600"})
+        else:
+            response = await handler(request)
+        if allowed:
+            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in self.cors else origin
+            response.headers["Vary"] = "Origin"
         return response
 
     @web.middleware
@@ -503,13 +525,14 @@ class HttpFrontend:
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         stats = await self.bridge.call("stats")
-        return web.Response(text=prometheus(stats, self.counts, self.streams),
+        return web.Response(text=prometheus(stats, self.counts, self.streams, self.model_name),
                             content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
 
-def prometheus(stats: dict, http_counts: Counter, streams: int) -> str:
-    """The server's stats and the HTTP counts in Prometheus' text format (version 0.0.4)."""
+def prometheus(stats: dict, http_counts: Counter, streams: int, model: str = "") -> str:
+    """The server's stats, its latency histograms (labelled with ``model``, vLLM's names) and the HTTP counts
+    in Prometheus' text format (version 0.0.4)."""
     nodes = stats.get("pool", {}).get("nodes", [])
     hit = (stats.get("experts") or {}).get("hit_rate")
     rows = [  # (name, type, help, value)
@@ -536,4 +559,5 @@ def prometheus(stats: dict, http_counts: Counter, streams: int) -> str:
               "# TYPE strata_http_responses_total counter"]
     for (route, status), n in sorted(http_counts.items()):
         lines.append(f'strata_http_responses_total{{route="{route}",status="{status}"}} {n}')
+    lines += latency.prometheus_lines(stats.get("latency") or {}, model)
     return "\n".join(lines) + "\n"

@@ -387,6 +387,7 @@ class Server:
         s["active"] = len(sched.prefilling) + len(sched.active)
         s["tokenizing"], s["prefilling"] = len(self.tokenizing), len(sched.prefilling)
         s["tokens_per_s"] = s["tokens"] / s["step_s"] if s["step_s"] else None
+        s["latency"] = {k: h.as_dict() for k, h in sched.latency.items()}  # histograms (coordinator/latency.py)
         s.update(self.counts)
         s.update(self.engine.stats())  # routed_pairs, skipped_pairs, experts
         s["pool"] = self.health()["pool"]
