@@ -156,3 +156,44 @@ def serve(serve_model, serve_logdir):
     yield start
     for s in started:
         stop_server(s)
+
+
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
+def cp(request, tmp_path_factory, monkeypatch):
+    """CuPy on a GPU, or the kernel emulator's stand-in for it (tests/cuda_emulator.py): the kernel modules
+    (device_ops, device/format_kernels, device/experts) import ``cupy`` when called."""
+    import sys
+
+    import cuda_emulator
+    import device_standin
+    from coordinator.model.backend import probe_cuda
+
+    if request.param == "cuda":
+        usable, why = probe_cuda()
+        if not usable:
+            pytest.skip(f"no usable GPU: {why}")
+        import cupy
+
+        yield cupy
+        return
+    ok, why = cuda_emulator.available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setitem(sys.modules, "cupy", cuda_emulator.cupy_shim(tmp_path_factory.getbasetemp()))
+    device_standin.clear_kernel_caches()
+    yield sys.modules["cupy"]
+    device_standin.clear_kernel_caches()  # the next user gets the real module's kernels
+
+
+@pytest.fixture
+def gpu(tmp_path_factory, monkeypatch):
+    """The whole engine's GPU path on the CPU: tests/device_standin.py's CuPy, every kernel emulated."""
+    import cuda_emulator
+    import device_standin
+
+    ok, why = cuda_emulator.available()
+    if not ok:
+        pytest.skip(why)
+    with device_standin.installed(tmp_path_factory.getbasetemp(), monkeypatch) as standin:
+        yield standin
+

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cuda_emulator
 import device_standin
 from coordinator import Engine, EngineConfig
 
@@ -74,15 +73,6 @@ def layer_and_rest(tiny_model, arch: str, **config) -> tuple[dict, dict]:
     two = step_counts(tiny_model(f"{arch}-2", arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch]), **config)
     layer = {k: two[k] - one[k] for k in KINDS}
     return layer, {k: one[k] - layer[k] for k in KINDS}
-
-
-@pytest.fixture
-def gpu(tmp_path_factory, monkeypatch):
-    ok, why = cuda_emulator.available()
-    if not ok:
-        pytest.skip(why)
-    with device_standin.installed(tmp_path_factory.getbasetemp(), monkeypatch) as cp:
-        yield cp
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

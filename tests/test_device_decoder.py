@@ -8,22 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cuda_emulator
 import device_standin
 from coordinator import Engine, EngineConfig
 from coordinator.device import vram
 from coordinator.device.weights import DeviceMatrix
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
-
-
-@pytest.fixture
-def gpu(tmp_path_factory, monkeypatch):
-    ok, why = cuda_emulator.available()
-    if not ok:
-        pytest.skip(why)
-    with device_standin.installed(tmp_path_factory.getbasetemp(), monkeypatch) as cp:
-        yield cp
 
 
 def _logits(model, **config):

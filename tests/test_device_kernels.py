@@ -5,38 +5,13 @@ as OS threads), so CI checks their indexing and synchronisation without a GPU.""
 from __future__ import annotations
 
 import contextlib
-import sys
 from unittest import mock
 
 import numpy as np
 import pytest
 
-import cuda_emulator
 from coordinator.model import device_ops, ops
-from coordinator.model.backend import probe_cuda
 from shm.formats import bf16
-
-
-@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
-def cp(request, tmp_path_factory, monkeypatch):
-    """CuPy on a GPU, or the emulator's stand-in for it (device_ops imports ``cupy`` when called)."""
-    if request.param == "cuda":
-        usable, why = probe_cuda()
-        if not usable:
-            pytest.skip(f"no usable GPU: {why}")
-        import cupy
-
-        yield cupy
-        return
-    ok, why = cuda_emulator.available()
-    if not ok:
-        pytest.skip(why)
-    monkeypatch.setitem(sys.modules, "cupy", cuda_emulator.cupy_shim(tmp_path_factory.getbasetemp()))
-    device_ops._module.cache_clear()
-    device_ops._kernel.cache_clear()
-    yield sys.modules["cupy"]
-    device_ops._module.cache_clear()  # the next user gets the real module's kernels
-    device_ops._kernel.cache_clear()
 
 
 def _device(cp):

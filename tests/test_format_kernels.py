@@ -4,14 +4,11 @@ equals matvec. On a GPU through CuPy (`-m gpu`), everywhere else through tests/c
 
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
 
-import cuda_emulator
 from coordinator.device import format_kernels as fk
-from coordinator.model.backend import probe_cuda
 from shm import formats
 from shm.formats import traits
 
@@ -20,28 +17,6 @@ NAMES = [t.name for t in traits.TRAITS]
 HALVES = {"q4k": (0, 2), "q5k": (0, 2), "q6k": (208,), "iq4xs": (0,)}
 # (R, K as an index into the format's widths, T): R off the 4 rows a block, K one block and several, T to 8 and past
 CASES = [(1, 0, 1), (3, 1, 2), (37, 2, 5), (130, 1, 8), (130, 0, 1), (5, 2, 11)]
-
-
-@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
-def cp(request, tmp_path_factory, monkeypatch):
-    """CuPy on a GPU, or the emulator's stand-in for it (format_kernels imports ``cupy`` when called)."""
-    if request.param == "cuda":
-        usable, why = probe_cuda()
-        if not usable:
-            pytest.skip(f"no usable GPU: {why}")
-        import cupy
-
-        yield cupy
-        return
-    ok, why = cuda_emulator.available()
-    if not ok:
-        pytest.skip(why)
-    monkeypatch.setitem(sys.modules, "cupy", cuda_emulator.cupy_shim(tmp_path_factory.getbasetemp()))
-    fk._module.cache_clear()
-    fk._kernel.cache_clear()
-    yield sys.modules["cupy"]
-    fk._module.cache_clear()  # the next user gets the real module's kernels
-    fk._kernel.cache_clear()
 
 
 def widths(name: str) -> tuple[int, ...]:
