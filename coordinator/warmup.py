@@ -405,7 +405,11 @@ def _interrupt(signum, frame) -> None:
 if __name__ == "__main__":
     for _sig in (signal.SIGINT, signal.SIGTERM):  # from here on stopped as by Ctrl-C: what is finished stays
         signal.signal(_sig, _interrupt)
-    raise SystemExit(main())
+    try:
+        _code = main()
+    except KeyboardInterrupt:  # before the compile began (the arguments, the cache folder's check): nothing to keep
+        _code = 130
+    raise SystemExit(_code)
 
 
 class Compiles:
