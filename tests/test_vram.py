@@ -94,3 +94,27 @@ def test_hot_experts_are_counted_at_their_real_size():
     assert rows["Q4_K_M"]["expert_bytes"] < f32 / 6
     assert rows["Q4_K_M"]["experts_in_budget"] == int(8 * GB // rows["Q4_K_M"]["expert_bytes"])
     assert rows["BF16"]["expert_bytes"] == pytest.approx(f32 / 2, rel=0.01)
+
+
+def test_the_upload_sends_each_matrix_once_in_its_format(tiny_model):
+    """coordinator/device/weights.upload: every matrix reaches the device once, in its storage format (bf16
+    here); no float32 copy of an attention matrix goes up beside it."""
+    import types
+
+    from coordinator.device.weights import upload
+    from coordinator.model.model_config import load_model_config
+
+    d = tiny_model()
+    cfg = load_model_config(d)
+    ckpt = Checkpoint(d)
+    try:
+        w = load_weights(cfg, ckpt)
+    finally:
+        ckpt.close()
+    sent = []
+    xp = types.SimpleNamespace(asarray=lambda a: sent.append(a) or a, concatenate=np.concatenate)
+    upload(w, xp, None, "bf16")
+    floats = [a.shape for a in sent if a.dtype == np.float32 and a.ndim == 2]
+    assert floats == [(cfg.num_experts, cfg.hidden_size)] * cfg.num_layers  # the routers alone stay float32
+    matrices = [a for a in sent if a.dtype == np.uint8]
+    assert len(matrices) == 4 * cfg.num_layers + 1  # q, k, v, o a layer and lm_head

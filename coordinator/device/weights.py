@@ -200,8 +200,8 @@ def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = forma
 
     layers = []
     for lw in weights.layers:
-        changes = {f.name: vector(getattr(lw, f.name)) for f in dataclasses.fields(lw)
-                   if isinstance(getattr(lw, f.name), np.ndarray)}
+        changes = {f.name: vector(getattr(lw, f.name)) for f in dataclasses.fields(lw)  # the matrices below, once
+                   if f.name not in MATRICES and isinstance(getattr(lw, f.name), np.ndarray)}
         changes.update({name: matrix(getattr(lw, name)) for name in MATRICES})
         changes.update(dense_mlp=mlp(lw.dense_mlp), shared_expert=mlp(lw.shared_expert))
         if lw.mla is not None:
