@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from .device.weights import nbytes as device_nbytes
 from .device.weights import upload as device_upload
 from .model.backend import select_device
 from .model.chat_template import ChatTemplate
+from .model.grammar import Grammars
 from .model.decoder import Decoder
 from .model.kv_cache import KVCache
 from .model.model_config import ModelConfig
@@ -104,6 +106,13 @@ class Engine:
     @property
     def codec(self) -> TextCodec | None:
         return self.source.codec
+
+    @functools.cached_property
+    def grammars(self) -> Grammars | None:
+        """Constrained decoding's vocabulary and compiled grammars (model/grammar.py); None without a tokenizer."""
+        if self.codec is None:
+            return None
+        return Grammars(self.codec.tokenizer.to_str(), self.model_config.vocab_size)
 
     @property
     def chat_template(self) -> ChatTemplate | None:

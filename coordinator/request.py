@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .model.grammar import GrammarSpec
 from .model.sampling_params import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 256  # the most new tokens a request makes when it does not say
@@ -62,6 +63,7 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # go on past the model's end-of-sequence ids (Engine.generate's stop_at_eos=False)
     logit_bias: tuple[tuple[int, float], ...] = SamplingParams.logit_bias
+    grammar: GrammarSpec | None = None  # every token chosen keeps the text inside it (model/grammar.py)
 
     def sampling(self) -> SamplingParams:
         """The sampler's parameters; ConfigValueError names one out of range."""

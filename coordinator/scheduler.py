@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import ConfigValueError, StepInterrupted
+from .model.grammar import Constraint, GrammarError
 from .model.kv_cache import KVCache
 from .latency import new_histograms
 from .model.sampling import Sampler, top_logprobs
@@ -119,7 +120,7 @@ class Scheduler:
             raise ApiError("bad_request", f"'logit_bias' names a token id outside the vocabulary [0, {vocab})", req.id)
         try:
             eng.check_ids(ids, req.max_new_tokens)
-            sampler = Sampler(req.sampling(), prompt_ids=ids)
+            sampler = Sampler(req.sampling(), prompt_ids=ids, constraint=self._constraint(req))
         except ValueError as exc:
             code = "too_long" if "exceed" in str(exc) else "bad_request"
             raise ApiError(code, str(exc), req.id) from None
@@ -134,6 +135,21 @@ class Scheduler:
         self.queue.append(seq)
         self.stats["requests"] += 1
         return seq
+
+    def _constraint(self, req: GenerateRequest) -> Constraint | None:
+        """The request's grammar state (None without one); ApiError when it cannot be compiled."""
+        if req.grammar is None:
+            return None
+        grammars = self.engine.grammars
+        if grammars is None:
+            raise ApiError("bad_request", "constrained decoding ('grammar') needs the model's tokenizer", req.id)
+        ends = set(req.stop_token_ids)
+        if not req.ignore_eos:
+            ends |= set(self.engine.model_config.eos_token_ids)
+        try:
+            return grammars.constraint(req.grammar, ends)
+        except GrammarError as exc:
+            raise ApiError("bad_request", str(exc), req.id) from None
 
     def expire(self, now: float) -> int:
         """End the sequences whose deadline has passed (finish_reason "deadline"); how many."""
@@ -210,7 +226,12 @@ class Scheduler:
                 self.prefilling.remove(s)
             self.active.extend(done)
             for s in list(self.active):
-                self._advance(s)
+                try:
+                    self._advance(s)
+                except GrammarError as exc:  # this sequence's grammar failed: it ends, the others go on
+                    self.stats["errors"] += 1
+                    self.emit(s.client, {"type": "error", "id": s.req.id, "code": "grammar", "message": str(exc)})
+                    self._remove(s)
         except StepInterrupted:  # the server is shutting down: it fails every sequence next, nothing to emit here
             raise
         except Exception as exc:  # the engine failed this step: every admitted sequence ends with the cause
@@ -265,6 +286,8 @@ class Scheduler:
                 ev = {"type": "token", "id": s.req.id, "text": s.text[s.emitted:upto], "ids": s.out_ids[s.sent:]}
                 if s.logprobs is not None:
                     ev["logprobs"] = s.logprobs[s.sent:]
+                if s.prompt_logprobs is not None and s.sent == 0:  # the prompt is scored by now: a stream's echo
+                    ev["prompt_logprobs"] = s.prompt_logprobs
                 self.emit(s.client, ev)
                 s.emitted, s.sent = upto, len(s.out_ids)
         if reason:

@@ -407,6 +407,28 @@ def test_echo_scores_the_prompt_as_the_engine_does(client, engine):
     assert [c.text for c in both.choices] == singles
 
 
+def test_echo_streamed_equals_echo_whole(client):
+    """stream with echo: each choice's first chunk is its prompt with the prompt's log-probabilities, then its
+    tokens; put together, the same text and log-probabilities as the one-document answer. max_tokens 0: the
+    prompt alone, finish_reason length."""
+    prompts = ["The quick brown fox", "Hello"]
+    for max_tokens in (0, 3):
+        kw = dict(model="chatm", prompt=prompts, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0)
+        whole = client.completions.create(**kw)
+        texts, lps, finish = ["", ""], [[], []], [None, None]
+        for c in client.completions.create(stream=True, **kw):
+            for ch in c.choices:
+                texts[ch.index] += ch.text
+                if ch.logprobs is not None:
+                    lps[ch.index] += ch.logprobs.token_logprobs
+                finish[ch.index] = ch.finish_reason or finish[ch.index]
+        for i, choice in enumerate(whole.choices):
+            assert texts[i] == choice.text and texts[i].startswith(prompts[i])
+            assert lps[i][0] is None is choice.logprobs.token_logprobs[0]  # batched apart: float32 rounding differs
+            np.testing.assert_allclose(lps[i][1:], choice.logprobs.token_logprobs[1:], atol=1e-5, rtol=0)
+            assert finish[i] == choice.finish_reason == ("length" if max_tokens == 0 else finish[i])
+
+
 def test_logit_bias_steers_greedy_decoding(client, engine):
     """+100 on one id makes greedy decoding choose it at every step; -100 on the unbiased greedy first token
     makes it choose another; an id outside the vocabulary is a 400."""
@@ -419,6 +441,38 @@ def test_logit_bias_steers_greedy_decoding(client, engine):
     assert engine.encode(other)[0] != first
     with pytest.raises(openai.BadRequestError):
         client.completions.create(logit_bias={str(engine.model_config.vocab_size): 5}, **kw)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object(client):
+    """Structured output through the openai client: every choice's content parses and matches the schema,
+    streamed and not; json_object is any object; a schema that does not compile is a 400."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model="chatm", messages=CHAT, response_format=fmt, temperature=1.0, seed=1,
+                                       n=4, max_tokens=100)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    stream = client.chat.completions.create(model="chatm", messages=CHAT, response_format=fmt, temperature=1.0,
+                                            seed=7, max_tokens=100, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+    r = client.completions.create(model="chatm", prompt="Hello", max_tokens=100, temperature=1.0, seed=3,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason != "stop" or isinstance(json.loads(r.choices[0].text), dict)
+    assert r.choices[0].text.startswith("{")
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        client.chat.completions.create(model="chatm", messages=CHAT, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="chatm", messages=CHAT, max_tokens=5,
+                                       response_format={"type": "yaml"})
 
 
 def test_n_choices_are_the_requests_with_seeds_seed_plus_i(client):

@@ -81,10 +81,11 @@ def top_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tu
 
 class Sampler:
     """Chooses the tokens of one sequence; counts what the penalties need (the prompt's ids, the ones chosen
-    so far) when one is on."""
+    so far) when one is on; keeps the choice inside a grammar when given a ``constraint`` (grammar.py)."""
 
-    def __init__(self, params: SamplingParams, prompt_ids=()):
+    def __init__(self, params: SamplingParams, prompt_ids=(), constraint=None):
         self.params = params
+        self.constraint = constraint
         self.rng = np.random.default_rng(params.seed)
         self._prompt_ids = np.asarray(list(prompt_ids), np.int64) if params.penalized else None
         self.prompt_counts: np.ndarray | None = None  # [V], made on the first call (it knows V) when a penalty is on
@@ -102,15 +103,19 @@ class Sampler:
         return penalized(logits, self.params, self.prompt_counts, self.output_counts)
 
     def choose(self, logits: np.ndarray) -> tuple[int, np.ndarray]:
-        """logits [V] -> (the token id, the penalised logits it was chosen from); the token is counted."""
+        """logits [V] -> (the token id, the penalised logits it was chosen from, before the grammar's mask: the
+        logprobs' distribution); the token is counted and the grammar advanced past it."""
         adjusted = self.adjusted(logits)
+        allowed = adjusted if self.constraint is None else self.constraint.mask(adjusted)
         if self.params.temperature == 0:
-            token = int(np.argmax(adjusted))
+            token = int(np.argmax(allowed))
         else:
-            probs = filtered_probs(adjusted, self.params)
+            probs = filtered_probs(allowed, self.params)
             token = int(self.rng.choice(probs.size, p=probs))
         if self.output_counts is not None:
             self.output_counts[token] += 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
         return token, adjusted
 
     def __call__(self, logits: np.ndarray) -> int:

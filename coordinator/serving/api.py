@@ -34,6 +34,11 @@ Sampling (the defaults are off; every field is optional):
   score text.
 - ``logit_bias`` {"token id": bias in [-100, 100]} (OpenAI's; up to 300 ids): added to those logits after the
   penalties, so it steers greedy decoding and the logprobs too.
+- ``grammar`` (constrained decoding, coordinator/model/grammar.py): {"type": "json_schema", "schema": {...}},
+  {"type": "json_object"}, {"type": "lark", "grammar": "..."} (llguidance's Lark) or {"type": "regex",
+  "pattern": "..."}: every token chosen keeps the text inside it (compact JSON: no free whitespace), and the
+  end-of-sequence ids are allowed only where the text is complete. The logprobs stay those of the penalised
+  logits, before the grammar's mask. A grammar that does not compile is a bad_request.
 
 Stopping: ``stop`` (up to 8 strings) cuts the text before the first one made;
 ``stop_token_ids`` (up to 16 ids, vLLM's field) end the request like the model's
@@ -42,7 +47,8 @@ API's chat passes the template's end-of-turn token here.
 
 Events::
 
-    {"type": "token", "id": "r1", "text": "piece", "ids": [..], "logprobs": [..]}     (stream=true)
+    {"type": "token", "id": "r1", "text": "piece", "ids": [..], "logprobs": [..],
+     "prompt_logprobs": [..] (the first token event of a request that asked)}          (stream=true)
     {"type": "final", "id": "r1", "finish_reason": "length"|"eos"|"stop"|"cancelled"|"deadline",
      "text": "whole completion", "ids": [..], "logprobs": [..],
      "usage": {"prompt_tokens": n, "completion_tokens": m}}
@@ -79,6 +85,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..model.grammar import KINDS as GRAMMAR_KINDS
+from ..model.grammar import GrammarSpec
 from ..request import ApiError, GenerateRequest, Limits
 
 MAX_ID_CHARS = 128
@@ -116,7 +124,8 @@ class HealthRequest:
 
 GENERATE_FIELDS = {"type", "id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
                    "stop", "stream", "deadline_s", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logprobs", "prompt_logprobs", "stop_token_ids", "logit_bias"}
+                   "repetition_penalty", "logprobs", "prompt_logprobs", "stop_token_ids", "logit_bias",
+                   "grammar"}
 MAX_LOGIT_BIAS_IDS = 300  # OpenAI's limit on logit_bias entries
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token
 
@@ -161,6 +170,34 @@ def read_logit_bias(value, rid) -> tuple[tuple[int, float], ...]:
             raise bad
         out.append((int(key), float(bias)))
     return tuple(sorted(out))
+
+
+GRAMMAR_SOURCE = {"json_schema": "schema", "lark": "grammar", "regex": "pattern"}  # the field of each kind's source
+
+
+def read_grammar(value, rid) -> GrammarSpec | None:
+    """``grammar`` {"type": kind, "schema" | "grammar" | "pattern": source} (null or absent: none) -> its spec;
+    ApiError naming what is wrong. It is compiled later, off the serving loop."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in GRAMMAR_KINDS:
+        raise ApiError("bad_request", f"'grammar' must be an object whose 'type' is one of {', '.join(GRAMMAR_KINDS)}",
+                       rid)
+    key = GRAMMAR_SOURCE.get(kind)
+    extra = sorted(set(value) - {"type", key})
+    if extra:
+        raise ApiError("bad_request", f"'grammar' of type {kind} has unknown field(s): {', '.join(extra)}", rid)
+    if key is None:
+        return GrammarSpec(kind)
+    source = value.get(key)
+    if kind == "json_schema":
+        if not isinstance(source, (dict, bool)):
+            raise ApiError("bad_request", "'grammar.schema' must be a JSON schema (an object or a boolean)", rid)
+        return GrammarSpec.json_schema(source)
+    if not isinstance(source, str) or not source:
+        raise ApiError("bad_request", f"'grammar.{key}' must be a non-empty string", rid)
+    return GrammarSpec(kind, _text(source, f"grammar.{key}", rid))
 
 
 def lone_surrogate(text: str) -> int | None:
@@ -277,6 +314,7 @@ def decode_request(raw: bytes, limits: Limits):
         repetition_penalty=read_float(doc, "repetition_penalty", G.repetition_penalty, 0.0, 10.0, rid,
                                       lo_open=True),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(stop_ids), logit_bias=logit_bias,
+        grammar=read_grammar(doc.get("grammar"), rid),
     )
 
 

@@ -450,16 +450,20 @@ class HttpFrontend:
                 if echo_texts is not None:
                     finals = [echoed(f, echo_texts[k // n], prompt_only) for k, f in enumerate(finals)]
                 return _json(200, completion_response(new_id(chat), self.model_name, finals, chat, want_logprobs))
+            echo_of = None if echo_texts is None else [echo_texts[k // n] for k in range(len(queues))]
             response, done = await self._stream(request, [q for q, _ in queues], chat, include_usage,
-                                                want_logprobs)
+                                                want_logprobs, echo_of, prompt_only)
             return response
         finally:
             for _, rid in queues:
                 self.bridge.end(rid, cancel=not done)
 
     async def _stream(self, request: web.Request, queues: list[asyncio.Queue], chat: bool, include_usage: bool,
-                      want_logprobs: bool) -> tuple[web.StreamResponse, bool]:
-        """The choices' events as SSE chunks, each tagged with its choice's index, in the order they come."""
+                      want_logprobs: bool, echo_of: list[str] | None = None,
+                      prompt_only: bool = False) -> tuple[web.StreamResponse, bool]:
+        """The choices' events as SSE chunks, each tagged with its choice's index, in the order they come; with
+        ``echo_of``, each choice's prompt (and its log-probabilities) first, its text alone after
+        (``prompt_only``)."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def forward(index: int, queue: asyncio.Queue) -> None:
@@ -471,13 +475,15 @@ class HttpFrontend:
 
         tasks = [asyncio.get_running_loop().create_task(forward(i, q)) for i, q in enumerate(queues)]
         try:
-            return await self._write_stream(request, merged, len(queues), chat, include_usage, want_logprobs)
+            return await self._write_stream(request, merged, len(queues), chat, include_usage, want_logprobs,
+                                            echo_of, prompt_only)
         finally:
             for t in tasks:
                 t.cancel()
 
     async def _write_stream(self, request: web.Request, merged: asyncio.Queue, n: int, chat: bool,
-                            include_usage: bool, want_logprobs: bool) -> tuple[web.StreamResponse, bool]:
+                            include_usage: bool, want_logprobs: bool, echo_of: list[str] | None,
+                            prompt_only: bool) -> tuple[web.StreamResponse, bool]:
         index, first = await merged.get()
         if first["type"] == "error":  # refused before any token: a plain HTTP error, not a stream
             raise from_engine_error(first)
@@ -490,8 +496,18 @@ class HttpFrontend:
                 for i in range(n):
                     await response.write(sse(chunk(oid, self.model_name, created, chat, "", role=True, index=i)))
             ev = first
+            echoed_choices: set[int] = set()
             while True:
-                if ev["type"] == "token":
+                if echo_of is not None and index not in echoed_choices and ev["type"] in ("token", "final"):
+                    echoed_choices.add(index)  # the prompt first, with its log-probabilities (the first event's)
+                    entries = ev.get("prompt_logprobs") or []
+                    lp = completion_logprobs(entries) if want_logprobs else None
+                    offsets[index] = len(echo_of[index])
+                    await response.write(sse(chunk(oid, self.model_name, created, chat, echo_of[index], logprobs=lp,
+                                                   index=index)))
+                if prompt_only and ev["type"] == "token":
+                    pass  # the one token made for an echo of max_tokens 0 is not the answer's
+                elif ev["type"] == "token":
                     entries = ev.get("logprobs") or []
                     lp = None
                     if want_logprobs:
@@ -500,6 +516,8 @@ class HttpFrontend:
                     await response.write(sse(chunk(oid, self.model_name, created, chat, ev["text"], logprobs=lp,
                                                    index=index)))
                 elif ev["type"] == "final":
+                    if prompt_only:
+                        ev = dict(ev, finish_reason="length", usage=dict(ev["usage"], completion_tokens=0))
                     finish = FINISH_REASON.get(ev["finish_reason"], "stop")
                     await response.write(sse(chunk(oid, self.model_name, created, chat, None if chat else "",
                                                    finish=finish, index=index)))

@@ -7,9 +7,11 @@ be a list of prompts; ``n`` choices each); its fields keep OpenAI's names and ra
 (``param`` names the field at fault). ``echo`` (completions) puts the prompt before the text and, with
 ``logprobs``, the prompt tokens' log-probabilities before the completion's (the engine's
 ``prompt_logprobs``); ``max_tokens`` 0 with ``echo`` returns the prompt alone, as evaluation harnesses
-ask. Fields this engine cannot honour with a non-default value (``best_of`` > 1, ``suffix``, a JSON
-``response_format``, non-text message parts) are refused with a 400 rather than ignored; fields it has no
-use for (``metadata``, ``store``...) are ignored, as OpenAI's own server does.
+ask. ``response_format`` ``json_object`` and ``json_schema`` become the ZeroMQ API's ``grammar``
+(constrained decoding: the text always parses, and matches the schema). Fields this engine cannot honour
+with a non-default value (``best_of`` > 1, ``suffix``, non-text message parts) are refused with a 400
+rather than ignored; fields it has no use for (``metadata``, ``store``...) are ignored, as OpenAI's own
+server does.
 
 Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for
 completions and, for chat, whatever the context has left (within the server's
@@ -32,7 +34,7 @@ from .api import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, ApiError
 
 # the ZeroMQ API's error codes -> HTTP status (busy: the queue is full; shutdown: the server is stopping)
 STATUS_OF_CODE = {"bad_request": 400, "too_long": 400, "not_found": 404, "busy": 429, "shutdown": 503,
-                  "unavailable": 503, "engine": 500, "internal": 500}
+                  "unavailable": 503, "engine": 500, "grammar": 500, "internal": 500}
 RETRY_AFTER_S = {"busy": 1.0, "unavailable": 1.0}  # codes worth retrying: the least Retry-After, seconds
 TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                   405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
@@ -112,10 +114,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise OpenAIError(400, "'echo' must be true or false", param="echo")
     if body.get("suffix") is not None:
         raise OpenAIError(400, "'suffix' is not supported", param="suffix")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise OpenAIError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
-                          param="response_format")
     _check_types(body)
 
 
@@ -148,6 +146,29 @@ def _check_types(body: dict) -> None:
             raise OpenAIError(400, "'min_tokens' must be an integer >= 0", param="min_tokens")
         if v > 0:
             raise OpenAIError(400, "'min_tokens' other than 0 is not supported", param="min_tokens")
+
+
+def response_grammar(body: dict) -> dict | None:
+    """``response_format`` -> the ZeroMQ API's ``grammar`` (None for text): {"type": "json_object"} is any JSON
+    object, {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} one matching the schema
+    (strict or not: the grammar always holds it to the schema)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(
+                spec.get("schema", {}), dict) or not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise OpenAIError(400, "'response_format.json_schema' must be an object with a 'name' string, a "
+                                   "'schema' object and an optional 'strict' boolean", param="response_format")
+        return {"type": "json_schema", "schema": spec.get("schema", {"type": "object"})}
+    raise OpenAIError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                           "{\"type\": \"json_schema\", \"json_schema\": {...}}", param="response_format")
 
 
 def _stop(body: dict) -> list[str]:
@@ -237,8 +258,6 @@ def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, defaul
     _refuse_unsupported(body)
     if echo(body) and chat:
         raise OpenAIError(400, "'echo' is for /v1/completions", param="echo")
-    if echo(body) and body.get("stream"):
-        raise OpenAIError(400, "'echo' is not supported with 'stream'", param="echo")
     logprobs = _logprobs(body, chat)
     return {
         "max_new_tokens": _max_tokens(body, default_max_tokens, max_new_tokens_limit),
@@ -255,6 +274,7 @@ def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, defaul
         "logprobs": logprobs,
         "prompt_logprobs": logprobs if echo(body) else None,
         "logit_bias": _logit_bias(body),
+        "grammar": response_grammar(body),
     }
 
 

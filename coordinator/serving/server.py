@@ -34,6 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StepInterrupted, StrataError
+from ..model.grammar import GrammarError
 from ..request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 from ..scheduler import Scheduler
 from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, MAX_REQUEST_BYTES, CancelRequest, HealthRequest, StatsRequest, decode_request, encode_event,
@@ -296,8 +297,9 @@ class Server:
         self._emit(client, {"type": "health", **self.health()})
 
     def _admit(self, client: bytes, req: GenerateRequest) -> None:
-        """Token ids go to the scheduler now; text is checked by its byte length, then tokenised off the loop."""
-        if req.prompt is None:
+        """Token ids go to the scheduler now; text is checked by its byte length, then tokenised off the loop, and
+        a grammar compiled there too (the first one builds the vocabulary's tables, about a second)."""
+        if req.prompt is None and req.grammar is None:
             self.scheduler.add(client, req)
             return
         if any(t.client == client and t.req.id == req.id for t in self.tokenizing):
@@ -306,15 +308,17 @@ class Server:
             self.scheduler.stats["busy_rejections"] += 1
             raise ApiError("busy", f"the queue is full ({self.max_queued} requests waiting); retry later", req.id)
         if self.engine.codec is None:
-            raise ApiError("bad_request", "this model has no tokenizer: send 'prompt_ids' instead of 'prompt'",
-                           req.id)
-        nbytes = len(req.prompt.encode("utf-8"))
-        least = -(-nbytes // self.max_token_bytes)
-        if least > self.limits.max_prompt_tokens:
-            raise ApiError("too_long", f"the prompt is {nbytes} bytes, so at least {least} tokens (no token of this "
-                                       f"tokenizer is longer than {self.max_token_bytes} bytes); the limit is "
-                                       f"{self.limits.max_prompt_tokens} tokens", req.id)
-        future = self.tokenizer.submit(self.engine.encode, req.prompt)
+            raise ApiError("bad_request", "this model has no tokenizer: send 'prompt_ids' instead of 'prompt'"
+                           if req.prompt is not None else "constrained decoding ('grammar') needs the model's "
+                           "tokenizer", req.id)
+        if req.prompt is not None:
+            nbytes = len(req.prompt.encode("utf-8"))
+            least = -(-nbytes // self.max_token_bytes)
+            if least > self.limits.max_prompt_tokens:
+                raise ApiError("too_long", f"the prompt is {nbytes} bytes, so at least {least} tokens (no token of "
+                                           f"this tokenizer is longer than {self.max_token_bytes} bytes); the limit "
+                                           f"is {self.limits.max_prompt_tokens} tokens", req.id)
+        future = self.tokenizer.submit(self._prepare, req)
         self.tokenizing.append(Tokenizing(client, req, time.monotonic(), future))
 
     # request type -> its handler (client, request), and the types answered in the middle of a step
@@ -335,6 +339,12 @@ class Server:
                 return True
         return False
 
+    def _prepare(self, req: GenerateRequest) -> list[int]:
+        """Off the loop: the request's grammar compiled (into the engine's cache), its prompt's ids."""
+        if req.grammar is not None:
+            self.engine.grammars.compile(req.grammar)
+        return list(req.prompt_ids) if req.prompt is None else self.engine.encode(req.prompt)
+
     def _tokenized(self) -> None:
         """Hand finished tokenisations to the scheduler, in arrival order."""
         while self.tokenizing and self.tokenizing[0].future.done():
@@ -342,6 +352,8 @@ class Server:
             try:
                 try:
                     ids = t.future.result()
+                except GrammarError as exc:
+                    raise ApiError("bad_request", str(exc), t.req.id) from None
                 except Exception as exc:
                     raise ApiError("bad_request", f"the prompt cannot be tokenised: {exc}", t.req.id) from None
                 self.scheduler.add(t.client, t.req, ids=ids, arrived=t.arrived)
