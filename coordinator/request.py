@@ -64,6 +64,7 @@ class GenerateRequest:
     ignore_eos: bool = False  # go on past the model's end-of-sequence ids (Engine.generate's stop_at_eos=False)
     logit_bias: tuple[tuple[int, float], ...] = SamplingParams.logit_bias
     grammar: GrammarSpec | None = None  # every token chosen keeps the text inside it (model/grammar.py)
+    skip_special_tokens: bool = True  # False: the text keeps special tokens (a tool-call format's markers)
 
     def sampling(self) -> SamplingParams:
         """The sampler's parameters; ConfigValueError names one out of range."""

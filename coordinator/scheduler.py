@@ -124,7 +124,7 @@ class Scheduler:
         except ValueError as exc:
             code = "too_long" if "exceed" in str(exc) else "bad_request"
             raise ApiError(code, str(exc), req.id) from None
-        stream = StreamDecoder(eng.codec) if eng.codec is not None else None
+        stream = StreamDecoder(eng.codec, req.skip_special_tokens) if eng.codec is not None else None
         arrived = time.monotonic() if arrived is None else arrived
         deadline = None if req.deadline_s is None else arrived + req.deadline_s
         seq = Sequence(client, req, list(ids), sampler, eng.new_cache(), stream, deadline=deadline,

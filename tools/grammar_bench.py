@@ -8,7 +8,8 @@ VOCAB is a tokenizer.json, or a GGUF file with a tokenizer in its metadata: llam
 distribution that tools/vs_llama.py builds llama.cpp from). Each grammar's text (a JSON document matching a
 schema, a tool call) is tokenised, then walked token by token: per token the mask is computed (the
 engine's Constraint.allowed(): llguidance's bitmask unpacked to [V] bools, the request's end ids set) and the
-token accepted. The figure is µs per token (median and mean over the walk, the first token included),
+token accepted; then again with the mask applied to [V] logits (Constraint.mask); and the library's
+bitmask alone. The figure is µs per token (median and mean over the walk, the first token included),
 beside the sampler's own choice on [V] logits without a grammar (greedy and temperature 1), and with
 ``--model`` a decode step of that model (Engine.step of one token, in-process pool). When the xgrammar
 package imports (it needs torch), its matcher is timed on the same texts for comparison: the library
@@ -96,8 +97,14 @@ def walk_llguidance(grammars: Grammars, spec: GrammarSpec, ids: list[int], ends:
     """Per token: the mask (Constraint.allowed) and the accept; then the same walk with the mask applied to
     [V] float32 logits (Constraint.mask: what the sampler adds to its choice)."""
     logits = np.random.default_rng(0).standard_normal(grammars.vocab_size).astype(np.float32)
-    times, applied = [], []
+    times, applied, raw = [], [], []
     for _ in range(repeat):
+        c = grammars.constraint(spec, ends)
+        for t in ids:  # the library alone, as the xgrammar walk: its bitmask filled, the token consumed
+            t0 = time.perf_counter()
+            c.matcher.unsafe_compute_mask_ptr(c.bitmask.ctypes.data, c.bitmask.nbytes)
+            c.matcher.consume_token(t)
+            raw.append(time.perf_counter() - t0)
         c = grammars.constraint(spec, ends)
         for t in ids:
             t0 = time.perf_counter()
@@ -113,7 +120,8 @@ def walk_llguidance(grammars: Grammars, spec: GrammarSpec, ids: list[int], ends:
             c.accept(t)
             applied.append(time.perf_counter() - t0)
             assert np.isfinite(masked[t])
-    return {"mask_and_accept": summary(times), "mask_applied_to_logits": summary(applied)}
+    return {"bitmask_and_consume": summary(raw), "mask_and_accept": summary(times),
+            "mask_applied_to_logits": summary(applied)}
 
 
 def walk_xgrammar(tok, vocab: int, schema: str, ids: list[int], repeat: int) -> dict | None:
@@ -127,7 +135,7 @@ def walk_xgrammar(tok, vocab: int, schema: str, ids: list[int], repeat: int) -> 
     info = xgr.TokenizerInfo(encoded, vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=vocab)
     compiler = xgr.GrammarCompiler(info)
     t0 = time.perf_counter()
-    compiled = compiler.compile_json_schema(schema, any_whitespace=False)
+    compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))  # as llguidance
     compile_s = time.perf_counter() - t0
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     times = []

@@ -81,27 +81,28 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class StreamDecoder:
     """Turns a growing list of ids into text pieces, holding back incomplete UTF-8."""
 
-    def __init__(self, codec: TextCodec):
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool = True):
         self.codec = codec
+        self.skip_special_tokens = skip_special_tokens  # False: special tokens' text kept (tool-call markers)
         self.ids: list[int] = []
         self.emitted = ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.codec.decode(self.ids)
+        text = self.codec.decode(self.ids, self.skip_special_tokens)
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character is not complete yet
         piece, self.emitted = text[len(self.emitted):], text
         return piece
 
     def flush(self) -> str:
-        text = self.codec.decode(self.ids)
+        text = self.codec.decode(self.ids, self.skip_special_tokens)
         piece, self.emitted = text[len(self.emitted):], text
         return piece

@@ -40,6 +40,9 @@ Sampling (the defaults are off; every field is optional):
   end-of-sequence ids are allowed only where the text is complete. The logprobs stay those of the penalised
   logits, before the grammar's mask. A grammar that does not compile is a bad_request.
 
+``skip_special_tokens`` (vLLM's, default true): false keeps the text of special tokens in the output (the
+end-of-sequence ids excepted), as a tool-call format whose markers are special tokens needs.
+
 Stopping: ``stop`` (up to 8 strings) cuts the text before the first one made;
 ``stop_token_ids`` (up to 16 ids, vLLM's field) end the request like the model's
 own end-of-sequence ids (finish_reason "eos", the id not in the text): the HTTP
@@ -125,7 +128,7 @@ class HealthRequest:
 GENERATE_FIELDS = {"type", "id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
                    "stop", "stream", "deadline_s", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logprobs", "prompt_logprobs", "stop_token_ids", "logit_bias",
-                   "grammar"}
+                   "grammar", "skip_special_tokens"}
 MAX_LOGIT_BIAS_IDS = 300  # OpenAI's limit on logit_bias entries
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token
 
@@ -226,6 +229,13 @@ def _id(doc: dict, required: bool = True) -> str | None:
     return _text(rid, "id", None)
 
 
+def _flag(doc: dict, key: str, default: bool, rid) -> bool:
+    v = doc.get(key, default)
+    if not isinstance(v, bool):
+        raise ApiError("bad_request", f"'{key}' must be true or false", rid)
+    return v
+
+
 def decode_request(raw: bytes, limits: Limits):
     """One frame -> a typed request, or ApiError naming the field at fault."""
     try:
@@ -315,6 +325,7 @@ def decode_request(raw: bytes, limits: Limits):
                                       lo_open=True),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=tuple(stop_ids), logit_bias=logit_bias,
         grammar=read_grammar(doc.get("grammar"), rid),
+        skip_special_tokens=_flag(doc, "skip_special_tokens", G.skip_special_tokens, rid),
     )
 
 

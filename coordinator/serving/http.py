@@ -43,7 +43,9 @@ from ..model.chat_template import ChatTemplateError, turn_end_id
 from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
                          check_model, check_unicode, choices, chunk, completion_logprobs, completion_prompts,
                          completion_response, echo, echoed, error_body, from_engine_error, generate_fields,
-                         models_list, new_id, stream_flags, template_kwargs, usage_chunk)
+                         models_list, new_id, parallel_tool_calls, stream_flags, template_kwargs, tool_call_doc,
+                         tool_choice, usage_chunk)
+from .tool_calls import CallDelta, leaves_thinking, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +180,10 @@ class HttpFrontend:
         self.endpoint = server.bind_inproc()
         self.template = self.engine.chat_template
         self.turn_end = turn_end_id(self.template, self.engine.codec) if self.template is not None else None
+        self.tool_format = tool_format(self.template.source) if self.template is not None else None
+        codec = self.engine.codec  # llguidance matches an added token only as a token: the grammars name them
+        self.added_tokens = frozenset(t.content for t in codec.tokenizer.get_added_tokens_decoder().values()) \
+            if codec is not None else frozenset()
         self.created = int(time.time())
         self.counts: Counter = Counter()  # (route, status) -> responses
         self.streams = 0  # open SSE responses
@@ -350,10 +356,10 @@ class HttpFrontend:
                               code="no_chat_template")
         if self.engine.codec is None:
             raise OpenAIError(400, "the model has no tokenizer; use /v1/completions with token ids")
-        messages, tools, extra = chat_messages(body), chat_tools(body), template_kwargs(body)
+        messages, tools, extra = chat_messages(body, self._arguments_as_text()), chat_tools(body), template_kwargs(body)
         fields = generate_fields(body, chat=True, max_new_tokens_limit=self._limit(), default_max_tokens=None)
         self._check_size(messages)  # before the template and the tokenizer see them
-        ids = await asyncio.get_running_loop().run_in_executor(None, self._render, messages, tools, extra)
+        prompt, ids = await asyncio.get_running_loop().run_in_executor(None, self._render, messages, tools, extra)
         room = self.engine.max_seq_len - len(ids)
         if room < 1:
             raise OpenAIError(400, f"the messages are {len(ids)} tokens; the context holds "
@@ -362,8 +368,42 @@ class HttpFrontend:
             fields["max_new_tokens"] = min(room, self._limit())
         if self.turn_end is not None and self.turn_end not in fields["stop_token_ids"]:
             fields["stop_token_ids"].append(self.turn_end)  # the assistant's turn ends there (ChatML's <|im_end|>)
+        fmt = self._tool_fields(body, tools, fields, prompt)
         doc = {"type": "generate", "prompt_ids": ids, **fields}
-        return await self._run(request, body, [doc], chat=True)
+        return await self._run(request, body, [doc], chat=True, tools=None if fmt is None else (fmt, tools))
+
+    def _arguments_as_text(self) -> bool:
+        return self.tool_format is not None and self.tool_format.arguments_as_text
+
+    def _tool_fields(self, body: dict, tools: list | None, fields: dict, prompt: str):
+        """The template's tool-call format when the reply is to be parsed for calls (None: plain content), the
+        generate fields set for it: special tokens kept in the text (some formats' markers are), and for
+        ``tool_choice`` "required" or a named function the format's grammar, so the model writes only calls
+        (after a thought where the ``prompt`` leaves the model to think)."""
+        choice = tool_choice(body)
+        if choice not in ("none", "auto") and not tools:
+            raise OpenAIError(400, "'tool_choice' other than \"none\" or \"auto\" needs 'tools'", param="tool_choice")
+        if not tools or choice == "none":
+            return None
+        fmt = self.tool_format
+        if fmt is None:
+            if choice == "auto":
+                return None  # the tools are in the prompt; the reply is content as the template's model writes it
+            raise OpenAIError(400, "the model's chat template writes tool calls in no format this server parses, so "
+                                   f"'tool_choice' {json.dumps(choice)} cannot be enforced", param="tool_choice")
+        fields["skip_special_tokens"] = False
+        if choice != "auto":
+            if fields["grammar"] is not None:
+                raise OpenAIError(400, "'response_format' and a forced 'tool_choice' cannot both hold",
+                                  param="response_format")
+            try:
+                grammar = fmt.grammar(tools, choice, special=self.added_tokens,
+                                      think=leaves_thinking(self.template.source, prompt),
+                                      parallel=parallel_tool_calls(body))
+                fields["grammar"] = {"type": "lark", "grammar": grammar}
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param="tool_choice") from None
+        return fmt
 
     def _check_size(self, messages: list[dict]) -> None:
         """Refuse messages whose text alone needs more tokens than a prompt may have: no token of the tokenizer
@@ -390,9 +430,10 @@ class HttpFrontend:
         if "messages" in body:
             if self.template is None:
                 raise OpenAIError(400, "the model has no usable chat template", param="messages")
-            messages, tools, extra = chat_messages(body), chat_tools(body), template_kwargs(body)
+            messages, tools, extra = chat_messages(body, self._arguments_as_text()), chat_tools(body), \
+                template_kwargs(body)
             self._check_size(messages)
-            ids = await loop.run_in_executor(None, self._render, messages, tools, extra)
+            _, ids = await loop.run_in_executor(None, self._render, messages, tools, extra)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -415,18 +456,20 @@ class HttpFrontend:
         text = await asyncio.get_running_loop().run_in_executor(None, self.engine.decode, ids)
         return _json(200, {"prompt": text})
 
-    def _render(self, messages: list[dict], tools, extra: dict) -> list[int]:
+    def _render(self, messages: list[dict], tools, extra: dict) -> tuple[str, list[int]]:
+        """The chat's prompt text and its ids."""
         try:
             text = self.template.render(messages, add_generation_prompt=True, tools=tools, **extra)
         except ChatTemplateError as exc:
             raise OpenAIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
-        return self.engine.encode(text)
+        return text, self.engine.encode(text)
 
     def _limit(self) -> int:
         return self.server.limits.max_new_tokens
 
     async def _run(self, request: web.Request, body: dict, docs: list[dict], chat: bool,
-                   echo_texts: list[str] | None = None, prompt_only: bool = False) -> web.StreamResponse:
+                   echo_texts: list[str] | None = None, prompt_only: bool = False,
+                   tools: tuple | None = None) -> web.StreamResponse:
         """Send a generate document per prompt and choice (``n``; seeds seed, seed + 1, ... when one is given)
         and answer with their events: one JSON document (choice i * n + j: prompt i's choice j; with
         ``echo_texts``, each prompt before its text), or SSE chunks of every choice as they come."""
@@ -449,21 +492,22 @@ class HttpFrontend:
                 done = True
                 if echo_texts is not None:
                     finals = [echoed(f, echo_texts[k // n], prompt_only) for k, f in enumerate(finals)]
-                return _json(200, completion_response(new_id(chat), self.model_name, finals, chat, want_logprobs))
+                return _json(200, completion_response(new_id(chat), self.model_name, finals, chat, want_logprobs,
+                                                      tools))
             echo_of = None if echo_texts is None else [echo_texts[k // n] for k in range(len(queues))]
             response, done = await self._stream(request, [q for q, _ in queues], chat, include_usage,
-                                                want_logprobs, echo_of, prompt_only)
+                                                want_logprobs, echo_of, prompt_only, tools)
             return response
         finally:
             for _, rid in queues:
                 self.bridge.end(rid, cancel=not done)
 
     async def _stream(self, request: web.Request, queues: list[asyncio.Queue], chat: bool, include_usage: bool,
-                      want_logprobs: bool, echo_of: list[str] | None = None,
-                      prompt_only: bool = False) -> tuple[web.StreamResponse, bool]:
+                      want_logprobs: bool, echo_of: list[str] | None = None, prompt_only: bool = False,
+                      tools: tuple | None = None) -> tuple[web.StreamResponse, bool]:
         """The choices' events as SSE chunks, each tagged with its choice's index, in the order they come; with
         ``echo_of``, each choice's prompt (and its log-probabilities) first, its text alone after
-        (``prompt_only``)."""
+        (``prompt_only``); with ``tools``, each choice's text parsed into content and tool calls as it comes."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def forward(index: int, queue: asyncio.Queue) -> None:
@@ -476,14 +520,14 @@ class HttpFrontend:
         tasks = [asyncio.get_running_loop().create_task(forward(i, q)) for i, q in enumerate(queues)]
         try:
             return await self._write_stream(request, merged, len(queues), chat, include_usage, want_logprobs,
-                                            echo_of, prompt_only)
+                                            echo_of, prompt_only, tools)
         finally:
             for t in tasks:
                 t.cancel()
 
     async def _write_stream(self, request: web.Request, merged: asyncio.Queue, n: int, chat: bool,
                             include_usage: bool, want_logprobs: bool, echo_of: list[str] | None,
-                            prompt_only: bool) -> tuple[web.StreamResponse, bool]:
+                            prompt_only: bool, tools: tuple | None) -> tuple[web.StreamResponse, bool]:
         index, first = await merged.get()
         if first["type"] == "error":  # refused before any token: a plain HTTP error, not a stream
             raise from_engine_error(first)
@@ -497,6 +541,24 @@ class HttpFrontend:
                     await response.write(sse(chunk(oid, self.model_name, created, chat, "", role=True, index=i)))
             ev = first
             echoed_choices: set[int] = set()
+            streamers = [tools[0].streamer(tools[1]) for _ in range(n)] if tools is not None else None
+            called = [False] * n  # whether choice i made a tool call (its finish_reason is then tool_calls)
+
+            async def deltas(i: int, out: list, lp: dict | None) -> None:
+                """A choice's parsed pieces as chunks: content, or one whole tool call each; the token's
+                logprobs ride on the first (an empty content chunk carries them when nothing else goes)."""
+                for d in out:
+                    if isinstance(d, CallDelta):
+                        called[i] = True
+                        piece = chunk(oid, self.model_name, created, chat, None, logprobs=lp, index=i,
+                                      tool_calls=[tool_call_doc(d.call, d.index)])
+                    else:
+                        piece = chunk(oid, self.model_name, created, chat, d.text, logprobs=lp, index=i)
+                    await response.write(sse(piece))
+                    lp = None
+                if lp is not None:
+                    await response.write(sse(chunk(oid, self.model_name, created, chat, "", logprobs=lp, index=i)))
+
             while True:
                 if echo_of is not None and index not in echoed_choices and ev["type"] in ("token", "final"):
                     echoed_choices.add(index)  # the prompt first, with its log-probabilities (the first event's)
@@ -513,12 +575,18 @@ class HttpFrontend:
                     if want_logprobs:
                         lp = chat_logprobs(entries) if chat else completion_logprobs(entries, offsets[index])
                     offsets[index] += len(ev["text"])
-                    await response.write(sse(chunk(oid, self.model_name, created, chat, ev["text"], logprobs=lp,
-                                                   index=index)))
+                    if streamers is not None:
+                        await deltas(index, streamers[index].push(ev["text"]), lp)
+                    else:
+                        await response.write(sse(chunk(oid, self.model_name, created, chat, ev["text"], logprobs=lp,
+                                                       index=index)))
                 elif ev["type"] == "final":
                     if prompt_only:
                         ev = dict(ev, finish_reason="length", usage=dict(ev["usage"], completion_tokens=0))
                     finish = FINISH_REASON.get(ev["finish_reason"], "stop")
+                    if streamers is not None:
+                        await deltas(index, streamers[index].finish(), None)
+                        finish = "tool_calls" if called[index] and finish == "stop" else finish
                     await response.write(sse(chunk(oid, self.model_name, created, chat, None if chat else "",
                                                    finish=finish, index=index)))
                     finals[index] = ev

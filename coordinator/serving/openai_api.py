@@ -25,6 +25,7 @@ Finish reasons: the engine's ``eos`` and ``stop`` are OpenAI's ``stop``; its
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -117,19 +118,35 @@ def _refuse_unsupported(body: dict) -> None:
     _check_types(body)
 
 
+def tool_choice(body: dict) -> str | dict:
+    """``tool_choice`` checked: "none", "auto", "required" or {"type": "function", "function": {"name": N}};
+    absent: "auto" when the request has tools, else "none" (OpenAI's defaults)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if body.get("tools") else "none"
+    if not (choice in ("none", "auto", "required") or (isinstance(choice, dict) and choice.get("type") == "function"
+                                                        and isinstance(choice.get("function"), dict)
+                                                        and isinstance(choice["function"].get("name"), str))):
+        raise OpenAIError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": "
+                               "\"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+    return choice
+
+
+def parallel_tool_calls(body: dict) -> bool:
+    """``parallel_tool_calls`` (default true): false holds a forced tool choice to one call."""
+    value = body.get("parallel_tool_calls")
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise OpenAIError(400, "'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
+    return value
+
+
 def _check_types(body: dict) -> None:
     """The fields this server does not act on, refused when they would change the answer and checked for
     their type when they would not: none is taken silently."""
-    choice = body.get("tool_choice")
-    if choice is not None:
-        if not (choice in ("none", "auto", "required") or (isinstance(choice, dict) and choice.get("type") ==
-                                                            "function" and isinstance(choice.get("function"), dict)
-                                                            and isinstance(choice["function"].get("name"), str))):
-            raise OpenAIError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": "
-                                   "\"function\", \"function\": {\"name\": ...}}", param="tool_choice")
-        if choice not in ("none", "auto"):
-            raise OpenAIError(400, "'tool_choice' other than \"auto\" or \"none\" is not supported",
-                              param="tool_choice")
+    tool_choice(body)
+    parallel_tool_calls(body)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise OpenAIError(400, "'user' must be a string", param="user")
     for old in ("functions", "function_call"):
@@ -258,6 +275,8 @@ def generate_fields(body: dict, *, chat: bool, max_new_tokens_limit: int, defaul
     _refuse_unsupported(body)
     if echo(body) and chat:
         raise OpenAIError(400, "'echo' is for /v1/completions", param="echo")
+    if not chat and tool_choice(body) not in ("none", "auto"):
+        raise OpenAIError(400, "'tool_choice' is for /v1/chat/completions with 'tools'", param="tool_choice")
     logprobs = _logprobs(body, chat)
     return {
         "max_new_tokens": _max_tokens(body, default_max_tokens, max_new_tokens_limit),
@@ -327,9 +346,35 @@ def check_unicode(value, param: str, where: str | None = None) -> None:
             check_unicode(v, param, f"{where or param}[{i}]")
 
 
-def chat_messages(body: dict) -> list[dict]:
+def _template_tool_calls(calls, where: str, as_text: bool) -> list:
+    """An assistant's ``tool_calls`` as its template reads them: each ``function.arguments`` JSON text parsed
+    into an object (transformers' and vLLM's convention; GLM's template iterates it), or, ``as_text``, kept
+    as JSON text (DeepSeek's templates concatenate it)."""
+    if not isinstance(calls, list):
+        raise OpenAIError(400, f"{where}: 'tool_calls' must be a list", param="messages")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise OpenAIError(400, f"{where}.tool_calls[{i}] must be {{\"type\": \"function\", \"function\": "
+                                   "{\"name\": ..., \"arguments\": ...}}", param="messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise OpenAIError(400, f"{where}.tool_calls[{i}].function.arguments is not JSON",
+                                  param="messages") from None
+        if as_text:
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def chat_messages(body: dict, arguments_as_text: bool = False) -> list[dict]:
     """``messages`` checked, text parts joined into strings; other keys (name, tool_calls, tool_call_id) kept
-    for the template."""
+    for the template, an assistant's tool calls with their arguments as objects (as JSON text with
+    ``arguments_as_text``) and a null content as "" (DeepSeek's templates concatenate it)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
@@ -344,8 +389,11 @@ def chat_messages(body: dict) -> list[dict]:
         if m.get("content") is None:
             if m["role"] != "assistant" or not m.get("tool_calls"):
                 raise OpenAIError(400, f"{where} has no 'content'", param="messages")
+            m["content"] = ""
         else:
             m["content"] = _text_content(m["content"], where)
+        if m.get("tool_calls") is not None:
+            m["tool_calls"] = _template_tool_calls(m["tool_calls"], where, arguments_as_text)
         out.append(m)
     return out
 
@@ -422,13 +470,33 @@ def echoed(final: dict, prompt_text: str, prompt_only: bool) -> dict:
     return out
 
 
-def completion_response(rid: str, model: str, finals: list[dict], chat: bool, want_logprobs: bool) -> dict:
-    """The answer to a request from its choices' final events, in choice order."""
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_doc(call, index: int | None = None) -> dict:
+    """A parsed call (tool_calls.ToolCall) as OpenAI's ``tool_calls`` entry (a stream's delta: with ``index``)."""
+    doc = {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return doc if index is None else {"index": index, **doc}
+
+
+def completion_response(rid: str, model: str, finals: list[dict], chat: bool, want_logprobs: bool,
+                        tools: tuple | None = None) -> dict:
+    """The answer to a request from its choices' final events, in choice order; ``tools`` (the chat template's
+    tool_calls.ToolFormat, the request's tools): each text parsed into content and ``tool_calls``."""
     out = []
     for index, final in enumerate(finals):
         entries = final.get("logprobs") or []
         choice = {"index": index, "finish_reason": FINISH_REASON.get(final["finish_reason"], "stop")}
-        if chat:
+        if chat and tools is not None:
+            content, calls = tools[0].parse(final["text"], tools[1])
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = [tool_call_doc(c) for c in calls]
+                if choice["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            choice["logprobs"] = chat_logprobs(entries) if want_logprobs else None
+        elif chat:
             choice["message"] = {"role": "assistant", "content": final["text"]}
             choice["logprobs"] = chat_logprobs(entries) if want_logprobs else None
         else:
@@ -440,13 +508,16 @@ def completion_response(rid: str, model: str, finals: list[dict], chat: bool, wa
 
 
 def chunk(rid: str, model: str, created: int, chat: bool, text: str | None, finish: str | None = None,
-          logprobs: dict | None = None, role: bool = False, index: int = 0) -> dict:
-    """One streamed chunk of choice ``index``: a piece of text (or the role, or the finish reason)."""
+          logprobs: dict | None = None, role: bool = False, index: int = 0, tool_calls: list | None = None) -> dict:
+    """One streamed chunk of choice ``index``: a piece of text (or the role, or tool calls, or the finish
+    reason)."""
     choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if chat:
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
