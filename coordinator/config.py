@@ -15,6 +15,8 @@ from typing import Callable, Mapping
 from shm import formats
 
 from .errors import ConfigValueError
+from .speculative import DEFAULT_DRAFT_MAX
+from .speculative import MODES as SPECULATIVE_MODES
 
 POOLS = ("inproc", "process")
 EXPERT_DTYPES = (formats.AUTO, *formats.FORMATS, *formats.FILE_FORMATS)  # the last: a GGUF file's own blocks
@@ -58,6 +60,10 @@ class EngineConfig:
     # to bf16 (llama.cpp's BF16 arithmetic: vdpbf16ps on AVX-512 BF16). "f32" widens the weights to float (the
     # reference)
     activations: str = "q8"
+    # speculative decoding (coordinator/speculative.py): off | ngram (prompt lookup) | mtp (the model's MTP
+    # layers) | auto (MTP where the model has it, else ngram); draft_max: drafts tried per step at most
+    speculative: str = "off"
+    draft_max: int = DEFAULT_DRAFT_MAX
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -108,6 +114,11 @@ class EngineConfig:
             raise ConfigValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.activations not in ACTIVATIONS:
             raise ConfigValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ConfigValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
+                                   f"got {self.speculative!r}")
+        if not isinstance(self.draft_max, int) or isinstance(self.draft_max, bool) or not 1 <= self.draft_max <= 16:
+            raise ConfigValueError(f"draft_max must be an integer in [1, 16], got {self.draft_max!r}")
         if self.worker_log_level not in LOG_LEVELS:
             raise ConfigValueError(f"worker_log_level must be one of {', '.join(LOG_LEVELS)}, "
                                    f"got {self.worker_log_level!r}")
@@ -158,6 +169,8 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "dense_dtype": ("STRATA_DENSE_DTYPE", str),
     "kv_dtype": ("STRATA_KV_DTYPE", str),
     "activations": ("STRATA_ACTIVATIONS", str),
+    "speculative": ("STRATA_SPECULATIVE", str),
+    "draft_max": ("STRATA_DRAFT_MAX", int),
 }
 
 API_KEY_VAR = "STRATA_API_KEY"  # ``strata serve --http``: the Bearer key /v1/* requires (--api-key), not the engine's

@@ -338,12 +338,13 @@ class Engine:
     def generate_full(self, token_ids: Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                       temperature: float = GenerateRequest.temperature, *, stop_at_eos: bool = True,
                       on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
-                      **options) -> GenerationResult:
+                      speculative: str | None = None, **options) -> GenerationResult:
         """Generate after ``token_ids`` through the serving loop (coordinator/scheduler.py: the admission,
         sampling and stopping of a served request). ``options``: GenerateRequest's sampling and stopping
         fields (top_k, top_p, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty, stop,
         stop_token_ids). ``stop_at_eos=False`` goes on past the model's eos ids. ``on_token`` sees each id as
-        it is chosen, ``on_text`` the text as it streams (held back while it may begin a stop string)."""
+        it is chosen, ``on_text`` the text as it streams (held back while it may begin a stop string).
+        ``speculative``: a speculative decoding mode for this call (the config's when None)."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ConfigValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         ids = self.check_ids(token_ids, max_new_tokens)
@@ -358,7 +359,7 @@ class Engine:
         req = GenerateRequest("generate", prompt_ids=tuple(ids.tolist()), max_new_tokens=max_new_tokens,
                               temperature=temperature, stop=stop, stream=on_text is not None,
                               ignore_eos=not stop_at_eos, **options)
-        return generate(self, req, on_token, on_text)
+        return generate(self, req, on_token, on_text, speculative=speculative)
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  temperature: float = GenerateRequest.temperature, **kwargs) -> list[int]:

@@ -32,6 +32,7 @@ from .model.kv_cache import KVCache
 from .latency import new_histograms
 from .model.sampling import Sampler, top_logprobs
 from .model.tokenizer import StreamDecoder
+from .speculative import DraftLength, ngram_draft
 from .request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class Sequence:
     started: float = field(default_factory=time.monotonic)  # when the scheduler took it
     arrived: float = 0.0  # monotonic: when the request arrived (its latencies count from here)
     last_token_at: float | None = None  # monotonic: when its last token was chosen
+    drafts: DraftLength | None = None  # speculative decoding: how many drafts it tries next (None: off)
+    history: np.ndarray | None = None  # [len(prompt) + max_new_tokens] its ids so far, where drafts are looked up
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -74,8 +77,14 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 class Scheduler:
     def __init__(self, engine, emit: Emit, max_active: int = DEFAULT_MAX_ACTIVE, max_queued: int = DEFAULT_MAX_QUEUED,
-                 limits: Limits = Limits(), prefill_chunk: int | None = None):
+                 limits: Limits = Limits(), prefill_chunk: int | None = None, speculative: str | None = None,
+                 draft_max: int | None = None):
+        """``speculative`` and ``draft_max`` (coordinator/speculative.py): the engine's config's when None."""
         self.engine = engine
+        self.speculative = engine.config.speculative if speculative is None else speculative
+        self.draft_max = engine.config.draft_max if draft_max is None else draft_max
+        if self.speculative in ("mtp", "auto"):
+            self.speculative = "ngram"  # the MTP drafter is not built yet; prompt lookup stands in
         self.limits = limits
         self.emit = emit
         self.max_active = max_active
@@ -87,7 +96,8 @@ class Scheduler:
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet wholly in the cache (admission order)
         self.active: list[Sequence] = []  # running: prompt cached, out_ids[-1] sampled but not yet in the cache
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "tokens": 0, "steps": 0,
-                      "prefill_tokens": 0, "busy_rejections": 0, "started": time.time(), "step_s": 0.0}
+                      "prefill_tokens": 0, "busy_rejections": 0, "started": time.time(), "step_s": 0.0,
+                      "drafted_tokens": 0, "accepted_drafts": 0}
         self.latency = new_histograms()  # coordinator/latency.py: queue, first token, inter-token, end to end
 
     # -- admission -----------------------------------------------------------
@@ -127,7 +137,13 @@ class Scheduler:
         stream = StreamDecoder(eng.codec, req.skip_special_tokens) if eng.codec is not None else None
         arrived = time.monotonic() if arrived is None else arrived
         deadline = None if req.deadline_s is None else arrived + req.deadline_s
+        drafts, history = None, None
+        if self.speculative != "off":
+            drafts = DraftLength(self.draft_max)
+            history = np.empty(len(ids) + req.max_new_tokens, np.int64)
+            history[:len(ids)] = ids
         seq = Sequence(client, req, list(ids), sampler, eng.new_cache(), stream, deadline=deadline,
+                       drafts=drafts, history=history,
                        logprobs=None if req.logprobs is None else [],
                        prompt_logprobs=None if req.prompt_logprobs is None else [
                            {"id": ids[0], "token": self._token_text(ids[0]), "logprob": None, "top": []}],
@@ -204,12 +220,14 @@ class Scheduler:
             chunks.append((s, n))
             budget -= n
         decoding = list(self.active)
+        drafted = [self._draft(s) for s in decoding]  # each running sequence's drafts ([] : none this step)
         batch = [(np.asarray(s.prompt_ids[s.prefilled:s.prefilled + n], np.int64), s.cache) for s, n in chunks]
-        batch += [(np.array([s.out_ids[-1]], np.int64), s.cache) for s in decoding]
+        batch += [(np.array([s.out_ids[-1], *d], np.int64), s.cache) for s, d in zip(decoding, drafted)]
         try:
             if not batch:
                 return
             scored = frozenset(k for k, (s, _) in enumerate(chunks) if s.prompt_logprobs is not None)
+            scored |= {len(chunks) + j for j, d in enumerate(drafted) if d}  # a drafted row's logits verify it
             outs = self.engine.step(batch, all_rows=scored)  # a scored chunk's logits: every row's
             done = []
             for (s, n), logits in zip(chunks, outs):
@@ -220,14 +238,20 @@ class Scheduler:
                 if s.prefilled == len(s.prompt_ids):
                     s.logits = logits[-1]
                     done.append(s)
-            for s, logits in zip(decoding, outs[len(chunks):]):
+            rows = {}  # a drafted sequence -> (its drafts, their k + 1 rows of logits)
+            for s, d, logits in zip(decoding, drafted, outs[len(chunks):]):
                 s.logits = logits[-1]
+                if d:
+                    rows[id(s)] = (d, logits)
             for s in done:  # the prompt is cached: it samples its first token now and decodes from the next step
                 self.prefilling.remove(s)
             self.active.extend(done)
             for s in list(self.active):
                 try:
-                    self._advance(s)
+                    if id(s) in rows:
+                        self._verify(s, *rows[id(s)])
+                    else:
+                        self._advance(s, s.logits)
                 except GrammarError as exc:  # this sequence's grammar failed: it ends, the others go on
                     self.stats["errors"] += 1
                     self.emit(s.client, {"type": "error", "id": s.req.id, "code": "grammar", "message": str(exc)})
@@ -252,10 +276,38 @@ class Scheduler:
             self.stats["steps"] += 1
             self.stats["step_s"] += time.perf_counter() - t0
 
-    def _advance(self, s: Sequence) -> bool:
-        """Sample one token for s and emit; False when s is finished."""
-        token, logits = s.sampler.choose(s.logits)
+    def _draft(self, s: Sequence) -> list[int]:
+        """The tokens s drafts this step (none when speculation is off or paused for it), at most as many as its
+        remaining tokens allow."""
+        if s.drafts is None:
+            return []
+        k = min(s.drafts.next(), s.req.max_new_tokens - len(s.out_ids) - 1)
+        if k <= 0:
+            return []
+        return ngram_draft(s.history[:len(s.prompt_ids) + len(s.out_ids)], k)
+
+    def _verify(self, s: Sequence, drafts: list[int], rows: np.ndarray) -> None:
+        """Choose s's tokens from its k + 1 rows (row j: after drafts 1..j) in order, taking each draft the rule
+        allows, up to the first that it does not; the cache keeps what stands."""
+        cached = s.cache.length - len(drafts)  # after the last token chosen, whose row is rows[0]
+        took = 0
+        for j, logits in enumerate(rows):
+            draft = drafts[j] if j < len(drafts) else None
+            if not self._advance(s, logits, draft) or s.out_ids[-1] != draft:
+                break
+            took += 1
+        s.drafts.update(len(drafts), took)
+        self.stats["drafted_tokens"] += len(drafts)
+        self.stats["accepted_drafts"] += took
+        s.cache.truncate(cached + took)
+
+    def _advance(self, s: Sequence, logits: np.ndarray, draft: int | None = None) -> bool:
+        """Choose one token for s from ``logits`` (taking ``draft`` where the rule allows) and emit; False when s
+        is finished."""
+        token, logits = s.sampler.choose(logits, draft)
         s.out_ids.append(token)
+        if s.history is not None:
+            s.history[len(s.prompt_ids) + len(s.out_ids) - 1] = token
         now = time.monotonic()
         if s.last_token_at is None:
             self.latency["first_token"].observe(now - s.arrived)
@@ -351,12 +403,13 @@ ONE = b"generate"  # the client of a request driven by ``generate``
 
 
 def generate(engine, req: GenerateRequest, on_token: Callable[[int], None] | None = None,
-             on_text: Callable[[str], None] | None = None) -> GenerationResult:
+             on_text: Callable[[str], None] | None = None, speculative: str | None = None) -> GenerationResult:
     """One request driven to its end by a Scheduler of its own: the serving loop's admission, steps, sampling
     and stopping, with the prompt prefilled in one pass. ``on_token`` sees each id as it is chosen,
     ``on_text`` each piece of text as the stream lets it out (text that may begin a stop string held back;
     ``req.stream`` on). An exception from either ends the request, its sequence freed, and goes on to the
-    caller; a request the scheduler refuses is a ConfigValueError."""
+    caller; a request the scheduler refuses is a ConfigValueError. ``speculative``: the engine's config's when
+    None; the timings count the drafts tried and taken."""
     final: dict = {}
 
     def emit(_client: bytes, event: dict) -> None:
@@ -366,7 +419,8 @@ def generate(engine, req: GenerateRequest, on_token: Callable[[int], None] | Non
             final.update(event)
 
     ids = list(req.prompt_ids) if req.prompt_ids is not None else engine.encode(req.prompt)
-    sched = Scheduler(engine, emit, max_active=1, max_queued=1, prefill_chunk=max(len(ids), 1))
+    sched = Scheduler(engine, emit, max_active=1, max_queued=1, prefill_chunk=max(len(ids), 1),
+                      speculative=speculative)
     try:
         seq = sched.add(ONE, req, ids)
     except ApiError as exc:
@@ -393,6 +447,8 @@ def generate(engine, req: GenerateRequest, on_token: Callable[[int], None] | Non
         "decode_tokens": decode_steps, "decode_s": t2 - t1,
         "decode_tokens_per_s": decode_steps / (t2 - t1) if decode_steps and t2 > t1 else None,
         "time_to_first_token_s": t1 - t0,
+        "steps": sched.stats["steps"], "drafted_tokens": sched.stats["drafted_tokens"],
+        "accepted_drafts": sched.stats["accepted_drafts"],
     }
     return GenerationResult(ids, list(seq.out_ids), final.get("finish_reason", "length"), t1 - t0, t2 - t1,
                             timings, final.get("text") if engine.codec is not None else None)

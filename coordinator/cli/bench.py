@@ -45,6 +45,7 @@ from .make_model import l3_bytes
 log = logging.getLogger(__name__)
 
 MODES = ("inproc", "single", "split")
+REPEATED_PHRASE = 16  # --repetitive: the prompt is its first this many tokens over and over
 HEADROOM = 0.9  # the modes still to open may take this share of the memory available
 
 
@@ -120,6 +121,8 @@ class BenchPlan:
     membw_bytes: int | None = None  # the STREAM-style read's array; None: stream_bytes
     seed: int = 0
     quality_positions: int = 0  # compare the first mode's logits with an f32 computation over this many; 0: not
+    speculative: str = "off"  # also decode each round with this speculative decoding, beside plain decoding
+    repetitive: bool = False  # the prompt: one random phrase repeated (prompt lookup drafts from it)
 
 
 def bench_engines(modes, nodes: int, formats: list[tuple[str, dict]] | None,
@@ -203,8 +206,11 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
         mcfg = any_eng.model_config
         rng = np.random.default_rng(seed)
         prompt = rng.integers(0, min(mcfg.vocab_size, 256), prompt_tokens).tolist()
+        if plan.repetitive:
+            prompt = (prompt[:REPEATED_PHRASE] * (prompt_tokens // REPEATED_PHRASE + 1))[:prompt_tokens]
         results: dict[str, dict] = {m: {"decode_tps": [], "prefill_tps": [], "timings": [], "pairs": 0,
-                                        "expert_loads": 0} for m in engines}
+                                        "expert_loads": 0, "spec_tps": [], "spec_steps": 0, "drafted": 0,
+                                        "accepted": 0, "spec_tokens": 0} for m in engines}
         for eng in engines.values():
             eng.generate(prompt, max_new_tokens=plan.warmup_tokens, stop_at_eos=False)
         for k in range(rounds):
@@ -213,7 +219,7 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
                 pool = eng.pool
                 pool.record_timings, pool.timings = True, []
                 loads0, pairs0 = eng.decoder.stats.cpu_expert_loads, eng.decoder.stats.routed_pairs
-                r = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False)
+                r = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False, speculative="off")
                 pool.record_timings = False
                 res = results[mode]
                 res["decode_tps"].append(r.timings["decode_tokens_per_s"])
@@ -221,6 +227,14 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
                 res["timings"].extend(pool.timings)
                 res["expert_loads"] += eng.decoder.stats.cpu_expert_loads - loads0
                 res["pairs"] += eng.decoder.stats.routed_pairs - pairs0
+                if plan.speculative != "off":  # the same round with drafts, right after: same prompt and tokens
+                    s = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False,
+                                          speculative=plan.speculative)
+                    res["spec_tps"].append(s.timings["decode_tokens_per_s"])
+                    res["spec_steps"] += s.timings["steps"] - 1  # the decode steps (the first one prefilled)
+                    res["spec_tokens"] += s.timings["decode_tokens"]
+                    res["drafted"] += s.timings["drafted_tokens"]
+                    res["accepted"] += s.timings["accepted_drafts"]
         report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
                   "spin_us": plan.engines[0].config.pool_spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
                   "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(plan.settings),
@@ -265,6 +279,7 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
                     "local_share": (h.get("placement") or {}).get("local_share"),
                 } for h in health],
                 "balance": node_balance(res["timings"], pool.plan),
+                "speculative": speculative_figures(plan.speculative, res),
             }
         if plan.quality_positions:
             # the first mode in each format (the first mode alone without formats); the rest are measured and
@@ -281,6 +296,19 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
     finally:
         for eng in engines.values():
             eng.close()
+
+
+def speculative_figures(mode: str, res: dict) -> dict | None:
+    """Decode with drafts beside decode without, from the same rounds: tok/s of both and their ratio, the share
+    of drafted tokens that stood, and the tokens a decode step made."""
+    if mode == "off":
+        return None
+    with_drafts, plain = summary(res["spec_tps"]), summary(res["decode_tps"])
+    return {"mode": mode, "decode_tokens_per_s": with_drafts,
+            "speedup": with_drafts["median"] / plain["median"] if with_drafts["median"] and plain["median"] else None,
+            "acceptance_rate": res["accepted"] / res["drafted"] if res["drafted"] else None,
+            "tokens_per_step": res["spec_tokens"] / res["spec_steps"] if res["spec_steps"] else None,
+            "drafted_tokens": res["drafted"], "accepted_drafts": res["accepted"]}
 
 
 def _ratio(report: dict, label: str, base_label: str, key: str) -> float | None:
@@ -384,6 +412,14 @@ def markdown(report: dict) -> str:
         if r and r["of"] != mode:
             lines.append(f"{mode}: decode {_fmt(r['decode'], '.2f')}x and prefill {_fmt(r['prefill'], '.2f')}x "
                          f"{r['of']} (experts {m['expert_format']}, dense {m['dense_format']}; the same rounds)")
+    for mode, m in report["modes"].items():
+        sp = m.get("speculative")
+        if sp:
+            d = sp["decode_tokens_per_s"]
+            lines.append(f"{mode}: with {sp['mode']} drafts decode {_fmt(d['median'])} tok/s, "
+                         f"{_fmt(sp['speedup'], '.2f')}x without (the same rounds); acceptance "
+                         f"{_fmt(sp['acceptance_rate'], '.1%')} of {sp['drafted_tokens']} drafted, "
+                         f"{_fmt(sp['tokens_per_step'], '.2f')} tokens a step")
     for mode, m in report["modes"].items():
         o = m["overhead_per_token"]
         if o["us"] is not None:

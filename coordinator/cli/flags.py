@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 from typing import Mapping
 
-from ..config import ACTIVATIONS, DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, KV_DTYPES, EngineConfig, resolve_config
+from ..config import (ACTIVATIONS, DENSE_DTYPES, ENV_VARS, EXPERT_DTYPES, KV_DTYPES, SPECULATIVE_MODES, EngineConfig,
+                      resolve_config)
 from ..errors import ConfigValueError
 from ..request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest
 
@@ -22,7 +23,8 @@ CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; t
 # EngineConfig fields the engine flags set ("--" + the field, dashed); the others only through their variable
 FLAG_FIELDS = ("numa_split", "nodes", "pool", "pool_node", "worker_threads", "keep_shm", "route_tail_skip", "max_seq_len",
                "worker_hang_timeout", "worker_restart_window", "expert_dtype", "dense_dtype", "kv_dtype",
-               "activations", "prefill_chunk", "device", "expert_profile", "gpu_experts", "gpu_expert_memory")
+               "activations", "prefill_chunk", "device", "expert_profile", "gpu_experts", "gpu_expert_memory",
+               "speculative", "draft_max")
 
 
 def number(kind, name: str, low=None, high=None, low_open: bool = False):
@@ -141,6 +143,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=None,
                    help="prompt tokens prefilled per serving step, interleaved with decoding "
                         + setting("prefill_chunk"))
+    g.add_argument("--speculative", dest="speculative", default=None, choices=list(SPECULATIVE_MODES),
+                   help="speculative decoding: off, ngram (drafts from earlier text: prompt lookup), mtp (the "
+                        "model's MTP layers), auto (mtp where the model has it, else ngram); the output is the "
+                        "same tokens (greedy) or the same distribution (sampling) " + setting("speculative"))
+    g.add_argument("--draft-max", dest="draft_max", type=number(int, "--draft-max", 1, 16), default=None,
+                   help="drafts tried per step at most; fewer after misses, none for a while after "
+                        "repeated ones " + setting("draft_max"))
     add_device_flags(g)
     g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
 

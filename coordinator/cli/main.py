@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shm.checkpoint import CheckpointError
 
-from ..config import API_KEY_VAR, DENSE_DTYPES, EXPERT_DTYPES, resolve_api_key
+from ..config import API_KEY_VAR, DENSE_DTYPES, EXPERT_DTYPES, SPECULATIVE_MODES, resolve_api_key
 from ..errors import StrataError
 from ..request import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_NEW_TOKENS_LIMIT,
                        DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_QUEUED)
@@ -160,8 +160,12 @@ def speed_line(t: dict) -> str:
     if "load_s" in t:
         compiled = f" (of which compiling kernels {t['compile_s']:.1f} s, first run)" if t.get("compile_s") else ""
         load = f"load {t['load_s']:.1f} s{compiled} | "
+    drafts = ""
+    if t.get("drafted_tokens"):  # speculative decoding: what share of the drafts stood
+        drafts = f" | drafts accepted {t['accepted_drafts']} of {t['drafted_tokens']}"
     return (f"{load}prompt: {rate(t['prefill_tokens'], t['prefill_s'])} | decode: "
-            f"{rate(t['decode_tokens'], t['decode_s'])} | time to first token {t['time_to_first_token_s']:.2f} s")
+            f"{rate(t['decode_tokens'], t['decode_s'])}{drafts} | time to first token "
+            f"{t['time_to_first_token_s']:.2f} s")
 
 
 def cmd_topo(args: argparse.Namespace) -> int:
@@ -314,7 +318,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     engines = bench_engines(modes, args.nodes, formats, resolve)
     report = run_bench(args.model, BenchPlan(engines, tuple(label for label, _ in formats or ()), given,
                                              tokens=args.tokens, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
-                                             quality_positions=args.quality_positions))
+                                             quality_positions=args.quality_positions, speculative=args.bench_speculative,
+                                             repetitive=args.repetitive))
     print(markdown(report))
     if args.json:
         write_json(report, args.json)
@@ -509,6 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quality-positions", dest="quality_positions", type=int, default=128,
                    help="compare the logits over this many positions with an f32 computation of the same "
                         "checkpoint (max relative error, mean KL, top-1 agreement); 0: skip (default %(default)s)")
+    p.add_argument("--speculative", dest="bench_speculative", default="off",
+                   choices=[m for m in SPECULATIVE_MODES if m != "auto"],
+                   help="also decode each round with this speculative decoding, side by side with plain decoding: "
+                        "decode tok/s of both, their ratio, the drafts' acceptance rate and the tokens a step "
+                        "makes (default %(default)s)")
+    p.add_argument("--repetitive", action="store_true",
+                   help="a prompt of one random 16-token phrase repeated (text prompt lookup can draft from) "
+                        "instead of random tokens")
     p.add_argument("--json", default=None, type=writable_file, help="write every figure to this file")
     p.add_argument("--plot", default=None, type=writable_file,
                    help="draw tokens/s and the bandwidth ratio into this PNG (needs matplotlib)")

@@ -61,3 +61,9 @@ class KVCache:
     def advance(self, tokens: int) -> None:
         """Mark ``tokens`` new positions as cached (after every layer has extended)."""
         self.length += tokens
+
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on (drafts that did not stand); the next extend overwrites them."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length

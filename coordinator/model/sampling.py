@@ -102,16 +102,28 @@ class Sampler:
             self.output_counts = np.zeros(v, np.int64)
         return penalized(logits, self.params, self.prompt_counts, self.output_counts)
 
-    def choose(self, logits: np.ndarray) -> tuple[int, np.ndarray]:
+    def choose(self, logits: np.ndarray, draft: int | None = None) -> tuple[int, np.ndarray]:
         """logits [V] -> (the token id, the penalised logits it was chosen from, before the grammar's mask: the
-        logprobs' distribution); the token is counted and the grammar advanced past it."""
+        logprobs' distribution); the token is counted and the grammar advanced past it.
+
+        ``draft`` (speculative decoding, coordinator/speculative.py): a token proposed with certainty. Greedy
+        decoding ignores it (the caller compares). Sampling takes it with its probability p(draft) under the
+        distribution sampled from, and otherwise draws from that distribution without it, renormalised: the
+        token's distribution is the same as without a draft."""
         adjusted = self.adjusted(logits)
         allowed = adjusted if self.constraint is None else self.constraint.mask(adjusted)
         if self.params.temperature == 0:
             token = int(np.argmax(allowed))
         else:
             probs = filtered_probs(allowed, self.params)
-            token = int(self.rng.choice(probs.size, p=probs))
+            if draft is not None and self.rng.random() < probs[draft]:
+                token = draft
+            else:
+                if draft is not None:  # rejected, so p(draft) < 1 and the rest has mass
+                    probs = probs.copy()
+                    probs[draft] = 0.0
+                    probs /= probs.sum()
+                token = int(self.rng.choice(probs.size, p=probs))
         if self.output_counts is not None:
             self.output_counts[token] += 1
         if self.constraint is not None:

@@ -636,6 +636,10 @@ def prometheus(stats: dict, http_counts: Counter, streams: int, model: str = "")
         ("strata_hot_expert_hit_rate", "gauge", "share of routed expert pairs served by the device side",
          hit if hit is not None else float("nan")),
         ("strata_http_streams_open", "gauge", "server-sent event responses in progress", streams),
+        ("strata_spec_draft_tokens_total", "counter", "speculative decoding: tokens drafted",
+         stats.get("drafted_tokens", 0)),
+        ("strata_spec_accepted_tokens_total", "counter", "speculative decoding: drafted tokens that stood",
+         stats.get("accepted_drafts", 0)),
     ]
     lines = []
     for name, kind, text, value in rows:

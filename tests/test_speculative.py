@@ -1,0 +1,211 @@
+"""Speculative decoding (coordinator/speculative.py, Sampler.choose's draft, Scheduler._verify): the same
+tokens as plain greedy decoding, the same distribution when sampling, drafts that stand counted, and a
+sequence whose drafts never stand soon stops drafting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator import scheduler as scheduler_module
+from coordinator.cli.make_model import make_model
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.model.sampling import Sampler, filtered_probs
+from coordinator.model.sampling_params import SamplingParams
+from coordinator.request import GenerateRequest
+from coordinator.scheduler import Scheduler
+from coordinator.speculative import MAX_PAUSE, DraftLength, ngram_draft
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
+# chi-square critical values at significance 0.001 (a true test fails once in a thousand runs), by degrees of
+# freedom: scipy.stats.chi2.ppf(0.999, df)
+CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 7: 24.322}
+
+
+def reference_draft(ids: list[int], k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+    """Prompt lookup written plainly: the longest suffix (max_n..min_n) seen earlier, its latest occurrence."""
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        suffix = ids[len(ids) - n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == suffix:
+                return ids[start + n:start + n + k]
+    return []
+
+
+def test_ngram_draft_equals_the_plain_search():
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        ids = rng.integers(0, 2 + trial % 5, size=rng.integers(1, 40)).tolist()  # small alphabets: many matches
+        k = int(rng.integers(1, 6))
+        assert ngram_draft(np.array(ids, np.int64), k) == reference_draft(ids, k), ids
+    assert ngram_draft(np.array([1, 2, 3, 9, 1, 2, 3], np.int64), 3) == [9, 1, 2]
+    assert ngram_draft(np.array([5, 6, 7, 8], np.int64), 3) == []
+
+
+def test_draft_length_adapts_and_pauses():
+    always = DraftLength(4)
+    for _ in range(10):
+        always.update(always.next(), always.k)
+    assert always.next() == 4 and always.accepted == always.drafted
+    never = DraftLength(4)
+    tried = 0
+    steps = 2000
+    for _ in range(steps):
+        k = never.next()
+        tried += k
+        never.update(k, 0)
+    assert tried <= steps // MAX_PAUSE + 20  # about one draft row every MAX_PAUSE steps once it gives up
+    back = DraftLength(4)
+    for _ in range(5):
+        back.update(back.next() or 1, 0)
+    while back.next() == 0:
+        pass
+    back.update(1, 1)
+    assert back.pause == 0 and back.pause_len == 1  # a hit ends the backing off
+
+
+@pytest.mark.parametrize("draft", [0, 2, 5])
+def test_a_draft_leaves_the_sampled_distribution_as_it_was(draft):
+    """Sampler.choose with a draft: the token's distribution is filtered_probs' (chi-square, significance 0.001),
+    the draft taken with its own probability."""
+    logits = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.7, 0.1], np.float32)
+    params = SamplingParams(temperature=0.9, seed=1)
+    want = filtered_probs(logits, params)
+    sampler = Sampler(params)
+    n = 20000
+    counts = np.bincount([sampler.choose(logits, draft)[0] for _ in range(n)], minlength=logits.size)
+    chi2 = float(((counts - n * want) ** 2 / (n * want)).sum())
+    assert chi2 < CHI2_999[7], (counts / n, want)
+
+
+def run(eng, requests, **kwargs) -> tuple[dict[str, list[int]], dict]:
+    """Requests through one Scheduler to their ends -> (generated ids by request id, the scheduler's stats)."""
+    out: dict[str, list[int]] = {}
+
+    def emit(_client, ev):
+        if ev["type"] == "final":
+            out[ev["id"]] = ev["ids"]
+
+    sched = Scheduler(eng, emit, max_active=8, max_queued=len(requests), **kwargs)
+    for r in requests:
+        sched.add(b"c", r)
+    while sched.busy:
+        sched.step()
+    return out, sched.stats
+
+
+def repetitive_requests(eng, n: int = 4, max_new: int = 48) -> list[GenerateRequest]:
+    text = "the cat sat on the mat. the cat sat on the mat. the cat"
+    return [GenerateRequest(id=f"r{i}", prompt_ids=tuple(eng.encode(text)[i:]), max_new_tokens=max_new,
+                            stream=False) for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_drafts_is_greedy(tmp_path, arch):
+    """Every architecture, in-process: with prompt-lookup drafts the greedy tokens of several sequences decoded
+    together are the tokens without, and drafts were tried and taken."""
+    model = make_model(tmp_path / arch, arch=arch, seed=2)
+    with Engine.open(model, EngineConfig(pool="inproc")) as eng:
+        reqs = repetitive_requests(eng)
+        plain, _ = run(eng, reqs)
+        drafted, stats = run(eng, reqs, speculative="ngram", draft_max=4)
+    assert drafted == plain
+    assert stats["drafted_tokens"] > 0 and stats["accepted_drafts"] > 0, stats
+
+
+def test_greedy_with_drafts_split_over_two_worker_processes(tmp_path):
+    model = make_model(tmp_path / "m", seed=3)
+    with Engine.open(model, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        reqs = repetitive_requests(eng, n=3, max_new=32)
+        plain, _ = run(eng, reqs)
+        drafted, stats = run(eng, reqs, speculative="ngram")
+    assert drafted == plain and stats["accepted_drafts"] > 0
+
+
+def test_stops_and_the_length_limit_hold_within_a_step(tmp_path):
+    """A stop string, an eos id or max_new_tokens met in the middle of the drafts ends the sequence there, as
+    without drafts."""
+    model = make_model(tmp_path / "m", seed=2)
+    with Engine.open(model, EngineConfig(pool="inproc")) as eng:
+        base = repetitive_requests(eng, n=2, max_new=40)
+        plain, _ = run(eng, base)
+        text = eng.decode(plain["r0"])
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        stop_token = plain["r1"][len(plain["r1"]) // 2]
+        reqs = [GenerateRequest(id="s", prompt_ids=base[0].prompt_ids, max_new_tokens=40, stop=(stop,), stream=False),
+                GenerateRequest(id="t", prompt_ids=base[1].prompt_ids, max_new_tokens=40,
+                                stop_token_ids=(stop_token,), stream=False),
+                GenerateRequest(id="n", prompt_ids=base[0].prompt_ids, max_new_tokens=7, stream=False)]
+        assert run(eng, reqs, speculative="ngram")[0] == run(eng, reqs)[0]
+
+
+def test_sampling_with_drafts_keeps_the_models_distribution(tmp_path, monkeypatch):
+    """The first two sampled tokens (top_k 2, so at most 4 outcomes), the second chosen with a fixed token
+    drafted: the outcomes' frequencies match the model's own probabilities (chi-square, significance 0.001)."""
+    model = make_model(tmp_path / "m", seed=4)
+    with Engine.open(model, EngineConfig(pool="inproc")) as eng:
+        prompt = tuple(eng.encode("hello there"))
+        first = eng.logits(list(prompt))[-1]
+        params = SamplingParams(temperature=1.0, top_k=2)
+        p1 = filtered_probs(first, params)
+        want = {}
+        for t1 in np.flatnonzero(p1):
+            if int(t1) in eng.model_config.eos_token_ids:  # the sequence ends there
+                want[(int(t1),)] = p1[t1]
+                continue
+            p2 = filtered_probs(eng.logits([*prompt, int(t1)])[-1], params)
+            for t2 in np.flatnonzero(p2):
+                want[(int(t1), int(t2))] = p1[t1] * p2[t2]
+        draft = max(want, key=want.get)[1]  # a likely second token: drafted at every step, often taken
+        monkeypatch.setattr(scheduler_module, "ngram_draft", lambda ids, k: [draft] * k)
+        n = 3000
+        reqs = [GenerateRequest(id=f"r{i}", prompt_ids=prompt, max_new_tokens=3, temperature=1.0, top_k=2, seed=i,
+                                stream=False) for i in range(n)]  # the second token is chosen with a draft
+        got, stats = run(eng, reqs, speculative="ngram", draft_max=1)
+    assert stats["accepted_drafts"] > 0
+    counts = {key: 0 for key in want}
+    for ids in got.values():
+        counts[tuple(ids[:2])] += 1
+    chi2 = sum((counts[key] - n * p) ** 2 / (n * p) for key, p in want.items())
+    assert chi2 < CHI2_999[len(want) - 1], (counts, want)
+
+
+def test_a_server_with_drafts_streams_the_greedy_tokens_of_concurrent_requests(serve, serve_engine):
+    """`strata serve --speculative ngram`, eight concurrent streamed requests with repetitive prompts: each one's
+    streamed text and final ids equal the engine's own greedy ones, and the server counts drafts that stood."""
+    import threading
+
+    from coordinator.serving.client import Client
+
+    s = serve("--speculative", "ngram", "--draft-max", "3")
+    text = "ab ab ab cd cd ef ef ef ab ab"
+    prompts = [serve_engine.encode(text)[i:] for i in range(8)]
+    results: dict[int, tuple[str, list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            with Client(s.address, timeout=30) as c:
+                gen = c.generate(prompts[i], max_new_tokens=24)
+                results[i] = ("".join(gen), gen.final["ids"])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for i, (streamed, ids) in results.items():
+        want = serve_engine.generate(prompts[i], 24, temperature=0.0)
+        assert ids == want, i
+        assert streamed == serve_engine.decode(want)
+    with Client(s.address, timeout=10) as c:
+        stats = c.stats()
+    assert stats["accepted_drafts"] > 0 and stats["drafted_tokens"] >= stats["accepted_drafts"]
+    from coordinator.serving.http import prometheus
+
+    text = prometheus(stats, {}, 0).splitlines()
+    assert f"strata_spec_accepted_tokens_total {float(stats['accepted_drafts'])}" in text
