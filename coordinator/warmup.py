@@ -426,7 +426,7 @@ class Compiles:
 
 def warm_up_host(dense_kernels: Sequence["KernelSet"] = ()) -> None:
     """Load (or compile) the host loops this engine's requests call, before the first one: the decoder's row
-    loops (host_ops: all of them on a NumPy device side, the router's top-k with a GPU too) and, with dense
+    loops (host_ops: all of them on a NumPy device side) and, with dense
     matrices kept packed, their kernels (one kernel set per format)."""
     from node_worker.kernels import dense
 

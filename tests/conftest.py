@@ -161,7 +161,7 @@ def serve(serve_model, serve_logdir):
 @pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "emulated"])
 def cp(request, tmp_path_factory, monkeypatch):
     """CuPy on a GPU, or the kernel emulator's stand-in for it (tests/cuda_emulator.py): the kernel modules
-    (device_ops, device/format_kernels, device/experts) import ``cupy`` when called."""
+    (device_ops, device/format_kernels, device/experts, device/router) import ``cupy`` when called."""
     import sys
 
     import cuda_emulator

@@ -49,6 +49,7 @@ static float* emu_dynamic_shared;
 static std::barrier<>* emu_block_barrier;
 static std::vector<std::unique_ptr<std::barrier<>>> emu_warp_barriers;
 static float emu_warp_values[32][32];  // [warp][lane]
+static int emu_warp_ints[32][32];  // [warp][lane], the int shuffles'
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -78,6 +79,14 @@ static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     emu_warp_values[w][lane] = v;
     emu_warp_barriers[w]->arrive_and_wait();
     float other = emu_warp_values[w][lane ^ lane_mask];
+    emu_warp_barriers[w]->arrive_and_wait();
+    return other;
+}
+static inline int __shfl_xor_sync(unsigned, int v, int lane_mask) {
+    unsigned lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    emu_warp_ints[w][lane] = v;
+    emu_warp_barriers[w]->arrive_and_wait();
+    int other = emu_warp_ints[w][lane ^ lane_mask];
     emu_warp_barriers[w]->arrive_and_wait();
     return other;
 }

@@ -2,9 +2,9 @@
 would be asked to do.
 
 Device arrays are ``DeviceArray``, a NumPy subclass: ops.py's host paths (which take plain ndarrays only) are
-skipped and its device paths taken, and every kernel (device_ops, device/format_kernels, device/experts)
-runs through tests/cuda_emulator.py. Streams and events are no-ops, pinned memory is plain memory, and the
-"GPU" reports 64 GB free. What it checks: that the device path's code computes what the CPU path computes
+skipped and its device paths taken, and every kernel (device_ops, device/format_kernels, device/experts,
+device/router) runs through tests/cuda_emulator.py. Streams and events are no-ops, pinned memory is plain memory,
+and the "GPU" reports 64 GB free. What it checks: that the device path's code computes what the CPU path computes
 (tests/test_device_decoder.py); not CUDA's rounding, concurrency or speed (tests/test_gpu.py, on a GPU).
 
 ``COUNTS`` tallies, as CuPy would do them on a GPU (tests/test_device_counts.py):
@@ -234,10 +234,10 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
 
 def clear_kernel_caches() -> None:
     """The modules' compiled kernels, built for whichever ``cupy`` was imported last."""
-    from coordinator.device import experts, format_kernels
+    from coordinator.device import experts, format_kernels, router
     from coordinator.model import device_ops
 
-    for mod in (device_ops, format_kernels, experts):
+    for mod in (device_ops, format_kernels, experts, router):
         for name in dir(mod):
             fn = getattr(mod, name)
             if hasattr(fn, "cache_clear"):

@@ -29,29 +29,29 @@ ARCHS = {
 # (8, or 4 for the grouped routers' models, over the model; how many a layer serves follows the routing)
 BUDGETS = {
     "qwen3_moe": {
-        "layer": dict(launches=10, allocations=12, uploads=1, downloads=2, syncs=3),
+        "layer": dict(launches=11, allocations=13, uploads=1, downloads=2, syncs=3),
         "rest": dict(launches=3, allocations=7, uploads=4, downloads=1, syncs=1),
-        "layer with hot experts": dict(launches=17, allocations=24, uploads=6, downloads=1, syncs=1),
+        "layer with hot experts": dict(launches=18, allocations=25, uploads=6, downloads=1, syncs=1),
     },
     "qwen2_moe": {
-        "layer": dict(launches=22, allocations=24, uploads=1, downloads=2, syncs=3),
+        "layer": dict(launches=23, allocations=25, uploads=1, downloads=2, syncs=3),
         "rest": dict(launches=3, allocations=7, uploads=4, downloads=1, syncs=1),
-        "layer with hot experts": dict(launches=29, allocations=36, uploads=6, downloads=1, syncs=1),
+        "layer with hot experts": dict(launches=30, allocations=37, uploads=6, downloads=1, syncs=1),
     },
     "mixtral": {
-        "layer": dict(launches=10, allocations=12, uploads=1, downloads=2, syncs=3),
+        "layer": dict(launches=11, allocations=13, uploads=1, downloads=2, syncs=3),
         "rest": dict(launches=3, allocations=7, uploads=4, downloads=1, syncs=1),
-        "layer with hot experts": dict(launches=15, allocations=24, uploads=8, downloads=3, syncs=5),
+        "layer with hot experts": dict(launches=16, allocations=25, uploads=8, downloads=3, syncs=5),
     },
     "deepseek_v3": {
-        "layer": dict(launches=44, allocations=42, uploads=1, downloads=2, syncs=3),
+        "layer": dict(launches=23, allocations=23, uploads=1, downloads=2, syncs=3),
         "rest": dict(launches=3, allocations=7, uploads=4, downloads=1, syncs=1),
-        "layer with hot experts": dict(launches=56, allocations=59, uploads=6, downloads=2, syncs=3),
+        "layer with hot experts": dict(launches=29, allocations=35, uploads=7, downloads=2, syncs=3),
     },
     "glm4_moe": {
-        "layer": dict(launches=38, allocations=38, uploads=1, downloads=2, syncs=3),
+        "layer": dict(launches=17, allocations=19, uploads=1, downloads=2, syncs=3),
         "rest": dict(launches=3, allocations=7, uploads=4, downloads=1, syncs=1),
-        "layer with hot experts": dict(launches=51, allocations=57, uploads=7, downloads=3, syncs=5),
+        "layer with hot experts": dict(launches=22, allocations=31, uploads=8, downloads=3, syncs=5),
     },
 }
 

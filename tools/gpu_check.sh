@@ -63,7 +63,7 @@ if ok:
 PY
 if [ "${1:-}" != "--bench" ]; then
   exec "$PY" -m pytest -p no:cacheprovider -m gpu -v tests/test_gpu.py tests/test_device_kernels.py \
-    tests/test_format_kernels.py "$@"
+    tests/test_format_kernels.py tests/test_device_router.py "$@"
 fi
 # the CPU kernels the bench's engines need (the deep preset's f32 experts), compiled as a first run compiles them
 "$PY" -m coordinator.warmup host doorbells experts/f32

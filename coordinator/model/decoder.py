@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..device import router
 from ..device.experts import DeviceExperts
 from ..device.weights import DeviceMatrix, upload
 from ..pool import ExpertPool, PoolRequest
@@ -19,7 +20,7 @@ from . import ops
 from .kv_cache import KVCache
 from .model_config import ModelConfig
 from .weights import LayerWeights, ModelWeights
-from .xp import HostStaging, SideStream, module, to_host
+from .xp import HostStaging, SideStream, is_device, module, to_host
 
 
 def on_device(obj, xp, _uploaded: dict | None = None):
@@ -175,7 +176,6 @@ class Decoder:
         # dense weights where the device side runs; the embedding stays on the host (a step reads T rows)
         self.w = weights if self.xp is np else device_weights or upload(weights, self.xp, dense_dtype="f32")
         self.kv_dtype = kv_dtype if self.xp is not np else "f32"
-        self.router_bias = [lw.router_bias for lw in weights.layers]  # host copies: the routing runs on the host
         self.qkv: list[FusedQKV | None] = [None] * len(self.w.layers)  # per layer; the host keeps three matrices
         if self.xp is not np:  # the uploaded q, k, v become views of the fused matrix: no second copy
             for i, lw in enumerate(self.w.layers):
@@ -383,13 +383,7 @@ class Decoder:
         """The router's top-k pairs of every row, less the tail skip, split device / CPU."""
         cfg = self.cfg
         T = x.shape[0]
-        logits = to_host(x @ lw.router.T)  # [T, E], small: the choice and the pair bookkeeping run on the host
-        if cfg.group_router is not None:
-            g = cfg.group_router
-            ids, weights = ops.route_grouped(logits, self.router_bias[i], cfg.top_k, g.n_group, g.topk_group,
-                                             cfg.norm_topk_prob, g.routed_scaling_factor, g.scoring)
-        else:
-            ids, weights = ops.route_top_k(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
+        ids, weights = self._choose(x @ lw.router.T, lw.router_bias)  # [T, k]
         chosen = ids.reshape(-1)  # [P]
         pairs = Pairs(np.repeat(np.arange(T, dtype=np.int64), cfg.top_k), chosen, weights.reshape(-1))
         skipped = 0
@@ -399,6 +393,22 @@ class Decoder:
             pairs = pairs[keep]
         dev = self.on_device[i][pairs.experts]  # [P] pair served on the device
         return Routing(i, chosen, skipped, device=pairs[dev], cpu=pairs[~dev])
+
+    def _choose(self, logits, bias) -> tuple[np.ndarray, np.ndarray]:
+        """The router's choice from logits [T, E] (bias [E] or None, where the logits are): (ids [T, k] int64,
+        weights [T, k] float32) on the host, where the pair bookkeeping runs. Device logits are routed on the
+        device and only the choice comes back, [T, 2k] words where the logits are [T, E] floats; the same bits as
+        the host's (coordinator/device/router.py)."""
+        cfg, g = self.cfg, self.cfg.group_router
+        if is_device(logits):
+            n_group, topk_group, scaling, softmax = (1, 1, 1.0, True) if g is None else (
+                g.n_group, g.topk_group, g.routed_scaling_factor, g.scoring == "softmax")
+            packed = router.route(logits, bias, cfg.top_k, n_group, topk_group, softmax, cfg.norm_topk_prob, scaling)
+            return router.unpack(to_host(packed), cfg.top_k)
+        if g is not None:
+            return ops.route_grouped(logits, bias, cfg.top_k, g.n_group, g.topk_group, cfg.norm_topk_prob,
+                                     g.routed_scaling_factor, g.scoring)
+        return ops.route_top_k(logits, cfg.top_k, cfg.norm_topk_prob)
 
     def _submit_cpu(self, routing: Routing, x: np.ndarray) -> CpuBatch | None:
         """Send the layer's CPU pairs to the pool (only the rows with CPU work travel); None when there are none."""

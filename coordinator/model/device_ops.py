@@ -3,8 +3,8 @@
 At decode a layer's rows are one token, so the device side is bound by calls, not
 arithmetic: each CuPy call costs tens of microseconds on the host whatever its size,
 and rms_norm, RoPE, the masked softmax, the router and silu take several calls each.
-Each of those is one kernel here (and the router's top-k runs on the host, on logits
-copied once); ops.py calls them for CuPy arrays and keeps its NumPy forms (and host_ops'
+Each of those is one kernel here (the router's is coordinator/device/router.py's, the
+host's bits); ops.py calls them for CuPy arrays and keeps its NumPy forms (and host_ops'
 compiled loops) for the host. Results equal the NumPy forms to float32 rounding
 (tests/test_gpu.py, against float64). A layer's attention is one launch too (CuPy's
 batched matmuls over broadcast, transposed operands cost more than the projections):

@@ -1,13 +1,15 @@
 """Compiled host versions of ops.py's per-row reductions, for a CPU (NumPy) device side.
 
 At decode a row is one token: rms_norm's NumPy form is five calls of about 10 µs
-each for a few hundred multiplies, and route_top_k's a softmax, a stable argsort
+each for a few hundred multiplies, and the routers' a softmax, a stable argsort
 and a gather, so the calls cost more than the arithmetic. Here each is one compiled loop over the rows;
 the results equal ops.py's to float32 rounding (tests/test_ops.py), ties in
-the top-k going to the lower expert id as there.
+the top-k going to the lower expert id as there. The routers' loop (top_k) is the device
+router's twin, bit for bit (coordinator/device/router.py).
 
     rms_norm(x [N, D], weight [D], eps, out [N, D])          float32, C-contiguous
-    top_k(logits [T, E], k, normalize, ids [T, k], weights [T, k])
+    top_k(logits [T, E], bias [E] | NO_BIAS, k, n_group, topk_group, softmax, normalize, scaling,
+          ids [T, k], weights [T, k])                        every router: softmax top-k, grouped
     rope(x [T, heads, hd], cos [T, d], sin [T, d], out)       d <= hd; the rest copied
     gqa_attention(q [T, nh, hd], k, v [S, nkv, hd], mask [T, S], scale, out [T, nh*hd])
     gqa_attention_parallel(the same)                         the (token, KV head) pairs over the threads
@@ -34,6 +36,7 @@ from numba import njit, prange
 
 from node_worker.kernels.common import JIT
 from node_worker.kernels.silu import exp
+from shm.jit import CACHED
 
 
 @njit(**JIT)
@@ -48,33 +51,93 @@ def rms_norm(x, weight, eps, out) -> None:
             out[n, d] = (x[n, d] / r) * weight[d]
 
 
-@njit(**JIT)
-def top_k(logits, k, normalize, ids, weights) -> None:
-    T, E = logits.shape
-    probs = np.empty(E, np.float32)
-    taken = np.empty(E, np.bool_)
-    for t in range(T):
-        m = logits[t, 0]
+# The router's loop: no fastmath, so LLVM fuses no multiply into an add and keeps every sum's order: its float32
+# operations are coordinator/device/router.py's kernel's one for one, and so are its results' bits.
+EXACT = CACHED
+NO_BIAS = np.empty(0, np.float32)  # top_k's bias where the router has none
+NORM_EPS = np.float32(1e-20)  # the normalisation's guard (transformers' DeepseekV3TopkRouter)
+
+
+@njit(inline="always", **EXACT)
+def _scores(row, bias, softmax, score, choice) -> None:
+    """score [E]: softmax(row) or sigmoid(row); choice [E]: what the choice ranks, row itself (softmax keeps
+    its order) or sigmoid + bias."""
+    E = row.shape[0]
+    if softmax:
+        m = row[0]
         for e in range(1, E):
-            m = max(m, logits[t, e])
-        total = np.float32(0.0)
+            m = max(m, row[e])
         for e in range(E):
-            probs[e] = np.exp(logits[t, e] - m)
-            total += probs[e]
-        taken[:] = False
-        chosen = np.float32(0.0)
+            score[e] = exp(row[e] - m)
+            choice[e] = row[e]
+        total = np.float32(0.0)
+        for e in range(E):  # in expert order, as the device's one thread adds them
+            total += score[e]
+        for e in range(E):
+            score[e] = score[e] / total
+    else:
+        for e in range(E):
+            score[e] = np.float32(1.0) / (np.float32(1.0) + exp(-row[e]))
+            choice[e] = score[e] + bias[e] if bias.shape[0] else score[e]
+
+
+@njit(inline="always", **EXACT)
+def _keep_groups(choice, softmax, topk_group, group, kept, left) -> None:
+    """left [E]: True on the experts of the topk_group groups of the best scores (ties to the lower group), a
+    group scored by its best choice (softmax) or its best two summed; group [G] and kept [G] are scratch."""
+    n_group = group.shape[0]
+    size = choice.shape[0] // n_group
+    for g in range(n_group):
+        b1 = b2 = np.float32(-np.inf)
+        for e in range(g * size, (g + 1) * size):
+            v = choice[e]
+            if v > b1:
+                b2 = b1
+                b1 = v
+            elif v > b2:
+                b2 = v
+        group[g] = b1 if softmax or size < 2 else b1 + b2
+    kept[:] = False
+    for _ in range(topk_group):
+        best = -1
+        for g in range(n_group):
+            if not kept[g] and (best < 0 or group[g] > group[best]):
+                best = g
+        kept[best] = True
+    for g in range(n_group):
+        left[g * size:(g + 1) * size] = kept[g]
+
+
+@njit(**EXACT)
+def top_k(logits, bias, k, n_group, topk_group, softmax, normalize, scaling, ids, weights) -> None:
+    """Every router (coordinator/device/router.py's docstring): per row the scores, the groups kept where
+    topk_group < n_group, the k best choices among their experts (ties to the lower id), their scores divided by
+    their sum + 1e-20 (normalize), times scaling. bias: NO_BIAS where there is none."""
+    T, E = logits.shape
+    score = np.empty(E, np.float32)  # [E] the weights' values
+    choice = np.empty(E, np.float32)  # [E] what the choice ranks
+    left = np.empty(E, np.bool_)  # [E] True where the expert may still be chosen
+    group = np.empty(n_group, np.float32)
+    kept = np.empty(n_group, np.bool_)
+    for t in range(T):
+        _scores(logits[t], bias, softmax, score, choice)
+        if topk_group < n_group:
+            _keep_groups(choice, softmax, topk_group, group, kept, left)
+        else:
+            left[:] = True
+        total = np.float32(0.0)
         for j in range(k):
             best = -1
-            for e in range(E):  # the largest not yet taken; the lower id on a tie
-                if not taken[e] and (best < 0 or probs[e] > probs[best]):
+            for e in range(E):  # the largest choice left; the lower id on a tie
+                if left[e] and (best < 0 or choice[e] > choice[best]):
                     best = e
-            taken[best] = True
+            left[best] = False
             ids[t, j] = best
-            weights[t, j] = probs[best] / total
-            chosen += weights[t, j]
-        if normalize:
-            for j in range(k):
-                weights[t, j] /= chosen
+            weights[t, j] = score[best]
+            total += score[best]
+        for j in range(k):
+            w = weights[t, j] / (total + NORM_EPS) if normalize else weights[t, j]
+            weights[t, j] = w * scaling
 
 
 @njit(**JIT)
@@ -171,7 +234,12 @@ def warm_up() -> None:
     rms_norm(x, weight, np.float32(1e-6), np.empty_like(x))
     weight.flags.writeable = False  # a checkpoint's norm weights: read-only views of the file, another type
     rms_norm(x, weight, np.float32(1e-6), np.empty_like(x))
-    top_k(x, 2, True, np.empty((2, 2), np.int64), np.empty((2, 2), np.float32))
+    ids, routed = np.empty((2, 2), np.int64), np.empty((2, 2), np.float32)
+    bias = np.zeros(8, np.float32)
+    for b in (NO_BIAS, bias):
+        top_k(x, b, 2, 2, 1, b is NO_BIAS, True, np.float32(1.0), ids, routed)
+    bias.flags.writeable = False  # a checkpoint's e_score_correction_bias: a read-only view of the file
+    top_k(x, bias, 2, 2, 1, False, True, np.float32(1.0), ids, routed)
     heads = np.ones((2, 2, 8), np.float32)  # [T, heads, hd]
     rope(heads, x, x, np.empty_like(heads))
     mask = np.ones((2, 2), np.bool_)  # [T, S]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..device import router
 from . import device_ops, host_ops
 from .xp import is_device, xp_of
 
@@ -163,13 +164,13 @@ def route_top_k(router_logits: np.ndarray, k: int, normalize: bool) -> tuple[np.
     """router_logits [T, E] -> (expert ids [T, k] int64, weights [T, k] float32).
 
     Softmax over all experts, the k largest probabilities (ties to the lower id),
-    renormalised to sum to one when ``normalize``.
+    renormalised to sum to one when ``normalize``. Host float32 rows take host_ops.top_k, device arrays the
+    device router (coordinator/device/router.py): the same bits; other arrays this NumPy form.
     """
+    if is_device(router_logits):
+        return router.unpack(router.route(router_logits, None, k, 1, 1, True, normalize, 1.0), k)
     if _host_rows(router_logits) and router_logits.ndim == 2 and 1 <= k <= router_logits.shape[1]:
-        T = router_logits.shape[0]
-        ids, weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
-        host_ops.top_k(router_logits, k, normalize, ids, weights)
-        return ids, weights
+        return _route_rows(router_logits, host_ops.NO_BIAS, k, 1, 1, True, normalize, 1.0)
     xp = xp_of(router_logits)
     probs = softmax(router_logits.astype(np.float32), axis=-1)  # [T, E]
     ids = xp.argsort(-probs, axis=-1, kind="stable")[:, :k] if xp is np else xp.argsort(-probs, axis=-1)[:, :k]
@@ -177,6 +178,15 @@ def route_top_k(router_logits: np.ndarray, k: int, normalize: bool) -> tuple[np.
     if normalize:
         weights = weights / xp.sum(weights, axis=-1, keepdims=True)
     return ids.astype(np.int64), weights.astype(np.float32)
+
+
+def _route_rows(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int, softmax: bool,
+                normalize: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """host_ops.top_k on host float32 rows [T, E] -> (ids [T, k] int64, weights [T, k] float32)."""
+    T = logits.shape[0]
+    ids, weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
+    host_ops.top_k(logits, bias, k, n_group, topk_group, softmax, normalize, np.float32(scaling), ids, weights)
+    return ids, weights
 
 
 def yarn_inv_freq(dim: int, theta: float, factor: float, original_max: int, beta_fast: float, beta_slow: float,
@@ -223,7 +233,21 @@ def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_
 
     ``scoring="softmax"``: DeepSeek-V2's router (DeepseekV2TopkRouter, group_limited_greedy; n_group 1 is its
     plain greedy): scores are softmax(logits), each group is scored by its best expert, there is no bias.
+
+    Host float32 rows take host_ops.top_k, device arrays the device router (coordinator/device/router.py): the
+    same bits; other arrays this NumPy form.
     """
+    softmax = scoring == "softmax"
+    if softmax and bias is not None:
+        raise ValueError("route_grouped: the softmax router (DeepSeek-V2) takes no bias")
+    if is_device(router_logits):
+        return router.unpack(router.route(router_logits, bias, k, n_group, topk_group, softmax, normalize,
+                                          scaling), k)
+    E = router_logits.shape[-1]
+    if _host_rows(router_logits) and router_logits.ndim == 2 and E % n_group == 0 and 1 <= topk_group <= n_group \
+            and 1 <= k <= topk_group * (E // n_group):
+        host_bias = host_ops.NO_BIAS if bias is None else np.ascontiguousarray(bias, np.float32)
+        return _route_rows(router_logits, host_bias, k, n_group, topk_group, softmax, normalize, scaling)
     xp = xp_of(router_logits)
     T, E = router_logits.shape
     logits = router_logits.astype(np.float32)
