@@ -227,9 +227,6 @@ class Decoder:
         """Several sequences in one pass: attention per sequence, everything else on all rows at once,
         so the expert pool sees one batch per layer. Returns each sequence's logits: its last row's with
         last_only, every row's for the sequences in ``all_rows`` (a prompt's log-probabilities)."""
-        if last_only and all_rows:  # every row through the last layer and lm_head, then each sequence its share
-            full = self.forward_batch(seqs, last_only=False)
-            return [logits if k in all_rows else logits[-1:] for k, logits in enumerate(full)]
         lengths = [len(ids) for ids, _ in seqs]
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
@@ -239,7 +236,8 @@ class Decoder:
         h = xp.asarray(self.w.embed[np.concatenate([ids for ids, _ in seqs])])  # [N, H]: host rows, uploaded
         a = ops.rms_norm(h, layers[0].input_norm if layers else self.w.final_norm, eps)  # [N, H]
         # the rows the last layer carries on with, where others' output nobody reads (last_row_ids)
-        keep = last_row_ids(xp, bounds) if last_only and layers and len(seqs) < bounds[-1] else None
+        keep = last_row_ids(xp, bounds) if last_only and not all_rows and layers and len(seqs) < bounds[-1] \
+            else None
         for i, lw in enumerate(layers):  # each residual add joined to the norm after it
             rows = keep if i == len(layers) - 1 else None  # every row's keys and values cached, then these rows
             attended = self._attention(i, lw, a, seqs, bounds, positions, rope, masks, rows)  # [N or len(rows), H]
@@ -252,12 +250,16 @@ class Decoder:
                                     eps)  # a: the next layer's input, after the last the final norm's output
         for (_, cache), n in zip(seqs, lengths):
             cache.advance(n)
-        if last_only and keep is None:  # no layer dropped the rows: each sequence's last one here
-            a = xp.concatenate([a[hi - 1:hi] for hi in bounds[1:]])
-        logits = to_host(a @ self.w.lm_head.T)  # [*, V]; a: after the final norm
-        if last_only:
-            return [logits[k : k + 1] for k in range(len(seqs))]
-        return [logits[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        if not last_only:
+            logits = to_host(a @ self.w.lm_head.T)  # [N, V]; a: after the final norm
+            return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        # each sequence's rows that lm_head takes: its last, or every one for those in all_rows
+        wanted = [n if k in all_rows else 1 for k, n in enumerate(lengths)]
+        if keep is None:  # no layer dropped the rows: take them here
+            a = xp.concatenate([a[hi - n:hi] for hi, n in zip(bounds[1:], wanted)])
+        logits = to_host(a @ self.w.lm_head.T)  # [sum(wanted), V]
+        ends = np.cumsum([0] + wanted)
+        return [logits[lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
 
     def _mask(self, masks: dict, s: int, positions: np.ndarray, keys: int, window: int | None):
         """Sequence s's attention mask [T_s, keys] on the device, made once per forward for each window."""
