@@ -123,6 +123,7 @@ class BenchPlan:
     quality_positions: int = 0  # compare the first mode's logits with an f32 computation over this many; 0: not
     speculative: str = "off"  # also decode each round with this speculative decoding, beside plain decoding
     repetitive: bool = False  # the prompt: one random phrase repeated (prompt lookup drafts from it)
+    temperature: float = 0.0  # the decode rounds' sampling (0: greedy); seeded per round, the same in both runs
 
 
 def bench_engines(modes, nodes: int, formats: list[tuple[str, dict]] | None,
@@ -219,7 +220,8 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
                 pool = eng.pool
                 pool.record_timings, pool.timings = True, []
                 loads0, pairs0 = eng.decoder.stats.cpu_expert_loads, eng.decoder.stats.routed_pairs
-                r = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False, speculative="off")
+                sampling = {"temperature": plan.temperature, "seed": seed + k}
+                r = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False, speculative="off", **sampling)
                 pool.record_timings = False
                 res = results[mode]
                 res["decode_tps"].append(r.timings["decode_tokens_per_s"])
@@ -229,7 +231,7 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
                 res["pairs"] += eng.decoder.stats.routed_pairs - pairs0
                 if plan.speculative != "off":  # the same round with drafts, right after: same prompt and tokens
                     s = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False,
-                                          speculative=plan.speculative)
+                                          speculative=plan.speculative, **sampling)
                     res["spec_tps"].append(s.timings["decode_tokens_per_s"])
                     res["spec_steps"] += s.timings["steps"] - 1  # the decode steps (the first one prefilled)
                     res["spec_tokens"] += s.timings["decode_tokens"]

@@ -319,7 +319,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = run_bench(args.model, BenchPlan(engines, tuple(label for label, _ in formats or ()), given,
                                              tokens=args.tokens, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
                                              quality_positions=args.quality_positions, speculative=args.bench_speculative,
-                                             repetitive=args.repetitive))
+                                             repetitive=args.repetitive, temperature=args.bench_temperature))
     print(markdown(report))
     if args.json:
         write_json(report, args.json)
@@ -519,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also decode each round with this speculative decoding, side by side with plain decoding: "
                         "decode tok/s of both, their ratio, the drafts' acceptance rate and the tokens a step "
                         "makes (default %(default)s)")
+    p.add_argument("--temp", dest="bench_temperature", type=number(float, "--temp", 0.0), default=0.0,
+                   help="sample the decoded tokens at this temperature, seeded per round (default %(default)s: "
+                        "greedy)")
     p.add_argument("--repetitive", action="store_true",
                    help="a prompt of one random 16-token phrase repeated (text prompt lookup can draft from) "
                         "instead of random tokens")
