@@ -209,3 +209,34 @@ def test_a_server_with_drafts_streams_the_greedy_tokens_of_concurrent_requests(s
 
     text = prometheus(stats, {}, 0).splitlines()
     assert f"strata_spec_accepted_tokens_total {float(stats['accepted_drafts'])}" in text
+
+
+def test_drafts_with_a_grammar_and_logprobs(tmp_path):
+    """A grammar-constrained request and one asking for logprobs: the same tokens with drafts as without, the
+    logprobs the same to float32 rounding (the rows are computed in other batch shapes)."""
+    from coordinator.model.grammar import GrammarSpec
+
+    model = make_model(tmp_path / "m", seed=2)
+    with Engine.open(model, EngineConfig(pool="inproc")) as eng:
+        base = repetitive_requests(eng, n=2, max_new=40)
+        reqs = [GenerateRequest(id="g", prompt_ids=base[0].prompt_ids, max_new_tokens=40, stream=False,
+                                grammar=GrammarSpec("regex", "[a-z .]{1,40}")),
+                GenerateRequest(id="l", prompt_ids=base[1].prompt_ids, max_new_tokens=40, stream=False, logprobs=2)]
+        events: dict[str, dict[str, dict]] = {}
+        for mode in ("off", "ngram"):
+            got: dict[str, dict] = {}
+            sched = Scheduler(eng, lambda _c, ev, got=got: got.__setitem__(ev["id"], ev) if ev["type"] == "final"
+                              else None, speculative=mode)
+            for r in reqs:
+                sched.add(b"c", r)
+            while sched.busy:
+                sched.step()
+            events[mode] = got
+            if mode == "ngram":
+                assert sched.stats["accepted_drafts"] > 0
+    for rid in ("g", "l"):
+        assert events["ngram"][rid]["ids"] == events["off"][rid]["ids"], rid
+    assert all(ch in "abcdefghijklmnopqrstuvwxyz ." for ch in events["ngram"]["g"]["text"])
+    got = [e["logprob"] for e in events["ngram"]["l"]["logprobs"]]
+    want = [e["logprob"] for e in events["off"]["l"]["logprobs"]]
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
