@@ -1,12 +1,12 @@
 """Constrained decoding: every chosen token keeps the text inside a grammar (a JSON schema, Lark, a regex).
 
 The grammar engine is llguidance (Microsoft's, the one vLLM and llama.cpp use): it computes, per step, the
-set of tokens whose bytes can continue the text so far, in tens of microseconds at a 152 k vocabulary
-(``tools/grammar_bench.py``). This module adapts it to the engine:
+set of tokens whose bytes can continue the text so far (its cost per token: docs/benchmarks.md,
+``tools/grammar_bench.py``). This module adapts it to the engine:
 
     GrammarSpec        what a request asks: kind + source text (frozen, hashable: the compile cache's key)
-    Grammars           one per engine: the vocabulary as llguidance sees it (built once, ~1 s at 152 k
-                       tokens, off the serving loop) and a cache of checked grammars
+    Grammars           one per engine: the vocabulary as llguidance sees it (built once, off the serving
+                       loop) and a cache of checked grammars
     Constraint         one per sequence: ``mask(logits)`` -> logits with -inf outside the grammar,
                        ``accept(token)`` advances it
 

@@ -298,7 +298,7 @@ class Server:
 
     def _admit(self, client: bytes, req: GenerateRequest) -> None:
         """Token ids go to the scheduler now; text is checked by its byte length, then tokenised off the loop, and
-        a grammar compiled there too (the first one builds the vocabulary's tables, about a second)."""
+        a grammar compiled there too (the first one builds llguidance's tables of the whole vocabulary)."""
         if req.prompt is None and req.grammar is None:
             self.scheduler.add(client, req)
             return
