@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3/R1, Kimi-K2 (model_type kimi_k2), Moonlight
     "DeepseekV2ForCausalLM": "deepseek_v2",  # DeepSeek-V2, V2-Lite, V2.5
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.5-Air
+    "Qwen3NextForCausalLM": "qwen3_next",  # Qwen3-Next-80B-A3B: Gated DeltaNet and gated attention, 3:1
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 MLA_ROPE_TYPES = ("default", "linear", "yarn")  # YaRN: DeepSeek's MLA architectures only, for now
@@ -48,6 +49,11 @@ DEFAULTS = {
     "glm4_moe": dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=131072, norm_topk_prob=True,
                      attention_bias=False, tie_word_embeddings=False, n_group=1, topk_group=1, n_shared_experts=1,
                      routed_scaling_factor=1.0, first_k_dense_replace=1, use_qk_norm=False, partial_rotary_factor=0.5),
+    "qwen3_next": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, norm_topk_prob=True,
+                       decoder_sparse_step=1, attention_bias=False, tie_word_embeddings=False, head_dim=256,
+                       partial_rotary_factor=0.25, full_attention_interval=4, linear_conv_kernel_dim=4,
+                       linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                       linear_num_value_heads=32, shared_expert_intermediate_size=512),
 }
 
 
@@ -92,6 +98,29 @@ class GroupRouter:
 
 
 @dataclass(frozen=True)
+class LinearAttnConfig:
+    """Qwen3-Next's Gated DeltaNet layers: q and k heads (key_heads of key_head_dim), v heads (value_heads of
+    value_head_dim, a whole multiple of key_heads), a causal depthwise conv of conv_kernel taps over q, k and v."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q's, k's, then v's."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+    @property
+    def state_floats(self) -> int:
+        """One layer's fixed state per sequence: the conv's last conv_kernel - 1 inputs and the recurrent state
+        [value_heads, key_head_dim, value_head_dim]."""
+        return (self.conv_kernel - 1) * self.conv_dim + self.value_heads * self.key_head_dim * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str  # "qwen3_moe" | "mixtral" | "qwen2_moe"
     vocab_size: int
@@ -123,14 +152,31 @@ class ModelConfig:
     mla: MLAConfig | None = None  # deepseek_v3: attention is MLA (num_kv_heads, head_dim unused)
     yarn: YarnConfig | None = None  # rope_type "yarn"
     group_router: GroupRouter | None = None  # deepseek_v3: sigmoid, grouped; else softmax top-k
+    linear: LinearAttnConfig | None = None  # qwen3_next: the Gated DeltaNet layers' geometry
+    linear_layers: tuple[bool, ...] = ()  # per layer: Gated DeltaNet (True) or attention; () = attention everywhere
+    attn_output_gate: bool = False  # qwen3_next: q_proj also gives a per-head sigmoid gate on attention's output
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether ``layer`` is a Gated DeltaNet layer (no KV cache, a fixed state per sequence)."""
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that keep a KV cache."""
+        return [i for i in range(self.num_layers) if not self.is_linear(i)]
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes the KV cache holds per token over all layers (float32): MLA keeps the compressed latent and
-        the rope key, (kv_lora_rank + qk_rope_head_dim) a layer; the others 2 x kv heads x head_dim."""
+        """Bytes the KV cache holds per token over the attention layers (float32): MLA keeps the compressed
+        latent and the rope key, (kv_lora_rank + qk_rope_head_dim) a layer; the others 2 x kv heads x head_dim."""
         per_layer = (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim if self.mla is not None
                      else 2 * self.num_kv_heads * self.head_dim)
-        return self.num_layers * per_layer * 4
+        return len(self.attention_layers) * per_layer * 4
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of the Gated DeltaNet layers' fixed state per sequence (float32; 0 without such layers)."""
+        return 0 if self.linear is None else sum(self.linear_layers) * self.linear.state_floats * 4
 
     @property
     def moe_layers(self) -> list[int]:
@@ -462,10 +508,77 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
     )
 
 
+def _parse_qwen3_next(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig:
+    """Qwen3-Next's config.json (transformers' Qwen3NextConfig): layer_types (or full_attention_interval) sets
+    which layers are Gated DeltaNet and which gated attention; Qwen3-MoE's router with a sigmoid-gated shared
+    expert, as Qwen2-MoE's."""
+    d = DEFAULTS[arch]
+    _silu_only(cfg)
+    hidden = _positive(cfg, "hidden_size")
+    layers = _positive(cfg, "num_hidden_layers")
+    heads = _positive(cfg, "num_attention_heads")
+    kv_heads = _positive(cfg, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ModelConfigError(f"config.json: num_attention_heads {heads} must be a multiple of num_key_value_heads "
+                               f"{kv_heads}")
+    head_dim = _positive(cfg, "head_dim", d["head_dim"])
+    where, scaling_obj = _rope_scaling(cfg)
+    factor = scaling_obj.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    factor = d["partial_rotary_factor"] if factor is None else _number(where, "partial_rotary_factor", factor)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ModelConfigError(f"config.json: partial_rotary_factor {factor} gives {rotary_dim} rotary dims of "
+                               f"head_dim {head_dim}; expected a positive even number")
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = _positive(cfg, "full_attention_interval", d["full_attention_interval"])
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= {"linear_attention",
+                                                                                "full_attention"}:
+        raise ModelConfigError(f"config.json: layer_types is {types!r}; expected {layers} entries, each "
+                               "'linear_attention' or 'full_attention'")
+    linear = LinearAttnConfig(*(_positive(cfg, k, d[k]) for k in (
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_conv_kernel_dim")))
+    if linear.value_heads % linear.key_heads:
+        raise ModelConfigError(f"config.json: linear_num_value_heads {linear.value_heads} must be a multiple of "
+                               f"linear_num_key_heads {linear.key_heads}")
+    num_experts = _positive(cfg, "num_experts")
+    top_k = _positive(cfg, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ModelConfigError(f"config.json: num_experts_per_tok {top_k} is more than num_experts {num_experts}")
+    step = _positive(cfg, "decoder_sparse_step", d["decoder_sparse_step"])
+    mlp_only = cfg.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+        raise ModelConfigError(f"config.json: mlp_only_layers is {mlp_only!r}; expected a list of layer indices")
+    return ModelConfig(
+        arch=arch,
+        **_shared_fields(cfg, d, model_dir),
+        **_gqa_fields(cfg, d, hidden, layers, heads, kv_heads, head_dim),
+        qkv_bias=_bool(cfg, "attention_bias", d["attention_bias"]),
+        qk_norm=True,
+        num_experts=num_experts,
+        top_k=top_k,
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", d["norm_topk_prob"]),
+        moe_intermediate_size=_positive(cfg, "moe_intermediate_size"),
+        dense_intermediate_size=_positive(cfg, "intermediate_size"),
+        shared_expert_intermediate_size=_field(cfg, "shared_expert_intermediate_size", int,
+                                               default=d["shared_expert_intermediate_size"]),
+        sparse_layers=tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(layers)),
+        sliding_windows=(None,) * layers,
+        rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+        linear=linear,
+        linear_layers=tuple(t == "linear_attention" for t in types),
+        attn_output_gate=True,
+    )
+
+
 def parse_model_config(cfg: dict, model_dir: Path | None = None) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ModelConfigError("config.json: expected a JSON object")
     arch = _arch(cfg)
+    if arch == "qwen3_next":
+        return _parse_qwen3_next(cfg, model_dir, arch)
     if arch in ("deepseek_v3", "deepseek_v2"):
         return _parse_deepseek_v3(cfg, model_dir, arch)
     if arch == "glm4_moe":

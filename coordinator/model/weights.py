@@ -43,13 +43,28 @@ class MLAWeights:
 
 
 @dataclass
+class LinearAttnWeights:
+    """One Gated DeltaNet layer (Qwen3-Next), its projections' rows put in q, k, v, z order at load (the
+    checkpoint interleaves them per key head). Hk, Hv: key and value heads; dk, dv: their dims; C: conv channels
+    (2 Hk dk + Hv dv)."""
+
+    qkvz: np.ndarray  # [C + Hv*dv, H]: q's Hk*dk rows, k's, v's Hv*dv, then z's (the output gate)
+    ba: np.ndarray  # [2 Hv, H]: b's rows (beta = sigmoid(b)), then a's (the decay's input)
+    conv: np.ndarray  # [C, K] the depthwise causal conv's taps
+    a_neg: np.ndarray  # [Hv] -exp(A_log): the decay per unit of softplus(a + dt_bias)
+    dt_bias: np.ndarray  # [Hv]
+    norm: np.ndarray  # [dv] the gated RMSNorm's weight (used as it is, not 1 + weight)
+    out: np.ndarray  # [H, Hv*dv]
+
+
+@dataclass
 class LayerWeights:
     input_norm: np.ndarray  # [H]
     post_attn_norm: np.ndarray  # [H]
-    q: np.ndarray | None  # [nh*hd, H] (None with MLA)
+    q: np.ndarray | None  # [nh*hd, H] (None with MLA and in a Gated DeltaNet layer)
     k: np.ndarray | None  # [nkv*hd, H]
     v: np.ndarray | None  # [nkv*hd, H]
-    o: np.ndarray  # [H, nh*hd] ([H, nh*dv] with MLA)
+    o: np.ndarray | None  # [H, nh*hd] ([H, nh*dv] with MLA; None in a Gated DeltaNet layer)
     q_bias: np.ndarray | None  # [nh*hd]
     k_bias: np.ndarray | None  # [nkv*hd]
     v_bias: np.ndarray | None  # [nkv*hd]
@@ -61,6 +76,8 @@ class LayerWeights:
     shared_expert_gate: np.ndarray | None  # [1, H] (qwen2_moe)
     mla: MLAWeights | None = None  # deepseek_v3
     router_bias: np.ndarray | None = None  # [E] deepseek_v3's e_score_correction_bias (the choice only)
+    q_gate: np.ndarray | None = None  # [nh*hd, H] qwen3_next: the rows of q_proj that gate attention's output
+    linear: LinearAttnWeights | None = None  # qwen3_next's Gated DeltaNet layers (then q, k, v, o are None)
 
 
 @dataclass
@@ -92,6 +109,28 @@ def _mla(cfg: ModelConfig, r: "_Reader", attn: str) -> MLAWeights:
     )
 
 
+def _linear_attn(cfg: ModelConfig, r: "_Reader", prefix: str) -> LinearAttnWeights:
+    """A Gated DeltaNet layer's tensors, the projections' rows regrouped from per key head to q, k, v, z."""
+    lc, H = cfg.linear, cfg.hidden_size
+    Hk, Hv, dk, dv = lc.key_heads, lc.value_heads, lc.key_head_dim, lc.value_head_dim
+    rep = Hv // Hk  # value heads per key head
+    qkvz = r.get(f"{prefix}.in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, H))
+    ba = r.get(f"{prefix}.in_proj_ba.weight", (2 * Hv, H))
+    per_key = qkvz.reshape(Hk, 2 * dk + 2 * rep * dv, H)  # [Hk, q dk | k dk | v rep*dv | z rep*dv, H]
+    cuts = np.cumsum([0, dk, dk, rep * dv, rep * dv])
+    qkvz = np.concatenate([per_key[:, lo:hi].reshape(-1, H) for lo, hi in zip(cuts[:-1], cuts[1:])])
+    per_key = ba.reshape(Hk, 2 * rep, H)  # [Hk, b rep | a rep, H]
+    ba = np.concatenate([per_key[:, :rep].reshape(Hv, H), per_key[:, rep:].reshape(Hv, H)])
+    conv = r.get(f"{prefix}.conv1d.weight", (lc.conv_dim, 1, lc.conv_kernel))
+    return LinearAttnWeights(
+        qkvz=qkvz, ba=ba, conv=np.ascontiguousarray(conv[:, 0]),
+        a_neg=-np.exp(r.get(f"{prefix}.A_log", (Hv,))),
+        dt_bias=r.get(f"{prefix}.dt_bias", (Hv,)),
+        norm=r.get(f"{prefix}.norm.weight", (dv,)),
+        out=r.get(f"{prefix}.out_proj.weight", (H, Hv * dv)),
+    )
+
+
 def _prefix(cfg: ModelConfig, layer: int) -> tuple[str, str]:
     """(layer prefix, MoE block prefix)."""
     base = f"model.layers.{layer}"
@@ -116,11 +155,31 @@ class _Reader:
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
         return self.get(name, shape) if present else None
 
+    def norm(self, name: str, shape: tuple[int, ...], offset: float) -> np.ndarray:
+        """A norm's weight as the product uses it: Qwen3-Next's zero-centred norms multiply by (1 + weight), so
+        ``offset`` 1.0 is added once here."""
+        w = self.get(name, shape)
+        if not offset:
+            return w
+        w = w + np.float32(offset)
+        self.names[id(w)] = name
+        return w
+
     def expect(self, name: str, shape: tuple[int, ...]) -> None:
         """Check a tensor's presence, dtype and shape without reading it."""
         if name not in self.ckpt:
             raise CheckpointError(f"missing tensor {name!r}: expected shape {list(shape)}")
         check_shape(self.ckpt.info(name), shape)
+
+
+def _q_proj(cfg: ModelConfig, r: _Reader, attn: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(q [nh*hd, H], the output gate's rows [nh*hd, H] or None): Qwen3-Next's q_proj holds per head hd query
+    rows then hd gate rows."""
+    nh, hd, H = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    if not cfg.attn_output_gate:
+        return r.get(f"{attn}.q_proj.weight", (nh * hd, H)), None
+    both = r.get(f"{attn}.q_proj.weight", (nh * 2 * hd, H)).reshape(nh, 2, hd, H)  # [nh, query | gate, hd, H]
+    return both[:, 0].reshape(nh * hd, H), both[:, 1].reshape(nh * hd, H)
 
 
 def _mlp(r: _Reader, prefix: str, inter: int, hidden: int) -> MLPWeights:
@@ -188,6 +247,7 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
     layers: list[LayerWeights] = []
     experts: dict[tuple[int, int], ExpertRefs] = {}
+    offset = 1.0 if cfg.arch == "qwen3_next" else 0.0  # zero-centred norms: (1 + weight)
     for i in range(cfg.num_layers):
         base, moe = _prefix(cfg, i)
         attn = f"{base}.self_attn"
@@ -215,19 +275,21 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
                 for e, refs in expert_refs(cfg, r, i).items():
                     experts[(i, e)] = refs
             continue
+        linear = cfg.is_linear(i)
+        q, q_gate = (None, None) if linear else _q_proj(cfg, r, attn)
         layers.append(
             LayerWeights(
-                input_norm=r.get(f"{base}.input_layernorm.weight", (H,)),
-                post_attn_norm=r.get(f"{base}.post_attention_layernorm.weight", (H,)),
-                q=r.get(f"{attn}.q_proj.weight", (q_out, H)),
-                k=r.get(f"{attn}.k_proj.weight", (kv_out, H)),
-                v=r.get(f"{attn}.v_proj.weight", (kv_out, H)),
-                o=r.get(f"{attn}.o_proj.weight", (H, q_out)),
-                q_bias=r.optional(f"{attn}.q_proj.bias", (q_out,), cfg.qkv_bias),
-                k_bias=r.optional(f"{attn}.k_proj.bias", (kv_out,), cfg.qkv_bias),
-                v_bias=r.optional(f"{attn}.v_proj.bias", (kv_out,), cfg.qkv_bias),
-                q_norm=r.optional(f"{attn}.q_norm.weight", (hd,), cfg.qk_norm),
-                k_norm=r.optional(f"{attn}.k_norm.weight", (hd,), cfg.qk_norm),
+                input_norm=r.norm(f"{base}.input_layernorm.weight", (H,), offset),
+                post_attn_norm=r.norm(f"{base}.post_attention_layernorm.weight", (H,), offset),
+                q=q,
+                k=None if linear else r.get(f"{attn}.k_proj.weight", (kv_out, H)),
+                v=None if linear else r.get(f"{attn}.v_proj.weight", (kv_out, H)),
+                o=None if linear else r.get(f"{attn}.o_proj.weight", (H, q_out)),
+                q_bias=r.optional(f"{attn}.q_proj.bias", (q_out,), cfg.qkv_bias and not linear),
+                k_bias=r.optional(f"{attn}.k_proj.bias", (kv_out,), cfg.qkv_bias and not linear),
+                v_bias=r.optional(f"{attn}.v_proj.bias", (kv_out,), cfg.qkv_bias and not linear),
+                q_norm=r.norm(f"{attn}.q_norm.weight", (hd,), offset) if cfg.qk_norm and not linear else None,
+                k_norm=r.norm(f"{attn}.k_norm.weight", (hd,), offset) if cfg.qk_norm and not linear else None,
                 router=r.optional(f"{moe}.gate.weight", (cfg.num_experts, H), sparse),
                 dense_mlp=None if sparse else _mlp(r, f"{base}.mlp", cfg.dense_intermediate_size, H),
                 shared_expert=_mlp(r, f"{moe}.shared_expert{'' if cfg.shared_expert_gate else 's'}",
@@ -236,6 +298,8 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
                                               shared and cfg.shared_expert_gate),
                 router_bias=r.optional(f"{moe}.gate.e_score_correction_bias", (cfg.num_experts,),
                                        sparse and cfg.group_router is not None),  # glm4_moe
+                q_gate=q_gate,
+                linear=_linear_attn(cfg, r, f"{base}.linear_attn") if linear else None,
             )
         )
         if sparse:
@@ -251,5 +315,5 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
             "missing tensor 'lm_head.weight': expected shape "
             f"{[V, H]} (config.json has tie_word_embeddings=false)"
         )
-    return ModelWeights(embed=embed, final_norm=r.get("model.norm.weight", (H,)), lm_head=lm_head,
+    return ModelWeights(embed=embed, final_norm=r.norm("model.norm.weight", (H,), offset), lm_head=lm_head,
                         layers=layers, experts=experts, names=r.names)
