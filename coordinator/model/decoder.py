@@ -16,7 +16,7 @@ from ..device import router
 from ..device.experts import DeviceExperts
 from ..device.weights import DeviceMatrix, upload
 from ..pool import ExpertPool, PoolRequest
-from . import ops
+from . import linear_attention, ops
 from .kv_cache import KVCache
 from .model_config import ModelConfig
 from .weights import LayerWeights, ModelWeights
@@ -171,6 +171,9 @@ class Decoder:
         self.cfg = cfg
         self.backend = backend
         self.xp = module(backend)
+        if cfg.linear is not None and self.xp is not np:
+            raise NotImplementedError(f"{cfg.arch}'s Gated DeltaNet layers are not supported on the device yet; "
+                                      "run with --device cpu")
         self.staging = HostStaging(backend)  # pinned host buffers for the pool's rows and partials
         self.side = SideStream(backend)  # the device experts' own stream
         # dense weights where the device side runs; the embedding stays on the host (a step reads T rows)
@@ -210,7 +213,7 @@ class Decoder:
         cfg = self.cfg
         latent = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) if cfg.mla is not None else None
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent,
-                       dtype=self.kv_dtype)
+                       dtype=self.kv_dtype, attention_layers=cfg.attention_layers)
 
     def _rope_tables(self, positions: np.ndarray):
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq)
@@ -240,7 +243,8 @@ class Decoder:
             else None
         for i, lw in enumerate(layers):  # each residual add joined to the norm after it
             rows = keep if i == len(layers) - 1 else None  # every row's keys and values cached, then these rows
-            attended = self._attention(i, lw, a, seqs, bounds, positions, rope, masks, rows)  # [N or len(rows), H]
+            attended = (self._linear_attention(i, lw, a, seqs, bounds, rows) if lw.linear is not None else
+                        self._attention(i, lw, a, seqs, bounds, positions, rope, masks, rows))  # [N or len(rows), H]
             if rows is not None:
                 h = h[rows]  # [len(seqs), H] from here on
             h, m = ops.add_rms_norm(h, attended, lw.post_attn_norm, eps)
@@ -287,7 +291,20 @@ class Decoder:
                 r, mask = slice(s, s + 1), mask[-1:]
             parts.append(ops.gqa_attention(q[r], keys, values, mask))
         out = parts[0] if len(parts) == 1 else self.xp.concatenate(parts)  # [N (or len(seqs)), nh*hd]
+        if lw.q_gate is not None:  # Qwen3-Next: a sigmoid gate per output channel, from the queries' rows of x
+            out = out * ops.sigmoid((x if rows is None else x[rows]) @ lw.q_gate.T)
         return out @ lw.o.T  # [N (or len(seqs)), H]
+
+    def _linear_attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, rows=None) -> np.ndarray:
+        """A Gated DeltaNet layer (linear_attention.py) [N, H]: every row advances its sequence's state, kept in
+        its cache; ``rows`` as _attention's (the output's rows taken after)."""
+        lc, parts = self.cfg.linear, []
+        for s, (_, cache) in enumerate(seqs):
+            if i not in cache.states:
+                cache.states[i] = linear_attention.LinearState(lc)
+            parts.append((slice(bounds[s], bounds[s + 1]), cache.states[i], cache.length))
+        out = linear_attention.layer(lw.linear, lc, x, parts, self.cfg.rms_norm_eps)
+        return out if rows is None else out[rows]
 
     def _project_qkv(self, i: int, lw: LayerWeights, x: np.ndarray, rows=None):
         """x [N, H] -> q [N, nh, hd] (only ``rows``' queries, [len(rows), nh, hd], where given), k and v [N, nkv,

@@ -7,6 +7,10 @@ key [qk_rope_head_dim]: (kv_lora_rank + qk_rope_head_dim) values a layer, not
 2 x heads x head dim. Values are float32, or on the device bf16 (``dtype``), held
 as uint16 bits (CuPy has no bfloat16): written rounded to nearest even
 (device_ops.to_bf16), read by the attention kernels as they are.
+
+A model with Gated DeltaNet layers (Qwen3-Next) caches keys and values in its attention layers only
+(``attention_layers``); each of the other layers keeps a fixed-size state per sequence here
+(linear_attention.LinearState, made by the layer on first use), rewound with the cache by ``truncate``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from . import device_ops
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64, xp=np,
-                 latent: tuple[int, int] | None = None, dtype: str = "f32"):
+                 latent: tuple[int, int] | None = None, dtype: str = "f32", attention_layers=None):
         self.length = 0  # tokens already cached
         self.xp = xp  # NumPy, or CuPy when the cache lives on the device
         self.bf16 = dtype == "bf16"
@@ -26,14 +30,23 @@ class KVCache:
         # the two entries' shapes per token: (key, value), or MLA's (latent, rope key)
         self._shapes = ((num_kv_heads, head_dim), (num_kv_heads, head_dim)) if latent is None else (
             (latent[0],), (latent[1],))
-        self._k = [xp.zeros((capacity, *self._shapes[0]), self._dtype) for _ in range(num_layers)]  # [cap, ...]
-        self._v = [xp.zeros((capacity, *self._shapes[1]), self._dtype) for _ in range(num_layers)]
+        attending = set(range(num_layers) if attention_layers is None else attention_layers)
+        caps = [capacity if i in attending else 0 for i in range(num_layers)]  # no keys in a state layer
+        self._k = [xp.zeros((cap, *self._shapes[0]), self._dtype) for cap in caps]  # [cap, ...]
+        self._v = [xp.zeros((cap, *self._shapes[1]), self._dtype) for cap in caps]
+        self._attending = len(attending)
+        self.states: dict = {}  # layer -> its state (a Gated DeltaNet layer's LinearState)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one cached token takes over all layers."""
+        """Bytes one cached token takes over the attention layers."""
         per_layer = sum(int(np.prod(s)) for s in self._shapes) * np.dtype(self._dtype).itemsize
-        return len(self._k) * per_layer
+        return self._attending * per_layer
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the fixed-size states (Gated DeltaNet layers), whatever the length."""
+        return sum(state.nbytes for state in self.states.values())
 
     def _reserve(self, layer: int, needed: int) -> None:
         cap = self._k[layer].shape[0]
@@ -63,7 +76,10 @@ class KVCache:
         self.length += tokens
 
     def truncate(self, length: int) -> None:
-        """Forget the positions from ``length`` on (drafts that did not stand); the next extend overwrites them."""
+        """Forget the positions from ``length`` on (drafts that did not stand); the next extend overwrites them. The
+        states go back to what they were after ``length`` tokens (only within the last step: LinearState.rewind)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        for state in self.states.values():
+            state.rewind(length)
         self.length = length
