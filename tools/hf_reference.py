@@ -15,6 +15,9 @@ For each case it writes DIR/<case>/ (config.json, generation_config.json,
     greedy_logits  float32 [8, vocab]   raw logits that chose each new token
     full_logits    float32 [T+8, vocab] one full forward of prompt+greedy_ids
 
+A case's prompt is PROMPT unless PROMPTS gives it another. Rebuilding some cases (--cases) leaves DIR/versions.json
+as it is, writes DIR/<case>/versions.json and appends their summary to DIR/summary.txt.
+
 All references are computed from the checkpoint *as saved* (reloaded with
 from_pretrained(..., dtype=float32)), so bf16/f16 weight rounding is included.
 Also writes DIR/versions.json and DIR/summary.txt.
@@ -30,8 +33,13 @@ import shutil
 import sys
 
 import numpy as np
-import torch
-import transformers
+
+# The references come from transformers' own torch code: no kernels fetched from the Hub (Qwen3-Next's delta rule
+# and causal conv1d; fla and causal-conv1d are not installed beside it either).
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
 from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
@@ -48,6 +56,11 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+
+try:  # transformers >= 4.57
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+except ImportError:
+    Qwen3NextConfig = Qwen3NextForCausalLM = None
 
 SEED = 1234
 VOCAB = 256
@@ -210,6 +223,35 @@ def _glm4_moe(**kw):
     return Glm4MoeConfig(**base), Glm4MoeForCausalLM
 
 
+def _qwen3_next(**kw):
+    """Qwen3-Next in miniature: three Gated DeltaNet layers then one gated full-attention layer (the 3:1 pattern),
+    two value heads per key head and key/value head dims that differ (so a transposed state shows), partial rotary
+    0.25, 8 experts top-2 and a gated shared expert on every layer."""
+    base = dict(
+        COMMON,
+        num_hidden_layers=4,
+        intermediate_size=96,
+        moe_intermediate_size=64,  # two blocks of 32 rows: a split over 2 nodes
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        attention_bias=False,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        full_attention_interval=4,
+    )
+    base["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    base.update(kw)
+    return Qwen3NextConfig(**base), Qwen3NextForCausalLM
+
+
 # Non-zero e_score_correction_bias per MoE layer (transformers initialises it to zeros), set after init.
 BIAS_STD = {"deepseek_v3_basic": 0.3, "deepseek_v3_no_q_lora": 0.3, "glm4_moe_basic": 0.3}
 
@@ -261,7 +303,16 @@ CASES = {
     ),
     "deepseek_v2_lite": (lambda: _deepseek_v2(), torch.bfloat16, None),
     "glm4_moe_basic": (lambda: _glm4_moe(), torch.bfloat16, None),
+    "qwen3_next_basic": (lambda: _qwen3_next(), torch.float32, None),
 }
+
+# Cases whose prompt is longer than PROMPT: Qwen3-Next's is 150 tokens, more than two of the delta rule's 64-token
+# chunks and more than one of the engine's prefill chunks in its test.
+PROMPTS = {"qwen3_next_basic": np.random.RandomState(7).randint(0, VOCAB, 150).tolist()}
+
+# Qwen3-Next initialises its norms to zero ((1 + weight) is applied) and its dt_bias to one: these are drawn at
+# random instead, so that a norm read without the 1 or a missing dt_bias shows in the logits.
+RANDOM_VECTORS = {"qwen3_next_basic": 0.2}
 
 
 # Cases whose config.json is rewritten after save into the transformers-4.x /
@@ -337,6 +388,11 @@ def build_case(name, out_dir, summary):
                 gate = getattr(layer.mlp, "gate", None)
                 if gate is not None and hasattr(gate, "e_score_correction_bias"):
                     gate.e_score_correction_bias.normal_(0.0, BIAS_STD[name])
+    if name in RANDOM_VECTORS:
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if p.ndim == 1 and not pname.endswith("A_log"):
+                    p.normal_(0.0, RANDOM_VECTORS[name]).add_(1.0 if pname.endswith("dt_bias") else 0.0)
     model = model.to(save_dtype)
     path = os.path.join(out_dir, name)
     if os.path.isdir(path):
@@ -360,7 +416,8 @@ def build_case(name, out_dir, summary):
     ref = ref.eval()
     bad = {k: v for k, v in info.items() if v}
     assert not bad, f"{name}: reload not clean: {bad}"
-    ids = torch.tensor([PROMPT], dtype=torch.long)
+    prompt = PROMPTS.get(name, PROMPT)
+    ids = torch.tensor([prompt], dtype=torch.long)
     with torch.no_grad():
         logits = ref(ids).logits[0].float().numpy()
         gen = ref.generate(
@@ -374,16 +431,16 @@ def build_case(name, out_dir, summary):
             return_dict_in_generate=True,
             use_cache=True,
         )
-        new = gen.sequences[0, len(PROMPT):]
+        new = gen.sequences[0, len(prompt):]
         assert new.numel() == NEW_TOKENS, new
         greedy_logits = torch.stack([l[0] for l in gen.logits]).float().numpy()
         full = ref(gen.sequences).logits[0].float().numpy()
     # consistency: greedy tokens are the argmax of the full-forward logits
-    argmax_ok = bool(np.array_equal(full[len(PROMPT) - 1 : -1].argmax(-1), new.numpy()))
-    kv_diff = float(np.abs(full[len(PROMPT) - 1 : -1] - greedy_logits).max())
+    argmax_ok = bool(np.array_equal(full[len(prompt) - 1 : -1].argmax(-1), new.numpy()))
+    kv_diff = float(np.abs(full[len(prompt) - 1 : -1] - greedy_logits).max())
     np.savez(
         os.path.join(path, "reference.npz"),
-        input_ids=np.array(PROMPT, dtype=np.int64),
+        input_ids=np.array(prompt, dtype=np.int64),
         logits=logits.astype(np.float32),
         greedy_ids=new.numpy().astype(np.int64),
         greedy_logits=greedy_logits.astype(np.float32),
@@ -461,6 +518,14 @@ def main():
         "prompt": PROMPT,
         "new_tokens": NEW_TOKENS,
     }
+    if set(args.cases) != set(CASES):  # some cases rebuilt: their versions beside them, their summary appended
+        for name in args.cases:
+            with open(os.path.join(args.out, name, "versions.json"), "w") as f:
+                json.dump(dict(versions, prompt=PROMPTS.get(name, PROMPT)), f, indent=2)
+        with open(os.path.join(args.out, "summary.txt"), "a") as f:
+            f.write(f"(rebuilt alone with transformers {transformers.__version__} torch {torch.__version__})\n")
+            f.write("\n".join(summary))
+        return
     with open(os.path.join(args.out, "versions.json"), "w") as f:
         json.dump(versions, f, indent=2)
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
