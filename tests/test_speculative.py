@@ -114,6 +114,37 @@ def test_greedy_with_drafts_is_greedy(tmp_path, arch):
     assert stats["drafted_tokens"] > 0 and stats["accepted_drafts"] > 0, stats
 
 
+def test_rejected_drafts_rewind_qwen3_next_states(tmp_path):
+    """Qwen3-Next's Gated DeltaNet states advance over every drafted token and go back (KVCache.truncate) to the
+    last one that stood: with drafts both taken and refused, split over two worker processes, the greedy tokens
+    are those without drafts."""
+    model = make_model(tmp_path / "m", arch="qwen3_next", seed=2)
+    with Engine.open(model, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:
+        reqs = repetitive_requests(eng, n=3, max_new=96)
+        plain, _ = run(eng, reqs)
+        drafted, stats = run(eng, reqs, speculative="ngram", draft_max=4)
+    assert drafted == plain
+    assert 0 < stats["accepted_drafts"] < stats["drafted_tokens"], stats
+
+
+def test_a_truncated_qwen3_next_cache_is_the_cache_that_never_took_the_drafts(tmp_path):
+    """A step over 5 drafts then truncate to keep 2 leaves the cache (keys, values and Gated DeltaNet states) as a
+    step over those 2 did: the next token's logits agree within float32 rounding (the rows were computed in a batch
+    of 5 rather than 2), and differ from the untruncated cache's by far more."""
+    model = make_model(tmp_path / "m", arch="qwen3_next", seed=2)
+    prompt, drafts, nxt = np.arange(40, 110), np.array([7, 9, 11, 13, 15]), np.array([21])
+    with Engine.open(model, EngineConfig(pool="inproc")) as eng:
+        rolled, kept, whole = eng.new_cache(), eng.new_cache(), eng.new_cache()
+        for cache, step in ((rolled, drafts), (kept, drafts[:2]), (whole, drafts)):
+            eng.step([(prompt, cache)])
+            eng.step([(step, cache)], all_rows=frozenset({0}))
+        rolled.truncate(prompt.size + 2)
+        after = [eng.step([(nxt, cache)])[0] for cache in (rolled, kept, whole)]
+    scale = np.abs(after[1]).max()
+    assert np.abs(after[0] - after[1]).max() < 1e-5 * scale
+    assert np.abs(after[2] - after[1]).max() > 1e-2 * scale
+
+
 def test_greedy_with_drafts_split_over_two_worker_processes(tmp_path):
     model = make_model(tmp_path / "m", seed=3)
     with Engine.open(model, EngineConfig(pool="process", numa_split=True, nodes=2)) as eng:

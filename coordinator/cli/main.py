@@ -39,6 +39,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     from .make_model import make_model
 
     overrides = {"num_layers": args.layers} if args.layers else {}
+    if args.experts:  # fewer routed experts: a real geometry's layers within a small machine's memory
+        top_k = PRESETS[args.preset]().top_k
+        overrides.update(num_experts=args.experts, top_k=min(top_k, args.experts))
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise StrataError(f"--out {out} is a file; give a folder to write the model into (--force replaces a "
@@ -415,11 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="the folder to write (refused if it holds files)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default %(default)s)")
-    p.add_argument("--arch", default=None, choices=["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"],
+    p.add_argument("--arch", default=None,
+                   choices=["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_next"],
                    help="default: the preset's own (qwen3_moe for tiny and bench-small)")
     p.add_argument("--dtype", default="F32", choices=["F32", "F16", "BF16"],
                    help="the checkpoint's tensor type (default %(default)s)")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count (default: the preset's)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="override the preset's routed experts per layer, top-k capped to it (default: the preset's)")
     p.add_argument("--max-shard-bytes", dest="max_shard_bytes", type=int, default=2 << 30,
                    help="cut the safetensors into shards of at most this size (default %(default)s)")
     p.set_defaults(func=cmd_make_model)

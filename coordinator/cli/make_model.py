@@ -22,7 +22,8 @@ from shm.progress import Progress
 from ..model.tokenizer import byte_level_tokenizer
 
 ARCH_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-              "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+              "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+              "qwen3_next": "Qwen3NextForCausalLM"}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 256  # <|endoftext|>, right after the 256 byte tokens
 # ChatML as Qwen2's tokenizer_config.json has it (no default system message): a turn ends at <|im_end|>
@@ -65,9 +66,16 @@ class Geometry:
     v_head_dim: int = 16
     yarn_factor: float | None = None
     yarn_original_max_position_embeddings: int = 4096
-    # glm4_moe
+    # glm4_moe (qwen3_next: 0.25)
     partial_rotary_factor: float = 0.5
     use_qk_norm: bool = False
+    # qwen3_next's Gated DeltaNet layers: every full_attention_interval-th layer is attention, the others these
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4
 
 
 def l3_bytes(sys_cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
@@ -126,10 +134,31 @@ PRESETS = {
                                     routed_scaling_factor=1.0, partial_rotary_factor=0.5, use_qk_norm=False,
                                     norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5,
                                     max_position_embeddings=131072),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (--layers 4 keeps three Gated DeltaNet layers and one attention
+    # layer; --experts fewer keeps it within a small machine's memory)
+    "qwen3-next": lambda: Geometry(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=16, num_kv_heads=2,
+                                   head_dim=256, num_experts=512, top_k=10, moe_intermediate_size=512,
+                                   dense_intermediate_size=5632, shared_expert_intermediate_size=512,
+                                   norm_topk_prob=True, rope_theta=1e7, partial_rotary_factor=0.25,
+                                   max_position_embeddings=262144, linear_num_key_heads=16,
+                                   linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
 }
 PRESET_ARCH = {"qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral", "deepseek-v3": "deepseek_v3",
-               "glm-4.5-air": "glm4_moe"}
+               "glm-4.5-air": "glm4_moe", "qwen3-next": "qwen3_next"}
 GROUPED = ("deepseek_v3", "glm4_moe")  # the sigmoid router, shared experts, dense first layers
+
+
+def _linear_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
+    """qwen3_next's Gated DeltaNet tensors (linear_attn.NAME) and their shapes."""
+    H, hk, hv = g.hidden_size, g.linear_num_key_heads, g.linear_num_value_heads
+    key, value = hk * g.linear_key_head_dim, hv * g.linear_value_head_dim
+    return {"in_proj_qkvz.weight": (2 * key + 2 * value, H), "in_proj_ba.weight": (2 * hv, H),
+            "conv1d.weight": (2 * key + value, 1, g.linear_conv_kernel_dim), "dt_bias": (hv,), "A_log": (hv,),
+            "norm.weight": (g.linear_value_head_dim,), "out_proj.weight": (H, value)}
+
+
+def _is_linear(arch: str, g: Geometry, layer: int) -> bool:
+    return arch == "qwen3_next" and (layer + 1) % g.full_attention_interval != 0
 
 
 def parameter_count(arch: str, g: Geometry) -> int:
@@ -137,12 +166,15 @@ def parameter_count(arch: str, g: Geometry) -> int:
     attn = H * hd * (2 * g.num_heads + 2 * g.num_kv_heads)
     if arch == "deepseek_v3":
         attn = sum(_mla_shapes(g)[n][0] * _mla_shapes(g)[n][1] for n in _mla_shapes(g) if len(_mla_shapes(g)[n]) == 2)
+    if arch == "qwen3_next":
+        attn += H * hd * g.num_heads  # q_proj's gate rows
+    linear = sum(int(np.prod(shape)) for shape in _linear_shapes(g).values())
     per_layer = 0
     for i in range(g.num_layers):
-        per_layer += attn + 2 * H
+        per_layer += (linear if _is_linear(arch, g, i) else attn) + 2 * H
         if _is_sparse(arch, g, i):
             per_layer += g.num_experts * (3 * H * g.moe_intermediate_size + H)
-            if arch == "qwen2_moe":
+            if arch in ("qwen2_moe", "qwen3_next"):
                 per_layer += 3 * H * g.shared_expert_intermediate_size + H
             if arch in GROUPED:
                 per_layer += 3 * H * g.moe_intermediate_size * g.n_shared_experts
@@ -220,15 +252,24 @@ def hf_config(arch: str, g: Geometry) -> dict:
     if arch == "glm4_moe":
         cfg.update(attention_bias=True, use_qk_norm=g.use_qk_norm, partial_rotary_factor=g.partial_rotary_factor)
         return cfg
-    norm = g.norm_topk_prob if g.norm_topk_prob is not None else arch == "qwen3_moe"
+    norm = g.norm_topk_prob if g.norm_topk_prob is not None else arch in ("qwen3_moe", "qwen3_next")
     cfg.update(num_experts=g.num_experts, moe_intermediate_size=g.moe_intermediate_size,
                intermediate_size=g.dense_intermediate_size, decoder_sparse_step=g.decoder_sparse_step,
                mlp_only_layers=list(g.mlp_only_layers), norm_topk_prob=norm, use_sliding_window=False,
                sliding_window=None, max_window_layers=g.num_layers)
     if arch == "qwen3_moe":
         cfg["attention_bias"] = False
-    if arch == "qwen2_moe":
+    if arch in ("qwen2_moe", "qwen3_next"):
         cfg["shared_expert_intermediate_size"] = g.shared_expert_intermediate_size
+    if arch == "qwen3_next":
+        cfg.update(attention_bias=False, partial_rotary_factor=g.partial_rotary_factor,
+                   layer_types=["linear_attention" if _is_linear(arch, g, i) else "full_attention"
+                                for i in range(g.num_layers)],
+                   **{k: getattr(g, k) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                                 "linear_key_head_dim", "linear_value_head_dim",
+                                                 "linear_conv_kernel_dim")})
+        for k in ("use_sliding_window", "sliding_window", "max_window_layers"):
+            del cfg[k]
     return cfg
 
 
@@ -265,6 +306,19 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
+    centre = np.float32(1.0 if arch == "qwen3_next" else 0.0)  # qwen3_next's norms store weight - 1
+
+    def linear_tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A Gated DeltaNet tensor: projections scaled as mat's, A_log as transformers draws it, dt_bias and the
+        gated norm near 1."""
+        if name == "A_log":
+            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+        if name in ("dt_bias", "norm.weight"):
+            return norm(shape[0])
+        if name == "conv1d.weight":
+            return (0.5 * rng.standard_normal(shape)).astype(np.float32)
+        return mat(*shape)
+
     H, hd = g.hidden_size, g.head_dim
     t: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((g.vocab_size, H)).astype(np.float32)}
     progress = Progress(g.num_layers, "make-model: drawing the weights", unit="layers")
@@ -272,23 +326,27 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
         if i:
             progress.add(1)
         p = f"model.layers.{i}"
-        t[f"{p}.input_layernorm.weight"] = norm(H)
-        t[f"{p}.post_attention_layernorm.weight"] = norm(H)
+        t[f"{p}.input_layernorm.weight"] = norm(H) - centre
+        t[f"{p}.post_attention_layernorm.weight"] = norm(H) - centre
         a = f"{p}.self_attn"
-        if arch == "deepseek_v3":
+        if _is_linear(arch, g, i):
+            for n, shape in _linear_shapes(g).items():
+                t[f"{p}.linear_attn.{n}"] = linear_tensor(n, shape)
+        elif arch == "deepseek_v3":
             for n, shape in _mla_shapes(g).items():
                 t[f"{a}.{n}.weight"] = mat(*shape) if len(shape) == 2 else norm(shape[0])
         else:
-            t[f"{a}.q_proj.weight"] = mat(g.num_heads * hd, H)
+            t[f"{a}.q_proj.weight"] = mat(g.num_heads * hd * (2 if arch == "qwen3_next" else 1), H)
             t[f"{a}.k_proj.weight"] = mat(g.num_kv_heads * hd, H)
             t[f"{a}.v_proj.weight"] = mat(g.num_kv_heads * hd, H)
             t[f"{a}.o_proj.weight"] = mat(H, g.num_heads * hd)
         if arch in ("qwen2_moe", "glm4_moe"):
             for n, size in (("q", g.num_heads * hd), ("k", g.num_kv_heads * hd), ("v", g.num_kv_heads * hd)):
                 t[f"{a}.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
-        if arch == "qwen3_moe" or arch == "glm4_moe" and g.use_qk_norm:
-            t[f"{a}.q_norm.weight"] = norm(hd)
-            t[f"{a}.k_norm.weight"] = norm(hd)
+        if arch == "qwen3_moe" or arch == "glm4_moe" and g.use_qk_norm or arch == "qwen3_next" and \
+                not _is_linear(arch, g, i):
+            t[f"{a}.q_norm.weight"] = norm(hd) - centre
+            t[f"{a}.k_norm.weight"] = norm(hd) - centre
         if not _is_sparse(arch, g, i):
             I = g.dense_intermediate_size
             t[f"{p}.mlp.gate_proj.weight"], t[f"{p}.mlp.up_proj.weight"] = mat(I, H), mat(I, H)
@@ -302,7 +360,7 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
             t[f"{moe}.experts.{e}.{names[0]}.weight"] = mat(I, H)
             t[f"{moe}.experts.{e}.{names[1]}.weight"] = mat(I, H)
             t[f"{moe}.experts.{e}.{names[2]}.weight"] = mat(H, I)
-        if arch == "qwen2_moe":
+        if arch in ("qwen2_moe", "qwen3_next"):
             S = g.shared_expert_intermediate_size
             t[f"{moe}.shared_expert.gate_proj.weight"], t[f"{moe}.shared_expert.up_proj.weight"] = mat(S, H), mat(S, H)
             t[f"{moe}.shared_expert.down_proj.weight"] = mat(H, S)
@@ -312,7 +370,7 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
             S = g.moe_intermediate_size * g.n_shared_experts
             t[f"{moe}.shared_experts.gate_proj.weight"], t[f"{moe}.shared_experts.up_proj.weight"] = mat(S, H), mat(S, H)
             t[f"{moe}.shared_experts.down_proj.weight"] = mat(H, S)
-    t["model.norm.weight"] = norm(H)
+    t["model.norm.weight"] = norm(H) - centre
     if not g.tie_word_embeddings:
         # favour printable ASCII so the demo's (random) text is readable noise
         printable = np.zeros(g.vocab_size, bool)
