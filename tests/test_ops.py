@@ -299,3 +299,21 @@ def test_the_parallel_attention_takes_every_token_of_a_prompt_once(T):
     host_ops.gqa_attention_parallel(q, k, v, mask, np.float32(0.25), parallel)
     assert sorted(host_ops.zigzag(i, T) for i in range(T)) == list(range(T))
     assert not np.isnan(serial).any() and np.array_equal(parallel, serial)
+
+
+def test_a_long_prompts_attention_in_query_blocks_equals_float64(monkeypatch):
+    """Past HOST_ATTENTION_SCORES floats of scores the queries go in blocks (here 3 blocks of 16, the last short):
+    the result is float64's causal attention within float32 rounding."""
+    monkeypatch.setattr(ops, "HOST_ATTENTION_SCORES", 4 * 2100 * 16)
+    rng = np.random.default_rng(5)
+    T, S, nh, nkv, hd = 40, 2100, 4, 2, 8  # more keys than HOST_ATTENTION_KEYS: NumPy's matmuls
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((S, nkv, hd)).astype(np.float32) for _ in range(2))
+    mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), None)
+    out = ops.gqa_attention(q, k, v, mask)
+    scores = np.einsum("thd,shd->hts", q.astype(np.float64), np.repeat(k, nh // nkv, 1).astype(np.float64))
+    scores = np.where(mask, scores / math.sqrt(hd), -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("hts,shd->thd", p, np.repeat(v, nh // nkv, 1).astype(np.float64)).reshape(T, nh * hd)
+    assert np.abs(out - want).max() < 1e-5

@@ -126,6 +126,9 @@ PARALLEL_ATTENTION_MACS = 1 << 21
 # Up to this many query tokens the device runs device_ops' one-launch attention (a block a token and head, every
 # key read by each); longer prompts keep the batched matmuls, whose work grows as T x S once, not per block.
 DEVICE_ATTENTION_TOKENS = 64
+# NumPy's matmuls take the queries in blocks whose scores [heads, block, S] stay under this many floats: a long
+# prompt's softmax and its temporaries are several copies of the scores, 17 GB for 8,192 tokens over 16 heads.
+HOST_ATTENTION_SCORES = 1 << 26
 
 
 def widen(a: np.ndarray) -> np.ndarray:
@@ -152,6 +155,10 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray)
             else host_ops.gqa_attention
         loop(q, k, v, mask, np.float32(hd**-0.5), out)
         return out
+    block = max(1, HOST_ATTENTION_SCORES // (nh * k.shape[0]))  # query rows per block of scores
+    if T > block and not is_device(q):
+        return np.concatenate([gqa_attention(q[lo:lo + block], k, v, mask[lo:lo + block])
+                               for lo in range(0, T, block)])
     group = nh // nkv
     qg = q.reshape(T, nkv, group, hd).transpose(1, 2, 0, 3)  # [nkv, g, T, hd]
     kt = k.transpose(1, 2, 0)  # [nkv, hd, S]
