@@ -238,6 +238,7 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
                     res["drafted"] += s.timings["drafted_tokens"]
                     res["accepted"] += s.timings["accepted_drafts"]
         report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
+                  "state_bytes_per_sequence": mcfg.state_bytes_per_sequence,
                   "spin_us": plan.engines[0].config.pool_spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
                   "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(plan.settings),
                   "formats": list(plan.formats), "kernels": target_summary(), "modes": {}}
@@ -396,7 +397,9 @@ def _quality_by_label(report: dict) -> dict[str, dict]:
 def markdown(report: dict) -> str:
     lines = [f"model {report['model']} ({report['arch']}), {report['prompt_tokens']} prompt + {report['tokens']} "
              f"new tokens, {report['rounds']} interleaved rounds; STREAM array {report['membw_bytes'] / 2**20:.0f} MiB "
-             f"(4x LLC); KV cache {report.get('kv_bytes_per_token', 0)} bytes a token; {report.get('kernels', '')}", "",
+             f"(4x LLC); KV cache {report.get('kv_bytes_per_token', 0)} bytes a token"
+             + (f", state {report['state_bytes_per_sequence']} bytes a sequence" if report.get(
+                 'state_bytes_per_sequence') else "") + f"; {report.get('kernels', '')}", "",
              "| mode | decode tok/s (min-max) | vs inproc | prefill tok/s | MoE layer wall us | worker compute us "
              "| overhead us | empty RTT us | overhead/RTT | pool GB/s | STREAM GB/s | ratio |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -136,7 +136,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "prompt_ids": result.prompt_ids, "ids": result.ids, "text": result.text,
                 "finish_reason": result.finish_reason, "timing": timings,
                 "experts": stats["experts"],
-                "kv_bytes_per_token": engine.model_config.kv_bytes_per_token,  # float32, all layers
+                "kv_bytes_per_token": engine.model_config.kv_bytes_per_token,  # float32, the attention layers
+                "state_bytes_per_sequence": engine.model_config.state_bytes_per_sequence,  # Gated DeltaNet layers
                 "pool": {"kind": health["kind"], "numa_split": config.numa_split, "plan": health["plan"],
                          "nodes": list(engine.cpu.plan.node_ids), "node_info": [n.as_dict() for n in engine.nodes]},
                 "routing": {"routed_pairs": stats["routed_pairs"], "skipped_pairs": stats["skipped_pairs"]},
