@@ -8,7 +8,7 @@ the file, the tensor and the type, before anything loads:
 
     GgufFile(path)          path: file.gguf, or the first of name-00001-of-0000N.gguf
         .arch               general.architecture ("qwen3moe", "qwen2moe", "llama" with experts: Mixtral,
-                            "deepseek2": DeepSeek-V2/V3/R1, Kimi-K2, "glm4moe": GLM-4.5)
+                            "deepseek2": DeepSeek-V2/V3/R1, Kimi-K2, "glm4moe": GLM-4.5, "qwen3next": Qwen3-Next)
         .config()           {config.json key: value}
         .hf_names()         {Hugging Face tensor name: GGUF tensor name}; routed experts stacked:
                             model.layers.{i}.mlp.experts.{gate,up,down}_proj  [E, I, H] / [E, H, I]
@@ -38,6 +38,7 @@ ARCHITECTURES = {
     # DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2: DeepseekV3ForCausalLM or DeepseekV2ForCausalLM by the gating function
     "deepseek2": ("DeepseekV3ForCausalLM", False),
     "glm4moe": ("Glm4MoeForCausalLM", False),  # GLM-4.5, GLM-4.5-Air
+    "qwen3next": ("Qwen3NextForCausalLM", True),  # Qwen3-Next: llama.cpp renormalises its top-k weights
 }
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE (3: sqrtsoftplus)
 
@@ -86,6 +87,21 @@ MLA_TENSORS = {
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
 GLM4MOE_TENSORS = {**MLA_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight"}
+# qwen3next: Qwen3NextModel's converter writes in_proj_qkvz as attn_qkv (q, k, v rows, each grouped by head) and
+# attn_gate (z), -exp(A_log) as ssm_a, conv1d squeezed to [C, K], and its RMSNorms' weights plus 1 (config()
+# says so: norms_hold_one_plus_weight); the names below are the engine's for those forms
+QWEN3NEXT_TENSORS = {
+    **LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_neg",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
 # convert_hf_to_gguf.py's DeepseekV2Model splits kv_b_proj [nh*(dn+dv), c] per head into attn_k_b [nh, c, dn]
 # (the key rows, transposed) and attn_v_b [nh, dv, c]; the engine reads kv_b_proj, put back together from both
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
@@ -169,7 +185,7 @@ class GgufFile:
                     raise GgufError(f"{self.tensors[name][0]}: tensor {name} without {v_name}: kv_b_proj cannot be "
                                     "put back together")
                 self.joined[f"blk.{m[1]}.attn_kv_b.weight"] = (name, v_name)
-        if self.arch in ("deepseek2", "glm4moe"):
+        if self.arch in ("deepseek2", "glm4moe", "qwen3next"):
             self.config()  # the metadata checked now, before any worker starts
 
     @property
@@ -192,6 +208,8 @@ class GgufFile:
             return self._config_deepseek2()
         if self.arch == "glm4moe":
             return self._config_glm4moe()
+        if self.arch == "qwen3next":
+            return self._config_qwen3next()
         cls, norm_default = ARCHITECTURES[self.arch]
         heads = int(self._meta("attention.head_count"))
         hidden = int(self._meta("embedding_length"))
@@ -371,11 +389,65 @@ class GgufFile:
                    attention_bias=self._has(".attn_q.bias"), use_qk_norm=self._has(".attn_q_norm.weight"))
         return cfg
 
+    def _config_qwen3next(self) -> dict:
+        """Qwen3-Next as llama.cpp reads a qwen3next file (src/models/qwen3next.cpp): the Gated DeltaNet geometry
+        from the ssm keys, the layers' kinds from attention.recurrent_layers (or full_attention_interval), a
+        softmax router whose top-k weights are renormalised, partial rotary from rope.dimension_count."""
+        heads = self._int("attention.head_count")
+        head_dim = self._int("attention.key_length", self._int("embedding_length") // heads)
+        rope_dim = self._int("rope.dimension_count", head_dim // 4)
+        value_heads = self._int("ssm.time_step_rank")
+        inner = self._int("ssm.inner_size")
+        if not 0 < rope_dim <= head_dim or inner % value_heads:
+            raise GgufError(f"{self.path}: metadata {self.arch}.rope.dimension_count {rope_dim} (heads of {head_dim}) "
+                            f"or ssm.inner_size {inner} over ssm.time_step_rank {value_heads} does not fit")
+        scaling = self._meta("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise GgufError(f"{self.path}: metadata {self.arch}.rope.scaling.type {scaling!r} is not supported")
+        self._refuse("expert_weights_scale", "a scale on the routed experts' weights is not Qwen3-Next's")
+        recurrent = self._meta("attention.recurrent_layers", None)
+        if recurrent is None:
+            interval = self._int("full_attention_interval", 4)
+            recurrent = [(i + 1) % interval != 0 for i in range(self.num_layers)]
+        cfg = {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "vocab_size": self._vocab(),
+            "hidden_size": self._int("embedding_length"),
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": self._int("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(self._meta("attention.layer_norm_rms_epsilon")),
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(self._meta("rope.freq_base", 10000.0)),
+                                "partial_rotary_factor": rope_dim / head_dim},
+            "max_position_embeddings": self._int("context_length"),
+            "intermediate_size": self._int("feed_forward_length"),
+            "moe_intermediate_size": self._int("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": self._int("expert_shared_feed_forward_length"),
+            "num_experts": self._int("expert_count"),
+            "num_experts_per_tok": self._int("expert_used_count"),
+            "norm_topk_prob": True,
+            "linear_conv_kernel_dim": self._int("ssm.conv_kernel"),
+            "linear_key_head_dim": self._int("ssm.state_size"),
+            "linear_num_key_heads": self._int("ssm.group_count"),
+            "linear_num_value_heads": value_heads,
+            "linear_value_head_dim": inner // value_heads,
+            "layer_types": ["linear_attention" if r else "full_attention" for r in list(recurrent)[:self.num_layers]],
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "hidden_act": "silu",
+            "norms_hold_one_plus_weight": True,
+        }
+        for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id",
+                                                                           "eos_token_id")):
+            if key in self.metadata:
+                cfg[hf] = int(self.metadata[key])
+        return cfg
+
     def hf_names(self) -> dict[str, str]:
         """{Hugging Face name: GGUF name} for every tensor of the file; an unknown tensor is an error."""
-        layer_tensors = {"llama": MIXTRAL_TENSORS, "deepseek2": MLA_TENSORS, "glm4moe": GLM4MOE_TENSORS}.get(
-            self.arch, LAYER_TENSORS)
-        layers = self.num_layers if self.arch in ("deepseek2", "glm4moe") else None
+        layer_tensors = {"llama": MIXTRAL_TENSORS, "deepseek2": MLA_TENSORS, "glm4moe": GLM4MOE_TENSORS,
+                         "qwen3next": QWEN3NEXT_TENSORS}.get(self.arch, LAYER_TENSORS)
+        layers = self.num_layers if self.arch in ("deepseek2", "glm4moe", "qwen3next") else None
         names = {}
         for name in [*self.tensors, *self.joined]:
             if name in GLOBAL_TENSORS:

@@ -155,6 +155,7 @@ class ModelConfig:
     linear: LinearAttnConfig | None = None  # qwen3_next: the Gated DeltaNet layers' geometry
     linear_layers: tuple[bool, ...] = ()  # per layer: Gated DeltaNet (True) or attention; () = attention everywhere
     attn_output_gate: bool = False  # qwen3_next: q_proj also gives a per-head sigmoid gate on attention's output
+    norm_offset: float = 0.0  # added to the RMSNorms' weights at load: 1.0 for qwen3_next's (1 + weight) norms
 
     def is_linear(self, layer: int) -> bool:
         """Whether ``layer`` is a Gated DeltaNet layer (no KV cache, a fixed state per sequence)."""
@@ -570,6 +571,8 @@ def _parse_qwen3_next(cfg: dict, model_dir: Path | None, arch: str) -> ModelConf
         linear=linear,
         linear_layers=tuple(t == "linear_attention" for t in types),
         attn_output_gate=True,
+        # a GGUF file's norms already hold 1 + weight (llama.cpp's converter adds it)
+        norm_offset=0.0 if _bool(cfg, "norms_hold_one_plus_weight", False) else 1.0,
     )
 
 

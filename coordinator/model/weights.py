@@ -114,17 +114,24 @@ def _linear_attn(cfg: ModelConfig, r: "_Reader", prefix: str) -> LinearAttnWeigh
     lc, H = cfg.linear, cfg.hidden_size
     Hk, Hv, dk, dv = lc.key_heads, lc.value_heads, lc.key_head_dim, lc.value_head_dim
     rep = Hv // Hk  # value heads per key head
-    qkvz = r.get(f"{prefix}.in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, H))
     ba = r.get(f"{prefix}.in_proj_ba.weight", (2 * Hv, H))
-    per_key = qkvz.reshape(Hk, 2 * dk + 2 * rep * dv, H)  # [Hk, q dk | k dk | v rep*dv | z rep*dv, H]
-    cuts = np.cumsum([0, dk, dk, rep * dv, rep * dv])
-    qkvz = np.concatenate([per_key[:, lo:hi].reshape(-1, H) for lo, hi in zip(cuts[:-1], cuts[1:])])
+    if f"{prefix}.in_proj_qkvz.weight" in r.ckpt:  # transformers' checkpoint
+        qkvz = r.get(f"{prefix}.in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, H))
+        per_key = qkvz.reshape(Hk, 2 * dk + 2 * rep * dv, H)  # [Hk, q dk | k dk | v rep*dv | z rep*dv, H]
+        cuts = np.cumsum([0, dk, dk, rep * dv, rep * dv])
+        qkvz = np.concatenate([per_key[:, lo:hi].reshape(-1, H) for lo, hi in zip(cuts[:-1], cuts[1:])])
+        conv = r.get(f"{prefix}.conv1d.weight", (lc.conv_dim, 1, lc.conv_kernel))[:, 0]
+        a_neg = -np.exp(r.get(f"{prefix}.A_log", (Hv,)))
+    else:  # a GGUF file (shm/gguf_file.py's QWEN3NEXT_TENSORS): q, k, v already regrouped, z apart, -exp(A_log)
+        qkvz = np.concatenate([r.get(f"{prefix}.in_proj_qkv.weight", (lc.conv_dim, H)),
+                               r.get(f"{prefix}.in_proj_z.weight", (Hv * dv, H))])
+        conv = r.get(f"{prefix}.conv1d.weight", (lc.conv_dim, lc.conv_kernel))
+        a_neg = r.get(f"{prefix}.A_neg", (Hv,))
     per_key = ba.reshape(Hk, 2 * rep, H)  # [Hk, b rep | a rep, H]
     ba = np.concatenate([per_key[:, :rep].reshape(Hv, H), per_key[:, rep:].reshape(Hv, H)])
-    conv = r.get(f"{prefix}.conv1d.weight", (lc.conv_dim, 1, lc.conv_kernel))
     return LinearAttnWeights(
-        qkvz=qkvz, ba=ba, conv=np.ascontiguousarray(conv[:, 0]),
-        a_neg=-np.exp(r.get(f"{prefix}.A_log", (Hv,))),
+        qkvz=qkvz, ba=ba, conv=np.ascontiguousarray(conv),
+        a_neg=a_neg,
         dt_bias=r.get(f"{prefix}.dt_bias", (Hv,)),
         norm=r.get(f"{prefix}.norm.weight", (dv,)),
         out=r.get(f"{prefix}.out_proj.weight", (H, Hv * dv)),
@@ -247,7 +254,7 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
     layers: list[LayerWeights] = []
     experts: dict[tuple[int, int], ExpertRefs] = {}
-    offset = 1.0 if cfg.arch == "qwen3_next" else 0.0  # zero-centred norms: (1 + weight)
+    offset = cfg.norm_offset  # qwen3_next's zero-centred norms: (1 + weight)
     for i in range(cfg.num_layers):
         base, moe = _prefix(cfg, i)
         attn = f"{base}.self_attn"
