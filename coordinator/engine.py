@@ -150,6 +150,9 @@ class Engine:
         source = source or open_source(model_dir)  # GGUF: the config, tokenizer and template from its metadata
         ckpt, mcfg = source.checkpoint, source.config
         backend = select_device(config.device)
+        if mcfg.linear is not None and backend != "numpy":  # refused before anything is read or uploaded
+            raise ConfigValueError(f"{mcfg.arch}'s Gated DeltaNet layers are not supported on the device yet; run "
+                                   "with --device cpu")
         runs_kernels = runs_decode_kernels(config, backend, source.gguf)
         kernel_threads.settle(runs_kernels)  # before any kernel runs: libgomp reads its wait setting once
         gpu = backend == "cupy"
