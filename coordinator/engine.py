@@ -11,15 +11,18 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+import psutil
 
 from node_worker import kernel_threads
 from node_worker.kernels.kernel_set import for_formats
 from shm import formats
 from shm.checkpoint import Checkpoint
 from shm.expert_store import matrix_bytes
+from shm.segments import shm_free
 from shm.topology import Node, format_cpulist
 
 from .config import EngineConfig
+from .context import check_context
 from .cpu_experts import CpuExpertSpec, build_pool, expert_format, plan_cpu_experts, pool_nodes
 from .errors import ConfigValueError, StrataError
 from .device import load as device_load
@@ -153,6 +156,9 @@ class Engine:
         if mcfg.linear is not None and backend != "numpy":  # refused before anything is read or uploaded
             raise ConfigValueError(f"{mcfg.arch}'s Gated DeltaNet layers are not supported on the device yet; run "
                                    "with --device cpu")
+        if backend == "numpy":  # a GPU's KV cache is in its memory plan (coordinator/device/vram.py)
+            check_context(mcfg, config.max_seq_len or mcfg.max_position_embeddings, len(nodes),
+                          config.pool == "process", psutil.virtual_memory().available, shm_free() or 0)
         runs_kernels = runs_decode_kernels(config, backend, source.gguf)
         kernel_threads.settle(runs_kernels)  # before any kernel runs: libgomp reads its wait setting once
         gpu = backend == "cupy"
