@@ -132,6 +132,23 @@ def test_a_rewound_state_is_the_state_that_never_took_the_rejected_tokens():
         cache.truncate(29)
 
 
+def test_a_prompts_step_keeps_no_inputs_and_is_not_rewound_inside():
+    """A step longer than REWINDABLE tokens (a prompt's) keeps no copy of its inputs: truncating to its end is a
+    no-op and inside it is refused, while a short step after it rewinds to its start exactly."""
+    w, (mixed, b, a) = weights(), inputs(la.REWINDABLE + 10)
+    n = la.REWINDABLE + 5
+    state = la.LinearState(LC)
+    state.step(0, w, LC, mixed[:n], b[:n], a[:n])
+    kept = state.recurrent
+    state.rewind(n)
+    assert state.recurrent is kept
+    with pytest.raises(ValueError, match="last step"):
+        state.rewind(n - 1)
+    state.step(n, w, LC, mixed[n:n + 3], b[n:n + 3], a[n:n + 3])
+    state.rewind(n)
+    assert state.recurrent is kept
+
+
 def test_state_layers_hold_no_keys_and_count_their_state():
     """A Gated DeltaNet layer has no key/value rows in the cache: bytes per token count the attention layers only,
     and the state's bytes are the conv's K-1 inputs and the recurrent state."""

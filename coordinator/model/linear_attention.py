@@ -25,6 +25,7 @@ from .weights import LinearAttnWeights
 
 CHUNK = 64  # tokens per chunk of the chunked form, transformers' chunk_size
 RECURRENT_BELOW = 16  # steps of fewer tokens (decode, drafts being verified) take the token-by-token form
+REWINDABLE = 64  # a step of at most this many tokens can be rewound (a decode step and its drafts: at most 17)
 
 
 def causal_conv(conv_state: np.ndarray, x: np.ndarray, taps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -118,13 +119,15 @@ def advance(w: LinearAttnWeights, lc: LinearAttnConfig, conv_state: np.ndarray, 
 
 class LinearState:
     """One sequence's state in one Gated DeltaNet layer, and what rewinding its last step needs: the state before
-    that step and the step's inputs (no copy: each step makes new arrays)."""
+    that step (the arrays themselves: each step makes new ones) and, for a step of at most REWINDABLE tokens (a
+    decode step with its drafts), a copy of its inputs. A longer step (a prompt's) keeps no inputs, so a prefill
+    does not hold its whole projection per layer."""
 
     def __init__(self, lc: LinearAttnConfig):
         self.conv = np.zeros((lc.conv_kernel - 1, lc.conv_dim), np.float32)  # [K-1, C]
         self.recurrent = np.zeros((lc.value_heads, lc.key_head_dim, lc.value_head_dim), np.float32)
-        self.start = 0  # cache position of the last step's first token
-        self._last = None  # (weights, config, conv before, recurrent before, mixed, b, a) of the last step
+        self.start = self.end = 0  # cache positions of the last step's first token and the one after its last
+        self._last = None  # (weights, config, conv before, recurrent before, mixed, b, a) of a rewindable step
 
     @property
     def nbytes(self) -> int:
@@ -132,30 +135,25 @@ class LinearState:
 
     def step(self, start: int, w: LinearAttnWeights, lc: LinearAttnConfig, mixed, b, a) -> np.ndarray:
         """Tokens start .. start + T - 1 (mixed [T, C], b, a [T, Hv]) through the layer; returns o [T, Hv, dv]."""
-        self.start, self._last = start, (w, lc, self.conv, self.recurrent, mixed, b, a)
+        T = mixed.shape[0]
+        self.start, self.end = start, start + T
+        self._last = (w, lc, self.conv, self.recurrent, mixed.copy(), b.copy(), a.copy()) if T <= REWINDABLE \
+            else None
         out, self.conv, self.recurrent = advance(w, lc, self.conv, self.recurrent, mixed, b, a)
         return out
 
     def rewind(self, length: int) -> None:
         """The state after ``length`` tokens: recomputed from the last step's start when ``length`` falls inside
-        it (rejected drafts); a position before the last step cannot be restored."""
-        if self._last is None:
-            if length:
-                raise ValueError(f"a Gated DeltaNet state cannot be rewound to {length} tokens: it holds no step")
+        it (rejected drafts); a position before the last step, or inside a prompt's step, cannot be restored."""
+        if length == self.end:
             return
+        if not self.start <= length < self.end or self._last is None:
+            raise ValueError(f"a Gated DeltaNet state rewinds only within its last step of at most {REWINDABLE} "
+                             f"tokens (here tokens {self.start} to {self.end}), not to {length}")
         w, lc, conv, recurrent, mixed, b, a = self._last
-        end = self.start + mixed.shape[0]
-        if length == end:
-            return
-        if not self.start <= length < end:
-            raise ValueError(f"a Gated DeltaNet state rewinds only within its last step (tokens {self.start} to "
-                             f"{end}), not to {length}")
         keep = length - self.start
         self.conv, self.recurrent = conv, recurrent
-        if keep:
-            self.step(self.start, w, lc, mixed[:keep], b[:keep], a[:keep])
-        else:
-            self._last = (w, lc, conv, recurrent, mixed[:0], b[:0], a[:0])
+        self.step(self.start, w, lc, mixed[:keep], b[:keep], a[:keep])
 
 
 def layer(w: LinearAttnWeights, lc: LinearAttnConfig, x: np.ndarray, parts: list, eps: float) -> np.ndarray:
