@@ -11,6 +11,7 @@ space) before any weight is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from shm.pool_io import PoolIoLayout
 
@@ -35,6 +36,20 @@ class ContextNeeds:
     @property
     def total(self) -> int:
         return self.kv_cache + self.state + self.pool_segment
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Bytes of memory free for new pages (the kernel's MemAvailable); psutil's figure where there is no
+    /proc/meminfo."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def context_needs(mcfg: ModelConfig, tokens: int, nodes: int, process_pool: bool) -> ContextNeeds:

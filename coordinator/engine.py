@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import psutil
 
 from node_worker import kernel_threads
 from node_worker.kernels.kernel_set import for_formats
@@ -22,7 +21,7 @@ from shm.segments import shm_free
 from shm.topology import Node, format_cpulist
 
 from .config import EngineConfig
-from .context import check_context
+from .context import available_memory, check_context
 from .cpu_experts import CpuExpertSpec, build_pool, expert_format, plan_cpu_experts, pool_nodes
 from .errors import ConfigValueError, StrataError
 from .device import load as device_load
@@ -158,7 +157,7 @@ class Engine:
                                    "with --device cpu")
         if backend == "numpy":  # a GPU's KV cache is in its memory plan (coordinator/device/vram.py)
             check_context(mcfg, config.max_seq_len or mcfg.max_position_embeddings, len(nodes),
-                          config.pool == "process", psutil.virtual_memory().available, shm_free() or 0)
+                          config.pool == "process", available_memory(), shm_free() or 0)
         runs_kernels = runs_decode_kernels(config, backend, source.gguf)
         kernel_threads.settle(runs_kernels)  # before any kernel runs: libgomp reads its wait setting once
         gpu = backend == "cupy"

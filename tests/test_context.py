@@ -7,7 +7,7 @@ import pytest
 
 from coordinator.cli.make_model import PRESETS, hf_config, make_model
 from coordinator.config import EngineConfig
-from coordinator.context import GIB, ContextTooLarge, check_context, context_needs
+from coordinator.context import GIB, ContextTooLarge, available_memory, check_context, context_needs
 from coordinator.engine import Engine
 from coordinator.model.model_config import parse_model_config
 
@@ -39,3 +39,9 @@ def test_the_engine_refuses_a_context_it_cannot_hold_before_loading(tmp_path):
     model = make_model(tmp_path / "m", arch="qwen3_next", seed=1)
     with pytest.raises(ContextTooLarge, match="KV cache for one sequence"):
         Engine.open(model, EngineConfig(pool="inproc", max_seq_len=10**12))
+
+
+def test_available_memory_is_the_kernels_memavailable(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683784 kB\nMemFree:         1000 kB\nMemAvailable:   20216632 kB\n")
+    assert available_memory(meminfo) == 20216632 * 1024
