@@ -127,7 +127,7 @@ PARALLEL_ATTENTION_MACS = 1 << 21
 # key read by each); longer prompts keep the batched matmuls, whose work grows as T x S once, not per block.
 DEVICE_ATTENTION_TOKENS = 64
 # NumPy's matmuls take the queries in blocks whose scores [heads, block, S] stay under this many floats: a long
-# prompt's softmax and its temporaries are several copies of the scores, 17 GB for 8,192 tokens over 16 heads.
+# prompt's softmax and its temporaries are several copies of the scores, which grow as T x S.
 HOST_ATTENTION_SCORES = 1 << 26
 
 
