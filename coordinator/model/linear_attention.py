@@ -65,8 +65,7 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The gated delta rule in chunks (the WY/UT form): within a chunk a unit lower-triangular solve and a few
     products, across chunks a scan of the state. Arguments and result as delta_rule_recurrent's."""
-    T, H, dk = q.shape
-    dv = v.shape[-1]
+    T, H, dv = q.shape[0], q.shape[1], v.shape[-1]
     pad = (-T) % chunk  # padded tokens have k = v = beta = g = 0: they read nothing and write nothing
     n = (T + pad) // chunk
 
