@@ -29,6 +29,7 @@ from .device.weights import upload as device_upload
 from .model.backend import select_device
 from .model.chat_template import ChatTemplate
 from .model.grammar import Grammars
+from .model import graph_steps
 from .model.decoder import Decoder
 from .model.kv_cache import KVCache
 from .model.model_config import ModelConfig
@@ -200,6 +201,8 @@ class Engine:
             kv_dtype = "f32" if config.kv_dtype == "f32" or not gpu else "bf16"
             decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend, device_weights,
                               kv_dtype)
+            if config.graph and decoder.enable_graph_steps():
+                log.info("decode steps of up to %d rows are graph-ready", graph_steps.MAX_ROWS)
             warm_up_host(dense_kernels)
             load_s = time.perf_counter() - start
             log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",

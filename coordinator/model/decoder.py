@@ -5,6 +5,7 @@ Routed experts go through an ExpertPool; everything else runs here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -205,6 +206,19 @@ class Decoder:
             self.inv_freq = ops.rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_factor)
         self.mla_absorb: bool | None = None  # MLA: None picks per call (_absorbed); True/False forces a form
         self.stats = RoutingStats()
+        self.graph = None  # graph_steps.GraphSteps where decode steps are graph-ready (enable_graph_steps)
+        self._streaming = False  # inside a graph-ready step
+
+    def enable_graph_steps(self) -> bool:
+        """Make small steps graph-ready (coordinator/model/graph_steps.py) where the device, the pool and the
+        experts allow it; whether they are."""
+        link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp) if self.xp is not np else None
+        if link is None or any(d.any() for d in self.on_device.values()):
+            return False
+        from .graph_steps import GraphSteps
+
+        self.graph = GraphSteps(self.cfg, self.on_device, link, self.xp)
+        return True
 
     def new_cache(self) -> KVCache:
         cfg = self.cfg
@@ -227,6 +241,60 @@ class Decoder:
         """Several sequences in one pass: attention per sequence, everything else on all rows at once,
         so the expert pool sees one batch per layer. Returns each sequence's logits: its last row's with
         last_only, every row's for the sequences in ``all_rows`` (a prompt's log-probabilities)."""
+        rows = sum(len(ids) for ids, _ in seqs)
+        if self.graph is not None and self.graph.takes(rows):
+            return self._graph_step(seqs, last_only, all_rows, rows)
+        return self._forward(seqs, last_only, all_rows)
+
+    def _graph_step(self, seqs, last_only: bool, all_rows: frozenset[int], rows: int) -> list[np.ndarray]:
+        """forward_batch queued on the stream (graph_steps.py); a step a worker's death voided is redone eagerly."""
+        from .graph_steps import StreamInterrupted
+
+        t0 = time.perf_counter_ns()
+        starts = [cache.length for _, cache in seqs]
+        for ids, cache in seqs:  # the caches' buffers do not move inside the step
+            cache.reserve(cache.length + len(ids))
+        link = self.graph.link
+        link.begin_step(rows)
+        self._streaming = True
+        try:
+            with self.graph.arena.step(rows):
+                out = self._forward(seqs, last_only, all_rows)
+        except BaseException:  # the queued work finishes before the pool is touched again; the step is not cached
+            self.xp.cuda.get_current_stream().synchronize()
+            self.graph.drop_counters()
+            with contextlib.suppress(Exception):  # the pool recovers from what the stream met; the first error is raised
+                link.end_step(rows)
+            for (_, cache), start in zip(seqs, starts):
+                cache.truncate(start)
+            raise
+        finally:
+            self._streaming = False
+        try:
+            waited = link.end_step(rows)  # the logits' download was the step's synchronisation
+        except BaseException as e:
+            for (_, cache), start in zip(seqs, starts):
+                cache.truncate(start)
+            if not isinstance(e, StreamInterrupted):
+                raise
+            log.warning("%s; the step is redone eagerly", e)
+            self.graph.redone += 1
+            return self._forward(seqs, last_only, all_rows)
+        self.graph.steps += 1
+        self.graph.host_ns += self.graph.queued_at - t0
+        self.graph.wall_ns += time.perf_counter_ns() - t0
+        self.graph.fold_counters(self.stats, waited)
+        return out
+
+    def _logits(self, a):
+        """lm_head's logits of the rows a [R, H] on the host: the step's synchronisation (a graph-ready step's
+        routing counters copied beside them)."""
+        if self._streaming:
+            self.graph.queue_counters()
+        return to_host(a @ self.w.lm_head.T)  # [R, V]
+
+    def _forward(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool,
+                 all_rows: frozenset[int]) -> list[np.ndarray]:
         lengths = [len(ids) for ids, _ in seqs]
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
@@ -251,13 +319,13 @@ class Decoder:
         for (_, cache), n in zip(seqs, lengths):
             cache.advance(n)
         if not last_only:
-            logits = to_host(a @ self.w.lm_head.T)  # [N, V]; a: after the final norm
+            logits = self._logits(a)  # [N, V]; a: after the final norm
             return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
         # each sequence's rows that lm_head takes: its last, or every one for those in all_rows
         wanted = [n if k in all_rows else 1 for k, n in enumerate(lengths)]
         if keep is None:  # no layer dropped the rows: take them here
             a = xp.concatenate([a[hi - n:hi] for hi, n in zip(bounds[1:], wanted)])
-        logits = to_host(a @ self.w.lm_head.T)  # [sum(wanted), V]
+        logits = self._logits(a)  # [sum(wanted), V]
         ends = np.cumsum([0] + wanted)
         return [logits[lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
 
@@ -363,16 +431,13 @@ class Decoder:
 
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray) -> np.ndarray:
         """route -> submit the CPU pairs -> device and shared experts meanwhile -> collect -> sum."""
+        if self._streaming:
+            return self.graph.moe(self, i, lw, x)
         routing = self._route(i, lw, x)
         self.stats.count(routing, self.cfg.num_experts)
         sent = self._submit_cpu(routing, x)  # the CPU work first ...
         y_dev = self._device_side(routing, x)  # ... ours queued on the device's side stream meanwhile
-        y_shared = None  # the shared experts (device side, never the pool), also while the pool works
-        if lw.shared_expert is not None:
-            se = lw.shared_expert
-            y_shared = ops.swiglu_mlp(x, se.gate, se.up, se.down)
-            if lw.shared_expert_gate is not None:  # qwen2_moe's gate; DeepSeek's shared experts have none
-                y_shared = ops.sigmoid(x @ lw.shared_expert_gate.T) * y_shared
+        y_shared = self.shared_output(lw, x)  # also while the pool works
         y = self._collect_cpu(sent, x) if sent is not None else self.xp.zeros_like(x)  # [T, H]: Y_0 + Y_1 + ...
         if y_dev is not None:
             self.side.join()
@@ -380,6 +445,16 @@ class Decoder:
         if y_shared is not None:
             y = y + y_shared  # then the shared experts'
         return y
+
+    def shared_output(self, lw: LayerWeights, x):
+        """The shared experts' output [T, H] (the device side's, never the pool's), or None where the layer has none."""
+        if lw.shared_expert is None:
+            return None
+        se = lw.shared_expert
+        y_shared = ops.swiglu_mlp(x, se.gate, se.up, se.down)
+        if lw.shared_expert_gate is not None:  # qwen2_moe's gate; DeepSeek's shared experts have none
+            y_shared = ops.sigmoid(x @ lw.shared_expert_gate.T) * y_shared
+        return y_shared
 
     def _route(self, i: int, lw: LayerWeights, x: np.ndarray) -> Routing:
         """The router's top-k pairs of every row, less the tail skip, split device / CPU."""
@@ -403,14 +478,18 @@ class Decoder:
         the host's (coordinator/device/router.py)."""
         cfg, g = self.cfg, self.cfg.group_router
         if is_device(logits):
-            n_group, topk_group, scaling, softmax = (1, 1, 1.0, True) if g is None else (
-                g.n_group, g.topk_group, g.routed_scaling_factor, g.scoring == "softmax")
-            packed = router.route(logits, bias, cfg.top_k, n_group, topk_group, softmax, cfg.norm_topk_prob, scaling)
-            return router.unpack(to_host(packed), cfg.top_k)
+            return router.unpack(to_host(self.route_packed(logits, bias)), cfg.top_k)
         if g is not None:
             return ops.route_grouped(logits, bias, cfg.top_k, g.n_group, g.topk_group, cfg.norm_topk_prob,
                                      g.routed_scaling_factor, g.scoring)
         return ops.route_top_k(logits, cfg.top_k, cfg.norm_topk_prob)
+
+    def route_packed(self, logits, bias):
+        """Device logits [T, E] -> the router's choice packed [T, 2k] on the device (router.route)."""
+        cfg, g = self.cfg, self.cfg.group_router
+        n_group, topk_group, scaling, softmax = (1, 1, 1.0, True) if g is None else (
+            g.n_group, g.topk_group, g.routed_scaling_factor, g.scoring == "softmax")
+        return router.route(logits, bias, cfg.top_k, n_group, topk_group, softmax, cfg.norm_topk_prob, scaling)
 
     def _submit_cpu(self, routing: Routing, x: np.ndarray) -> CpuBatch | None:
         """Send the layer's CPU pairs to the pool (only the rows with CPU work travel); None when there are none."""

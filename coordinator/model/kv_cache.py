@@ -45,6 +45,11 @@ class KVCache:
             grown[:cap] = buf[layer]
             buf[layer] = grown
 
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` cached tokens in every layer now, so that the next extends move no buffer."""
+        for layer in range(len(self._k)):
+            self._reserve(layer, tokens)
+
     def extend(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v [T, ...] after the cached tokens (key and value, or latent and rope key); returns all of
         them [S, ...]."""
