@@ -29,10 +29,10 @@ ARCHS = {
 }
 
 
-def _run(model, graph: bool, split: bool, steps: int = 6):
+def _run(model, graph: bool, split: bool, steps: int = 6, kv_dtype: str = "f32", **extra):
     """Greedy decode after a prompt, the logits of each step, through the process pool."""
     config = EngineConfig(device="cuda", pool="process", graph=graph, numa_split=split, nodes=2 if split else None,
-                          dense_dtype="f32", kv_dtype="f32")
+                          dense_dtype="f32", kv_dtype=kv_dtype, **extra)
     with Engine.open(model, config) as eng:
         assert (eng.decoder.graph is not None) == graph
         cache = eng.new_cache()
@@ -56,6 +56,27 @@ def test_graph_ready_steps_equal_eager_steps_bitwise(gpu, tiny_model, arch):
     assert got_stats.per_layer_expert.keys() == want_stats.per_layer_expert.keys()
     for layer, counts in want_stats.per_layer_expert.items():
         assert np.array_equal(got_stats.per_layer_expert[layer], counts)
+
+
+def test_graph_ready_steps_with_a_bf16_cache_and_one_node(gpu, tiny_model):
+    """The bf16 KV cache stored by kv_store and read by the cached attention, the unsplit pool: still eager's bits."""
+    model = tiny_model(num_layers=2, **GEOMETRY)
+    want, _, _ = _run(model, graph=False, split=False, kv_dtype="bf16")
+    got, _, taken = _run(model, graph=True, split=False, kv_dtype="bf16")
+    assert taken == 7 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_graph_ready_steps_with_hot_experts(gpu, tiny_model, arch):
+    """Hot experts in their q8 format, their slots ordered on the device (DeviceExperts.run_split) between the ring
+    and the wait: the eager steps' bits (the pairs split the same, the same slot order and sums)."""
+    model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
+    hot = dict(gpu_experts=4, expert_dtype="q8", activations="f32")
+    want, want_stats, _ = _run(model, graph=False, split=True, **hot)
+    got, got_stats, taken = _run(model, graph=True, split=True, **hot)
+    assert taken == 7 and np.array_equal(got, want)
+    assert got_stats.device_pairs == want_stats.device_pairs > 0 and got_stats.cpu_pairs == want_stats.cpu_pairs > 0
+    assert got_stats.device_expert_loads == want_stats.device_expert_loads
 
 
 def _step_counts(model, split: bool) -> dict[str, int]:
@@ -214,3 +235,53 @@ def test_a_nodes_error_answer_inside_a_step_raises_and_the_next_step_runs(gpu, t
         monkeypatch.setattr(compact, "split_pairs", split_pairs)
         assert np.array_equal(eng.decoder.forward(np.array(PROMPT), cache, last_only=True), want)
         assert eng.decoder.graph.steps == 2
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_cached_attention_is_the_masked_attention_bitwise(gpu, bf16, window):
+    """kv_store + gqa_attention_cached (places, positions and lengths read from device tables, the mask made in
+    the kernel) against the cache's extend + gqa_attention with ops.attention_mask, three sequences of 1, 3 and 2
+    new rows over 5, 0 and 9 cached ones, every row's queries and the last rows' alone."""
+    from coordinator.device.format_kernels import address
+    from coordinator.model import device_ops, ops
+    from coordinator.model.kv_cache import KVCache
+
+    rng = np.random.default_rng(2)
+    nh, nkv, hd = 4, 2, 32
+    cached, new = [5, 0, 9], [1, 3, 2]
+    dtype = "bf16" if bf16 else "f32"
+    caches = [KVCache(1, nkv, hd, capacity=16, xp=gpu, dtype=dtype) for _ in cached]
+    for cache, n in zip(caches, cached):
+        if n:
+            cache.extend(0, *(gpu.asarray(rng.standard_normal((n, nkv, hd)).astype(np.float32)) for _ in range(2)))
+            cache.advance(n)
+    N = sum(new)
+    q = gpu.asarray(rng.standard_normal((N, nh, hd)).astype(np.float32))
+    qkv = gpu.asarray(rng.standard_normal((N, 3, nkv * hd)).astype(np.float32))  # k and v as column slices
+    k, v = qkv[:, 0].reshape(N, nkv, hd), qkv[:, 1].reshape(N, nkv, hd)
+    bounds = np.cumsum([0] + new)
+    row_seq = np.repeat(np.arange(3), new)
+    row_pos = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new)])
+    tables = [np.array([address(c.buffers(0)[0]) for c in caches]), np.array([address(c.buffers(0)[1]) for c in caches]),
+              row_seq, row_pos, np.arange(3), np.array(cached) + np.array(new) - 1, np.array(cached) + np.array(new)]
+    k_ptrs, v_ptrs, rs, rp, ls, lp, sl = (gpu.asarray(t.astype(np.int64)) for t in tables)
+    want_rows, want_last = [], []  # the eager path's, on copies of the caches
+    for s, cache in enumerate(caches):
+        keys, values = cache.extend(0, *(a[bounds[s]:bounds[s + 1]].copy() for a in (k, v)))
+        mask = gpu.asarray(ops.attention_mask(row_pos[bounds[s]:bounds[s + 1]], np.arange(keys.shape[0]), window))
+        want_rows.append(np.asarray(device_ops.gqa_attention(q[bounds[s]:bounds[s + 1]], keys, values, mask,
+                                                             hd ** -0.5)))
+        want_last.append(want_rows[-1][-1:])
+        cache.truncate(cached[s])
+    before = [np.asarray(c.buffers(0)[0]).copy() for c in caches]
+    for c, n, m in zip(caches, cached, new):
+        c.buffers(0)[0][n:n + m] = 0  # the store must write what extend wrote
+    device_ops.kv_store(k, v, k_ptrs, v_ptrs, rs, rp, bf16)
+    for c, b, n, m in zip(caches, before, cached, new):
+        assert np.array_equal(np.asarray(c.buffers(0)[0])[n:n + m], b[n:n + m])
+    got = device_ops.gqa_attention_cached(q, (k_ptrs, v_ptrs, rs, rp, sl), window, hd ** -0.5, nkv, 16, bf16)
+    assert np.array_equal(np.asarray(got), np.concatenate(want_rows))
+    last = gpu.asarray(np.asarray(q)[bounds[1:] - 1])
+    got = device_ops.gqa_attention_cached(last, (k_ptrs, v_ptrs, ls, lp, sl), window, hd ** -0.5, nkv, 16, bf16)
+    assert np.array_equal(np.asarray(got), np.concatenate(want_last))

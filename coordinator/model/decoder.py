@@ -17,7 +17,7 @@ from ..device import router
 from ..device.experts import DeviceExperts
 from ..device.weights import DeviceMatrix, upload
 from ..pool import ExpertPool, PoolRequest
-from . import ops
+from . import device_ops, ops
 from .kv_cache import KVCache
 from .model_config import ModelConfig
 from .weights import LayerWeights, ModelWeights
@@ -213,11 +213,12 @@ class Decoder:
         """Make small steps graph-ready (coordinator/model/graph_steps.py) where the device, the pool and the
         experts allow it; whether they are."""
         link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp) if self.xp is not np else None
-        if link is None or any(d.any() for d in self.on_device.values()):
+        if link is None or (any(d.any() for d in self.on_device.values())
+                            and not isinstance(self.device_experts, DeviceExperts)):
             return False
         from .graph_steps import GraphSteps
 
-        self.graph = GraphSteps(self.cfg, self.on_device, link, self.xp)
+        self.graph = GraphSteps(self.cfg, self.on_device, self.device_experts, link, self.xp)
         return True
 
     def new_cache(self) -> KVCache:
@@ -252,8 +253,7 @@ class Decoder:
 
         t0 = time.perf_counter_ns()
         starts = [cache.length for _, cache in seqs]
-        for ids, cache in seqs:  # the caches' buffers do not move inside the step
-            cache.reserve(cache.length + len(ids))
+        self.graph.begin(seqs)
         link = self.graph.link
         link.begin_step(rows)
         self._streaming = True
@@ -342,6 +342,8 @@ class Decoder:
         cfg = self.cfg
         if lw.mla is not None:
             return self._mla_attention(i, lw, x, seqs, bounds, positions, rope, masks, rows)
+        if self._streaming:
+            return self._attention_cached(i, lw, x, rope, rows)
         q, k, v = self._project_qkv(i, lw, x, rows)  # [N or len(rows), nh, hd], [N, nkv, hd], [N, nkv, hd]
         cos, sin = rope
         q = ops.norm_rope(q, lw.q_norm, cfg.rms_norm_eps, *((cos, sin) if rows is None else (cos[rows], sin[rows])))
@@ -356,6 +358,23 @@ class Decoder:
             parts.append(ops.gqa_attention(q[r], keys, values, mask))
         out = parts[0] if len(parts) == 1 else self.xp.concatenate(parts)  # [N (or len(seqs)), nh*hd]
         return out @ lw.o.T  # [N (or len(seqs)), H]
+
+    def _attention_cached(self, i: int, lw: LayerWeights, x, rope, rows=None):
+        """_attention in a graph-ready step: the new keys and values stored and every sequence's attention made in
+        two launches that read the caches' places and lengths from the step's tables (graph_steps.StepTables),
+        not from arguments; the same bits as _attention."""
+        cfg = self.cfg
+        q, k, v = self._project_qkv(i, lw, x, rows)  # [N or len(rows), nh, hd], [N, nkv, hd], [N, nkv, hd]
+        cos, sin = rope
+        q = ops.norm_rope(q, lw.q_norm, cfg.rms_norm_eps, *((cos, sin) if rows is None else (cos[rows], sin[rows])))
+        k = ops.norm_rope(k, lw.k_norm, cfg.rms_norm_eps, cos, sin)
+        k_ptrs, v_ptrs, row_seq, row_pos, q_seq, q_pos, seq_len = self.graph.tables.layer(i, rows is not None)
+        bf16 = self.kv_dtype == "bf16"
+        device_ops.kv_store(k, v, k_ptrs, v_ptrs, row_seq, row_pos, bf16)
+        out = device_ops.gqa_attention_cached(q, (k_ptrs, v_ptrs, q_seq, q_pos, seq_len), cfg.sliding_windows[i],
+                                              cfg.head_dim ** -0.5, cfg.num_kv_heads,
+                                              self.graph.tables.score_stride, bf16)  # [N or len(rows), nh*hd]
+        return out @ lw.o.T  # [N or len(rows), H]
 
     def _project_qkv(self, i: int, lw: LayerWeights, x: np.ndarray, rows=None):
         """x [N, H] -> q [N, nh, hd] (only ``rows``' queries, [len(rows), nh, hd], where given), k and v [N, nkv,

@@ -45,6 +45,15 @@ class KVCache:
             grown[:cap] = buf[layer]
             buf[layer] = grown
 
+    def buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's two buffers [capacity, ...] (keys and values, or latents and rope keys), whole."""
+        return self._k[layer], self._v[layer]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens every layer's buffers hold without growing."""
+        return min(buf.shape[0] for buf in self._k) if self._k else 0
+
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` cached tokens in every layer now, so that the next extends move no buffer."""
         for layer in range(len(self._k)):
