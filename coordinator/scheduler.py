@@ -250,6 +250,8 @@ class Scheduler:
                 if s.prefilled == len(s.prompt_ids):
                     s.logits = logits[-1]
                     done.append(s)
+            if mtp:
+                self._mtp_feed([s for s, _ in chunks])
             rows = {}  # a drafted sequence -> (its drafts, their k + 1 rows of logits, their hidden rows or None)
             for j, (s, d, logits) in enumerate(zip(decoding, drafted, outs[len(chunks):])):
                 s.logits = logits[-1]
@@ -329,6 +331,25 @@ class Scheduler:
             live = [j for j, _ in nxt]
             batch = [([h], np.array(drafts[j][-1:], np.int64), seqs[j].mtp_cache) for j, h in nxt]
         return drafts
+
+    def _mtp_feed(self, seqs: list[Sequence]) -> None:
+        """Feed the MTP layer, in one pass, the prefilling sequences' positions whose next token is a prompt token,
+        so that no MTP pass is longer than a prompt chunk; the last prompt row waits for the token chosen."""
+        batch = []
+        for s in seqs:
+            fed, upto = s.mtp_cache.length, min(s.prefilled, len(s.prompt_ids) - 1)
+            if upto <= fed:
+                continue
+            n, rows, rest = upto - fed, [], []
+            for piece in s.mtp_hidden:  # the first n rows waiting, split off the list of pieces
+                k = min(n, piece.shape[0])
+                rows += [piece[:k]] if k else []
+                rest += [piece[k:]] if k < piece.shape[0] else []
+                n -= k
+            s.mtp_hidden = rest
+            batch.append((rows, s.history[fed + 1:upto + 1].copy(), s.mtp_cache))
+        if batch:
+            self.engine.mtp_step(batch)
 
     def _verify(self, s: Sequence, drafts: list[int], rows: np.ndarray, hidden=None) -> None:
         """Choose s's tokens from its k + 1 rows (row j: after drafts 1..j) in order, taking each draft the rule
