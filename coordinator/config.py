@@ -60,8 +60,8 @@ class EngineConfig:
     # to bf16 (llama.cpp's BF16 arithmetic: vdpbf16ps on AVX-512 BF16). "f32" widens the weights to float (the
     # reference)
     activations: str = "q8"
-    # speculative decoding (coordinator/speculative.py): off | ngram (prompt lookup) | mtp, auto (the model's MTP
-    # layers where it has them; prompt lookup until MTP drafts are built); draft_max: drafts tried per step at most
+    # speculative decoding (coordinator/speculative.py): off | ngram (prompt lookup) | mtp (the model's MTP layer)
+    # | auto (mtp where the model has the layer, else ngram); draft_max: drafts tried per step at most
     speculative: str = "off"
     draft_max: int = DEFAULT_DRAFT_MAX
     # graph-ready decode steps on a GPU with the process pool (docs/gpu.md): the routing split on the device, the pool

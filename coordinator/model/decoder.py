@@ -181,6 +181,7 @@ class Decoder:
         if self.xp is not np:  # the uploaded q, k, v become views of the fused matrix: no second copy
             for i, lw in enumerate(self.w.layers):
                 self.w.layers[i], self.qkv[i] = fuse_qkv(lw, self.xp)
+        self.mtp, self.mtp_embed, self.mtp_head = self._mtp_weights(weights)
         self.pool = pool
         if isinstance(device_experts, DeviceExperts):
             self.device_experts = device_experts
@@ -227,6 +228,13 @@ class Decoder:
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent,
                        dtype=self.kv_dtype)
 
+    def new_mtp_cache(self) -> KVCache:
+        """A sequence's cache of the MTP layer alone (layer id num_layers): its positions run behind the model's."""
+        cfg = self.cfg
+        latent = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) if cfg.mla is not None else None
+        return KVCache(1, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent, dtype=self.kv_dtype,
+                       first_layer=cfg.num_layers)
+
     def _rope_tables(self, positions: np.ndarray):
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq)
         if self.rope_scale != 1.0:
@@ -238,20 +246,25 @@ class Decoder:
         return self.forward_batch([(token_ids, cache)], last_only=last_only)[0]
 
     def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool = True,
-                      all_rows: frozenset[int] = frozenset()) -> list[np.ndarray]:
+                      all_rows: frozenset[int] = frozenset(), hidden: list | None = None,
+                      hidden_rows: frozenset[int] = frozenset()) -> list[np.ndarray]:
         """Several sequences in one pass: attention per sequence, everything else on all rows at once,
         so the expert pool sees one batch per layer. Returns each sequence's logits: its last row's with
-        last_only, every row's for the sequences in ``all_rows`` (a prompt's log-probabilities)."""
+        last_only, every row's for the sequences in ``all_rows`` (a prompt's log-probabilities). ``hidden``: a
+        list that gets each sequence's last-layer output before the final norm (the MTP layer's input): every
+        row for the sequences in ``all_rows`` or ``hidden_rows`` (or without last_only), else the last row."""
         rows = sum(len(ids) for ids, _ in seqs)
         if self.graph is not None and self.graph.takes(rows):
-            return self._graph_step(seqs, last_only, all_rows, rows)
-        return self._forward(seqs, last_only, all_rows)
+            return self._graph_step(seqs, last_only, all_rows, hidden, hidden_rows, rows)
+        return self._forward(seqs, last_only, all_rows, hidden, hidden_rows)
 
-    def _graph_step(self, seqs, last_only: bool, all_rows: frozenset[int], rows: int) -> list[np.ndarray]:
+    def _graph_step(self, seqs, last_only: bool, all_rows: frozenset[int], hidden: list | None,
+                    hidden_rows: frozenset[int], rows: int) -> list[np.ndarray]:
         """forward_batch queued on the stream (graph_steps.py); a step a worker's death voided is redone eagerly."""
         from .graph_steps import StreamInterrupted
 
         t0 = time.perf_counter_ns()
+        asked = len(hidden) if hidden is not None else 0  # hidden's rows from before this step
         starts = [cache.length for _, cache in seqs]
         self.graph.begin(seqs)
         link = self.graph.link
@@ -259,7 +272,7 @@ class Decoder:
         self._streaming = True
         try:
             with self.graph.arena.step(rows):
-                out = self._forward(seqs, last_only, all_rows)
+                out = self._forward(seqs, last_only, all_rows, hidden, hidden_rows)
         except BaseException:  # the queued work finishes before the pool is touched again; the step is not cached
             self.xp.cuda.get_current_stream().synchronize()
             self.graph.drop_counters()
@@ -270,6 +283,8 @@ class Decoder:
             raise
         finally:
             self._streaming = False
+        if hidden is not None:  # the hidden rows outlive the step: copied out of its buffer (queued, no wait)
+            hidden[asked:] = [r.copy() for r in hidden[asked:]]
         try:
             waited = link.end_step(rows)  # the logits' download was the step's synchronisation
         except BaseException as e:
@@ -279,7 +294,9 @@ class Decoder:
                 raise
             log.warning("%s; the step is redone eagerly", e)
             self.graph.redone += 1
-            return self._forward(seqs, last_only, all_rows)
+            if hidden is not None:
+                del hidden[asked:]
+            return self._forward(seqs, last_only, all_rows, hidden, hidden_rows)
         self.graph.steps += 1
         self.graph.host_ns += self.graph.queued_at - t0
         self.graph.wall_ns += time.perf_counter_ns() - t0
@@ -293,8 +310,8 @@ class Decoder:
             self.graph.queue_counters()
         return to_host(a @ self.w.lm_head.T)  # [R, V]
 
-    def _forward(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool,
-                 all_rows: frozenset[int]) -> list[np.ndarray]:
+    def _forward(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool, all_rows: frozenset[int],
+                 hidden: list | None = None, hidden_rows: frozenset[int] = frozenset()) -> list[np.ndarray]:
         lengths = [len(ids) for ids, _ in seqs]
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
@@ -304,8 +321,8 @@ class Decoder:
         h = xp.asarray(self.w.embed[np.concatenate([ids for ids, _ in seqs])])  # [N, H]: host rows, uploaded
         a = ops.rms_norm(h, layers[0].input_norm if layers else self.w.final_norm, eps)  # [N, H]
         # the rows the last layer carries on with, where others' output nobody reads (last_row_ids)
-        keep = last_row_ids(xp, bounds) if last_only and not all_rows and layers and len(seqs) < bounds[-1] \
-            else None
+        keep = last_row_ids(xp, bounds) if last_only and not all_rows and not hidden_rows and layers \
+            and len(seqs) < bounds[-1] else None
         for i, lw in enumerate(layers):  # each residual add joined to the norm after it
             rows = keep if i == len(layers) - 1 else None  # every row's keys and values cached, then these rows
             attended = self._attention(i, lw, a, seqs, bounds, positions, rope, masks, rows)  # [N or len(rows), H]
@@ -318,6 +335,10 @@ class Decoder:
                                     eps)  # a: the next layer's input, after the last the final norm's output
         for (_, cache), n in zip(seqs, lengths):
             cache.advance(n)
+        if hidden is not None:  # h: the residual stream before the final norm, each sequence's rows asked for
+            every = all_rows | hidden_rows
+            hidden.extend(h[k:k + 1] if keep is not None else h[hi - (n if k in every or not last_only else 1):hi]
+                          for k, (hi, n) in enumerate(zip(bounds[1:], lengths)))
         if not last_only:
             logits = self._logits(a)  # [N, V]; a: after the final norm
             return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
@@ -328,6 +349,52 @@ class Decoder:
         logits = self._logits(a)  # [sum(wanted), V]
         ends = np.cumsum([0] + wanted)
         return [logits[lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
+
+    def _mtp_weights(self, weights: ModelWeights):
+        """(the MTP layer's weights where the decoder runs, its embedding on the host, its head) or Nones: float32
+        on the device, the head the model's own lm_head (as uploaded) where they are one array."""
+        m = weights.mtp
+        if m is None:
+            return None, None, None
+        self.qkv.append(None)  # the MTP layer keeps q, k and v apart
+        head_is_lm_head = m.head is weights.lm_head
+        on = on_device(dataclasses.replace(m, embed=None, head=None if head_is_lm_head else m.head), self.xp)
+        return on, m.embed, self.w.lm_head if head_is_lm_head else on.head
+
+    def forward_mtp(self, seqs: list[tuple[list, np.ndarray, KVCache]], last_only: bool = True
+                    ) -> tuple[list[np.ndarray], list]:
+        """The MTP layer over several sequences, each (hidden rows: a list of [T_i, H] the model's pre-final-norm
+        output at positions p..p+T-1, the token ids [T] that followed them, its MTP cache at length p): row j
+        joins hidden state h_(p+j) with token t_(p+j+1) and predicts t_(p+j+2) (DeepSeek-V3's MTP module: eh_proj
+        of [enorm(embedding) ; hnorm(hidden)], one decoder layer, shared_head's norm and head). Returns each
+        sequence's logits (host) and its output rows before the head's norm (the next draft's hidden state): its
+        last row's with last_only, else every row's."""
+        cfg, xp, eps, m, L = self.cfg, self.xp, self.cfg.rms_norm_eps, self.mtp, self.cfg.num_layers
+        lengths = [len(ids) for _, ids, _ in seqs]
+        bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
+        positions = [np.arange(c.length, c.length + n) for (_, _, c), n in zip(seqs, lengths)]
+        rope = self._rope_tables(np.concatenate(positions))
+        e = xp.asarray(self.mtp_embed[np.concatenate([ids for _, ids, _ in seqs])])  # [N, H]
+        parts = [p for rows, _, _ in seqs for p in rows]
+        h = parts[0] if len(parts) == 1 else xp.concatenate(parts)  # [N, H]
+        if h.shape[0] != e.shape[0]:
+            raise ValueError(f"MTP: {h.shape[0]} hidden rows for {e.shape[0]} tokens")
+        x = xp.concatenate([ops.rms_norm(e, m.enorm, eps), ops.rms_norm(h, m.hnorm, eps)], axis=1) @ m.eh_proj.T
+        lw = m.layer  # x [N, H]: the MTP layer's input, through a decoder layer as any other
+        attended = self._attention(L, lw, ops.rms_norm(x, lw.input_norm, eps), [(ids, c) for _, ids, c in seqs],
+                                   bounds, positions, rope, {})
+        x, a = ops.add_rms_norm(x, attended, lw.post_attn_norm, eps)
+        y = self._moe(L, lw, a) if cfg.sparse_layers[L] else ops.swiglu_mlp(a, lw.dense_mlp.gate, lw.dense_mlp.up,
+                                                                             lw.dense_mlp.down)
+        x, a = ops.add_rms_norm(x, y, m.head_norm, eps)  # x: the output, a: after shared_head.norm
+        for (_, _, cache), n in zip(seqs, lengths):
+            cache.advance(n)
+        if last_only:
+            rows = xp.asarray(bounds[1:] - 1)
+            x, a, bounds = x[rows], a[rows], np.arange(len(seqs) + 1)
+        logits = to_host(a @ self.mtp_head.T)  # [rows, V]
+        return ([logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])],
+                [x[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])])
 
     def _mask(self, masks: dict, s: int, positions: np.ndarray, keys: int, window: int | None):
         """Sequence s's attention mask [T_s, keys] on the device, made once per forward for each window."""

@@ -150,6 +150,8 @@ class GraphSteps:
     def fold_counters(self, stats, waited_ns: int) -> None:
         """After it: the step's routing into the decoder's RoutingStats, as the eager path counts it."""
         for layer, slot in self.slots.items():
+            if layer >= self.cfg.num_layers:  # the MTP layer: never in these steps (Decoder.forward_mtp is eager)
+                continue
             per = stats.per_layer_expert.setdefault(layer, np.zeros(self.cfg.num_experts, np.int64))
             per += self.counts_host[slot]
         t = self.totals_host

@@ -18,8 +18,10 @@ from . import device_ops
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64, xp=np,
-                 latent: tuple[int, int] | None = None, dtype: str = "f32"):
+                 latent: tuple[int, int] | None = None, dtype: str = "f32", first_layer: int = 0):
+        """``first_layer``: the model's id of this cache's first layer (an MTP layer's own cache: num_layers)."""
         self.length = 0  # tokens already cached
+        self.first_layer = first_layer
         self.xp = xp  # NumPy, or CuPy when the cache lives on the device
         self.bf16 = dtype == "bf16"
         self._dtype = np.uint16 if self.bf16 else np.float32
@@ -36,6 +38,7 @@ class KVCache:
         return len(self._k) * per_layer
 
     def _reserve(self, layer: int, needed: int) -> None:
+        """``layer``: an index into this cache's buffers."""
         cap = self._k[layer].shape[0]
         if needed <= cap:
             return
@@ -63,6 +66,7 @@ class KVCache:
         """Store k, v [T, ...] after the cached tokens (key and value, or latent and rope key); returns all of
         them [S, ...]."""
         start, stop = self.length, self.length + k.shape[0]
+        layer -= self.first_layer  # the model's layer id -> this cache's buffer
         self._reserve(layer, stop)
         if self.bf16:
             device_ops.to_bf16(k, out=self._k[layer][start:stop])

@@ -7,10 +7,12 @@ Defaults for absent keys are those of the transformers config classes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..errors import ModelConfigError
 from shm.fp8 import Fp8Error, block_size as fp8_block_size
@@ -27,6 +29,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear")
 MLA_ROPE_TYPES = ("default", "linear", "yarn")  # YaRN: DeepSeek's MLA architectures only, for now
 SCORING_FUNCS = {"deepseek_v3": ("sigmoid",), "deepseek_v2": ("softmax",)}  # config.json's scoring_func
 TOPK_METHODS = {"deepseek_v3": ("noaux_tc",), "deepseek_v2": ("greedy", "group_limited_greedy")}  # topk_method
+MTP_ARCHS = ("deepseek_v3", "glm4_moe")  # the architectures whose multi-token-prediction (nextn) layer runs
 
 # transformers' config-class defaults for keys that may be absent
 DEFAULTS = {
@@ -114,8 +117,8 @@ class ModelConfig:
     moe_intermediate_size: int
     dense_intermediate_size: int
     shared_expert_intermediate_size: int  # 0 = no shared expert
-    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
-    sliding_windows: tuple[int | None, ...]  # per layer: window length or None
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False); the MTP layer's last
+    sliding_windows: tuple[int | None, ...]  # per layer: window length or None; the MTP layer's last
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     shared_expert_gate: bool = True  # qwen2_moe's sigmoid gate on the shared expert; DeepSeek's have none
@@ -123,6 +126,7 @@ class ModelConfig:
     mla: MLAConfig | None = None  # deepseek_v3: attention is MLA (num_kv_heads, head_dim unused)
     yarn: YarnConfig | None = None  # rope_type "yarn"
     group_router: GroupRouter | None = None  # deepseek_v3: sigmoid, grouped; else softmax top-k
+    mtp_layers: int = 0  # 1: the checkpoint's multi-token-prediction layer runs as layer id num_layers (attach_mtp)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -134,7 +138,21 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> list[int]:
+        """The MoE layers' ids, the MTP layer's (num_layers) among them when it has routed experts."""
         return [i for i, sparse in enumerate(self.sparse_layers) if sparse]
+
+
+def attach_mtp(cfg: ModelConfig, holds: Callable[[str], bool]) -> ModelConfig:
+    """``cfg`` with its first multi-token-prediction layer where the checkpoint (``holds``: whether it has a tensor)
+    holds one: DeepSeek-V3's and GLM-4.5's nextn layer, stored as layer id num_layers (model.layers.L.eh_proj and
+    the rest), MoE when it has a router. Checkpoints often leave it out though config.json counts it
+    (num_nextn_predict_layers), so the tensors decide; a second one (no published model has it) is not run."""
+    L = cfg.num_layers
+    if cfg.arch not in MTP_ARCHS or cfg.mtp_layers or not holds(f"model.layers.{L}.eh_proj.weight"):
+        return cfg
+    return dataclasses.replace(cfg, mtp_layers=1, sparse_layers=(*cfg.sparse_layers,
+                                                                 holds(f"model.layers.{L}.mlp.gate.weight")),
+                               sliding_windows=(*cfg.sliding_windows, None))
 
 
 def _field(cfg: dict, key: str, kind: type, *, default: object = ..., where: str = "config.json"):
