@@ -60,10 +60,13 @@ class EngineConfig:
     # to bf16 (llama.cpp's BF16 arithmetic: vdpbf16ps on AVX-512 BF16). "f32" widens the weights to float (the
     # reference)
     activations: str = "q8"
-    # speculative decoding (coordinator/speculative.py): off | ngram (prompt lookup) | mtp, auto (the model's MTP
-    # layers where it has them; prompt lookup until MTP drafts are built); draft_max: drafts tried per step at most
+    # speculative decoding (coordinator/speculative.py): off | ngram (prompt lookup) | mtp (the model's MTP layer)
+    # | auto (mtp where the model has the layer, else ngram); draft_max: drafts tried per step at most
     speculative: str = "off"
     draft_max: int = DEFAULT_DRAFT_MAX
+    # graph-ready decode steps on a GPU with the process pool (docs/gpu.md): the routing split on the device, the pool
+    # rung and waited from the CUDA stream, the step's memory from a buffer per batch bucket; off: every step eager
+    graph: bool = True
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -171,6 +174,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "activations": ("STRATA_ACTIVATIONS", str),
     "speculative": ("STRATA_SPECULATIVE", str),
     "draft_max": ("STRATA_DRAFT_MAX", int),
+    "graph": ("STRATA_GRAPH", parse_bool),
 }
 
 API_KEY_VAR = "STRATA_API_KEY"  # ``strata serve --http``: the Bearer key /v1/* requires (--api-key), not the engine's

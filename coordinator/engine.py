@@ -31,6 +31,7 @@ from .device.weights import upload as device_upload
 from .model.backend import select_device
 from .model.chat_template import ChatTemplate
 from .model.grammar import Grammars
+from .model import graph_steps
 from .model.decoder import Decoder
 from .model.kv_cache import KVCache
 from .model.model_config import ModelConfig
@@ -151,6 +152,10 @@ class Engine:
         nodes = pool_nodes(config)  # before anything loads: a pool node that does not exist is refused at once
         source = source or open_source(model_dir)  # GGUF: the config, tokenizer and template from its metadata
         ckpt, mcfg = source.checkpoint, source.config
+        if config.speculative == "mtp" and not mcfg.mtp_layers:
+            raise ConfigValueError(f"{model_dir}: speculative mtp needs the model's multi-token-prediction layer "
+                                   f"({mcfg.arch} model, no model.layers.{mcfg.num_layers}.eh_proj in the "
+                                   "checkpoint): use ngram or auto")
         backend = select_device(config.device)
         if mcfg.linear is not None and backend != "numpy":  # refused before anything is read or uploaded
             raise ConfigValueError(f"{mcfg.arch}'s Gated DeltaNet layers are not supported on the device yet; run "
@@ -208,6 +213,8 @@ class Engine:
             kv_dtype = "f32" if config.kv_dtype == "f32" or not gpu else "bf16"
             decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend, device_weights,
                               kv_dtype)
+            if config.graph and decoder.enable_graph_steps():
+                log.info("decode steps of up to %d rows are graph-ready", graph_steps.MAX_ROWS)
             warm_up_host(dense_kernels)
             load_s = time.perf_counter() - start
             log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
@@ -307,12 +314,28 @@ class Engine:
         """An empty KV cache for one sequence."""
         return self.decoder.new_cache()
 
-    def step(self, batch: list[tuple[np.ndarray, KVCache]], all_rows: frozenset[int] = frozenset()
-             ) -> list[np.ndarray]:
+    def step(self, batch: list[tuple[np.ndarray, KVCache]], all_rows: frozenset[int] = frozenset(),
+             hidden: list | None = None, hidden_rows: frozenset[int] = frozenset()) -> list[np.ndarray]:
         """One forward pass over several sequences, each (its next token ids int64 [T], its cache): each one's
         logits [1, V] for the token after them ([T, V], every row's, for the batch indices in ``all_rows``);
-        the caches advance."""
-        return self.decoder.forward_batch(batch, all_rows=all_rows)
+        the caches advance. ``hidden``: a list that gets each one's hidden rows for the MTP layer (every row's
+        for the indices in ``all_rows`` and ``hidden_rows``, else the last row's; Decoder.forward_batch)."""
+        return self.decoder.forward_batch(batch, all_rows=all_rows, hidden=hidden, hidden_rows=hidden_rows)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the model's multi-token-prediction layer is loaded (its checkpoint holds one)."""
+        return self.decoder.mtp is not None
+
+    def new_mtp_cache(self) -> KVCache:
+        """An empty cache of the MTP layer for one sequence."""
+        return self.decoder.new_mtp_cache()
+
+    def mtp_step(self, batch: list[tuple[list, np.ndarray, KVCache]]) -> tuple[list[np.ndarray], list]:
+        """The MTP layer over several sequences, each (hidden rows from ``step``, the token ids that followed
+        them, its MTP cache): each one's last row's logits [1, V] for the token after the next, and that row's
+        output, the next call's hidden row (Decoder.forward_mtp)."""
+        return self.decoder.forward_mtp(batch)
 
     def stats(self) -> dict:
         """The routing counted over this engine's life and its expert report."""

@@ -13,7 +13,7 @@ expert pool sees one batch per layer, and a new request joins at the next step.
 The server drives it (serving/server.py), Engine.generate drives one request
 through it (``generate``), tests drive it in-process. It uses the engine's
 public surface alone: new_cache, step, check_ids, encode, decode, codec,
-model_config and config.
+model_config and config, and for MTP drafts has_mtp, new_mtp_cache and mtp_step.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class Sequence:
     last_token_at: float | None = None  # monotonic: when its last token was chosen
     drafts: DraftLength | None = None  # speculative decoding: how many drafts it tries next (None: off)
     history: np.ndarray | None = None  # [len(prompt) + max_new_tokens] its ids so far, where drafts are looked up
+    mtp_cache: KVCache | None = None  # MTP drafts: the MTP layer's cache, one position per (hidden, next token) fed
+    mtp_hidden: list = field(default_factory=list)  # MTP drafts: hidden rows of the positions not yet fed, in order
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -83,8 +85,11 @@ class Scheduler:
         self.engine = engine
         self.speculative = engine.config.speculative if speculative is None else speculative
         self.draft_max = engine.config.draft_max if draft_max is None else draft_max
-        if self.speculative in ("mtp", "auto"):
-            self.speculative = "ngram"  # the MTP drafter is not built yet; prompt lookup stands in
+        if self.speculative == "mtp" and not engine.has_mtp:
+            raise ConfigValueError("speculative mtp needs the model's multi-token-prediction layer, and this model "
+                                   "has none loaded: use ngram or auto")
+        if self.speculative == "auto":  # the model's MTP layer where it has one, else prompt lookup
+            self.speculative = "mtp" if engine.has_mtp else "ngram"
         self.limits = limits
         self.emit = emit
         self.max_active = max_active
@@ -144,6 +149,7 @@ class Scheduler:
             history[:len(ids)] = ids
         seq = Sequence(client, req, list(ids), sampler, eng.new_cache(), stream, deadline=deadline,
                        drafts=drafts, history=history,
+                       mtp_cache=eng.new_mtp_cache() if self.speculative == "mtp" else None,
                        logprobs=None if req.logprobs is None else [],
                        prompt_logprobs=None if req.prompt_logprobs is None else [
                            {"id": ids[0], "token": self._token_text(ids[0]), "logprob": None, "top": []}],
@@ -220,7 +226,7 @@ class Scheduler:
             chunks.append((s, n))
             budget -= n
         decoding = list(self.active)
-        drafted = [self._draft(s) for s in decoding]  # each running sequence's drafts ([] : none this step)
+        drafted = self._drafts(decoding)  # each running sequence's drafts ([] : none this step)
         batch = [(np.asarray(s.prompt_ids[s.prefilled:s.prefilled + n], np.int64), s.cache) for s, n in chunks]
         batch += [(np.array([s.out_ids[-1], *d], np.int64), s.cache) for s, d in zip(decoding, drafted)]
         try:
@@ -228,7 +234,13 @@ class Scheduler:
                 return
             scored = frozenset(k for k, (s, _) in enumerate(chunks) if s.prompt_logprobs is not None)
             scored |= {len(chunks) + j for j, d in enumerate(drafted) if d}  # a drafted row's logits verify it
-            outs = self.engine.step(batch, all_rows=scored)  # a scored chunk's logits: every row's
+            mtp = self.speculative == "mtp"
+            hidden: list | None = [] if mtp else None  # each sequence's rows for the MTP layer
+            outs = self.engine.step(batch, all_rows=scored, hidden=hidden,  # a scored chunk's logits: every row's
+                                    hidden_rows=frozenset(range(len(chunks))) if mtp else frozenset())
+            if mtp:  # a prompt chunk's rows and an undrafted decode row wait for the MTP layer; a verify's, below
+                for s, h in zip([s for s, _ in chunks] + decoding, hidden):
+                    s.mtp_hidden.append(h)
             done = []
             for (s, n), logits in zip(chunks, outs):
                 if s.prompt_logprobs is not None:
@@ -238,11 +250,15 @@ class Scheduler:
                 if s.prefilled == len(s.prompt_ids):
                     s.logits = logits[-1]
                     done.append(s)
-            rows = {}  # a drafted sequence -> (its drafts, their k + 1 rows of logits)
-            for s, d, logits in zip(decoding, drafted, outs[len(chunks):]):
+            if mtp:
+                self._mtp_feed([s for s, _ in chunks])
+            rows = {}  # a drafted sequence -> (its drafts, their k + 1 rows of logits, their hidden rows or None)
+            for j, (s, d, logits) in enumerate(zip(decoding, drafted, outs[len(chunks):])):
                 s.logits = logits[-1]
                 if d:
-                    rows[id(s)] = (d, logits)
+                    rows[id(s)] = (d, logits, hidden[len(chunks) + j] if mtp else None)
+                    if mtp:
+                        s.mtp_hidden.pop()  # _verify keeps the rows that stand
             for s in done:  # the prompt is cached: it samples its first token now and decodes from the next step
                 self.prefilling.remove(s)
             self.active.extend(done)
@@ -276,19 +292,70 @@ class Scheduler:
             self.stats["steps"] += 1
             self.stats["step_s"] += time.perf_counter() - t0
 
-    def _draft(self, s: Sequence) -> list[int]:
-        """The tokens s drafts this step (none when speculation is off or paused for it), at most as many as its
-        remaining tokens allow."""
-        if s.drafts is None:
-            return []
-        k = min(s.drafts.next(), s.req.max_new_tokens - len(s.out_ids) - 1)
-        if k <= 0:
-            return []
-        return ngram_draft(s.history[:len(s.prompt_ids) + len(s.out_ids)], k)
+    def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Each running sequence's drafts this step: prompt lookup's, or the MTP layer's for all at once."""
+        ks = [self._draft_length(s) for s in seqs]
+        if self.speculative == "mtp":
+            return self._mtp_drafts(seqs, ks)
+        return [ngram_draft(s.history[:len(s.prompt_ids) + len(s.out_ids)], k) if k > 0 else []
+                for s, k in zip(seqs, ks)]
 
-    def _verify(self, s: Sequence, drafts: list[int], rows: np.ndarray) -> None:
+    def _draft_length(self, s: Sequence) -> int:
+        """How many tokens s drafts this step (none when speculation is off or paused for it), at most as many as
+        its remaining tokens allow."""
+        if s.drafts is None:
+            return 0
+        return max(0, min(s.drafts.next(), s.req.max_new_tokens - len(s.out_ids) - 1))
+
+    def _mtp_drafts(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """MTP drafts, the MTP layer's greedy tokens: a drafting sequence's first pass feeds it every position not
+        yet fed (hidden state h_i with token t_(i+1), the last one's token the one just chosen) and its last row
+        gives draft 1; draft j + 1 comes from feeding draft j with the row's own output in place of the model's
+        hidden state, as vLLM and llama.cpp chain it. Those chained positions are dropped at the verify."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        batch, live = [], []  # one MTP pass: (hidden rows, their next tokens, cache) per sequence in ``live``
+        for j, (s, k) in enumerate(zip(seqs, ks)):
+            if k <= 0:
+                continue
+            fed, cached = s.mtp_cache.length, s.cache.length  # positions fed / cached by the model
+            batch.append((s.mtp_hidden, s.history[fed + 1:cached + 1].copy(), s.mtp_cache))
+            s.mtp_hidden = []
+            live.append(j)
+        while live:
+            logits_rows, hidden_rows = self.engine.mtp_step(batch)
+            nxt = []
+            for j, logits, h in zip(live, logits_rows, hidden_rows):
+                drafts[j].append(int(np.argmax(logits[-1])))
+                if len(drafts[j]) < ks[j]:
+                    nxt.append((j, h))
+            live = [j for j, _ in nxt]
+            batch = [([h], np.array(drafts[j][-1:], np.int64), seqs[j].mtp_cache) for j, h in nxt]
+        return drafts
+
+    def _mtp_feed(self, seqs: list[Sequence]) -> None:
+        """Feed the MTP layer, in one pass, the prefilling sequences' positions whose next token is a prompt token,
+        so that no MTP pass is longer than a prompt chunk; the last prompt row waits for the token chosen."""
+        batch = []
+        for s in seqs:
+            fed, upto = s.mtp_cache.length, min(s.prefilled, len(s.prompt_ids) - 1)
+            if upto <= fed:
+                continue
+            n, rows, rest = upto - fed, [], []
+            for piece in s.mtp_hidden:  # the first n rows waiting, split off the list of pieces
+                k = min(n, piece.shape[0])
+                rows += [piece[:k]] if k else []
+                rest += [piece[k:]] if k < piece.shape[0] else []
+                n -= k
+            s.mtp_hidden = rest
+            batch.append((rows, s.history[fed + 1:upto + 1].copy(), s.mtp_cache))
+        if batch:
+            self.engine.mtp_step(batch)
+
+    def _verify(self, s: Sequence, drafts: list[int], rows: np.ndarray, hidden=None) -> None:
         """Choose s's tokens from its k + 1 rows (row j: after drafts 1..j) in order, taking each draft the rule
-        allows, up to the first that it does not; the cache keeps what stands."""
+        allows, up to the first that it does not; the cache keeps what stands, and with MTP drafts (``hidden``:
+        the k + 1 rows' hidden states) the MTP cache its positions before the drafts and the rows that stand
+        wait for the MTP layer."""
         cached = s.cache.length - len(drafts)  # after the last token chosen, whose row is rows[0]
         took = 0
         for j, logits in enumerate(rows):
@@ -300,6 +367,9 @@ class Scheduler:
         self.stats["drafted_tokens"] += len(drafts)
         self.stats["accepted_drafts"] += took
         s.cache.truncate(cached + took)
+        if hidden is not None:
+            s.mtp_cache.truncate(cached - 1)  # the chained drafts' positions go; the model's own rows come next
+            s.mtp_hidden = [hidden[:took + 1]]
 
     def _advance(self, s: Sequence, logits: np.ndarray, draft: int | None = None) -> bool:
         """Choose one token for s from ``logits`` (taking ``draft`` where the rule allows) and emit; False when s

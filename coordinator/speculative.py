@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MODES = ("off", "ngram", "mtp", "auto")  # auto: the model's MTP layers where it has them, else prompt lookup
+MODES = ("off", "ngram", "mtp", "auto")  # auto: the model's MTP layer where it has one, else prompt lookup
 DEFAULT_DRAFT_MAX = 4  # drafts tried per step at most (--draft-max)
 NGRAM_MAX, NGRAM_MIN = 4, 2  # the longest and shortest suffix looked up: long matches first, none shorter than 2
 NGRAM_WINDOW = 8192  # tokens looked back through: the search costs this many comparisons a step at most

@@ -171,6 +171,135 @@ def team_futex_wait(address, expected, timespec_address, threads, ring_words, ri
         _futex_syscall(address, FUTEX_WAIT, expected, timespec_address)
 
 
+# -- the same on words named by address (compiled code that holds no array: a CUDA stream's host function) -----
+
+
+@intrinsic
+def _word_at(typingctx, address, like):
+    """The word of ``like``'s type at ``address`` as a pointer (inttoptr)."""
+    sig = types.CPointer(like.dtype)(types.intp, like)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@intrinsic
+def _load_acquire_ptr(typingctx, ptr):
+    sig = ptr.dtype(ptr)
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(args[0], "acquire", signature.args[0].dtype.bitwidth // 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_release_ptr(typingctx, ptr, value):
+    sig = types.void(ptr, ptr.dtype)
+
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[1], args[0], "release", signature.args[0].dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fetch_add_ptr(typingctx, ptr, value):
+    sig = ptr.dtype(ptr, ptr.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.atomic_rmw("add", args[0], args[1], "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
+def _sched_yield(typingctx):
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        return _libc_call(builder, "sched_yield", [ir.IntType(64)(0)])  # the declaration takes one fixed word
+
+    return sig, codegen
+
+
+@intrinsic
+def _poll(typingctx, fds_address, nfds, timeout_ms):
+    """poll(fds, nfds, timeout) from compiled code."""
+    sig = types.int64(types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        return _libc_call(builder, "poll", list(args))
+
+    return sig, codegen
+
+
+@intrinsic
+def _pointer_value(typingctx, ptr):
+    sig = types.intp(ptr)
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], ir.IntType(64))
+
+    return sig, codegen
+
+
+@njit(**CACHED)
+def pointer_value(ptr):
+    """A pointer (a cfunc's ``void *`` argument) as an integer address."""
+    return _pointer_value(ptr)
+
+
+_I64, _U32 = np.zeros(1, np.int64), np.zeros(1, np.uint32)  # the types _word_at takes
+
+
+@njit(**CACHED)
+def load_acquire_at(address):
+    """The int64 at ``address``, an acquire load."""
+    return _load_acquire_ptr(_word_at(address, _I64))
+
+
+@njit(**CACHED)
+def store_release_at(address, value):
+    """Store int64 ``value`` at ``address``, a release store."""
+    _store_release_ptr(_word_at(address, _I64), np.int64(value))
+
+
+@njit(**CACHED)
+def bell_count_at(address):
+    """The count of the doorbell (uint32) at ``address``, an acquire load."""
+    return np.int64(_load_acquire_ptr(_word_at(address, _U32)))
+
+
+@njit(**CACHED)
+def ring_at(address):
+    """Bump the doorbell at ``address`` and wake its sleepers (``ring`` by address)."""
+    _fetch_add_ptr(_word_at(address, _U32), np.uint32(1))
+    _futex_syscall(address, FUTEX_WAKE, 1 << 30, 0)
+
+
+@njit(**CACHED)
+def futex_wait_at(address, expected, timespec_address):
+    """Sleep while the doorbell at ``address`` still counts ``expected``, at most the timespec's time."""
+    _futex_syscall(address, FUTEX_WAIT, expected, timespec_address)
+
+
+@njit(**CACHED)
+def yield_cpu():
+    """sched_yield from compiled code (spin_pause's)."""
+    _sched_yield()
+
+
+@njit(**CACHED)
+def any_readable(pollfds_address, nfds):
+    """Whether any of ``nfds`` struct pollfd at ``pollfds_address`` (events POLLIN) is readable now: a pidfd
+    is when its process has ended."""
+    return nfds > 0 and _poll(pollfds_address, nfds, 0) > 0
+
+
 def futex_available() -> bool:
     return _SYS_FUTEX is not None
 

@@ -102,6 +102,11 @@ QWEN3NEXT_TENSORS = {
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
+# the multi-token-prediction (nextn) layer's own tensors (gguf's MODEL_TENSOR.NEXTN_*), beside a whole layer's
+NEXTN_TENSORS = {"nextn.eh_proj.weight": "eh_proj.weight", "nextn.enorm.weight": "enorm.weight",
+                 "nextn.hnorm.weight": "hnorm.weight", "nextn.embed_tokens.weight": "embed_tokens.weight",
+                 "nextn.shared_head_head.weight": "shared_head.head.weight",
+                 "nextn.shared_head_norm.weight": "shared_head.norm.weight"}
 # convert_hf_to_gguf.py's DeepseekV2Model splits kv_b_proj [nh*(dn+dv), c] per head into attn_k_b [nh, c, dn]
 # (the key rows, transposed) and attn_v_b [nh, dv, c]; the engine reads kv_b_proj, put back together from both
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
@@ -454,8 +459,11 @@ class GgufFile:
                 names[GLOBAL_TENSORS[name]] = name
                 continue
             m = re.match(r"^blk\.(\d+)\.(.+)$", name)
-            if m is not None and layers is not None and int(m[1]) >= layers:
-                continue  # a multi-token-prediction layer (nextn): the engine does not run it
+            if m is not None and layers is not None and int(m[1]) > layers:
+                continue  # a second multi-token-prediction layer (nextn): the engine runs the first alone
+            if m is not None and layers is not None and int(m[1]) == layers and m[2] in NEXTN_TENSORS:
+                names[f"model.layers.{m[1]}.{NEXTN_TENSORS[m[2]]}"] = name  # the first nextn layer's own
+                continue
             if m is not None and self.arch == "deepseek2" and m[2] in KV_B_PARTS:
                 continue  # read as kv_b_proj (self.joined, or the file's own attn_kv_b)
             if m is None or m[2] not in layer_tensors or (self.arch == "llama" and m[2] == "ffn_gate.weight"):

@@ -14,7 +14,12 @@ and the "GPU" reports 64 GB free. What it checks: that the device path's code co
     allocations    a new device array (an output CuPy allocates; a view allocates nothing)
     uploads        host -> device copies (asarray of a host array, a host array assigned into a device one)
     downloads      device -> host copies (asnumpy, .get)
-    syncs          the host waiting on the device: every download, and Event.synchronize
+    syncs          the host waiting on the device: every blocking download, Event and Stream.synchronize
+    host_functions host functions queued on a stream (xp.launch_host_func): run at once, in stream order
+
+Allocations under ``cupy.cuda.using_allocator`` are the allocator's: coordinator/device/arena.py's bump allocator
+hands out views of its buffer (real memory here too, so an array that outlived its step would be overwritten by
+the next one, as on a GPU) and only what it takes from the pool (``get_default_memory_pool().malloc``) counts.
 
     with device_standin.installed(build_dir, monkeypatch):  ... Engine.open(..., EngineConfig(device="cuda"))
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import sys
 import types
 
@@ -36,6 +42,54 @@ COUNTS: collections.Counter = collections.Counter()
 # NumPy functions that are views (no launch, no allocation) when CuPy runs them
 VIEWS = {np.reshape, np.transpose, np.swapaxes, np.squeeze, np.expand_dims, np.broadcast_to, np.shape, np.ndim,
          np.size, np.result_type, np.may_share_memory, np.shares_memory}
+
+
+_ALLOCATOR: list = [None]  # the allocator of cupy.cuda.using_allocator, or None: CuPy's pool
+
+
+class _MemoryPointer:
+    """cupy.cuda.MemoryPointer: a place in a buffer of host memory; + an offset gives a later place."""
+
+    def __init__(self, buffer: np.ndarray, offset: int = 0):
+        self.buffer, self.offset = buffer, offset
+
+    def __add__(self, offset: int) -> "_MemoryPointer":
+        return _MemoryPointer(self.buffer, self.offset + offset)
+
+
+class _Pool:
+    def free_all_blocks(self) -> None:
+        pass
+
+    def malloc(self, size: int) -> _MemoryPointer:
+        COUNTS["allocations"] += 1
+        return _MemoryPointer(np.empty(max(size, 1), np.uint8))
+
+
+_POOL = _Pool()
+
+
+@contextlib.contextmanager
+def _using_allocator(allocator=None):
+    previous, _ALLOCATOR[0] = _ALLOCATOR[0], allocator
+    try:
+        yield
+    finally:
+        _ALLOCATOR[0] = previous
+
+
+def _new(result):
+    """A new device array holding ``result``: counted as CuPy's pool's allocation, or placed by the allocator in
+    use (its memory, as CuPy would)."""
+    if not isinstance(result, np.ndarray):
+        return result
+    if _ALLOCATOR[0] is None:
+        COUNTS["allocations"] += 1
+        return _device(result)
+    place = _ALLOCATOR[0](result.nbytes)
+    view = place.buffer[place.offset:place.offset + result.nbytes].view(result.dtype).reshape(result.shape)
+    view[...] = result
+    return _device(view)
 
 
 def _host(a):
@@ -55,27 +109,26 @@ class DeviceArray(np.ndarray):
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         COUNTS["launches"] += 1
         out = kwargs.get("out")
-        if out is None:
-            COUNTS["allocations"] += 1
-        else:
+        if out is not None:
             kwargs["out"] = tuple(_host(o) for o in out)
         result = getattr(ufunc, method)(*(_host(a) for a in inputs), **kwargs)
         if out is not None:
             return out[0] if len(out) == 1 else out
-        return tuple(_device(r) for r in result) if isinstance(result, tuple) else _device(result)
+        return tuple(_new(r) for r in result) if isinstance(result, tuple) else _new(result)
 
     def __array_function__(self, func, types_, args, kwargs):
-        if func not in VIEWS:
-            COUNTS["launches"] += 1
-            COUNTS["allocations"] += 1
         result = func(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
-        return _device(result) if isinstance(result, np.ndarray) else result
+        if func in VIEWS:
+            return _device(result) if isinstance(result, np.ndarray) else result
+        COUNTS["launches"] += 1
+        return _new(result) if isinstance(result, np.ndarray) else result
 
     def __getitem__(self, key):
+        got = _host(self)[tuple(_host(k) for k in key) if isinstance(key, tuple) else _host(key)]
         if _fancy(key):
             COUNTS["launches"] += 1
-            COUNTS["allocations"] += 1
-        return _device(_host(self)[tuple(_host(k) for k in key) if isinstance(key, tuple) else _host(key)])
+            return _new(got)
+        return _device(got)
 
     def __setitem__(self, key, value):
         if type(value) is np.ndarray:
@@ -90,21 +143,29 @@ class DeviceArray(np.ndarray):
         if not copy and self.dtype == np.dtype(dtype):
             return self
         COUNTS["launches"] += 1
-        COUNTS["allocations"] += 1
-        return _device(_host(self).astype(dtype, **kwargs))
+        return _new(_host(self).astype(dtype, **kwargs))
 
     def copy(self, order="C"):
         COUNTS["launches"] += 1
-        COUNTS["allocations"] += 1
-        return _device(_host(self).copy(order))
+        return _new(_host(self).copy(order))
 
-    def get(self, out=None):
+    def fill(self, value) -> None:
+        COUNTS["launches"] += 1
+        _host(self).fill(value)
+
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        """A download; with ``blocking=False`` (into page-locked memory) queued on the stream, no wait."""
         COUNTS["downloads"] += 1
-        COUNTS["syncs"] += 1
+        COUNTS["syncs"] += bool(blocking)
         if out is None:
             return np.array(_host(self))
         out[...] = _host(self)
         return out
+
+    def set(self, arr, stream=None) -> None:
+        """An upload of a host array into this one (asynchronous from page-locked memory)."""
+        COUNTS["uploads"] += 1
+        _host(self)[...] = arr
 
 
 def _unwrap(a):
@@ -122,8 +183,7 @@ def _asarray(a, dtype=None, order=None):
     if isinstance(a, DeviceArray):
         return a if dtype is None or a.dtype == np.dtype(dtype) else a.astype(dtype)
     COUNTS["uploads"] += 1
-    COUNTS["allocations"] += 1
-    return _device(np.array(a, dtype=dtype, order=order or "K"))
+    return _new(np.array(a, dtype=dtype, order=order or "K"))
 
 
 def _ascontiguousarray(a, dtype=None):
@@ -131,16 +191,14 @@ def _ascontiguousarray(a, dtype=None):
         if a.flags.c_contiguous and (dtype is None or a.dtype == np.dtype(dtype)):
             return a
         COUNTS["launches"] += 1
-        COUNTS["allocations"] += 1
-        return _device(np.ascontiguousarray(_host(a), dtype=dtype))
+        return _new(np.ascontiguousarray(_host(a), dtype=dtype))
     return _asarray(np.ascontiguousarray(a, dtype=dtype))
 
 
 def _allocating(fn, launches: int = 0):
     def call(*args, **kwargs):
-        COUNTS["allocations"] += 1
         COUNTS["launches"] += launches
-        return _device(fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()}))
+        return _new(fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()}))
     return call
 
 
@@ -183,11 +241,6 @@ class OutOfMemory(MemoryError):
     """cupy.cuda.memory.OutOfMemoryError's stand-in."""
 
 
-class _Pool:
-    def free_all_blocks(self) -> None:
-        pass
-
-
 class _CountedModule:
     """cupy.RawModule on the emulator: each kernel launch counted."""
 
@@ -219,25 +272,34 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
     for name in ("bool_", "float32", "int32", "int64", "uint16", "uint8", "uint64", "array_equal", "shares_memory"):
         setattr(cp, name, getattr(np, name))
     cp.get_array_module = lambda *arrays: cp
-    cp.get_default_memory_pool = cp.get_default_pinned_memory_pool = _Pool
+    cp.get_default_memory_pool = cp.get_default_pinned_memory_pool = lambda: _POOL
     cp.RawModule = lambda code, options=(): _CountedModule(code, build_dir)
     cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, get_current_stream=lambda: _Stream(),
                                  runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
                                                                memGetInfo=lambda: (FREE_BYTES, FREE_BYTES),
                                                                getDeviceProperties=lambda i: {"name": NAME}))
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemory)
+    cuda.using_allocator = _using_allocator
+    cuda.runtime.hostRegister = lambda ptr, size, flags: None  # host memory is the device's here
+    cuda.runtime.hostUnregister = lambda ptr: None
     cp.cuda = cuda
     cx = types.ModuleType("cupyx")
     cx.empty_pinned = lambda shape, dtype=np.float32: np.empty(shape, dtype)
     return cp, cx
 
 
+def _launch_host_func(fn_address: int, user_data: int) -> None:
+    """xp.launch_host_func: the stream's earlier work is done here already, so the function runs now."""
+    COUNTS["host_functions"] += 1
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn_address)(user_data)
+
+
 def clear_kernel_caches() -> None:
     """The modules' compiled kernels, built for whichever ``cupy`` was imported last."""
-    from coordinator.device import experts, format_kernels, router
+    from coordinator.device import compact, experts, format_kernels, router
     from coordinator.model import device_ops
 
-    for mod in (device_ops, format_kernels, experts, router):
+    for mod in (device_ops, format_kernels, experts, router, compact):
         for name in dir(mod):
             fn = getattr(mod, name)
             if hasattr(fn, "cache_clear"):
@@ -250,6 +312,7 @@ def installed(build_dir, monkeypatch):
     from coordinator.model import xp
 
     cp, cx = module(build_dir)
+    monkeypatch.setattr(xp, "launch_host_func", _launch_host_func)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "cupyx", cx)
     monkeypatch.setattr(xp, "_cupy", cp)

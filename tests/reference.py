@@ -141,3 +141,129 @@ class Reference:
             hs = new
         head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
         return np.stack([head @ rmsnorm(h, t["model.norm.weight"], self.eps) for h in hs])
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+class MtpReference:
+    """DeepSeek-V3's multi-token-prediction module (the paper's section 2.2; GLM-4.5's nextn layer is the same
+    module around GLM's decoder layer), float64, one token at a time: row i joins the main model's hidden state
+    h_i (before its final norm) with the embedding of token t_(i+1), h'_i = M [RMSNorm(Emb(t_(i+1))) ;
+    RMSNorm(h_i)] (the embedding's norm first, as vLLM's deepseek_mtp.py concatenates them), runs one decoder
+    layer over the rows 0..i (causal attention, RoPE at position i), then shared_head's norm and head: the
+    logits of t_(i+2). Architectures: DeepseekV3ForCausalLM (MLA, the grouped sigmoid router) and
+    Glm4MoeForCausalLM (GQA with partial rotary, q/k/v biases, the same router)."""
+
+    def __init__(self, model_dir: Path):
+        self.cfg = c = json.loads((Path(model_dir) / "config.json").read_text())
+        self.t = load_tensors(model_dir)
+        self.arch = c["architectures"][0]
+        self.L = c["num_hidden_layers"]
+        self.p = f"model.layers.{self.L}"
+        self.H, self.nh, self.eps = c["hidden_size"], c["num_attention_heads"], c["rms_norm_eps"]
+        rp = c.get("rope_parameters") or {}
+        self.theta = rp.get("rope_theta", c.get("rope_theta", 10000.0))
+
+    def logits(self, hidden: np.ndarray, next_ids: list[int]) -> np.ndarray:
+        """hidden [T, H] (the main model's rows 0..T-1), next_ids [T] (t_1..t_T) -> logits [T, V] of t_2..t_(T+1)."""
+        t, p, eps = self.t, self.p, self.eps
+        embed = t.get(f"{p}.embed_tokens.weight", t["model.embed_tokens.weight"])
+        head = t.get(f"{p}.shared_head.head.weight", t.get("lm_head.weight", t["model.embed_tokens.weight"]))
+        xs = [t[f"{p}.eh_proj.weight"] @ np.concatenate([rmsnorm(embed[tok], t[f"{p}.enorm.weight"], eps),
+                                                          rmsnorm(h.astype(np.float64), t[f"{p}.hnorm.weight"], eps)])
+              for h, tok in zip(hidden, next_ids)]
+        normed = [rmsnorm(x, t[f"{p}.input_layernorm.weight"], eps) for x in xs]
+        attend = self.mla if self.arch == "DeepseekV3ForCausalLM" else self.gqa
+        out = []
+        for pos, (x, a) in enumerate(zip(xs, attend(normed))):
+            h = x + a
+            h = h + self.moe(rmsnorm(h, t[f"{p}.post_attention_layernorm.weight"], eps))
+            out.append(head @ rmsnorm(h, t[f"{p}.shared_head.norm.weight"], eps))
+        return np.stack(out)
+
+    def moe(self, x):
+        """The grouped sigmoid router (noaux_tc), its experts and the shared experts."""
+        c, t, m = self.cfg, self.t, f"{self.p}.mlp"
+        E, k, G = c["n_routed_experts"], c["num_experts_per_tok"], c.get("n_group", 1)
+        scores = sigmoid(t[f"{m}.gate.weight"] @ x)
+        choice = scores + t[f"{m}.gate.e_score_correction_bias"]
+        size = E // G
+        group_scores = [sum(sorted(choice[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(G)]
+        groups = sorted(range(G), key=lambda g: -group_scores[g])[:c.get("topk_group", 1)]
+        chosen = sorted([e for e in range(E) if e // size in groups], key=lambda e: -choice[e])[:k]
+        w = np.array([scores[e] for e in chosen])
+        if c.get("norm_topk_prob", True):
+            w = w / (w.sum() + 1e-20)
+        w = w * c.get("routed_scaling_factor", 1.0)
+        out = sum(we * swiglu(x, *(t[f"{m}.experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down")))
+                  for e, we in zip(chosen, w))
+        s = f"{m}.shared_experts"
+        return out + swiglu(x, t[f"{s}.gate_proj.weight"], t[f"{s}.up_proj.weight"], t[f"{s}.down_proj.weight"])
+
+    def _rotate(self, vec, pos, interleaved):
+        """RoPE on vec [d]: pairs (2i, 2i + 1) when interleaved (DeepSeek's rope_interleave), else (i, i + d/2)."""
+        d = vec.shape[0]
+        out = np.empty_like(vec)
+        for i in range(d // 2):
+            angle = pos / self.theta ** (2 * i / d)
+            c, s = math.cos(angle), math.sin(angle)
+            lo, hi = (2 * i, 2 * i + 1) if interleaved else (i, i + d // 2)
+            out[lo] = vec[lo] * c - vec[hi] * s
+            out[hi] = vec[hi] * c + vec[lo] * s
+        return out
+
+    def mla(self, xs):
+        """DeepseekV3Attention over the rows xs (causal), no YaRN."""
+        c, t, a = self.cfg, self.t, f"{self.p}.self_attn"
+        nh, dn, dr, dv, r = self.nh, c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+        inter = c.get("rope_interleave", True)
+        qs, ks, vs = [], [], []
+        for pos, x in enumerate(xs):
+            if c.get("q_lora_rank"):
+                q = t[f"{a}.q_b_proj.weight"] @ rmsnorm(t[f"{a}.q_a_proj.weight"] @ x,
+                                                         t[f"{a}.q_a_layernorm.weight"], self.eps)
+            else:
+                q = t[f"{a}.q_proj.weight"] @ x
+            q = q.reshape(nh, dn + dr)
+            ckv = t[f"{a}.kv_a_proj_with_mqa.weight"] @ x
+            kv = (t[f"{a}.kv_b_proj.weight"] @ rmsnorm(ckv[:r], t[f"{a}.kv_a_layernorm.weight"], self.eps)).reshape(
+                nh, dn + dv)
+            k_rope = self._rotate(ckv[r:], pos, inter)
+            qs.append([np.concatenate([qh[:dn], self._rotate(qh[dn:], pos, inter)]) for qh in q])
+            ks.append([np.concatenate([kv[h, :dn], k_rope]) for h in range(nh)])
+            vs.append([kv[h, dn:] for h in range(nh)])
+        return self._attend(qs, ks, vs, (dn + dr) ** -0.5, t[f"{a}.o_proj.weight"])
+
+    def gqa(self, xs):
+        """Glm4MoeAttention over the rows xs (causal): q/k/v biases, optional per-head q/k norm, partial rotary."""
+        c, t, a = self.cfg, self.t, f"{self.p}.self_attn"
+        nkv, hd = c["num_key_value_heads"], c.get("head_dim") or self.H // self.nh
+        rp = c.get("rope_parameters") or {}
+        rot = int(hd * rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
+        qs, ks, vs = [], [], []
+        for pos, x in enumerate(xs):
+            q, k, v = ((t[f"{a}.{n}_proj.weight"] @ x + t.get(f"{a}.{n}_proj.bias", 0.0)) for n in "qkv")
+            q, k, v = q.reshape(self.nh, hd), k.reshape(nkv, hd), v.reshape(nkv, hd)
+            if f"{a}.q_norm.weight" in t:
+                q = np.stack([rmsnorm(h, t[f"{a}.q_norm.weight"], self.eps) for h in q])
+                k = np.stack([rmsnorm(h, t[f"{a}.k_norm.weight"], self.eps) for h in k])
+            part = lambda h: np.concatenate([self._rotate(h[:rot], pos, False), h[rot:]])  # noqa: E731
+            g = self.nh // nkv
+            qs.append([part(h) for h in q])
+            ks.append([part(k[h // g]) for h in range(self.nh)])
+            vs.append([v[h // g] for h in range(self.nh)])
+        return self._attend(qs, ks, vs, hd ** -0.5, t[f"{a}.o_proj.weight"])
+
+    def _attend(self, qs, ks, vs, scale, o):
+        out = []
+        for pos in range(len(qs)):
+            heads = []
+            for h in range(self.nh):
+                scores = np.array([qs[pos][h] @ ks[j][h] * scale for j in range(pos + 1)])
+                w = np.exp(scores - scores.max())
+                w /= w.sum()
+                heads.append(sum(w[j] * vs[j][h] for j in range(pos + 1)))
+            out.append(o @ np.concatenate(heads))
+        return out

@@ -167,6 +167,9 @@ def test_the_gpu_bench_runs_through(gpu, tmp_path):
         assert m["logits_vs_cpu"]["top1_agreement"] >= 0.9 and m["logits_vs_cpu"]["positions"] == 64
         assert m["gpu_memory"]["dense"] > 0 and m["gpu_memory"]["kv_cache"] > 0
         assert m["hot_experts_in_8_gb"]["bf16"] > m["hot_experts_in_8_gb"]["f32"]
+        steps = m["process_pool_decode"]
+        assert steps["eager"]["decode_tokens_per_s"] > 0 and steps["graph"]["graph_steps"] >= 2
+        assert steps["graph"]["host_us_a_layer"] > 0 and steps["graph"]["pool_wait_ms_a_step"] > 0
     assert "q4k" in report["models"][0]["gpu_memory"]["dense_formats"]
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["deep-bf16", "qwen3-30b-a3b-4l-bf16",
                                                                        "qwen3-30b-a3b-4l-q4_k_m.gguf"]

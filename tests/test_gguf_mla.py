@@ -8,6 +8,7 @@ with the file and the key before any worker starts."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
@@ -261,15 +262,65 @@ def test_deepseek_v3_and_glm4_split_rules(tmp_path, pre):
     assert merged > 20
 
 
-def test_the_nextn_layer_a_glm_file_carries_is_skipped(tmp_path):
-    """GLM-4.5's files count the multi-token-prediction layer in block_count (nextn_predict_layers) and, from the
-    Hub's checkpoints, hold its tensors (blk.N.nextn.*, and a whole layer's): the engine runs the N layers before."""
-    src = ROOT / "gguf" / "glm4_moe_basic.gguf"
-    mtp = {"blk.3.nextn.eh_proj.weight": np.ones((64, 128)), "blk.3.nextn.enorm.weight": np.ones(64),
-           "blk.3.attn_norm.weight": np.ones(64), "blk.3.ffn_gate_inp.weight": np.ones((8, 64))}
-    path = rewrite(src, tmp_path / "mtp.gguf", tensors=mtp)
+def nextn_layer(hf_dir: Path, seed: int = 5) -> dict[str, np.ndarray]:
+    """A whole nextn layer for the 3-layer glm4_moe fixture (layer id 3): layer 2's tensors, each scaled by its
+    own random factors, and the MTP module's own (no embedding or head: the model's are shared)."""
+    from shm.checkpoint import Checkpoint
+
+    rng = np.random.default_rng(seed)
+    hf = Checkpoint(hf_dir)
+    t = {n.replace(".layers.2.", ".layers.3."): hf.float32(n) * rng.uniform(0.5, 1.5, hf.float32(n).shape)
+         for n in hf.names() if ".layers.2." in n}
+    H = t["model.layers.3.input_layernorm.weight"].shape[0]
+    t.update({f"model.layers.3.{n}.weight": (1 + 0.1 * rng.standard_normal(H)) for n in ("enorm", "hnorm",
+                                                                                           "shared_head.norm")})
+    t["model.layers.3.eh_proj.weight"] = rng.standard_normal((H, 2 * H)) / np.sqrt(2 * H)
+    return {n: np.ascontiguousarray(a, np.float32) for n, a in t.items()}
+
+
+def as_gguf_names(layer: dict[str, np.ndarray], E: int) -> dict[str, np.ndarray]:
+    """The nextn layer under llama.cpp's names: blk.3.nextn.* for its own, the experts stacked [E, I, H]."""
+    from shm.gguf_file import GLM4MOE_TENSORS, NEXTN_TENSORS
+
+    names = {hf: g for g, hf in {**GLM4MOE_TENSORS, **NEXTN_TENSORS}.items()}
+    out = {f"blk.3.{names[n[len('model.layers.3.'):]]}": a for n, a in layer.items() if ".experts." not in n}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        out[f"blk.3.{names[f'mlp.experts.{proj}']}"] = np.stack(
+            [layer[f"model.layers.3.mlp.experts.{e}.{proj}.weight"] for e in range(E)])
+    return out
+
+
+def test_the_nextn_layer_of_a_glm_file_is_the_checkpoints(tmp_path):
+    """GLM-4.5's files count the multi-token-prediction layer in block_count (nextn_predict_layers) and hold its
+    tensors (blk.N.nextn.* and a whole layer's): the engine runs the N layers before as the model and the nextn
+    layer as its MTP layer, both giving the checkpoint's logits bit for bit; greedy with MTP drafts is greedy."""
+    from safetensors.numpy import save_file
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(ROOT / "hf" / "glm4_moe_basic", hf_dir)
+    layer = nextn_layer(hf_dir)
+    save_file(layer, str(hf_dir / "nextn.safetensors"))
+    path = rewrite(ROOT / "gguf" / "glm4_moe_basic.gguf", tmp_path / "mtp.gguf", tensors=as_gguf_names(layer, 8))
     ck = GgufCheckpoint(path)
-    assert ck.config()["num_hidden_layers"] == 3 and not any(".layers.3." in n for n in ck.names())
-    with Engine.open(src, EngineConfig(pool="inproc", activations="f32")) as a, \
-            Engine.open(path, EngineConfig(pool="inproc", activations="f32")) as b:
-        assert np.array_equal(logits(a, PROMPT), logits(b, PROMPT))
+    assert ck.config()["num_hidden_layers"] == 3
+    assert {n for n in ck.names() if ".layers.3." in n} == {n for n in layer if ".experts." not in n} | {
+        f"model.layers.3.mlp.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    got = {}
+    for name, where in (("hf", hf_dir), ("gguf", path)):
+        with Engine.open(where, EngineConfig(pool="inproc", activations="f32")) as eng:
+            assert eng.has_mtp and eng.model_config.moe_layers == [1, 2, 3]
+            hidden: list = []
+            main = eng.step([(np.asarray(PROMPT, np.int64), eng.new_cache())], all_rows=frozenset({0}),
+                            hidden=hidden)[0]
+            mtp, _ = eng.decoder.forward_mtp([(hidden, np.asarray(PROMPT[1:] + [1], np.int64),
+                                               eng.new_mtp_cache())], last_only=False)
+            plain = eng.generate(PROMPT, max_new_tokens=12, stop_at_eos=False)
+            drafted = eng.generate(PROMPT, max_new_tokens=12, stop_at_eos=False, speculative="mtp")
+            got[name] = (main, mtp[0], plain)
+            assert drafted == plain
+    assert np.array_equal(got["gguf"][0], got["hf"][0])
+    assert np.array_equal(got["gguf"][1], got["hf"][1])
+    assert got["gguf"][2] == got["hf"][2]
+    with Engine.open(ROOT / "gguf" / "glm4_moe_basic.gguf", EngineConfig(pool="inproc", activations="f32")) as eng:
+        assert not eng.has_mtp  # the fixture's file counts the layer but holds none of its tensors
+        assert np.array_equal(logits(eng, PROMPT), got["hf"][0])

@@ -52,6 +52,18 @@ def test_split_pool_is_bitwise_across_the_cupy_coordinator(model):
         assert np.array_equal(proc.logits(PROMPT), inproc.logits(PROMPT))
 
 
+def test_graph_ready_steps_equal_eager_steps_on_the_gpu(model):
+    """The stream-driven step (host functions through cuLaunchHostFunc, the segment registered, the arena) against
+    eager steps on the same split process pool: the same logits bit for bit, prompt and decode."""
+    cfg = dict(device="cuda", pool="process", numa_split=True, nodes=2)
+    with Engine.open(model, EngineConfig(graph=False, **cfg)) as eager, \
+            Engine.open(model, EngineConfig(graph=True, **cfg)) as graph:
+        assert graph.decoder.graph is not None and eager.decoder.graph is None
+        assert np.array_equal(graph.logits(PROMPT, steps=True), eager.logits(PROMPT, steps=True))
+        assert graph.generate(PROMPT[:4], max_new_tokens=12) == eager.generate(PROMPT[:4], max_new_tokens=12)
+        assert graph.decoder.graph.steps >= 12 and graph.decoder.graph.arena.stats.steps > 0
+
+
 def is_pinned(a: np.ndarray) -> bool:
     import cupy
 

@@ -7,7 +7,9 @@ its Q4_K_M GGUF (experts Q4_K with Q6_K down where llama.cpp's use_more_bits put
 output Q6_K: valid random blocks, tests/gguf_writer.py): decode and prefill tokens/s with the GPU device
 side (best of --rounds), the logits of 64 positions against the CPU path (the largest error relative to
 the CPU logits' largest magnitude, and the share of positions with the same top token), the GPU memory by
-category (coordinator/device/vram.py, as uploaded), and how many hot experts fit in 8 GB in each format.
+category (coordinator/device/vram.py, as uploaded), how many hot experts fit in 8 GB in each format, and the
+process pool's decode with eager and with graph-ready steps (docs/gpu.md): tokens/s, ms a step, the pool's wait
+a step and the host's queueing time a layer.
 Writes DIR/gpu_bench.json and prints a table.
 """
 
@@ -91,6 +93,29 @@ def experts_in(cfg, budget: float) -> dict[str, int]:
     return {name: vram.fit_experts(int(budget * GB), vram.expert_bytes(cfg, t)) for name, t in triples.items()}
 
 
+def eager_and_graph(path: Path, prompt: list[int], args) -> dict:
+    """The process pool (single node) with eager and with graph-ready decode steps, one engine each, rounds
+    interleaved: decode tokens/s, ms a step, the pool's wait and (graph) the host's queueing time a layer."""
+    out = {}
+    for graph in (False, True):
+        with Engine.open(path, EngineConfig(device="cuda", pool="process", graph=graph)) as eng:
+            eng.logits(prompt[:16])
+            dec = eng.decoder
+            wait0, g0 = dec.stats.pool_wait_ns, (dec.graph.host_ns, dec.graph.wall_ns, dec.graph.steps) if graph \
+                else None
+            decode, _ = speed(eng, prompt, args.tokens, args.rounds)
+            steps = args.tokens * args.rounds + 2 * args.rounds  # decode steps and the prompts' rows of 8
+            row = {"decode_tokens_per_s": decode, "ms_a_step": 1e3 / decode,
+                   "pool_wait_ms_a_step": (dec.stats.pool_wait_ns - wait0) / 1e6 / steps}
+            if graph:
+                layers = eng.model_config.num_layers
+                n = dec.graph.steps - g0[2]
+                row["host_us_a_layer"] = (dec.graph.host_ns - g0[0]) / 1e3 / max(n, 1) / layers
+                row["graph_steps"] = n
+            out["graph" if graph else "eager"] = row
+    return out
+
+
 def measure(name: str, path: Path, args) -> dict:
     rng = np.random.default_rng(0)
     with Engine.open(path, EngineConfig(device="cpu", pool="inproc")) as cpu:
@@ -104,7 +129,9 @@ def measure(name: str, path: Path, args) -> dict:
         decode, prefill = speed(gpu, prompt, args.tokens, args.rounds)
         memory = gpu.gpu_memory.as_dict()
         cfg = gpu.model_config
+    steps = eager_and_graph(path, prompt, args)
     return {"model": name, "path": str(path), "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+            "process_pool_decode": steps,
             "prompt_tokens": args.prompt_tokens, "logits_vs_cpu": agreement(got, want), "gpu_memory": memory,
             "hot_experts_in_8_gb": experts_in(cfg, 8.0)}
 
@@ -137,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{a['top1_agreement']:.3f} | dense {m['dense'] / GB:.3f} GB ({m['dense_formats']}), kv "
                   f"{m['kv_cache'] / GB:.3f} GB, scratch {m['scratch'] / GB:.3f} GB | 8 GB holds "
                   f"{r['hot_experts_in_8_gb']}", flush=True)
+            e, g = r["process_pool_decode"]["eager"], r["process_pool_decode"]["graph"]
+            print(f"{card} | {name} | process pool decode: eager {e['decode_tokens_per_s']:.1f} tok/s "
+                  f"({e['pool_wait_ms_a_step']:.2f} ms pool wait a step), graph-ready {g['decode_tokens_per_s']:.1f} "
+                  f"tok/s ({g['pool_wait_ms_a_step']:.2f} ms pool wait, host {g['host_us_a_layer']:.1f} us a layer)",
+                  flush=True)
     return 0
 
 

@@ -26,6 +26,15 @@ to OUT/q8_0.gguf, q4_k_m.gguf and iq4_xs.gguf. llama.cpp's converter recognises 
 pre-tokenizer by the hash of a test string's ids and refuses one it does not know; this tokenizer has no
 merges, so every pre-tokenizer gives the same ids (one a byte), and the converter is told "gpt-2".
 
+    /tmp/hfenv/bin/python tools/train_tiny_moe.py train-mtp --out /tmp/trained-mtp
+
+trains a tiny DeepSeek-V3 (hidden 128, 8 MoE layers of 8 experts, top-2, one shared expert, MLA) together with
+its multi-token-prediction layer (the DeepSeek-V3 paper's objective: the next byte's loss plus 0.5 x the MTP
+layer's loss on the byte after next), and saves it as the Hub's DeepSeek-V3 checkpoints hold the layer
+(model.layers.8.*, num_nextn_predict_layers 1) with reference.npz (torch's float32 logits of the model and of
+the MTP layer over the training data's first 64 bytes): the model for MTP drafts' speed
+(docs/benchmarks.md).
+
 The geometry: hidden 256, 4 layers, 16 experts of intermediate 256 (a GGUF K type's super-block is 256
 weights along a row, and ffn_down's rows run along the intermediate axis: with 128, llama-quantize would
 store the down experts as Q5_0/Q8_0 instead of Q4_K/Q6_K), top-4 with norm_topk_prob, 4 heads / 2 KV heads
@@ -186,6 +195,97 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_mtp(args: argparse.Namespace) -> int:
+    """A tiny DeepSeek-V3 with its multi-token-prediction layer, trained together on the same bytes: loss = the
+    model's next-byte loss + mtp_weight x the MTP layer's loss on the byte after next (the DeepSeek-V3 paper's
+    objective, k = 1). The MTP layer is DeepSeek-V3's module: eh_proj([enorm(Emb(t_(i+1))); hnorm(h_i)]) with
+    h_i the model's last hidden state before its final norm, a DeepSeek-V3 decoder layer (a one-layer
+    DeepseekV3Model fed inputs_embeds, whose final norm is shared_head.norm) and the model's lm_head. Saved as
+    the Hub's checkpoints hold it: model.layers.L.* with L = num_hidden_layers, num_nextn_predict_layers 1."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, args.project_python)
+    vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    files = stdlib_files(args.data)
+    trained = [p for i, p in enumerate(files) if i % args.held_every != args.held_every // 2]
+    ids = np.concatenate([x for p in trained for x in (np.frombuffer(p.read_bytes(), np.uint8).astype(np.int64),
+                                                         np.array([EOS_ID], np.int64))])
+    kw = dict(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+              moe_intermediate_size=args.intermediate, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+              n_routed_experts=args.experts, num_experts_per_tok=args.top_k, n_shared_experts=1, n_group=1,
+              topk_group=1, first_k_dense_replace=0, routed_scaling_factor=1.0, norm_topk_prob=True,
+              q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+              max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
+              eos_token_id=EOS_ID, pad_token_id=None, attention_dropout=0.0)
+    cfg = DeepseekV3Config(num_hidden_layers=args.layers, num_nextn_predict_layers=1, **kw)
+    model = DeepseekV3ForCausalLM(cfg).float()
+    core = DeepseekV3Model(DeepseekV3Config(num_hidden_layers=1, **kw)).float()  # the MTP layer + its norm
+    H = args.hidden
+    enorm, hnorm = torch.nn.RMSNorm(H, eps=1e-6), torch.nn.RMSNorm(H, eps=1e-6)
+    eh_proj = torch.nn.Linear(2 * H, H, bias=False)
+    mtp_parts = torch.nn.ModuleDict(dict(core=core, enorm=enorm, hnorm=hnorm, eh_proj=eh_proj))
+    captured = {}
+    model.model.norm.register_forward_hook(lambda _m, inp, _o: captured.__setitem__("h", inp[0]))
+    params = [p for p in list(model.parameters()) + list(mtp_parts.parameters()) if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    T = args.seq_len
+    ce = torch.nn.functional.cross_entropy
+    t0 = time.time()
+    for step in range(args.steps):
+        frac = step / max(1, args.steps - 1)
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        x = torch.from_numpy(np.stack([ids[s:s + T] for s in rng.integers(0, ids.size - T, args.batch)]))
+        logits = model(input_ids=x).logits  # [B, T, V]
+        main_loss = ce(logits[:, :-1].reshape(-1, vocab), x[:, 1:].reshape(-1))
+        h = captured["h"][:, :-1]  # [B, T-1, H] h_0..h_(T-2), before the final norm
+        e = model.model.embed_tokens(x[:, 1:])  # t_1..t_(T-1)
+        joined = eh_proj(torch.cat([enorm(e), hnorm(h)], dim=-1))
+        mtp_logits = model.lm_head(core(inputs_embeds=joined).last_hidden_state)  # predicts t_2..t_T
+        mtp_loss = ce(mtp_logits[:, :-1].reshape(-1, vocab), x[:, 2:].reshape(-1))
+        (main_loss + args.mtp_weight * mtp_loss).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % args.log_every == 0 or step == 0:
+            print(f"step {step + 1:5d}  loss {main_loss.item():.4f}  mtp loss {mtp_loss.item():.4f} nats/byte  "
+                  f"{time.time() - t0:.0f} s", flush=True)
+    L = args.layers
+    tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
+    for n, t in core.state_dict().items():
+        if n.startswith("layers.0."):
+            tensors[f"model.layers.{L}.{n[len('layers.0.'):]}"] = t.detach().contiguous()
+    tensors[f"model.layers.{L}.shared_head.norm.weight"] = core.norm.weight.detach().contiguous()
+    tensors[f"model.layers.{L}.enorm.weight"] = enorm.weight.detach().contiguous()
+    tensors[f"model.layers.{L}.hnorm.weight"] = hnorm.weight.detach().contiguous()
+    tensors[f"model.layers.{L}.eh_proj.weight"] = eh_proj.weight.detach().contiguous()
+    for i in range(L + 1):  # the router's correction bias, zeros, where the state dict leaves the buffer out
+        tensors.setdefault(f"model.layers.{i}.mlp.gate.e_score_correction_bias", torch.zeros(args.experts))
+    save_file(tensors, str(out / "model.safetensors"))
+    with torch.no_grad():  # the reference for the engine's check: the model's and the MTP layer's float32 logits
+        x = torch.from_numpy(ids[:args.reference_tokens][None])
+        logits = model(input_ids=x).logits[0]
+        joined = eh_proj(torch.cat([enorm(model.model.embed_tokens(x[:, 1:])), hnorm(captured["h"][:, :-1])], -1))
+        mtp_logits = model.lm_head(core(inputs_embeds=joined).last_hidden_state)[0]
+    np.savez(out / "reference.npz", input_ids=x[0].numpy(), logits=logits.numpy(), mtp_logits=mtp_logits.numpy())
+    doc = cfg.to_dict()
+    doc["architectures"] = ["DeepseekV3ForCausalLM"]
+    (out / "config.json").write_text(json.dumps(doc, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID], "do_sample": False}))
+    print(f"saved {out} after {time.time() - t0:.0f} s: main loss {main_loss.item():.4f}, mtp loss "
+          f"{mtp_loss.item():.4f}", flush=True)
+    return 0
+
+
 def gguf(args: argparse.Namespace) -> int:
     """llama.cpp's converter (pre-tokenizer named, see the docstring) to f32, then llama-quantize."""
     llama: Path = args.llama_cpp
@@ -233,12 +333,33 @@ def main() -> int:
     t.add_argument("--eval-every", type=int, default=250)
     t.add_argument("--log-every", type=int, default=25)
     t.add_argument("--threads", type=int, default=1)
+    m = sub.add_parser("train-mtp", help="train a tiny DeepSeek-V3 with its MTP layer and save the checkpoint")
+    m.add_argument("--out", type=Path, default=Path("/tmp/trained-mtp"))
+    m.add_argument("--data", type=Path, default=Path(f"/usr/lib/python{sys.version_info[0]}.{sys.version_info[1]}"))
+    m.add_argument("--project-python", type=Path, default=REPO / ".venv" / "bin" / "python")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--steps", type=int, default=600)
+    m.add_argument("--batch", type=int, default=8)
+    m.add_argument("--seq-len", type=int, default=256)
+    m.add_argument("--lr", type=float, default=3e-3)
+    m.add_argument("--warmup", type=int, default=30)
+    m.add_argument("--mtp-weight", type=float, default=0.5, help="the MTP loss's weight beside the model's")
+    m.add_argument("--hidden", type=int, default=128)
+    m.add_argument("--layers", type=int, default=8)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--experts", type=int, default=8)
+    m.add_argument("--top-k", type=int, default=2)
+    m.add_argument("--intermediate", type=int, default=128)
+    m.add_argument("--held-every", type=int, default=20, help="hold out every Nth source file")
+    m.add_argument("--log-every", type=int, default=25)
+    m.add_argument("--threads", type=int, default=1)
+    m.add_argument("--reference-tokens", type=int, default=64, help="bytes of reference.npz's logits")
     g = sub.add_parser("gguf", help="convert a trained checkpoint to GGUF files with llama.cpp")
     g.add_argument("--model", type=Path, default=Path("/tmp/trained-moe"))
     g.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp source tree with build/bin")
     g.add_argument("--types", default="Q8_0,Q4_K_M,IQ4_XS")
     args = ap.parse_args()
-    return train(args) if args.cmd == "train" else gguf(args)
+    return {"train": train, "train-mtp": train_mtp, "gguf": gguf}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; t
 FLAG_FIELDS = ("numa_split", "nodes", "pool", "pool_node", "worker_threads", "keep_shm", "route_tail_skip", "max_seq_len",
                "worker_hang_timeout", "worker_restart_window", "expert_dtype", "dense_dtype", "kv_dtype",
                "activations", "prefill_chunk", "device", "expert_profile", "gpu_experts", "gpu_expert_memory",
-               "speculative", "draft_max")
+               "speculative", "draft_max", "graph")
 
 
 def number(kind, name: str, low=None, high=None, low_open: bool = False):
@@ -144,13 +144,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens prefilled per serving step, interleaved with decoding "
                         + setting("prefill_chunk"))
     g.add_argument("--speculative", dest="speculative", default=None, choices=list(SPECULATIVE_MODES),
-                   help="speculative decoding: off, ngram (drafts from earlier text: prompt lookup); mtp and "
-                        "auto (the model's MTP layers where it has them) take prompt lookup until MTP drafts are "
-                        "built; the output is the same tokens (greedy) or the same distribution (sampling) "
+                   help="speculative decoding: off, ngram (drafts from earlier text: prompt lookup), mtp (drafts "
+                        "from the model's multi-token-prediction layer: DeepSeek-V3, GLM-4.5; refused without one), "
+                        "auto (mtp where the model has the layer, else ngram); the output is the same tokens "
+                        "(greedy) or the same distribution (sampling) "
                         + setting("speculative"))
     g.add_argument("--draft-max", dest="draft_max", type=number(int, "--draft-max", 1, 16), default=None,
                    help="drafts tried per step at most; fewer after misses, none for a while after "
                         "repeated ones " + setting("draft_max"))
+    g.add_argument("--no-graph", dest="graph", action="store_false", default=None,
+                   help="run every GPU decode step eagerly: the router's choice through the host, the pool waited "
+                        "from Python (a sync a layer) " + setting("graph"))
     add_device_flags(g)
     g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
 

@@ -76,6 +76,8 @@ class Geometry:
     linear_value_head_dim: int = 16
     linear_conv_kernel_dim: int = 4
     full_attention_interval: int = 4
+    # deepseek_v3 and glm4_moe: 1 writes the multi-token-prediction (nextn) layer, layer id num_layers
+    num_nextn_predict_layers: int = 0
 
 
 def l3_bytes(sys_cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
@@ -237,7 +239,8 @@ def hf_config(arch: str, g: Geometry) -> dict:
         cfg.update(n_routed_experts=g.num_experts, moe_intermediate_size=g.moe_intermediate_size,
                    intermediate_size=g.dense_intermediate_size, n_group=g.n_group, topk_group=g.topk_group,
                    routed_scaling_factor=g.routed_scaling_factor, n_shared_experts=g.n_shared_experts,
-                   first_k_dense_replace=_dense_layers(g), norm_topk_prob=g.norm_topk_prob is not False)
+                   first_k_dense_replace=_dense_layers(g), norm_topk_prob=g.norm_topk_prob is not False,
+                   num_nextn_predict_layers=g.num_nextn_predict_layers)
     if arch == "deepseek_v3":
         del cfg["head_dim"]
         cfg.update(num_key_value_heads=g.num_heads, q_lora_rank=g.q_lora_rank, kv_lora_rank=g.kv_lora_rank,
@@ -321,8 +324,9 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
 
     H, hd = g.hidden_size, g.head_dim
     t: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((g.vocab_size, H)).astype(np.float32)}
-    progress = Progress(g.num_layers, "make-model: drawing the weights", unit="layers")
-    for i in range(g.num_layers):
+    nextn = g.num_nextn_predict_layers if arch in GROUPED else 0
+    progress = Progress(g.num_layers + nextn, "make-model: drawing the weights", unit="layers")
+    for i in range(g.num_layers + nextn):  # the nextn layers after the others, each a whole decoder layer
         if i:
             progress.add(1)
         p = f"model.layers.{i}"
@@ -376,6 +380,14 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
         printable = np.zeros(g.vocab_size, bool)
         printable[32:127] = True
         t["lm_head.weight"] = mat(g.vocab_size, H) * np.where(printable, 1.0, 0.3).astype(np.float32)[:, None]
+    for i in range(g.num_layers, g.num_layers + nextn):  # the MTP module's own tensors (DeepSeek-V3's names)
+        p = f"model.layers.{i}"
+        t[f"{p}.enorm.weight"], t[f"{p}.hnorm.weight"] = norm(H), norm(H)
+        t[f"{p}.eh_proj.weight"] = mat(H, 2 * H)
+        t[f"{p}.shared_head.norm.weight"] = norm(H)
+        if arch == "deepseek_v3":  # DeepSeek-V3's checkpoint stores copies of the embedding and head; GLM's none
+            t[f"{p}.embed_tokens.weight"] = t["model.embed_tokens.weight"]
+            t[f"{p}.shared_head.head.weight"] = t.get("lm_head.weight", t["model.embed_tokens.weight"])
     progress.add(1)
     progress.finish()
     return t

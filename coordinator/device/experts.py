@@ -7,7 +7,10 @@
     slot sum     y[t] = sum of weight_p * down_p over t's slots in expert order (strata_slot_sum) -> [T, H]
 
 A token's experts are summed in ascending expert order, as the per-expert loop it replaces summed them.
-The slots' bookkeeping (the sort, each token's slot list) runs on the host, where the routing is.
+The slots' bookkeeping (the sort, each token's slot list) runs on the host, where the routing is; in a
+graph-ready step (``run_split``) it runs on the device instead, from compact.split_pairs' device pairs, in one
+thread (strata_order_slots: the same order), over all T*k slots the layer could have, the unused ones
+computed and never summed.
 """
 
 from __future__ import annotations
@@ -34,6 +37,46 @@ extern "C" __global__ void strata_slot_sum(const float* down, const float* weigh
     }
     y[i] = acc;
 }
+
+// The host's slot bookkeeping (DeviceExperts.run) on the device, one thread: the first count[0] pairs sorted by
+// (expert, token) into slots (an insertion sort: decode's pairs are few), each slot's x row, table row and
+// weight; the slots of each token in slot order (by_token, from start[t]); slots past the pairs read x row 0
+// through table row 0 and belong to no token. ids[s] = s, the down product's rows.
+extern "C" __global__ void strata_order_slots(const int* tokens, const int* experts, const float* weights,
+                                              const long long* count, const int* index, int T, int P,
+                                              int* slot_rows, int* slot_matrix, float* slot_weights, int* by_token,
+                                              int* start, int* ids, int* order) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    int n = (int)count[0];
+    for (int p = 0; p < n; ++p) {
+        int j = p;
+        while (j > 0 && (experts[order[j - 1]] > experts[p] ||
+                         (experts[order[j - 1]] == experts[p] && tokens[order[j - 1]] > tokens[p]))) {
+            order[j] = order[j - 1];
+            --j;
+        }
+        order[j] = p;
+    }
+    for (int s = 0; s < P; ++s) {
+        ids[s] = s;
+        if (s < n) {
+            slot_rows[s] = tokens[order[s]];
+            slot_matrix[s] = index[experts[order[s]]];
+            slot_weights[s] = weights[order[s]];
+        } else {
+            slot_rows[s] = 0;
+            slot_matrix[s] = 0;
+            slot_weights[s] = 0.0f;
+        }
+    }
+    for (int t = 0; t <= T; ++t) start[t] = 0;
+    for (int s = 0; s < n; ++s) start[slot_rows[s] + 1] += 1;
+    for (int t = 0; t < T; ++t) start[t + 1] += start[t];
+    for (int t = 0; t < T; ++t) {  // a counting placement: each token's slots in slot order
+        int at = start[t];
+        for (int s = 0; s < n; ++s) if (slot_rows[s] == t) by_token[at++] = s;
+    }
+}
 """
 
 
@@ -52,6 +95,7 @@ class LayerExperts:
     index: np.ndarray  # [E] int32: the expert's row in the tables, -1 where it is not on the device
     tables: tuple  # (gate, up, down) device uint64 [n] matrix addresses
     matrices: list  # the DeviceMatrix objects the tables point into (kept alive here)
+    index_device: object  # index on the device [E] int32, for run_split
 
 
 class DeviceExperts:
@@ -66,7 +110,8 @@ class DeviceExperts:
             index = np.full(num_experts, -1, np.int32)
             index[ids] = np.arange(len(ids), dtype=np.int32)
             tables = tuple(format_kernels.pointer_table([m[k].data for m in mats]) for k in range(3))
-            self.layers[layer] = LayerExperts(tuple(mats[0][k].fmt for k in range(3)), index, tables, mats)
+            self.layers[layer] = LayerExperts(tuple(mats[0][k].fmt for k in range(3)), index, tables, mats,
+                                              format_kernels.upload_index(index))
 
     def keys(self) -> list[tuple[int, int]]:
         return [(layer, e) for layer, le in self.layers.items() for e in np.flatnonzero(le.index >= 0).tolist()]
@@ -78,6 +123,33 @@ class DeviceExperts:
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for le in self.layers.values() for mats in le.matrices for m in mats)
+
+    def run_split(self, layer: int, x, split):
+        """``run`` for a graph-ready step: the device pairs of compact.split_pairs (``split``), the slots ordered on
+        the device; the same bits as ``run`` with those pairs. [T, H]."""
+        import cupy
+
+        from ..model import device_ops
+
+        le = self.layers[layer]
+        T, H, inter = x.shape[0], self.hidden, self.intermediate
+        P = split.dev_tokens.shape[0]  # T*k: every slot the layer could have
+        i32 = np.int32
+        slot_rows, slot_matrix, by_token, ids, order = (cupy.empty(P, i32) for _ in range(5))
+        slot_weights, start = cupy.empty(P, np.float32), cupy.empty(T + 1, i32)
+        _module().get_function("strata_order_slots")((1,), (32,), (
+            split.dev_tokens, split.dev_experts, split.dev_weights, split.dev_count, le.index_device, i32(T), i32(P),
+            slot_rows, slot_matrix, slot_weights, by_token, start, ids, order))
+        xs = cupy.ascontiguousarray(x, dtype=np.float32)
+        g = format_kernels.grouped_matvec(le.formats[0], le.tables[0], H, inter, xs, slot_rows, slot_matrix)
+        u = format_kernels.grouped_matvec(le.formats[1], le.tables[1], H, inter, xs, slot_rows, slot_matrix)
+        act = device_ops.silu_mul(g, u)  # [P, I]
+        down = format_kernels.grouped_matvec(le.formats[2], le.tables[2], inter, H, act, ids, slot_matrix)  # [P, H]
+        y = cupy.empty((T, H), np.float32)
+        n = T * H
+        _module().get_function("strata_slot_sum")(((n + 255) // 256,), (256,), (
+            down, slot_weights, by_token, start, i32(T), i32(H), y))
+        return y
 
     def run(self, layer: int, x, tokens: np.ndarray, experts: np.ndarray, weights: np.ndarray):
         """The device experts' share of the layer [T, H] for the pairs (tokens, experts, weights) [P]."""

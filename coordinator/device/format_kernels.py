@@ -372,10 +372,18 @@ def to_device_rows(fmt: str, stored: np.ndarray) -> np.ndarray:
     return out
 
 
-def _address(a) -> int:
+def address(a) -> int:
+    """A device array's address (the emulator's: its NumPy memory's)."""
     import cupy
 
     return a.ctypes.data if getattr(cupy, "EMULATED", False) else a.data.ptr  # the emulator's arrays are NumPy's
+
+
+def upload_index(index: np.ndarray):
+    """A host int32 table onto the device (made at load, outside any step's buffer)."""
+    import cupy
+
+    return cupy.asarray(np.ascontiguousarray(index, dtype=np.int32))
 
 
 def pointer_table(arrays):
@@ -385,9 +393,9 @@ def pointer_table(arrays):
 
     addresses = []
     for a in arrays:
-        if a.dtype != np.uint8 or not a.flags.c_contiguous or _address(a) % ALIGN:
+        if a.dtype != np.uint8 or not a.flags.c_contiguous or address(a) % ALIGN:
             raise ValueError("a device matrix is contiguous uint8 starting 16-byte aligned")
-        addresses.append(_address(a))
+        addresses.append(address(a))
     return cupy.asarray(np.array(addresses, np.uint64))
 
 
@@ -403,7 +411,7 @@ def _stride(fmt: str, K: int) -> int:
 def _matrix(fmt: str, w, R: int, K: int) -> tuple[object, int]:
     """w as a flat uint8 array checked to hold R rows at row_stride, and that stride."""
     stride = _stride(fmt, K)
-    if w.dtype != np.uint8 or not w.flags.c_contiguous or w.size < R * stride or _address(w) % ALIGN:
+    if w.dtype != np.uint8 or not w.flags.c_contiguous or w.size < R * stride or address(w) % ALIGN:
         raise ValueError(f"w must be contiguous uint8 of at least {R} x {stride} bytes, 16-byte aligned")
     return w.reshape(-1), stride
 

@@ -5,6 +5,7 @@ Routed experts go through an ExpertPool; everything else runs here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -16,7 +17,7 @@ from ..device import router
 from ..device.experts import DeviceExperts
 from ..device.weights import DeviceMatrix, upload
 from ..pool import ExpertPool, PoolRequest
-from . import linear_attention, ops
+from . import device_ops, linear_attention, ops
 from .kv_cache import KVCache
 from .model_config import ModelConfig
 from .weights import LayerWeights, ModelWeights
@@ -183,6 +184,7 @@ class Decoder:
         if self.xp is not np:  # the uploaded q, k, v become views of the fused matrix: no second copy
             for i, lw in enumerate(self.w.layers):
                 self.w.layers[i], self.qkv[i] = fuse_qkv(lw, self.xp)
+        self.mtp, self.mtp_embed, self.mtp_head = self._mtp_weights(weights)
         self.pool = pool
         if isinstance(device_experts, DeviceExperts):
             self.device_experts = device_experts
@@ -208,12 +210,33 @@ class Decoder:
             self.inv_freq = ops.rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_factor)
         self.mla_absorb: bool | None = None  # MLA: None picks per call (_absorbed); True/False forces a form
         self.stats = RoutingStats()
+        self.graph = None  # graph_steps.GraphSteps where decode steps are graph-ready (enable_graph_steps)
+        self._streaming = False  # inside a graph-ready step
+
+    def enable_graph_steps(self) -> bool:
+        """Make small steps graph-ready (coordinator/model/graph_steps.py) where the device, the pool and the
+        experts allow it; whether they are."""
+        link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp) if self.xp is not np else None
+        if link is None or (any(d.any() for d in self.on_device.values())
+                            and not isinstance(self.device_experts, DeviceExperts)):
+            return False
+        from .graph_steps import GraphSteps
+
+        self.graph = GraphSteps(self.cfg, self.on_device, self.device_experts, link, self.xp)
+        return True
 
     def new_cache(self) -> KVCache:
         cfg = self.cfg
         latent = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) if cfg.mla is not None else None
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent,
                        dtype=self.kv_dtype, attention_layers=cfg.attention_layers)
+
+    def new_mtp_cache(self) -> KVCache:
+        """A sequence's cache of the MTP layer alone (layer id num_layers): its positions run behind the model's."""
+        cfg = self.cfg
+        latent = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) if cfg.mla is not None else None
+        return KVCache(1, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent, dtype=self.kv_dtype,
+                       first_layer=cfg.num_layers)
 
     def _rope_tables(self, positions: np.ndarray):
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq)
@@ -226,10 +249,72 @@ class Decoder:
         return self.forward_batch([(token_ids, cache)], last_only=last_only)[0]
 
     def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool = True,
-                      all_rows: frozenset[int] = frozenset()) -> list[np.ndarray]:
+                      all_rows: frozenset[int] = frozenset(), hidden: list | None = None,
+                      hidden_rows: frozenset[int] = frozenset()) -> list[np.ndarray]:
         """Several sequences in one pass: attention per sequence, everything else on all rows at once,
         so the expert pool sees one batch per layer. Returns each sequence's logits: its last row's with
-        last_only, every row's for the sequences in ``all_rows`` (a prompt's log-probabilities)."""
+        last_only, every row's for the sequences in ``all_rows`` (a prompt's log-probabilities). ``hidden``: a
+        list that gets each sequence's last-layer output before the final norm (the MTP layer's input): every
+        row for the sequences in ``all_rows`` or ``hidden_rows`` (or without last_only), else the last row."""
+        rows = sum(len(ids) for ids, _ in seqs)
+        if self.graph is not None and self.graph.takes(rows):
+            return self._graph_step(seqs, last_only, all_rows, hidden, hidden_rows, rows)
+        return self._forward(seqs, last_only, all_rows, hidden, hidden_rows)
+
+    def _graph_step(self, seqs, last_only: bool, all_rows: frozenset[int], hidden: list | None,
+                    hidden_rows: frozenset[int], rows: int) -> list[np.ndarray]:
+        """forward_batch queued on the stream (graph_steps.py); a step a worker's death voided is redone eagerly."""
+        from .graph_steps import StreamInterrupted
+
+        t0 = time.perf_counter_ns()
+        asked = len(hidden) if hidden is not None else 0  # hidden's rows from before this step
+        starts = [cache.length for _, cache in seqs]
+        self.graph.begin(seqs)
+        link = self.graph.link
+        link.begin_step(rows)
+        self._streaming = True
+        try:
+            with self.graph.arena.step(rows):
+                out = self._forward(seqs, last_only, all_rows, hidden, hidden_rows)
+        except BaseException:  # the queued work finishes before the pool is touched again; the step is not cached
+            self.xp.cuda.get_current_stream().synchronize()
+            self.graph.drop_counters()
+            with contextlib.suppress(Exception):  # the pool recovers from what the stream met; the first error is raised
+                link.end_step(rows)
+            for (_, cache), start in zip(seqs, starts):
+                cache.truncate(start)
+            raise
+        finally:
+            self._streaming = False
+        if hidden is not None:  # the hidden rows outlive the step: copied out of its buffer (queued, no wait)
+            hidden[asked:] = [r.copy() for r in hidden[asked:]]
+        try:
+            waited = link.end_step(rows)  # the logits' download was the step's synchronisation
+        except BaseException as e:
+            for (_, cache), start in zip(seqs, starts):
+                cache.truncate(start)
+            if not isinstance(e, StreamInterrupted):
+                raise
+            log.warning("%s; the step is redone eagerly", e)
+            self.graph.redone += 1
+            if hidden is not None:
+                del hidden[asked:]
+            return self._forward(seqs, last_only, all_rows, hidden, hidden_rows)
+        self.graph.steps += 1
+        self.graph.host_ns += self.graph.queued_at - t0
+        self.graph.wall_ns += time.perf_counter_ns() - t0
+        self.graph.fold_counters(self.stats, waited)
+        return out
+
+    def _logits(self, a):
+        """lm_head's logits of the rows a [R, H] on the host: the step's synchronisation (a graph-ready step's
+        routing counters copied beside them)."""
+        if self._streaming:
+            self.graph.queue_counters()
+        return to_host(a @ self.w.lm_head.T)  # [R, V]
+
+    def _forward(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool, all_rows: frozenset[int],
+                 hidden: list | None = None, hidden_rows: frozenset[int] = frozenset()) -> list[np.ndarray]:
         lengths = [len(ids) for ids, _ in seqs]
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
@@ -239,8 +324,8 @@ class Decoder:
         h = xp.asarray(self.w.embed[np.concatenate([ids for ids, _ in seqs])])  # [N, H]: host rows, uploaded
         a = ops.rms_norm(h, layers[0].input_norm if layers else self.w.final_norm, eps)  # [N, H]
         # the rows the last layer carries on with, where others' output nobody reads (last_row_ids)
-        keep = last_row_ids(xp, bounds) if last_only and not all_rows and layers and len(seqs) < bounds[-1] \
-            else None
+        keep = last_row_ids(xp, bounds) if last_only and not all_rows and not hidden_rows and layers \
+            and len(seqs) < bounds[-1] else None
         for i, lw in enumerate(layers):  # each residual add joined to the norm after it
             rows = keep if i == len(layers) - 1 else None  # every row's keys and values cached, then these rows
             attended = (self._linear_attention(i, lw, a, seqs, bounds, rows) if lw.linear is not None else
@@ -254,16 +339,66 @@ class Decoder:
                                     eps)  # a: the next layer's input, after the last the final norm's output
         for (_, cache), n in zip(seqs, lengths):
             cache.advance(n)
+        if hidden is not None:  # h: the residual stream before the final norm, each sequence's rows asked for
+            every = all_rows | hidden_rows
+            hidden.extend(h[k:k + 1] if keep is not None else h[hi - (n if k in every or not last_only else 1):hi]
+                          for k, (hi, n) in enumerate(zip(bounds[1:], lengths)))
         if not last_only:
-            logits = to_host(a @ self.w.lm_head.T)  # [N, V]; a: after the final norm
+            logits = self._logits(a)  # [N, V]; a: after the final norm
             return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
         # each sequence's rows that lm_head takes: its last, or every one for those in all_rows
         wanted = [n if k in all_rows else 1 for k, n in enumerate(lengths)]
         if keep is None:  # no layer dropped the rows: take them here
             a = xp.concatenate([a[hi - n:hi] for hi, n in zip(bounds[1:], wanted)])
-        logits = to_host(a @ self.w.lm_head.T)  # [sum(wanted), V]
+        logits = self._logits(a)  # [sum(wanted), V]
         ends = np.cumsum([0] + wanted)
         return [logits[lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
+
+    def _mtp_weights(self, weights: ModelWeights):
+        """(the MTP layer's weights where the decoder runs, its embedding on the host, its head) or Nones: float32
+        on the device, the head the model's own lm_head (as uploaded) where they are one array."""
+        m = weights.mtp
+        if m is None:
+            return None, None, None
+        self.qkv.append(None)  # the MTP layer keeps q, k and v apart
+        head_is_lm_head = m.head is weights.lm_head
+        on = on_device(dataclasses.replace(m, embed=None, head=None if head_is_lm_head else m.head), self.xp)
+        return on, m.embed, self.w.lm_head if head_is_lm_head else on.head
+
+    def forward_mtp(self, seqs: list[tuple[list, np.ndarray, KVCache]], last_only: bool = True
+                    ) -> tuple[list[np.ndarray], list]:
+        """The MTP layer over several sequences, each (hidden rows: a list of [T_i, H] the model's pre-final-norm
+        output at positions p..p+T-1, the token ids [T] that followed them, its MTP cache at length p): row j
+        joins hidden state h_(p+j) with token t_(p+j+1) and predicts t_(p+j+2) (DeepSeek-V3's MTP module: eh_proj
+        of [enorm(embedding) ; hnorm(hidden)], one decoder layer, shared_head's norm and head). Returns each
+        sequence's logits (host) and its output rows before the head's norm (the next draft's hidden state): its
+        last row's with last_only, else every row's."""
+        cfg, xp, eps, m, L = self.cfg, self.xp, self.cfg.rms_norm_eps, self.mtp, self.cfg.num_layers
+        lengths = [len(ids) for _, ids, _ in seqs]
+        bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
+        positions = [np.arange(c.length, c.length + n) for (_, _, c), n in zip(seqs, lengths)]
+        rope = self._rope_tables(np.concatenate(positions))
+        e = xp.asarray(self.mtp_embed[np.concatenate([ids for _, ids, _ in seqs])])  # [N, H]
+        parts = [p for rows, _, _ in seqs for p in rows]
+        h = parts[0] if len(parts) == 1 else xp.concatenate(parts)  # [N, H]
+        if h.shape[0] != e.shape[0]:
+            raise ValueError(f"MTP: {h.shape[0]} hidden rows for {e.shape[0]} tokens")
+        x = xp.concatenate([ops.rms_norm(e, m.enorm, eps), ops.rms_norm(h, m.hnorm, eps)], axis=1) @ m.eh_proj.T
+        lw = m.layer  # x [N, H]: the MTP layer's input, through a decoder layer as any other
+        attended = self._attention(L, lw, ops.rms_norm(x, lw.input_norm, eps), [(ids, c) for _, ids, c in seqs],
+                                   bounds, positions, rope, {})
+        x, a = ops.add_rms_norm(x, attended, lw.post_attn_norm, eps)
+        y = self._moe(L, lw, a) if cfg.sparse_layers[L] else ops.swiglu_mlp(a, lw.dense_mlp.gate, lw.dense_mlp.up,
+                                                                             lw.dense_mlp.down)
+        x, a = ops.add_rms_norm(x, y, m.head_norm, eps)  # x: the output, a: after shared_head.norm
+        for (_, _, cache), n in zip(seqs, lengths):
+            cache.advance(n)
+        if last_only:
+            rows = xp.asarray(bounds[1:] - 1)
+            x, a, bounds = x[rows], a[rows], np.arange(len(seqs) + 1)
+        logits = to_host(a @ self.mtp_head.T)  # [rows, V]
+        return ([logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])],
+                [x[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])])
 
     def _mask(self, masks: dict, s: int, positions: np.ndarray, keys: int, window: int | None):
         """Sequence s's attention mask [T_s, keys] on the device, made once per forward for each window."""
@@ -278,6 +413,8 @@ class Decoder:
         cfg = self.cfg
         if lw.mla is not None:
             return self._mla_attention(i, lw, x, seqs, bounds, positions, rope, masks, rows)
+        if self._streaming:
+            return self._attention_cached(i, lw, x, rope, rows)
         q, k, v = self._project_qkv(i, lw, x, rows)  # [N or len(rows), nh, hd], [N, nkv, hd], [N, nkv, hd]
         cos, sin = rope
         q = ops.norm_rope(q, lw.q_norm, cfg.rms_norm_eps, *((cos, sin) if rows is None else (cos[rows], sin[rows])))
@@ -305,6 +442,23 @@ class Decoder:
             parts.append((slice(bounds[s], bounds[s + 1]), cache.states[i], cache.length))
         out = linear_attention.layer(lw.linear, lc, x, parts, self.cfg.rms_norm_eps)
         return out if rows is None else out[rows]
+
+    def _attention_cached(self, i: int, lw: LayerWeights, x, rope, rows=None):
+        """_attention in a graph-ready step: the new keys and values stored and every sequence's attention made in
+        two launches that read the caches' places and lengths from the step's tables (graph_steps.StepTables),
+        not from arguments; the same bits as _attention."""
+        cfg = self.cfg
+        q, k, v = self._project_qkv(i, lw, x, rows)  # [N or len(rows), nh, hd], [N, nkv, hd], [N, nkv, hd]
+        cos, sin = rope
+        q = ops.norm_rope(q, lw.q_norm, cfg.rms_norm_eps, *((cos, sin) if rows is None else (cos[rows], sin[rows])))
+        k = ops.norm_rope(k, lw.k_norm, cfg.rms_norm_eps, cos, sin)
+        k_ptrs, v_ptrs, row_seq, row_pos, q_seq, q_pos, seq_len = self.graph.tables.layer(i, rows is not None)
+        bf16 = self.kv_dtype == "bf16"
+        device_ops.kv_store(k, v, k_ptrs, v_ptrs, row_seq, row_pos, bf16)
+        out = device_ops.gqa_attention_cached(q, (k_ptrs, v_ptrs, q_seq, q_pos, seq_len), cfg.sliding_windows[i],
+                                              cfg.head_dim ** -0.5, cfg.num_kv_heads,
+                                              self.graph.tables.score_stride, bf16)  # [N or len(rows), nh*hd]
+        return out @ lw.o.T  # [N or len(rows), H]
 
     def _project_qkv(self, i: int, lw: LayerWeights, x: np.ndarray, rows=None):
         """x [N, H] -> q [N, nh, hd] (only ``rows``' queries, [len(rows), nh, hd], where given), k and v [N, nkv,
@@ -380,16 +534,13 @@ class Decoder:
 
     def _moe(self, i: int, lw: LayerWeights, x: np.ndarray) -> np.ndarray:
         """route -> submit the CPU pairs -> device and shared experts meanwhile -> collect -> sum."""
+        if self._streaming:
+            return self.graph.moe(self, i, lw, x)
         routing = self._route(i, lw, x)
         self.stats.count(routing, self.cfg.num_experts)
         sent = self._submit_cpu(routing, x)  # the CPU work first ...
         y_dev = self._device_side(routing, x)  # ... ours queued on the device's side stream meanwhile
-        y_shared = None  # the shared experts (device side, never the pool), also while the pool works
-        if lw.shared_expert is not None:
-            se = lw.shared_expert
-            y_shared = ops.swiglu_mlp(x, se.gate, se.up, se.down)
-            if lw.shared_expert_gate is not None:  # qwen2_moe's gate; DeepSeek's shared experts have none
-                y_shared = ops.sigmoid(x @ lw.shared_expert_gate.T) * y_shared
+        y_shared = self.shared_output(lw, x)  # also while the pool works
         y = self._collect_cpu(sent, x) if sent is not None else self.xp.zeros_like(x)  # [T, H]: Y_0 + Y_1 + ...
         if y_dev is not None:
             self.side.join()
@@ -397,6 +548,16 @@ class Decoder:
         if y_shared is not None:
             y = y + y_shared  # then the shared experts'
         return y
+
+    def shared_output(self, lw: LayerWeights, x):
+        """The shared experts' output [T, H] (the device side's, never the pool's), or None where the layer has none."""
+        if lw.shared_expert is None:
+            return None
+        se = lw.shared_expert
+        y_shared = ops.swiglu_mlp(x, se.gate, se.up, se.down)
+        if lw.shared_expert_gate is not None:  # qwen2_moe's gate; DeepSeek's shared experts have none
+            y_shared = ops.sigmoid(x @ lw.shared_expert_gate.T) * y_shared
+        return y_shared
 
     def _route(self, i: int, lw: LayerWeights, x: np.ndarray) -> Routing:
         """The router's top-k pairs of every row, less the tail skip, split device / CPU."""
@@ -420,14 +581,18 @@ class Decoder:
         the host's (coordinator/device/router.py)."""
         cfg, g = self.cfg, self.cfg.group_router
         if is_device(logits):
-            n_group, topk_group, scaling, softmax = (1, 1, 1.0, True) if g is None else (
-                g.n_group, g.topk_group, g.routed_scaling_factor, g.scoring == "softmax")
-            packed = router.route(logits, bias, cfg.top_k, n_group, topk_group, softmax, cfg.norm_topk_prob, scaling)
-            return router.unpack(to_host(packed), cfg.top_k)
+            return router.unpack(to_host(self.route_packed(logits, bias)), cfg.top_k)
         if g is not None:
             return ops.route_grouped(logits, bias, cfg.top_k, g.n_group, g.topk_group, cfg.norm_topk_prob,
                                      g.routed_scaling_factor, g.scoring)
         return ops.route_top_k(logits, cfg.top_k, cfg.norm_topk_prob)
+
+    def route_packed(self, logits, bias):
+        """Device logits [T, E] -> the router's choice packed [T, 2k] on the device (router.route)."""
+        cfg, g = self.cfg, self.cfg.group_router
+        n_group, topk_group, scaling, softmax = (1, 1, 1.0, True) if g is None else (
+            g.n_group, g.topk_group, g.routed_scaling_factor, g.scoring == "softmax")
+        return router.route(logits, bias, cfg.top_k, n_group, topk_group, softmax, cfg.norm_topk_prob, scaling)
 
     def _submit_cpu(self, routing: Routing, x: np.ndarray) -> CpuBatch | None:
         """Send the layer's CPU pairs to the pool (only the rows with CPU work travel); None when there are none."""

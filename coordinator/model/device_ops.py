@@ -26,6 +26,9 @@ built for the CPU) and, on a GPU, through CuPy.
     apply_rope_interleaved(x [T, heads, d], cos [T, d], sin) -> [T, heads, d]   x's rows and heads may lie apart
     masked_softmax(scores [R, T, S], mask [T, S], s)  -> softmax(where(mask, scores * s, -inf)) over S
     gqa_attention(q [T, nh, hd], k/v [S, nkv, hd], mask [T, S], s) -> [T, nh*hd]   one block a (token, head)
+    gqa_attention_cached(q [Nq, nh, hd], tables, window, s, ...) -> [Nq, nh*hd]  the same, each query over its
+                                                      sequence's cache, lengths and mask read on the device
+    kv_store(k, v [N, nkv, hd], k_ptrs, v_ptrs, row_seq, row_pos, bf16)  each row into its sequence's cache
     mla_attention_absorbed(q_nope [T, nh, dn], q_rope [T, nh, dr], latent [S, c], k_rope [S, dr],
                            w_uk [nh, dn, c], w_uv_t [nh, c, dv], mask [T, S], s) -> [T, nh*dv]
     silu_mul(g, u)                                    -> g * sigmoid(g) * u, elementwise
@@ -169,10 +172,13 @@ extern "C" __global__ void strata_norm_rope(const float* x, long long row_stride
 //   scores   a warp a key: the lanes split hd, a shuffle sum; masked keys -inf
 //   softmax  block max, e^(s - max) (masked: 0), block sum (strata_masked_softmax's arithmetic)
 //   output   the threads split (dim, key group): groups = blockDim / hd keys apart, summed in group order
-// Dynamic shared memory: hd + max(blockDim, hd) floats.
+// Dynamic shared memory: hd + max(blockDim, hd) floats. Without a mask (null), the key j is seen by the query at
+// position pos where j <= pos and, with a window, pos - j < window (ops.attention_mask's rule, made here);
+// row r of scores starts at r * score_stride.
 template <typename KV>
-__device__ void gqa_attention(const float* q, const KV* k, const KV* v, const unsigned char* mask, float scale,
-                              int S, int nh, int nkv, int hd, float* scores, float* out) {
+__device__ void gqa_attention(const float* q, const KV* k, const KV* v, const unsigned char* mask, int pos,
+                              int window, float scale, int S, int nh, int nkv, int hd, long long score_stride,
+                              float* scores, float* out) {
     extern __shared__ float gqa_shared[];  // named apart: a C++ function's and the kernels' would clash
     __shared__ float part[32];
     float* qs = gqa_shared;       // [hd] the query row
@@ -182,14 +188,14 @@ __device__ void gqa_attention(const float* q, const KV* k, const KV* v, const un
     const float* qr = q + (long long)blockIdx.x * hd;
     for (int j = threadIdx.x; j < hd; j += blockDim.x) qs[j] = qr[j];
     __syncthreads();
-    float* sc = scores + (long long)blockIdx.x * S;
-    const unsigned char* m = mask + t * S;
+    float* sc = scores + (long long)blockIdx.x * score_stride;
+    const unsigned char* m = mask ? mask + t * S : nullptr;
     long long kv_row = (long long)nkv * hd;
     const KV* kh = k + (long long)g * hd;
     const KV* vh = v + (long long)g * hd;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int j = w; j < S; j += nw) {
-        if (!m[j]) {  // the same j for the whole warp: no lane waits in a shuffle another skips
+        if (!(m ? m[j] : j <= pos && (window <= 0 || pos - j < window))) {  // the same j for the whole warp
             if (lane == 0) sc[j] = __int_as_float(0xff800000);
             continue;
         }
@@ -205,7 +211,7 @@ __device__ void gqa_attention(const float* q, const KV* k, const KV* v, const un
     mx = block_max(mx, part);
     float sum = 0.0f;
     for (int j = threadIdx.x; j < S; j += blockDim.x) {
-        float e = m[j] ? expf(sc[j] - mx) : 0.0f;
+        float e = (m ? m[j] : j <= pos && (window <= 0 || pos - j < window)) ? expf(sc[j] - mx) : 0.0f;
         sc[j] = e;
         sum += e;
     }
@@ -228,12 +234,61 @@ __device__ void gqa_attention(const float* q, const KV* k, const KV* v, const un
 extern "C" __global__ void strata_gqa_attention(const float* q, const float* k, const float* v,
                                                 const unsigned char* mask, float scale, int S, int nh, int nkv,
                                                 int hd, float* scores, float* out) {
-    gqa_attention(q, k, v, mask, scale, S, nh, nkv, hd, scores, out);
+    gqa_attention(q, k, v, mask, 0, 0, scale, S, nh, nkv, hd, S, scores, out);
 }
 extern "C" __global__ void strata_gqa_attention_bf16(const float* q, const unsigned short* k, const unsigned short* v,
                                                      const unsigned char* mask, float scale, int S, int nh, int nkv,
                                                      int hd, float* scores, float* out) {
-    gqa_attention(q, k, v, mask, scale, S, nh, nkv, hd, scores, out);
+    gqa_attention(q, k, v, mask, 0, 0, scale, S, nh, nkv, hd, S, scores, out);
+}
+
+// The same attention reading where and how far from the device: query row t belongs to sequence q_seq[t] at
+// position q_pos[t]; sequence s's keys and values are seq_len[s] rows at k_ptrs[s] and v_ptrs[s] (its cache's
+// buffers for the layer); the mask is made here. Nothing in the arguments changes from step to step but
+// what the tables hold.
+template <typename KV>
+__device__ void gqa_attention_cached(const float* q, const long long* k_ptrs, const long long* v_ptrs,
+                                     const long long* q_seq, const long long* q_pos, const long long* seq_len,
+                                     int window, float scale, int nh, int nkv, int hd, long long score_stride,
+                                     float* scores, float* out) {
+    long long t = blockIdx.x / nh, s = q_seq[t];
+    gqa_attention((const float*)q, (const KV*)k_ptrs[s], (const KV*)v_ptrs[s], (const unsigned char*)nullptr,
+                  (int)q_pos[t], window, scale, (int)seq_len[s], nh, nkv, hd, score_stride, scores, out);
+}
+extern "C" __global__ void strata_gqa_attention_cached(const float* q, const long long* k_ptrs,
+                                                       const long long* v_ptrs, const long long* q_seq,
+                                                       const long long* q_pos, const long long* seq_len, int window,
+                                                       float scale, int nh, int nkv, int hd, long long score_stride,
+                                                       int bf16, float* scores, float* out) {
+    if (bf16) gqa_attention_cached<unsigned short>(q, k_ptrs, v_ptrs, q_seq, q_pos, seq_len, window, scale, nh, nkv,
+                                                   hd, score_stride, scores, out);
+    else gqa_attention_cached<float>(q, k_ptrs, v_ptrs, q_seq, q_pos, seq_len, window, scale, nh, nkv, hd,
+                                     score_stride, scores, out);
+}
+
+__device__ __forceinline__ unsigned short bf16_bits(unsigned int b) {
+    bool is_nan = (b & 0x7fffffffu) > 0x7f800000u;  // set quiet, not rounded: a carry could make it infinity
+    return (unsigned short)(is_nan ? (b >> 16) | 0x40u : (b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// Row t's key and value (width floats each; rows k_stride and v_stride apart: columns of the fused QKV output)
+// into its sequence's cache: row_pos[t] of the buffers at k_ptrs[row_seq[t]], v_ptrs[row_seq[t]]; as float32,
+// or as bf16 bits rounded as strata_to_bf16 rounds. A block a row.
+extern "C" __global__ void strata_kv_store(const unsigned int* k, const unsigned int* v, long long k_stride,
+                                           long long v_stride, int width, const long long* k_ptrs,
+                                           const long long* v_ptrs, const long long* row_seq,
+                                           const long long* row_pos, int bf16) {
+    long long t = blockIdx.x, s = row_seq[t], at = row_pos[t] * width;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        unsigned int kb = k[t * k_stride + j], vb = v[t * v_stride + j];
+        if (bf16) {
+            ((unsigned short*)k_ptrs[s])[at + j] = bf16_bits(kb);
+            ((unsigned short*)v_ptrs[s])[at + j] = bf16_bits(vb);
+        } else {
+            ((unsigned int*)k_ptrs[s])[at + j] = kb;
+            ((unsigned int*)v_ptrs[s])[at + j] = vb;
+        }
+    }
 }
 
 // float32 -> bf16 bits, round to nearest even, NaN kept NaN (shm/formats/bf16.encode_into's integer arithmetic).
@@ -243,9 +298,7 @@ extern "C" __global__ void strata_to_bf16(const unsigned int* x, long long row_s
                                           unsigned short* out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    unsigned int b = x[(i / width) * row_stride + i % width];
-    bool is_nan = (b & 0x7fffffffu) > 0x7f800000u;  // set quiet, not rounded: a carry could make it infinity
-    out[i] = (unsigned short)(is_nan ? (b >> 16) | 0x40u : (b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    out[i] = bf16_bits(x[(i / width) * row_stride + i % width]);
 }
 
 // bf16 bits -> float32 (written as its bits), exact
@@ -618,6 +671,39 @@ def gqa_attention(q, k, v, mask, scale: float):
             q, k, v, m, np.float32(scale), np.int32(S), np.int32(nh), np.int32(nkv), np.int32(hd), scores, out),
             shared_mem=(hd + max(THREADS, hd)) * 4)
     return out
+
+
+def gqa_attention_cached(q, tables, window: int | None, scale: float, nkv: int, score_stride: int, bf16: bool):
+    """q [Nq, nh, hd] -> [Nq, nh*hd]: gqa_attention over each query's own sequence's cache, where and how far
+    read from the device: ``tables`` (k_ptrs, v_ptrs [B] int64 addresses of the layer's cache buffers, q_seq,
+    q_pos [Nq], seq_len [B] int64), the mask made in the kernel; scores rows ``score_stride`` apart (at least the
+    longest seq_len). Equal to gqa_attention with ops.attention_mask's mask, bit for bit."""
+    import cupy
+
+    q = _contiguous_f32(q)
+    Nq, nh, hd = q.shape
+    k_ptrs, v_ptrs, q_seq, q_pos, seq_len = tables
+    out = cupy.empty((Nq, nh * hd), np.float32)
+    if out.size:
+        scores = cupy.empty((Nq * nh, score_stride), np.float32)
+        _kernel("strata_gqa_attention_cached")((Nq * nh,), (THREADS,), (
+            q, k_ptrs, v_ptrs, q_seq, q_pos, seq_len, np.int32(window or 0), np.float32(scale), np.int32(nh),
+            np.int32(nkv), np.int32(hd), np.int64(score_stride), np.int32(bf16), scores, out),
+            shared_mem=(hd + max(THREADS, hd)) * 4)
+    return out
+
+
+def kv_store(k, v, k_ptrs, v_ptrs, row_seq, row_pos, bf16: bool) -> None:
+    """Each row of k, v [N, nkv, hd] (rows may lie apart: the fused QKV output's columns) into its sequence's
+    cache: row t at position row_pos[t] of the buffers at k_ptrs[row_seq[t]], v_ptrs[...] (device int64 tables);
+    float32, or bf16 bits rounded as to_bf16 rounds. One launch."""
+    k, k_stride, width = _rows_f32(k)
+    v, v_stride, v_width = _rows_f32(v)
+    if width != v_width:
+        raise ValueError(f"kv_store: keys of {width} values, values of {v_width}")
+    if k.shape[0]:
+        _kernel("strata_kv_store")((k.shape[0],), (THREADS,), (k, v, k_stride, v_stride, np.int32(width), k_ptrs,
+                                                              v_ptrs, row_seq, row_pos, np.int32(bf16)))
 
 
 def _kv_pair(k, v):

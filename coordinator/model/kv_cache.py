@@ -22,8 +22,12 @@ from . import device_ops
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64, xp=np,
-                 latent: tuple[int, int] | None = None, dtype: str = "f32", attention_layers=None):
+                 latent: tuple[int, int] | None = None, dtype: str = "f32", attention_layers=None,
+                 first_layer: int = 0):
+        """``attention_layers``: the layers that cache keys and values (None: all); ``first_layer``: the model's
+        id of this cache's first layer (an MTP layer's own cache: num_layers)."""
         self.length = 0  # tokens already cached
+        self.first_layer = first_layer
         self.xp = xp  # NumPy, or CuPy when the cache lives on the device
         self.bf16 = dtype == "bf16"
         self._dtype = np.uint16 if self.bf16 else np.float32
@@ -35,6 +39,7 @@ class KVCache:
         self._k = [xp.zeros((cap, *self._shapes[0]), self._dtype) for cap in caps]  # [cap, ...]
         self._v = [xp.zeros((cap, *self._shapes[1]), self._dtype) for cap in caps]
         self._attending = len(attending)
+        self._attention_buffers = sorted(attending)  # the buffers that hold keys (a state layer's are empty)
         self.states: dict = {}  # layer -> its state (a Gated DeltaNet layer's LinearState)
 
     @property
@@ -49,6 +54,7 @@ class KVCache:
         return sum(state.nbytes for state in self.states.values())
 
     def _reserve(self, layer: int, needed: int) -> None:
+        """``layer``: an index into this cache's buffers."""
         cap = self._k[layer].shape[0]
         if needed <= cap:
             return
@@ -58,10 +64,25 @@ class KVCache:
             grown[:cap] = buf[layer]
             buf[layer] = grown
 
+    def buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's two buffers [capacity, ...] (keys and values, or latents and rope keys), whole."""
+        return self._k[layer], self._v[layer]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens every attention layer's buffers hold without growing."""
+        return min((self._k[i].shape[0] for i in self._attention_buffers), default=0)
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` cached tokens in every attention layer now, so that the next extends move no buffer."""
+        for layer in self._attention_buffers:
+            self._reserve(layer, tokens)
+
     def extend(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v [T, ...] after the cached tokens (key and value, or latent and rope key); returns all of
         them [S, ...]."""
         start, stop = self.length, self.length + k.shape[0]
+        layer -= self.first_layer  # the model's layer id -> this cache's buffer
         self._reserve(layer, stop)
         if self.bf16:
             device_ops.to_bf16(k, out=self._k[layer][start:stop])

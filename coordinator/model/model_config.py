@@ -7,10 +7,12 @@ Defaults for absent keys are those of the transformers config classes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..errors import ModelConfigError
 from shm.fp8 import Fp8Error, block_size as fp8_block_size
@@ -28,6 +30,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear")
 MLA_ROPE_TYPES = ("default", "linear", "yarn")  # YaRN: DeepSeek's MLA architectures only, for now
 SCORING_FUNCS = {"deepseek_v3": ("sigmoid",), "deepseek_v2": ("softmax",)}  # config.json's scoring_func
 TOPK_METHODS = {"deepseek_v3": ("noaux_tc",), "deepseek_v2": ("greedy", "group_limited_greedy")}  # topk_method
+MTP_ARCHS = ("deepseek_v3", "glm4_moe")  # the architectures whose multi-token-prediction (nextn) layer runs
 
 # transformers' config-class defaults for keys that may be absent
 DEFAULTS = {
@@ -143,8 +146,8 @@ class ModelConfig:
     moe_intermediate_size: int
     dense_intermediate_size: int
     shared_expert_intermediate_size: int  # 0 = no shared expert
-    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
-    sliding_windows: tuple[int | None, ...]  # per layer: window length or None
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False); the MTP layer's last
+    sliding_windows: tuple[int | None, ...]  # per layer: window length or None; the MTP layer's last
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     shared_expert_gate: bool = True  # qwen2_moe's sigmoid gate on the shared expert; DeepSeek's have none
@@ -156,6 +159,7 @@ class ModelConfig:
     linear_layers: tuple[bool, ...] = ()  # per layer: Gated DeltaNet (True) or attention; () = attention everywhere
     attn_output_gate: bool = False  # qwen3_next: q_proj also gives a per-head sigmoid gate on attention's output
     norm_offset: float = 0.0  # added to the RMSNorms' weights at load: 1.0 for qwen3_next's (1 + weight) norms
+    mtp_layers: int = 0  # 1: the checkpoint's multi-token-prediction layer runs as layer id num_layers (attach_mtp)
 
     def is_linear(self, layer: int) -> bool:
         """Whether ``layer`` is a Gated DeltaNet layer (no KV cache, a fixed state per sequence)."""
@@ -181,7 +185,21 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> list[int]:
+        """The MoE layers' ids, the MTP layer's (num_layers) among them when it has routed experts."""
         return [i for i, sparse in enumerate(self.sparse_layers) if sparse]
+
+
+def attach_mtp(cfg: ModelConfig, holds: Callable[[str], bool]) -> ModelConfig:
+    """``cfg`` with its first multi-token-prediction layer where the checkpoint (``holds``: whether it has a tensor)
+    holds one: DeepSeek-V3's and GLM-4.5's nextn layer, stored as layer id num_layers (model.layers.L.eh_proj and
+    the rest), MoE when it has a router. Checkpoints often leave it out though config.json counts it
+    (num_nextn_predict_layers), so the tensors decide; a second one (no published model has it) is not run."""
+    L = cfg.num_layers
+    if cfg.arch not in MTP_ARCHS or cfg.mtp_layers or not holds(f"model.layers.{L}.eh_proj.weight"):
+        return cfg
+    return dataclasses.replace(cfg, mtp_layers=1, sparse_layers=(*cfg.sparse_layers,
+                                                                 holds(f"model.layers.{L}.mlp.gate.weight")),
+                               sliding_windows=(*cfg.sliding_windows, None))
 
 
 def _field(cfg: dict, key: str, kind: type, *, default: object = ..., where: str = "config.json"):

@@ -17,7 +17,7 @@ from shm.gguf_checkpoint import GgufCheckpoint, gguf_path
 
 from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from .gguf_tokenizer import gguf_codec
-from .model_config import ModelConfig, load_model_config, parse_model_config
+from .model_config import ModelConfig, attach_mtp, load_model_config, parse_model_config
 from .tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def open_source(model_path: str | Path) -> ModelSource:
         config = parse_model_config(checkpoint.config(), gguf.parent)
         codec = gguf_codec(checkpoint.file.metadata, gguf)
         metadata = checkpoint.file.metadata
+    config = attach_mtp(config, lambda name: name in checkpoint)
     template, template_error = None, None
     try:
         template = load_chat_template(path, metadata)

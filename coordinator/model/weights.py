@@ -81,6 +81,20 @@ class LayerWeights:
 
 
 @dataclass
+class MtpWeights:
+    """DeepSeek-V3's multi-token-prediction module (GLM-4.5's nextn layer alike): the two norms and the projection
+    that join a hidden state with the next token's embedding, a decoder layer, and its head."""
+
+    layer: LayerWeights  # a whole decoder layer, layer id num_layers (its routed experts in ModelWeights.experts)
+    enorm: np.ndarray  # [H] on the next token's embedding
+    hnorm: np.ndarray  # [H] on the main model's hidden state (before its final norm)
+    eh_proj: np.ndarray  # [H, 2H]: [enorm(embedding) ; hnorm(hidden)] -> H
+    head_norm: np.ndarray  # [H] shared_head.norm
+    embed: np.ndarray  # [V, H] the layer's embed_tokens, or the model's (one array when they are equal)
+    head: np.ndarray  # [V, H] shared_head.head, or the model's lm_head (one array when they are equal)
+
+
+@dataclass
 class ModelWeights:
     embed: np.ndarray  # [V, H]
     final_norm: np.ndarray  # [H]
@@ -88,6 +102,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     experts: dict[tuple[int, int], ExpertRefs]  # (layer, expert) -> where its matrices are
     names: dict[int, str] = field(default_factory=dict)  # id(a dense array above) -> its checkpoint tensor
+    mtp: MtpWeights | None = None  # the MTP layer where ModelConfig.mtp_layers says it runs
 
 
 def _mla(cfg: ModelConfig, r: "_Reader", attn: str) -> MLAWeights:
@@ -255,7 +270,7 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
     layers: list[LayerWeights] = []
     experts: dict[tuple[int, int], ExpertRefs] = {}
     offset = cfg.norm_offset  # qwen3_next's zero-centred norms: (1 + weight)
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_layers + cfg.mtp_layers):  # the MTP layer last, read as the others are
         base, moe = _prefix(cfg, i)
         attn = f"{base}.self_attn"
         sparse = cfg.sparse_layers[i]
@@ -322,5 +337,24 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
             "missing tensor 'lm_head.weight': expected shape "
             f"{[V, H]} (config.json has tie_word_embeddings=false)"
         )
+    mtp = _mtp(cfg, r, layers.pop(), embed, lm_head) if cfg.mtp_layers else None
     return ModelWeights(embed=embed, final_norm=r.norm("model.norm.weight", (H,), offset), lm_head=lm_head,
-                        layers=layers, experts=experts, names=r.names)
+                        layers=layers, experts=experts, names=r.names, mtp=mtp)
+
+
+def _mtp(cfg: ModelConfig, r: _Reader, layer: LayerWeights, embed: np.ndarray, lm_head: np.ndarray) -> MtpWeights:
+    """The MTP layer's own tensors beside its decoder layer; its embedding and head are the model's where the
+    checkpoint leaves them out or holds the same values (DeepSeek-V3 stores copies)."""
+    H, V, p = cfg.hidden_size, cfg.vocab_size, f"model.layers.{cfg.num_layers}"
+
+    def shared(name: str, main: np.ndarray) -> np.ndarray:
+        if name not in r.ckpt:
+            return main
+        own = r.get(name, (V, H))
+        return main if np.array_equal(own, main) else own
+
+    return MtpWeights(layer=layer, enorm=r.get(f"{p}.enorm.weight", (H,)), hnorm=r.get(f"{p}.hnorm.weight", (H,)),
+                      eh_proj=r.get(f"{p}.eh_proj.weight", (H, 2 * H)),
+                      head_norm=r.get(f"{p}.shared_head.norm.weight", (H,)),
+                      embed=shared(f"{p}.embed_tokens.weight", embed),
+                      head=shared(f"{p}.shared_head.head.weight", lm_head))

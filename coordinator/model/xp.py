@@ -143,3 +143,48 @@ class SideStream:
         if self._done is not None:
             module("cupy").cuda.get_current_stream().wait_event(self._done)
             self._done = None
+
+
+def launch_host_func(fn_address: int, user_data: int) -> None:
+    """Queue the C function at ``fn_address`` (CUDA's ``void f(void *)``) on the current stream: the driver calls
+    it with ``user_data`` once the stream's earlier work is done, and the stream's later work waits for it. Through
+    the driver's cuLaunchHostFunc, as CuPy's own launch_host_func takes Python callables only (they need the GIL)."""
+    import ctypes
+
+    stream = ctypes.c_void_p(_cupy.cuda.get_current_stream().ptr)
+    status = _driver().cuLaunchHostFunc(stream, ctypes.c_void_p(fn_address), ctypes.c_void_p(user_data))
+    if status != 0:
+        raise RuntimeError(f"cuLaunchHostFunc failed: CUDA driver error {status}")
+
+
+def _driver():
+    """libcuda, the CUDA driver (present wherever CuPy runs on a GPU)."""
+    import ctypes
+
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        _LIBCUDA = ctypes.CDLL("libcuda.so.1")
+        _LIBCUDA.cuLaunchHostFunc.restype = ctypes.c_int
+    return _LIBCUDA
+
+
+_LIBCUDA = None
+
+
+def register_host(array: np.ndarray) -> None:
+    """Page-lock host memory the device copies to and from (a shared-memory segment): its copies are then
+    asynchronous, as a pinned buffer's (cudaHostRegister, portable)."""
+    _cupy.cuda.runtime.hostRegister(array.ctypes.data, array.nbytes, 1)
+
+
+def unregister_host(array: np.ndarray) -> None:
+    _cupy.cuda.runtime.hostUnregister(array.ctypes.data)
+
+
+def pinned(shape, dtype) -> np.ndarray:
+    """A page-locked host array (zeroed)."""
+    import cupyx
+
+    out = cupyx.empty_pinned(shape, dtype=dtype)
+    out[...] = 0
+    return out

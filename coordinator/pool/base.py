@@ -113,6 +113,11 @@ class ExpertPool(abc.ABC):
     def close(self) -> None:
         """Release the pool's workers and memory."""
 
+    def stream_link(self, layers: int, xp):
+        """The pool driven from a GPU stream (process pools: coordinator/pool/stream.py), or None: this pool is
+        called from Python only (the in-process pool computes in the coordinator's own thread)."""
+        return None
+
     @abc.abstractmethod
     def membw(self, nbytes: int, repeats: int = 3) -> dict:
         """A STREAM-style read of ``nbytes`` per node by the nodes' own threads, all at once:

@@ -63,6 +63,7 @@ class ProcessPool(ExpertPool):
         self.wait_threads = kernel_threads.team_size() if kernel_team else 1
         self.closed = False
         self.io: pool_io.PoolIo | None = None
+        self._link = None  # the stream-driven data path (stream.py), made on a decoder's first ask
         self.supervisor: Supervisor | None = None
         try:  # whatever stops the start (Ctrl-C included), everything made so far goes (close)
             self._start(plan, nodes, job, config)
@@ -103,6 +104,46 @@ class ProcessPool(ExpertPool):
         self.supervisor.wait_hook = hook
 
     # -- the ExpertPool interface ---------------------------------------------------------
+    @property
+    def request_id(self) -> int:
+        """The last request posted: the eager path's and the stream's share one sequence."""
+        return self._rid
+
+    @request_id.setter
+    def request_id(self, rid: int) -> None:
+        self._rid = rid
+
+    def stream_link(self, layers: int, xp):
+        """The pool driven from the device's stream for ``layers`` MoE layers (stream.py); None when timings are
+        recorded per layer (the benchmark's breakdown needs the eager path)."""
+        if self.record_timings:
+            return None
+        if self._link is None:
+            from .stream import StreamLink
+
+            self._link = StreamLink(self, layers, xp)
+        return self._link
+
+    def recover_stream(self, error: int, node: int, rows: int) -> None:
+        """After a stream-driven step met ``error`` on request ``request_id``: a node's error answer raises
+        PoolError; a dead or hung worker is recovered and the request finished the eager way (restarted, asked
+        again, every node waited for), so that the pool is idle for the step to be redone."""
+        from shm import pool_signal
+
+        seq, io = self._rid, self.io
+        if error == pool_signal.ERR_NODE:
+            raise PoolError(io.error_message(node))
+        now = time.monotonic()
+        self._waiting = {w.node.id: now for i, w in enumerate(self.workers) if io.done(i) != seq}
+        try:
+            if error == pool_signal.ERR_HUNG and io.done(node) != seq:
+                w = self.workers[node]
+                self.supervisor.recover(w, self.supervisor.kill_hung(w, self.hang_deadline_s(rows)))
+                self._ask(w, seq)
+            self._wait_for_partials(seq, rows)
+        finally:
+            self._waiting = {}
+
     def submit(self, request: PoolRequest) -> None:
         if self._pending is not None:  # the last step failed between submit and collect: its replies are stale
             log.warning("request %s was never collected; dropping it", self._rid)
@@ -160,7 +201,7 @@ class ProcessPool(ExpertPool):
         """Every worker's answer to request ``seq`` (monotonic ns each was seen); spins, then sleeps on the
         doorbell; the dead and the hung are restarted and asked again. An error answer raises PoolError."""
         io, sup = self.io, self.supervisor
-        deadline_s = self._hang_deadline_s(rows)
+        deadline_s = self.hang_deadline_s(rows)
         sup.reset_hook_timer()
         pending = set(range(len(self.workers)))
         arrived = [0] * len(self.workers)
@@ -218,7 +259,8 @@ class ProcessPool(ExpertPool):
     def _on_hello(self, w: WorkerHandle, msg: P.Hello, rid: int) -> None:
         w.hello = msg.info  # a late HELLO of a restarted worker
 
-    def _hang_deadline_s(self, rows: int) -> float:
+    def hang_deadline_s(self, rows: int) -> float:
+        """How long a worker may stay silent on a layer of ``rows`` rows before it is declared hung."""
         if self.hang_timeout_s is not None:
             return self.hang_timeout_s
         return max(HANG_FLOOR_S + HANG_FLOOR_PER_ROW_S * rows, HANG_FACTOR * self._row_s_max * rows)
@@ -281,6 +323,8 @@ class ProcessPool(ExpertPool):
         self.closed = True
         with deferred():
             try:
+                if self._link is not None:
+                    self._link.close()
                 if self.supervisor is not None:
                     self.supervisor.close()
                 self.channel.close()

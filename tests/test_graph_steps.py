@@ -1,0 +1,287 @@
+"""Graph-ready decode steps (coordinator/model/graph_steps.py) on the CPU: the device stand-in
+(tests/device_standin.py) with the process pool driven from the "stream" (shm/pool_signal.py's host functions,
+run in stream order). The same bits as eager steps, at most one synchronisation and no allocation a step once
+its bucket is sized, and a worker killed inside a step loses nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import psutil
+import pytest
+
+import device_standin
+from coordinator import Engine, EngineConfig
+from shm import doorbell
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
+GEOMETRY = dict(hidden_size=256, moe_intermediate_size=256, dense_intermediate_size=256, head_dim=32, num_heads=4,
+                num_kv_heads=2, vocab_size=320)
+ARCHS = {
+    "qwen3_moe": {},
+    "qwen2_moe": {},
+    "deepseek_v3": dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=64,
+                        n_group=2, topk_group=1, first_k_dense_replace=1),
+    "glm4_moe": dict(n_group=2, topk_group=1, first_k_dense_replace=1),
+}
+
+
+def _run(model, graph: bool, split: bool, steps: int = 6, kv_dtype: str = "f32", **extra):
+    """Greedy decode after a prompt, the logits of each step, through the process pool."""
+    config = EngineConfig(device="cuda", pool="process", graph=graph, numa_split=split, nodes=2 if split else None,
+                          dense_dtype="f32", kv_dtype=kv_dtype, **extra)
+    with Engine.open(model, config) as eng:
+        assert (eng.decoder.graph is not None) == graph
+        cache = eng.new_cache()
+        logits = [eng.decoder.forward(np.array(PROMPT), cache, last_only=True)]
+        for _ in range(steps):
+            logits.append(eng.decoder.forward(np.array([int(logits[-1][-1].argmax())]), cache, last_only=True))
+        stats = eng.decoder.stats
+        taken = eng.decoder.graph.steps if graph else 0
+        return np.concatenate(logits), stats, taken
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_graph_ready_steps_equal_eager_steps_bitwise(gpu, tiny_model, arch):
+    model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
+    want, want_stats, _ = _run(model, graph=False, split=True)
+    got, got_stats, taken = _run(model, graph=True, split=True)
+    assert taken == 7  # every step: the prompt's 8 rows fit a bucket too
+    assert np.array_equal(got, want)
+    for name in ("routed_pairs", "skipped_pairs", "cpu_pairs", "cpu_expert_loads", "device_pairs"):
+        assert getattr(got_stats, name) == getattr(want_stats, name), name
+    assert got_stats.per_layer_expert.keys() == want_stats.per_layer_expert.keys()
+    for layer, counts in want_stats.per_layer_expert.items():
+        assert np.array_equal(got_stats.per_layer_expert[layer], counts)
+
+
+def test_graph_ready_steps_with_a_bf16_cache_and_one_node(gpu, tiny_model):
+    """The bf16 KV cache stored by kv_store and read by the cached attention, the unsplit pool: still eager's bits."""
+    model = tiny_model(num_layers=2, **GEOMETRY)
+    want, _, _ = _run(model, graph=False, split=False, kv_dtype="bf16")
+    got, _, taken = _run(model, graph=True, split=False, kv_dtype="bf16")
+    assert taken == 7 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_graph_ready_steps_with_hot_experts(gpu, tiny_model, arch):
+    """Hot experts in their q8 format, their slots ordered on the device (DeviceExperts.run_split) between the ring
+    and the wait: the eager steps' bits (the pairs split the same, the same slot order and sums)."""
+    model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
+    hot = dict(gpu_experts=4, expert_dtype="q8", activations="f32")
+    want, want_stats, _ = _run(model, graph=False, split=True, **hot)
+    got, got_stats, taken = _run(model, graph=True, split=True, **hot)
+    assert taken == 7 and np.array_equal(got, want)
+    assert got_stats.device_pairs == want_stats.device_pairs > 0 and got_stats.cpu_pairs == want_stats.cpu_pairs > 0
+    assert got_stats.device_expert_loads == want_stats.device_expert_loads
+
+
+def _step_counts(model, split: bool) -> dict[str, int]:
+    """What the third graph-ready decode step asks of the GPU (the first sized its bucket)."""
+    config = EngineConfig(device="cuda", pool="process", numa_split=split, nodes=2 if split else None)
+    with Engine.open(model, config) as eng:
+        cache = eng.new_cache()
+        eng.decoder.forward(np.array([72, 101, 108, 108]), cache, last_only=True)
+        for token in (111, 44):
+            eng.decoder.forward(np.array([token]), cache, last_only=True)
+        with device_standin.counting() as counts:
+            eng.decoder.forward(np.array([32]), cache, last_only=True)
+        assert eng.decoder.graph.steps == 4 and eng.decoder.graph.arena.stats.pool_allocations > 0
+        kinds = ("launches", "allocations", "uploads", "downloads", "syncs", "host_functions")
+        return {k: counts[k] for k in kinds} | {"moe_layers": len(eng.model_config.moe_layers)}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_graph_ready_step_waits_once_and_allocates_nothing(gpu, tiny_model, arch):
+    """The issue's budget: at most 2 synchronisations and 0 allocations a step; a layer adds none of either, and
+    two host functions (ring and wait)."""
+    one = _step_counts(tiny_model(f"{arch}-1", arch=arch, num_layers=1, **GEOMETRY, **ARCHS[arch]), split=True)
+    two = _step_counts(tiny_model(f"{arch}-2", arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch]), split=True)
+    for counts in (one, two):
+        assert counts["syncs"] <= 2 and counts["allocations"] == 0, counts
+    assert two["syncs"] == one["syncs"]
+    for counts in (one, two):  # ring and wait, each MoE layer
+        assert counts["host_functions"] == 2 * counts["moe_layers"], counts
+    assert two["launches"] > one["launches"]  # the counter sees the second layer
+
+
+def _generate(model, fault=None, **config):
+    """12 greedy tokens through graph-ready steps, ``fault(eng)`` called after the third token; the engine's
+    pool health and graph-step counters after."""
+    cfg = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, **config)
+    with Engine.open(model, cfg) as eng:
+        seen = []
+
+        def on_token(token):
+            seen.append(token)
+            if fault is not None and len(seen) == 3:
+                fault(eng)
+
+        ids = eng.generate(PROMPT, max_new_tokens=12, stop_at_eos=False, on_token=on_token)
+        return ids, eng.pool.health(), eng.decoder.graph.steps, eng.decoder.graph.redone
+
+
+def _stop_then_kill_when_asked(eng, kill: bool):
+    """Worker 1 stopped now; a thread kills it once the next step's first request has reached it (the step is
+    then waiting for it inside the stream's wait host function), or leaves it stopped (hung) when not ``kill``."""
+    w = eng.pool.workers[1]
+    os.kill(w.pid, signal.SIGSTOP)
+    if not kill:
+        return
+    io, pid, asked_before = eng.pool.io, w.pid, eng.pool.io.asked(1)
+
+    def killer():
+        while io.asked(1) == asked_before:
+            doorbell.spin_pause()
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=killer, daemon=True).start()
+
+
+@pytest.mark.parametrize("kill", [True, False], ids=["killed", "hung"])
+def test_a_worker_dead_or_hung_inside_a_step_loses_nothing(gpu, tiny_model, kill):
+    """The wait host function sees the death (its pidfd) or the silence (the hang deadline), the step is voided,
+    the pool restarts the worker and the step is redone eagerly: the same tokens as without a fault."""
+    model = tiny_model(num_layers=2, **GEOMETRY)
+    want, _, _, _ = _generate(model, worker_hang_timeout=1.0)
+    pid_before = []
+
+    def fault(eng):
+        pid_before.append(eng.pool.workers[1].pid)
+        _stop_then_kill_when_asked(eng, kill)
+
+    got, health, steps, redone = _generate(model, fault, worker_hang_timeout=1.0)
+    assert got == want
+    assert redone == 1 and steps >= 10
+    assert health[1]["alive"] and health[1]["restarts"] == 1 and health[1]["pid"] != pid_before[0]
+    assert ("hung" in health[1]["last_error"]) != kill
+    assert not psutil.pid_exists(pid_before[0]) or psutil.Process(pid_before[0]).status() == psutil.STATUS_ZOMBIE
+
+
+def test_split_pairs_is_the_hosts_routing_split(gpu):
+    """compact.split_pairs against the decoder's host bookkeeping (Decoder._route's): router order, the tail skip
+    (a NaN weight skipped as the host's comparison skips it), device experts apart, and the counters."""
+    from coordinator.device import compact
+
+    rng = np.random.default_rng(0)
+    T, k, E, skip = 7, 4, 16, 0.2
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.uint32)  # [T, k]
+    weights = rng.random((T, k)).astype(np.float32)
+    weights[2, 1] = np.nan
+    packed = np.concatenate([ids, weights.view(np.uint32)], axis=1)  # [T, 2k]
+    on_device = rng.random(E) < 0.3
+    counts, totals = gpu.zeros(E, np.int64), gpu.zeros(compact.TOTALS, np.int64)
+    for _ in range(2):  # the counters add up over calls
+        got = compact.split_pairs(gpu.asarray(packed), k, gpu.asarray(on_device.astype(np.uint8)), skip, counts,
+                                  totals)
+    tokens, experts, w = np.repeat(np.arange(T), k), ids.reshape(-1).astype(np.int64), weights.reshape(-1)
+    keep = w >= skip
+    dev = on_device[experts]
+    for side, mask in (("cpu", keep & ~dev), ("dev", keep & dev)):
+        n = int(getattr(got, f"{side}_count")[0])
+        assert n == mask.sum()
+        assert np.array_equal(np.asarray(getattr(got, f"{side}_tokens"))[:n], tokens[mask])
+        assert np.array_equal(np.asarray(getattr(got, f"{side}_experts"))[:n], experts[mask])
+        assert np.array_equal(np.asarray(getattr(got, f"{side}_weights"))[:n], w[mask])
+    assert np.array_equal(np.asarray(counts), 2 * np.bincount(experts, minlength=E))
+    want = [T * k, (~keep).sum(), (keep & ~dev).sum(), len(set(experts[keep & ~dev])), (keep & dev).sum(),
+            len(set(experts[keep & dev]))]
+    assert np.asarray(totals).tolist() == [2 * v for v in want]
+
+
+def test_sum_partials_adds_in_the_eager_order(gpu):
+    """Y_0 + Y_1 + Y_2, then the device experts', then the shared experts': the host's float32 adds, bit for bit
+    (float32 addition is not associative, so another order would differ)."""
+    from coordinator.device import compact
+    from coordinator.pool.base import sum_in_node_order
+
+    rng = np.random.default_rng(1)
+    parts = (rng.standard_normal((3, 5, 40)) * 10.0 ** rng.integers(-3, 4, (3, 5, 40))).astype(np.float32)
+    extra, more = (rng.standard_normal((5, 40)).astype(np.float32) for _ in range(2))
+    want = (sum_in_node_order(list(parts)) + extra) + more
+    got = compact.sum_partials(gpu.asarray(parts), gpu.asarray(extra), gpu.asarray(more))
+    assert np.array_equal(np.asarray(got), want)
+    assert np.array_equal(np.asarray(compact.sum_partials(gpu.asarray(parts))), sum_in_node_order(list(parts)))
+    assert not np.array_equal(parts[0] + (parts[1] + parts[2]), sum_in_node_order(list(parts)))  # order shows
+
+
+def test_a_nodes_error_answer_inside_a_step_raises_and_the_next_step_runs(gpu, tiny_model, monkeypatch):
+    """A routing weight that is not finite makes the nodes answer an error (layer_moe checks the routing): the
+    wait host function records it, the step raises the eager path's PoolError with the node's message, the
+    cache keeps none of the step's positions, and the next step gives the fault-free logits."""
+    from coordinator.device import compact
+    from coordinator.pool.channel import PoolError
+
+    model = tiny_model(num_layers=2, **GEOMETRY)
+    cfg = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="f32")
+    with Engine.open(model, cfg) as eng:
+        cache = eng.new_cache()
+        want = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
+        cache.truncate(0)
+        split_pairs = compact.split_pairs
+
+        def poisoned(*args, **kwargs):
+            got = split_pairs(*args, **kwargs)
+            got.cpu_weights[0] = np.float32(np.nan)
+            return got
+
+        monkeypatch.setattr(compact, "split_pairs", poisoned)
+        with pytest.raises(PoolError, match="finite"):
+            eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
+        assert cache.length == 0
+        monkeypatch.setattr(compact, "split_pairs", split_pairs)
+        assert np.array_equal(eng.decoder.forward(np.array(PROMPT), cache, last_only=True), want)
+        assert eng.decoder.graph.steps == 2
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_cached_attention_is_the_masked_attention_bitwise(gpu, bf16, window):
+    """kv_store + gqa_attention_cached (places, positions and lengths read from device tables, the mask made in
+    the kernel) against the cache's extend + gqa_attention with ops.attention_mask, three sequences of 1, 3 and 2
+    new rows over 5, 0 and 9 cached ones, every row's queries and the last rows' alone."""
+    from coordinator.device.format_kernels import address
+    from coordinator.model import device_ops, ops
+    from coordinator.model.kv_cache import KVCache
+
+    rng = np.random.default_rng(2)
+    nh, nkv, hd = 4, 2, 32
+    cached, new = [5, 0, 9], [1, 3, 2]
+    dtype = "bf16" if bf16 else "f32"
+    caches = [KVCache(1, nkv, hd, capacity=16, xp=gpu, dtype=dtype) for _ in cached]
+    for cache, n in zip(caches, cached):
+        if n:
+            cache.extend(0, *(gpu.asarray(rng.standard_normal((n, nkv, hd)).astype(np.float32)) for _ in range(2)))
+            cache.advance(n)
+    N = sum(new)
+    q = gpu.asarray(rng.standard_normal((N, nh, hd)).astype(np.float32))
+    qkv = gpu.asarray(rng.standard_normal((N, 3, nkv * hd)).astype(np.float32))  # k and v as column slices
+    k, v = qkv[:, 0].reshape(N, nkv, hd), qkv[:, 1].reshape(N, nkv, hd)
+    bounds = np.cumsum([0] + new)
+    row_seq = np.repeat(np.arange(3), new)
+    row_pos = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new)])
+    tables = [np.array([address(c.buffers(0)[0]) for c in caches]), np.array([address(c.buffers(0)[1]) for c in caches]),
+              row_seq, row_pos, np.arange(3), np.array(cached) + np.array(new) - 1, np.array(cached) + np.array(new)]
+    k_ptrs, v_ptrs, rs, rp, ls, lp, sl = (gpu.asarray(t.astype(np.int64)) for t in tables)
+    want_rows, want_last = [], []  # the eager path's, on copies of the caches
+    for s, cache in enumerate(caches):
+        keys, values = cache.extend(0, *(a[bounds[s]:bounds[s + 1]].copy() for a in (k, v)))
+        mask = gpu.asarray(ops.attention_mask(row_pos[bounds[s]:bounds[s + 1]], np.arange(keys.shape[0]), window))
+        want_rows.append(np.asarray(device_ops.gqa_attention(q[bounds[s]:bounds[s + 1]], keys, values, mask,
+                                                             hd ** -0.5)))
+        want_last.append(want_rows[-1][-1:])
+        cache.truncate(cached[s])
+    before = [np.asarray(c.buffers(0)[0]).copy() for c in caches]
+    for c, n, m in zip(caches, cached, new):
+        c.buffers(0)[0][n:n + m] = 0  # the store must write what extend wrote
+    device_ops.kv_store(k, v, k_ptrs, v_ptrs, rs, rp, bf16)
+    for c, b, n, m in zip(caches, before, cached, new):
+        assert np.array_equal(np.asarray(c.buffers(0)[0])[n:n + m], b[n:n + m])
+    got = device_ops.gqa_attention_cached(q, (k_ptrs, v_ptrs, rs, rp, sl), window, hd ** -0.5, nkv, 16, bf16)
+    assert np.array_equal(np.asarray(got), np.concatenate(want_rows))
+    last = gpu.asarray(np.asarray(q)[bounds[1:] - 1])
+    got = device_ops.gqa_attention_cached(last, (k_ptrs, v_ptrs, ls, lp, sl), window, hd ** -0.5, nkv, 16, bf16)
+    assert np.array_equal(np.asarray(got), np.concatenate(want_last))
