@@ -5,7 +5,6 @@ read as the checkpoint's."""
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
