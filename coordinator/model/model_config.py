@@ -488,11 +488,7 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
                                "for glm4_moe yet; use the BF16 checkpoint")
     hidden = _positive(cfg, "hidden_size")
     layers = _positive(cfg, "num_hidden_layers")
-    heads = _positive(cfg, "num_attention_heads")
-    kv_heads = _positive(cfg, "num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise ModelConfigError(f"config.json: num_attention_heads {heads} must be a multiple of num_key_value_heads "
-                               f"{kv_heads}")
+    heads, kv_heads = _head_counts(cfg)
     head_dim = _positive(cfg, "head_dim", hidden // heads)
     where, scaling_obj = _rope_scaling(cfg)
     factor = scaling_obj.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
@@ -527,6 +523,16 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
     )
 
 
+def _head_counts(cfg: dict) -> tuple[int, int]:
+    """(num_attention_heads, num_key_value_heads), the first a multiple of the second."""
+    heads = _positive(cfg, "num_attention_heads")
+    kv_heads = _positive(cfg, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ModelConfigError(f"config.json: num_attention_heads {heads} must be a multiple of num_key_value_heads "
+                               f"{kv_heads}")
+    return heads, kv_heads
+
+
 def _parse_qwen3_next(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig:
     """Qwen3-Next's config.json (transformers' Qwen3NextConfig): layer_types (or full_attention_interval) sets
     which layers are Gated DeltaNet and which gated attention; Qwen3-MoE's router with a sigmoid-gated shared
@@ -535,11 +541,7 @@ def _parse_qwen3_next(cfg: dict, model_dir: Path | None, arch: str) -> ModelConf
     _silu_only(cfg)
     hidden = _positive(cfg, "hidden_size")
     layers = _positive(cfg, "num_hidden_layers")
-    heads = _positive(cfg, "num_attention_heads")
-    kv_heads = _positive(cfg, "num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise ModelConfigError(f"config.json: num_attention_heads {heads} must be a multiple of num_key_value_heads "
-                               f"{kv_heads}")
+    heads, kv_heads = _head_counts(cfg)
     head_dim = _positive(cfg, "head_dim", d["head_dim"])
     where, scaling_obj = _rope_scaling(cfg)
     factor = scaling_obj.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
