@@ -285,3 +285,21 @@ def test_cached_attention_is_the_masked_attention_bitwise(gpu, bf16, window):
     last = gpu.asarray(np.asarray(q)[bounds[1:] - 1])
     got = device_ops.gqa_attention_cached(last, (k_ptrs, v_ptrs, ls, lp, sl), window, hd ** -0.5, nkv, 16, bf16)
     assert np.array_equal(np.asarray(got), np.concatenate(want_last))
+
+
+def test_mtp_drafts_over_graph_ready_steps(gpu, tmp_path):
+    """MTP drafts take the main model's hidden rows from graph-ready steps (Decoder._graph_step copies them out of
+    the step's buffer: rows kept while drafting pauses would otherwise be overwritten by a later step of the same
+    bucket): greedy with drafts is greedy."""
+    from coordinator.cli.make_model import make_model
+
+    model = make_model(tmp_path / "mtp", arch="deepseek_v3", seed=2, num_nextn_predict_layers=1)
+    cfg = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, activations="f32", dense_dtype="f32",
+                       kv_dtype="f32")
+    with Engine.open(model, cfg) as eng:
+        assert eng.has_mtp and eng.decoder.graph is not None
+        plain = eng.generate(PROMPT, max_new_tokens=16, stop_at_eos=False)
+        before = eng.decoder.graph.steps
+        drafted = eng.generate_full(PROMPT, max_new_tokens=16, stop_at_eos=False, speculative="mtp")
+        assert drafted.ids == plain and drafted.timings["drafted_tokens"] > 0
+        assert eng.decoder.graph.steps > before
