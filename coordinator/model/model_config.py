@@ -490,13 +490,7 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
     layers = _positive(cfg, "num_hidden_layers")
     heads, kv_heads = _head_counts(cfg)
     head_dim = _positive(cfg, "head_dim", hidden // heads)
-    where, scaling_obj = _rope_scaling(cfg)
-    factor = scaling_obj.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    factor = d["partial_rotary_factor"] if factor is None else _number(where, "partial_rotary_factor", factor)
-    rotary_dim = int(head_dim * factor)
-    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ModelConfigError(f"config.json: partial_rotary_factor {factor} gives {rotary_dim} rotary dims of "
-                               f"head_dim {head_dim}; expected a positive even number")
+    rotary_dim = _rotary_dim(cfg, d, head_dim)
     num_experts = _positive(cfg, "n_routed_experts")
     top_k = _positive(cfg, "num_experts_per_tok")
     n_group, topk_group = _groups(cfg, d, num_experts, top_k)
@@ -523,6 +517,18 @@ def _parse_glm4_moe(cfg: dict, model_dir: Path | None, arch: str) -> ModelConfig
     )
 
 
+def _rotary_dim(cfg: dict, d: dict, head_dim: int) -> int:
+    """The rotated dims of a head from partial_rotary_factor (rope_scaling's, the config's, else the default)."""
+    where, scaling_obj = _rope_scaling(cfg)
+    factor = scaling_obj.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    factor = d["partial_rotary_factor"] if factor is None else _number(where, "partial_rotary_factor", factor)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ModelConfigError(f"config.json: partial_rotary_factor {factor} gives {rotary_dim} rotary dims of "
+                               f"head_dim {head_dim}; expected a positive even number")
+    return rotary_dim
+
+
 def _head_counts(cfg: dict) -> tuple[int, int]:
     """(num_attention_heads, num_key_value_heads), the first a multiple of the second."""
     heads = _positive(cfg, "num_attention_heads")
@@ -543,13 +549,7 @@ def _parse_qwen3_next(cfg: dict, model_dir: Path | None, arch: str) -> ModelConf
     layers = _positive(cfg, "num_hidden_layers")
     heads, kv_heads = _head_counts(cfg)
     head_dim = _positive(cfg, "head_dim", d["head_dim"])
-    where, scaling_obj = _rope_scaling(cfg)
-    factor = scaling_obj.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    factor = d["partial_rotary_factor"] if factor is None else _number(where, "partial_rotary_factor", factor)
-    rotary_dim = int(head_dim * factor)
-    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ModelConfigError(f"config.json: partial_rotary_factor {factor} gives {rotary_dim} rotary dims of "
-                               f"head_dim {head_dim}; expected a positive even number")
+    rotary_dim = _rotary_dim(cfg, d, head_dim)
     types = cfg.get("layer_types")
     if types is None:
         interval = _positive(cfg, "full_attention_interval", d["full_attention_interval"])
