@@ -303,3 +303,24 @@ def test_mtp_drafts_over_graph_ready_steps(gpu, tmp_path):
         drafted = eng.generate_full(PROMPT, max_new_tokens=16, stop_at_eos=False, speculative="mtp")
         assert drafted.ids == plain and drafted.timings["drafted_tokens"] > 0
         assert eng.decoder.graph.steps > before
+
+
+def test_step_tables_read_a_caches_addresses_again_after_it_grew(gpu):
+    """StepTables keeps each cache's buffer addresses between steps and reads them again once a buffer moved."""
+    from coordinator.device.format_kernels import address
+    from coordinator.model.graph_steps import StepTables
+    from coordinator.model.kv_cache import KVCache
+
+    tables = StepTables(2, gpu)
+    cache = KVCache(2, 2, 16, capacity=4, xp=gpu)
+    seqs = [(np.array([1, 2, 3]), cache)]
+
+    def written():
+        k_ptrs = np.asarray(tables.layer(0, False)[0])[:1], np.asarray(tables.layer(1, False)[0])[:1]
+        return [int(k_ptrs[0][0]), int(k_ptrs[1][0])]
+
+    tables.fill(seqs)
+    assert written() == [address(cache.buffers(layer)[0]) for layer in range(2)]
+    cache.reserve(64)  # the buffers move
+    tables.fill(seqs)
+    assert written() == [address(cache.buffers(layer)[0]) for layer in range(2)]

@@ -56,6 +56,17 @@ class StepTables:
             views[name] = (at, width * M, width, host)
         self._views = views
         self.score_stride = 0  # the longest cache's capacity this step: the attention's scores' row length
+        self._known: dict = {}  # id(cache) -> _addresses' entry, the last step's caches
+
+    def _addresses(self, cache) -> tuple:
+        """(cache, its moves, keys' [L] and values' [L] buffer addresses): the last step's where its buffers have
+        not moved since, so a step does not read L addresses a sequence again."""
+        kept = self._known.get(id(cache))
+        if kept is not None and kept[0] is cache and kept[1] == cache.moves:
+            return kept
+        pairs = [cache.buffers(layer) for layer in range(self._part(self.host, "k_ptrs").shape[0])]
+        return (cache, cache.moves, np.array([address(k) for k, _ in pairs], np.int64),
+                np.array([address(v) for _, v in pairs], np.int64))
 
     def _part(self, array, name: str):
         at, size, width, per_layer = self._views[name]
@@ -65,10 +76,11 @@ class StepTables:
     def fill(self, seqs) -> None:
         """The step's sequences [(ids, cache)] into the host table, then one upload."""
         k_ptrs, v_ptrs = self._part(self.host, "k_ptrs"), self._part(self.host, "v_ptrs")
+        seen = {}
         for s, (_, cache) in enumerate(seqs):
-            for layer in range(k_ptrs.shape[0]):
-                k, v = cache.buffers(layer)
-                k_ptrs[layer, s], v_ptrs[layer, s] = address(k), address(v)
+            entry = seen[id(cache)] = self._addresses(cache)
+            k_ptrs[:, s], v_ptrs[:, s] = entry[2], entry[3]
+        self._known = seen  # this step's caches only: one gone from the batch is forgotten
         lengths = np.array([len(ids) for ids, _ in seqs])
         starts = np.array([cache.length for _, cache in seqs])
         N, B = int(lengths.sum()), len(seqs)

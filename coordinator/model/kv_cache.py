@@ -40,6 +40,7 @@ class KVCache:
         self._v = [xp.zeros((cap, *self._shapes[1]), self._dtype) for cap in caps]
         self._attending = len(attending)
         self._attention_buffers = sorted(attending)  # the buffers that hold keys (a state layer's are empty)
+        self.moves = 0  # how often a buffer moved (grew): whoever keeps their addresses reads them again
         self.states: dict = {}  # layer -> its state (a Gated DeltaNet layer's LinearState)
 
     @property
@@ -63,6 +64,7 @@ class KVCache:
             grown = self.xp.zeros((new_cap, *shape), self._dtype)
             grown[:cap] = buf[layer]
             buf[layer] = grown
+        self.moves += 1
 
     def buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer's two buffers [capacity, ...] (keys and values, or latents and rope keys), whole."""
