@@ -32,7 +32,7 @@ from .model.kv_cache import KVCache
 from .latency import new_histograms
 from .model.sampling import Sampler, top_logprobs
 from .model.tokenizer import StreamDecoder
-from .speculative import DraftLength, ngram_draft
+from .speculative import DraftLength, StepCosts, ngram_draft
 from .request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class Scheduler:
                                    "has none loaded: use ngram or auto")
         if self.speculative == "auto":  # the model's MTP layer where it has one, else prompt lookup
             self.speculative = "mtp" if engine.has_mtp else "ngram"
+        self.costs = StepCosts()  # what a draft costs beside a plain step, measured: how many drafts pay
         self.limits = limits
         self.emit = emit
         self.max_active = max_active
@@ -226,7 +227,11 @@ class Scheduler:
             chunks.append((s, n))
             budget -= n
         decoding = list(self.active)
+        t_drafts = time.perf_counter()
         drafted = self._drafts(decoding)  # each running sequence's drafts ([] : none this step)
+        made = sum(len(d) for d in drafted)
+        if made:
+            self.costs.drafts(made, time.perf_counter() - t_drafts)
         batch = [(np.asarray(s.prompt_ids[s.prefilled:s.prefilled + n], np.int64), s.cache) for s, n in chunks]
         batch += [(np.array([s.out_ids[-1], *d], np.int64), s.cache) for s, d in zip(decoding, drafted)]
         try:
@@ -236,8 +241,11 @@ class Scheduler:
             scored |= {len(chunks) + j for j, d in enumerate(drafted) if d}  # a drafted row's logits verify it
             mtp = self.speculative == "mtp"
             hidden: list | None = [] if mtp else None  # each sequence's rows for the MTP layer
+            t_forward = time.perf_counter()
             outs = self.engine.step(batch, all_rows=scored, hidden=hidden,  # a scored chunk's logits: every row's
                                     hidden_rows=frozenset(range(len(chunks))) if mtp else frozenset())
+            if not chunks and self.speculative != "off":  # a decode step's cost by its rows (prompt rows differ)
+                self.costs.forward(len(decoding) + made, time.perf_counter() - t_forward)
             if mtp:  # a prompt chunk's rows and an undrafted decode row wait for the MTP layer; a verify's, below
                 for s, h in zip([s for s, _ in chunks] + decoding, hidden):
                     s.mtp_hidden.append(h)
@@ -294,18 +302,19 @@ class Scheduler:
 
     def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
         """Each running sequence's drafts this step: prompt lookup's, or the MTP layer's for all at once."""
-        ks = [self._draft_length(s) for s in seqs]
+        ratio = self.costs.ratio(len(seqs))
+        ks = [self._draft_length(s, ratio) for s in seqs]
         if self.speculative == "mtp":
             return self._mtp_drafts(seqs, ks)
         return [ngram_draft(s.history[:len(s.prompt_ids) + len(s.out_ids)], k) if k > 0 else []
                 for s, k in zip(seqs, ks)]
 
-    def _draft_length(self, s: Sequence) -> int:
-        """How many tokens s drafts this step (none when speculation is off or paused for it), at most as many as
-        its remaining tokens allow."""
+    def _draft_length(self, s: Sequence, ratio: float) -> int:
+        """How many tokens s drafts this step at a draft's cost ``ratio`` (none when speculation is off or paused
+        for it), at most as many as its remaining tokens allow."""
         if s.drafts is None:
             return 0
-        return max(0, min(s.drafts.next(), s.req.max_new_tokens - len(s.out_ids) - 1))
+        return max(0, min(s.drafts.next(ratio), s.req.max_new_tokens - len(s.out_ids) - 1))
 
     def _mtp_drafts(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """MTP drafts, the MTP layer's greedy tokens: a drafting sequence's first pass feeds it every position not

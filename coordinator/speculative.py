@@ -11,8 +11,10 @@ at the first position whose token is not the draft; the KV cache drops what was 
 
     ngram_draft(ids, k)            prompt lookup (vLLM's ngram, llama.cpp's lookup decoding): the tokens that
                                    followed the latest earlier occurrence of the sequence's last n tokens
-    DraftLength                    per sequence: how many drafts to try, from its recent acceptance; drafts
-                                   that are never accepted turn it off for exponentially longer spells
+    DraftLength                    per sequence: how many drafts to try, the count with the most tokens a
+                                   second from its recent acceptance at each position and StepCosts' ratio;
+                                   drafts that never pay turn it off for exponentially longer spells
+    StepCosts                      per scheduler: a draft's cost over a plain step's, measured as steps run
 """
 
 from __future__ import annotations
@@ -53,31 +55,126 @@ def ngram_draft(ids: np.ndarray, k: int, max_n: int = NGRAM_MAX, min_n: int = NG
     return []
 
 
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """Tokens a step gives on average with k drafts: 1 + sum over j <= k of the chance drafts 1..j all stand, from
+    each position's conditional acceptance (acceptance[j - 1]: draft j stands when drafts 1..j - 1 did)."""
+    total, chance = 1.0, 1.0
+    for a in acceptance[:k]:
+        chance *= a
+        total += chance
+    return total
+
+
+def best_length(acceptance: list[float], ratio: float, draft_max: int) -> int:
+    """The draft count k in [0, draft_max] with the most tokens a second: expected_tokens(k) / (1 + ratio k),
+    where ratio is one draft's cost (making it and its verify row) over a plain step's (StepCosts.ratio). The
+    smaller k wins a tie, so drafts that gain nothing are not made."""
+    best, best_rate = 0, 1.0
+    for k in range(1, draft_max + 1):
+        rate = expected_tokens(acceptance, k) / (1.0 + ratio * k)
+        if rate > best_rate * (1.0 + 1e-9):
+            best, best_rate = k, rate
+    return best
+
+
+@dataclass
+class StepCosts:
+    """What a decode step costs the scheduler, measured as it runs (one per scheduler, all sequences): a draft's
+    cost over a plain step's (``ratio``), which decides how many drafts pay (best_length).
+
+    The forward pass: seconds = fixed + per_row · rows. The slope is fitted over pairs of consecutive decode
+    steps whose row counts differ (least squares of Δseconds on Δrows, each pair weighted DECAY**age), so the
+    machine's drift from one stretch of steps to the next does not enter it, and it is kept while the rows do
+    not change (the prior's share of the step until a pair is seen); the fixed part is what the recent steps
+    cost beyond it. Steps with prompt chunks are left out. Making drafts: the seconds a step spent on them over
+    the drafts made (an MTP pass's share; prompt lookup's search)."""
+
+    DECAY = 0.95  # a step's weight per step after it: the averages follow about the last 20 steps
+    PRIOR_RATIO = 0.25  # a draft's cost over a plain step's before anything is measured
+
+    fixed: float = 0.0  # seconds a forward pass costs whatever its rows (0: not measured yet)
+    per_row: float = 0.0  # seconds a row adds
+    per_draft: float = 0.0  # seconds making one draft costs
+    _means: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # weighted: 1, rows, seconds
+    _pairs: list = field(default_factory=lambda: [0.0, 0.0])  # weighted over step pairs: Δrows², Δrows · Δseconds
+    _last: tuple | None = None  # the previous decode step's (rows, seconds)
+    _draft_sums: list = field(default_factory=lambda: [0.0, 0.0])  # weighted: drafts made, seconds
+
+    def forward(self, rows: int, seconds: float) -> None:
+        """A decode step's forward pass over ``rows`` rows took ``seconds``."""
+        d = self.DECAY
+        if self._last is not None and rows != self._last[0]:
+            dr, dt = rows - self._last[0], seconds - self._last[1]
+            self._pairs = [self._pairs[0] * d + dr * dr, self._pairs[1] * d + dr * dt]
+        self._last = (rows, seconds)
+        w, x, y = (v * d for v in self._means)
+        self._means = [w + 1, x + rows, y + seconds]
+        mean_x, mean_y = self._means[1] / self._means[0], self._means[2] / self._means[0]
+        if self._pairs[0]:
+            self.per_row = max(0.0, self._pairs[1] / self._pairs[0])
+        else:  # no two row counts seen yet: the prior's share of the step
+            self.per_row = mean_y / mean_x * self.PRIOR_RATIO / (1 + self.PRIOR_RATIO)
+        self.fixed = max(0.0, mean_y - self.per_row * mean_x)
+
+    def drafts(self, made: int, seconds: float) -> None:
+        """Making ``made`` drafts took ``seconds``."""
+        n, t = (v * self.DECAY for v in self._draft_sums)
+        self._draft_sums = [n + made, t + seconds]
+        self.per_draft = self._draft_sums[1] / self._draft_sums[0] if self._draft_sums[0] else 0.0
+
+    def ratio(self, sequences: int) -> float:
+        """One draft's cost (its making and its verify row) over one of ``sequences`` sequences' plain step (its
+        share of the fixed cost and its row); PRIOR_RATIO before a step was measured."""
+        plain = self.fixed / max(1, sequences) + self.per_row
+        if plain <= 0:
+            return self.PRIOR_RATIO
+        return (self.per_row + self.per_draft) / plain
+
+
 @dataclass
 class DraftLength:
-    """How many drafts one sequence tries next (``next``), adapted from what was accepted (``update``): one more
-    after a step that took every draft, halved after one that took none; OFF_AFTER_MISSES such steps in a row
-    pause drafting for 1, 2, 4, ... MAX_PAUSE steps (a miss after a pause pauses again), so a sequence whose
-    drafts never stand costs about one draft row every MAX_PAUSE steps."""
+    """How many drafts one sequence tries next (``next``), from what was accepted (``update``): each position's
+    conditional acceptance is followed (an average over about the last 1 / RECENT steps that reached it), and
+    the count with the most tokens a second at the step's cost ratio is tried (best_length). When none pays,
+    or OFF_AFTER_MISSES steps in a row took no draft, drafting pauses for 1, 2, 4, ... MAX_PAUSE steps, then
+    one draft probes (a miss after a pause pauses again), so a sequence whose drafts never stand costs about
+    one draft row every MAX_PAUSE steps."""
+
+    RECENT = 0.2  # the weight of a step's outcome in a position's acceptance
+    PRIOR = 0.75  # a position's acceptance before one of its drafts was tried
 
     draft_max: int
-    k: int = field(init=False)
+    k: int = field(init=False)  # the count tried last
+    acceptance: list = field(init=False)  # [draft_max] position j + 1's chance to stand when j stood
     misses: int = 0  # steps in a row with drafts tried and none accepted
     pause: int = 0  # steps left without drafting
     pause_len: int = 1  # the next pause's length
+    probe: bool = False  # the step after a pause tries one draft whatever the estimates say
     drafted: int = 0  # totals, for the acceptance figures
     accepted: int = 0
     steps: int = 0  # steps that tried drafts
 
     def __post_init__(self):
         self.k = self.draft_max
+        self.acceptance = [self.PRIOR] * max(0, self.draft_max)
 
-    def next(self) -> int:
+    def next(self, ratio: float = StepCosts.PRIOR_RATIO) -> int:
+        """Drafts to try this step at a draft's cost ``ratio`` (StepCosts.ratio)."""
         if self.draft_max <= 0:
             return 0
         if self.pause > 0:
             self.pause -= 1
+            self.probe = self.pause == 0
             return 0
+        if self.probe:
+            self.probe = False
+            self.k = 1
+            return 1
+        self.k = best_length(self.acceptance, ratio, self.draft_max)
+        if self.k == 0:  # no count pays now: pause, then probe, each pause twice as long while none pays
+            self._pause()
+        else:
+            self.pause_len = 1
         return self.k
 
     def update(self, tried: int, took: int) -> None:
@@ -86,14 +183,15 @@ class DraftLength:
         self.drafted += tried
         self.accepted += took
         self.steps += 1
-        if took == tried:
-            self.k = min(self.k + 1, self.draft_max)
-        elif took == 0:
-            self.k = max(1, self.k // 2)
+        for j in range(min(took + 1, tried)):  # the positions reached: the first took stood, the next did not
+            self.acceptance[j] += self.RECENT * (float(j < took) - self.acceptance[j])
         if took:
-            self.misses, self.pause_len = 0, 1
+            self.misses = 0
             return
         self.misses += 1
         if self.misses >= OFF_AFTER_MISSES:  # the probe after a pause pauses again at once if it misses too
-            self.pause, self.pause_len = self.pause_len, min(2 * self.pause_len, MAX_PAUSE)
+            self._pause()
             self.misses = OFF_AFTER_MISSES - 1
+
+    def _pause(self) -> None:
+        self.pause, self.pause_len = self.pause_len, min(2 * self.pause_len, MAX_PAUSE)

@@ -15,7 +15,7 @@ from coordinator.model.sampling import Sampler, filtered_probs
 from coordinator.model.sampling_params import SamplingParams
 from coordinator.request import GenerateRequest
 from coordinator.scheduler import Scheduler
-from coordinator.speculative import MAX_PAUSE, DraftLength, ngram_draft
+from coordinator.speculative import MAX_PAUSE, DraftLength, StepCosts, best_length, expected_tokens, ngram_draft
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
 # chi-square critical values at significance 0.001 (a true test fails once in a thousand runs), by degrees of
@@ -62,7 +62,74 @@ def test_draft_length_adapts_and_pauses():
     while back.next() == 0:
         pass
     back.update(1, 1)
-    assert back.pause == 0 and back.pause_len == 1  # a hit ends the backing off
+    assert back.pause == 0 and back.next() > 0 and back.pause_len == 1  # a hit that pays ends the backing off
+
+
+def test_expected_tokens_and_best_length_against_enumeration():
+    """expected_tokens against the mean over every accept/reject pattern's probability; best_length against the
+    rate of every count."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        acc = rng.uniform(0, 1, 6).tolist()
+        k = int(rng.integers(0, 7))
+        want = 0.0
+        for bits in range(1 << k):  # bit j: draft j + 1's outcome; the step keeps the leading run of ones, plus one
+            p, run, broken = 1.0, 0, False
+            for j in range(k):
+                ok = bits >> j & 1
+                p *= acc[j] if ok else 1 - acc[j]
+                if ok and not broken:
+                    run += 1
+                else:
+                    broken = True
+            want += p * (run + 1)
+        assert expected_tokens(acc, k) == pytest.approx(want, rel=1e-12)
+        ratio = float(rng.uniform(0, 1))
+        rates = [expected_tokens(acc, j) / (1 + ratio * j) for j in range(7)]
+        assert rates[best_length(acc, ratio, 6)] == pytest.approx(max(rates), rel=1e-9)
+    # the trained MTP head's profile (first two drafts nearly always stand, the third seldom): two drafts pay at
+    # an in-process step's cost ratio; free drafts: all of them; worthless drafts: none
+    profile = [0.96, 0.99, 0.29, 0.8]
+    assert best_length(profile, 0.37, 4) == 2
+    assert best_length(profile, 0.0, 4) == 4
+    assert best_length([0.1] * 4, 0.37, 4) == 0
+
+
+def test_draft_length_follows_the_acceptance_of_each_position():
+    """A sequence whose first two drafts stand and third never does settles on two drafts at ratio 0.37, and on
+    one when the second stops standing."""
+    d = DraftLength(4)
+    ks = []
+    for _ in range(60):
+        k = d.next(0.37)
+        ks.append(k)
+        d.update(k, min(k, 2))
+    assert ks[-20:] == [2] * 20
+    for _ in range(60):
+        k = d.next(0.37)
+        d.update(k, min(k, 1))
+    assert d.next(0.37) == 1
+
+
+def test_step_costs_fit_the_forward_and_the_drafts():
+    """Steps of 1..5 rows costing 2 ms + 0.5 ms a row (with 5% noise) and drafts of 0.3 ms each: the fit finds
+    them, and the ratio is (0.5 + 0.3) / (2 + 0.5) for one sequence, (0.5 + 0.3) / (1 + 0.5) for two."""
+    rng = np.random.default_rng(1)
+    costs = StepCosts()
+    assert costs.ratio(1) == StepCosts.PRIOR_RATIO  # nothing measured yet
+    for _ in range(200):
+        rows = int(rng.integers(1, 6))
+        costs.forward(rows, (2e-3 + 0.5e-3 * rows) * rng.uniform(0.95, 1.05))
+        costs.drafts(rows - 1, 0.3e-3 * (rows - 1))
+    assert costs.fixed == pytest.approx(2e-3, rel=0.1) and costs.per_row == pytest.approx(0.5e-3, rel=0.1)
+    assert costs.per_draft == pytest.approx(0.3e-3, rel=1e-6)
+    assert costs.ratio(1) == pytest.approx(0.8 / 2.5, rel=0.1)
+    assert costs.ratio(2) == pytest.approx(0.8 / 1.5, rel=0.1)
+    slope = costs.per_row
+    for _ in range(200):  # the machine slows down twice over while the rows stop varying: the slope is kept (but
+        costs.forward(3, 2 * (2e-3 + 0.5e-3 * 3))  # for the one pair across the change), the fixed part follows
+    assert costs.per_row == pytest.approx(slope, rel=0.25)
+    assert costs.fixed + 3 * costs.per_row == pytest.approx(2 * (2e-3 + 1.5e-3), rel=1e-3)
 
 
 @pytest.mark.parametrize("draft", [0, 2, 5])
