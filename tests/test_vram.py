@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from coordinator.device import storage, vram
-from coordinator.model.model_config import load_model_config
+from coordinator.model.model_config import attach_mtp, load_model_config
 from coordinator.model.weights import load_weights
 from shm.checkpoint import Checkpoint
 
@@ -36,6 +36,32 @@ def test_the_tensor_list_is_what_the_loader_reads(tiny_model, arch):
     read.pop("model.embed_tokens.weight")
     listed = {t.name: t.shape for t in vram.dense_tensors(cfg)}
     assert listed == read
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_the_mtp_layer_is_counted_in_float32_with_its_cache(tiny_model, arch):
+    """A model with an MTP layer: the list names every tensor the loader reads for it (less its copies of the
+    embedding, kept on the host, and of lm_head, uploaded once), each as float32 as Decoder._mtp_weights uploads
+    it, and the KV cache counts the MTP layer's beside the model's."""
+    d = tiny_model(arch=arch, num_nextn_predict_layers=1)
+    ckpt = Checkpoint(d)
+    cfg = attach_mtp(load_model_config(d), lambda name: name in ckpt)
+    assert cfg.mtp_layers == 1
+    try:
+        w = load_weights(cfg, ckpt)
+        read = {name: ckpt.info(name).shape for name in w.names.values()}
+    finally:
+        ckpt.close()
+    L = cfg.num_layers
+    for name in ("model.embed_tokens.weight", f"model.layers.{L}.embed_tokens.weight",
+                 f"model.layers.{L}.shared_head.head.weight"):
+        read.pop(name, None)
+    tensors = vram.dense_tensors(cfg)
+    assert {t.name: t.shape for t in tensors} == read
+    mtp = [t for t in tensors if t.name.startswith(f"model.layers.{L}.")]
+    assert any(t.name.endswith("eh_proj.weight") for t in mtp) and not any(t.matrix for t in mtp)
+    p = vram.plan(cfg, lambda name: "BF16", "auto", "f32", 100, 16)
+    assert p.kv == 100 * cfg.kv_bytes_per_token * (len(cfg.attention_layers) + 1) // len(cfg.attention_layers)
 
 
 def test_a_plan_counts_each_format_at_its_size(tiny_model):

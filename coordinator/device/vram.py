@@ -13,6 +13,7 @@ coordinator/model/weights.py (tests/test_vram.py holds them equal on every archi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,30 +67,45 @@ def _attention(cfg: ModelConfig, attn: str) -> list[Tensor]:
     return out
 
 
+def _layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
+    """Layer i's non-expert tensors by checkpoint name."""
+    H = cfg.hidden_size
+    base = f"model.layers.{i}"
+    moe = f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
+    out = [Tensor(f"{base}.input_layernorm.weight", (H,), False),
+           Tensor(f"{base}.post_attention_layernorm.weight", (H,), False)]
+    out += _attention(cfg, f"{base}.self_attn")
+    if not cfg.sparse_layers[i]:
+        return out + _mlp(f"{base}.mlp", cfg.dense_intermediate_size, H)
+    out.append(Tensor(f"{moe}.gate.weight", (cfg.num_experts, H), False))
+    if cfg.group_router is not None and (cfg.mla is None or cfg.group_router.scoring == "sigmoid"):
+        out.append(Tensor(f"{moe}.gate.e_score_correction_bias", (cfg.num_experts,), False))
+    if cfg.shared_expert_intermediate_size > 0:
+        gated = cfg.mla is None and cfg.shared_expert_gate
+        out += _mlp(f"{moe}.shared_expert{'' if gated else 's'}", cfg.shared_expert_intermediate_size, H)
+        if gated:
+            out.append(Tensor(f"{moe}.shared_expert_gate.weight", (1, H), False))
+    return out
+
+
 def dense_tensors(cfg: ModelConfig) -> list[Tensor]:
     """Every non-expert tensor the device side holds, by checkpoint name (the embedding stays on the host;
-    lm_head is counted when the embedding is tied too: the device holds its own copy)."""
+    lm_head is counted when the embedding is tied too: the device holds its own copy). The MTP layer's
+    (layer num_layers) are uploaded as float32 (Decoder._mtp_weights), so they count as such; its head is
+    counted as the model's lm_head, which the checkpoints that ship one hold a copy of (weights._mtp)."""
     H = cfg.hidden_size
     out: list[Tensor] = []
     for i in range(cfg.num_layers):
-        base = f"model.layers.{i}"
-        moe = f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
-        out += [Tensor(f"{base}.input_layernorm.weight", (H,), False),
-                Tensor(f"{base}.post_attention_layernorm.weight", (H,), False)]
-        out += _attention(cfg, f"{base}.self_attn")
-        if not cfg.sparse_layers[i]:
-            out += _mlp(f"{base}.mlp", cfg.dense_intermediate_size, H)
-            continue
-        out.append(Tensor(f"{moe}.gate.weight", (cfg.num_experts, H), False))
-        if cfg.group_router is not None and (cfg.mla is None or cfg.group_router.scoring == "sigmoid"):
-            out.append(Tensor(f"{moe}.gate.e_score_correction_bias", (cfg.num_experts,), False))
-        if cfg.shared_expert_intermediate_size > 0:
-            gated = cfg.mla is None and cfg.shared_expert_gate
-            out += _mlp(f"{moe}.shared_expert{'' if gated else 's'}", cfg.shared_expert_intermediate_size, H)
-            if gated:
-                out.append(Tensor(f"{moe}.shared_expert_gate.weight", (1, H), False))
+        out += _layer_tensors(cfg, i)
     out.append(Tensor("model.norm.weight", (H,), False))
     out.append(Tensor("lm_head.weight", (cfg.vocab_size, H), True))
+    if cfg.mtp_layers:
+        L = cfg.num_layers
+        mtp = _layer_tensors(cfg, L) + [Tensor(f"model.layers.{L}.enorm.weight", (H,), False),
+                                        Tensor(f"model.layers.{L}.hnorm.weight", (H,), False),
+                                        Tensor(f"model.layers.{L}.eh_proj.weight", (H, 2 * H), False),
+                                        Tensor(f"model.layers.{L}.shared_head.norm.weight", (H,), False)]
+        out += [dataclasses.replace(t, matrix=False) for t in mtp]
     return out
 
 
@@ -112,8 +128,10 @@ def expert_bytes(cfg: ModelConfig, gate_up: tuple[str, str, str]) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
-    """Bytes of one cached token over all layers: f32 4 a value, bf16 2."""
-    return cfg.kv_bytes_per_token // 4 * (2 if kv_dtype == "bf16" else 4)
+    """Bytes of one cached token over all layers, the MTP layer's cache among them where the model has one
+    (it drafts beside the model's): f32 4 a value, bf16 2."""
+    layers = len(cfg.attention_layers) + cfg.mtp_layers
+    return cfg.kv_bytes_per_token // max(1, len(cfg.attention_layers)) * layers // 4 * (2 if kv_dtype == "bf16" else 4)
 
 
 def scratch_bytes(cfg: ModelConfig, chunk: int, context: int, widest_row: int) -> int:
