@@ -2,8 +2,8 @@
 
 One sequence's KV cache grows to kv_bytes_per_token x tokens (the attention layers' keys and values, float32 on
 the host), plus the fixed state of Qwen3-Next's Gated DeltaNet layers; a process pool's data-path segment
-(shm/pool_io.py) holds a whole prompt's rows, X and each node's Y as [tokens, H] float32 and the pairs, as a
-prompt may be prefilled in one pass. Engine.open refuses, with these numbers and the longest context that fits,
+(shm/pool_io.py) holds one step's rows (segment_rows: a prompt chunk and a full decode batch; a larger pass is
+sent in pieces, ProcessPool.submit), X and each node's Y as [rows, H] float32 and top_k pairs a row. Engine.open refuses, with these numbers and the longest context that fits,
 a context whose one sequence and pool buffers exceed the memory available (the segment also /dev/shm's free
 space) before any weight is read.
 """
@@ -15,11 +15,13 @@ from pathlib import Path
 
 from shm.pool_io import PoolIoLayout
 
+from .config import EngineConfig
 from .errors import ConfigValueError
 from .model.model_config import ModelConfig
 
 GIB = 2**30
 ROUND = 1024  # the longest context that fits is offered in whole multiples of this many tokens
+STEP_DECODE_ROWS = 64  # the decode rows a serving step adds to a prompt chunk: a graph step's largest bucket
 
 
 class ContextTooLarge(ConfigValueError):
@@ -52,22 +54,34 @@ def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
     return psutil.virtual_memory().available
 
 
-def context_needs(mcfg: ModelConfig, tokens: int, nodes: int, process_pool: bool) -> ContextNeeds:
+def segment_rows(tokens: int, prefill_chunk: int) -> int:
+    """The rows a process pool's segment holds for a context of ``tokens``: a prompt chunk and a step's decode
+    rows, never more than the context."""
+    return max(1, min(tokens, prefill_chunk + STEP_DECODE_ROWS))
+
+
+def segment_layout(mcfg: ModelConfig, tokens: int, nodes: int, prefill_chunk: int) -> PoolIoLayout:
+    """The process pool's segment for a context of ``tokens``: segment_rows rows, top_k pairs each."""
+    rows = segment_rows(tokens, prefill_chunk)
+    return PoolIoLayout(nodes, rows, rows * mcfg.top_k, mcfg.hidden_size)
+
+
+def context_needs(mcfg: ModelConfig, tokens: int, nodes: int, process_pool: bool,
+                  prefill_chunk: int = EngineConfig.prefill_chunk) -> ContextNeeds:
     """The bytes a context of ``tokens`` takes beside the weights (the host's float32 KV cache)."""
-    segment = PoolIoLayout(nodes, tokens, tokens * mcfg.num_experts, mcfg.hidden_size).data_bytes \
-        if process_pool else 0
+    segment = segment_layout(mcfg, tokens, nodes, prefill_chunk).data_bytes if process_pool else 0
     return ContextNeeds(tokens, mcfg.kv_bytes_per_token * tokens, mcfg.state_bytes_per_sequence, segment)
 
 
 def check_context(mcfg: ModelConfig, tokens: int, nodes: int, process_pool: bool, available: int,
-                  shm_free: int) -> ContextNeeds:
+                  shm_free: int, prefill_chunk: int = EngineConfig.prefill_chunk) -> ContextNeeds:
     """``tokens``' needs, or ContextTooLarge naming them, what is available and the longest context that fits.
     ``available``: memory free for new pages (MemAvailable); ``shm_free``: /dev/shm's free bytes."""
     def held(n: int) -> bool:
-        need = context_needs(mcfg, n, nodes, process_pool)
+        need = context_needs(mcfg, n, nodes, process_pool, prefill_chunk)
         return need.total <= available and need.pool_segment <= shm_free
 
-    need = context_needs(mcfg, tokens, nodes, process_pool)
+    need = context_needs(mcfg, tokens, nodes, process_pool, prefill_chunk)
     if held(tokens):
         return need
     lo, hi = 0, tokens  # the longest context held: the needs grow with the tokens, so a bisection finds it

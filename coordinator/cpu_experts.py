@@ -18,6 +18,7 @@ from shm.plan import DEFAULT_BLOCK, NodeShare, PoolPlan, make_plan, plan_to_dict
 from shm.topology import Node, select_nodes
 
 from .config import EngineConfig
+from .context import segment_layout
 from .errors import ConfigValueError
 from .model.model_config import ModelConfig
 from .model.source import ModelSource
@@ -153,4 +154,6 @@ def build_pool(source: ModelSource, cpu: CpuExpertSpec, config: EngineConfig, ma
         return build_inproc_pool(source, cpu, config.worker_threads, config.activations)
     from .pool.process import ProcessPool
 
-    return ProcessPool(cpu.plan, list(cpu.nodes), worker_job(source, cpu, config, max_seq_len), config, kernel_team)
+    layout = segment_layout(source.config, max_seq_len, len(cpu.nodes), config.prefill_chunk)
+    return ProcessPool(cpu.plan, list(cpu.nodes), worker_job(source, cpu, config, layout.max_tokens), config, kernel_team,
+                       layout.max_pairs)

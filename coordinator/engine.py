@@ -162,7 +162,7 @@ class Engine:
                                    "with --device cpu")
         if backend == "numpy":  # a GPU's KV cache is in its memory plan (coordinator/device/vram.py)
             check_context(mcfg, config.max_seq_len or mcfg.max_position_embeddings, len(nodes),
-                          config.pool == "process", available_memory(), shm_free() or 0)
+                          config.pool == "process", available_memory(), shm_free() or 0, config.prefill_chunk)
         runs_kernels = runs_decode_kernels(config, backend, source.gguf)
         kernel_threads.settle(runs_kernels)  # before any kernel runs: libgomp reads its wait setting once
         gpu = backend == "cupy"

@@ -7,7 +7,8 @@ import pytest
 
 from coordinator.cli.make_model import PRESETS, hf_config, make_model
 from coordinator.config import EngineConfig
-from coordinator.context import GIB, ContextTooLarge, available_memory, check_context, context_needs
+from coordinator.context import (GIB, STEP_DECODE_ROWS, ContextTooLarge, available_memory, check_context,
+                                 context_needs)
 from coordinator.engine import Engine
 from coordinator.model.model_config import parse_model_config
 
@@ -21,11 +22,15 @@ def test_qwen3_next_80b_keeps_keys_in_12_of_48_layers_and_a_fixed_state():
 
 
 def test_262144_tokens_fit_where_they_fit_and_the_refusal_names_what_does():
-    """At Qwen3-Next's 262,144 tokens one sequence's KV cache is 12 GiB and a one-node pool's buffers 5.5 GiB: held
-    with 64 GiB available; with 8 GiB refused, naming the parts and a context that check_context then accepts."""
+    """At Qwen3-Next's 262,144 tokens one sequence's KV cache is 12 GiB and a one-node pool's buffers hold one step
+    (a 512-token chunk and 64 decode rows, 10 pairs a row), whatever the context: held with 64 GiB available;
+    with 8 GiB refused, naming the parts and a context that check_context then accepts."""
     need = check_context(QWEN3_NEXT, 262_144, 1, True, 64 * GIB, 64 * GIB)
-    assert need.kv_cache == 12 * GIB and 5 * GIB < need.pool_segment < 6 * GIB
-    with pytest.raises(ContextTooLarge, match=r"262,144 tokens needs 17\.\d\d GiB .* 12\.00 GiB of KV cache") as info:
+    rows, H = 512 + STEP_DECODE_ROWS, QWEN3_NEXT.hidden_size
+    assert need.kv_cache == 12 * GIB and 2 * rows * H * 4 < need.pool_segment < 2 * rows * H * 4 + rows * 10 * 12 + 2**20
+    assert context_needs(QWEN3_NEXT, 8192, 1, True).pool_segment == need.pool_segment
+    assert context_needs(QWEN3_NEXT, 64, 1, True).pool_segment < need.pool_segment  # never more rows than the context
+    with pytest.raises(ContextTooLarge, match=r"262,144 tokens needs 12\.\d\d GiB .* 12\.00 GiB of KV cache") as info:
         check_context(QWEN3_NEXT, 262_144, 1, True, 8 * GIB, 64 * GIB)
     fits = int(str(info.value).split("--ctx-size ")[1].split(" ")[0].replace(",", ""))
     assert 0 < fits < 262_144 and fits % 1024 == 0

@@ -26,7 +26,7 @@ from coordinator.errors import StepInterrupted
 from coordinator.model.source import open_source
 from coordinator.model.weights import load_weights
 from coordinator.pool import PoolRequest
-from coordinator.pool.process import PoolError, ProcessPool, WorkerDied
+from coordinator.pool.process import PoolError, ProcessPool, WorkerDied, row_pieces
 from node_worker import protocol as P
 from node_worker.job import WorkerJob
 
@@ -108,6 +108,66 @@ def test_enough_bitwise_comparisons_ran():
     """Each parametrised run compares every one of REQUESTS, for every format: counted from the
     parametrisation itself, so this holds when run alone, not only after the runs filled a global."""
     assert len(NODES_THREADS) * len(REQUESTS) >= MIN_COMPARISONS, len(NODES_THREADS) * len(REQUESTS)
+
+
+def test_row_pieces_cut_at_the_segments_rows_and_pairs():
+    tokens = np.repeat(np.arange(10), [1, 3, 3, 0, 2, 3, 3, 1, 0, 2])  # [18] each row's pairs, rows in order
+    assert row_pieces(tokens, 10, 10, 18) == [(0, 10)]  # fits: one piece, no counting
+    assert row_pieces(tokens, 10, 4, 100) == [(0, 4), (4, 8), (8, 10)]
+    pieces = row_pieces(tokens, 10, 10, 6)
+    assert pieces == [(0, 2), (2, 5), (5, 7), (7, 10)]  # 1+3 pairs, 3+0+2, 3+3, 1+0+2: each at most 6
+    assert all(np.isin(tokens, np.arange(lo, hi)).sum() <= 6 for lo, hi in pieces)
+    with pytest.raises(PoolError, match="routes 3 pairs"):
+        row_pieces(tokens, 10, 10, 2)
+    with pytest.raises(PoolError, match="out of range"):
+        row_pieces(np.array([0, 12], np.int64), 10, 4, 100)
+
+
+def test_a_request_larger_than_the_segment_goes_in_pieces_with_the_same_bits(uneven_model):
+    """A segment of 7 rows and 20 pairs: requests of up to 33 rows of 8 pairs each come back equal to the
+    in-process pool's within float32 rounding (an expert's tokens are tiled by their count, which the pieces
+    change), split over 2 nodes, in the coordinator's buffer or a new one; one that fits, bit for bit."""
+    cfg = EngineConfig(pool="process", numa_split=True, nodes=2, worker_threads=1)
+    source = open_source(uneven_model)
+    cpu = plan_cpu_experts(source, cfg, load_weights(source.config, source.checkpoint).experts, pool_nodes(cfg))
+    inproc = build_inproc_pool(source, cpu, threads=1)
+    proc = ProcessPool(cpu.plan, list(cpu.nodes), worker_job(source, cpu, cfg, 7), cfg, max_pairs=20)
+    try:
+        assert proc.io.layout.max_tokens == 7 and proc.io.layout.max_pairs == 20
+        rng = np.random.default_rng(3)
+        E, H = source.config.num_experts, source.config.hidden_size
+        before = proc.stats["requests"]
+        for T, k, layer in [(33, 8, 0), (8, 2, 1), (5, 4, 0), (20, 1, 1), (4, 5, 0)]:
+            req = random_request(rng, layer, T, k, E, H, set(range(E)))
+            inproc.submit(req)
+            want = inproc.collect()
+            out = np.full((T, H), np.nan, np.float32) if layer == 1 else None
+            proc.submit(req)
+            got = proc.collect(out=out)
+            assert out is None or got is out
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{T} rows, {k} pairs each")
+            assert T > 7 or T * k > 20 or np.array_equal(got, want)  # one piece: one request
+        assert proc.stats["requests"] - before >= 33 * 8 // 20 + 2  # the pieces went one by one
+    finally:
+        proc.close()
+        inproc.close()
+
+
+def test_a_prompt_longer_than_the_segment_is_prefilled_in_pieces(tiny):
+    """prefill_chunk 4: the segment holds 4 + 64 rows; a 100-token prompt in one pass (Engine.logits) gives the
+    in-process pool's logits within float32 rounding, split over two nodes, and greedy decoding after it the
+    same tokens."""
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 256, 100)]
+    with Engine.open(tiny, EngineConfig(pool="process", numa_split=True, nodes=2, prefill_chunk=4)) as eng:
+        assert eng.pool.io.layout.max_tokens == 68
+        got = eng.logits(prompt)
+        got_ids = eng.generate(prompt, max_new_tokens=8, stop_at_eos=False)
+    with Engine.open(tiny, EngineConfig(pool="inproc", numa_split=True, nodes=2, prefill_chunk=4)) as eng:
+        want = eng.logits(prompt)
+        want_ids = eng.generate(prompt, max_new_tokens=8, stop_at_eos=False)
+    assert got.shape[0] == 100
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert got_ids == want_ids
 
 
 def test_split_vs_unsplit_and_whole_generate(tiny):

@@ -46,12 +46,37 @@ HANG_FLOOR_PER_ROW_S = 0.01  # ... plus this per row of the layer's batch
 HANG_FACTOR = 50.0  # times the slowest per-row layer time seen so far
 SLICE_S = 0.01  # the longest sleep on the doorbell between looks at the workers' health and the socket
 
-__all__ = ["PoolError", "ProcessPool", "WorkerDied"]
+__all__ = ["PoolError", "ProcessPool", "WorkerDied", "row_pieces"]
+
+
+def row_pieces(tokens: np.ndarray, rows: int, max_rows: int, max_pairs: int) -> list[tuple[int, int]]:
+    """A request's rows cut into consecutive ranges [lo, hi) the segment holds (at most max_rows rows and
+    max_pairs pairs each); one range when it fits. A token's output depends on its own row and pairs alone, up
+    to float32 rounding: the kernels tile an expert's tokens by their count (node_worker/kernels/rows.py), so a
+    piece's rows may round otherwise than in one request. Only passes beyond a step's rows are cut (a whole
+    prompt in one pass, Engine.logits); the serving steps fit (coordinator/context.py, segment_rows)."""
+    if rows <= max_rows and tokens.size <= max_pairs:
+        return [(0, rows)]
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= rows):  # the workers would refuse it; cut, it could hide
+        raise PoolError(f"token index out of range [0, {rows})")
+    per_row = np.bincount(tokens, minlength=rows)  # [rows] pairs
+    if per_row.max(initial=0) > max_pairs:
+        raise PoolError(f"a row routes {per_row.max()} pairs; the segment holds {max_pairs}")
+    pieces, lo, pairs = [], 0, 0
+    for r in range(rows):
+        if r - lo == max_rows or pairs + per_row[r] > max_pairs:
+            pieces.append((lo, r))
+            lo, pairs = r, 0
+        pairs += int(per_row[r])
+    pieces.append((lo, rows))
+    return pieces
 
 
 class ProcessPool(ExpertPool):
     def __init__(self, plan: PoolPlan, nodes: list[Node], job: WorkerJob, config: EngineConfig,
-                 kernel_team: bool = False):
+                 kernel_team: bool = False, max_pairs: int | None = None):
+        """``max_pairs``: the pairs the segment holds (job.max_tokens rows x top_k); every expert of every row
+        when None."""
         if [n.id for n in nodes] != list(plan.node_ids):
             raise PoolError("the pool needs one node per plan node, in plan order")
         self.plan = plan
@@ -64,19 +89,20 @@ class ProcessPool(ExpertPool):
         self.closed = False
         self.io: pool_io.PoolIo | None = None
         self._link = None  # the stream-driven data path (stream.py), made on a decoder's first ask
+        self._pieces: list[tuple[int, int]] = []  # the pending request's row ranges, posted one by one
         self.supervisor: Supervisor | None = None
         try:  # whatever stops the start (Ctrl-C included), everything made so far goes (close)
-            self._start(plan, nodes, job, config)
+            self._start(plan, nodes, job, config, max_pairs or job.max_tokens * job.num_experts)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, plan: PoolPlan, nodes: list[Node], job: WorkerJob, config: EngineConfig) -> None:
+    def _start(self, plan: PoolPlan, nodes: list[Node], job: WorkerJob, config: EngineConfig, max_pairs: int) -> None:
         doorbell.warm_up()
         for name in pool_io.remove_stale():
             log.info("removed %s: its coordinator is gone", name)
-        self.io = pool_io.create(pool_io.PoolIoLayout(len(nodes), job.max_tokens, job.max_tokens * job.num_experts,
-                                                      job.hidden), job.model_digest, plan.digest)
+        self.io = pool_io.create(pool_io.PoolIoLayout(len(nodes), job.max_tokens, max_pairs, job.hidden),
+                                 job.model_digest, plan.digest)
         self.job = replace(job, endpoint=self.channel.endpoint, pool_io=self.io.segment.name)
         job_path = self.channel.write_file("job.json", self.job.to_json())
         self.supervisor = Supervisor(nodes, self.channel, job_path, plan.digest, job.model_digest,
@@ -148,18 +174,29 @@ class ProcessPool(ExpertPool):
         if self._pending is not None:  # the last step failed between submit and collect: its replies are stale
             log.warning("request %s was never collected; dropping it", self._rid)
             self._pending = None
-        self._rid += 1
         self._sent_at = time.perf_counter_ns()
+        self._pieces = row_pieces(request.tokens, request.x.shape[0], self.io.layout.max_tokens,
+                                  self.io.layout.max_pairs)
+        self._post(request, self._pieces[0])
+        self._pending = request
+
+    def _post(self, request: PoolRequest, rows: tuple[int, int]) -> None:
+        """Write the request's rows [lo, hi) and their pairs (rows renumbered from 0) and ask every worker."""
+        lo, hi = rows
+        tokens, experts, weights = request.tokens, request.experts, request.weights
+        if (lo, hi) != (0, request.x.shape[0]):
+            mine = (tokens >= lo) & (tokens < hi)
+            tokens, experts, weights = tokens[mine] - lo, experts[mine], weights[mine]
+        self._rid += 1
         self._sent_mono = time.monotonic_ns()
         self._waiting = {}
-        self.io.post(self._rid, request.layer, request.x, request.tokens, request.experts, request.weights)
+        self.io.post(self._rid, request.layer, request.x[lo:hi], tokens, experts, weights)
         try:
             for w in self.workers:
                 self._ask(w, self._rid)
         except BaseException:
             self._waiting = {}
             raise
-        self._pending = request
 
     def _ask(self, w: WorkerHandle, seq: int) -> None:
         """Ask one worker for request ``seq`` (already in the segment), restarting it first when it is dead."""
@@ -171,8 +208,20 @@ class ProcessPool(ExpertPool):
         req, self._pending = self._pending, None
         if req is None:
             raise PoolError("collect() without submit()")
+        pieces = self._pieces
+        if len(pieces) == 1:
+            return self._collect_piece(req, req.x.shape[0], out)
+        if out is None:  # a request larger than the segment: its row pieces one after another
+            out = np.empty((req.x.shape[0], self.io.layout.hidden), np.float32)
+        for k, (lo, hi) in enumerate(pieces):
+            if k:
+                self._post(req, (lo, hi))
+            self._collect_piece(req, hi - lo, out[lo:hi])
+        return out
+
+    def _collect_piece(self, req: PoolRequest, T: int, out: np.ndarray | None) -> np.ndarray:
+        """The partials of the request posted last (T rows), summed in node order into ``out``."""
         collect_at = time.monotonic_ns()
-        T = req.x.shape[0]
         try:
             arrived = self._wait_for_partials(self._rid, T)
         finally:
@@ -195,6 +244,7 @@ class ProcessPool(ExpertPool):
                 tuple(r - self._sent_mono for r in received),
                 tuple(s - r - c for s, r, c in zip(sent, received, compute)),
                 tuple(a - s for a, s in zip(arrived, sent))))
+        self._sent_at = time.perf_counter_ns()  # the next piece's wall starts at its post
         return sum_in_node_order([self.io.y[i][:T] for i in range(len(self.workers))], out)
 
     def _wait_for_partials(self, seq: int, rows: int) -> list[int]:
