@@ -34,7 +34,7 @@ from .model.grammar import Grammars
 from .model import graph_steps
 from .model.decoder import Decoder
 from .model.kv_cache import KVCache
-from .model.model_config import ModelConfig
+from .model.model_config import MTP_ARCHS, ModelConfig
 from .model.packed import pack_dense
 from .model.source import ModelSource, open_source
 from .model.tokenizer import TextCodec
@@ -153,9 +153,11 @@ class Engine:
         source = source or open_source(model_dir)  # GGUF: the config, tokenizer and template from its metadata
         ckpt, mcfg = source.checkpoint, source.config
         if config.speculative == "mtp" and not mcfg.mtp_layers:
+            named = f"model.layers.{mcfg.num_layers}.eh_proj" + (" or mtp.fc" if mcfg.arch == "qwen3_next" else "")
+            missing = (f"no {named} in the checkpoint" if mcfg.arch in MTP_ARCHS else
+                       f"an architecture without one; {', '.join(MTP_ARCHS)} have it")
             raise ConfigValueError(f"{model_dir}: speculative mtp needs the model's multi-token-prediction layer "
-                                   f"({mcfg.arch} model, no model.layers.{mcfg.num_layers}.eh_proj in the "
-                                   "checkpoint): use ngram or auto")
+                                   f"({mcfg.arch} model, {missing}): use ngram or auto")
         backend = select_device(config.device)
         if mcfg.linear is not None and backend != "numpy":  # refused before anything is read or uploaded
             raise ConfigValueError(f"{mcfg.arch}'s Gated DeltaNet layers are not supported on the device yet; run "

@@ -267,3 +267,75 @@ class MtpReference:
                 heads.append(sum(w[j] * vs[j][h] for j in range(pos + 1)))
             out.append(o @ np.concatenate(heads))
         return out
+
+
+class Qwen3NextMtpReference(MtpReference):
+    """Qwen3-Next's multi-token-prediction layer (Qwen3NextMultiTokenPredictor as vLLM runs a checkpoint's mtp.*
+    tensors; transformers' Qwen3NextForCausalLM leaves them out), float64, one token at a time: row i joins a hidden
+    state h_i with the embedding of token t_(i+1), x_i = fc [pre_fc_norm_embedding(Emb(t_(i+1))) ;
+    pre_fc_norm_hidden(h_i)], runs one full-attention decoder layer (mtp.layers.0: gated attention with q/k norms and
+    partial rotary, the softmax top-k router, the sigmoid-gated shared expert) over the rows 0..i, then mtp.norm and
+    the model's lm_head: the logits of t_(i+2). Every RMSNorm here is zero-centred: it multiplies by 1 + weight."""
+
+    def __init__(self, model_dir: Path):
+        super().__init__(model_dir)
+        self.p = "mtp.layers.0"
+
+    def norm(self, x, name):
+        return rmsnorm(x, 1.0 + self.t[name], self.eps)
+
+    def logits(self, hidden: np.ndarray, next_ids: list[int]) -> np.ndarray:
+        """hidden [T, H] (the rows the layer is given), next_ids [T] (t_1..t_T) -> logits [T, V] of t_2..t_(T+1)."""
+        t, p = self.t, self.p
+        xs = [t["mtp.fc.weight"] @ np.concatenate([self.norm(t["model.embed_tokens.weight"][tok],
+                                                             "mtp.pre_fc_norm_embedding.weight"),
+                                                   self.norm(h.astype(np.float64), "mtp.pre_fc_norm_hidden.weight")])
+              for h, tok in zip(hidden, next_ids)]
+        attended = self.gated_attention([self.norm(x, f"{p}.input_layernorm.weight") for x in xs])
+        out = []
+        for x, a in zip(xs, attended):
+            h = x + a
+            h = h + self.moe(self.norm(h, f"{p}.post_attention_layernorm.weight"))
+            out.append(t["lm_head.weight"] @ self.norm(h, "mtp.norm.weight"))
+        return np.stack(out)
+
+    def moe(self, x):
+        """Softmax over every expert, the top k (renormalised with norm_topk_prob), and the shared expert times
+        sigmoid(shared_expert_gate . x)."""
+        c, t, m = self.cfg, self.t, f"{self.p}.mlp"
+        logits = t[f"{m}.gate.weight"] @ x
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        chosen = sorted(range(c["num_experts"]), key=lambda e: -probs[e])[:c["num_experts_per_tok"]]
+        w = np.array([probs[e] for e in chosen])
+        if c.get("norm_topk_prob", True):
+            w = w / w.sum()
+        out = sum(we * swiglu(x, *(t[f"{m}.experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down")))
+                  for e, we in zip(chosen, w))
+        s = f"{m}.shared_expert"
+        shared = swiglu(x, t[f"{s}.gate_proj.weight"], t[f"{s}.up_proj.weight"], t[f"{s}.down_proj.weight"])
+        return out + sigmoid(float(t[f"{m}.shared_expert_gate.weight"][0] @ x)) * shared
+
+    def gated_attention(self, xs):
+        """Qwen3NextAttention over the rows xs (causal): q_proj gives per head hd query rows then hd gate rows, q
+        and k normed per head, the first partial_rotary_factor of each head rotated, the heads' output times
+        sigmoid(gate) before o_proj."""
+        c, t, a = self.cfg, self.t, f"{self.p}.self_attn"
+        nkv, hd = c["num_key_value_heads"], c["head_dim"]
+        rp = c.get("rope_parameters") or {}
+        rot = int(hd * rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
+        qs, ks, vs, gates = [], [], [], []
+        for pos, x in enumerate(xs):
+            qg = (t[f"{a}.q_proj.weight"] @ x).reshape(self.nh, 2, hd)
+            k, v = (t[f"{a}.k_proj.weight"] @ x).reshape(nkv, hd), (t[f"{a}.v_proj.weight"] @ x).reshape(nkv, hd)
+            q = [self.norm(h, f"{a}.q_norm.weight") for h in qg[:, 0]]
+            k = [self.norm(h, f"{a}.k_norm.weight") for h in k]
+            part = lambda h: np.concatenate([self._rotate(h[:rot], pos, False), h[rot:]])  # noqa: E731
+            g = self.nh // nkv
+            qs.append([part(h) for h in q])
+            ks.append([part(k[h // g]) for h in range(self.nh)])
+            vs.append([v[h // g] for h in range(self.nh)])
+            gates.append(sigmoid(qg[:, 1].reshape(-1)))
+        eye = np.eye(self.nh * hd)
+        heads = self._attend(qs, ks, vs, hd ** -0.5, eye)  # the heads' outputs concatenated, before o_proj
+        return [t[f"{a}.o_proj.weight"] @ (h * gate) for h, gate in zip(heads, gates)]

@@ -145,9 +145,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         + setting("prefill_chunk"))
     g.add_argument("--speculative", dest="speculative", default=None, choices=list(SPECULATIVE_MODES),
                    help="speculative decoding: off, ngram (drafts from earlier text: prompt lookup), mtp (drafts "
-                        "from the model's multi-token-prediction layer: DeepSeek-V3, GLM-4.5; refused without one), "
-                        "auto (mtp where the model has the layer, else ngram); the output is the same tokens "
-                        "(greedy) or the same distribution (sampling) "
+                        "from the model's multi-token-prediction layer: DeepSeek-V3, GLM-4.5, Qwen3-Next; refused "
+                        "without one), auto (mtp where the model has the layer, else ngram); the output is the same "
+                        "tokens (greedy) or the same distribution (sampling) "
                         + setting("speculative"))
     g.add_argument("--draft-max", dest="draft_max", type=number(int, "--draft-max", 1, 16), default=None,
                    help="drafts tried per step at most; fewer after misses, none for a while after "

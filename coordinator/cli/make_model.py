@@ -76,7 +76,8 @@ class Geometry:
     linear_value_head_dim: int = 16
     linear_conv_kernel_dim: int = 4
     full_attention_interval: int = 4
-    # deepseek_v3 and glm4_moe: 1 writes the multi-token-prediction (nextn) layer, layer id num_layers
+    # deepseek_v3 and glm4_moe: 1 writes the multi-token-prediction (nextn) layer, layer id num_layers; qwen3_next:
+    # its MTP layer, mtp.layers.0 and mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}
     num_nextn_predict_layers: int = 0
 
 
@@ -148,6 +149,7 @@ PRESETS = {
 PRESET_ARCH = {"qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral", "deepseek-v3": "deepseek_v3",
                "glm-4.5-air": "glm4_moe", "qwen3-next": "qwen3_next"}
 GROUPED = ("deepseek_v3", "glm4_moe")  # the sigmoid router, shared experts, dense first layers
+MTP_WRITTEN = (*GROUPED, "qwen3_next")  # the architectures num_nextn_predict_layers writes an MTP layer for
 
 
 def _linear_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
@@ -160,7 +162,8 @@ def _linear_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
 
 
 def _is_linear(arch: str, g: Geometry, layer: int) -> bool:
-    return arch == "qwen3_next" and (layer + 1) % g.full_attention_interval != 0
+    """Whether ``layer`` is a Gated DeltaNet layer; Qwen3-Next's MTP layer (layer id num_layers) is attention."""
+    return arch == "qwen3_next" and layer < g.num_layers and (layer + 1) % g.full_attention_interval != 0
 
 
 def parameter_count(arch: str, g: Geometry) -> int:
@@ -324,12 +327,12 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
 
     H, hd = g.hidden_size, g.head_dim
     t: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((g.vocab_size, H)).astype(np.float32)}
-    nextn = g.num_nextn_predict_layers if arch in GROUPED else 0
+    nextn = g.num_nextn_predict_layers if arch in MTP_WRITTEN else 0
     progress = Progress(g.num_layers + nextn, "make-model: drawing the weights", unit="layers")
     for i in range(g.num_layers + nextn):  # the nextn layers after the others, each a whole decoder layer
         if i:
             progress.add(1)
-        p = f"model.layers.{i}"
+        p = f"mtp.layers.{i - g.num_layers}" if arch == "qwen3_next" and i >= g.num_layers else f"model.layers.{i}"
         t[f"{p}.input_layernorm.weight"] = norm(H) - centre
         t[f"{p}.post_attention_layernorm.weight"] = norm(H) - centre
         a = f"{p}.self_attn"
@@ -381,6 +384,12 @@ def random_tensors(arch: str, g: Geometry, seed: int) -> dict[str, np.ndarray]:
         printable[32:127] = True
         t["lm_head.weight"] = mat(g.vocab_size, H) * np.where(printable, 1.0, 0.3).astype(np.float32)[:, None]
     for i in range(g.num_layers, g.num_layers + nextn):  # the MTP module's own tensors (DeepSeek-V3's names)
+        if arch == "qwen3_next":  # Qwen3-Next's names, one set; its embedding and head are the model's
+            t["mtp.pre_fc_norm_embedding.weight"] = norm(H) - centre
+            t["mtp.pre_fc_norm_hidden.weight"] = norm(H) - centre
+            t["mtp.fc.weight"] = mat(H, 2 * H)
+            t["mtp.norm.weight"] = norm(H) - centre
+            continue
         p = f"model.layers.{i}"
         t[f"{p}.enorm.weight"], t[f"{p}.hnorm.weight"] = norm(H), norm(H)
         t[f"{p}.eh_proj.weight"] = mat(H, 2 * H)

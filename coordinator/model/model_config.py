@@ -30,7 +30,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear")
 MLA_ROPE_TYPES = ("default", "linear", "yarn")  # YaRN: DeepSeek's MLA architectures only, for now
 SCORING_FUNCS = {"deepseek_v3": ("sigmoid",), "deepseek_v2": ("softmax",)}  # config.json's scoring_func
 TOPK_METHODS = {"deepseek_v3": ("noaux_tc",), "deepseek_v2": ("greedy", "group_limited_greedy")}  # topk_method
-MTP_ARCHS = ("deepseek_v3", "glm4_moe")  # the architectures whose multi-token-prediction (nextn) layer runs
+MTP_ARCHS = ("deepseek_v3", "glm4_moe", "qwen3_next")  # the architectures whose multi-token-prediction layer runs
 
 # transformers' config-class defaults for keys that may be absent
 DEFAULTS = {
@@ -156,10 +156,13 @@ class ModelConfig:
     yarn: YarnConfig | None = None  # rope_type "yarn"
     group_router: GroupRouter | None = None  # deepseek_v3: sigmoid, grouped; else softmax top-k
     linear: LinearAttnConfig | None = None  # qwen3_next: the Gated DeltaNet layers' geometry
-    linear_layers: tuple[bool, ...] = ()  # per layer: Gated DeltaNet (True) or attention; () = attention everywhere
+    linear_layers: tuple[bool, ...] = ()  # per layer (MTP last): Gated DeltaNet (True) or attention; (): all attention
     attn_output_gate: bool = False  # qwen3_next: q_proj also gives a per-head sigmoid gate on attention's output
     norm_offset: float = 0.0  # added to the RMSNorms' weights at load: 1.0 for qwen3_next's (1 + weight) norms
     mtp_layers: int = 0  # 1: the checkpoint's multi-token-prediction layer runs as layer id num_layers (attach_mtp)
+    # qwen3_next: the MTP layer takes the model's rows after its final norm and chains its own after mtp.norm, as
+    # vLLM's and SGLang's Qwen3-Next MTP do; DeepSeek-V3's and GLM-4.5's take and chain the rows before the norms
+    mtp_normed_hidden: bool = False
 
     def is_linear(self, layer: int) -> bool:
         """Whether ``layer`` is a Gated DeltaNet layer (no KV cache, a fixed state per sequence)."""
@@ -189,17 +192,52 @@ class ModelConfig:
         return [i for i, sparse in enumerate(self.sparse_layers) if sparse]
 
 
+@dataclass(frozen=True)
+class MtpNames:
+    """Where a checkpoint holds its multi-token-prediction layer: the decoder layer's prefix and the module's own
+    tensors (embed and head None: the model's own)."""
+
+    layer: str  # model.layers.L (DeepSeek-V3's and GLM-4.5's nextn layer, any GGUF file's) or mtp.layers.0
+    enorm: str  # the norm on the next token's embedding
+    hnorm: str  # the norm on the model's hidden state
+    eh_proj: str  # [H, 2H] on [enorm(embedding) ; hnorm(hidden)]
+    head_norm: str  # the norm before the head
+    embed: str | None
+    head: str | None
+
+
+def mtp_names(cfg: ModelConfig, holds: Callable[[str], bool]) -> MtpNames | None:
+    """The names of the checkpoint's first multi-token-prediction layer (``holds``: whether it has a tensor), or None
+    where it holds none: DeepSeek-V3's nextn names model.layers.L.{enorm,hnorm,eh_proj,shared_head.*,embed_tokens}
+    beside a layer's usual ones (a GGUF file's blk.L.nextn.* are read under them, Qwen3-Next's too), or Qwen3-Next's
+    mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm} around the decoder layer mtp.layers.0."""
+    L = cfg.num_layers
+    p = f"model.layers.{L}"
+    if cfg.arch not in MTP_ARCHS:
+        return None
+    if holds(f"{p}.eh_proj.weight"):
+        return MtpNames(p, f"{p}.enorm.weight", f"{p}.hnorm.weight", f"{p}.eh_proj.weight",
+                        f"{p}.shared_head.norm.weight", f"{p}.embed_tokens.weight", f"{p}.shared_head.head.weight")
+    if cfg.arch == "qwen3_next" and holds("mtp.fc.weight"):
+        return MtpNames("mtp.layers.0", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                        "mtp.fc.weight", "mtp.norm.weight", None, None)
+    return None
+
+
 def attach_mtp(cfg: ModelConfig, holds: Callable[[str], bool]) -> ModelConfig:
     """``cfg`` with its first multi-token-prediction layer where the checkpoint (``holds``: whether it has a tensor)
-    holds one: DeepSeek-V3's and GLM-4.5's nextn layer, stored as layer id num_layers (model.layers.L.eh_proj and
-    the rest), MoE when it has a router. Checkpoints often leave it out though config.json counts it
-    (num_nextn_predict_layers), so the tensors decide; a second one (no published model has it) is not run."""
-    L = cfg.num_layers
-    if cfg.arch not in MTP_ARCHS or cfg.mtp_layers or not holds(f"model.layers.{L}.eh_proj.weight"):
+    holds one (mtp_names): DeepSeek-V3's and GLM-4.5's nextn layer or Qwen3-Next's MTP layer, run as layer id
+    num_layers, MoE when it has a router, attention (not Gated DeltaNet) in Qwen3-Next. Checkpoints often leave it
+    out though config.json counts it (num_nextn_predict_layers), so the tensors decide; a second one (no published
+    model has it) is not run."""
+    names = None if cfg.mtp_layers else mtp_names(cfg, holds)
+    if names is None:
         return cfg
     return dataclasses.replace(cfg, mtp_layers=1, sparse_layers=(*cfg.sparse_layers,
-                                                                 holds(f"model.layers.{L}.mlp.gate.weight")),
-                               sliding_windows=(*cfg.sliding_windows, None))
+                                                                 holds(f"{names.layer}.mlp.gate.weight")),
+                               sliding_windows=(*cfg.sliding_windows, None),
+                               linear_layers=(*cfg.linear_layers, False) if cfg.linear_layers else (),
+                               mtp_normed_hidden=cfg.arch == "qwen3_next")
 
 
 def _field(cfg: dict, key: str, kind: type, *, default: object = ..., where: str = "config.json"):

@@ -17,7 +17,7 @@ from shm.checkpoint import Checkpoint, CheckpointError, check_shape
 from shm.expert_source import ExpertRefs, TensorRef
 from shm.progress import Progress
 
-from .model_config import ModelConfig
+from .model_config import ModelConfig, mtp_names
 
 
 @dataclass
@@ -82,14 +82,15 @@ class LayerWeights:
 
 @dataclass
 class MtpWeights:
-    """DeepSeek-V3's multi-token-prediction module (GLM-4.5's nextn layer alike): the two norms and the projection
-    that join a hidden state with the next token's embedding, a decoder layer, and its head."""
+    """DeepSeek-V3's multi-token-prediction module (GLM-4.5's nextn layer and Qwen3-Next's MTP layer alike): the two
+    norms and the projection that join a hidden state with the next token's embedding, a decoder layer, and its
+    head."""
 
     layer: LayerWeights  # a whole decoder layer, layer id num_layers (its routed experts in ModelWeights.experts)
-    enorm: np.ndarray  # [H] on the next token's embedding
-    hnorm: np.ndarray  # [H] on the main model's hidden state (before its final norm)
-    eh_proj: np.ndarray  # [H, 2H]: [enorm(embedding) ; hnorm(hidden)] -> H
-    head_norm: np.ndarray  # [H] shared_head.norm
+    enorm: np.ndarray  # [H] on the next token's embedding (Qwen3-Next's pre_fc_norm_embedding)
+    hnorm: np.ndarray  # [H] on the main model's hidden state (pre_fc_norm_hidden)
+    eh_proj: np.ndarray  # [H, 2H]: [enorm(embedding) ; hnorm(hidden)] -> H (fc)
+    head_norm: np.ndarray  # [H] shared_head.norm (mtp.norm)
     embed: np.ndarray  # [V, H] the layer's embed_tokens, or the model's (one array when they are equal)
     head: np.ndarray  # [V, H] shared_head.head, or the model's lm_head (one array when they are equal)
 
@@ -153,9 +154,10 @@ def _linear_attn(cfg: ModelConfig, r: "_Reader", prefix: str) -> LinearAttnWeigh
     )
 
 
-def _prefix(cfg: ModelConfig, layer: int) -> tuple[str, str]:
-    """(layer prefix, MoE block prefix)."""
-    base = f"model.layers.{layer}"
+def _prefix(cfg: ModelConfig, ckpt: Checkpoint, layer: int) -> tuple[str, str]:
+    """(layer prefix, MoE block prefix); the MTP layer's where the checkpoint holds it (mtp_names)."""
+    names = mtp_names(cfg, ckpt.__contains__) if layer == cfg.num_layers else None
+    base = names.layer if names is not None else f"model.layers.{layer}"
     return base, f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
 
 
@@ -214,7 +216,7 @@ def _mlp(r: _Reader, prefix: str, inter: int, hidden: int) -> MLPWeights:
 
 def expert_refs(cfg: ModelConfig, r: _Reader, layer: int) -> dict[int, ExpertRefs]:
     """Locate and check every routed expert of one layer (per-expert or fused tensors)."""
-    _, moe = _prefix(cfg, layer)
+    _, moe = _prefix(cfg, r.ckpt, layer)
     H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     names = ("w1", "w3", "w2") if cfg.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     stacked_gate = f"{moe}.experts.gate_proj"
@@ -271,7 +273,7 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
     experts: dict[tuple[int, int], ExpertRefs] = {}
     offset = cfg.norm_offset  # qwen3_next's zero-centred norms: (1 + weight)
     for i in range(cfg.num_layers + cfg.mtp_layers):  # the MTP layer last, read as the others are
-        base, moe = _prefix(cfg, i)
+        base, moe = _prefix(cfg, ckpt, i)
         attn = f"{base}.self_attn"
         sparse = cfg.sparse_layers[i]
         shared = sparse and cfg.shared_expert_intermediate_size > 0
@@ -343,18 +345,17 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
 
 
 def _mtp(cfg: ModelConfig, r: _Reader, layer: LayerWeights, embed: np.ndarray, lm_head: np.ndarray) -> MtpWeights:
-    """The MTP layer's own tensors beside its decoder layer; its embedding and head are the model's where the
-    checkpoint leaves them out or holds the same values (DeepSeek-V3 stores copies)."""
-    H, V, p = cfg.hidden_size, cfg.vocab_size, f"model.layers.{cfg.num_layers}"
+    """The MTP layer's own tensors beside its decoder layer (mtp_names), its norms as the model's are (Qwen3-Next's
+    1 + weight); its embedding and head are the model's where the checkpoint leaves them out or holds the same
+    values (DeepSeek-V3 stores copies)."""
+    H, V, n, offset = cfg.hidden_size, cfg.vocab_size, mtp_names(cfg, r.ckpt.__contains__), cfg.norm_offset
 
-    def shared(name: str, main: np.ndarray) -> np.ndarray:
-        if name not in r.ckpt:
+    def shared(name: str | None, main: np.ndarray) -> np.ndarray:
+        if name is None or name not in r.ckpt:
             return main
         own = r.get(name, (V, H))
         return main if np.array_equal(own, main) else own
 
-    return MtpWeights(layer=layer, enorm=r.get(f"{p}.enorm.weight", (H,)), hnorm=r.get(f"{p}.hnorm.weight", (H,)),
-                      eh_proj=r.get(f"{p}.eh_proj.weight", (H, 2 * H)),
-                      head_norm=r.get(f"{p}.shared_head.norm.weight", (H,)),
-                      embed=shared(f"{p}.embed_tokens.weight", embed),
-                      head=shared(f"{p}.shared_head.head.weight", lm_head))
+    return MtpWeights(layer=layer, enorm=r.norm(n.enorm, (H,), offset), hnorm=r.norm(n.hnorm, (H,), offset),
+                      eh_proj=r.get(n.eh_proj, (H, 2 * H)), head_norm=r.norm(n.head_norm, (H,), offset),
+                      embed=shared(n.embed, embed), head=shared(n.head, lm_head))
