@@ -150,7 +150,7 @@ def sigmoid(x):
 class MtpReference:
     """DeepSeek-V3's multi-token-prediction module (the paper's section 2.2; GLM-4.5's nextn layer is the same
     module around GLM's decoder layer), float64, one token at a time: row i joins the main model's hidden state
-    h_i (before its final norm) with the embedding of token t_(i+1), h'_i = M [RMSNorm(Emb(t_(i+1))) ;
+    h_i (after its final norm) with the embedding of token t_(i+1), h'_i = M [RMSNorm(Emb(t_(i+1))) ;
     RMSNorm(h_i)] (the embedding's norm first, as vLLM's deepseek_mtp.py concatenates them), runs one decoder
     layer over the rows 0..i (causal attention, RoPE at position i), then shared_head's norm and head: the
     logits of t_(i+2). Architectures: DeepseekV3ForCausalLM (MLA, the grouped sigmoid router) and

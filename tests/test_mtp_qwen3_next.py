@@ -48,7 +48,7 @@ def test_the_mtp_tensors_are_read_as_an_attention_layer_after_the_others(tmp_pat
     finally:
         ckpt.close()
     t = load_tensors(model)
-    assert cfg.mtp_layers == 1 and cfg.num_layers == 4 and cfg.mtp_normed_hidden
+    assert cfg.mtp_layers == 1 and cfg.num_layers == 4 and cfg.mtp_chains_normed
     assert cfg.linear_layers == (True, True, True, False, False) and cfg.moe_layers == [0, 1, 2, 3, 4]
     assert cfg.attention_layers == [3]  # the model's own cache holds no MTP keys
     assert w.mtp.layer.linear is None and w.mtp.layer.q_gate is not None and len(w.layers) == 4
@@ -213,7 +213,7 @@ def test_a_gguf_files_nextn_layer_is_the_checkpoints_mtp_layer(tmp_path):
     assert got.mtp.head is got.lm_head and got.mtp.embed is got.embed
     prompt = [72, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101]
     with Engine.open(path, EngineConfig(pool="inproc")) as eng:
-        assert eng.has_mtp and eng.model_config.mtp_normed_hidden
+        assert eng.has_mtp and eng.model_config.mtp_chains_normed
         plain = eng.generate(prompt, max_new_tokens=16, stop_at_eos=False)
         drafted = eng.generate_full(prompt, max_new_tokens=16, stop_at_eos=False, speculative="mtp")
     assert drafted.ids == plain and drafted.timings["drafted_tokens"] > 0

@@ -199,7 +199,8 @@ def train_mtp(args: argparse.Namespace) -> int:
     """A tiny DeepSeek-V3 with its multi-token-prediction layer, trained together on the same bytes: loss = the
     model's next-byte loss + mtp_weight x the MTP layer's loss on the byte after next (the DeepSeek-V3 paper's
     objective, k = 1). The MTP layer is DeepSeek-V3's module: eh_proj([enorm(Emb(t_(i+1))); hnorm(h_i)]) with
-    h_i the model's last hidden state before its final norm, a DeepSeek-V3 decoder layer (a one-layer
+    h_i the model's last hidden state after its final norm (the rows vLLM and SGLang hand DeepSeek-V3's MTP layer,
+    as the engine does), a DeepSeek-V3 decoder layer (a one-layer
     DeepseekV3Model fed inputs_embeds, whose final norm is shared_head.norm) and the model's lm_head. Saved as
     the Hub's checkpoints hold it: model.layers.L.* with L = num_hidden_layers, num_nextn_predict_layers 1."""
     import numpy as np
@@ -234,7 +235,7 @@ def train_mtp(args: argparse.Namespace) -> int:
     eh_proj = torch.nn.Linear(2 * H, H, bias=False)
     mtp_parts = torch.nn.ModuleDict(dict(core=core, enorm=enorm, hnorm=hnorm, eh_proj=eh_proj))
     captured = {}
-    model.model.norm.register_forward_hook(lambda _m, inp, _o: captured.__setitem__("h", inp[0]))
+    model.model.norm.register_forward_hook(lambda _m, _inp, out: captured.__setitem__("h", out))
     params = [p for p in list(model.parameters()) + list(mtp_parts.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     T = args.seq_len
@@ -247,7 +248,7 @@ def train_mtp(args: argparse.Namespace) -> int:
         x = torch.from_numpy(np.stack([ids[s:s + T] for s in rng.integers(0, ids.size - T, args.batch)]))
         logits = model(input_ids=x).logits  # [B, T, V]
         main_loss = ce(logits[:, :-1].reshape(-1, vocab), x[:, 1:].reshape(-1))
-        h = captured["h"][:, :-1]  # [B, T-1, H] h_0..h_(T-2), before the final norm
+        h = captured["h"][:, :-1]  # [B, T-1, H] h_0..h_(T-2), after the final norm
         e = model.model.embed_tokens(x[:, 1:])  # t_1..t_(T-1)
         joined = eh_proj(torch.cat([enorm(e), hnorm(h)], dim=-1))
         mtp_logits = model.lm_head(core(inputs_embeds=joined).last_hidden_state)  # predicts t_2..t_T

@@ -254,7 +254,7 @@ class Decoder:
         """Several sequences in one pass: attention per sequence, everything else on all rows at once,
         so the expert pool sees one batch per layer. Returns each sequence's logits: its last row's with
         last_only, every row's for the sequences in ``all_rows`` (a prompt's log-probabilities). ``hidden``: a
-        list that gets each sequence's last-layer output before the final norm (the MTP layer's input): every
+        list that gets each sequence's last-layer output after the final norm (the MTP layer's input): every
         row for the sequences in ``all_rows`` or ``hidden_rows`` (or without last_only), else the last row."""
         rows = sum(len(ids) for ids, _ in seqs)
         if self.graph is not None and self.graph.takes(rows):
@@ -339,10 +339,9 @@ class Decoder:
                                     eps)  # a: the next layer's input, after the last the final norm's output
         for (_, cache), n in zip(seqs, lengths):
             cache.advance(n)
-        if hidden is not None:  # each sequence's rows asked for, of the residual stream before the final norm or after
-            every, rows_of = all_rows | hidden_rows, a if self.cfg.mtp_normed_hidden else h
-            hidden.extend(rows_of[k:k + 1] if keep is not None else
-                          rows_of[hi - (n if k in every or not last_only else 1):hi]
+        if hidden is not None:  # each sequence's rows asked for, after the final norm (the MTP layer's input)
+            every = all_rows | hidden_rows
+            hidden.extend(a[k:k + 1] if keep is not None else a[hi - (n if k in every or not last_only else 1):hi]
                           for k, (hi, n) in enumerate(zip(bounds[1:], lengths)))
         if not last_only:
             logits = self._logits(a)  # [N, V]; a: after the final norm
@@ -369,12 +368,11 @@ class Decoder:
     def forward_mtp(self, seqs: list[tuple[list, np.ndarray, KVCache]], last_only: bool = True
                     ) -> tuple[list[np.ndarray], list]:
         """The MTP layer over several sequences, each (hidden rows: a list of [T_i, H] the model's output at
-        positions p..p+T-1, before its final norm or with mtp_normed_hidden after it, the token ids [T] that
-        followed them, its MTP cache at length p): row j joins hidden state h_(p+j) with token t_(p+j+1) and
-        predicts t_(p+j+2) (DeepSeek-V3's MTP module: eh_proj of [enorm(embedding) ; hnorm(hidden)], one decoder
-        layer, shared_head's norm and head). Returns each sequence's logits (host) and its output rows before the
-        head's norm, or with mtp_normed_hidden after it (the next draft's hidden state): its last row's with
-        last_only, else every row's."""
+        positions p..p+T-1 after its final norm, the token ids [T] that followed them, its MTP cache at length p):
+        row j joins hidden state h_(p+j) with token t_(p+j+1) and predicts t_(p+j+2) (DeepSeek-V3's MTP module:
+        eh_proj of [enorm(embedding) ; hnorm(hidden)], one decoder layer, shared_head's norm and head). Returns
+        each sequence's logits (host) and its output rows before the head's norm, or with mtp_chains_normed after
+        it (the next draft's hidden state): its last row's with last_only, else every row's."""
         cfg, xp, eps, m, L = self.cfg, self.xp, self.cfg.rms_norm_eps, self.mtp, self.cfg.num_layers
         lengths = [len(ids) for _, ids, _ in seqs]
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
@@ -393,7 +391,7 @@ class Decoder:
         y = self._moe(L, lw, a) if cfg.sparse_layers[L] else ops.swiglu_mlp(a, lw.dense_mlp.gate, lw.dense_mlp.up,
                                                                              lw.dense_mlp.down)
         x, a = ops.add_rms_norm(x, y, m.head_norm, eps)  # x: the output, a: after shared_head.norm
-        if cfg.mtp_normed_hidden:  # Qwen3-Next chains the rows the head takes
+        if cfg.mtp_chains_normed:  # Qwen3-Next chains the rows the head takes
             x = a
         for (_, _, cache), n in zip(seqs, lengths):
             cache.advance(n)

@@ -160,9 +160,9 @@ class ModelConfig:
     attn_output_gate: bool = False  # qwen3_next: q_proj also gives a per-head sigmoid gate on attention's output
     norm_offset: float = 0.0  # added to the RMSNorms' weights at load: 1.0 for qwen3_next's (1 + weight) norms
     mtp_layers: int = 0  # 1: the checkpoint's multi-token-prediction layer runs as layer id num_layers (attach_mtp)
-    # qwen3_next: the MTP layer takes the model's rows after its final norm and chains its own after mtp.norm, as
-    # vLLM's and SGLang's Qwen3-Next MTP do; DeepSeek-V3's and GLM-4.5's take and chain the rows before the norms
-    mtp_normed_hidden: bool = False
+    # the MTP layer takes the model's rows after its final norm (as vLLM and SGLang feed every MTP layer) and chains
+    # its own output: qwen3_next's after mtp.norm, DeepSeek-V3's and GLM-4.5's before shared_head.norm (theirs too)
+    mtp_chains_normed: bool = False
 
     def is_linear(self, layer: int) -> bool:
         """Whether ``layer`` is a Gated DeltaNet layer (no KV cache, a fixed state per sequence)."""
@@ -237,7 +237,7 @@ def attach_mtp(cfg: ModelConfig, holds: Callable[[str], bool]) -> ModelConfig:
                                                                  holds(f"{names.layer}.mlp.gate.weight")),
                                sliding_windows=(*cfg.sliding_windows, None),
                                linear_layers=(*cfg.linear_layers, False) if cfg.linear_layers else (),
-                               mtp_normed_hidden=cfg.arch == "qwen3_next")
+                               mtp_chains_normed=cfg.arch == "qwen3_next")
 
 
 def _field(cfg: dict, key: str, kind: type, *, default: object = ..., where: str = "config.json"):
