@@ -39,6 +39,8 @@ def _run(model, graph: bool, split: bool, steps: int = 6, kv_dtype: str = "f32",
         logits = [eng.decoder.forward(np.array(PROMPT), cache, last_only=True)]
         for _ in range(steps):
             logits.append(eng.decoder.forward(np.array([int(logits[-1][-1].argmax())]), cache, last_only=True))
+        if graph and eng.model_config.mla is not None:  # a decode step's MLA read the caches on the device
+            assert eng.decoder.graph.mla_cached == (True, True)
         stats = eng.decoder.stats
         taken = eng.decoder.graph.steps if graph else 0
         return np.concatenate(logits), stats, taken
@@ -324,3 +326,68 @@ def test_step_tables_read_a_caches_addresses_again_after_it_grew(gpu):
     cache.reserve(64)  # the buffers move
     tables.fill(seqs)
     assert written() == [address(cache.buffers(layer)[0]) for layer in range(2)]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
+    """kv_store of latents and rope keys + mla_attention_absorbed_cached (places, positions, lengths and chunks read
+    from device tables, the causal mask made in the kernel) against the cache's extend + mla_attention_absorbed
+    with ops.attention_mask's mask, per sequence as the eager step calls it: three sequences of 1, 3 and 2 new
+    rows over 70, 0 and 130 cached ones (several chunks each where the keys pass MLA_CHUNK_MIN), every row's
+    queries and the last rows' alone."""
+    from coordinator.device.format_kernels import address
+    from coordinator.model import device_ops, ops
+    from coordinator.model.kv_cache import KVCache
+
+    rng = np.random.default_rng(3)
+    nh, dn, dr, c, dv, cap = 4, 16, 8, 32, 16, 160
+    cached, new = [70, 0, 130], [1, 3, 2]
+    dtype = "bf16" if bf16 else "f32"
+    caches = [KVCache(1, 1, 1, capacity=cap, xp=gpu, latent=(c, dr), dtype=dtype) for _ in cached]
+    for cache, n in zip(caches, cached):
+        if n:
+            cache.extend(0, *(gpu.asarray(rng.standard_normal((n, d)).astype(np.float32)) for d in (c, dr)))
+            cache.advance(n)
+    N, B = sum(new), len(new)
+    q = gpu.asarray(rng.standard_normal((N, nh, dn + dr)).astype(np.float32))  # q_nope, q_rope as column slices
+    ckv = gpu.asarray(rng.standard_normal((N, c + dr)).astype(np.float32))  # latent and rope key as column slices
+    w_uk = gpu.asarray(rng.standard_normal((nh, dn, c)).astype(np.float32) * 0.3)
+    w_uv = gpu.asarray(rng.standard_normal((nh, dv, c)).astype(np.float32) * 0.3)
+    scale = (dn + dr) ** -0.5
+    bounds = np.cumsum([0] + new)
+    row_pos = np.concatenate([np.arange(a, a + n) for a, n in zip(cached, new)])
+    lengths = np.array(cached) + np.array(new)
+    chunks = [device_ops.mla_splits(n, nh, S, c, dr)[1] for n, S in zip(new, lengths)]
+    last_chunks = [device_ops.mla_splits(1, nh, S, c, dr)[1] for S in lengths]
+    assert max(device_ops.mla_splits(1, nh, S, c, dr)[0] for S in lengths) > 1  # the chunks' merge is exercised
+    want_rows, want_last = [], []  # the eager path's, on the caches, then forgotten
+    for s, cache in enumerate(caches):
+        r = slice(bounds[s], bounds[s + 1])
+        lat, kr = cache.extend(0, ckv[r, :c], ckv[r, c:])
+        mask = ops.attention_mask(row_pos[r], np.arange(lat.shape[0]), None)
+        want_rows.append(np.asarray(ops.mla_attention_absorbed(q[r, :, :dn], q[r, :, dn:], lat, kr, w_uk, w_uv,
+                                                               gpu.asarray(mask), scale)))
+        last = slice(bounds[s + 1] - 1, bounds[s + 1])
+        want_last.append(np.asarray(ops.mla_attention_absorbed(q[last, :, :dn], q[last, :, dn:], lat, kr, w_uk, w_uv,
+                                                               gpu.asarray(mask[-1:]), scale)))
+        cache.truncate(cached[s])
+    stored = [[np.asarray(b).copy() for b in c.buffers(0)] for c in caches]
+    for cache, n, m in zip(caches, cached, new):
+        for b in cache.buffers(0):
+            b[n:n + m] = 0  # the store must write what extend wrote
+    tables = [np.array([address(c.buffers(0)[0]) for c in caches]), np.array([address(c.buffers(0)[1]) for c in caches]),
+              np.repeat(np.arange(B), new), row_pos, np.arange(B), lengths - 1, lengths, np.array(chunks),
+              np.array(last_chunks)]
+    lp, rp, rs, pos, ls, lpos, sl, ch, lch = (gpu.asarray(t.astype(np.int64)) for t in tables)
+    device_ops.kv_store(ckv[:, :c], ckv[:, c:], lp, rp, rs, pos, bf16)
+    for cache, want in zip(caches, stored):
+        for b, w in zip(cache.buffers(0), want):
+            assert np.array_equal(np.asarray(b), w)
+    w_uv_t = w_uv.transpose(0, 2, 1)
+    got = device_ops.mla_attention_absorbed_cached(q[..., :dn], q[..., dn:], (lp, rp, rs, pos, sl, ch), w_uk, w_uv_t,
+                                                   scale, cap, bf16)
+    assert np.array_equal(np.asarray(got), np.concatenate(want_rows))
+    lq = gpu.asarray(np.asarray(q)[bounds[1:] - 1])
+    got = device_ops.mla_attention_absorbed_cached(lq[..., :dn], lq[..., dn:], (lp, rp, ls, lpos, sl, lch), w_uk,
+                                                   w_uv_t, scale, cap, bf16)
+    assert np.array_equal(np.asarray(got), np.concatenate(want_last))

@@ -27,6 +27,7 @@ from ..device import compact
 from ..device.arena import StepArena
 from ..device.format_kernels import address
 from ..pool.stream import StreamInterrupted
+from . import device_ops
 from . import xp as xp_module
 
 MAX_ROWS = 64  # the largest bucket: a step of more rows (a prefill chunk) is eager
@@ -41,17 +42,19 @@ class StepTables:
         row_seq, row_pos [MAX_ROWS]                    each row's sequence and position
         last_seq, last_pos [MAX_ROWS]                  each sequence's last row's (the last layer's queries)
         seq_len [MAX_ROWS]                             each sequence's keys once the step is cached
+        chunk, last_chunk [MAX_ROWS]                   MLA: each sequence's keys a chunk (device_ops.mla_splits of
+                                                       its eager call: every row's queries, or its last row's)
     """
 
     def __init__(self, layers: int, xp):
         self.xp = xp
         M = MAX_ROWS
-        self.host = xp_module.pinned(2 * layers * M + 5 * M, np.int64)
+        self.host = xp_module.pinned(2 * layers * M + 7 * M, np.int64)
         self.device = xp.zeros(self.host.shape, np.int64)
         views = {}
         for name, width, host in (("k_ptrs", layers, True), ("v_ptrs", layers, True), ("row_seq", 1, False),
                                   ("row_pos", 1, False), ("last_seq", 1, False), ("last_pos", 1, False),
-                                  ("seq_len", 1, False)):
+                                  ("seq_len", 1, False), ("chunk", 1, False), ("last_chunk", 1, False)):
             at = sum(v[1] for v in views.values())
             views[name] = (at, width * M, width, host)
         self._views = views
@@ -73,8 +76,9 @@ class StepTables:
         part = array[at:at + size]
         return part.reshape(width, MAX_ROWS) if per_layer else part
 
-    def fill(self, seqs) -> None:
-        """The step's sequences [(ids, cache)] into the host table, then one upload."""
+    def fill(self, seqs, chunks=None) -> None:
+        """The step's sequences [(ids, cache)] into the host table, then one upload. ``chunks``: MLA's (chunk,
+        last_chunk) of each sequence, or None."""
         k_ptrs, v_ptrs = self._part(self.host, "k_ptrs"), self._part(self.host, "v_ptrs")
         seen = {}
         for s, (_, cache) in enumerate(seqs):
@@ -89,6 +93,8 @@ class StepTables:
         self._part(self.host, "last_seq")[:B] = np.arange(B)
         self._part(self.host, "last_pos")[:B] = starts + lengths - 1
         self._part(self.host, "seq_len")[:B] = starts + lengths
+        if chunks is not None:
+            self._part(self.host, "chunk")[:B], self._part(self.host, "last_chunk")[:B] = np.array(chunks).T
         self.score_stride = max(cache.capacity for _, cache in seqs)
         self.device.set(self.host, stream=self.xp.cuda.get_current_stream())
 
@@ -99,6 +105,10 @@ class StepTables:
         q = ("last_seq", "last_pos") if last_rows else ("row_seq", "row_pos")
         return (self._part(d, "k_ptrs")[layer], self._part(d, "v_ptrs")[layer], self._part(d, "row_seq"),
                 self._part(d, "row_pos"), self._part(d, q[0]), self._part(d, q[1]), self._part(d, "seq_len"))
+
+    def chunks(self, last_rows: bool):
+        """MLA's chunks [MAX_ROWS] on the device: for every row's queries or, with ``last_rows``, the last rows'."""
+        return self._part(self.device, "last_chunk" if last_rows else "chunk")
 
 
 class GraphSteps:
@@ -117,6 +127,7 @@ class GraphSteps:
         self.totals_host = xp_module.pinned(compact.TOTALS, np.int64)
         self.arena = StepArena(xp)
         self.tables = StepTables(cfg.num_layers, xp)
+        self.mla_cached = (False, False)  # MLA read from the caches on the device: (every row's queries, last rows')
         self.steps = 0  # steps run graph-ready
         self.redone = 0  # of them, redone eagerly after a worker died or hung
         self.host_ns = 0  # the host's time queueing the steps (from a step's start to its logits' download)
@@ -126,12 +137,20 @@ class GraphSteps:
     def takes(self, rows: int) -> bool:
         return rows <= MAX_ROWS and self.link.fits(rows, self.cfg.top_k)
 
-    def begin(self, seqs) -> None:
+    def begin(self, seqs, absorbed=None) -> None:
         """Before the step is queued: the caches reserved for it (their buffers do not move inside it), and
-        where each row reads and writes them."""
+        where each row reads and writes them. ``absorbed(T, S)``: whether MLA's eager call of T queries over S keys
+        takes the absorbed form (Decoder._absorbed); the cached MLA attention runs where every sequence's does."""
         for ids, cache in seqs:
             cache.reserve(cache.length + len(ids))
-        self.tables.fill(seqs)
+        m, chunks = self.cfg.mla, None
+        if m is not None and absorbed is not None:
+            nh, c, dr = self.cfg.num_heads, m.kv_lora_rank, m.qk_rope_head_dim
+            sizes = [(len(ids), cache.length + len(ids)) for ids, cache in seqs]  # (rows, keys once cached)
+            chunks = [(device_ops.mla_splits(n, nh, S, c, dr)[1], device_ops.mla_splits(1, nh, S, c, dr)[1])
+                      for n, S in sizes]
+            self.mla_cached = (all(absorbed(n, S) for n, S in sizes), all(absorbed(1, S) for _, S in sizes))
+        self.tables.fill(seqs, chunks)
 
     def moe(self, decoder, i: int, lw, x):
         """Layer i's MoE output [T, H] for x [T, H], queued on the stream (module docstring)."""
