@@ -391,3 +391,78 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
     got = device_ops.mla_attention_absorbed_cached(lq[..., :dn], lq[..., dn:], (lp, rp, ls, lpos, sl, lch), w_uk,
                                                    w_uv_t, scale, cap, bf16)
     assert np.array_equal(np.asarray(got), np.concatenate(want_last))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_graph_step_caches_are_reserved_to_the_context_and_never_move(gpu, tiny_model, arch):
+    """The first graph-ready step reserves its cache to max_seq_len, exactly: from then on no buffer moves
+    (KVCache.moves, every buffer's address) and the attention's scores' rows are that long every step, while the
+    cache takes the bytes the GPU memory plan counts for its KV cache (coordinator/device/vram.py)."""
+    from coordinator.device.format_kernels import address
+
+    model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
+    config = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="bf16",
+                          max_seq_len=160)
+    with Engine.open(model, config) as eng:
+        cache, graph = eng.new_cache(), eng.decoder.graph
+        prompt = np.arange(60) * 5 % 320  # 60 rows: one step, within the largest bucket
+        logits = eng.decoder.forward(prompt, cache, last_only=True)
+        moves = cache.moves
+        addresses = [address(b) for layer in range(2) for b in cache.buffers(layer)]
+        assert cache.capacity == 160 and cache.nbytes == eng.gpu_memory.kv
+        for _ in range(8):  # past the 64 tokens a cache made for 64 grows at when it is not reserved
+            logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)
+            assert cache.moves == moves and graph.tables.score_stride == 160
+        assert [address(b) for layer in range(2) for b in cache.buffers(layer)] == addresses
+        assert cache.length == 68 and graph.steps == 9
+
+
+def _two_recorded_steps(eng, cache, logits):
+    """The launch and copy records (device_standin.recording) of two consecutive one-row decode steps."""
+    records = []
+    for _ in range(2):
+        with device_standin.recording() as events:
+            logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)
+        records.append(events)
+    return records
+
+
+def _first_difference(a: list, b: list):
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return k, x, y
+    return None if len(a) == len(b) else (min(len(a), len(b)), len(a), len(b))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_consecutive_steps_of_a_bucket_queue_the_same_launches(gpu, tiny_model, arch):
+    """Two decode steps of one bucket ask the device for the same launches and copies, with the same grids, the
+    same device addresses and scalars, and host copies only from page-locked buffers at fixed places: what lets one
+    captured CUDA graph replay every step of the bucket."""
+    model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
+    config = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="bf16",
+                          max_seq_len=96)
+    with Engine.open(model, config) as eng:
+        cache = eng.new_cache()
+        logits = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
+        logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)  # sizes bucket 1
+        first, second = _two_recorded_steps(eng, cache, logits)
+        assert len(first) > 20 and any(e[0] == "host_function" for e in first)
+        assert _first_difference(first, second) is None
+
+
+def test_a_step_that_uploads_a_fresh_array_queues_different_copies(gpu, tiny_model, monkeypatch):
+    """The records see what a captured graph could not replay: the embedding rows uploaded from a new host array
+    each step (the eager path's way) in place of the page-locked staging."""
+    from coordinator.model.graph_steps import GraphSteps
+
+    monkeypatch.setattr(GraphSteps, "embed", lambda self, embed, ids: self.xp.asarray(embed[ids]))
+    model = tiny_model(num_layers=1, **GEOMETRY)
+    config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", max_seq_len=96)
+    with Engine.open(model, config) as eng:
+        cache = eng.new_cache()
+        logits = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
+        logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)
+        first, second = _two_recorded_steps(eng, cache, logits)
+        k, a, b = _first_difference(first, second)
+        assert a[0] == b[0] == "upload" and a[1][0] == b[1][0] == "pageable" and a[2] == b[2]  # same place, new source

@@ -213,16 +213,19 @@ class Decoder:
         self.graph = None  # graph_steps.GraphSteps where decode steps are graph-ready (enable_graph_steps)
         self._streaming = False  # inside a graph-ready step
 
-    def enable_graph_steps(self) -> bool:
+    def enable_graph_steps(self, context: int | None = None) -> bool:
         """Make small steps graph-ready (coordinator/model/graph_steps.py) where the device, the pool and the
-        experts allow it; whether they are."""
+        experts allow it; whether they are. ``context``: the longest sequence (None: the model's
+        max_position_embeddings), what their caches are reserved to."""
         link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp) if self.xp is not np else None
         if link is None or (any(d.any() for d in self.on_device.values())
                             and not isinstance(self.device_experts, DeviceExperts)):
             return False
         from .graph_steps import GraphSteps
 
-        self.graph = GraphSteps(self.cfg, self.on_device, self.device_experts, link, self.xp)
+        context = context or self.cfg.max_position_embeddings
+        self.graph = GraphSteps(self.cfg, self.on_device, self.device_experts, link, self.xp, context,
+                                self._rope_tables(np.arange(context)), self.w.embed.dtype)
         return True
 
     def new_cache(self) -> KVCache:
@@ -311,6 +314,7 @@ class Decoder:
         routing counters copied beside them)."""
         if self._streaming:
             self.graph.queue_counters()
+            return self.graph.logits(a @ self.w.lm_head.T)  # [R, V]
         return to_host(a @ self.w.lm_head.T)  # [R, V]
 
     def _forward(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool, all_rows: frozenset[int],
@@ -319,9 +323,13 @@ class Decoder:
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
         xp, eps, layers = self.xp, self.cfg.rms_norm_eps, self.w.layers
-        rope = self._rope_tables(np.concatenate(positions))  # cos, sin [N, d]: every row's position
+        ids = np.concatenate([ids for ids, _ in seqs])  # [N]
+        if self._streaming:  # the rows' RoPE and embedding through fixed places (graph_steps.GraphSteps.embed)
+            rope, h = self.graph.rope(ids.shape[0]), self.graph.embed(self.w.embed, ids)
+        else:
+            rope = self._rope_tables(np.concatenate(positions))  # cos, sin [N, d]: every row's position
+            h = xp.asarray(self.w.embed[ids])  # [N, H]: host rows, uploaded
         masks: dict = {}  # (sequence, window) -> [T_s, S_s] on the device: uploaded once, not once a layer
-        h = xp.asarray(self.w.embed[np.concatenate([ids for ids, _ in seqs])])  # [N, H]: host rows, uploaded
         a = ops.rms_norm(h, layers[0].input_norm if layers else self.w.final_norm, eps)  # [N, H]
         # the rows the last layer carries on with, where others' output nobody reads (last_row_ids)
         keep = last_row_ids(xp, bounds) if last_only and not all_rows and not hidden_rows and layers \
