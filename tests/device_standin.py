@@ -17,6 +17,13 @@ and the "GPU" reports 64 GB free. What it checks: that the device path's code co
     syncs          the host waiting on the device: every blocking download, Event and Stream.synchronize
     host_functions host functions queued on a stream (xp.launch_host_func): run at once, in stream order
 
+``recording()`` lists, in order, every launch and copy the device is asked for, each with what a captured CUDA graph
+would fix in it: the kernel or call, its grid, block and shared memory, its device arrays' addresses, shapes and
+strides and its scalars; a copy's device side, and its host side's address where that is page-locked
+(``cupyx.empty_pinned``, ``cuda.runtime.hostRegister``) or a mark never seen twice where it is pageable (a fresh
+host array: a graph could not replay that copy with the next step's data); host functions' addresses and user data.
+Two steps whose records are equal queue the same work on the same memory: one captured graph replays both.
+
 Allocations under ``cupy.cuda.using_allocator`` are the allocator's: coordinator/device/arena.py's bump allocator
 hands out views of its buffer (real memory here too, so an array that outlived its step would be overwritten by
 the next one, as on a GPU) and only what it takes from the pool (``get_default_memory_pool().malloc``) counts.
@@ -29,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import itertools
 import sys
 import types
 
@@ -45,6 +53,47 @@ VIEWS = {np.reshape, np.transpose, np.swapaxes, np.squeeze, np.expand_dims, np.b
 
 
 _ALLOCATOR: list = [None]  # the allocator of cupy.cuda.using_allocator, or None: CuPy's pool
+RECORD: list = [None]  # the list recording() fills, or None
+_PINNED: dict[int, int] = {}  # page-locked host ranges: start address -> bytes
+_FRESH = itertools.count()  # the marks of pageable host memory, each used once
+
+
+def _pin(start: int, size: int) -> None:
+    _PINNED[start] = size
+
+
+def _desc(x):
+    """What a captured graph fixes of a launch's or copy's argument (module docstring)."""
+    if isinstance(x, DeviceArray):
+        return ("device", x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
+    if isinstance(x, np.ndarray):
+        at = x.__array_interface__["data"][0]
+        if any(start <= at and at + x.nbytes <= start + size for start, size in _PINNED.items()):
+            return ("pinned", at, x.shape, x.strides, x.dtype.str)
+        return ("pageable", next(_FRESH))
+    if isinstance(x, np.generic):
+        return ("scalar", x.dtype.str, x.item())
+    if isinstance(x, (tuple, list)):
+        return tuple(_desc(v) for v in x)
+    if isinstance(x, slice):
+        return ("slice", x.start, x.stop, x.step)
+    return ("value", getattr(x, "__name__", None) or repr(x))
+
+
+def _record(kind: str, *items) -> None:
+    if RECORD[0] is not None:
+        RECORD[0].append((kind, *(_desc(i) for i in items)))
+
+
+@contextlib.contextmanager
+def recording():
+    """Every launch and copy inside, in order (module docstring); yields the list."""
+    events: list = []
+    previous, RECORD[0] = RECORD[0], events
+    try:
+        yield events
+    finally:
+        RECORD[0] = previous
 
 
 class _MemoryPointer:
@@ -113,24 +162,32 @@ class DeviceArray(np.ndarray):
             kwargs["out"] = tuple(_host(o) for o in out)
         result = getattr(ufunc, method)(*(_host(a) for a in inputs), **kwargs)
         if out is not None:
+            _record("ufunc", ufunc, method, inputs, out)
             return out[0] if len(out) == 1 else out
-        return tuple(_new(r) for r in result) if isinstance(result, tuple) else _new(result)
+        result = tuple(_new(r) for r in result) if isinstance(result, tuple) else _new(result)
+        _record("ufunc", ufunc, method, inputs, result)
+        return result
 
     def __array_function__(self, func, types_, args, kwargs):
         result = func(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
         if func in VIEWS:
             return _device(result) if isinstance(result, np.ndarray) else result
         COUNTS["launches"] += 1
-        return _new(result) if isinstance(result, np.ndarray) else result
+        result = _new(result) if isinstance(result, np.ndarray) else result
+        _record("call", func, args, tuple(sorted(kwargs.items())), result)
+        return result
 
     def __getitem__(self, key):
         got = _host(self)[tuple(_host(k) for k in key) if isinstance(key, tuple) else _host(key)]
         if _fancy(key):
             COUNTS["launches"] += 1
-            return _new(got)
+            got = _new(got)
+            _record("gather", self, key, got)
+            return got
         return _device(got)
 
     def __setitem__(self, key, value):
+        _record("setitem", self, key, value)
         if type(value) is np.ndarray:
             COUNTS["uploads"] += 1
         elif isinstance(value, DeviceArray) or _fancy(key):
@@ -143,14 +200,19 @@ class DeviceArray(np.ndarray):
         if not copy and self.dtype == np.dtype(dtype):
             return self
         COUNTS["launches"] += 1
-        return _new(_host(self).astype(dtype, **kwargs))
+        got = _new(_host(self).astype(dtype, **kwargs))
+        _record("astype", self, got)
+        return got
 
     def copy(self, order="C"):
         COUNTS["launches"] += 1
-        return _new(_host(self).copy(order))
+        got = _new(_host(self).copy(order))
+        _record("copy", self, got)
+        return got
 
     def fill(self, value) -> None:
         COUNTS["launches"] += 1
+        _record("fill", self, value)
         _host(self).fill(value)
 
     def get(self, stream=None, order="C", out=None, blocking=True):
@@ -158,13 +220,17 @@ class DeviceArray(np.ndarray):
         COUNTS["downloads"] += 1
         COUNTS["syncs"] += bool(blocking)
         if out is None:
-            return np.array(_host(self))
+            got = np.array(_host(self))
+            _record("download", self, got, blocking)
+            return got
+        _record("download", self, out, blocking)
         out[...] = _host(self)
         return out
 
     def set(self, arr, stream=None) -> None:
         """An upload of a host array into this one (asynchronous from page-locked memory)."""
         COUNTS["uploads"] += 1
+        _record("upload", arr, self)
         _host(self)[...] = arr
 
 
@@ -183,7 +249,9 @@ def _asarray(a, dtype=None, order=None):
     if isinstance(a, DeviceArray):
         return a if dtype is None or a.dtype == np.dtype(dtype) else a.astype(dtype)
     COUNTS["uploads"] += 1
-    return _new(np.array(a, dtype=dtype, order=order or "K"))
+    got = _new(np.array(a, dtype=dtype, order=order or "K"))
+    _record("upload", a if isinstance(a, np.ndarray) else np.asarray(a), got)
+    return got
 
 
 def _ascontiguousarray(a, dtype=None):
@@ -198,7 +266,10 @@ def _ascontiguousarray(a, dtype=None):
 def _allocating(fn, launches: int = 0):
     def call(*args, **kwargs):
         COUNTS["launches"] += launches
-        return _new(fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()}))
+        got = _new(fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()}))
+        if launches:  # a fill
+            _record("fill", got, fn)
+        return got
     return call
 
 
@@ -206,7 +277,9 @@ def _asnumpy(a):
     if isinstance(a, DeviceArray):
         COUNTS["downloads"] += 1
         COUNTS["syncs"] += 1
-        return np.array(_host(a))
+        got = np.array(_host(a))
+        _record("download", a, got, True)
+        return got
     return np.asarray(a)
 
 
@@ -252,6 +325,7 @@ class _CountedModule:
 
         def counted(grid, block, args, shared_mem=0):
             COUNTS["launches"] += 1
+            _record("kernel", name, tuple(grid), tuple(block), shared_mem, args)
             launch(grid, block, tuple(_host(a) for a in args), shared_mem=shared_mem)
         return counted
 
@@ -280,17 +354,25 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
                                                                getDeviceProperties=lambda i: {"name": NAME}))
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemory)
     cuda.using_allocator = _using_allocator
-    cuda.runtime.hostRegister = lambda ptr, size, flags: None  # host memory is the device's here
-    cuda.runtime.hostUnregister = lambda ptr: None
+    cuda.runtime.hostRegister = lambda ptr, size, flags: _pin(ptr, size)  # host memory is the device's here
+    cuda.runtime.hostUnregister = lambda ptr: _PINNED.pop(ptr, None)
     cp.cuda = cuda
     cx = types.ModuleType("cupyx")
-    cx.empty_pinned = lambda shape, dtype=np.float32: np.empty(shape, dtype)
+    cx.empty_pinned = _empty_pinned
     return cp, cx
+
+
+def _empty_pinned(shape, dtype=np.float32) -> np.ndarray:
+    """cupyx.empty_pinned: plain memory, its range remembered as page-locked (recording())."""
+    out = np.empty(shape, dtype)
+    _pin(out.__array_interface__["data"][0], out.nbytes)
+    return out
 
 
 def _launch_host_func(fn_address: int, user_data: int) -> None:
     """xp.launch_host_func: the stream's earlier work is done here already, so the function runs now."""
     COUNTS["host_functions"] += 1
+    _record("host_function", fn_address, user_data)
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn_address)(user_data)
 
 

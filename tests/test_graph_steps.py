@@ -39,6 +39,8 @@ def _run(model, graph: bool, split: bool, steps: int = 6, kv_dtype: str = "f32",
         logits = [eng.decoder.forward(np.array(PROMPT), cache, last_only=True)]
         for _ in range(steps):
             logits.append(eng.decoder.forward(np.array([int(logits[-1][-1].argmax())]), cache, last_only=True))
+        if graph and eng.model_config.mla is not None:  # a decode step's MLA read the caches on the device
+            assert eng.decoder.graph.mla_cached == (True, True)
         stats = eng.decoder.stats
         taken = eng.decoder.graph.steps if graph else 0
         return np.concatenate(logits), stats, taken
@@ -324,3 +326,143 @@ def test_step_tables_read_a_caches_addresses_again_after_it_grew(gpu):
     cache.reserve(64)  # the buffers move
     tables.fill(seqs)
     assert written() == [address(cache.buffers(layer)[0]) for layer in range(2)]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
+    """kv_store of latents and rope keys + mla_attention_absorbed_cached (places, positions, lengths and chunks read
+    from device tables, the causal mask made in the kernel) against the cache's extend + mla_attention_absorbed
+    with ops.attention_mask's mask, per sequence as the eager step calls it: three sequences of 1, 3 and 2 new
+    rows over 70, 0 and 130 cached ones (several chunks each where the keys pass MLA_CHUNK_MIN), every row's
+    queries and the last rows' alone."""
+    from coordinator.device.format_kernels import address
+    from coordinator.model import device_ops, ops
+    from coordinator.model.kv_cache import KVCache
+
+    rng = np.random.default_rng(3)
+    nh, dn, dr, c, dv, cap = 4, 16, 8, 32, 16, 160
+    cached, new = [70, 0, 130], [1, 3, 2]
+    dtype = "bf16" if bf16 else "f32"
+    caches = [KVCache(1, 1, 1, capacity=cap, xp=gpu, latent=(c, dr), dtype=dtype) for _ in cached]
+    for cache, n in zip(caches, cached):
+        if n:
+            cache.extend(0, *(gpu.asarray(rng.standard_normal((n, d)).astype(np.float32)) for d in (c, dr)))
+            cache.advance(n)
+    N, B = sum(new), len(new)
+    q = gpu.asarray(rng.standard_normal((N, nh, dn + dr)).astype(np.float32))  # q_nope, q_rope as column slices
+    ckv = gpu.asarray(rng.standard_normal((N, c + dr)).astype(np.float32))  # latent and rope key as column slices
+    w_uk = gpu.asarray(rng.standard_normal((nh, dn, c)).astype(np.float32) * 0.3)
+    w_uv = gpu.asarray(rng.standard_normal((nh, dv, c)).astype(np.float32) * 0.3)
+    scale = (dn + dr) ** -0.5
+    bounds = np.cumsum([0] + new)
+    row_pos = np.concatenate([np.arange(a, a + n) for a, n in zip(cached, new)])
+    lengths = np.array(cached) + np.array(new)
+    chunks = [device_ops.mla_splits(n, nh, S, c, dr)[1] for n, S in zip(new, lengths)]
+    last_chunks = [device_ops.mla_splits(1, nh, S, c, dr)[1] for S in lengths]
+    assert max(device_ops.mla_splits(1, nh, S, c, dr)[0] for S in lengths) > 1  # the chunks' merge is exercised
+    want_rows, want_last = [], []  # the eager path's, on the caches, then forgotten
+    for s, cache in enumerate(caches):
+        r = slice(bounds[s], bounds[s + 1])
+        lat, kr = cache.extend(0, ckv[r, :c], ckv[r, c:])
+        mask = ops.attention_mask(row_pos[r], np.arange(lat.shape[0]), None)
+        want_rows.append(np.asarray(ops.mla_attention_absorbed(q[r, :, :dn], q[r, :, dn:], lat, kr, w_uk, w_uv,
+                                                               gpu.asarray(mask), scale)))
+        last = slice(bounds[s + 1] - 1, bounds[s + 1])
+        want_last.append(np.asarray(ops.mla_attention_absorbed(q[last, :, :dn], q[last, :, dn:], lat, kr, w_uk, w_uv,
+                                                               gpu.asarray(mask[-1:]), scale)))
+        cache.truncate(cached[s])
+    stored = [[np.asarray(b).copy() for b in c.buffers(0)] for c in caches]
+    for cache, n, m in zip(caches, cached, new):
+        for b in cache.buffers(0):
+            b[n:n + m] = 0  # the store must write what extend wrote
+    tables = [np.array([address(c.buffers(0)[0]) for c in caches]), np.array([address(c.buffers(0)[1]) for c in caches]),
+              np.repeat(np.arange(B), new), row_pos, np.arange(B), lengths - 1, lengths, np.array(chunks),
+              np.array(last_chunks)]
+    lp, rp, rs, pos, ls, lpos, sl, ch, lch = (gpu.asarray(t.astype(np.int64)) for t in tables)
+    device_ops.kv_store(ckv[:, :c], ckv[:, c:], lp, rp, rs, pos, bf16)
+    for cache, want in zip(caches, stored):
+        for b, w in zip(cache.buffers(0), want):
+            assert np.array_equal(np.asarray(b), w)
+    w_uv_t = w_uv.transpose(0, 2, 1)
+    got = device_ops.mla_attention_absorbed_cached(q[..., :dn], q[..., dn:], (lp, rp, rs, pos, sl, ch), w_uk, w_uv_t,
+                                                   scale, cap, bf16)
+    assert np.array_equal(np.asarray(got), np.concatenate(want_rows))
+    lq = gpu.asarray(np.asarray(q)[bounds[1:] - 1])
+    got = device_ops.mla_attention_absorbed_cached(lq[..., :dn], lq[..., dn:], (lp, rp, ls, lpos, sl, lch), w_uk,
+                                                   w_uv_t, scale, cap, bf16)
+    assert np.array_equal(np.asarray(got), np.concatenate(want_last))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_graph_step_caches_are_reserved_to_the_context_and_never_move(gpu, tiny_model, arch):
+    """The first graph-ready step reserves its cache to max_seq_len, exactly: from then on no buffer moves
+    (KVCache.moves, every buffer's address) and the attention's scores' rows are that long every step, while the
+    cache takes the bytes the GPU memory plan counts for its KV cache (coordinator/device/vram.py)."""
+    from coordinator.device.format_kernels import address
+
+    model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
+    config = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="bf16",
+                          max_seq_len=160)
+    with Engine.open(model, config) as eng:
+        cache, graph = eng.new_cache(), eng.decoder.graph
+        prompt = np.arange(60) * 5 % 320  # 60 rows: one step, within the largest bucket
+        logits = eng.decoder.forward(prompt, cache, last_only=True)
+        moves = cache.moves
+        addresses = [address(b) for layer in range(2) for b in cache.buffers(layer)]
+        assert cache.capacity == 160 and cache.nbytes == eng.gpu_memory.kv
+        for _ in range(8):  # past the 64 tokens a cache made for 64 grows at when it is not reserved
+            logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)
+            assert cache.moves == moves and graph.tables.score_stride == 160
+        assert [address(b) for layer in range(2) for b in cache.buffers(layer)] == addresses
+        assert cache.length == 68 and graph.steps == 9
+
+
+def _two_recorded_steps(eng, cache, logits):
+    """The launch and copy records (device_standin.recording) of two consecutive one-row decode steps."""
+    records = []
+    for _ in range(2):
+        with device_standin.recording() as events:
+            logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)
+        records.append(events)
+    return records
+
+
+def _first_difference(a: list, b: list):
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return k, x, y
+    return None if len(a) == len(b) else (min(len(a), len(b)), len(a), len(b))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_consecutive_steps_of_a_bucket_queue_the_same_launches(gpu, tiny_model, arch):
+    """Two decode steps of one bucket ask the device for the same launches and copies, with the same grids, the
+    same device addresses and scalars, and host copies only from page-locked buffers at fixed places: what lets one
+    captured CUDA graph replay every step of the bucket."""
+    model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
+    config = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="bf16",
+                          max_seq_len=96)
+    with Engine.open(model, config) as eng:
+        cache = eng.new_cache()
+        logits = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
+        logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)  # sizes bucket 1
+        first, second = _two_recorded_steps(eng, cache, logits)
+        assert len(first) > 20 and any(e[0] == "host_function" for e in first)
+        assert _first_difference(first, second) is None
+
+
+def test_a_step_that_uploads_a_fresh_array_queues_different_copies(gpu, tiny_model, monkeypatch):
+    """The records see what a captured graph could not replay: the embedding rows uploaded from a new host array
+    each step (the eager path's way) in place of the page-locked staging."""
+    from coordinator.model.graph_steps import GraphSteps
+
+    monkeypatch.setattr(GraphSteps, "embed", lambda self, embed, ids: self.xp.asarray(embed[ids]))
+    model = tiny_model(num_layers=1, **GEOMETRY)
+    config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", max_seq_len=96)
+    with Engine.open(model, config) as eng:
+        cache = eng.new_cache()
+        logits = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
+        logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)
+        first, second = _two_recorded_steps(eng, cache, logits)
+        k, a, b = _first_difference(first, second)
+        assert a[0] == b[0] == "upload" and a[1][0] == b[1][0] == "pageable" and a[2] == b[2]  # same place, new source

@@ -213,16 +213,19 @@ class Decoder:
         self.graph = None  # graph_steps.GraphSteps where decode steps are graph-ready (enable_graph_steps)
         self._streaming = False  # inside a graph-ready step
 
-    def enable_graph_steps(self) -> bool:
+    def enable_graph_steps(self, context: int | None = None) -> bool:
         """Make small steps graph-ready (coordinator/model/graph_steps.py) where the device, the pool and the
-        experts allow it; whether they are."""
+        experts allow it; whether they are. ``context``: the longest sequence (None: the model's
+        max_position_embeddings), what their caches are reserved to."""
         link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp) if self.xp is not np else None
         if link is None or (any(d.any() for d in self.on_device.values())
                             and not isinstance(self.device_experts, DeviceExperts)):
             return False
         from .graph_steps import GraphSteps
 
-        self.graph = GraphSteps(self.cfg, self.on_device, self.device_experts, link, self.xp)
+        context = context or self.cfg.max_position_embeddings
+        self.graph = GraphSteps(self.cfg, self.on_device, self.device_experts, link, self.xp, context,
+                                self._rope_tables(np.arange(context)), self.w.embed.dtype)
         return True
 
     def new_cache(self) -> KVCache:
@@ -269,7 +272,7 @@ class Decoder:
         t0 = time.perf_counter_ns()
         asked = len(hidden) if hidden is not None else 0  # hidden's rows from before this step
         starts = [cache.length for _, cache in seqs]
-        self.graph.begin(seqs)
+        self.graph.begin(seqs, self._absorbed if self.cfg.mla is not None else None)
         link = self.graph.link
         link.begin_step(rows)
         self._streaming = True
@@ -311,6 +314,7 @@ class Decoder:
         routing counters copied beside them)."""
         if self._streaming:
             self.graph.queue_counters()
+            return self.graph.logits(a @ self.w.lm_head.T)  # [R, V]
         return to_host(a @ self.w.lm_head.T)  # [R, V]
 
     def _forward(self, seqs: list[tuple[np.ndarray, KVCache]], last_only: bool, all_rows: frozenset[int],
@@ -319,9 +323,13 @@ class Decoder:
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(seqs, lengths)]
         xp, eps, layers = self.xp, self.cfg.rms_norm_eps, self.w.layers
-        rope = self._rope_tables(np.concatenate(positions))  # cos, sin [N, d]: every row's position
+        ids = np.concatenate([ids for ids, _ in seqs])  # [N]
+        if self._streaming:  # the rows' RoPE and embedding through fixed places (graph_steps.GraphSteps.embed)
+            rope, h = self.graph.rope(ids.shape[0]), self.graph.embed(self.w.embed, ids)
+        else:
+            rope = self._rope_tables(np.concatenate(positions))  # cos, sin [N, d]: every row's position
+            h = xp.asarray(self.w.embed[ids])  # [N, H]: host rows, uploaded
         masks: dict = {}  # (sequence, window) -> [T_s, S_s] on the device: uploaded once, not once a layer
-        h = xp.asarray(self.w.embed[np.concatenate([ids for ids, _ in seqs])])  # [N, H]: host rows, uploaded
         a = ops.rms_norm(h, layers[0].input_norm if layers else self.w.final_norm, eps)  # [N, H]
         # the rows the last layer carries on with, where others' output nobody reads (last_row_ids)
         keep = last_row_ids(xp, bounds) if last_only and not all_rows and not hidden_rows and layers \
@@ -497,6 +505,9 @@ class Decoder:
         latent = ops.rms_norm(self.xp.ascontiguousarray(ckv[:, : m.kv_lora_rank]), w.kv_a_norm, cfg.rms_norm_eps)
         k_rope = ckv[:, None, m.kv_lora_rank :]  # [N, 1, dr]
         rotate = ops.apply_rope_interleaved if m.rope_interleave else ops.apply_rope
+        if self._streaming and self.graph.mla_cached[rows is not None]:
+            return self._mla_attention_cached(i, lw, latent, rotate(k_rope, *rope)[:, 0], q_nope, q_rope, rotate,
+                                              rope, rows)
         out = self.xp.empty((xq.shape[0], nh * m.v_head_dim), np.float32)  # [N or len(rows), nh*dv]
         for s, (_, cache) in enumerate(seqs):
             r = slice(bounds[s], bounds[s + 1])
@@ -514,6 +525,22 @@ class Decoder:
                 kv = (lat @ w.kv_b.T).reshape(lat.shape[0], nh, dn + m.v_head_dim)  # [S, nh, dn+dv]
                 out[r] = ops.mla_attention(q_nope[r], qr, kv[..., :dn], kr, kv[..., dn:], mask, m.softmax_scale)
         return out @ lw.o.T  # [N or len(rows), H]
+
+    def _mla_attention_cached(self, i: int, lw: LayerWeights, latent, k_rope, q_nope, q_rope, rotate, rope, rows):
+        """_mla_attention (absorbed) in a graph-ready step: latent [N, c] and roped k_rope [N, dr] stored by one
+        kv_store, every sequence's attention in three launches reading the caches' places, lengths and chunks from
+        the step's tables (graph_steps.StepTables), not from arguments; the same bits as _mla_attention."""
+        m, w, tables = self.cfg.mla, lw.mla, self.graph.tables
+        cos, sin = rope
+        q_rope = rotate(q_rope, *((cos, sin) if rows is None else (cos[rows], sin[rows])))  # [Nq, nh, dr]
+        k_ptrs, v_ptrs, row_seq, row_pos, q_seq, q_pos, seq_len = tables.layer(i, rows is not None)
+        bf16 = self.kv_dtype == "bf16"
+        device_ops.kv_store(latent, k_rope, k_ptrs, v_ptrs, row_seq, row_pos, bf16)
+        w_uk, w_uv = (w.w_uk, w.w_uv) if w.w_uk is not None else self._kv_b_heads(w.kv_b)
+        out = device_ops.mla_attention_absorbed_cached(
+            q_nope, q_rope, (k_ptrs, v_ptrs, q_seq, q_pos, seq_len, tables.chunks(rows is not None)), w_uk,
+            w_uv.transpose(0, 2, 1), m.softmax_scale, tables.score_stride, bf16)  # [Nq, nh*dv]
+        return out @ lw.o.T  # [Nq, H]
 
     def _kv_b_heads(self, kv_b):
         """(W_uk [nh, dn, c], W_uv [nh, dv, c]): views of kv_b's rows, dequantised where it is stored compact

@@ -28,9 +28,11 @@ built for the CPU) and, on a GPU, through CuPy.
     gqa_attention(q [T, nh, hd], k/v [S, nkv, hd], mask [T, S], s) -> [T, nh*hd]   one block a (token, head)
     gqa_attention_cached(q [Nq, nh, hd], tables, window, s, ...) -> [Nq, nh*hd]  the same, each query over its
                                                       sequence's cache, lengths and mask read on the device
-    kv_store(k, v [N, nkv, hd], k_ptrs, v_ptrs, row_seq, row_pos, bf16)  each row into its sequence's cache
+    kv_store(k [N, ...], v [N, ...], k_ptrs, v_ptrs, row_seq, row_pos, bf16)  each row into its sequence's cache
     mla_attention_absorbed(q_nope [T, nh, dn], q_rope [T, nh, dr], latent [S, c], k_rope [S, dr],
                            w_uk [nh, dn, c], w_uv_t [nh, c, dv], mask [T, S], s) -> [T, nh*dv]
+    mla_attention_absorbed_cached(q_nope [Nq, nh, dn], q_rope, tables, w_uk, w_uv_t, s, max_keys, bf16)
+                                                      -> [Nq, nh*dv]  the same over each query's sequence's cache
     silu_mul(g, u)                                    -> g * sigmoid(g) * u, elementwise
     to_bf16(x [...], out=None)                        -> bf16 bits, uint16 [...] (out: a cache's rows, in place)
     from_bf16(bits [...])                             -> float32 [...], exact
@@ -271,23 +273,26 @@ __device__ __forceinline__ unsigned short bf16_bits(unsigned int b) {
     return (unsigned short)(is_nan ? (b >> 16) | 0x40u : (b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
-// Row t's key and value (width floats each; rows k_stride and v_stride apart: columns of the fused QKV output)
-// into its sequence's cache: row_pos[t] of the buffers at k_ptrs[row_seq[t]], v_ptrs[row_seq[t]]; as float32,
-// or as bf16 bits rounded as strata_to_bf16 rounds. A block a row.
+// Row t's key and value (k_width and v_width floats; rows k_stride and v_stride apart: columns of the fused QKV
+// output, or MLA's latent and rope key) into its sequence's cache: row_pos[t] of the buffers at k_ptrs[row_seq[t]],
+// v_ptrs[row_seq[t]]; as float32, or as bf16 bits rounded as strata_to_bf16 rounds. A block a row; a row of
+// sequence -1 (a bucket's padding) stores nothing.
 extern "C" __global__ void strata_kv_store(const unsigned int* k, const unsigned int* v, long long k_stride,
-                                           long long v_stride, int width, const long long* k_ptrs,
+                                           long long v_stride, int k_width, int v_width, const long long* k_ptrs,
                                            const long long* v_ptrs, const long long* row_seq,
                                            const long long* row_pos, int bf16) {
-    long long t = blockIdx.x, s = row_seq[t], at = row_pos[t] * width;
-    for (int j = threadIdx.x; j < width; j += blockDim.x) {
-        unsigned int kb = k[t * k_stride + j], vb = v[t * v_stride + j];
-        if (bf16) {
-            ((unsigned short*)k_ptrs[s])[at + j] = bf16_bits(kb);
-            ((unsigned short*)v_ptrs[s])[at + j] = bf16_bits(vb);
-        } else {
-            ((unsigned int*)k_ptrs[s])[at + j] = kb;
-            ((unsigned int*)v_ptrs[s])[at + j] = vb;
-        }
+    long long t = blockIdx.x, s = row_seq[t];
+    if (s < 0) return;
+    long long k_at = row_pos[t] * k_width, v_at = row_pos[t] * v_width;
+    for (int j = threadIdx.x; j < k_width; j += blockDim.x) {
+        unsigned int kb = k[t * k_stride + j];
+        if (bf16) ((unsigned short*)k_ptrs[s])[k_at + j] = bf16_bits(kb);
+        else ((unsigned int*)k_ptrs[s])[k_at + j] = kb;
+    }
+    for (int j = threadIdx.x; j < v_width; j += blockDim.x) {
+        unsigned int vb = v[t * v_stride + j];
+        if (bf16) ((unsigned short*)v_ptrs[s])[v_at + j] = bf16_bits(vb);
+        else ((unsigned int*)v_ptrs[s])[v_at + j] = vb;
     }
 }
 
@@ -373,19 +378,24 @@ extern "C" __global__ void strata_mla_q_absorb(const float* q_nope, long long qn
 //   softmax  a warp a row: chunk max, e^(s - max) (masked: 0), sum
 //   part     the threads split (latent column, key group), groups = blockDim / c keys apart, summed in order
 // Dynamic shared memory: MLA_ROWS * (max(c + dr, blockDim) + chunk) floats.
+// Whether query row r sees key j: mask[(r / nh) * S + j], or without a mask (null) j <= pos (causal; the cached
+// form's block holds one token's rows, at position pos).
+__device__ __forceinline__ bool mla_seen(const unsigned char* mask, long long r, int nh, int S, long long j,
+                                         long long pos) {
+    return mask ? mask[(r / nh) * S + j] != 0 : j <= pos;
+}
+
+// One block of strata_mla_partial: rows r0 .. r0 + rb, keys j0 .. j0 + n of latent and k_rope; part and stats
+// written at column `split` of rows `stride` columns long; the scores' rows `chunk` floats apart in shared memory.
 template <typename KV>
-__device__ void mla_partial(const float* q_lat, const float* q_rope, long long qr_row, long long qr_head,
-                            const KV* latent, const KV* k_rope, const unsigned char* mask, float scale, int R,
-                            int nh, int S, int c, int dr, int chunk, int splits, float* part, float* stats) {
+__device__ void mla_partial_block(const float* q_lat, const float* q_rope, long long qr_row, long long qr_head,
+                                  const KV* latent, const KV* k_rope, const unsigned char* mask, long long pos,
+                                  float scale, int nh, int S, int c, int dr, long long r0, int rb, long long j0, int n,
+                                  int chunk, int split, int stride, float* part, float* stats) {
     extern __shared__ float mla_shared[];  // named apart, as gqa_shared
     int width = c + dr, span = width > (int)blockDim.x ? width : (int)blockDim.x;
     float* qs = mla_shared;                    // [MLA_ROWS][span] the rows' queries (q_lat, q_rope), then part's sums
     float* sc = mla_shared + MLA_ROWS * span;  // [MLA_ROWS][chunk] the scores, then e^(s - max)
-    long long r0 = (long long)(blockIdx.x / splits) * MLA_ROWS;
-    int split = blockIdx.x % splits;
-    int rb = R - r0 < MLA_ROWS ? (int)(R - r0) : MLA_ROWS;
-    long long j0 = (long long)split * chunk;
-    int n = S - j0 < chunk ? (int)(S - j0) : chunk;  // this chunk's keys
     for (int i = threadIdx.x; i < rb * width; i += blockDim.x) {
         int rr = i / width, e = i % width;
         long long r = r0 + rr;
@@ -396,7 +406,7 @@ __device__ void mla_partial(const float* q_lat, const float* q_rope, long long q
     for (int j = w; j < n; j += nw) {
         long long key = j0 + j;
         bool seen = false;
-        for (int rr = 0; rr < rb; rr++) seen = seen || mask[((r0 + rr) / nh) * S + key];
+        for (int rr = 0; rr < rb; rr++) seen = seen || mla_seen(mask, r0 + rr, nh, S, key, pos);
         if (!seen) {  // no row sees it (a later token's key in a prompt): no products
             if (lane == 0)
                 for (int rr = 0; rr < rb; rr++) sc[rr * chunk + j] = __int_as_float(0xff800000);
@@ -419,7 +429,7 @@ __device__ void mla_partial(const float* q_lat, const float* q_rope, long long q
 #pragma unroll
         for (int rr = 0; rr < MLA_ROWS; rr++) {  // a constant count, so a[] stays in registers
             if (rr < rb) {
-                bool m = mask[((r0 + rr) / nh) * S + key];  // the same for the whole warp: no lane skips a shuffle
+                bool m = mla_seen(mask, r0 + rr, nh, S, key, pos);  // the same for the whole warp: no lane skips a shuffle
                 float s = m ? warp_sum(a[rr]) : 0.0f;
                 if (lane == 0) sc[rr * chunk + j] = m ? s * scale : __int_as_float(0xff800000);
             }
@@ -428,21 +438,20 @@ __device__ void mla_partial(const float* q_lat, const float* q_rope, long long q
     __syncthreads();
     for (int rr = w; rr < rb; rr += nw) {
         long long r = r0 + rr;
-        const unsigned char* m = mask + (r / nh) * S + j0;
         float* s = sc + rr * chunk;
         float mx = __int_as_float(0xff800000);
         for (int j = lane; j < n; j += 32) mx = fmaxf(mx, s[j]);
         mx = warp_max(mx);
         float sum = 0.0f;
         for (int j = lane; j < n; j += 32) {
-            float e = m[j] ? expf(s[j] - mx) : 0.0f;
+            float e = mla_seen(mask, r, nh, S, j0 + j, pos) ? expf(s[j] - mx) : 0.0f;
             s[j] = e;
             sum += e;
         }
         sum = warp_sum(sum);
         if (lane == 0) {
-            stats[(r * splits + split) * 2] = mx;
-            stats[(r * splits + split) * 2 + 1] = sum;
+            stats[(r * stride + split) * 2] = mx;
+            stats[(r * stride + split) * 2 + 1] = sum;
         }
     }
     __syncthreads();  // sc[] holds every e; qs[] is free for the sums
@@ -466,8 +475,21 @@ __device__ void mla_partial(const float* q_lat, const float* q_rope, long long q
         int rr = i / c, col = i % c;
         float a = 0.0f;
         for (int grp = 0; grp < groups; grp++) a += qs[rr * span + grp * c + col];
-        part[((r0 + rr) * splits + split) * c + col] = a;
+        part[((r0 + rr) * stride + split) * c + col] = a;
     }
+}
+
+template <typename KV>
+__device__ void mla_partial(const float* q_lat, const float* q_rope, long long qr_row, long long qr_head,
+                            const KV* latent, const KV* k_rope, const unsigned char* mask, float scale, int R,
+                            int nh, int S, int c, int dr, int chunk, int splits, float* part, float* stats) {
+    long long r0 = (long long)(blockIdx.x / splits) * MLA_ROWS;
+    int split = blockIdx.x % splits;
+    int rb = R - r0 < MLA_ROWS ? (int)(R - r0) : MLA_ROWS;
+    long long j0 = (long long)split * chunk;
+    int n = S - j0 < chunk ? (int)(S - j0) : chunk;  // this chunk's keys
+    mla_partial_block(q_lat, q_rope, qr_row, qr_head, latent, k_rope, mask, 0, scale, nh, S, c, dr, r0, rb, j0, n,
+                      chunk, split, splits, part, stats);
 }
 extern "C" __global__ void strata_mla_partial(const float* q_lat, const float* q_rope, long long qr_row,
                                               long long qr_head, const float* latent, const float* k_rope,
@@ -485,41 +507,86 @@ extern "C" __global__ void strata_mla_partial_bf16(const float* q_lat, const flo
                 stats);
 }
 
-// part [R, splits, c], stats [R, splits, 2] (strata_mla_partial's); w_uv_t [nh, c, dv], element (h, k, d) at
-// w_uv_t + h * wv_head + k * wv_row + d * wv_col (contiguous, or w_uv's transposed view); out [T, nh * dv].
-// Block b: head b % nh, tokens from (b / nh) * MLA_ROWS. Each chunk weighs e^(max_s - M) (M the row's largest
-// max; an all-masked chunk, max -inf, weighs 0): out_lat = sum of w_s part_s / sum of w_s sum_s, then a thread a
-// (output dim, column group), groups = blockDim / dv columns apart, summed in group order.
-// Dynamic shared memory: MLA_ROWS * (c + max(splits, blockDim, dv)) floats.
-extern "C" __global__ void strata_mla_combine(const float* part, const float* stats, const float* w_uv_t,
-                                              long long wv_head, long long wv_row, long long wv_col, int T, int nh,
-                                              int c, int dv, int splits, float* out) {
-    extern __shared__ float shared[];
-    float* ol = shared;                  // [MLA_ROWS][c] the tokens' out_lat
-    float* ws = shared + MLA_ROWS * c;   // [MLA_ROWS][splits] the chunks' weights, then the output's partial sums
+// strata_mla_partial reading where and how far from the device, as strata_gqa_attention_cached: query token t
+// belongs to sequence q_seq[t] (-1: a bucket's padding, nothing done) at position q_pos[t]; sequence s's latents
+// and rope keys are seq_len[s] rows at lat_ptrs[s], rope_ptrs[s], cut in chunks of chunks[s] keys (the eager
+// call's mla_splits, so the same sums). Block b: token b / (hblocks * stride), heads from
+// ((b / stride) % hblocks) * MLA_ROWS, chunk b % stride; a chunk past the sequence's keys does nothing. part
+// [Nq * nh, stride, c], stats [Nq * nh, stride, 2]. The grid depends on Nq and stride alone.
+template <typename KV>
+__device__ void mla_partial_cached(const float* q_lat, const float* q_rope, long long qr_row, long long qr_head,
+                                   const long long* lat_ptrs, const long long* rope_ptrs, const long long* q_seq,
+                                   const long long* q_pos, const long long* seq_len, const long long* chunks,
+                                   float scale, int nh, int c, int dr, int stride, float* part, float* stats) {
+    int hblocks = (nh + MLA_ROWS - 1) / MLA_ROWS, split = blockIdx.x % stride;
+    long long t = blockIdx.x / ((long long)hblocks * stride), s = q_seq[t];
+    if (s < 0) return;
+    int S = (int)seq_len[s], chunk = (int)chunks[s], h0 = (int)((blockIdx.x / stride) % hblocks) * MLA_ROWS;
+    long long j0 = (long long)split * chunk;
+    if (chunk <= 0 || j0 >= S) return;  // the whole block alike: no thread waits at a barrier alone
+    int n = S - j0 < chunk ? (int)(S - j0) : chunk;
+    int rb = nh - h0 < MLA_ROWS ? nh - h0 : MLA_ROWS;
+    mla_partial_block((const float*)q_lat, q_rope, qr_row, qr_head, (const KV*)lat_ptrs[s], (const KV*)rope_ptrs[s],
+                      (const unsigned char*)nullptr, q_pos[t], scale, nh, S, c, dr, t * nh + h0, rb, j0, n, chunk,
+                      split, stride, part, stats);
+}
+extern "C" __global__ void strata_mla_partial_cached(const float* q_lat, const float* q_rope, long long qr_row,
+                                                     long long qr_head, const long long* lat_ptrs,
+                                                     const long long* rope_ptrs, const long long* q_seq,
+                                                     const long long* q_pos, const long long* seq_len,
+                                                     const long long* chunks, float scale, int nh, int c, int dr,
+                                                     int stride, int bf16, float* part, float* stats) {
+    if (bf16) mla_partial_cached<unsigned short>(q_lat, q_rope, qr_row, qr_head, lat_ptrs, rope_ptrs, q_seq, q_pos,
+                                                 seq_len, chunks, scale, nh, c, dr, stride, part, stats);
+    else mla_partial_cached<float>(q_lat, q_rope, qr_row, qr_head, lat_ptrs, rope_ptrs, q_seq, q_pos, seq_len, chunks,
+                                   scale, nh, c, dr, stride, part, stats);
+}
+
+// part [R, stride, c], stats [R, stride, 2] (strata_mla_partial's: stride = splits); w_uv_t [nh, c, dv], element
+// (h, k, d) at w_uv_t + h * wv_head + k * wv_row + d * wv_col (contiguous, or w_uv's transposed view); out
+// [T, nh * dv]. Block b: head b % nh, tokens from (b / nh) * MLA_ROWS. Each chunk weighs e^(max_s - M) (M the
+// row's largest max; an all-masked chunk, max -inf, weighs 0): out_lat = sum of w_s part_s / sum of w_s sum_s,
+// then a thread a (output dim, column group), groups = blockDim / dv columns apart, summed in group order.
+// Token t's chunks: all `stride`, or with q_seq (the cached form) its sequence's ceil(seq_len / chunk), none for
+// padding (q_seq -1: zeros out). Dynamic shared memory: MLA_ROWS * (c + max(stride, blockDim, dv)) floats.
+__device__ void mla_combine(const float* part, const float* stats, const float* w_uv_t, long long wv_head,
+                            long long wv_row, long long wv_col, int T, int nh, int c, int dv, int stride,
+                            const long long* q_seq, const long long* seq_len, const long long* chunks, float* out) {
+    extern __shared__ float combine_shared[];
+    float* ol = combine_shared;                  // [MLA_ROWS][c] the tokens' out_lat
+    float* ws = combine_shared + MLA_ROWS * c;   // [MLA_ROWS][stride] the chunks' weights, then the output's sums
     int h = blockIdx.x % nh;
     long long t0 = (long long)(blockIdx.x / nh) * MLA_ROWS;
     int tb = T - t0 < MLA_ROWS ? (int)(T - t0) : MLA_ROWS;
-    for (int i = threadIdx.x; i < tb * splits; i += blockDim.x) {
-        int tt = i / splits, s = i % splits;
-        const float* st = stats + ((t0 + tt) * nh + h) * splits * 2;
+    int ns[MLA_ROWS];  // each token's chunks
+    for (int tt = 0; tt < MLA_ROWS; tt++) {
+        ns[tt] = stride;
+        if (q_seq && tt < tb) {
+            long long s = q_seq[t0 + tt], ch = s < 0 ? 0 : chunks[s];
+            ns[tt] = ch > 0 ? (int)((seq_len[s] + ch - 1) / ch) : 0;
+        }
+    }
+    for (int i = threadIdx.x; i < tb * stride; i += blockDim.x) {
+        int tt = i / stride, s = i % stride;
+        if (s >= ns[tt]) continue;
+        const float* st = stats + ((t0 + tt) * nh + h) * stride * 2;
         float mx = __int_as_float(0xff800000);
-        for (int k = 0; k < splits; k++) mx = fmaxf(mx, st[2 * k]);
-        ws[tt * splits + s] = expf(st[2 * s] - mx);
+        for (int k = 0; k < ns[tt]; k++) mx = fmaxf(mx, st[2 * k]);
+        ws[tt * stride + s] = expf(st[2 * s] - mx);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < tb * c; i += blockDim.x) {
         int tt = i / c, col = i % c;
         long long r = (t0 + tt) * nh + h;
-        const float* st = stats + r * splits * 2;
-        const float* p = part + r * splits * c + col;
+        const float* st = stats + r * stride * 2;
+        const float* p = part + r * stride * c + col;
         float a = 0.0f, sum = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            float wt = ws[tt * splits + s];
+        for (int s = 0; s < ns[tt]; s++) {
+            float wt = ws[tt * stride + s];
             a += wt * p[(long long)s * c];
             sum += wt * st[2 * s + 1];
         }
-        ol[tt * c + col] = a / sum;
+        ol[tt * c + col] = ns[tt] ? a / sum : 0.0f;
     }
     __syncthreads();  // ol[] complete; ws[] is free for the sums
     int groups = dv <= (int)blockDim.x ? blockDim.x / dv : 1;
@@ -545,6 +612,17 @@ extern "C" __global__ void strata_mla_combine(const float* part, const float* st
         for (int grp = 0; grp < groups; grp++) a += ws[(grp * MLA_ROWS + tt) * dv + d];
         out[((t0 + tt) * nh + h) * dv + d] = a;
     }
+}
+extern "C" __global__ void strata_mla_combine(const float* part, const float* stats, const float* w_uv_t,
+                                              long long wv_head, long long wv_row, long long wv_col, int T, int nh,
+                                              int c, int dv, int splits, float* out) {
+    mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, splits, nullptr, nullptr, nullptr, out);
+}
+extern "C" __global__ void strata_mla_combine_cached(const float* part, const float* stats, const float* w_uv_t,
+                                                     long long wv_head, long long wv_row, long long wv_col, int T,
+                                                     int nh, int c, int dv, int stride, const long long* q_seq,
+                                                     const long long* seq_len, const long long* chunks, float* out) {
+    mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, stride, q_seq, seq_len, chunks, out);
 }
 
 extern "C" __global__ void strata_silu_mul(const float* g, const float* u, long long n, float* out) {
@@ -694,16 +772,18 @@ def gqa_attention_cached(q, tables, window: int | None, scale: float, nkv: int, 
 
 
 def kv_store(k, v, k_ptrs, v_ptrs, row_seq, row_pos, bf16: bool) -> None:
-    """Each row of k, v [N, nkv, hd] (rows may lie apart: the fused QKV output's columns) into its sequence's
-    cache: row t at position row_pos[t] of the buffers at k_ptrs[row_seq[t]], v_ptrs[...] (device int64 tables);
-    float32, or bf16 bits rounded as to_bf16 rounds. One launch."""
-    k, k_stride, width = _rows_f32(k)
+    """Each row of k [N, ...], v [N, ...] (rows may lie apart: the fused QKV output's columns; MLA's latent [N, c]
+    and rope key [N, dr] are of different widths) into its sequence's cache: row t at position row_pos[t] of the
+    buffers at k_ptrs[row_seq[t]], v_ptrs[...] (device int64 tables; a row of sequence -1 is padding, stored
+    nowhere); float32, or bf16 bits rounded as to_bf16 rounds. One launch."""
+    k, k_stride, k_width = _rows_f32(k)
     v, v_stride, v_width = _rows_f32(v)
-    if width != v_width:
-        raise ValueError(f"kv_store: keys of {width} values, values of {v_width}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"kv_store: {k.shape[0]} keys, {v.shape[0]} values")
     if k.shape[0]:
-        _kernel("strata_kv_store")((k.shape[0],), (THREADS,), (k, v, k_stride, v_stride, np.int32(width), k_ptrs,
-                                                              v_ptrs, row_seq, row_pos, np.int32(bf16)))
+        _kernel("strata_kv_store")((k.shape[0],), (THREADS,), (k, v, k_stride, v_stride, np.int32(k_width),
+                                                              np.int32(v_width), k_ptrs, v_ptrs, row_seq, row_pos,
+                                                              np.int32(bf16)))
 
 
 def _kv_pair(k, v):
@@ -803,14 +883,28 @@ MLA_BLOCKS = 264  # strata_mla_partial's grid is split up to this many blocks: t
 SHARED_FLOATS = 48 * 1024 // 4  # the dynamic shared memory a block gets without opting in
 
 
+def mla_chunk_cap(c: int, dr: int) -> int:
+    """The most keys a strata_mla_partial block takes: its chunk's scores live in shared memory beside the rows'
+    queries (< 1: mla_attention_absorbed's check raises)."""
+    return max(1, min(MLA_CHUNK_MAX, SHARED_FLOATS // MLA_ROWS - max(c + dr, THREADS)))
+
+
 def mla_splits(T: int, nh: int, S: int, c: int, dr: int) -> tuple[int, int]:
     """(splits, chunk): the S keys in ``splits`` chunks of ``chunk`` keys (the last may be shorter) for
     strata_mla_partial. Few query rows (decode): enough chunks of at least MLA_CHUNK_MIN keys to fill about
     MLA_BLOCKS blocks; many: as few chunks as shared memory allows."""
-    cap = max(1, min(MLA_CHUNK_MAX, SHARED_FLOATS // MLA_ROWS - max(c + dr, THREADS)))  # < 1: the check raises
+    cap = mla_chunk_cap(c, dr)
     row_blocks = -(-T * nh // MLA_ROWS)
     splits = max(-(-S // cap), min(-(-S // MLA_CHUNK_MIN), -(-MLA_BLOCKS // row_blocks)), 1)
     return _chunked(S, splits)
+
+
+def mla_max_splits(nh: int, max_keys: int, c: int, dr: int) -> int:
+    """The most chunks mla_splits gives any query count over up to ``max_keys`` keys: the cached form's grid and
+    its part's row length, fixed by the context, not by the step (mla_splits asks for at most
+    max(S / cap, min(S / MLA_CHUNK_MIN, MLA_BLOCKS / row blocks)), largest at one query token and S = max_keys)."""
+    S = max_keys
+    return max(-(-S // mla_chunk_cap(c, dr)), min(-(-S // MLA_CHUNK_MIN), -(-MLA_BLOCKS // -(-nh // MLA_ROWS))), 1)
 
 
 def _chunked(S: int, splits: int) -> tuple[int, int]:
@@ -867,4 +961,50 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, s
     _kernel("strata_mla_combine")((token_blocks,), (THREADS,), (
         part, stats, w_uv_t, *wv_strides, i32(T), i32(nh), i32(c), i32(dv), i32(splits), out),
         shared_mem=combine_shared * 4)
+    return out
+
+
+def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: float, max_keys: int, bf16: bool):
+    """mla_attention_absorbed with each query token over its own sequence's cache, where and how far read from the
+    device (as gqa_attention_cached): ``tables`` (lat_ptrs, rope_ptrs [B] int64 addresses of the layer's cache
+    buffers (latents [cap, c], rope keys [cap, dr]), q_seq, q_pos [Nq], seq_len [B], chunks [B]: each sequence's
+    mla_splits chunk for its eager call, so the sums are the eager call's, bit for bit); the mask (causal) made in
+    the kernel. ``max_keys``: the longest a cache may be (mla_max_splits: the grid). Every launch's grid and
+    arguments depend on Nq and max_keys alone. -> [Nq, nh*dv]."""
+    import cupy
+
+    Nq, nh, dn = q_nope.shape
+    c, dr, dv = w_uk.shape[2], q_rope.shape[2], w_uv_t.shape[2]
+    if (q_rope.shape[:2], w_uk.shape[:2], w_uv_t.shape[:2]) != ((Nq, nh), (nh, dn), (nh, c)):
+        raise ValueError(f"mla_attention_absorbed_cached: shapes q_nope {q_nope.shape} q_rope {q_rope.shape} "
+                         f"w_uk {w_uk.shape} w_uv_t {w_uv_t.shape}")
+    lat_ptrs, rope_ptrs, q_seq, q_pos, seq_len, chunks = tables
+    q_nope, qn_row, qn_head = _heads_f32(q_nope)
+    q_rope, qr_row, qr_head = _heads_f32(q_rope)
+    (w_uk, wk_strides), (w_uv_t, wv_strides) = _strided_f32(w_uk), _strided_f32(w_uv_t)
+    out = cupy.empty((Nq, nh * dv), np.float32)
+    if not out.size:
+        return out
+    stride, cap = mla_max_splits(nh, max_keys, c, dr), mla_chunk_cap(c, dr)
+    R = Nq * nh
+    partial_shared = MLA_ROWS * (max(c + dr, THREADS) + cap)
+    combine_shared = MLA_ROWS * (c + max(stride, THREADS, dv))
+    if max(partial_shared, combine_shared, MLA_ROWS * dn) > SHARED_FLOATS:
+        raise ValueError(f"mla_attention_absorbed_cached: c {c}, dr {dr}, dv {dv} over {max_keys} keys need more "
+                         f"than {SHARED_FLOATS * 4} bytes of shared memory a block")
+    scratch = cupy.empty(R * c + R * stride * (c + 2), np.float32)  # one allocation: q_lat, part, stats
+    q_lat = scratch[: R * c]  # [R, c]
+    part = scratch[R * c : R * c + R * stride * c]  # [R, stride, c]
+    stats = scratch[R * c + R * stride * c :]  # [R, stride, 2]
+    token_blocks = nh * -(-Nq // MLA_ROWS)
+    i32 = np.int32
+    _kernel("strata_mla_q_absorb")((token_blocks,), (THREADS,), (
+        q_nope, qn_row, qn_head, w_uk, *wk_strides, i32(Nq), i32(nh), i32(dn), i32(c), q_lat),
+        shared_mem=MLA_ROWS * dn * 4)
+    _kernel("strata_mla_partial_cached")((Nq * -(-nh // MLA_ROWS) * stride,), (THREADS,), (
+        q_lat, q_rope, qr_row, qr_head, lat_ptrs, rope_ptrs, q_seq, q_pos, seq_len, chunks, np.float32(scale),
+        i32(nh), i32(c), i32(dr), i32(stride), i32(bf16), part, stats), shared_mem=partial_shared * 4)
+    _kernel("strata_mla_combine_cached")((token_blocks,), (THREADS,), (
+        part, stats, w_uv_t, *wv_strides, i32(Nq), i32(nh), i32(c), i32(dv), i32(stride), q_seq, seq_len, chunks,
+        out), shared_mem=combine_shared * 4)
     return out

@@ -9,7 +9,11 @@ in Python for the nodes (a synchronisation a layer, docs/gpu.md). Here the layer
 
 so the host's Python runs ahead, queueing the whole step, and waits once, on the logits (with the routing
 counters, copied beside them). Every allocation of the step comes from its batch bucket's buffer
-(coordinator/device/arena.py), so the step's arrays have the same addresses each step.
+(coordinator/device/arena.py), so the step's arrays have the same addresses each step; what crosses between host
+and device goes through fixed places too: the tables and the embedding rows from page-locked staging into fixed
+device rows, RoPE's rows gathered on the device from a table of the context's positions, the logits into
+page-locked rows. So two steps of a bucket queue the same launches and copies (tests/test_graph_steps.py records
+them), what a captured CUDA graph needs to replay them.
 
 A step is graph-ready where the pool can be driven from the stream (the process pool) and its rows fit the
 largest bucket and the pool's request; otherwise it runs eagerly. Hot experts run on the stream between the
@@ -27,6 +31,7 @@ from ..device import compact
 from ..device.arena import StepArena
 from ..device.format_kernels import address
 from ..pool.stream import StreamInterrupted
+from . import device_ops
 from . import xp as xp_module
 
 MAX_ROWS = 64  # the largest bucket: a step of more rows (a prefill chunk) is eager
@@ -41,21 +46,23 @@ class StepTables:
         row_seq, row_pos [MAX_ROWS]                    each row's sequence and position
         last_seq, last_pos [MAX_ROWS]                  each sequence's last row's (the last layer's queries)
         seq_len [MAX_ROWS]                             each sequence's keys once the step is cached
+        chunk, last_chunk [MAX_ROWS]                   MLA: each sequence's keys a chunk (device_ops.mla_splits of
+                                                       its eager call: every row's queries, or its last row's)
     """
 
     def __init__(self, layers: int, xp):
         self.xp = xp
         M = MAX_ROWS
-        self.host = xp_module.pinned(2 * layers * M + 5 * M, np.int64)
+        self.host = xp_module.pinned(2 * layers * M + 7 * M, np.int64)
         self.device = xp.zeros(self.host.shape, np.int64)
         views = {}
         for name, width, host in (("k_ptrs", layers, True), ("v_ptrs", layers, True), ("row_seq", 1, False),
                                   ("row_pos", 1, False), ("last_seq", 1, False), ("last_pos", 1, False),
-                                  ("seq_len", 1, False)):
+                                  ("seq_len", 1, False), ("chunk", 1, False), ("last_chunk", 1, False)):
             at = sum(v[1] for v in views.values())
             views[name] = (at, width * M, width, host)
         self._views = views
-        self.score_stride = 0  # the longest cache's capacity this step: the attention's scores' row length
+        self.score_stride = 0  # the longest cache's capacity this step (the context): the scores' row length
         self._known: dict = {}  # id(cache) -> _addresses' entry, the last step's caches
 
     def _addresses(self, cache) -> tuple:
@@ -73,8 +80,9 @@ class StepTables:
         part = array[at:at + size]
         return part.reshape(width, MAX_ROWS) if per_layer else part
 
-    def fill(self, seqs) -> None:
-        """The step's sequences [(ids, cache)] into the host table, then one upload."""
+    def fill(self, seqs, chunks=None) -> None:
+        """The step's sequences [(ids, cache)] into the host table, then one upload. ``chunks``: MLA's (chunk,
+        last_chunk) of each sequence, or None."""
         k_ptrs, v_ptrs = self._part(self.host, "k_ptrs"), self._part(self.host, "v_ptrs")
         seen = {}
         for s, (_, cache) in enumerate(seqs):
@@ -89,6 +97,8 @@ class StepTables:
         self._part(self.host, "last_seq")[:B] = np.arange(B)
         self._part(self.host, "last_pos")[:B] = starts + lengths - 1
         self._part(self.host, "seq_len")[:B] = starts + lengths
+        if chunks is not None:
+            self._part(self.host, "chunk")[:B], self._part(self.host, "last_chunk")[:B] = np.array(chunks).T
         self.score_stride = max(cache.capacity for _, cache in seqs)
         self.device.set(self.host, stream=self.xp.cuda.get_current_stream())
 
@@ -100,12 +110,29 @@ class StepTables:
         return (self._part(d, "k_ptrs")[layer], self._part(d, "v_ptrs")[layer], self._part(d, "row_seq"),
                 self._part(d, "row_pos"), self._part(d, q[0]), self._part(d, q[1]), self._part(d, "seq_len"))
 
+    def row_positions(self, rows: int):
+        """The step's first ``rows`` rows' positions [rows] on the device (a view of the upload)."""
+        return self._part(self.device, "row_pos")[:rows]
+
+    def chunks(self, last_rows: bool):
+        """MLA's chunks [MAX_ROWS] on the device: for every row's queries or, with ``last_rows``, the last rows'."""
+        return self._part(self.device, "last_chunk" if last_rows else "chunk")
+
 
 class GraphSteps:
-    def __init__(self, cfg, on_device: dict[int, np.ndarray], device_experts, link, xp):
+    def __init__(self, cfg, on_device: dict[int, np.ndarray], device_experts, link, xp, context: int, rope,
+                 embed_dtype):
         """``on_device``: layer -> [E] bool, the experts kept on the device, ``device_experts`` their DeviceExperts;
-        ``link``: the pool's StreamLink."""
-        self.cfg, self.link, self.xp = cfg, link, xp
+        ``link``: the pool's StreamLink; ``context``: the longest a sequence may be (EngineConfig.max_seq_len or the
+        model's), what every cache of a graph-ready step is reserved to; ``rope``: (cos, sin) [context, d] on the
+        device, every position's RoPE rows (Decoder._rope_tables' bits), which a step gathers its rows' from;
+        ``embed_dtype``: the host embedding's, which the step's rows are staged in."""
+        self.cfg, self.link, self.xp, self.context = cfg, link, xp, context
+        self.rope_table = rope
+        # the step's host inputs and outputs at fixed places: page-locked staging, fixed device rows (module docstring)
+        self.embed_host = xp_module.pinned((MAX_ROWS, cfg.hidden_size), embed_dtype)  # [MAX_ROWS, H]
+        self.embed_device = xp.zeros((MAX_ROWS, cfg.hidden_size), embed_dtype)  # [MAX_ROWS, H]
+        self.logits_host = xp_module.pinned((MAX_ROWS, cfg.vocab_size), np.float32)  # [MAX_ROWS, V]
         self.device_experts = device_experts
         self.has_device = {i: bool(on_device[i].any()) for i in cfg.moe_layers}
         self.slots = {layer: s for s, layer in enumerate(cfg.moe_layers)}  # MoE layer -> its row in the tables
@@ -117,6 +144,7 @@ class GraphSteps:
         self.totals_host = xp_module.pinned(compact.TOTALS, np.int64)
         self.arena = StepArena(xp)
         self.tables = StepTables(cfg.num_layers, xp)
+        self.mla_cached = (False, False)  # MLA read from the caches on the device: (every row's queries, last rows')
         self.steps = 0  # steps run graph-ready
         self.redone = 0  # of them, redone eagerly after a worker died or hung
         self.host_ns = 0  # the host's time queueing the steps (from a step's start to its logits' download)
@@ -126,12 +154,43 @@ class GraphSteps:
     def takes(self, rows: int) -> bool:
         return rows <= MAX_ROWS and self.link.fits(rows, self.cfg.top_k)
 
-    def begin(self, seqs) -> None:
-        """Before the step is queued: the caches reserved for it (their buffers do not move inside it), and
-        where each row reads and writes them."""
-        for ids, cache in seqs:
-            cache.reserve(cache.length + len(ids))
-        self.tables.fill(seqs)
+    def begin(self, seqs, absorbed=None) -> None:
+        """Before the step is queued: the caches reserved to the context once (so their buffers never move again
+        and the attention's scores' rows are the context long every step: what a captured graph replays), and
+        where each row reads and writes them. ``absorbed(T, S)``: whether MLA's eager call of T queries over S keys
+        takes the absorbed form (Decoder._absorbed); the cached MLA attention runs where every sequence's does."""
+        for ids, cache in seqs:  # a sequence past the context (refused before it gets here) would still fit
+            cache.reserve(max(self.context, cache.length + len(ids)), exact=True)
+        m, chunks = self.cfg.mla, None
+        if m is not None and absorbed is not None:
+            nh, c, dr = self.cfg.num_heads, m.kv_lora_rank, m.qk_rope_head_dim
+            sizes = [(len(ids), cache.length + len(ids)) for ids, cache in seqs]  # (rows, keys once cached)
+            chunks = [(device_ops.mla_splits(n, nh, S, c, dr)[1], device_ops.mla_splits(1, nh, S, c, dr)[1])
+                      for n, S in sizes]
+            self.mla_cached = (all(absorbed(n, S) for n, S in sizes), all(absorbed(1, S) for _, S in sizes))
+        self.tables.fill(seqs, chunks)
+
+    def embed(self, embed, ids: np.ndarray):
+        """The step's rows of the host embedding [N, H] on the device: gathered into the page-locked staging rows,
+        copied into the fixed device rows (a copy from and to the same places every step)."""
+        N = ids.shape[0]
+        np.take(embed, ids, axis=0, out=self.embed_host[:N])
+        self.embed_device[:N].set(self.embed_host[:N], stream=self.xp.cuda.get_current_stream())
+        return self.embed_device[:N]
+
+    def rope(self, rows: int):
+        """cos, sin [rows, d]: the step's rows' positions (the tables' row_pos, on the device) gathered from the
+        context's table, no upload."""
+        positions = self.tables.row_positions(rows)
+        return self.rope_table[0][positions], self.rope_table[1][positions]
+
+    def logits(self, logits) -> np.ndarray:
+        """The step's logits [R, V] on the host: downloaded into the page-locked rows, then the step's one wait."""
+        R = logits.shape[0]
+        stream = self.xp.cuda.get_current_stream()
+        logits.get(stream=stream, out=self.logits_host[:R], blocking=False)
+        stream.synchronize()
+        return self.logits_host[:R].copy()  # the rows outlive the step; the next one overwrites the staging
 
     def moe(self, decoder, i: int, lw, x):
         """Layer i's MoE output [T, H] for x [T, H], queued on the stream (module docstring)."""

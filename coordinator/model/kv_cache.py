@@ -54,12 +54,12 @@ class KVCache:
         """Bytes of the fixed-size states (Gated DeltaNet layers), whatever the length."""
         return sum(state.nbytes for state in self.states.values())
 
-    def _reserve(self, layer: int, needed: int) -> None:
-        """``layer``: an index into this cache's buffers."""
+    def _reserve(self, layer: int, needed: int, exact: bool = False) -> None:
+        """``layer``: an index into this cache's buffers; ``exact``: grown to ``needed`` (not doubled)."""
         cap = self._k[layer].shape[0]
         if needed <= cap:
             return
-        new_cap = max(needed, 2 * cap)
+        new_cap = needed if exact else max(needed, 2 * cap)
         for buf, shape in zip((self._k, self._v), self._shapes):
             grown = self.xp.zeros((new_cap, *shape), self._dtype)
             grown[:cap] = buf[layer]
@@ -75,10 +75,16 @@ class KVCache:
         """Tokens every attention layer's buffers hold without growing."""
         return min((self._k[i].shape[0] for i in self._attention_buffers), default=0)
 
-    def reserve(self, tokens: int) -> None:
-        """Room for ``tokens`` cached tokens in every attention layer now, so that the next extends move no buffer."""
+    def reserve(self, tokens: int, exact: bool = False) -> None:
+        """Room for ``tokens`` cached tokens in every attention layer now, so that the next extends move no buffer;
+        ``exact``: that many, not the doubling's more (a graph-ready step's reserve to the context)."""
         for layer in self._attention_buffers:
-            self._reserve(layer, tokens)
+            self._reserve(layer, tokens, exact)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the key/value buffers take, as reserved (the states apart)."""
+        return sum(b.nbytes for b in self._k + self._v)
 
     def extend(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v [T, ...] after the cached tokens (key and value, or latent and rope key); returns all of
