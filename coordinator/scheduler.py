@@ -320,7 +320,10 @@ class Scheduler:
         """MTP drafts, the MTP layer's greedy tokens: a drafting sequence's first pass feeds it every position not
         yet fed (hidden state h_i with token t_(i+1), the last one's token the one just chosen) and its last row
         gives draft 1; draft j + 1 comes from feeding draft j with the row's own output in place of the model's
-        hidden state, as vLLM and llama.cpp chain it. Those chained positions are dropped at the verify."""
+        hidden state, as vLLM and llama.cpp chain it. Those chained positions are dropped at the verify. Rows
+        that waited longer than a prompt chunk (steps without drafts) are fed first in chunk-long passes."""
+        drafting = [s for s, k in zip(seqs, ks) if k > 0]
+        self._mtp_feed(drafting, lambda s: s.cache.length - self.prefill_chunk)
         drafts: list[list[int]] = [[] for _ in seqs]
         batch, live = [], []  # one MTP pass: (hidden rows, their next tokens, cache) per sequence in ``live``
         for j, (s, k) in enumerate(zip(seqs, ks)):
@@ -341,23 +344,28 @@ class Scheduler:
             batch = [([h], np.array(drafts[j][-1:], np.int64), seqs[j].mtp_cache) for j, h in nxt]
         return drafts
 
-    def _mtp_feed(self, seqs: list[Sequence]) -> None:
-        """Feed the MTP layer, in one pass, the prefilling sequences' positions whose next token is a prompt token,
-        so that no MTP pass is longer than a prompt chunk; the last prompt row waits for the token chosen."""
-        batch = []
-        for s in seqs:
-            fed, upto = s.mtp_cache.length, min(s.prefilled, len(s.prompt_ids) - 1)
-            if upto <= fed:
-                continue
-            n, rows, rest = upto - fed, [], []
-            for piece in s.mtp_hidden:  # the first n rows waiting, split off the list of pieces
-                k = min(n, piece.shape[0])
-                rows += [piece[:k]] if k else []
-                rest += [piece[k:]] if k < piece.shape[0] else []
-                n -= k
-            s.mtp_hidden = rest
-            batch.append((rows, s.history[fed + 1:upto + 1].copy(), s.mtp_cache))
-        if batch:
+    def _mtp_feed(self, seqs: list[Sequence], upto: Callable[[Sequence], int] | None = None) -> None:
+        """Feed the MTP layer the sequences' waiting positions up to ``upto(s)`` (by default the prefilling ones'
+        positions whose next token is a prompt token: the last prompt row waits for the token chosen), in passes
+        of at most a prompt chunk's rows each, all sequences together."""
+        upto = upto or (lambda s: min(s.prefilled, len(s.prompt_ids) - 1))
+        while True:
+            batch = []
+            for s in seqs:
+                fed = s.mtp_cache.length
+                end = min(upto(s), fed + self.prefill_chunk)
+                if end <= fed:
+                    continue
+                n, rows, rest = end - fed, [], []
+                for piece in s.mtp_hidden:  # the first n rows waiting, split off the list of pieces
+                    k = min(n, piece.shape[0])
+                    rows += [piece[:k]] if k else []
+                    rest += [piece[k:]] if k < piece.shape[0] else []
+                    n -= k
+                s.mtp_hidden = rest
+                batch.append((rows, s.history[fed + 1:end + 1].copy(), s.mtp_cache))
+            if not batch:
+                return
             self.engine.mtp_step(batch)
 
     def _verify(self, s: Sequence, drafts: list[int], rows: np.ndarray, hidden=None) -> None:
