@@ -157,9 +157,6 @@ class Engine:
                                    f"({mcfg.arch} model, no model.layers.{mcfg.num_layers}.eh_proj in the "
                                    "checkpoint): use ngram or auto")
         backend = select_device(config.device)
-        if mcfg.linear is not None and backend != "numpy":  # refused before anything is read or uploaded
-            raise ConfigValueError(f"{mcfg.arch}'s Gated DeltaNet layers are not supported on the device yet; run "
-                                   "with --device cpu")
         if backend == "numpy":  # a GPU's KV cache is in its memory plan (coordinator/device/vram.py)
             check_context(mcfg, config.max_seq_len or mcfg.max_position_embeddings, len(nodes),
                           config.pool == "process", available_memory(), shm_free() or 0)

@@ -102,3 +102,94 @@ def test_gated_delta_matches_float64_over_sequences_and_steps(cp):
             assert rel(rec[dst, slot], ref_rec) < 2e-5, (step, s)
             assert np.array_equal(conv[src], before[s][0]) and np.array_equal(rec[src], before[s][1])
             assert not rec[dst, 0].any()  # the other slot is not touched
+
+
+def relative(x: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
+
+
+def prefill_then_decode(eng, prompt: np.ndarray, decode: list[int], cut: int) -> np.ndarray:
+    """Every position's logits [len(prompt) + len(decode), V], one cache: the prompt fed ``cut`` tokens a step (a
+    chunked prefill), then the decode tokens one a step."""
+    cache = eng.new_cache()
+    parts = [eng.decoder.forward(prompt[lo:lo + cut], cache) for lo in range(0, prompt.size, cut)]
+    parts += [eng.decoder.forward(np.array([t], np.int64), cache) for t in decode]
+    return np.concatenate(parts)
+
+
+def test_the_device_path_matches_the_host_path_on_qwen3_next(gpu):
+    """transformers' Qwen3-Next fixture (150-token prompt: longer than two of the host's 64-token chunks) on the
+    device path (float32 weights and KV cache): the prompt at once, and the prompt in 48-token pieces followed by
+    its 8 greedy tokens a step each, give the host path's logits within 1e-4 of their largest with the same top
+    token everywhere (and transformers' own within 1e-4); served greedy generation, the prompt prefilled 48 tokens
+    a step, is transformers' greedy. The states sit on the device, double-buffered, and the plan counts them."""
+    from coordinator import Engine, EngineConfig
+
+    from test_hf_parity import served_greedy
+
+    ref = np.load(FIXTURE / "reference.npz")
+    prompt, greedy = ref["input_ids"].astype(np.int64), ref["greedy_ids"].tolist()
+    with Engine.open(FIXTURE, EngineConfig(device="cpu", pool="inproc")) as eng:
+        want, want_run = eng.logits(prompt), prefill_then_decode(eng, prompt, greedy, 48)
+    with Engine.open(FIXTURE, EngineConfig(device="cuda", pool="inproc", dense_dtype="f32", kv_dtype="f32")) as eng:
+        assert eng.decoder.backend == "cupy" and eng.decoder.graph is None
+        got, got_run = eng.logits(prompt), prefill_then_decode(eng, prompt, greedy, 48)
+        served, _ = served_greedy(eng, prompt.tolist(), len(greedy), prefill_chunk=48)
+        cache, cfg = eng.new_cache(), eng.model_config
+        assert type(cache.linear.recurrent) is gpu.ndarray and cache.linear.nbytes == 2 * cfg.state_bytes_per_sequence
+        assert eng.gpu_memory.kv == eng.gpu_memory.kv_tokens * cfg.kv_bytes_per_token \
+            + 2 * cfg.state_bytes_per_sequence
+    for g, w in ((got, want), (got_run, want_run)):
+        assert relative(g, w) < 1e-4
+        assert np.array_equal(g.argmax(-1), w.argmax(-1))
+    assert relative(got, ref["logits"]) < 1e-4 and relative(got_run, ref["full_logits"]) < 1e-4
+    assert served == greedy and got_run[prompt.size - 1:-1].argmax(-1).tolist() == greedy
+
+
+def test_rollback_on_the_device_is_a_fresh_pass_and_steps_stay_eager(gpu, tmp_path, monkeypatch):
+    """The process pool on the device, where other models' decode steps are graph-ready: Qwen3-Next's are eager (no
+    GraphSteps). A step over 5 drafts truncated to keep 2 leaves the cache as a step over those 2 did: its states
+    within float32 rounding (the rows were projected in a batch of 5) and the next token's logits too, far from the
+    untruncated cache's; truncating to the step's start restores the state before it bit for bit, and a position
+    before the last step is refused. Greedy decoding with prompt-lookup drafts, some taken and some refused, gives
+    the tokens without drafts."""
+    from coordinator import Engine, EngineConfig
+    from coordinator import scheduler as scheduler_module
+    from coordinator.cli.make_model import make_model
+
+    from test_speculative import repetitive_requests, run
+
+    model = make_model(tmp_path / "m", arch="qwen3_next", seed=2)
+    prompt, drafts, nxt = np.arange(40, 110), np.array([7, 9, 11, 13, 15]), np.array([21])
+    with Engine.open(model, EngineConfig(device="cuda", pool="process", dense_dtype="f32", kv_dtype="f32")) as eng:
+        assert eng.decoder.backend == "cupy" and eng.config.graph and eng.decoder.graph is None
+        layer = next(i for i in range(eng.model_config.num_layers) if eng.model_config.is_linear(i))
+        rolled, kept, whole, back = (eng.new_cache() for _ in range(4))
+        for cache, step in ((rolled, drafts), (kept, drafts[:2]), (whole, drafts), (back, drafts)):
+            eng.step([(prompt, cache)])
+            if cache is back:
+                before = cache.linear.state(layer)
+            eng.step([(step, cache)], all_rows=frozenset({0}))
+        rolled.truncate(prompt.size + 2)
+        back.truncate(prompt.size)
+        for got, want in zip(rolled.linear.state(layer), kept.linear.state(layer)):
+            assert relative(got, want) < 1e-5
+        assert all(np.array_equal(g, w) for g, w in zip(back.linear.state(layer), before))
+        with pytest.raises(ValueError, match="last step"):
+            rolled.truncate(prompt.size - 1)
+        after = [eng.step([(nxt, cache)])[0] for cache in (rolled, kept, whole)]
+        reqs = repetitive_requests(eng, n=1, max_new=12)
+        plain, _ = run(eng, reqs)
+        given = len(reqs[0].prompt_ids)
+
+        def draft(ids, k):  # the greedy continuation, its last token changed
+            out = list(plain["r0"][len(ids) - given:len(ids) - given + k])
+            return out[:-1] + [(out[-1] + 1) % eng.model_config.vocab_size] if out else out
+
+        monkeypatch.setattr(scheduler_module, "ngram_draft", draft)
+        drafted, stats = run(eng, reqs, speculative="ngram", draft_max=4)
+    scale = np.abs(after[1]).max()
+    assert np.abs(after[0] - after[1]).max() < 1e-5 * scale
+    assert np.abs(after[2] - after[1]).max() > 1e-2 * scale
+    assert drafted == plain
+    assert 0 < stats["accepted_drafts"] < stats["drafted_tokens"], stats

@@ -629,7 +629,8 @@ extern "C" __global__ void strata_gated_delta(const float* qkvz, long long qkvz_
         float r = sqrtf(ss / (float)dv + eps);
         const float* z = qkvz + row * qkvz_stride + C + (long long)h * dv;
         float* orow = out + row * (long long)Hv * dv + (long long)h * dv;
-        for (int j = threadIdx.x; j < dv; j += blockDim.x) orow[j] = (os[j] / r) * norm[j] * (z[j] / (1.0f + expf(-z[j])));
+        for (int j = threadIdx.x; j < dv; j += blockDim.x)
+            orow[j] = (os[j] / r) * norm[j] * (z[j] / (1.0f + expf(-z[j])));
     }
     // the new conv state: the last K-1 inputs; q's and k's channels written by the first of their key head's blocks
     bool qk = h % (Hv / Hk) == 0;
