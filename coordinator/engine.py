@@ -159,9 +159,6 @@ class Engine:
             raise ConfigValueError(f"{model_dir}: speculative mtp needs the model's multi-token-prediction layer "
                                    f"({mcfg.arch} model, {missing}): use ngram or auto")
         backend = select_device(config.device)
-        if mcfg.linear is not None and backend != "numpy":  # refused before anything is read or uploaded
-            raise ConfigValueError(f"{mcfg.arch}'s Gated DeltaNet layers are not supported on the device yet; run "
-                                   "with --device cpu")
         if backend == "numpy":  # a GPU's KV cache is in its memory plan (coordinator/device/vram.py)
             check_context(mcfg, config.max_seq_len or mcfg.max_position_embeddings, len(nodes),
                           config.pool == "process", available_memory(), shm_free() or 0, config.prefill_chunk)

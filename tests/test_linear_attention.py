@@ -157,14 +157,3 @@ def test_state_layers_hold_no_keys_and_count_their_state():
     cache.states[0] = la.LinearState(LC)
     assert cache.state_bytes == LC.state_floats * 4
 
-
-def test_a_device_run_is_refused_before_loading(gpu, tmp_path):
-    """The device side has no Gated DeltaNet yet: Engine.open on a GPU (the stand-in) says so and how to run."""
-    from coordinator.cli.make_model import make_model
-    from coordinator.config import EngineConfig
-    from coordinator.engine import Engine
-    from coordinator.errors import ConfigValueError
-
-    model = make_model(tmp_path / "m", arch="qwen3_next", seed=1)
-    with pytest.raises(ConfigValueError, match="not supported on the device yet; run with --device cpu"):
-        Engine.open(model, EngineConfig(device="cuda", pool="inproc"))

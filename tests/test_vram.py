@@ -20,7 +20,7 @@ import vram_figures  # noqa: E402  (tools/vram_figures.py)
 GB = 1e9
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_next"])
 def test_the_tensor_list_is_what_the_loader_reads(tiny_model, arch):
     """vram.dense_tensors names every non-expert tensor load_weights reads, with its shape, less the embedding
     (kept on the host) and with lm_head; a tensor added to the loader and not to the list fails here."""

@@ -2,7 +2,8 @@
 
     dense        every non-expert matrix and vector the device holds, in its storage format (storage.py)
     hot experts  the routed experts kept whole on the device, each at its real size in its format
-    kv cache     max_seq_len tokens of one sequence, in the cache's dtype
+    kv cache     max_seq_len tokens of one sequence over the attention layers, in the cache's dtype, and
+                 that sequence's Gated DeltaNet states (Qwen3-Next: float32, two buffers)
     scratch      what a prefill chunk needs besides: its activations, the attention's scores over the
                  whole context, a dequantised tile of the widest matrix, MLA's dequantised kv_b
 
@@ -58,13 +59,25 @@ def _attention(cfg: ModelConfig, attn: str) -> list[Tensor]:
                     Tensor(f"{attn}.kv_b_proj.weight", (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
                            True),
                     Tensor(f"{attn}.o_proj.weight", (H, nh * m.v_head_dim), True)]
-    out = [Tensor(f"{attn}.q_proj.weight", (nh * hd, H), True), Tensor(f"{attn}.k_proj.weight", (nkv * hd, H), True),
+    q_rows = 2 * nh * hd if cfg.attn_output_gate else nh * hd  # Qwen3-Next: a gate row per query row
+    out = [Tensor(f"{attn}.q_proj.weight", (q_rows, H), True), Tensor(f"{attn}.k_proj.weight", (nkv * hd, H), True),
            Tensor(f"{attn}.v_proj.weight", (nkv * hd, H), True), Tensor(f"{attn}.o_proj.weight", (H, nh * hd), True)]
     if cfg.qkv_bias:
         out += [Tensor(f"{attn}.{p}_proj.bias", (n * hd,), False) for p, n in (("q", nh), ("k", nkv), ("v", nkv))]
     if cfg.qk_norm:
         out += [Tensor(f"{attn}.q_norm.weight", (hd,), False), Tensor(f"{attn}.k_norm.weight", (hd,), False)]
     return out
+
+
+def _linear_attention(cfg: ModelConfig, prefix: str) -> list[Tensor]:
+    """A Gated DeltaNet layer's tensors as a transformers checkpoint names them (Qwen3-Next)."""
+    lc, H = cfg.linear, cfg.hidden_size
+    Hk, Hv, dk, dv = lc.key_heads, lc.value_heads, lc.key_head_dim, lc.value_head_dim
+    return [Tensor(f"{prefix}.in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, H), True),
+            Tensor(f"{prefix}.in_proj_ba.weight", (2 * Hv, H), True),
+            Tensor(f"{prefix}.conv1d.weight", (lc.conv_dim, 1, lc.conv_kernel), False),
+            Tensor(f"{prefix}.A_log", (Hv,), False), Tensor(f"{prefix}.dt_bias", (Hv,), False),
+            Tensor(f"{prefix}.norm.weight", (dv,), False), Tensor(f"{prefix}.out_proj.weight", (H, Hv * dv), True)]
 
 
 def _layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
@@ -74,7 +87,8 @@ def _layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
     moe = f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
     out = [Tensor(f"{base}.input_layernorm.weight", (H,), False),
            Tensor(f"{base}.post_attention_layernorm.weight", (H,), False)]
-    out += _attention(cfg, f"{base}.self_attn")
+    out += (_linear_attention(cfg, f"{base}.linear_attn") if cfg.is_linear(i)
+            else _attention(cfg, f"{base}.self_attn"))
     if not cfg.sparse_layers[i]:
         return out + _mlp(f"{base}.mlp", cfg.dense_intermediate_size, H)
     out.append(Tensor(f"{moe}.gate.weight", (cfg.num_experts, H), False))
@@ -134,6 +148,12 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
     return cfg.kv_bytes_per_token // max(1, len(cfg.attention_layers)) * layers // 4 * (2 if kv_dtype == "bf16" else 4)
 
 
+def state_bytes(cfg: ModelConfig) -> int:
+    """One sequence's Gated DeltaNet states on the device: float32, two buffers (linear_attention.DeviceLinearStates:
+    a step reads one and writes the other); 0 without such layers."""
+    return 2 * cfg.state_bytes_per_sequence
+
+
 def scratch_bytes(cfg: ModelConfig, chunk: int, context: int, widest_row: int) -> int:
     """A prefill chunk's transient device memory (the module's table)."""
     H = cfg.hidden_size
@@ -143,6 +163,8 @@ def scratch_bytes(cfg: ModelConfig, chunk: int, context: int, widest_row: int) -
         kv_b = 4 * cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank  # absorbed decode's
     else:
         width = max(H, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+        if cfg.linear is not None:  # a Gated DeltaNet layer's q, k, v and z rows
+            width = max(width, cfg.linear.conv_dim + cfg.linear.value_heads * cfg.linear.value_head_dim)
         kv_b = 0
     inter = max(cfg.dense_intermediate_size if not all(cfg.sparse_layers) else 0,
                 cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size)
@@ -165,6 +187,7 @@ class VramPlan:
     expert_bytes: int  # one of them, at its real size
     kv_tokens: int
     dense_formats: str  # "288 q4k, 49 q6k, 97 f32"
+    states: int = 0  # of kv: one sequence's Gated DeltaNet states
 
     @property
     def total(self) -> int:
@@ -176,7 +199,9 @@ class VramPlan:
     def describe(self) -> str:
         parts = [f"dense {self.dense / GB:.2f} GB ({self.dense_formats})",
                  f"hot experts {self.hot_experts / GB:.2f} GB ({self.experts} x {self.expert_bytes / 1e6:.1f} MB)",
-                 f"kv cache {self.kv / GB:.2f} GB ({self.kv_tokens} tokens)", f"scratch {self.scratch / GB:.2f} GB"]
+                 f"kv cache {self.kv / GB:.2f} GB ({self.kv_tokens} tokens"
+                 + (f", {self.states / 1e6:.1f} MB of Gated DeltaNet state)" if self.states else ")"),
+                 f"scratch {self.scratch / GB:.2f} GB"]
         return ", ".join(parts) + f"; total {self.total / GB:.2f} GB"
 
     def check(self, free: int) -> None:
@@ -205,9 +230,10 @@ def plan(cfg: ModelConfig, dtype_of: Callable[[str], str], dense_dtype: str, kv_
             widest = max(widest, t.shape[1])
     one = expert_bytes(cfg, expert_formats) if expert_formats else 0
     chunk = min(prefill_chunk, kv_tokens)
-    return VramPlan(dense, experts * one, kv_tokens * kv_bytes_per_token(cfg, kv_dtype),
+    return VramPlan(dense, experts * one, kv_tokens * kv_bytes_per_token(cfg, kv_dtype) + state_bytes(cfg),
                     scratch_bytes(cfg, chunk, kv_tokens, widest), experts, one, kv_tokens,
-                    ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1])))
+                    ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1])),
+                    state_bytes(cfg))
 
 
 def fit_experts(budget: int, one: int) -> int:

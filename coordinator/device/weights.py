@@ -172,7 +172,8 @@ def checkpoint_dtype(ckpt: Checkpoint | None, name: str | None) -> str:
     return ckpt.info(name).dtype
 
 
-MATRICES = ("q", "k", "v", "o")  # LayerWeights' matrices (the MLP's and MLA's are walked below)
+MATRICES = ("q", "k", "v", "o", "q_gate")  # LayerWeights' matrices (the MLP's, MLA's and linear's walked below)
+LINEAR_MATRICES = ("qkvz", "ba", "out")  # a Gated DeltaNet layer's (its taps and per-head vectors: float32)
 MLA_MATRICES = ("q", "q_a", "q_b", "kv_a", "kv_b")
 
 
@@ -186,8 +187,9 @@ def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = forma
         if w is None:
             return None
         if id(w) not in uploaded:
-            name = weights.names.get(id(w))
-            fmt = storage.matrix_format(checkpoint_dtype(ckpt, name), dense_dtype, w.shape[1])
+            derived = weights.derived.get(id(w))  # rows regrouped at load: the tensor's format, encoded afresh
+            name = None if derived else weights.names.get(id(w))
+            fmt = storage.matrix_format(checkpoint_dtype(ckpt, name or derived), dense_dtype, w.shape[1])
             raw, dtype = checkpoint_rows(ckpt, name)
             uploaded[id(w)] = upload_matrix(w, fmt, xp, raw, dtype)
         return uploaded[id(w)]
@@ -209,9 +211,14 @@ def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = forma
             changes["mla"] = dataclasses.replace(
                 m, **{name: matrix(getattr(m, name)) for name in MLA_MATRICES},
                 q_a_norm=vector(m.q_a_norm), kv_a_norm=vector(m.kv_a_norm), w_uk=None, w_uv=None)
+        if lw.linear is not None:
+            g = lw.linear
+            changes["linear"] = dataclasses.replace(
+                g, **{name: matrix(getattr(g, name)) for name in LINEAR_MATRICES},
+                **{f.name: vector(getattr(g, f.name)) for f in dataclasses.fields(g) if f.name not in LINEAR_MATRICES})
         layers.append(dataclasses.replace(lw, **changes))
     return dataclasses.replace(weights, layers=layers, final_norm=vector(weights.final_norm),
-                               lm_head=matrix(weights.lm_head), names={})
+                               lm_head=matrix(weights.lm_head), names={}, derived={})
 
 
 def nbytes(obj) -> int:

@@ -172,9 +172,6 @@ class Decoder:
         self.cfg = cfg
         self.backend = backend
         self.xp = module(backend)
-        if cfg.linear is not None and self.xp is not np:
-            raise NotImplementedError(f"{cfg.arch}'s Gated DeltaNet layers are not supported on the device yet; "
-                                      "run with --device cpu")
         self.staging = HostStaging(backend)  # pinned host buffers for the pool's rows and partials
         self.side = SideStream(backend)  # the device experts' own stream
         # dense weights where the device side runs; the embedding stays on the host (a step reads T rows)
@@ -217,6 +214,8 @@ class Decoder:
         """Make small steps graph-ready (coordinator/model/graph_steps.py) where the device, the pool and the
         experts allow it; whether they are. ``context``: the longest sequence (None: the model's
         max_position_embeddings), what their caches are reserved to."""
+        if self.cfg.linear is not None:  # a graph-ready step has no Gated DeltaNet layer (nor the attention's gate)
+            return False
         link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp) if self.xp is not np else None
         if link is None or (any(d.any() for d in self.on_device.values())
                             and not isinstance(self.device_experts, DeviceExperts)):
@@ -231,8 +230,12 @@ class Decoder:
     def new_cache(self) -> KVCache:
         cfg = self.cfg
         latent = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) if cfg.mla is not None else None
-        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent,
-                       dtype=self.kv_dtype, attention_layers=cfg.attention_layers)
+        cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent,
+                        dtype=self.kv_dtype, attention_layers=cfg.attention_layers)
+        if cfg.linear is not None and self.xp is not np:
+            cache.linear = linear_attention.DeviceLinearStates(
+                cfg.linear, [i for i in range(cfg.num_layers) if cfg.is_linear(i)], self.xp)
+        return cache
 
     def new_mtp_cache(self) -> KVCache:
         """A sequence's cache of the MTP layer alone (layer id num_layers): its positions run behind the model's."""
@@ -334,9 +337,10 @@ class Decoder:
         # the rows the last layer carries on with, where others' output nobody reads (last_row_ids)
         keep = last_row_ids(xp, bounds) if last_only and not all_rows and not hidden_rows and layers \
             and len(seqs) < bounds[-1] else None
+        linear = self._linear_step(seqs, lengths)  # the device's Gated DeltaNet tables, or None
         for i, lw in enumerate(layers):  # each residual add joined to the norm after it
             rows = keep if i == len(layers) - 1 else None  # every row's keys and values cached, then these rows
-            attended = (self._linear_attention(i, lw, a, seqs, bounds, rows) if lw.linear is not None else
+            attended = (self._linear_attention(i, lw, a, seqs, bounds, rows, linear) if lw.linear is not None else
                         self._attention(i, lw, a, seqs, bounds, positions, rope, masks, rows))  # [N or len(rows), H]
             if rows is not None:
                 h = h[rows]  # [len(seqs), H] from here on
@@ -442,9 +446,25 @@ class Decoder:
             out = out * ops.sigmoid((x if rows is None else x[rows]) @ lw.q_gate.T)
         return out @ lw.o.T  # [N (or len(seqs)), H]
 
-    def _linear_attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, rows=None) -> np.ndarray:
+    def _linear_step(self, seqs, lengths: list[int]):
+        """On the device with Gated DeltaNet layers: each sequence's states begun for this step and the kernel's
+        tables, (states, tables) uploaded once for every such layer; else None."""
+        if self.cfg.linear is None or self.xp is np:
+            return None
+        states = [cache.linear for _, cache in seqs]
+        steps = [(n, st.begin(cache.length, n)) for (_, cache), st, n in zip(seqs, states, lengths)]
+        return states, linear_attention.device_tables(self.xp, steps)
+
+    def _linear_attention(self, i: int, lw: LayerWeights, x: np.ndarray, seqs, bounds, rows=None,
+                          linear=None) -> np.ndarray:
         """A Gated DeltaNet layer (linear_attention.py) [N, H]: every row advances its sequence's state, kept in
-        its cache; ``rows`` as _attention's (the output's rows taken after)."""
+        its cache; ``rows`` as _attention's (the output's rows taken after). ``linear``: _linear_step's (states,
+        tables) on the device, where the layer is one kernel between its projections."""
+        if linear is not None:
+            states, tables = linear
+            gated = linear_attention.device_layer(lw.linear, self.cfg.linear, x, i, states, tables, bounds,
+                                                  self.cfg.rms_norm_eps)  # [N, Hv*dv]
+            return (gated if rows is None else gated[rows]) @ lw.linear.out.T
         lc, parts = self.cfg.linear, []
         for s, (_, cache) in enumerate(seqs):
             if i not in cache.states:

@@ -33,6 +33,8 @@ built for the CPU) and, on a GPU, through CuPy.
                            w_uk [nh, dn, c], w_uv_t [nh, c, dv], mask [T, S], s) -> [T, nh*dv]
     mla_attention_absorbed_cached(q_nope [Nq, nh, dn], q_rope, tables, w_uk, w_uv_t, s, max_keys, bf16)
                                                       -> [Nq, nh*dv]  the same over each query's sequence's cache
+    gated_delta(qkvz [N, C+Hv dv], ba [N, 2Hv], taps, a_neg, dt_bias, norm, eps, tables, slot, dims) -> [N, Hv dv]
+                                                      Qwen3-Next's Gated DeltaNet step, a block a (sequence, head)
     silu_mul(g, u)                                    -> g * sigmoid(g) * u, elementwise
     to_bf16(x [...], out=None)                        -> bf16 bits, uint16 [...] (out: a cache's rows, in place)
     from_bf16(bits [...])                             -> float32 [...], exact
@@ -625,6 +627,101 @@ extern "C" __global__ void strata_mla_combine_cached(const float* part, const fl
     mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, stride, q_seq, seq_len, chunks, out);
 }
 
+// Qwen3-Next's Gated DeltaNet over a step's rows (linear_attention.py's advance, then the gated RMSNorm), one
+// block a (sequence, value head) walking its sequence's tokens in order. Row t's inputs: qkvz [N, row stride]
+// (q | k | v before the conv, C channels, then z [Hv * dv]) and ba [N, ba stride] (b [Hv] | a [Hv]). Sequence s
+// has rows row_start[s] .. row_start[s + 1] - 1; its state in layer slot `slot` is read from the buffers at
+// conv_src[s] ([slots, K-1, C] floats) and rec_src[s] ([slots, Hv, dk, dv]) and written to conv_dst[s],
+// rec_dst[s] (other buffers: a step never overwrites what it reads, so the state before it stays for a rewind).
+// Per token: the causal conv of this head's q, k (its key head's) and v channels with SiLU; q and k L2-normalised
+// (q times `scale`); beta = sigmoid(b), decay = exp(a_neg softplus(a + dt_bias)); then thread j owns column j of
+// S [dk, dv]: S = decay S; d = beta (v - Sᵀk); S += k dᵀ; o = Sᵀq; out = rms_norm(o) * norm * silu(z).
+// Dynamic shared memory: 2 dk + 2 dv floats.
+extern "C" __global__ void strata_gated_delta(const float* qkvz, long long qkvz_stride, const float* ba,
+                                              long long ba_stride, const float* taps, const float* a_neg,
+                                              const float* dt_bias, const float* norm, float eps, float scale,
+                                              const long long* row_start, const long long* conv_src,
+                                              const long long* conv_dst, const long long* rec_src,
+                                              const long long* rec_dst, int slot, int Hk, int Hv, int dk, int dv,
+                                              int K, float* out) {
+    extern __shared__ float delta_shared[];
+    __shared__ float part[32];
+    float* qs = delta_shared;  // [dk] this token's q, then normalised
+    float* ks = qs + dk;       // [dk] k
+    float* vs = ks + dk;       // [dv] v
+    float* os = vs + dv;       // [dv] o, each thread its own columns
+    int s = blockIdx.x / Hv, h = blockIdx.x % Hv, kh = h / (Hv / Hk);
+    int C = 2 * Hk * dk + Hv * dv, qc = kh * dk, kc = Hk * dk + kh * dk, vc = 2 * Hk * dk + h * dv;
+    long long lo = row_start[s], T = row_start[s + 1] - lo;
+    long long conv_size = (long long)(K - 1) * C, rec_size = (long long)Hv * dk * dv;
+    const float* cs = (const float*)conv_src[s] + slot * conv_size;
+    float* cd = (float*)conv_dst[s] + slot * conv_size;
+    const float* S_src = (const float*)rec_src[s] + slot * rec_size + (long long)h * dk * dv;
+    float* S = (float*)rec_dst[s] + slot * rec_size + (long long)h * dk * dv;
+    for (long long t = 0; t < T; t++) {
+        long long row = lo + t;
+        for (int i = threadIdx.x; i < 2 * dk + dv; i += blockDim.x) {
+            int c = i < dk ? qc + i : i < 2 * dk ? kc + i - dk : vc + i - 2 * dk;
+            float a = 0.0f;
+            for (int j = 0; j < K; j++) {  // tap j reads the input K-1-j tokens back: the conv state, then rows
+                long long f = t + j;
+                float x = f < K - 1 ? cs[f * C + c] : qkvz[(lo + f - (K - 1)) * qkvz_stride + c];
+                a = j ? a + x * taps[(long long)c * K + j] : x * taps[(long long)c * K];
+            }
+            delta_shared[i] = a / (1.0f + expf(-a));
+        }
+        __syncthreads();
+        float sq = 0.0f, sk = 0.0f;
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            sq += qs[i] * qs[i];
+            sk += ks[i] * ks[i];
+        }
+        sq = block_sum(sq, part);
+        sk = block_sum(sk, part);
+        float rq = sqrtf(sq + 1e-6f), rk = sqrtf(sk + 1e-6f);
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            qs[i] = qs[i] / rq * scale;
+            ks[i] = ks[i] / rk;
+        }
+        __syncthreads();
+        const float* br = ba + row * ba_stride;
+        float beta = 1.0f / (1.0f + expf(-br[h]));
+        float x = br[Hv + h] + dt_bias[h];
+        float decay = expf(a_neg[h] * (x > 20.0f ? x : log1pf(expf(x))));
+        const float* Sr = t == 0 ? S_src : S;  // the step's first token reads the state before the step
+        float ss = 0.0f;
+        for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+            float kv = 0.0f;
+            for (int i = 0; i < dk; i++) kv += Sr[(long long)i * dv + j] * decay * ks[i];
+            float d = (vs[j] - kv) * beta;
+            float o = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float n = Sr[(long long)i * dv + j] * decay + ks[i] * d;
+                S[(long long)i * dv + j] = n;
+                o += n * qs[i];
+            }
+            os[j] = o;
+            ss += o * o;
+        }
+        ss = block_sum(ss, part);  // synchronises: every thread is past its columns before the next token's conv
+        float r = sqrtf(ss / (float)dv + eps);
+        const float* z = qkvz + row * qkvz_stride + C + (long long)h * dv;
+        float* orow = out + row * (long long)Hv * dv + (long long)h * dv;
+        for (int j = threadIdx.x; j < dv; j += blockDim.x)
+            orow[j] = (os[j] / r) * norm[j] * (z[j] / (1.0f + expf(-z[j])));
+    }
+    // the new conv state: the last K-1 inputs; q's and k's channels written by the first of their key head's blocks
+    bool qk = h % (Hv / Hk) == 0;
+    for (int i = threadIdx.x; i < 2 * dk + dv; i += blockDim.x) {
+        if (i < 2 * dk && !qk) continue;
+        int c = i < dk ? qc + i : i < 2 * dk ? kc + i - dk : vc + i - 2 * dk;
+        for (int r = 0; r < K - 1; r++) {
+            long long f = T + r;
+            cd[(long long)r * C + c] = f < K - 1 ? cs[f * C + c] : qkvz[(lo + f - (K - 1)) * qkvz_stride + c];
+        }
+    }
+}
+
 extern "C" __global__ void strata_silu_mul(const float* g, const float* u, long long n, float* out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -1007,4 +1104,30 @@ def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: f
     _kernel("strata_mla_combine_cached")((token_blocks,), (THREADS,), (
         part, stats, w_uv_t, *wv_strides, i32(Nq), i32(nh), i32(c), i32(dv), i32(stride), q_seq, seq_len, chunks,
         out), shared_mem=combine_shared * 4)
+    return out
+
+
+def gated_delta(qkvz, ba, taps, a_neg, dt_bias, norm, eps: float, tables, slot: int, dims) -> object:
+    """Qwen3-Next's Gated DeltaNet layer between its projections, every sequence of a step in one launch (a block a
+    (sequence, value head), its tokens in order): qkvz [N, C + Hv dv] and ba [N, 2 Hv] (their rows may lie apart),
+    taps [C, K], a_neg, dt_bias [Hv], norm [dv]; ``tables`` (row_start [B + 1], conv_src, conv_dst, rec_src, rec_dst
+    [B]: device int64, the sequences' rows and their state buffers' addresses, linear_attention.DeviceLinearStates);
+    ``slot``: the layer's place in those buffers; dims (Hk, Hv, dk, dv, K). Returns rms_norm(o) * norm * silu(z)
+    [N, Hv dv], the state read from the src buffers and written to the dst ones."""
+    import cupy
+
+    Hk, Hv, dk, dv, K = dims
+    qkvz, qkvz_stride, _ = _rows_f32(qkvz)
+    ba, ba_stride, _ = _rows_f32(ba)
+    row_start, conv_src, conv_dst, rec_src, rec_dst = tables
+    out = cupy.empty((qkvz.shape[0], Hv * dv), np.float32)
+    B = conv_src.shape[0]
+    if out.size and B:
+        threads = min(THREADS, 32 * -(-max(dv, dk) // 32))  # a thread a column of S where dv allows
+        i32 = np.int32
+        _kernel("strata_gated_delta")((B * Hv,), (threads,), (
+            qkvz, qkvz_stride, ba, ba_stride, _contiguous_f32(taps), _contiguous_f32(a_neg),
+            _contiguous_f32(dt_bias), _contiguous_f32(norm), np.float32(eps), np.float32(dk ** -0.5), row_start,
+            conv_src, conv_dst, rec_src, rec_dst, i32(slot), i32(Hk), i32(Hv), i32(dk), i32(dv), i32(K), out),
+            shared_mem=(2 * dk + 2 * dv) * 4)
     return out

@@ -10,7 +10,8 @@ as uint16 bits (CuPy has no bfloat16): written rounded to nearest even
 
 A model with Gated DeltaNet layers (Qwen3-Next) caches keys and values in its attention layers only
 (``attention_layers``); each of the other layers keeps a fixed-size state per sequence here
-(linear_attention.LinearState, made by the layer on first use), rewound with the cache by ``truncate``.
+(linear_attention.LinearState, made by the layer on first use), rewound with the cache by ``truncate``; on the
+device the states of all those layers are one linear_attention.DeviceLinearStates (``linear``), made with the cache.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class KVCache:
         self._attention_buffers = sorted(attending)  # the buffers that hold keys (a state layer's are empty)
         self.moves = 0  # how often a buffer moved (grew): whoever keeps their addresses reads them again
         self.states: dict = {}  # layer -> its state (a Gated DeltaNet layer's LinearState)
+        self.linear = None  # on the device: every Gated DeltaNet layer's state (DeviceLinearStates)
 
     @property
     def bytes_per_token(self) -> int:
@@ -52,7 +54,7 @@ class KVCache:
     @property
     def state_bytes(self) -> int:
         """Bytes of the fixed-size states (Gated DeltaNet layers), whatever the length."""
-        return sum(state.nbytes for state in self.states.values())
+        return sum(state.nbytes for state in self.states.values()) + (self.linear.nbytes if self.linear else 0)
 
     def _reserve(self, layer: int, needed: int, exact: bool = False) -> None:
         """``layer``: an index into this cache's buffers; ``exact``: grown to ``needed`` (not doubled)."""
@@ -111,4 +113,6 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         for state in self.states.values():
             state.rewind(length)
+        if self.linear is not None:
+            self.linear.rewind(length)
         self.length = length

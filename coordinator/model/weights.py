@@ -103,6 +103,8 @@ class ModelWeights:
     layers: list[LayerWeights]
     experts: dict[tuple[int, int], ExpertRefs]  # (layer, expert) -> where its matrices are
     names: dict[int, str] = field(default_factory=dict)  # id(a dense array above) -> its checkpoint tensor
+    # id(a matrix whose rows the loader regrouped from a tensor: Qwen3-Next's) -> that tensor (its type, not its bytes)
+    derived: dict[int, str] = field(default_factory=dict)
     mtp: MtpWeights | None = None  # the MTP layer where ModelConfig.mtp_layers says it runs
 
 
@@ -145,6 +147,9 @@ def _linear_attn(cfg: ModelConfig, r: "_Reader", prefix: str) -> LinearAttnWeigh
         a_neg = r.get(f"{prefix}.A_neg", (Hv,))
     per_key = ba.reshape(Hk, 2 * rep, H)  # [Hk, b rep | a rep, H]
     ba = np.concatenate([per_key[:, :rep].reshape(Hv, H), per_key[:, rep:].reshape(Hv, H)])
+    r.regrouped(ba, f"{prefix}.in_proj_ba.weight")
+    r.regrouped(qkvz, f"{prefix}.in_proj_qkvz.weight" if f"{prefix}.in_proj_qkvz.weight" in r.ckpt
+                else f"{prefix}.in_proj_qkv.weight")
     return LinearAttnWeights(
         qkvz=qkvz, ba=ba, conv=np.ascontiguousarray(conv),
         a_neg=a_neg,
@@ -166,6 +171,7 @@ class _Reader:
         self.ckpt = ckpt
         self.progress = progress
         self.names: dict[int, str] = {}  # id(array read) -> its tensor name
+        self.derived: dict[int, str] = {}  # id(matrix regrouped from a tensor's rows) -> the tensor's name
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.ckpt:
@@ -175,6 +181,12 @@ class _Reader:
         if self.progress is not None:
             self.progress.add(1)
         return w
+
+    def regrouped(self, w: np.ndarray, name: str) -> None:
+        """``w``: a matrix made from tensor ``name``'s rows (regrouped, split): its format is the tensor's, its bytes
+        are not (a name left under its id by a freed array is dropped: that id is ``w``'s now)."""
+        self.names.pop(id(w), None)
+        self.derived[id(w)] = name
 
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
         return self.get(name, shape) if present else None
@@ -203,7 +215,10 @@ def _q_proj(cfg: ModelConfig, r: _Reader, attn: str) -> tuple[np.ndarray, np.nda
     if not cfg.attn_output_gate:
         return r.get(f"{attn}.q_proj.weight", (nh * hd, H)), None
     both = r.get(f"{attn}.q_proj.weight", (nh * 2 * hd, H)).reshape(nh, 2, hd, H)  # [nh, query | gate, hd, H]
-    return both[:, 0].reshape(nh * hd, H), both[:, 1].reshape(nh * hd, H)
+    q, gate = both[:, 0].reshape(nh * hd, H), both[:, 1].reshape(nh * hd, H)
+    r.regrouped(q, f"{attn}.q_proj.weight")
+    r.regrouped(gate, f"{attn}.q_proj.weight")
+    return q, gate
 
 
 def _mlp(r: _Reader, prefix: str, inter: int, hidden: int) -> MLPWeights:
@@ -341,7 +356,7 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
         )
     mtp = _mtp(cfg, r, layers.pop(), embed, lm_head) if cfg.mtp_layers else None
     return ModelWeights(embed=embed, final_norm=r.norm("model.norm.weight", (H,), offset), lm_head=lm_head,
-                        layers=layers, experts=experts, names=r.names, mtp=mtp)
+                        layers=layers, experts=experts, names=r.names, derived=r.derived, mtp=mtp)
 
 
 def _mtp(cfg: ModelConfig, r: _Reader, layer: LayerWeights, embed: np.ndarray, lm_head: np.ndarray) -> MtpWeights:
