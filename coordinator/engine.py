@@ -44,6 +44,7 @@ from .pool import ExpertPool
 from .pool.hot_experts import ExpertProfile, device_expert_set, expert_bytes, whole_expert
 from .request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest
 from .scheduler import GenerationResult, generate
+from .speculative import StepCosts
 from .warmup import Compiles, Unit, engine_units, warm_up_host
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class Engine:
     load_s: float = 0.0  # seconds Engine.open took: the weights, the workers, the kernels compiled on a first run
     compile_s: float = 0.0  # of which compiling kernels this build lacked (coordinator/warmup.py)
     gpu_memory: VramPlan | None = None  # the GPU's memory by category: dense and hot experts as uploaded
+    # what a speculative draft costs beside a plain step on this engine, measured by every scheduler that runs it
+    step_costs: StepCosts = field(default_factory=StepCosts)
 
     @property
     def model_dir(self) -> Path:

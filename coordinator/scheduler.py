@@ -90,7 +90,8 @@ class Scheduler:
                                    "has none loaded: use ngram or auto")
         if self.speculative == "auto":  # the model's MTP layer where it has one, else prompt lookup
             self.speculative = "mtp" if engine.has_mtp else "ngram"
-        self.costs = StepCosts()  # what a draft costs beside a plain step, measured: how many drafts pay
+        # what a draft costs beside a plain step, measured (the engine's, kept from one scheduler to the next)
+        self.costs = getattr(engine, "step_costs", None) or StepCosts()
         self.limits = limits
         self.emit = emit
         self.max_active = max_active

@@ -134,14 +134,16 @@ class StepCosts:
 @dataclass
 class DraftLength:
     """How many drafts one sequence tries next (``next``), from what was accepted (``update``): each position's
-    conditional acceptance is followed (an average over about the last 1 / RECENT steps that reached it), and
-    the count with the most tokens a second at the step's cost ratio is tried (best_length). When none pays,
+    conditional acceptance is followed (an average over about the last 1 / RECENT steps that reached it; a step
+    that does not reach it pulls it back towards PRIOR, so that a position given up after a few misses is tried
+    again), and the count with the most tokens a second at the step's cost ratio is tried (best_length). When none pays,
     or OFF_AFTER_MISSES steps in a row took no draft, drafting pauses for 1, 2, 4, ... MAX_PAUSE steps, then
     one draft probes (a miss after a pause pauses again), so a sequence whose drafts never stand costs about
     one draft row every MAX_PAUSE steps."""
 
     RECENT = 0.2  # the weight of a step's outcome in a position's acceptance
     PRIOR = 0.75  # a position's acceptance before one of its drafts was tried
+    DRIFT = 0.05  # a step's pull of an untried position's acceptance back to PRIOR, so that it is tried again
 
     draft_max: int
     k: int = field(init=False)  # the count tried last
@@ -183,8 +185,11 @@ class DraftLength:
         self.drafted += tried
         self.accepted += took
         self.steps += 1
-        for j in range(min(took + 1, tried)):  # the positions reached: the first took stood, the next did not
+        reached = min(took + 1, tried)
+        for j in range(reached):  # the positions reached: the first took stood, the next did not
             self.acceptance[j] += self.RECENT * (float(j < took) - self.acceptance[j])
+        for j in range(reached, len(self.acceptance)):  # the others drift back: a few misses do not end them for good
+            self.acceptance[j] += self.DRIFT * (self.PRIOR - self.acceptance[j])
         if took:
             self.misses = 0
             return

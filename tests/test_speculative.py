@@ -96,19 +96,42 @@ def test_expected_tokens_and_best_length_against_enumeration():
 
 
 def test_draft_length_follows_the_acceptance_of_each_position():
-    """A sequence whose first two drafts stand and third never does settles on two drafts at ratio 0.37, and on
-    one when the second stops standing."""
+    """A sequence whose first two drafts stand and third never does settles on two drafts at ratio 0.37 (a third
+    tried again now and then, as its estimate drifts back), and on one when the second stops standing."""
     d = DraftLength(4)
     ks = []
     for _ in range(60):
         k = d.next(0.37)
         ks.append(k)
         d.update(k, min(k, 2))
-    assert ks[-20:] == [2] * 20
+    assert ks[-20:].count(2) >= 17 and set(ks[-20:]) <= {2, 3}
+    ks = []
     for _ in range(60):
         k = d.next(0.37)
+        ks.append(k)
         d.update(k, min(k, 1))
-    assert d.next(0.37) == 1
+    assert ks[-20:].count(1) >= 17 and set(ks[-20:]) <= {1, 2}
+
+
+def test_a_position_given_up_after_misses_is_tried_again():
+    """The trained MTP head's profile, drawn at random (draft 1 stands 99% of the time, draft 2 after it 80%,
+    draft 3 25%): at ratio 0.43 two drafts pay most (2.77 tokens for 1.86 steps' time against 1.99 for 1.43), and
+    the count settles there most of the time, though runs of misses on draft 2 make one draft look better for a
+    while; acceptance of each position follows its true rate."""
+    rng = np.random.default_rng(0)
+    truth = [0.99, 0.8, 0.25, 0.25]
+    assert best_length(truth, 0.43, 4) == 2
+    d = DraftLength(4)
+    ks = []
+    for _ in range(3000):
+        k = d.next(0.43)
+        took = 0
+        while took < k and rng.random() < truth[took]:
+            took += 1
+        d.update(k, took)
+        ks.append(k)
+    counts = np.bincount(ks[500:], minlength=5)
+    assert counts[2] > 0.6 * counts.sum() and counts[1] > 0, counts  # mostly two, one after runs of misses
 
 
 def test_step_costs_fit_the_forward_and_the_drafts():
