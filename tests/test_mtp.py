@@ -136,11 +136,9 @@ def test_mtp_needs_the_layer_and_auto_falls_back_to_prompt_lookup(tmp_path):
         assert Scheduler(eng, lambda _c, _e: None, speculative="auto").speculative == "mtp"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_the_device_path_drafts_as_the_cpu_path(gpu, tmp_path, arch):
-    """The GPU path on the CPU (tests/device_standin.py), float32 weights and cache: the MTP logits within float32
+def check_device_drafts(model) -> None:
+    """On the GPU path on the CPU (tests/device_standin.py), float32 weights and cache: the MTP logits within float32
     rounding of the CPU path's over the same hidden rows, and greedy with MTP drafts is greedy."""
-    model = mtp_model(tmp_path / arch, arch)
     with Engine.open(model, EngineConfig(device="cpu", pool="inproc", activations="f32")) as eng:
         h = main_hidden(eng, PROMPT[:-1])
         want, _ = eng.decoder.forward_mtp([([h], np.asarray(PROMPT[1:], np.int64), eng.new_mtp_cache())],
@@ -155,3 +153,8 @@ def test_the_device_path_drafts_as_the_cpu_path(gpu, tmp_path, arch):
         assert drafted.ids == plain and drafted.timings["drafted_tokens"] > 0
     scale = np.abs(want[0]).max()
     np.testing.assert_allclose(np.asarray(got[0]), want[0], rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_device_path_drafts_as_the_cpu_path(gpu, tmp_path, arch):
+    check_device_drafts(mtp_model(tmp_path / arch, arch))

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 from reference import Qwen3NextMtpReference, load_tensors
 from safetensors.numpy import load_file, save_file
-from test_mtp import PROMPT, main_hidden
+from test_mtp import PROMPT, check_device_drafts, main_hidden
 from test_speculative import repetitive_requests, run
 
 from coordinator.cli.make_model import make_model
@@ -220,20 +220,5 @@ def test_a_gguf_files_nextn_layer_is_the_checkpoints_mtp_layer(tmp_path):
 
 
 def test_the_device_path_drafts_as_the_cpu_path(gpu, tmp_path):
-    """The GPU path on the CPU (tests/device_standin.py; the Gated DeltaNet kernel emulated): Qwen3-Next's MTP logits
-    within float32 rounding of the CPU path's over the same hidden rows, and greedy with MTP drafts is greedy."""
-    model = mtp_model(tmp_path / "m")
-    with Engine.open(model, EngineConfig(device="cpu", pool="inproc", activations="f32")) as eng:
-        h = main_hidden(eng, PROMPT[:-1])
-        want, _ = eng.decoder.forward_mtp([([h], np.asarray(PROMPT[1:], np.int64), eng.new_mtp_cache())],
-                                          last_only=False)
-    with Engine.open(model, EngineConfig(device="cuda", pool="inproc", activations="f32", dense_dtype="f32",
-                                         kv_dtype="f32")) as eng:
-        assert eng.decoder.backend == "cupy" and eng.has_mtp
-        got, _ = eng.decoder.forward_mtp([([eng.decoder.xp.asarray(h)], np.asarray(PROMPT[1:], np.int64),
-                                           eng.new_mtp_cache())], last_only=False)
-        plain = eng.generate(PROMPT, max_new_tokens=16, stop_at_eos=False)
-        drafted = eng.generate_full(PROMPT, max_new_tokens=16, stop_at_eos=False, speculative="mtp")
-        assert drafted.ids == plain and drafted.timings["drafted_tokens"] > 0
-    scale = np.abs(want[0]).max()
-    np.testing.assert_allclose(np.asarray(got[0]), want[0], rtol=0, atol=1e-5 * scale)
+    """Qwen3-Next's MTP layer on the GPU path on the CPU (the Gated DeltaNet kernel emulated): test_mtp's check."""
+    check_device_drafts(mtp_model(tmp_path / "m"))

@@ -1037,20 +1037,11 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, s
         return out
     splits, chunk = mla_splits(T, nh, S, c, dr) if splits is None else _chunked(S, splits)
     R = T * nh
-    partial_shared = MLA_ROWS * (max(c + dr, THREADS) + chunk)
-    combine_shared = MLA_ROWS * (c + max(splits, THREADS, dv))
-    if max(partial_shared, combine_shared, MLA_ROWS * dn) > SHARED_FLOATS:
-        raise ValueError(f"mla_attention_absorbed: c {c}, dr {dr}, dv {dv} in {splits} chunks of {chunk} keys "
-                         f"need more than {SHARED_FLOATS * 4} bytes of shared memory a block")
-    scratch = cupy.empty(R * c + R * splits * (c + 2), np.float32)  # one allocation: q_lat, part, stats
-    q_lat = scratch[: R * c]  # [R, c]
-    part = scratch[R * c : R * c + R * splits * c]  # [R, splits, c]
-    stats = scratch[R * c + R * splits * c :]  # [R, splits, 2]
+    q_lat, part, stats, partial_shared, combine_shared = _mla_absorb(
+        q_nope, qn_row, qn_head, w_uk, wk_strides, splits, chunk, dr, dv,
+        f"mla_attention_absorbed: c {c}, dr {dr}, dv {dv} in {splits} chunks of {chunk} keys")
     token_blocks = nh * -(-T // MLA_ROWS)
     i32 = np.int32
-    _kernel("strata_mla_q_absorb")((token_blocks,), (THREADS,), (
-        q_nope, qn_row, qn_head, w_uk, *wk_strides, i32(T), i32(nh), i32(dn), i32(c), q_lat),
-        shared_mem=MLA_ROWS * dn * 4)
     m = cupy.ascontiguousarray(mask, dtype=cupy.bool_)
     _kernel("strata_mla_partial_bf16" if bf16 else "strata_mla_partial")((-(-R // MLA_ROWS) * splits,), (THREADS,), (
         q_lat, q_rope, qr_row, qr_head, latent, k_rope, m, np.float32(scale), i32(R), i32(nh), i32(S), i32(c),
@@ -1059,6 +1050,29 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, s
         part, stats, w_uv_t, *wv_strides, i32(T), i32(nh), i32(c), i32(dv), i32(splits), out),
         shared_mem=combine_shared * 4)
     return out
+
+
+def _mla_absorb(q_nope, qn_row, qn_head, w_uk, wk_strides, splits: int, chunk: int, dr: int, dv: int, what: str):
+    """The absorbed MLA's first launch and its scratch, shared by the eager and the cached forms: q_lat [R, c] =
+    q_nope · W_UK per (token, head), with part [R, splits, c] and stats [R, splits, 2] beside it in one
+    allocation; and the shared floats a block of the partial and the combine kernels takes (refused, naming
+    ``what``, beyond SHARED_FLOATS). -> (q_lat, part, stats, partial_shared, combine_shared)."""
+    import cupy
+
+    T, nh, dn = q_nope.shape
+    c = w_uk.shape[2]
+    partial_shared = MLA_ROWS * (max(c + dr, THREADS) + chunk)
+    combine_shared = MLA_ROWS * (c + max(splits, THREADS, dv))
+    if max(partial_shared, combine_shared, MLA_ROWS * dn) > SHARED_FLOATS:
+        raise ValueError(f"{what} need more than {SHARED_FLOATS * 4} bytes of shared memory a block")
+    R = T * nh
+    scratch = cupy.empty(R * c + R * splits * (c + 2), np.float32)  # one allocation: q_lat, part, stats
+    q_lat = scratch[: R * c]  # [R, c]
+    _kernel("strata_mla_q_absorb")((nh * -(-T // MLA_ROWS),), (THREADS,), (
+        q_nope, qn_row, qn_head, w_uk, *wk_strides, np.int32(T), np.int32(nh), np.int32(dn), np.int32(c), q_lat),
+        shared_mem=MLA_ROWS * dn * 4)
+    return q_lat, scratch[R * c : R * c + R * splits * c], scratch[R * c + R * splits * c :], partial_shared, \
+        combine_shared
 
 
 def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: float, max_keys: int, bf16: bool):
@@ -1083,21 +1097,11 @@ def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: f
     if not out.size:
         return out
     stride, cap = mla_max_splits(nh, max_keys, c, dr), mla_chunk_cap(c, dr)
-    R = Nq * nh
-    partial_shared = MLA_ROWS * (max(c + dr, THREADS) + cap)
-    combine_shared = MLA_ROWS * (c + max(stride, THREADS, dv))
-    if max(partial_shared, combine_shared, MLA_ROWS * dn) > SHARED_FLOATS:
-        raise ValueError(f"mla_attention_absorbed_cached: c {c}, dr {dr}, dv {dv} over {max_keys} keys need more "
-                         f"than {SHARED_FLOATS * 4} bytes of shared memory a block")
-    scratch = cupy.empty(R * c + R * stride * (c + 2), np.float32)  # one allocation: q_lat, part, stats
-    q_lat = scratch[: R * c]  # [R, c]
-    part = scratch[R * c : R * c + R * stride * c]  # [R, stride, c]
-    stats = scratch[R * c + R * stride * c :]  # [R, stride, 2]
+    q_lat, part, stats, partial_shared, combine_shared = _mla_absorb(
+        q_nope, qn_row, qn_head, w_uk, wk_strides, stride, cap, dr, dv,
+        f"mla_attention_absorbed_cached: c {c}, dr {dr}, dv {dv} over {max_keys} keys")
     token_blocks = nh * -(-Nq // MLA_ROWS)
     i32 = np.int32
-    _kernel("strata_mla_q_absorb")((token_blocks,), (THREADS,), (
-        q_nope, qn_row, qn_head, w_uk, *wk_strides, i32(Nq), i32(nh), i32(dn), i32(c), q_lat),
-        shared_mem=MLA_ROWS * dn * 4)
     _kernel("strata_mla_partial_cached")((Nq * -(-nh // MLA_ROWS) * stride,), (THREADS,), (
         q_lat, q_rope, qr_row, qr_head, lat_ptrs, rope_ptrs, q_seq, q_pos, seq_len, chunks, np.float32(scale),
         i32(nh), i32(c), i32(dr), i32(stride), i32(bf16), part, stats), shared_mem=partial_shared * 4)
