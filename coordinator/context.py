@@ -3,9 +3,9 @@
 One sequence's KV cache grows to kv_bytes_per_token x tokens (the attention layers' keys and values, float32 on
 the host), plus the fixed state of Qwen3-Next's Gated DeltaNet layers; a process pool's data-path segment
 (shm/pool_io.py) holds one step's rows (segment_rows: a prompt chunk and a full decode batch; a larger pass is
-sent in pieces, ProcessPool.submit), X and each node's Y as [rows, H] float32 and top_k pairs a row. Engine.open refuses, with these numbers and the longest context that fits,
-a context whose one sequence and pool buffers exceed the memory available (the segment also /dev/shm's free
-space) before any weight is read.
+sent in pieces, ProcessPool.submit), X and each node's Y as [rows, H] float32 and top_k pairs a row. Engine.open
+refuses, with these numbers and the longest context that fits, a context whose one sequence and pool buffers
+exceed the memory available (the segment also /dev/shm's free space) before any weight is read.
 """
 
 from __future__ import annotations

@@ -155,5 +155,5 @@ def build_pool(source: ModelSource, cpu: CpuExpertSpec, config: EngineConfig, ma
     from .pool.process import ProcessPool
 
     layout = segment_layout(source.config, max_seq_len, len(cpu.nodes), config.prefill_chunk)
-    return ProcessPool(cpu.plan, list(cpu.nodes), worker_job(source, cpu, config, layout.max_tokens), config, kernel_team,
-                       layout.max_pairs)
+    job = worker_job(source, cpu, config, layout.max_tokens)
+    return ProcessPool(cpu.plan, list(cpu.nodes), job, config, kernel_team, layout.max_pairs)

@@ -90,8 +90,7 @@ class Scheduler:
                                    "has none loaded: use ngram or auto")
         if self.speculative == "auto":  # the model's MTP layer where it has one, else prompt lookup
             self.speculative = "mtp" if engine.has_mtp else "ngram"
-        # what a draft costs beside a plain step, measured (the engine's, kept from one scheduler to the next)
-        self.costs = getattr(engine, "step_costs", None) or StepCosts()
+        self.costs: StepCosts = engine.step_costs  # what a draft costs beside a plain step, kept by the engine
         self.limits = limits
         self.emit = emit
         self.max_active = max_active

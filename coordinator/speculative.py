@@ -14,7 +14,7 @@ at the first position whose token is not the draft; the KV cache drops what was 
     DraftLength                    per sequence: how many drafts to try, the count with the most tokens a
                                    second from its recent acceptance at each position and StepCosts' ratio;
                                    drafts that never pay turn it off for exponentially longer spells
-    StepCosts                      per scheduler: a draft's cost over a plain step's, measured as steps run
+    StepCosts                      per engine: a draft's cost over a plain step's, measured as steps run
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def best_length(acceptance: list[float], ratio: float, draft_max: int) -> int:
 
 @dataclass
 class StepCosts:
-    """What a decode step costs the scheduler, measured as it runs (one per scheduler, all sequences): a draft's
-    cost over a plain step's (``ratio``), which decides how many drafts pay (best_length).
+    """What a decode step costs, measured as the schedulers run it (one per engine, Engine.step_costs, all
+    sequences): a draft's cost over a plain step's (``ratio``), which decides how many drafts pay (best_length).
 
     The forward pass: seconds = fixed + per_row · rows. The slope is fitted over pairs of consecutive decode
     steps whose row counts differ (least squares of Δseconds on Δrows, each pair weighted DECAY**age), so the

@@ -74,39 +74,43 @@ def test_greedy_with_mtp_drafts_is_greedy(tmp_path, arch):
     assert stats["drafted_tokens"] > 0, stats
 
 
+def check_draft_passes_are_fresh_passes(eng: Engine) -> list[int]:
+    """One sequence decoded with MTP drafts (at most 3), its prompt prefilled 5 tokens a step: each draft pass that
+    feeds the model's own rows gives, within float32 rounding, the logits that a fresh model pass and a fresh MTP
+    pass over the whole history give (so nothing of the drafts that did not stand was kept), for at least 5 such
+    passes, some drafts rejected. Returns each MTP pass's rows."""
+    firsts = []  # per first pass of a step: (the ids up to the token just chosen, its last row's logits)
+    rows = []  # each pass's rows
+    sched = Scheduler(eng, lambda _c, _e: None, speculative="mtp", draft_max=3, prefill_chunk=5)
+    seq = sched.add(b"c", repetitive_requests(eng, n=1, max_new=24)[0])
+    step = eng.mtp_step
+
+    def spy(batch):
+        logits, hidden = step(batch)
+        (_, tokens, cache), = batch
+        rows.append(len(tokens))
+        if cache.length == seq.cache.length:  # a first pass: the model's rows fed up to its cache's end
+            firsts.append((seq.history[:cache.length + 1].copy(), logits[0][-1].copy()))
+        return logits, hidden
+
+    eng.mtp_step = spy
+    while sched.busy:
+        sched.step()
+    assert sched.stats["drafted_tokens"] > sched.stats["accepted_drafts"]  # some drafts were rejected
+    for ids, logits in firsts:
+        h = main_hidden(eng, ids[:-1].tolist())
+        want, _ = eng.decoder.forward_mtp([([h], ids[1:], eng.new_mtp_cache())])
+        np.testing.assert_allclose(logits, want[0][-1], rtol=0, atol=1e-4 * np.abs(want[0]).max())
+    assert len(firsts) >= 5 and len(seq.prompt_ids) > 10
+    return rows
+
+
 def test_mtp_cache_after_rejected_drafts_is_a_fresh_pass(tmp_path):
-    """A sequence whose MTP drafts mostly fail (random weights), its prompt prefilled 5 tokens a step: each draft
-    pass that feeds the model's own rows gives the logits a fresh MTP pass over the whole history gives, so
-    the prompt was fed chunk by chunk (no pass longer than a chunk) and the positions of drafts that did not
-    stand (and the chained drafts' positions) left nothing in the MTP cache."""
+    """glm4_moe, random weights (drafts mostly fail): check_draft_passes_are_fresh_passes, the prompt fed chunk by
+    chunk (no pass longer than a chunk)."""
     model = mtp_model(tmp_path / "m", "glm4_moe")
     with Engine.open(model, EngineConfig(pool="inproc", activations="f32")) as eng:
-        firsts = []  # per first pass of a step: (the ids up to the token just chosen, its last row's logits)
-        longest = []  # each pass's rows
-        sched = Scheduler(eng, lambda _c, _e: None, speculative="mtp", draft_max=3, prefill_chunk=5)
-        seq = sched.add(b"c", repetitive_requests(eng, n=1, max_new=24)[0])
-        step = eng.mtp_step
-
-        def spy(batch):
-            logits, hidden = step(batch)
-            (_, tokens, cache), = batch
-            longest.append(len(tokens))
-            if cache.length == seq.cache.length:  # a first pass: the model's rows fed up to its cache's end
-                firsts.append((seq.history[:cache.length + 1].copy(), logits[0][-1].copy()))
-            return logits, hidden
-
-        eng.mtp_step = spy
-        while sched.busy:
-            sched.step()
-        assert sched.stats["drafted_tokens"] > sched.stats["accepted_drafts"]  # some drafts were rejected
-        checked = 0
-        for ids, logits in firsts:
-            h = main_hidden(eng, ids[:-1].tolist())
-            want, _ = eng.decoder.forward_mtp([([h], ids[1:], eng.new_mtp_cache())])
-            np.testing.assert_allclose(logits, want[0][-1], rtol=0, atol=1e-4 * np.abs(want[0]).max())
-            checked += 1
-        assert checked >= 5 and len(firsts) == checked
-        assert max(longest) == 5 and len(seq.prompt_ids) > 10
+        assert max(check_draft_passes_are_fresh_passes(eng)) == 5
 
 
 def test_greedy_with_mtp_drafts_split_over_two_worker_processes(tmp_path):

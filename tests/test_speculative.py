@@ -99,18 +99,18 @@ def test_draft_length_follows_the_acceptance_of_each_position():
     """A sequence whose first two drafts stand and third never does settles on two drafts at ratio 0.37 (a third
     tried again now and then, as its estimate drifts back), and on one when the second stops standing."""
     d = DraftLength(4)
-    ks = []
-    for _ in range(60):
-        k = d.next(0.37)
-        ks.append(k)
-        d.update(k, min(k, 2))
-    assert ks[-20:].count(2) >= 17 and set(ks[-20:]) <= {2, 3}
-    ks = []
-    for _ in range(60):
-        k = d.next(0.37)
-        ks.append(k)
-        d.update(k, min(k, 1))
-    assert ks[-20:].count(1) >= 17 and set(ks[-20:]) <= {1, 2}
+
+    def last_counts(stand: int) -> list[int]:  # 60 steps whose first ``stand`` drafts stand: the last 20 counts
+        ks = []
+        for _ in range(60):
+            ks.append(d.next(0.37))
+            d.update(ks[-1], min(ks[-1], stand))
+        return ks[-20:]
+
+    ks = last_counts(2)
+    assert ks.count(2) >= 17 and set(ks) <= {2, 3}
+    ks = last_counts(1)
+    assert ks.count(1) >= 17 and set(ks) <= {1, 2}
 
 
 def test_a_position_given_up_after_misses_is_tried_again():

@@ -57,7 +57,7 @@ def row_pieces(tokens: np.ndarray, rows: int, max_rows: int, max_pairs: int) -> 
     prompt in one pass, Engine.logits); the serving steps fit (coordinator/context.py, segment_rows)."""
     if rows <= max_rows and tokens.size <= max_pairs:
         return [(0, rows)]
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= rows):  # the workers would refuse it; cut, it could hide
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= rows):  # the cut would drop such a pair unrefused
         raise PoolError(f"token index out of range [0, {rows})")
     per_row = np.bincount(tokens, minlength=rows)  # [rows] pairs
     if per_row.max(initial=0) > max_pairs:
