@@ -11,13 +11,32 @@ import pytest
 
 from coordinator.device import storage, vram
 from coordinator.model.model_config import attach_mtp, load_model_config
-from coordinator.model.weights import load_weights
+from coordinator.model.weights import TensorSources, load_weights
 from shm.checkpoint import Checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import vram_figures  # noqa: E402  (tools/vram_figures.py)
 
 GB = 1e9
+
+
+def tensors_read(cfg, path) -> dict[str, tuple[int, ...]]:
+    """Every dense tensor load_weights reads from the checkpoint at ``path``, with its shape (the reads are
+    recorded as they happen: an array the loader transforms or regroups is counted as the tensor it read)."""
+    ckpt = Checkpoint(path)
+    read: dict[str, tuple[int, ...]] = {}
+    float32 = ckpt.float32
+
+    def recording(name, *args, **kwargs):
+        read[name] = ckpt.info(name).shape
+        return float32(name, *args, **kwargs)
+
+    ckpt.float32 = recording
+    try:
+        load_weights(cfg, ckpt)
+    finally:
+        ckpt.close()
+    return read
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_next"])
@@ -27,15 +46,26 @@ def test_the_tensor_list_is_what_the_loader_reads(tiny_model, arch):
     extra = dict(q_lora_rank=24) if arch == "deepseek_v3" else {}
     d = tiny_model(arch=arch, first_k_dense_replace=1 if arch in ("deepseek_v3", "glm4_moe") else 0, **extra)
     cfg = load_model_config(d)
-    ckpt = Checkpoint(d)
-    try:
-        w = load_weights(cfg, ckpt)
-        read = {name: ckpt.info(name).shape for name in w.names.values()}
-    finally:
-        ckpt.close()
+    read = tensors_read(cfg, d)
     read.pop("model.embed_tokens.weight")
     listed = {t.name: t.shape for t in vram.dense_tensors(cfg)}
     assert listed == read
+
+
+def test_a_freed_arrays_tensor_is_not_found_under_its_id_reused():
+    """TensorSources holds each array weakly: once the array read is freed (a transformed copy kept instead, as
+    -exp(A_log)), a new array that takes its id is not taken for that tensor (its bytes are not the tensor's)."""
+    sources = TensorSources()
+    read = np.zeros(8, np.float32)
+    freed = id(read)
+    sources.set(read, "model.layers.0.linear_attn.A_log")
+    assert sources.get(read) == "model.layers.0.linear_attn.A_log" and sources.values() == [
+        "model.layers.0.linear_attn.A_log"]
+    del read
+    assert sources.values() == []
+    made = [np.ones(8, np.float32) for _ in range(64)]  # CPython hands the freed object's block to one of these
+    assert freed in {id(a) for a in made}, "no new array took the freed id: the check below would test nothing"
+    assert all(sources.get(a) is None for a in made)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
@@ -47,11 +77,8 @@ def test_the_mtp_layer_is_counted_in_float32_with_its_cache(tiny_model, arch):
     ckpt = Checkpoint(d)
     cfg = attach_mtp(load_model_config(d), lambda name: name in ckpt)
     assert cfg.mtp_layers == 1
-    try:
-        w = load_weights(cfg, ckpt)
-        read = {name: ckpt.info(name).shape for name in w.names.values()}
-    finally:
-        ckpt.close()
+    ckpt.close()
+    read = tensors_read(cfg, d)
     L = cfg.num_layers
     for name in ("model.embed_tokens.weight", f"model.layers.{L}.embed_tokens.weight",
                  f"model.layers.{L}.shared_head.head.weight"):

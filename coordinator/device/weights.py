@@ -26,6 +26,7 @@ from shm.formats import traits
 
 from . import format_kernels, storage
 from .vram import TILE_ROWS
+from ..model.weights import TensorSources
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +188,8 @@ def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = forma
         if w is None:
             return None
         if id(w) not in uploaded:
-            derived = weights.derived.get(id(w))  # rows regrouped at load: the tensor's format, encoded afresh
-            name = None if derived else weights.names.get(id(w))
+            derived = weights.derived.get(w)  # rows regrouped at load: the tensor's format, encoded afresh
+            name = None if derived else weights.names.get(w)
             fmt = storage.matrix_format(checkpoint_dtype(ckpt, name or derived), dense_dtype, w.shape[1])
             raw, dtype = checkpoint_rows(ckpt, name)
             uploaded[id(w)] = upload_matrix(w, fmt, xp, raw, dtype)
@@ -218,7 +219,8 @@ def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = forma
                 **{f.name: vector(getattr(g, f.name)) for f in dataclasses.fields(g) if f.name not in LINEAR_MATRICES})
         layers.append(dataclasses.replace(lw, **changes))
     return dataclasses.replace(weights, layers=layers, final_norm=vector(weights.final_norm),
-                               lm_head=matrix(weights.lm_head), names={}, derived={})
+                               lm_head=matrix(weights.lm_head), names=TensorSources(),
+                               derived=TensorSources())
 
 
 def nbytes(obj) -> int:

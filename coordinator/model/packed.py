@@ -188,7 +188,7 @@ def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None
 
     def packed(w: np.ndarray) -> PackedMatrix | None:
         if fmt is None:
-            name = weights.names.get(id(w))
+            name = weights.names.get(w)
             return None if name is None or ckpt is None else file_blocks(ckpt, name, w.shape, int_act)
         return PackedMatrix.encode(w, fmt, int_act, bf16_products) if w.shape[1] % fmt.BLOCK == 0 else None
 

@@ -9,6 +9,7 @@ is named in the error.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,9 +103,9 @@ class ModelWeights:
     lm_head: np.ndarray  # [V, H] (the embedding when tied)
     layers: list[LayerWeights]
     experts: dict[tuple[int, int], ExpertRefs]  # (layer, expert) -> where its matrices are
-    names: dict[int, str] = field(default_factory=dict)  # id(a dense array above) -> its checkpoint tensor
-    # id(a matrix whose rows the loader regrouped from a tensor: Qwen3-Next's) -> that tensor (its type, not its bytes)
-    derived: dict[int, str] = field(default_factory=dict)
+    names: "TensorSources" = field(default_factory=lambda: TensorSources())  # a dense array above -> its tensor
+    # a matrix whose rows the loader regrouped from a tensor (Qwen3-Next's) -> that tensor (its type, not its bytes)
+    derived: "TensorSources" = field(default_factory=lambda: TensorSources())
     mtp: MtpWeights | None = None  # the MTP layer where ModelConfig.mtp_layers says it runs
 
 
@@ -166,27 +167,50 @@ def _prefix(cfg: ModelConfig, ckpt: Checkpoint, layer: int) -> tuple[str, str]:
     return base, f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
 
 
+class TensorSources:
+    """Which checkpoint tensor each array holds, keyed by the array itself: an entry keeps a weak reference, so a
+    freed array's id, taken by a new array, never finds the freed one's tensor (the new one's bytes differ)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, str]] = {}
+
+    def set(self, w: np.ndarray, name: str) -> None:
+        self._by_id[id(w)] = (weakref.ref(w), name)
+
+    def pop(self, w: np.ndarray) -> None:
+        self._by_id.pop(id(w), None)
+
+    def get(self, w: object) -> str | None:
+        """``w``'s tensor, None where it holds none (not read as it is, or None)."""
+        entry = self._by_id.get(id(w))
+        return entry[1] if entry is not None and entry[0]() is w else None
+
+    def values(self) -> list[str]:
+        """The tensors of the arrays still alive."""
+        return [name for ref, name in self._by_id.values() if ref() is not None]
+
+
 class _Reader:
     def __init__(self, ckpt: Checkpoint, progress: Progress | None = None):
         self.ckpt = ckpt
         self.progress = progress
-        self.names: dict[int, str] = {}  # id(array read) -> its tensor name
-        self.derived: dict[int, str] = {}  # id(matrix regrouped from a tensor's rows) -> the tensor's name
+        self.names = TensorSources()  # array read -> its tensor
+        self.derived = TensorSources()  # matrix regrouped from a tensor's rows -> the tensor
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.ckpt:
             raise CheckpointError(f"missing tensor {name!r}: expected shape {list(shape)}")
         w = self.ckpt.float32(name, shape)
-        self.names[id(w)] = name
+        self.names.set(w, name)
         if self.progress is not None:
             self.progress.add(1)
         return w
 
     def regrouped(self, w: np.ndarray, name: str) -> None:
         """``w``: a matrix made from tensor ``name``'s rows (regrouped, split): its format is the tensor's, its bytes
-        are not (a name left under its id by a freed array is dropped: that id is ``w``'s now)."""
-        self.names.pop(id(w), None)
-        self.derived[id(w)] = name
+        are not."""
+        self.names.pop(w)
+        self.derived.set(w, name)
 
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
         return self.get(name, shape) if present else None
@@ -198,7 +222,7 @@ class _Reader:
         if not offset:
             return w
         w = w + np.float32(offset)
-        self.names[id(w)] = name
+        self.names.set(w, name)
         return w
 
     def expect(self, name: str, shape: tuple[int, ...]) -> None:
