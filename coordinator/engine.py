@@ -44,7 +44,7 @@ from .pool import ExpertPool
 from .pool.hot_experts import ExpertProfile, device_expert_set, expert_bytes, whole_expert
 from .request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest
 from .scheduler import GenerationResult, generate
-from .speculative import StepCosts
+from .speculative import DraftHistory, StepCosts
 from .warmup import Compiles, Unit, engine_units, warm_up_host
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ class Engine:
     gpu_memory: VramPlan | None = None  # the GPU's memory by category: dense and hot experts as uploaded
     # what a speculative draft costs beside a plain step on this engine, measured by every scheduler that runs it
     step_costs: StepCosts = field(default_factory=StepCosts)
+    # per draft source ("mtp", "ngram"): where the last finished sequence left its acceptance, for the next one
+    draft_history: dict[str, DraftHistory] = field(default_factory=dict)
 
     @property
     def model_dir(self) -> Path:

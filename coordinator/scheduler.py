@@ -32,7 +32,7 @@ from .model.kv_cache import KVCache
 from .latency import new_histograms
 from .model.sampling import Sampler, top_logprobs
 from .model.tokenizer import StreamDecoder
-from .speculative import DraftLength, StepCosts, ngram_draft
+from .speculative import DraftHistory, DraftLength, StepCosts, ngram_draft
 from .request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class Scheduler:
         if self.speculative == "auto":  # the model's MTP layer where it has one, else prompt lookup
             self.speculative = "mtp" if engine.has_mtp else "ngram"
         self.costs: StepCosts = engine.step_costs  # what a draft costs beside a plain step, kept by the engine
+        # where the engine's last sequence with these drafts left off, where a new one starts (kept by the engine)
+        self.history: DraftHistory = engine.draft_history.setdefault(self.speculative, DraftHistory())
         self.limits = limits
         self.emit = emit
         self.max_active = max_active
@@ -145,7 +147,7 @@ class Scheduler:
         deadline = None if req.deadline_s is None else arrived + req.deadline_s
         drafts, history = None, None
         if self.speculative != "off":
-            drafts = DraftLength(self.draft_max)
+            drafts = self.history.start(self.draft_max)
             history = np.empty(len(ids) + req.max_new_tokens, np.int64)
             history[:len(ids)] = ids
         seq = Sequence(client, req, list(ids), sampler, eng.new_cache(), stream, deadline=deadline,
@@ -467,6 +469,8 @@ class Scheduler:
                 "top": [{"id": i, "token": self._token_text(i), "logprob": lp} for i, lp in top]}
 
     def _remove(self, s: Sequence) -> None:
+        if s.drafts is not None:
+            self.history.keep(s.drafts)
         if s in self.active:
             self.active.remove(s)
         elif s in self.prefilling:

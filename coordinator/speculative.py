@@ -15,6 +15,8 @@ at the first position whose token is not the draft; the KV cache drops what was 
                                    second from its recent acceptance at each position and StepCosts' ratio;
                                    drafts that never pay turn it off for exponentially longer spells
     StepCosts                      per engine: a draft's cost over a plain step's, measured as steps run
+    DraftHistory                   per engine and draft source: where its finished sequences left their
+                                   acceptance and pause, where a new sequence starts
 """
 
 from __future__ import annotations
@@ -200,3 +202,28 @@ class DraftLength:
 
     def _pause(self) -> None:
         self.pause, self.pause_len = self.pause_len, min(2 * self.pause_len, MAX_PAUSE)
+
+
+@dataclass
+class DraftHistory:
+    """Per engine and draft source (Engine.draft_history): the acceptance and pause length its last finished
+    sequence that tried drafts ended with, where a new sequence starts instead of PRIOR: on a model whose drafts
+    never stand a new request pauses at once, as long as the last one paused, instead of paying the probes of
+    pauses 1, 2, 4, ... again; on one whose drafts stand it drafts from its first step as before."""
+
+    acceptance: list | None = None  # [draft_max] as DraftLength.acceptance; None: nothing finished yet
+    pause_len: int = 1
+
+    def start(self, draft_max: int) -> DraftLength:
+        """A new sequence's DraftLength, from what the last one learnt."""
+        d = DraftLength(draft_max)
+        if self.acceptance is not None:
+            n = min(len(self.acceptance), len(d.acceptance))
+            d.acceptance[:n] = self.acceptance[:n]
+            d.pause_len = self.pause_len
+        return d
+
+    def keep(self, d: DraftLength) -> None:
+        """A sequence ended: a new one starts where it left off (one that tried no draft learnt nothing)."""
+        if d.steps:
+            self.acceptance, self.pause_len = list(d.acceptance), d.pause_len

@@ -208,6 +208,26 @@ def test_quality_against_f32_is_reported_for_the_formats(tmp_path):
     assert p["positions"] == 16 and 0 < p["max_rel_logits_error"] < 0.05 and 0 < p["mean_kl"] < 1e-2
 
 
+def test_speculative_decoding_is_reported_beside_plain_decoding(tmp_path, capsys):
+    """--speculative ngram on a repetitive prompt: each round decodes with and without drafts, the order
+    alternating; the speedup is the median of the rounds' own ratios, and drafts were made and counted."""
+    model = make_model(tmp_path / "m", seed=2)
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(model), "--modes", "inproc", "--tokens", "24", "--prompt-tokens", "32",
+                 "--rounds", "3", "--quality-positions", "0", "--speculative", "ngram", "--repetitive",
+                 "--json", str(out)]) == 0
+    m = json.loads(out.read_text())["modes"]["inproc"]
+    sp = m["speculative"]
+    plain, drafted = m["decode_tokens_per_s"]["values"], sp["decode_tokens_per_s"]["values"]
+    assert len(plain) == len(drafted) == 3
+    assert sp["speedup_by_round"] == pytest.approx([d / p for d, p in zip(drafted, plain)])
+    assert sp["speedup"] == pytest.approx(sorted(sp["speedup_by_round"])[1])
+    assert sp["mode"] == "ngram" and sp["drafted_tokens"] > 0 and 0 <= sp["accepted_drafts"] <= sp["drafted_tokens"]
+    assert sp["tokens_per_step"] >= 1
+    assert re.search(r"inproc: with ngram drafts decode [\d.]+ tok/s, [\d.]+x without \(median of the rounds'",
+                     capsys.readouterr().out)
+
+
 def test_formats_are_benched_side_by_side_with_ratios_to_the_first(tmp_path, capsys):
     """--formats opens each mode once per format (mode@format) in the same interleaved rounds: each engine
     stores what its entry asks (FORMAT for both, EXPERTS+DENSE apart), the ratios are to the same mode in the

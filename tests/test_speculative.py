@@ -15,7 +15,8 @@ from coordinator.model.sampling import Sampler, filtered_probs
 from coordinator.model.sampling_params import SamplingParams
 from coordinator.request import GenerateRequest
 from coordinator.scheduler import Scheduler
-from coordinator.speculative import MAX_PAUSE, DraftLength, StepCosts, best_length, expected_tokens, ngram_draft
+from coordinator.speculative import (MAX_PAUSE, DraftHistory, DraftLength, StepCosts, best_length, expected_tokens,
+                                     ngram_draft)
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
 # chi-square critical values at significance 0.001 (a true test fails once in a thousand runs), by degrees of
@@ -63,6 +64,31 @@ def test_draft_length_adapts_and_pauses():
         pass
     back.update(1, 1)
     assert back.pause == 0 and back.next() > 0 and back.pause_len == 1  # a hit that pays ends the backing off
+
+
+def test_a_new_sequence_starts_where_the_last_one_left_off():
+    """DraftHistory: after a sequence whose drafts never stood, the next one tries no draft for as long as the last
+    one ended up pausing (not the ramp 1, 2, 4, ... again); after one whose drafts stood, the next drafts at once;
+    a sequence that tried nothing leaves the history as it was."""
+    history = DraftHistory()
+    assert history.start(4).next() == DraftLength(4).next() > 0  # nothing learnt yet: the prior's count
+    never = history.start(4)
+    for _ in range(1000):
+        never.update(never.next(), 0)
+    history.keep(never)
+    assert never.pause_len == MAX_PAUSE
+    successor = history.start(4)
+    quiet = 0
+    while successor.next() == 0:
+        quiet += 1
+    assert quiet >= MAX_PAUSE - 1  # a fresh DraftLength tries drafts on its first step
+    history.keep(DraftLength(4))  # tried nothing
+    assert history.start(4).next() == 0
+    always = history.start(4)
+    for _ in range(200):
+        always.update(always.next(), always.k)
+    history.keep(always)
+    assert history.start(4).next() == 4
 
 
 def test_expected_tokens_and_best_length_against_enumeration():

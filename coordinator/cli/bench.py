@@ -148,6 +148,11 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
+def by_round(values: list[float]) -> dict:
+    """summary of one figure a round, with the rounds' values in order (the rounds pair up across figures)."""
+    return {**summary(values), "values": list(values)}
+
+
 def layer_figures(timings, decode_only: bool = True) -> dict:
     """Per MoE layer call: wall, compute (slowest node), overhead, bytes, in microseconds and bytes."""
     rows = [t for t in timings if not decode_only or t.tokens <= 1]
@@ -218,25 +223,22 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
             print(f"bench: round {k + 1} of {rounds} ({', '.join(engines)})", file=sys.stderr, flush=True)
             for mode, eng in engines.items():  # interleaved: A B C A B C ...
                 pool = eng.pool
+                sampling = {"temperature": plan.temperature, "seed": seed + k}
+                res = results[mode]
+                drafts_first = plan.speculative != "off" and k % 2 == 1  # the order alternates, so drift evens out
+                if drafts_first:
+                    _drafted_round(eng, plan.speculative, prompt, tokens, sampling, res)
                 pool.record_timings, pool.timings = True, []
                 loads0, pairs0 = eng.decoder.stats.cpu_expert_loads, eng.decoder.stats.routed_pairs
-                sampling = {"temperature": plan.temperature, "seed": seed + k}
                 r = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False, speculative="off", **sampling)
                 pool.record_timings = False
-                res = results[mode]
                 res["decode_tps"].append(r.timings["decode_tokens_per_s"])
                 res["prefill_tps"].append(r.timings["prefill_tokens_per_s"])
                 res["timings"].extend(pool.timings)
                 res["expert_loads"] += eng.decoder.stats.cpu_expert_loads - loads0
                 res["pairs"] += eng.decoder.stats.routed_pairs - pairs0
-                if plan.speculative != "off":  # the same round with drafts, right after: same prompt and tokens
-                    s = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False,
-                                          speculative=plan.speculative, **sampling)
-                    res["spec_tps"].append(s.timings["decode_tokens_per_s"])
-                    res["spec_steps"] += s.timings["steps"] - 1  # the decode steps (the first one prefilled)
-                    res["spec_tokens"] += s.timings["decode_tokens"]
-                    res["drafted"] += s.timings["drafted_tokens"]
-                    res["accepted"] += s.timings["accepted_drafts"]
+                if plan.speculative != "off" and not drafts_first:
+                    _drafted_round(eng, plan.speculative, prompt, tokens, sampling, res)
         report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
                   "state_bytes_per_sequence": mcfg.state_bytes_per_sequence,
                   "spin_us": plan.engines[0].config.pool_spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
@@ -257,7 +259,7 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
             report["modes"][mode] = {
                 "mode": next(m for label, m in labels if label == mode),
                 "config": {"pool": eng.config.pool, "numa_split": eng.config.numa_split, "plan": pool.plan.digest},
-                "decode_tokens_per_s": summary(res["decode_tps"]),
+                "decode_tokens_per_s": by_round(res["decode_tps"]),
                 "prefill_tokens_per_s": summary(res["prefill_tps"]),
                 "moe_layer_decode": decode,
                 "empty_round_trip_us": summary(floor),
@@ -301,14 +303,26 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
             eng.close()
 
 
+def _drafted_round(eng, mode: str, prompt: list[int], tokens: int, sampling: dict, res: dict) -> None:
+    """A round's decode with ``mode``'s drafts, beside its plain decode: the same prompt, tokens and sampling."""
+    s = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False, speculative=mode, **sampling)
+    res["spec_tps"].append(s.timings["decode_tokens_per_s"])
+    res["spec_steps"] += s.timings["steps"] - 1  # the decode steps (the first one prefilled)
+    res["spec_tokens"] += s.timings["decode_tokens"]
+    res["drafted"] += s.timings["drafted_tokens"]
+    res["accepted"] += s.timings["accepted_drafts"]
+
+
 def speculative_figures(mode: str, res: dict) -> dict | None:
-    """Decode with drafts beside decode without, from the same rounds: tok/s of both and their ratio, the share
-    of drafted tokens that stood, and the tokens a decode step made."""
+    """Decode with drafts beside decode without, from the same rounds: tok/s of both, the speedup (the median of
+    the rounds' ratios: each round's pair ran back to back, so a slow spell of the machine enters both sides of
+    one ratio), the share of drafted tokens that stood, and the tokens a decode step made."""
     if mode == "off":
         return None
-    with_drafts, plain = summary(res["spec_tps"]), summary(res["decode_tps"])
-    return {"mode": mode, "decode_tokens_per_s": with_drafts,
-            "speedup": with_drafts["median"] / plain["median"] if with_drafts["median"] and plain["median"] else None,
+    with_drafts = by_round(res["spec_tps"])
+    ratios = [d / p for d, p in zip(res["spec_tps"], res["decode_tps"]) if d and p]
+    return {"mode": mode, "decode_tokens_per_s": with_drafts, "speedup_by_round": ratios,
+            "speedup": float(np.median(ratios)) if ratios else None,
             "acceptance_rate": res["accepted"] / res["drafted"] if res["drafted"] else None,
             "tokens_per_step": res["spec_tokens"] / res["spec_steps"] if res["spec_steps"] else None,
             "drafted_tokens": res["drafted"], "accepted_drafts": res["accepted"]}
@@ -422,7 +436,7 @@ def markdown(report: dict) -> str:
         if sp:
             d = sp["decode_tokens_per_s"]
             lines.append(f"{mode}: with {sp['mode']} drafts decode {_fmt(d['median'])} tok/s, "
-                         f"{_fmt(sp['speedup'], '.2f')}x without (the same rounds); acceptance "
+                         f"{_fmt(sp['speedup'], '.2f')}x without (median of the rounds' ratios); acceptance "
                          f"{_fmt(sp['acceptance_rate'], '.1%')} of {sp['drafted_tokens']} drafted, "
                          f"{_fmt(sp['tokens_per_step'], '.2f')} tokens a step")
     for mode, m in report["modes"].items():
