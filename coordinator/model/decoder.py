@@ -648,10 +648,11 @@ class Decoder:
         cpu = routing.cpu
         if not cpu.size:
             return None
-        if cpu.tokens.min() == cpu.tokens.max():  # one token (decode): no sort
-            rows, local = cpu.tokens[:1].copy(), np.zeros(cpu.size, np.int64)
+        sends = np.bincount(cpu.tokens, minlength=x.shape[0]) > 0  # [T] rows with CPU pairs: a count, not a sort
+        if sends.all():  # every row (decode, a verify's rows): the pairs' rows are the layer's
+            rows, local = np.arange(x.shape[0]), cpu.tokens
         else:
-            rows, local = np.unique(cpu.tokens, return_inverse=True)
+            rows, local = np.flatnonzero(sends), (np.cumsum(sends) - 1)[cpu.tokens]
         rows_dev = None if rows.size == x.shape[0] else self.xp.asarray(rows)  # [T_cpu]; None: all of them
         x_cpu = self.staging.rows_to_host(x if rows_dev is None else x[rows_dev])  # [T_cpu, H] to the host
         self.pool.submit(PoolRequest(routing.layer, x_cpu, local.astype(np.int64), cpu.experts, cpu.weights))
