@@ -32,7 +32,7 @@ from .model.kv_cache import KVCache
 from .latency import new_histograms
 from .model.sampling import Sampler, top_logprobs
 from .model.tokenizer import StreamDecoder
-from .speculative import DraftHistory, DraftLength, StepCosts, ngram_draft
+from .speculative import DraftHistory, DraftLength, NgramIndex, StepCosts
 from .request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class Sequence:
     last_token_at: float | None = None  # monotonic: when its last token was chosen
     drafts: DraftLength | None = None  # speculative decoding: how many drafts it tries next (None: off)
     history: np.ndarray | None = None  # [len(prompt) + max_new_tokens] its ids so far, where drafts are looked up
+    lookup: NgramIndex | None = None  # prompt lookup's n-grams of ``history`` (speculative ngram)
     mtp_cache: KVCache | None = None  # MTP drafts: the MTP layer's cache, one position per (hidden, next token) fed
     mtp_hidden: list = field(default_factory=list)  # MTP drafts: hidden rows of the positions not yet fed, in order
 
@@ -151,7 +152,7 @@ class Scheduler:
             history = np.empty(len(ids) + req.max_new_tokens, np.int64)
             history[:len(ids)] = ids
         seq = Sequence(client, req, list(ids), sampler, eng.new_cache(), stream, deadline=deadline,
-                       drafts=drafts, history=history,
+                       drafts=drafts, history=history, lookup=NgramIndex() if self.speculative == "ngram" else None,
                        mtp_cache=eng.new_mtp_cache() if self.speculative == "mtp" else None,
                        logprobs=None if req.logprobs is None else [],
                        prompt_logprobs=None if req.prompt_logprobs is None else [
@@ -308,7 +309,7 @@ class Scheduler:
         ks = [self._draft_length(s, ratio) for s in seqs]
         if self.speculative == "mtp":
             return self._mtp_drafts(seqs, ks)
-        return [ngram_draft(s.history[:len(s.prompt_ids) + len(s.out_ids)], k) if k > 0 else []
+        return [s.lookup.draft(s.history[:len(s.prompt_ids) + len(s.out_ids)], k) if k > 0 else []
                 for s, k in zip(seqs, ks)]
 
     def _draft_length(self, s: Sequence, ratio: float) -> int:

@@ -9,8 +9,8 @@ model's probability of it, else a token drawn from the model's distribution with
 standard rule for a draft proposed with certainty: the output distribution is the model's). The step ends
 at the first position whose token is not the draft; the KV cache drops what was cached after it.
 
-    ngram_draft(ids, k)            prompt lookup (vLLM's ngram, llama.cpp's lookup decoding): the tokens that
-                                   followed the latest earlier occurrence of the sequence's last n tokens
+    NgramIndex                     per sequence, prompt lookup (vLLM's ngram, llama.cpp's lookup decoding): the
+                                   tokens that followed the latest earlier occurrence of its last n tokens
     DraftLength                    per sequence: how many drafts to try, the count with the most tokens a
                                    second from its recent acceptance at each position and StepCosts' ratio;
                                    drafts that never pay turn it off for exponentially longer spells
@@ -28,33 +28,60 @@ import numpy as np
 MODES = ("off", "ngram", "mtp", "auto")  # auto: the model's MTP layer where it has one, else prompt lookup
 DEFAULT_DRAFT_MAX = 4  # drafts tried per step at most (--draft-max)
 NGRAM_MAX, NGRAM_MIN = 4, 2  # the longest and shortest suffix looked up: long matches first, none shorter than 2
-NGRAM_WINDOW = 8192  # tokens looked back through: the search costs this many comparisons a step at most
+NGRAM_WINDOW = 8192  # tokens looked back through: a prompt's n-grams indexed at its first lookup at most
+FEW_ENDS = 16  # NgramIndex puts fewer new ends than this in one by one, more zipped together
 OFF_AFTER_MISSES = 2  # steps in a row with no draft accepted before drafting pauses
 MAX_PAUSE = 64  # steps a pause lasts at most (each one after another miss twice as long, from 1)
 
 
-def ngram_draft(ids: np.ndarray, k: int, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN,
-                window: int = NGRAM_WINDOW) -> list[int]:
-    """ids [L] (the prompt and the tokens so far) -> up to k tokens that followed the latest earlier place where
-    the last n tokens occurred (n from max_n down to min_n, the first n that matches); [] when none does."""
-    L = ids.size
-    if k <= 0 or L < min_n + 1:
+class NgramIndex:
+    """Prompt lookup over one sequence's ids as they grow (vLLM's ngram, llama.cpp's lookup decoding, whose
+    n-gram maps this follows): the tokens that followed the latest earlier occurrence of the sequence's last n
+    tokens, n from max_n down to min_n (the first n that matches), the occurrence inside the last ``window`` ids.
+    For each n a map from an n-gram to where its latest occurrence with a follower ends, brought up to date with
+    the ids added since the last lookup: a lookup costs a few dictionary probes, not a search of the window."""
+
+    def __init__(self, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN, window: int = NGRAM_WINDOW):
+        self.max_n, self.min_n, self.window = max_n, min_n, window
+        self.ends: dict[int, dict[tuple, int]] = {n: {} for n in range(max_n, min_n - 1, -1)}  # longest first
+        self.indexed = 0  # the n-grams ending before this position are in ``ends``
+
+    def draft(self, ids: np.ndarray, k: int) -> list[int]:
+        """ids [L] (the prompt and the tokens so far: the ids of an earlier call and more) -> up to k tokens."""
+        L = ids.size
+        if k <= 0 or L < self.min_n + 1:
+            return []
+        lo = max(0, L - self.window)  # an occurrence starts here or later
+        self._index(ids, max(self.indexed, lo), L - 2)  # an occurrence ends before the last id: it has a follower
+        tail = tuple(ids[max(0, L - self.max_n):].tolist())
+        for n, ends in self.ends.items():
+            if n > L - 1:
+                continue
+            end = ends.get(tail[len(tail) - n:])
+            if end is not None and end - n + 1 >= lo:
+                return ids[end + 1:end + 1 + k].tolist()
         return []
-    lo = max(0, L - window)
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = ids[L - n:]
-        hay = ids[lo:L - 1]  # a match must end before the last token, so it has a follower
-        if hay.size < n:
-            continue
-        starts = np.flatnonzero(hay[: hay.size - n + 1] == suffix[0])  # candidates by the first token
-        for j in range(1, n):
-            if starts.size == 0:
-                break
-            starts = starts[hay[starts + j] == suffix[j]]
-        if starts.size:
-            at = lo + int(starts[-1]) + n  # the token after the latest match
-            return ids[at:at + k].tolist()
-    return []
+
+    def _index(self, ids: np.ndarray, first: int, last: int) -> None:
+        """The n-grams ending at first..last into the maps (a later end replaces an earlier one)."""
+        if first > last:
+            return
+        base = max(0, first - self.max_n + 1)
+        seg = ids[base:last + 1].tolist()
+        if last - first < FEW_ENDS:  # a decode step's one or few new ends: each n-gram put in directly
+            for end in range(first, last + 1):
+                for n, ends in self.ends.items():
+                    if end >= n - 1:
+                        ends[tuple(seg[end - n + 1 - base:end + 1 - base])] = end
+            self.indexed = last + 1
+            return
+        for n, ends in self.ends.items():  # a prompt's many: each n's n-grams zipped from n shifted lists
+            lo = max(first, n - 1)  # the first end with n ids before it
+            if lo > last:
+                continue
+            grams = zip(*(seg[lo - n + 1 - base + j:last - n + 2 - base + j] for j in range(n)))
+            ends.update(zip(grams, range(lo, last + 1)))
+        self.indexed = last + 1
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -70,10 +97,13 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
 def best_length(acceptance: list[float], ratio: float, draft_max: int) -> int:
     """The draft count k in [0, draft_max] with the most tokens a second: expected_tokens(k) / (1 + ratio k),
     where ratio is one draft's cost (making it and its verify row) over a plain step's (StepCosts.ratio). The
-    smaller k wins a tie, so drafts that gain nothing are not made."""
+    smaller k wins a tie, so drafts that gain nothing are not made. expected_tokens(k) is summed as k grows."""
     best, best_rate = 0, 1.0
-    for k in range(1, draft_max + 1):
-        rate = expected_tokens(acceptance, k) / (1.0 + ratio * k)
+    total, chance = 1.0, 1.0
+    for k, a in enumerate(acceptance[:draft_max], start=1):
+        chance *= a
+        total += chance
+        rate = total / (1.0 + ratio * k)
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = k, rate
     return best

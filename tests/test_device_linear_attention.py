@@ -182,11 +182,11 @@ def test_rollback_on_the_device_is_a_fresh_pass_and_steps_stay_eager(gpu, tmp_pa
         plain, _ = run(eng, reqs)
         given = len(reqs[0].prompt_ids)
 
-        def draft(ids, k):  # the greedy continuation, its last token changed
+        def draft(_index, ids, k):  # the greedy continuation, its last token changed
             out = list(plain["r0"][len(ids) - given:len(ids) - given + k])
             return out[:-1] + [(out[-1] + 1) % eng.model_config.vocab_size] if out else out
 
-        monkeypatch.setattr(scheduler_module, "ngram_draft", draft)
+        monkeypatch.setattr(scheduler_module.NgramIndex, "draft", draft)
         drafted, stats = run(eng, reqs, speculative="ngram", draft_max=4)
     scale = np.abs(after[1]).max()
     assert np.abs(after[0] - after[1]).max() < 1e-5 * scale

@@ -15,8 +15,8 @@ from coordinator.model.sampling import Sampler, filtered_probs
 from coordinator.model.sampling_params import SamplingParams
 from coordinator.request import GenerateRequest
 from coordinator.scheduler import Scheduler
-from coordinator.speculative import (MAX_PAUSE, DraftHistory, DraftLength, StepCosts, best_length, expected_tokens,
-                                     ngram_draft)
+from coordinator.speculative import (MAX_PAUSE, DraftHistory, DraftLength, NgramIndex, StepCosts, best_length,
+                                     expected_tokens)
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
 # chi-square critical values at significance 0.001 (a true test fails once in a thousand runs), by degrees of
@@ -34,14 +34,25 @@ def reference_draft(ids: list[int], k: int, max_n: int = 4, min_n: int = 2) -> l
     return []
 
 
-def test_ngram_draft_equals_the_plain_search():
+def test_prompt_lookup_equals_the_plain_search():
+    """NgramIndex against the search written plainly: a fresh index on each list, and one index asked again as its
+    list grows by one to three ids a step (its maps brought up to date, not rebuilt); with a window, an occurrence
+    that starts before it is not found."""
     rng = np.random.default_rng(0)
     for trial in range(400):
         ids = rng.integers(0, 2 + trial % 5, size=rng.integers(1, 40)).tolist()  # small alphabets: many matches
         k = int(rng.integers(1, 6))
-        assert ngram_draft(np.array(ids, np.int64), k) == reference_draft(ids, k), ids
-    assert ngram_draft(np.array([1, 2, 3, 9, 1, 2, 3], np.int64), 3) == [9, 1, 2]
-    assert ngram_draft(np.array([5, 6, 7, 8], np.int64), 3) == []
+        assert NgramIndex().draft(np.array(ids, np.int64), k) == reference_draft(ids, k), ids
+    for trial in range(40):
+        ids = rng.integers(0, 2 + trial % 4, size=200)
+        index, L = NgramIndex(), 0
+        while L < ids.size:
+            L += int(rng.integers(1, 4))
+            assert index.draft(ids[:L], 3) == reference_draft(ids[:L].tolist(), 3), (trial, L)
+    assert NgramIndex().draft(np.array([1, 2, 3, 9, 1, 2, 3], np.int64), 3) == [9, 1, 2]
+    assert NgramIndex().draft(np.array([5, 6, 7, 8], np.int64), 3) == []
+    far = np.array([1, 2, 7, 5, 5, 5, 5, 5, 1, 2], np.int64)  # (1, 2) last seen 8 ids back
+    assert NgramIndex(window=10).draft(far, 2) == [7, 5] and NgramIndex(window=9).draft(far, 2) == []
 
 
 def test_draft_length_adapts_and_pauses():
@@ -305,7 +316,7 @@ def test_sampling_with_drafts_keeps_the_models_distribution(tmp_path, monkeypatc
             for t2 in np.flatnonzero(p2):
                 want[(int(t1), int(t2))] = p1[t1] * p2[t2]
         draft = max(want, key=want.get)[1]  # a likely second token: drafted at every step, often taken
-        monkeypatch.setattr(scheduler_module, "ngram_draft", lambda ids, k: [draft] * k)
+        monkeypatch.setattr(scheduler_module.NgramIndex, "draft", lambda self, ids, k: [draft] * k)
         n = 3000
         reqs = [GenerateRequest(id=f"r{i}", prompt_ids=prompt, max_new_tokens=3, temperature=1.0, top_k=2, seed=i,
                                 stream=False) for i in range(n)]  # the second token is chosen with a draft
