@@ -67,6 +67,9 @@ class EngineConfig:
     # graph-ready decode steps on a GPU with the process pool (docs/gpu.md): the routing split on the device, the pool
     # rung and waited from the CUDA stream, the step's memory from a buffer per batch bucket; off: every step eager
     graph: bool = True
+    # graph-ready steps captured as CUDA graphs, one a step's shape, replayed from its second step; off: queued
+    # launch by launch every step (graph-ready still)
+    graph_capture: bool = True
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -175,6 +178,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "speculative": ("STRATA_SPECULATIVE", str),
     "draft_max": ("STRATA_DRAFT_MAX", int),
     "graph": ("STRATA_GRAPH", parse_bool),
+    "graph_capture": ("STRATA_GRAPH_CAPTURE", parse_bool),
 }
 
 API_KEY_VAR = "STRATA_API_KEY"  # ``strata serve --http``: the Bearer key /v1/* requires (--api-key), not the engine's

@@ -16,6 +16,7 @@ and the "GPU" reports 64 GB free. What it checks: that the device path's code co
     downloads      device -> host copies (asnumpy, .get)
     syncs          the host waiting on the device: every blocking download, Event and Stream.synchronize
     host_functions host functions queued on a stream (xp.launch_host_func): run at once, in stream order
+    graph_launches a captured graph launched (Stream.end_capture's Graph.launch)
 
 ``recording()`` lists, in order, every launch and copy the device is asked for, each with what a captured CUDA graph
 would fix in it: the kernel or call, its grid, block and shared memory, its device arrays' addresses, shapes and
@@ -23,6 +24,12 @@ strides and its scalars; a copy's device side, and its host side's address where
 (``cupyx.empty_pinned``, ``cuda.runtime.hostRegister``) or a mark never seen twice where it is pageable (a fresh
 host array: a graph could not replay that copy with the next step's data); host functions' addresses and user data.
 Two steps whose records are equal queue the same work on the same memory: one captured graph replays both.
+
+Between ``Stream.begin_capture`` and ``end_capture`` (one capture at a time, whichever stream object) the work is
+kept for the graph instead of run, as CUDA captures it: a kernel, copy, fill, in-place operation or host function
+is not run; an operation that makes a new array computes it now (its shape; the values are last step's) and keeps
+its recomputation into that array's memory. ``Graph.launch`` runs the kept work in order, reading the inputs as
+they are then; a wait on the device inside a capture raises, as CUDA refuses it.
 
 Allocations under ``cupy.cuda.using_allocator`` are the allocator's: coordinator/device/arena.py's bump allocator
 hands out views of its buffer (real memory here too, so an array that outlived its step would be overwritten by
@@ -39,6 +46,7 @@ import ctypes
 import itertools
 import sys
 import types
+import weakref
 
 import numpy as np
 
@@ -54,6 +62,7 @@ VIEWS = {np.reshape, np.transpose, np.swapaxes, np.squeeze, np.expand_dims, np.b
 
 _ALLOCATOR: list = [None]  # the allocator of cupy.cuda.using_allocator, or None: CuPy's pool
 RECORD: list = [None]  # the list recording() fills, or None
+CAPTURE: list = [None]  # the work of a stream capture in progress (Stream.begin_capture), or None
 _PINNED: dict[int, int] = {}  # page-locked host ranges: start address -> bytes
 _FRESH = itertools.count()  # the marks of pageable host memory, each used once
 
@@ -83,6 +92,43 @@ def _desc(x):
 def _record(kind: str, *items) -> None:
     if RECORD[0] is not None:
         RECORD[0].append((kind, *(_desc(i) for i in items)))
+
+
+def _capturing() -> bool:
+    return CAPTURE[0] is not None
+
+
+def _deferred(work) -> bool:
+    """Inside a capture: ``work`` (a function of nothing) kept for the graph, not run, and True; else False."""
+    if CAPTURE[0] is None:
+        return False
+    CAPTURE[0].append(work)
+    return True
+
+
+def _recomputed(out, compute) -> None:
+    """Inside a capture, an op whose result is a new array ``out``: the graph computes it again into out's memory
+    (its inputs are read when the graph runs, as a kernel reads them)."""
+    if CAPTURE[0] is not None and isinstance(out, np.ndarray):
+        CAPTURE[0].append(lambda: _host(out).__setitem__(Ellipsis, compute()))
+
+
+def _no_sync() -> None:
+    if CAPTURE[0] is not None:
+        raise RuntimeError("the host waited on the device inside a stream capture (CUDA refuses it)")
+
+
+class _Graph:
+    """cupy.cuda.graph.Graph: the captured work, run in order by ``launch``."""
+
+    def __init__(self, work: list):
+        self.work = work
+
+    def launch(self, stream=None) -> None:
+        COUNTS["graph_launches"] += 1
+        _record("graph", id(self))
+        for work in self.work:
+            work()
 
 
 @contextlib.contextmanager
@@ -160,28 +206,47 @@ class DeviceArray(np.ndarray):
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = tuple(_host(o) for o in out)
-        result = getattr(ufunc, method)(*(_host(a) for a in inputs), **kwargs)
+
+        def compute():
+            return getattr(ufunc, method)(*(_host(a) for a in inputs), **kwargs)
         if out is not None:
             _record("ufunc", ufunc, method, inputs, out)
+            if not _deferred(compute):
+                compute()
             return out[0] if len(out) == 1 else out
-        result = tuple(_new(r) for r in result) if isinstance(result, tuple) else _new(result)
+        with np.errstate(all="ignore" if _capturing() else None):  # a capture computes on last step's values
+            result = compute()
+        if isinstance(result, tuple):
+            result = tuple(_new(r) for r in result)
+            for k, r in enumerate(result):
+                _recomputed(r, lambda k=k: compute()[k])
+        else:
+            result = _new(result)
+            _recomputed(result, compute)
         _record("ufunc", ufunc, method, inputs, result)
         return result
 
     def __array_function__(self, func, types_, args, kwargs):
-        result = func(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
+        def compute():
+            return func(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
+        with np.errstate(all="ignore" if _capturing() and func not in VIEWS else None):
+            result = compute()
         if func in VIEWS:
             return _device(result) if isinstance(result, np.ndarray) else result
         COUNTS["launches"] += 1
         result = _new(result) if isinstance(result, np.ndarray) else result
+        _recomputed(result, compute)
         _record("call", func, args, tuple(sorted(kwargs.items())), result)
         return result
 
     def __getitem__(self, key):
-        got = _host(self)[tuple(_host(k) for k in key) if isinstance(key, tuple) else _host(key)]
+        def compute():
+            return _host(self)[tuple(_host(k) for k in key) if isinstance(key, tuple) else _host(key)]
+        got = compute()
         if _fancy(key):
             COUNTS["launches"] += 1
             got = _new(got)
+            _recomputed(got, compute)
             _record("gather", self, key, got)
             return got
         return _device(got)
@@ -194,44 +259,56 @@ class DeviceArray(np.ndarray):
             COUNTS["launches"] += 1  # a copy or scatter kernel
         else:
             COUNTS["launches"] += 1  # a fill
-        _host(self)[tuple(_host(k) for k in key) if isinstance(key, tuple) else _host(key)] = _host(value)
+
+        def store():
+            _host(self)[tuple(_host(k) for k in key) if isinstance(key, tuple) else _host(key)] = _host(value)
+        if not _deferred(store):
+            store()
 
     def astype(self, dtype, copy=True, **kwargs):
         if not copy and self.dtype == np.dtype(dtype):
             return self
         COUNTS["launches"] += 1
-        got = _new(_host(self).astype(dtype, **kwargs))
+        with np.errstate(all="ignore" if _capturing() else None):
+            got = _new(_host(self).astype(dtype, **kwargs))
+        _recomputed(got, lambda: _host(self).astype(dtype, **kwargs))
         _record("astype", self, got)
         return got
 
     def copy(self, order="C"):
         COUNTS["launches"] += 1
         got = _new(_host(self).copy(order))
+        _recomputed(got, lambda: _host(self))
         _record("copy", self, got)
         return got
 
     def fill(self, value) -> None:
         COUNTS["launches"] += 1
         _record("fill", self, value)
-        _host(self).fill(value)
+        if not _deferred(lambda: _host(self).fill(value)):
+            _host(self).fill(value)
 
     def get(self, stream=None, order="C", out=None, blocking=True):
         """A download; with ``blocking=False`` (into page-locked memory) queued on the stream, no wait."""
         COUNTS["downloads"] += 1
         COUNTS["syncs"] += bool(blocking)
+        if blocking:
+            _no_sync()
         if out is None:
             got = np.array(_host(self))
             _record("download", self, got, blocking)
             return got
         _record("download", self, out, blocking)
-        out[...] = _host(self)
+        if not _deferred(lambda: out.__setitem__(Ellipsis, _host(self))):
+            out[...] = _host(self)
         return out
 
     def set(self, arr, stream=None) -> None:
         """An upload of a host array into this one (asynchronous from page-locked memory)."""
         COUNTS["uploads"] += 1
         _record("upload", arr, self)
-        _host(self)[...] = arr
+        if not _deferred(lambda: _host(self).__setitem__(Ellipsis, arr)):
+            _host(self)[...] = arr
 
 
 def _unwrap(a):
@@ -250,6 +327,7 @@ def _asarray(a, dtype=None, order=None):
         return a if dtype is None or a.dtype == np.dtype(dtype) else a.astype(dtype)
     COUNTS["uploads"] += 1
     got = _new(np.array(a, dtype=dtype, order=order or "K"))
+    _recomputed(got, lambda: np.array(a, dtype=dtype))
     _record("upload", a if isinstance(a, np.ndarray) else np.asarray(a), got)
     return got
 
@@ -259,15 +337,21 @@ def _ascontiguousarray(a, dtype=None):
         if a.flags.c_contiguous and (dtype is None or a.dtype == np.dtype(dtype)):
             return a
         COUNTS["launches"] += 1
-        return _new(np.ascontiguousarray(_host(a), dtype=dtype))
+        got = _new(np.ascontiguousarray(_host(a), dtype=dtype))
+        _recomputed(got, lambda: np.ascontiguousarray(_host(a), dtype=dtype))
+        return got
     return _asarray(np.ascontiguousarray(a, dtype=dtype))
 
 
 def _allocating(fn, launches: int = 0):
     def call(*args, **kwargs):
         COUNTS["launches"] += launches
-        got = _new(fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()}))
+
+        def compute():
+            return fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
+        got = _new(compute())
         if launches:  # a fill
+            _recomputed(got, compute)
             _record("fill", got, fn)
         return got
     return call
@@ -277,6 +361,7 @@ def _asnumpy(a):
     if isinstance(a, DeviceArray):
         COUNTS["downloads"] += 1
         COUNTS["syncs"] += 1
+        _no_sync()
         got = np.array(_host(a))
         _record("download", a, got, True)
         return got
@@ -285,10 +370,14 @@ def _asnumpy(a):
 
 class _Event:
     def synchronize(self) -> None:
+        _no_sync()
         COUNTS["syncs"] += 1
 
 
 class _Stream:
+    """A stream: its work runs at once, in order; between begin_capture and end_capture it is kept for a graph
+    instead (one capture at a time, whichever stream object asks: the host runs one stream's work here)."""
+
     ptr = 1
 
     def __init__(self, non_blocking: bool = False):
@@ -301,7 +390,22 @@ class _Stream:
         pass
 
     def synchronize(self) -> None:
+        _no_sync()
         COUNTS["syncs"] += 1
+
+    def begin_capture(self, mode=None) -> None:
+        if CAPTURE[0] is not None:
+            raise RuntimeError("a stream capture is in progress already")
+        CAPTURE[0] = []
+
+    def is_capturing(self) -> bool:
+        return CAPTURE[0] is not None
+
+    def end_capture(self) -> _Graph:
+        work, CAPTURE[0] = CAPTURE[0], None
+        if work is None:
+            raise RuntimeError("end_capture without begin_capture")
+        return _Graph(work)
 
     def __enter__(self):
         return self
@@ -326,7 +430,11 @@ class _CountedModule:
         def counted(grid, block, args, shared_mem=0):
             COUNTS["launches"] += 1
             _record("kernel", name, tuple(grid), tuple(block), shared_mem, args)
-            launch(grid, block, tuple(_host(a) for a in args), shared_mem=shared_mem)
+
+            def run():
+                launch(grid, block, tuple(_host(a) for a in args), shared_mem=shared_mem)
+            if not _deferred(run):
+                run()
         return counted
 
 
@@ -365,7 +473,9 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
 def _empty_pinned(shape, dtype=np.float32) -> np.ndarray:
     """cupyx.empty_pinned: plain memory, its range remembered as page-locked (recording())."""
     out = np.empty(shape, dtype)
-    _pin(out.__array_interface__["data"][0], out.nbytes)
+    start = out.__array_interface__["data"][0]
+    _pin(start, out.nbytes)
+    weakref.finalize(out, _PINNED.pop, start, None)  # freed: its memory may come back as a fresh pageable array
     return out
 
 
@@ -373,7 +483,11 @@ def _launch_host_func(fn_address: int, user_data: int) -> None:
     """xp.launch_host_func: the stream's earlier work is done here already, so the function runs now."""
     COUNTS["host_functions"] += 1
     _record("host_function", fn_address, user_data)
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn_address)(user_data)
+
+    def run():
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn_address)(user_data)
+    if not _deferred(run):
+        run()
 
 
 def clear_kernel_caches() -> None:

@@ -62,6 +62,33 @@ def test_graph_ready_steps_equal_eager_steps_on_the_gpu(model):
         assert np.array_equal(graph.logits(PROMPT, steps=True), eager.logits(PROMPT, steps=True))
         assert graph.generate(PROMPT[:4], max_new_tokens=12) == eager.generate(PROMPT[:4], max_new_tokens=12)
         assert graph.decoder.graph.steps >= 12 and graph.decoder.graph.arena.stats.steps > 0
+        assert graph.decoder.graph.captures >= 1 and graph.decoder.graph.replays >= 8  # CUDA graphs replayed
+
+
+def test_captured_steps_of_several_shapes_equal_queued_steps_on_the_gpu(model):
+    """Graph-ready steps replayed as CUDA graphs against the same steps queued launch by launch, on a real
+    driver: greedy decode with prompt-lookup drafts (steps of several rows, every row's logits) and two requests
+    together give the same tokens, and graphs were captured and launched."""
+    from coordinator.request import GenerateRequest
+    from coordinator.scheduler import Scheduler
+
+    def run(eng):
+        out = {}
+        sched = Scheduler(eng, lambda client, event: out.setdefault(event["id"], []).append(event),
+                          speculative="ngram", draft_max=3)
+        for i in range(2):
+            sched.add(b"c", GenerateRequest(id=f"r{i}", prompt_ids=tuple(PROMPT * 2)[i:], max_new_tokens=16,
+                                            stream=False))
+        while sched.busy:
+            sched.step()
+        return {rid: [e for e in events if e["type"] == "final"][0]["ids"] for rid, events in out.items()}
+
+    cfg = dict(device="cuda", pool="process", numa_split=True, nodes=2)
+    with Engine.open(model, EngineConfig(graph_capture=False, **cfg)) as queued, \
+            Engine.open(model, EngineConfig(**cfg)) as captured:
+        assert run(captured) == run(queued)
+        assert captured.decoder.graph.captures >= 2 and captured.decoder.graph.replays > 0
+        assert queued.decoder.graph.captures == 0
 
 
 def is_pinned(a: np.ndarray) -> bool:

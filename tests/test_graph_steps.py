@@ -43,6 +43,8 @@ def _run(model, graph: bool, split: bool, steps: int = 6, kv_dtype: str = "f32",
             assert eng.decoder.graph.mla_cached == (True, True)
         stats = eng.decoder.stats
         taken = eng.decoder.graph.steps if graph else 0
+        if graph and extra.get("graph_capture", True):  # the prompt's shape once, the decode step's captured
+            assert (eng.decoder.graph.captures, eng.decoder.graph.replays) == (1, steps - 2)
         return np.concatenate(logits), stats, taken
 
 
@@ -81,9 +83,100 @@ def test_graph_ready_steps_with_hot_experts(gpu, tiny_model, arch):
     assert got_stats.device_expert_loads == want_stats.device_expert_loads
 
 
-def _step_counts(model, split: bool) -> dict[str, int]:
-    """What the third graph-ready decode step asks of the GPU (the first sized its bucket)."""
-    config = EngineConfig(device="cuda", pool="process", numa_split=split, nodes=2 if split else None)
+def _shapes_of_steps(eng) -> list[np.ndarray]:
+    """Steps of several shapes, each shape again later: one sequence's decode row, its three rows with every
+    row's logits (a verify of two drafts), two sequences' decode rows together; the logits of each."""
+    a, b = eng.new_cache(), eng.new_cache()
+    out = [eng.decoder.forward(np.array(PROMPT), a, last_only=True),
+           eng.decoder.forward(np.array(PROMPT[:5]), b, last_only=True)]
+    for step in range(9):
+        token = int(out[-1][-1].argmax())
+        if step % 3 == 0:
+            out.append(eng.decoder.forward(np.array([token]), a, last_only=True))
+        elif step % 3 == 1:
+            out.append(eng.decoder.forward(np.array([token, 7, 9]), a, last_only=False))
+        else:
+            out += eng.decoder.forward_batch([(np.array([token]), a), (np.array([token]), b)])
+    return out
+
+
+def test_each_shape_of_step_replays_a_graph_of_its_own(gpu, tiny_model):
+    """Steps of three shapes interleaved, each captured on its second step and replayed on its third: the logits
+    are the eager steps' bits, and each graph writes its own rows' counts for the pool's host functions again
+    (StreamLink.restore) after a step of another shape wrote others."""
+    model = tiny_model(arch="deepseek_v3", num_layers=2, **GEOMETRY, **ARCHS["deepseek_v3"])
+    config = dict(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="f32")
+    with Engine.open(model, EngineConfig(graph=False, **config)) as eng:
+        want = _shapes_of_steps(eng)
+    with Engine.open(model, EngineConfig(**config)) as eng:
+        got = _shapes_of_steps(eng)
+        graph = eng.decoder.graph
+        assert (graph.captures, graph.replays) == (3, 3)
+    assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def _drafted_pair(eng) -> dict[str, list[int]]:
+    """Two requests decoded together by the scheduler with prompt-lookup drafts: their tokens."""
+    from coordinator.request import GenerateRequest
+    from coordinator.scheduler import Scheduler
+
+    out: dict[str, list[int]] = {}
+
+    def emit(_client, event):
+        if event["type"] == "final":
+            out[event["id"]] = list(event["ids"])
+
+    sched = Scheduler(eng, emit, speculative="ngram", draft_max=3)
+    for i in range(2):
+        sched.add(b"c", GenerateRequest(id=f"r{i}", prompt_ids=tuple(PROMPT * 2)[i:], max_new_tokens=16,
+                                        stream=False))
+    while sched.busy:
+        sched.step()
+    return out
+
+
+def test_the_scheduler_with_drafts_replays_graphs_with_the_queued_steps_tokens(gpu, tiny_model):
+    """Two requests with prompt-lookup drafts (steps of one to eight rows, every drafted row's logits) through the
+    scheduler: the tokens of steps replayed as graphs are those of steps queued launch by launch."""
+    model = tiny_model(num_layers=2, **GEOMETRY)
+    config = dict(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="f32")
+    with Engine.open(model, EngineConfig(graph_capture=False, **config)) as eng:
+        want = _drafted_pair(eng)
+    with Engine.open(model, EngineConfig(**config)) as eng:
+        got = _drafted_pair(eng)
+        graph = eng.decoder.graph
+        assert graph.captures >= 2 and graph.replays > 0, (graph.captures, graph.replays)
+    assert got == want and len(got) == 2
+
+
+def test_a_shape_the_driver_will_not_capture_is_queued_each_step(gpu, tiny_model, monkeypatch, caplog):
+    """end_capture refusing the step (as CUDA does for work a graph cannot hold): a warning naming the shape, the
+    step queued launch by launch then and after, the same logits."""
+    model = tiny_model(num_layers=2, **GEOMETRY)
+    want, _, _ = _run(model, graph=False, split=False)
+
+    def refused(self):
+        device_standin.CAPTURE[0] = None
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(device_standin._Stream, "end_capture", refused)
+    config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", kv_dtype="f32")
+    with Engine.open(model, config) as eng:
+        cache = eng.new_cache()
+        logits = [eng.decoder.forward(np.array(PROMPT), cache, last_only=True)]
+        for _ in range(6):
+            logits.append(eng.decoder.forward(np.array([int(logits[-1][-1].argmax())]), cache, last_only=True))
+        graph = eng.decoder.graph
+        assert (graph.captures, graph.replays, graph.steps, len(graph.failed)) == (0, 0, 7, 1)
+    assert np.array_equal(np.concatenate(logits), want)
+    assert "not captured as a CUDA graph" in caplog.text
+
+
+def _step_counts(model, split: bool, capture: bool = False) -> dict[str, int]:
+    """What the fourth graph-ready decode step asks of the GPU (the second of its shape sized its bucket; with
+    ``capture`` the third captured it, the fourth launches its graph)."""
+    config = EngineConfig(device="cuda", pool="process", numa_split=split, nodes=2 if split else None,
+                          graph_capture=capture)
     with Engine.open(model, config) as eng:
         cache = eng.new_cache()
         eng.decoder.forward(np.array([72, 101, 108, 108]), cache, last_only=True)
@@ -91,23 +184,31 @@ def _step_counts(model, split: bool) -> dict[str, int]:
             eng.decoder.forward(np.array([token]), cache, last_only=True)
         with device_standin.counting() as counts:
             eng.decoder.forward(np.array([32]), cache, last_only=True)
-        assert eng.decoder.graph.steps == 4 and eng.decoder.graph.arena.stats.pool_allocations > 0
-        kinds = ("launches", "allocations", "uploads", "downloads", "syncs", "host_functions")
+        graph = eng.decoder.graph
+        assert graph.steps == 4 and graph.arena.stats.pool_allocations > 0
+        assert (graph.captures, graph.replays) == ((1, 1) if capture else (0, 0))
+        kinds = ("launches", "allocations", "uploads", "downloads", "syncs", "host_functions", "graph_launches")
         return {k: counts[k] for k in kinds} | {"moe_layers": len(eng.model_config.moe_layers)}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_a_graph_ready_step_waits_once_and_allocates_nothing(gpu, tiny_model, arch):
     """The issue's budget: at most 2 synchronisations and 0 allocations a step; a layer adds none of either, and
-    two host functions (ring and wait)."""
+    two host functions (ring and wait). Captured, the step is one graph launch, the tables' upload and the wait:
+    no launch, allocation or host function queued from Python, whatever the layers."""
     one = _step_counts(tiny_model(f"{arch}-1", arch=arch, num_layers=1, **GEOMETRY, **ARCHS[arch]), split=True)
     two = _step_counts(tiny_model(f"{arch}-2", arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch]), split=True)
     for counts in (one, two):
         assert counts["syncs"] <= 2 and counts["allocations"] == 0, counts
     assert two["syncs"] == one["syncs"]
     for counts in (one, two):  # ring and wait, each MoE layer
-        assert counts["host_functions"] == 2 * counts["moe_layers"], counts
+        assert counts["host_functions"] == 2 * counts["moe_layers"] and counts["graph_launches"] == 0, counts
     assert two["launches"] > one["launches"]  # the counter sees the second layer
+    captured = _step_counts(tiny_model(f"{arch}-2", arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch]), split=True,
+                            capture=True)
+    assert captured["graph_launches"] == 1 and captured["syncs"] == 1, captured
+    assert captured["launches"] == captured["allocations"] == captured["host_functions"] == 0, captured
+    assert captured["uploads"] == 1 and captured["downloads"] == 0, captured  # the tables; the logits: in the graph
 
 
 def _generate(model, fault=None, **config):
@@ -441,7 +542,7 @@ def test_consecutive_steps_of_a_bucket_queue_the_same_launches(gpu, tiny_model, 
     captured CUDA graph replay every step of the bucket."""
     model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
     config = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="bf16",
-                          max_seq_len=96)
+                          max_seq_len=96, graph_capture=False)  # the launches Python queues, not a graph's replay
     with Engine.open(model, config) as eng:
         cache = eng.new_cache()
         logits = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
@@ -456,9 +557,9 @@ def test_a_step_that_uploads_a_fresh_array_queues_different_copies(gpu, tiny_mod
     each step (the eager path's way) in place of the page-locked staging."""
     from coordinator.model.graph_steps import GraphSteps
 
-    monkeypatch.setattr(GraphSteps, "embed", lambda self, embed, ids: self.xp.asarray(embed[ids]))
+    monkeypatch.setattr(GraphSteps, "embed", lambda self, rows: self.xp.asarray(self.embed_host[:rows].copy()))
     model = tiny_model(num_layers=1, **GEOMETRY)
-    config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", max_seq_len=96)
+    config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", max_seq_len=96, graph_capture=False)
     with Engine.open(model, config) as eng:
         cache = eng.new_cache()
         logits = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)

@@ -8,8 +8,8 @@ output Q6_K: valid random blocks, tests/gguf_writer.py): decode and prefill toke
 side (best of --rounds), the logits of 64 positions against the CPU path (the largest error relative to
 the CPU logits' largest magnitude, and the share of positions with the same top token), the GPU memory by
 category (coordinator/device/vram.py, as uploaded), how many hot experts fit in 8 GB in each format, and the
-process pool's decode with eager and with graph-ready steps (docs/gpu.md): tokens/s, ms a step, the pool's wait
-a step and the host's queueing time a layer.
+process pool's decode with eager steps, graph-ready steps queued launch by launch and graph-ready steps replayed
+as CUDA graphs (docs/gpu.md): tokens/s, ms a step, the pool's wait a step and the host's time a layer.
 Writes DIR/gpu_bench.json and prints a table.
 """
 
@@ -94,25 +94,28 @@ def experts_in(cfg, budget: float) -> dict[str, int]:
 
 
 def eager_and_graph(path: Path, prompt: list[int], args) -> dict:
-    """The process pool (single node) with eager and with graph-ready decode steps, one engine each, rounds
-    interleaved: decode tokens/s, ms a step, the pool's wait and (graph) the host's queueing time a layer."""
+    """The process pool (single node) with eager decode steps, graph-ready steps queued launch by launch, and
+    graph-ready steps replayed as captured CUDA graphs, one engine each: decode tokens/s, ms a step, the pool's
+    wait and (graph-ready) the host's time a layer until the step is queued or its graph launched."""
     out = {}
-    for graph in (False, True):
-        with Engine.open(path, EngineConfig(device="cuda", pool="process", graph=graph)) as eng:
+    for name, graph, capture in (("eager", False, False), ("queued", True, False), ("graph", True, True)):
+        with Engine.open(path, EngineConfig(device="cuda", pool="process", graph=graph,
+                                            graph_capture=capture)) as eng:
             eng.logits(prompt[:16])
             dec = eng.decoder
-            wait0, g0 = dec.stats.pool_wait_ns, (dec.graph.host_ns, dec.graph.wall_ns, dec.graph.steps) if graph \
-                else None
+            wait0 = dec.stats.pool_wait_ns
+            g0 = (dec.graph.host_ns, dec.graph.steps, dec.graph.replays) if graph else None
             decode, _ = speed(eng, prompt, args.tokens, args.rounds)
             steps = args.tokens * args.rounds + 2 * args.rounds  # decode steps and the prompts' rows of 8
             row = {"decode_tokens_per_s": decode, "ms_a_step": 1e3 / decode,
                    "pool_wait_ms_a_step": (dec.stats.pool_wait_ns - wait0) / 1e6 / steps}
             if graph:
                 layers = eng.model_config.num_layers
-                n = dec.graph.steps - g0[2]
+                n = dec.graph.steps - g0[1]
                 row["host_us_a_layer"] = (dec.graph.host_ns - g0[0]) / 1e3 / max(n, 1) / layers
                 row["graph_steps"] = n
-            out["graph" if graph else "eager"] = row
+                row["replayed_steps"] = dec.graph.replays - g0[2]
+            out[name] = row
     return out
 
 
@@ -164,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{a['top1_agreement']:.3f} | dense {m['dense'] / GB:.3f} GB ({m['dense_formats']}), kv "
                   f"{m['kv_cache'] / GB:.3f} GB, scratch {m['scratch'] / GB:.3f} GB | 8 GB holds "
                   f"{r['hot_experts_in_8_gb']}", flush=True)
-            e, g = r["process_pool_decode"]["eager"], r["process_pool_decode"]["graph"]
+            e, q, g = (r["process_pool_decode"][k] for k in ("eager", "queued", "graph"))
             print(f"{card} | {name} | process pool decode: eager {e['decode_tokens_per_s']:.1f} tok/s "
-                  f"({e['pool_wait_ms_a_step']:.2f} ms pool wait a step), graph-ready {g['decode_tokens_per_s']:.1f} "
-                  f"tok/s ({g['pool_wait_ms_a_step']:.2f} ms pool wait, host {g['host_us_a_layer']:.1f} us a layer)",
+                  f"({e['pool_wait_ms_a_step']:.2f} ms pool wait a step), graph-ready queued "
+                  f"{q['decode_tokens_per_s']:.1f} tok/s (host {q['host_us_a_layer']:.1f} us a layer), captured "
+                  f"{g['decode_tokens_per_s']:.1f} tok/s ({g['pool_wait_ms_a_step']:.2f} ms pool wait, host "
+                  f"{g['host_us_a_layer']:.1f} us a layer, {g['replayed_steps']} of {g['graph_steps']} replayed)",
                   flush=True)
     return 0
 

@@ -24,7 +24,7 @@ CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; t
 FLAG_FIELDS = ("numa_split", "nodes", "pool", "pool_node", "worker_threads", "keep_shm", "route_tail_skip", "max_seq_len",
                "worker_hang_timeout", "worker_restart_window", "expert_dtype", "dense_dtype", "kv_dtype",
                "activations", "prefill_chunk", "device", "expert_profile", "gpu_experts", "gpu_expert_memory",
-               "speculative", "draft_max", "graph")
+               "speculative", "draft_max", "graph", "graph_capture")
 
 
 def number(kind, name: str, low=None, high=None, low_open: bool = False):
@@ -155,6 +155,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-graph", dest="graph", action="store_false", default=None,
                    help="run every GPU decode step eagerly: the router's choice through the host, the pool waited "
                         "from Python (a sync a layer) " + setting("graph"))
+    g.add_argument("--no-graph-capture", dest="graph_capture", action="store_false", default=None,
+                   help="queue each graph-ready GPU decode step launch by launch instead of replaying it as a "
+                        "captured CUDA graph " + setting("graph_capture"))
     add_device_flags(g)
     g.add_argument("--print-config", action="store_true", help="print the effective config and exit")
 

@@ -31,6 +31,8 @@ class ArenaStats:
     pool_allocations: int = 0  # allocations that went to CuPy's pool (sizing steps, overflows)
     bytes: int = 0  # every bucket's buffer together
     buckets: dict[int, int] = field(default_factory=dict)  # bucket -> its buffer's bytes
+    # bucket -> how many buffers it has had: a captured graph holds the addresses of one (graph_steps.py)
+    generations: dict[int, int] = field(default_factory=dict)
 
 
 class StepArena:
@@ -41,6 +43,11 @@ class StepArena:
         self._capacity = 0
         self._buffer = None
         self.stats = ArenaStats()
+
+    def generation(self, rows: int) -> int:
+        """How many buffers ``rows``' bucket has had (0: none yet): a step's arrays are where the last step's of the
+        same shape were while this stays the same."""
+        return self.stats.generations.get(bucket(rows), 0)
 
     def _malloc(self, size: int):
         aligned = -(-max(size, 1) // ALIGN) * ALIGN
@@ -66,6 +73,7 @@ class StepArena:
                 self._buffers[b] = self.xp.get_default_memory_pool().malloc(size)
                 self.stats.bytes += size - self._capacity
                 self.stats.buckets[b] = size
+                self.stats.generations[b] = self.stats.generations.get(b, 0) + 1
             else:
                 self.stats.steps += 1
             self._buffer = None

@@ -210,10 +210,11 @@ class Decoder:
         self.graph = None  # graph_steps.GraphSteps where decode steps are graph-ready (enable_graph_steps)
         self._streaming = False  # inside a graph-ready step
 
-    def enable_graph_steps(self, context: int | None = None) -> bool:
+    def enable_graph_steps(self, context: int | None = None, capture: bool = True) -> bool:
         """Make small steps graph-ready (coordinator/model/graph_steps.py) where the device, the pool and the
         experts allow it; whether they are. ``context``: the longest sequence (None: the model's
-        max_position_embeddings), what their caches are reserved to."""
+        max_position_embeddings), what their caches are reserved to; ``capture``: each shape's steps replayed as
+        a CUDA graph from its second step (else queued launch by launch)."""
         if self.cfg.linear is not None:  # a graph-ready step has no Gated DeltaNet layer (nor the attention's gate)
             return False
         link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp) if self.xp is not np else None
@@ -224,7 +225,7 @@ class Decoder:
 
         context = context or self.cfg.max_position_embeddings
         self.graph = GraphSteps(self.cfg, self.on_device, self.device_experts, link, self.xp, context,
-                                self._rope_tables(np.arange(context)), self.w.embed.dtype)
+                                self._rope_tables(np.arange(context)), self.w.embed.dtype, capture)
         return True
 
     def new_cache(self) -> KVCache:
@@ -269,54 +270,67 @@ class Decoder:
 
     def _graph_step(self, seqs, last_only: bool, all_rows: frozenset[int], hidden: list | None,
                     hidden_rows: frozenset[int], rows: int) -> list[np.ndarray]:
-        """forward_batch queued on the stream (graph_steps.py); a step a worker's death voided is redone eagerly."""
+        """forward_batch on the stream (graph_steps.py): the host's part (tables, embedding rows, the pool's
+        state), then the step queued, captured or replayed as a graph (GraphSteps.queue), one wait, then the
+        caches advanced. A step a worker's death voided is redone eagerly."""
         from .graph_steps import StreamInterrupted
 
+        g, link = self.graph, self.graph.link
         t0 = time.perf_counter_ns()
         asked = len(hidden) if hidden is not None else 0  # hidden's rows from before this step
-        starts = [cache.length for _, cache in seqs]
-        self.graph.begin(seqs, self._absorbed if self.cfg.mla is not None else None)
-        link = self.graph.link
-        link.begin_step(rows)
-        self._streaming = True
+
+        def queue_step():
+            step_hidden: list | None = [] if hidden is not None else None
+            self._streaming = True
+            try:
+                return self._forward(seqs, last_only, all_rows, step_hidden, hidden_rows), step_hidden
+            finally:
+                self._streaming = False
+
+        with g.stream:  # the caches' reserve, the tables and the step, in this order on one stream
+            g.begin(seqs, self._absorbed if self.cfg.mla is not None else None)
+            g.stage(self.w.embed, np.concatenate([ids for ids, _ in seqs]))
+            link.begin_step(rows)
+            key = g.key(seqs, last_only, all_rows, hidden is not None, hidden_rows)
+            try:
+                logits, step_hidden = g.queue(key, rows, queue_step)
+                if hidden is not None:  # the hidden rows outlive the step: copied out of its buffer before the wait
+                    hidden.extend(r.copy() for r in step_hidden)
+                g.queued_at = time.perf_counter_ns()
+                g.wait()
+                out = [rows_.copy() for rows_ in logits]  # the page-locked rows: the next step overwrites them
+            except BaseException:  # the queued work finishes before the pool is touched again; nothing is cached
+                if hidden is not None:
+                    del hidden[asked:]
+                g.stream.synchronize()
+                g.drop_counters()
+                g.forget(key)  # a graph of a failed step is not replayed: its shape is queued, then captured anew
+                with contextlib.suppress(Exception):  # the pool recovers from what the stream met; the first error is raised
+                    link.end_step(rows)
+                raise
         try:
-            with self.graph.arena.step(rows):
-                out = self._forward(seqs, last_only, all_rows, hidden, hidden_rows)
-        except BaseException:  # the queued work finishes before the pool is touched again; the step is not cached
-            self.xp.cuda.get_current_stream().synchronize()
-            self.graph.drop_counters()
-            with contextlib.suppress(Exception):  # the pool recovers from what the stream met; the first error is raised
-                link.end_step(rows)
-            for (_, cache), start in zip(seqs, starts):
-                cache.truncate(start)
-            raise
-        finally:
-            self._streaming = False
-        if hidden is not None:  # the hidden rows outlive the step: copied out of its buffer (queued, no wait)
-            hidden[asked:] = [r.copy() for r in hidden[asked:]]
-        try:
-            waited = link.end_step(rows)  # the logits' download was the step's synchronisation
-        except BaseException as e:
-            for (_, cache), start in zip(seqs, starts):
-                cache.truncate(start)
+            waited = link.end_step(rows)
+        except BaseException as e:  # the pool met an error or a fault inside the step: nothing is cached
+            g.forget(key)
+            if hidden is not None:
+                del hidden[asked:]
             if not isinstance(e, StreamInterrupted):
                 raise
             log.warning("%s; the step is redone eagerly", e)
-            self.graph.redone += 1
-            if hidden is not None:
-                del hidden[asked:]
+            g.redone += 1
             return self._forward(seqs, last_only, all_rows, hidden, hidden_rows)
-        self.graph.steps += 1
-        self.graph.host_ns += self.graph.queued_at - t0
-        self.graph.wall_ns += time.perf_counter_ns() - t0
-        self.graph.fold_counters(self.stats, waited)
+        for ids, cache in seqs:  # the step's keys and values are in place: the caches take them
+            cache.advance(len(ids))
+        g.steps += 1
+        g.host_ns += g.queued_at - t0
+        g.wall_ns += time.perf_counter_ns() - t0
+        g.fold_counters(self.stats, waited)
         return out
 
     def _logits(self, a):
         """lm_head's logits of the rows a [R, H] on the host: the step's synchronisation (a graph-ready step's
         routing counters copied beside them)."""
-        if self._streaming:
-            self.graph.queue_counters()
+        if self._streaming:  # queued into page-locked rows with the routing counters: the caller waits
             return self.graph.logits(a @ self.w.lm_head.T)  # [R, V]
         return to_host(a @ self.w.lm_head.T)  # [R, V]
 
@@ -328,15 +342,16 @@ class Decoder:
         xp, eps, layers = self.xp, self.cfg.rms_norm_eps, self.w.layers
         ids = np.concatenate([ids for ids, _ in seqs])  # [N]
         if self._streaming:  # the rows' RoPE and embedding through fixed places (graph_steps.GraphSteps.embed)
-            rope, h = self.graph.rope(ids.shape[0]), self.graph.embed(self.w.embed, ids)
+            rope, h = self.graph.rope(ids.shape[0]), self.graph.embed(ids.shape[0])
         else:
             rope = self._rope_tables(np.concatenate(positions))  # cos, sin [N, d]: every row's position
             h = xp.asarray(self.w.embed[ids])  # [N, H]: host rows, uploaded
         masks: dict = {}  # (sequence, window) -> [T_s, S_s] on the device: uploaded once, not once a layer
         a = ops.rms_norm(h, layers[0].input_norm if layers else self.w.final_norm, eps)  # [N, H]
         # the rows the last layer carries on with, where others' output nobody reads (last_row_ids)
-        keep = last_row_ids(xp, bounds) if last_only and not all_rows and not hidden_rows and layers \
-            and len(seqs) < bounds[-1] else None
+        keep = None
+        if last_only and not all_rows and not hidden_rows and layers and len(seqs) < bounds[-1]:
+            keep = self.graph.tables.last_rows(len(seqs)) if self._streaming else last_row_ids(xp, bounds)
         linear = self._linear_step(seqs, lengths)  # the device's Gated DeltaNet tables, or None
         for i, lw in enumerate(layers):  # each residual add joined to the norm after it
             rows = keep if i == len(layers) - 1 else None  # every row's keys and values cached, then these rows
@@ -349,8 +364,9 @@ class Decoder:
                 m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down)
             h, a = ops.add_rms_norm(h, y, layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm,
                                     eps)  # a: the next layer's input, after the last the final norm's output
-        for (_, cache), n in zip(seqs, lengths):
-            cache.advance(n)
+        if not self._streaming:  # a graph-ready step's caches advance once its work is done (_graph_step)
+            for (_, cache), n in zip(seqs, lengths):
+                cache.advance(n)
         if hidden is not None:  # each sequence's rows asked for, after the final norm (the MTP layer's input)
             every = all_rows | hidden_rows
             hidden.extend(a[k:k + 1] if keep is not None else a[hi - (n if k in every or not last_only else 1):hi]

@@ -12,18 +12,22 @@ counters, copied beside them). Every allocation of the step comes from its batch
 (coordinator/device/arena.py), so the step's arrays have the same addresses each step; what crosses between host
 and device goes through fixed places too: the tables and the embedding rows from page-locked staging into fixed
 device rows, RoPE's rows gathered on the device from a table of the context's positions, the logits into
-page-locked rows. So two steps of a bucket queue the same launches and copies (tests/test_graph_steps.py records
-them), what a captured CUDA graph needs to replay them.
+page-locked rows. So two steps of a shape queue the same launches and copies (tests/test_graph_steps.py records
+them): a shape's second step is captured as a CUDA graph and every later one launches it (GraphSteps.queue), the
+host writing only the tables, the staged embedding rows and the pool's rows before the launch.
 
 A step is graph-ready where the pool can be driven from the stream (the process pool) and its rows fit the
 largest bucket and the pool's request; otherwise it runs eagerly. Hot experts run on the stream between the
-ring and the wait, their slots ordered on the device (DeviceExperts.run_split). A worker that dies or hangs inside one voids it: the pool recovers it, the
-caches forget the step's positions and the step is redone eagerly, so no request is lost.
+ring and the wait, their slots ordered on the device (DeviceExperts.run_split). A worker that dies or hangs
+inside one voids it: the pool recovers it, the caches never took the step's positions, the shape's graph is
+dropped and the step is redone eagerly, so no request is lost.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +40,18 @@ from . import xp as xp_module
 
 MAX_ROWS = 64  # the largest bucket: a step of more rows (a prefill chunk) is eager
 
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Captured:
+    """A step's shape captured as a CUDA graph."""
+
+    graph: object  # cupy.cuda.graph.Graph
+    result: tuple  # what the capture's queue_step returned: views of the page-locked logits, the hidden rows'
+    posts: list  # the pool link's host rows the graph's host functions read (StreamLink.restore)
+    generation: int  # the arena bucket's buffer the graph's arrays are in (StepArena.generation)
+
 
 class StepTables:
     """Where each row of a step reads and writes in the KV caches, uploaded once a step into one device buffer
@@ -45,6 +61,7 @@ class StepTables:
         k_ptrs [L, MAX_ROWS] | v_ptrs [L, MAX_ROWS]   each sequence's cache buffers, per layer (addresses)
         row_seq, row_pos [MAX_ROWS]                    each row's sequence and position
         last_seq, last_pos [MAX_ROWS]                  each sequence's last row's (the last layer's queries)
+        last_row [MAX_ROWS]                            each sequence's last row in the step (last_row_ids)
         seq_len [MAX_ROWS]                             each sequence's keys once the step is cached
         chunk, last_chunk [MAX_ROWS]                   MLA: each sequence's keys a chunk (device_ops.mla_splits of
                                                        its eager call: every row's queries, or its last row's)
@@ -53,12 +70,13 @@ class StepTables:
     def __init__(self, layers: int, xp):
         self.xp = xp
         M = MAX_ROWS
-        self.host = xp_module.pinned(2 * layers * M + 7 * M, np.int64)
+        self.host = xp_module.pinned(2 * layers * M + 8 * M, np.int64)
         self.device = xp.zeros(self.host.shape, np.int64)
         views = {}
         for name, width, host in (("k_ptrs", layers, True), ("v_ptrs", layers, True), ("row_seq", 1, False),
                                   ("row_pos", 1, False), ("last_seq", 1, False), ("last_pos", 1, False),
-                                  ("seq_len", 1, False), ("chunk", 1, False), ("last_chunk", 1, False)):
+                                  ("last_row", 1, False), ("seq_len", 1, False), ("chunk", 1, False),
+                                  ("last_chunk", 1, False)):
             at = sum(v[1] for v in views.values())
             views[name] = (at, width * M, width, host)
         self._views = views
@@ -96,6 +114,7 @@ class StepTables:
         self._part(self.host, "row_pos")[:N] = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)])
         self._part(self.host, "last_seq")[:B] = np.arange(B)
         self._part(self.host, "last_pos")[:B] = starts + lengths - 1
+        self._part(self.host, "last_row")[:B] = np.cumsum(lengths) - 1
         self._part(self.host, "seq_len")[:B] = starts + lengths
         if chunks is not None:
             self._part(self.host, "chunk")[:B], self._part(self.host, "last_chunk")[:B] = np.array(chunks).T
@@ -114,6 +133,10 @@ class StepTables:
         """The step's first ``rows`` rows' positions [rows] on the device (a view of the upload)."""
         return self._part(self.device, "row_pos")[:rows]
 
+    def last_rows(self, sequences: int):
+        """Each of the step's sequences' last row [sequences] on the device (a view of the upload)."""
+        return self._part(self.device, "last_row")[:sequences]
+
     def chunks(self, last_rows: bool):
         """MLA's chunks [MAX_ROWS] on the device: for every row's queries or, with ``last_rows``, the last rows'."""
         return self._part(self.device, "last_chunk" if last_rows else "chunk")
@@ -121,7 +144,7 @@ class StepTables:
 
 class GraphSteps:
     def __init__(self, cfg, on_device: dict[int, np.ndarray], device_experts, link, xp, context: int, rope,
-                 embed_dtype):
+                 embed_dtype, capture: bool = True):
         """``on_device``: layer -> [E] bool, the experts kept on the device, ``device_experts`` their DeviceExperts;
         ``link``: the pool's StreamLink; ``context``: the longest a sequence may be (EngineConfig.max_seq_len or the
         model's), what every cache of a graph-ready step is reserved to; ``rope``: (cos, sin) [context, d] on the
@@ -150,9 +173,23 @@ class GraphSteps:
         self.host_ns = 0  # the host's time queueing the steps (from a step's start to its logits' download)
         self.wall_ns = 0  # the steps' whole time, the wait on the device included
         self.queued_at = 0  # perf_counter_ns when the current step's queueing ended
+        # the stream the steps run on: a capture needs one of its own; it waits for the default stream's work and
+        # that waits for it (a blocking stream), so eager steps and MTP passes need no events around it
+        self.stream = xp.cuda.Stream()
+        self.capture = capture
+        self.captured: dict[tuple, Captured] = {}  # a step's shape (key) -> its graph
+        self.sized: dict[tuple, int] = {}  # shape -> the bucket's buffer generation it last ran inside
+        self.failed: set[tuple] = set()  # shapes the driver would not capture
+        self.captures = 0  # graphs captured
+        self.replays = 0  # steps run by launching a graph
 
     def takes(self, rows: int) -> bool:
         return rows <= MAX_ROWS and self.link.fits(rows, self.cfg.top_k)
+
+    def key(self, seqs, last_only: bool, all_rows: frozenset[int], hidden: bool, hidden_rows: frozenset[int]):
+        """A step's shape: what decides every launch it queues and every address in them (begin has run: the MLA
+        form is part of it). Two steps of one shape replay one graph."""
+        return (tuple(len(ids) for ids, _ in seqs), last_only, all_rows, hidden, hidden_rows, self.mla_cached)
 
     def begin(self, seqs, absorbed=None) -> None:
         """Before the step is queued: the caches reserved to the context once (so their buffers never move again
@@ -170,13 +207,16 @@ class GraphSteps:
             self.mla_cached = (all(absorbed(n, S) for n, S in sizes), all(absorbed(1, S) for _, S in sizes))
         self.tables.fill(seqs, chunks)
 
-    def embed(self, embed, ids: np.ndarray):
-        """The step's rows of the host embedding [N, H] on the device: gathered into the page-locked staging rows,
-        copied into the fixed device rows (a copy from and to the same places every step)."""
-        N = ids.shape[0]
-        np.take(embed, ids, axis=0, out=self.embed_host[:N])
-        self.embed_device[:N].set(self.embed_host[:N], stream=self.xp.cuda.get_current_stream())
-        return self.embed_device[:N]
+    def stage(self, embed, ids: np.ndarray) -> None:
+        """The step's rows of the host embedding gathered into the page-locked staging rows (host work, done every
+        step before its work is queued or its graph launched)."""
+        np.take(embed, ids, axis=0, out=self.embed_host[:ids.shape[0]])
+
+    def embed(self, rows: int):
+        """The staged rows [rows, H] on the device: copied into the fixed device rows (a copy from and to the same
+        places every step)."""
+        self.embed_device[:rows].set(self.embed_host[:rows], stream=self.xp.cuda.get_current_stream())
+        return self.embed_device[:rows]
 
     def rope(self, rows: int):
         """cos, sin [rows, d]: the step's rows' positions (the tables' row_pos, on the device) gathered from the
@@ -185,12 +225,70 @@ class GraphSteps:
         return self.rope_table[0][positions], self.rope_table[1][positions]
 
     def logits(self, logits) -> np.ndarray:
-        """The step's logits [R, V] on the host: downloaded into the page-locked rows, then the step's one wait."""
+        """The step's logits [R, V] queued for download into the page-locked rows, with the routing counters: the
+        rows (valid once ``wait`` returned; the next step overwrites them)."""
         R = logits.shape[0]
         stream = self.xp.cuda.get_current_stream()
+        self.queue_counters()
         logits.get(stream=stream, out=self.logits_host[:R], blocking=False)
-        stream.synchronize()
-        return self.logits_host[:R].copy()  # the rows outlive the step; the next one overwrites the staging
+        return self.logits_host[:R]
+
+    def queue(self, key: tuple, rows: int, queue_step):
+        """The step's work on the stream: the graph captured for ``key`` launched where there is one whose
+        addresses are the bucket's buffer's; else ``queue_step()`` queued (inside the bucket's arena) and, on the
+        second step of a shape, captured into a graph first. Returns what queue_step returned (for a launch, what
+        it returned when captured: views of the same places)."""
+        generation = self.arena.generation(rows)
+        entry = self.captured.get(key)
+        if entry is not None and entry.generation == generation:
+            self.link.restore(entry.posts)
+            entry.graph.launch(stream=self.stream)
+            self.replays += 1
+            return entry.result
+        if self.capture and self.sized.get(key) == generation and key not in self.failed:
+            captured = self._capture(key, rows, queue_step, generation)
+            if captured is not None:
+                return captured
+        with self.arena.step(rows):
+            result = queue_step()
+        self.sized[key] = self.arena.generation(rows)  # a shape queued within its bucket's buffer: captured next
+        return result
+
+    def _capture(self, key: tuple, rows: int, queue_step, generation: int):
+        """Capture the step into a graph and launch it; None (nothing queued) where the capture failed or needed
+        memory beyond the bucket's buffer (the caller queues the step as it is)."""
+        self.link.posts.clear()
+        self.stream.begin_capture()
+        try:
+            with self.arena.step(rows):
+                result = queue_step()
+            graph = self.stream.end_capture()
+        except Exception as e:  # the driver refused something the step queued: that shape stays uncaptured
+            with contextlib.suppress(Exception):  # the stream leaves capture; what was captured is dropped
+                self.stream.end_capture()
+            log.warning("decode step of shape %s not captured as a CUDA graph (%s: %s): it is queued each step",
+                        key, type(e).__name__, e)
+            self.failed.add(key)
+            return None
+        except BaseException:  # an interrupt: the stream leaves capture, the step goes no further
+            with contextlib.suppress(Exception):
+                self.stream.end_capture()
+            raise
+        if self.arena.generation(rows) != generation:  # its arrays left the buffer: the graph is not kept
+            return None
+        self.captured[key] = Captured(graph, result, list(self.link.posts), generation)
+        graph.launch(stream=self.stream)
+        self.captures += 1
+        return result
+
+    def forget(self, key: tuple) -> None:
+        """Drop ``key``'s graph and sizing (its step failed)."""
+        self.captured.pop(key, None)
+        self.sized.pop(key, None)
+
+    def wait(self) -> None:
+        """The step's one synchronisation: its logits and counters are on the host after it."""
+        self.stream.synchronize()
 
     def moe(self, decoder, i: int, lw, x):
         """Layer i's MoE output [T, H] for x [T, H], queued on the stream (module docstring)."""
@@ -206,7 +304,6 @@ class GraphSteps:
 
     def queue_counters(self) -> None:
         """Before the step's one synchronisation: the routing counters copied to the host, then zeroed."""
-        self.queued_at = time.perf_counter_ns()
         stream = self.xp.cuda.get_current_stream()
         self.counts.get(stream=stream, out=self.counts_host, blocking=False)
         self.totals.get(stream=stream, out=self.totals_host, blocking=False)

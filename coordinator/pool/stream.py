@@ -2,7 +2,8 @@
 
     link.begin_step(rows)                 before the step: sequence numbers, pidfds, deadline, counters
     link.post(slot, layer, x, split)      the stream copies x [T, H] and the CPU pairs into the pool segment,
-                                          then calls shm/pool_signal's ring
+                                          then calls shm/pool_signal's ring (the slot's layer and rows written
+                                          on the host for it; link.restore writes a captured step's again)
     link.wait(slot)                       the stream calls wait: the work queued after it runs once every
                                           node has answered
     link.partials(T)                      the nodes' partials [N, T, H] copied onto the device, node order
@@ -36,6 +37,7 @@ class StreamLink:
         self.ring_address, self.wait_address = pool_signal.ring_address(), pool_signal.wait_address()
         xp_module.register_host(self.io.segment.data)
         self._registered = True
+        self.posts: list[tuple[int, int, int]] = []  # this step's (slot, layer, rows) written for the host functions
 
     def begin_step(self, rows: int) -> None:
         """The pool's state into the tables: workers restarted where due, their pidfds, the request ids."""
@@ -48,6 +50,7 @@ class StreamLink:
         control[pool_signal.WAIT_NS] = control[pool_signal.REQUESTS] = 0
         control[pool_signal.COMPUTE_NS:pool_signal.COMPUTE_NS + self.nodes] = 0
         self.tables.clear_error()
+        self.posts.clear()
 
     def post(self, slot: int, layer: int, x, split) -> None:
         """Queue the copies of x [T, H] and the CPU pairs (compact.SplitPairs) into the segment, then the ring."""
@@ -55,6 +58,7 @@ class StreamLink:
         T = x.shape[0]
         P = split.cpu_tokens.shape[0]
         row[pool_signal.ROW_LAYER], row[pool_signal.ROW_T] = layer, T
+        self.posts.append((slot, layer, T))
         stream = self.xp.cuda.get_current_stream()
         x.get(stream=stream, out=io.x[:T], blocking=False)
         split.cpu_tokens.get(stream=stream, out=io.tokens[:P], blocking=False)
@@ -62,6 +66,13 @@ class StreamLink:
         split.cpu_weights.get(stream=stream, out=io.weights[:P], blocking=False)
         split.cpu_count.get(stream=stream, out=row[pool_signal.ROW_P:pool_signal.ROW_P + 1], blocking=False)
         xp_module.launch_host_func(self.ring_address, self.tables.row_address(slot))
+
+    def restore(self, posts: list[tuple[int, int, int]]) -> None:
+        """The host rows a captured step's posts wrote (``posts``), written again before its graph is launched: a
+        step of another shape may have written others since."""
+        for slot, layer, T in posts:
+            row = self.tables.rows[slot]
+            row[pool_signal.ROW_LAYER], row[pool_signal.ROW_T] = layer, T
 
     def wait(self, slot: int) -> None:
         xp_module.launch_host_func(self.wait_address, self.tables.row_address(slot))
