@@ -105,14 +105,19 @@ def test_each_shape_of_step_replays_a_graph_of_its_own(gpu, tiny_model):
     are the eager steps' bits, and each graph writes its own rows' counts for the pool's host functions again
     (StreamLink.restore) after a step of another shape wrote others."""
     model = tiny_model(arch="deepseek_v3", num_layers=2, **GEOMETRY, **ARCHS["deepseek_v3"])
-    config = dict(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="f32")
-    with Engine.open(model, EngineConfig(graph=False, **config)) as eng:
-        want = _shapes_of_steps(eng)
-    with Engine.open(model, EngineConfig(**config)) as eng:
-        got = _shapes_of_steps(eng)
-        graph = eng.decoder.graph
-        assert (graph.captures, graph.replays) == (3, 3)
+    want, got, graph = _baseline_and_captured(model, _shapes_of_steps, dict(graph=False))
+    assert (graph.captures, graph.replays) == (3, 3)
     assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def _baseline_and_captured(model, run, baseline: dict):
+    """``run(eng)`` on the split process pool with ``baseline``'s settings, then with steps replayed as graphs:
+    (the first's result, the second's, the second's GraphSteps)."""
+    config = dict(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="f32")
+    with Engine.open(model, EngineConfig(**baseline, **config)) as eng:
+        want = run(eng)
+    with Engine.open(model, EngineConfig(**config)) as eng:
+        return want, run(eng), eng.decoder.graph
 
 
 def _drafted_pair(eng) -> dict[str, list[int]]:
@@ -138,14 +143,9 @@ def _drafted_pair(eng) -> dict[str, list[int]]:
 def test_the_scheduler_with_drafts_replays_graphs_with_the_queued_steps_tokens(gpu, tiny_model):
     """Two requests with prompt-lookup drafts (steps of one to eight rows, every drafted row's logits) through the
     scheduler: the tokens of steps replayed as graphs are those of steps queued launch by launch."""
-    model = tiny_model(num_layers=2, **GEOMETRY)
-    config = dict(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="f32")
-    with Engine.open(model, EngineConfig(graph_capture=False, **config)) as eng:
-        want = _drafted_pair(eng)
-    with Engine.open(model, EngineConfig(**config)) as eng:
-        got = _drafted_pair(eng)
-        graph = eng.decoder.graph
-        assert graph.captures >= 2 and graph.replays > 0, (graph.captures, graph.replays)
+    want, got, graph = _baseline_and_captured(tiny_model(num_layers=2, **GEOMETRY), _drafted_pair,
+                                              dict(graph_capture=False))
+    assert graph.captures >= 2 and graph.replays > 0, (graph.captures, graph.replays)
     assert got == want and len(got) == 2
 
 
