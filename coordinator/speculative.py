@@ -236,10 +236,11 @@ class DraftLength:
 
 @dataclass
 class DraftHistory:
-    """Per engine and draft source (Engine.draft_history): the acceptance and pause length its last finished
-    sequence that tried drafts ended with, where a new sequence starts instead of PRIOR: on a model whose drafts
-    never stand a new request pauses at once, as long as the last one paused, instead of paying the probes of
-    pauses 1, 2, 4, ... again; on one whose drafts stand it drafts from its first step as before."""
+    """Per engine and draft source (Engine.draft_history): the acceptance its last finished sequence that tried
+    drafts ended with, and its pause length where none of them stood, where a new sequence starts instead of
+    PRIOR: on a model whose drafts never stand a new request pauses at once, as long as the last one paused,
+    instead of paying the probes of pauses 1, 2, 4, ... again; on one whose drafts stand it drafts from its first
+    step as before."""
 
     acceptance: list | None = None  # [draft_max] as DraftLength.acceptance; None: nothing finished yet
     pause_len: int = 1
@@ -254,6 +255,8 @@ class DraftHistory:
         return d
 
     def keep(self, d: DraftLength) -> None:
-        """A sequence ended: a new one starts where it left off (one that tried no draft learnt nothing)."""
+        """A sequence ended: a new one starts from its acceptance, and from its pause length where none of its
+        drafts stood (one whose drafts stood at times starts its pauses from 1 again, so a bad spell at the end of
+        one request does not keep the next from drafting); one that tried no draft learnt nothing."""
         if d.steps:
-            self.acceptance, self.pause_len = list(d.acceptance), d.pause_len
+            self.acceptance, self.pause_len = list(d.acceptance), d.pause_len if d.accepted == 0 else 1

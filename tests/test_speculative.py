@@ -80,7 +80,8 @@ def test_draft_length_adapts_and_pauses():
 def test_a_new_sequence_starts_where_the_last_one_left_off():
     """DraftHistory: after a sequence whose drafts never stood, the next one tries no draft for as long as the last
     one ended up pausing (not the ramp 1, 2, 4, ... again); after one whose drafts stood, the next drafts at once;
-    a sequence that tried nothing leaves the history as it was."""
+    after one whose drafts stood at times, the next one's pauses start from 1; a sequence that tried nothing
+    leaves the history as it was."""
     history = DraftHistory()
     assert history.start(4).next() == DraftLength(4).next() > 0  # nothing learnt yet: the prior's count
     never = history.start(4)
@@ -100,6 +101,12 @@ def test_a_new_sequence_starts_where_the_last_one_left_off():
         always.update(always.next(), always.k)
     history.keep(always)
     assert history.start(4).next() == 4
+    spells = history.start(4)  # drafts that stood at first, then a long spell of misses
+    spells.update(spells.next(), 1)
+    for _ in range(500):
+        spells.update(spells.next(), 0)
+    history.keep(spells)
+    assert spells.pause_len == MAX_PAUSE and history.pause_len == 1  # its pauses start from 1 again
 
 
 def test_expected_tokens_and_best_length_against_enumeration():
