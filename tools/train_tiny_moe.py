@@ -33,7 +33,9 @@ its multi-token-prediction layer (the DeepSeek-V3 paper's objective: the next by
 layer's loss on the byte after next), and saves it as the Hub's DeepSeek-V3 checkpoints hold the layer
 (model.layers.8.*, num_nextn_predict_layers 1) with reference.npz (torch's float32 logits of the model and of
 the MTP layer over the training data's first 64 bytes): the model for MTP drafts' speed
-(docs/benchmarks.md).
+(docs/benchmarks.md). With ``--chain-weight W`` the objective adds W x the MTP layer's loss on the byte two after
+next when the layer is fed its own output, as the engine chains a second draft (``chained_loss``): a model
+whose chained drafts are trained as well as its first.
 
 The geometry: hidden 256, 4 layers, 16 experts of intermediate 256 (a GGUF K type's super-block is 256
 weights along a row, and ffn_down's rows run along the intermediate axis: with 128, llama-quantize would
@@ -236,6 +238,7 @@ def train_mtp(args: argparse.Namespace) -> int:
     mtp_parts = torch.nn.ModuleDict(dict(core=core, enorm=enorm, hnorm=hnorm, eh_proj=eh_proj))
     captured = {}
     model.model.norm.register_forward_hook(lambda _m, _inp, out: captured.__setitem__("h", out))
+    core.norm.register_forward_hook(lambda _m, inp, _out: captured.__setitem__("o", inp[0]))  # before the head's norm
     params = [p for p in list(model.parameters()) + list(mtp_parts.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     T = args.seq_len
@@ -253,12 +256,17 @@ def train_mtp(args: argparse.Namespace) -> int:
         joined = eh_proj(torch.cat([enorm(e), hnorm(h)], dim=-1))
         mtp_logits = model.lm_head(core(inputs_embeds=joined).last_hidden_state)  # predicts t_2..t_T
         mtp_loss = ce(mtp_logits[:, :-1].reshape(-1, vocab), x[:, 2:].reshape(-1))
-        (main_loss + args.mtp_weight * mtp_loss).backward()
+        loss = main_loss + args.mtp_weight * mtp_loss
+        if args.chain_weight:
+            chain_loss = chained_loss(core, model, eh_proj, enorm, hnorm, joined, captured["o"], x, vocab)
+            loss = loss + args.chain_weight * chain_loss
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if (step + 1) % args.log_every == 0 or step == 0:
-            print(f"step {step + 1:5d}  loss {main_loss.item():.4f}  mtp loss {mtp_loss.item():.4f} nats/byte  "
+            chained = f"  chained {chain_loss.item():.4f}" if args.chain_weight else ""
+            print(f"step {step + 1:5d}  loss {main_loss.item():.4f}  mtp loss {mtp_loss.item():.4f}{chained} nats/byte  "
                   f"{time.time() - t0:.0f} s", flush=True)
     L = args.layers
     tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
@@ -285,6 +293,29 @@ def train_mtp(args: argparse.Namespace) -> int:
     print(f"saved {out} after {time.time() - t0:.0f} s: main loss {main_loss.item():.4f}, mtp loss "
           f"{mtp_loss.item():.4f}", flush=True)
     return 0
+
+
+def chained_loss(core, model, eh_proj, enorm, hnorm, joined, o, x, vocab):
+    """The MTP layer's loss on the byte two after next when it is fed its own output, as the engine chains a second
+    draft (vLLM's and llama.cpp's chaining of a model's one MTP layer): the chained row at position j + 1 joins
+    the first pass's output o_j (before the head's norm) with t_(j+2) and predicts t_(j+3), attending to the
+    first pass's rows 0..j and itself, as it does in the engine's MTP cache. One pass over both sets of rows
+    [first rows 0..T-2 ; chained rows at positions 1..T-2], the mask drawn for that."""
+    import torch
+
+    B, n1, _ = joined.shape  # n1 = T - 1 first rows
+    n2 = n1 - 1  # chained rows: j = 0..T-3 at positions j + 1
+    joined2 = eh_proj(torch.cat([enorm(model.model.embed_tokens(x[:, 2:])), hnorm(o[:, :-1])], dim=-1))
+    first_pos, chained_pos = torch.arange(n1), torch.arange(1, n1)
+    allowed = torch.zeros(n1 + n2, n1 + n2, dtype=torch.bool)
+    allowed[:n1, :n1] = first_pos[:, None] >= first_pos[None, :]  # the first pass: causal
+    allowed[n1:, :n1] = chained_pos[:, None] > first_pos[None, :]  # a chained row: the first rows before it
+    allowed[n1:, n1:] = torch.eye(n2, dtype=torch.bool)  # ... and itself
+    mask = torch.zeros(n1 + n2, n1 + n2).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    out = core(inputs_embeds=torch.cat([joined, joined2], dim=1), attention_mask=mask[None, None].expand(B, 1, -1, -1),
+               position_ids=torch.cat([first_pos, chained_pos])[None].expand(B, -1)).last_hidden_state
+    logits = model.lm_head(out[:, n1:])  # [B, T-2, V]: row j predicts t_(j+3)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), x[:, 3:].reshape(-1))
 
 
 def gguf(args: argparse.Namespace) -> int:
@@ -345,6 +376,8 @@ def main() -> int:
     m.add_argument("--lr", type=float, default=3e-3)
     m.add_argument("--warmup", type=int, default=30)
     m.add_argument("--mtp-weight", type=float, default=0.5, help="the MTP loss's weight beside the model's")
+    m.add_argument("--chain-weight", type=float, default=0.0,
+                   help="the weight of the MTP layer's loss when fed its own output (a second chained draft's)")
     m.add_argument("--hidden", type=int, default=128)
     m.add_argument("--layers", type=int, default=8)
     m.add_argument("--heads", type=int, default=4)
