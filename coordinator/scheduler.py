@@ -67,6 +67,21 @@ class Sequence:
     mtp_hidden: list = field(default_factory=list)  # MTP drafts: hidden rows of the positions not yet fed, in order
 
 
+MTP_CATCH_UP = 16  # rows of a pause the MTP layer is fed before a draft at most; a longer pause restarts its cache
+
+
+def last_rows(pieces: list, n: int) -> list:
+    """The last n rows of row blocks [n_i, H] kept in order, as views of the blocks."""
+    kept = []
+    for piece in reversed(pieces):
+        if n <= 0:
+            break
+        take = min(n, piece.shape[0])
+        kept.append(piece[piece.shape[0] - take:])
+        n -= take
+    return kept[::-1]
+
+
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """How many trailing characters could still be the start of a stop string."""
     hold = 0
@@ -324,15 +339,20 @@ class Scheduler:
         yet fed (hidden state h_i with token t_(i+1), the last one's token the one just chosen) and its last row
         gives draft 1; draft j + 1 comes from feeding draft j with the row's own output in place of the model's
         hidden state, as vLLM and llama.cpp chain it. Those chained positions are dropped at the verify. Rows
-        that waited longer than a prompt chunk (steps without drafts) are fed first in chunk-long passes."""
-        drafting = [s for s, k in zip(seqs, ks) if k > 0]
-        self._mtp_feed(drafting, lambda s: s.cache.length - self.prefill_chunk)
+        that waited longer than a prompt chunk (steps without drafts) are fed first in chunk-long passes; after a
+        pause of more than MTP_CATCH_UP steps the MTP cache restarts that many positions back (_mtp_restart)."""
         drafts: list[list[int]] = [[] for _ in seqs]
+        drafting = [s for s, k in zip(seqs, ks) if k > 0]
+        if not drafting:  # all paused: nothing to feed or draft this step
+            return drafts
+        for s in drafting:
+            self._mtp_restart(s)
+        self._mtp_feed(drafting, lambda s: s.cache.length - self.prefill_chunk)
         batch, live = [], []  # one MTP pass: (hidden rows, their next tokens, cache) per sequence in ``live``
         for j, (s, k) in enumerate(zip(seqs, ks)):
             if k <= 0:
                 continue
-            fed, cached = s.mtp_cache.length, s.cache.length  # positions fed / cached by the model
+            fed, cached = s.mtp_cache.position, s.cache.length  # positions fed / cached by the model
             batch.append((s.mtp_hidden, s.history[fed + 1:cached + 1].copy(), s.mtp_cache))
             s.mtp_hidden = []
             live.append(j)
@@ -347,6 +367,16 @@ class Scheduler:
             batch = [([h], np.array(drafts[j][-1:], np.int64), seqs[j].mtp_cache) for j, h in nxt]
         return drafts
 
+    @staticmethod
+    def _mtp_restart(s: Sequence) -> None:
+        """After a pause of more than MTP_CATCH_UP steps, s's MTP cache goes on from MTP_CATCH_UP positions back
+        instead of being fed every position it skipped: an off-switched sequence's probe costs a few rows, not a
+        one-layer pass over the whole pause (its drafts attend to the positions since the restart; they are
+        verified as any others)."""
+        if s.cache.length - s.mtp_cache.position > MTP_CATCH_UP:
+            s.mtp_hidden = last_rows(s.mtp_hidden, MTP_CATCH_UP)
+            s.mtp_cache.restart(s.cache.length - MTP_CATCH_UP)
+
     def _mtp_feed(self, seqs: list[Sequence], upto: Callable[[Sequence], int] | None = None) -> None:
         """Feed the MTP layer the sequences' waiting positions up to ``upto(s)`` (by default the prefilling ones'
         positions whose next token is a prompt token: the last prompt row waits for the token chosen), in passes
@@ -355,7 +385,7 @@ class Scheduler:
         while True:
             batch = []
             for s in seqs:
-                fed = s.mtp_cache.length
+                fed = s.mtp_cache.position
                 end = min(upto(s), fed + self.prefill_chunk)
                 if end <= fed:
                     continue
@@ -388,7 +418,7 @@ class Scheduler:
         self.stats["accepted_drafts"] += took
         s.cache.truncate(cached + took)
         if hidden is not None:
-            s.mtp_cache.truncate(cached - 1)  # the chained drafts' positions go; the model's own rows come next
+            s.mtp_cache.truncate(cached - 1 - s.mtp_cache.start)  # the chained drafts' go; the model's rows come next
             s.mtp_hidden = [hidden[:took + 1]]
 
     def _advance(self, s: Sequence, logits: np.ndarray, draft: int | None = None) -> bool:

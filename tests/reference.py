@@ -165,10 +165,13 @@ class MtpReference:
         self.H, self.nh, self.eps = c["hidden_size"], c["num_attention_heads"], c["rms_norm_eps"]
         rp = c.get("rope_parameters") or {}
         self.theta = rp.get("rope_theta", c.get("rope_theta", 10000.0))
+        self.start = 0  # the text position of the rows' first (logits)
 
-    def logits(self, hidden: np.ndarray, next_ids: list[int]) -> np.ndarray:
-        """hidden [T, H] (the main model's rows 0..T-1), next_ids [T] (t_1..t_T) -> logits [T, V] of t_2..t_(T+1)."""
+    def logits(self, hidden: np.ndarray, next_ids: list[int], start: int = 0) -> np.ndarray:
+        """hidden [T, H] (the main model's rows 0..T-1), next_ids [T] (t_1..t_T) -> logits [T, V] of t_2..t_(T+1);
+        ``start``: the text position of row 0 (RoPE's), the rows before it not attended to."""
         t, p, eps = self.t, self.p, self.eps
+        self.start = start
         embed = t.get(f"{p}.embed_tokens.weight", t["model.embed_tokens.weight"])
         head = t.get(f"{p}.shared_head.head.weight", t.get("lm_head.weight", t["model.embed_tokens.weight"]))
         xs = [t[f"{p}.eh_proj.weight"] @ np.concatenate([rmsnorm(embed[tok], t[f"{p}.enorm.weight"], eps),
@@ -203,8 +206,10 @@ class MtpReference:
         return out + swiglu(x, t[f"{s}.gate_proj.weight"], t[f"{s}.up_proj.weight"], t[f"{s}.down_proj.weight"])
 
     def _rotate(self, vec, pos, interleaved):
-        """RoPE on vec [d]: pairs (2i, 2i + 1) when interleaved (DeepSeek's rope_interleave), else (i, i + d/2)."""
+        """RoPE on vec [d] at text position start + pos: pairs (2i, 2i + 1) when interleaved (DeepSeek's
+        rope_interleave), else (i, i + d/2)."""
         d = vec.shape[0]
+        pos = self.start + pos
         out = np.empty_like(vec)
         for i in range(d // 2):
             angle = pos / self.theta ** (2 * i / d)

@@ -15,7 +15,7 @@ from coordinator.cli.make_model import make_model
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from coordinator.errors import ConfigValueError
-from coordinator.scheduler import Scheduler
+from coordinator.scheduler import MTP_CATCH_UP, Scheduler
 
 ARCHS = ("deepseek_v3", "glm4_moe")
 PROMPT = [72, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101, 33, 32, 72, 105]
@@ -111,6 +111,43 @@ def test_mtp_cache_after_rejected_drafts_is_a_fresh_pass(tmp_path):
     model = mtp_model(tmp_path / "m", "glm4_moe")
     with Engine.open(model, EngineConfig(pool="inproc", activations="f32")) as eng:
         assert max(check_draft_passes_are_fresh_passes(eng)) == 5
+
+
+def test_a_long_pause_restarts_the_mtp_cache_a_few_positions_back(tmp_path):
+    """A sequence that drafts nothing for MTP_CATCH_UP + 5 steps: its probe feeds the MTP layer the last
+    MTP_CATCH_UP positions into a cache restarted at the first of them, not the whole pause; that pass's logits
+    are the float64 module's over those positions alone, RoPE at their places in the text; the passes after it
+    go on from there; the greedy tokens are the tokens without drafts."""
+    model = mtp_model(tmp_path / "m", "deepseek_v3")
+    ref = MtpReference(model)
+    with Engine.open(model, EngineConfig(pool="inproc", activations="f32")) as eng:
+        req = repetitive_requests(eng, n=1, max_new=40)[0]
+        plain, _ = run(eng, [req])
+        sched = Scheduler(eng, lambda _c, _e: None, speculative="mtp", draft_max=2)
+        seq = sched.add(b"c", req)
+        seq.drafts.pause = MTP_CATCH_UP + 5
+        passes = []  # (the cache's start and length before it, rows fed, the ids up to its last row's, logits)
+        step = eng.mtp_step
+
+        def spy(batch):
+            (_, tokens, cache), = batch
+            before = (cache.start, cache.length)
+            logits, hidden = step(batch)
+            passes.append((before, len(tokens), seq.history[:cache.position + 1].copy(), logits[0][-1].copy()))
+            return logits, hidden
+
+        eng.mtp_step = spy
+        while sched.busy:
+            sched.step()
+        restarted = [p for p in passes if p[0][0] > 0 and p[0][1] == 0]
+        assert len(restarted) == 1, [p[:2] for p in passes]
+        (start, _), rows, ids, logits = restarted[0]
+        assert rows == MTP_CATCH_UP and start == len(ids) - 1 - MTP_CATCH_UP > len(seq.prompt_ids)
+        assert max(n for (s, _), n, _, _ in passes if s == start) <= MTP_CATCH_UP  # no pass fed the whole pause
+        h = main_hidden(eng, ids[:-1].tolist())[start:]  # the model's rows at positions start..
+    want = ref.logits(h, ids[start + 1:].tolist(), start=start)[-1]
+    np.testing.assert_allclose(logits, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    assert seq.out_ids == plain[req.id] and sched.stats["drafted_tokens"] > 0
 
 
 def test_greedy_with_mtp_drafts_split_over_two_worker_processes(tmp_path):

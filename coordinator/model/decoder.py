@@ -396,7 +396,8 @@ class Decoder:
     def forward_mtp(self, seqs: list[tuple[list, np.ndarray, KVCache]], last_only: bool = True
                     ) -> tuple[list[np.ndarray], list]:
         """The MTP layer over several sequences, each (hidden rows: a list of [T_i, H] the model's output at
-        positions p..p+T-1 after its final norm, the token ids [T] that followed them, its MTP cache at length p):
+        positions p..p+T-1 after its final norm, the token ids [T] that followed them, its MTP cache, whose
+        next position is p (cache.start + cache.length)):
         row j joins hidden state h_(p+j) with token t_(p+j+1) and predicts t_(p+j+2) (DeepSeek-V3's MTP module:
         eh_proj of [enorm(embedding) ; hnorm(hidden)], one decoder layer, shared_head's norm and head). Returns
         each sequence's logits (host) and its output rows before the head's norm, or with mtp_chains_normed after
@@ -404,8 +405,8 @@ class Decoder:
         cfg, xp, eps, m, L = self.cfg, self.xp, self.cfg.rms_norm_eps, self.mtp, self.cfg.num_layers
         lengths = [len(ids) for _, ids, _ in seqs]
         bounds = np.cumsum([0] + lengths)  # row ranges of the sequences in the batch
-        positions = [np.arange(c.length, c.length + n) for (_, _, c), n in zip(seqs, lengths)]
-        rope = self._rope_tables(np.concatenate(positions))
+        positions = [np.arange(c.length, c.length + n) for (_, _, c), n in zip(seqs, lengths)]  # in the cache
+        rope = self._rope_tables(np.concatenate([p + c.start for p, (_, _, c) in zip(positions, seqs)]))  # in text
         e = xp.asarray(self.mtp_embed[np.concatenate([ids for _, ids, _ in seqs])])  # [N, H]
         parts = [p for rows, _, _ in seqs for p in rows]
         h = parts[0] if len(parts) == 1 else xp.concatenate(parts)  # [N, H]

@@ -28,6 +28,7 @@ class KVCache:
         """``attention_layers``: the layers that cache keys and values (None: all); ``first_layer``: the model's
         id of this cache's first layer (an MTP layer's own cache: num_layers)."""
         self.length = 0  # tokens already cached
+        self.start = 0  # the position of the first of them (restart: an MTP cache that dropped the earlier ones)
         self.first_layer = first_layer
         self.xp = xp  # NumPy, or CuPy when the cache lives on the device
         self.bf16 = dtype == "bf16"
@@ -101,6 +102,20 @@ class KVCache:
             self._k[layer][start:stop] = k
             self._v[layer][start:stop] = v
         return self._k[layer][:stop], self._v[layer][:stop]
+
+    @property
+    def position(self) -> int:
+        """The position the next cached token takes."""
+        return self.start + self.length
+
+    def restart(self, start: int) -> None:
+        """Hold nothing, the next token cached at position ``start`` (an MTP layer's cache that goes on from a
+        recent position rather than feeding every one it skipped: the keys keep their positions' RoPE, the
+        earlier positions are not attended to). The buffers are kept."""
+        if start < 0:
+            raise ValueError(f"cannot restart a cache at position {start}")
+        self.truncate(0)
+        self.start = start
 
     def advance(self, tokens: int) -> None:
         """Mark ``tokens`` new positions as cached (after every layer has extended)."""
