@@ -228,6 +228,41 @@ def test_speculative_decoding_is_reported_beside_plain_decoding(tmp_path, capsys
                      capsys.readouterr().out)
 
 
+def test_a_prompt_file_is_the_rounds_prompt(tmp_path, monkeypatch):
+    """--prompt-file: every round of every side prefills the file's first --prompt-tokens tokens (encoded with the
+    model's tokenizer), not random ids; the report says the prompt is text and how long it is."""
+    model = make_model(tmp_path / "m", seed=2)
+    text = "def add(a, b):\n    return a + b\n" * 8
+    (tmp_path / "p.py").write_text(text)
+    prompts = []
+    generate_full = bench.Engine.generate_full
+    monkeypatch.setattr(bench.Engine, "generate_full",
+                        lambda self, ids, *a, **k: prompts.append(list(ids)) or generate_full(self, ids, *a, **k))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(model), "--modes", "inproc", "--tokens", "3", "--prompt-tokens", "20",
+                 "--rounds", "2", "--quality-positions", "0", "--speculative", "ngram", "--prompt-file",
+                 str(tmp_path / "p.py"), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    want = bench.Engine.open(model).encode(text)[:20]
+    assert len(want) == 20 and report["prompt"] == "text" and report["prompt_tokens"] == 20
+    assert len(prompts) == 5 and all(p == want for p in prompts)  # the warm-up, two rounds with and without drafts
+
+
+@pytest.mark.parametrize("name, text, extra, match", [
+    ("empty.txt", "", [], "holds no text"),
+    ("bad.bin", b"\xff\xfe\x00", [], "cannot be read"),
+    ("p.txt", "some text", ["--repetitive"], "give one"),
+])
+def test_a_bad_prompt_file_is_refused_with_its_cause(tmp_path, capsys, name, text, extra, match):
+    model = make_model(tmp_path / "m", seed=2)
+    path = tmp_path / name
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    assert main(["bench", "--model", str(model), "--modes", "inproc", "--tokens", "2", "--prompt-tokens", "4",
+                 "--rounds", "1", "--quality-positions", "0", "--prompt-file", str(path), *extra]) != 0
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+
+
 def test_formats_are_benched_side_by_side_with_ratios_to_the_first(tmp_path, capsys):
     """--formats opens each mode once per format (mode@format) in the same interleaved rounds: each engine
     stores what its entry asks (FORMAT for both, EXPERTS+DENSE apart), the ratios are to the same mode in the

@@ -123,6 +123,7 @@ class BenchPlan:
     quality_positions: int = 0  # compare the first mode's logits with an f32 computation over this many; 0: not
     speculative: str = "off"  # also decode each round with this speculative decoding, beside plain decoding
     repetitive: bool = False  # the prompt: one random phrase repeated (prompt lookup drafts from it)
+    prompt_text: str | None = None  # the prompt: this text's first prompt_tokens tokens (None: random tokens)
     temperature: float = 0.0  # the decode rounds' sampling (0: greedy); seeded per round, the same in both runs
 
 
@@ -211,9 +212,8 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
         any_eng = next(iter(engines.values()))
         mcfg = any_eng.model_config
         rng = np.random.default_rng(seed)
-        prompt = rng.integers(0, min(mcfg.vocab_size, 256), prompt_tokens).tolist()
-        if plan.repetitive:
-            prompt = (prompt[:REPEATED_PHRASE] * (prompt_tokens // REPEATED_PHRASE + 1))[:prompt_tokens]
+        prompt = bench_prompt(plan, any_eng, rng)
+        prompt_tokens = len(prompt)
         results: dict[str, dict] = {m: {"decode_tps": [], "prefill_tps": [], "timings": [], "pairs": 0,
                                         "expert_loads": 0, "spec_tps": [], "spec_steps": 0, "drafted": 0,
                                         "accepted": 0, "spec_tokens": 0} for m in engines}
@@ -242,6 +242,7 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
         report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
                   "state_bytes_per_sequence": mcfg.state_bytes_per_sequence,
                   "spin_us": plan.engines[0].config.pool_spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
+                  "prompt": "text" if plan.prompt_text is not None else "repetitive" if plan.repetitive else "random",
                   "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(plan.settings),
                   "formats": list(plan.formats), "kernels": target_summary(), "modes": {}}
         for mode, eng in engines.items():
@@ -301,6 +302,20 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
     finally:
         for eng in engines.values():
             eng.close()
+
+
+def bench_prompt(plan: BenchPlan, eng: Engine, rng: np.random.Generator) -> list[int]:
+    """The rounds' prompt: ``plan.prompt_text``'s first prompt_tokens tokens (all of them where it has fewer),
+    else prompt_tokens random ids below 256 (one phrase repeated with ``plan.repetitive``)."""
+    if plan.prompt_text is not None:
+        ids = eng.encode(plan.prompt_text)[:plan.prompt_tokens]
+        if not ids:
+            raise StrataError("--prompt-file: the file holds no text to make a prompt of")
+        return ids
+    prompt = rng.integers(0, min(eng.model_config.vocab_size, 256), plan.prompt_tokens).tolist()
+    if plan.repetitive:
+        prompt = (prompt[:REPEATED_PHRASE] * (plan.prompt_tokens // REPEATED_PHRASE + 1))[:plan.prompt_tokens]
+    return prompt
 
 
 def _drafted_round(eng, mode: str, prompt: list[int], tokens: int, sampling: dict, res: dict) -> None:
@@ -409,7 +424,7 @@ def _quality_by_label(report: dict) -> dict[str, dict]:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"model {report['model']} ({report['arch']}), {report['prompt_tokens']} prompt + {report['tokens']} "
+    lines = [f"model {report['model']} ({report['arch']}), {report['prompt_tokens']} {report.get('prompt', 'random')} prompt + {report['tokens']} "
              f"new tokens, {report['rounds']} interleaved rounds; STREAM array {report['membw_bytes'] / 2**20:.0f} MiB "
              f"(4x LLC); KV cache {report.get('kv_bytes_per_token', 0)} bytes a token"
              + (f", state {report['state_bytes_per_sequence']} bytes a sequence" if report.get(

@@ -84,14 +84,18 @@ def _given_ids(args: argparse.Namespace) -> list[int] | None:
     return ids
 
 
+def read_text(path: Path, flag: str) -> str:
+    """A text file a flag names, UTF-8; one that cannot be read is a StrataError naming the flag and the cause."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StrataError(f"{flag} {path}: cannot be read: {exc}") from None
+
+
 def _prompt_text(args: argparse.Namespace) -> str:
     """The prompt: --prompt's text, stdin's for ``-p -``, or --file's."""
     if args.file is not None:
-        try:
-            text = args.file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise StrataError(f"--file {args.file}: cannot be read: {exc}") from None
-        where = f"--file {args.file}"
+        text, where = read_text(args.file, "--file"), f"--file {args.file}"
     elif args.prompt == "-":
         text, where = sys.stdin.read(), "standard input (-p -)"
     else:
@@ -319,11 +323,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       if source == "flag" or source.startswith("env ")})
         return config
 
+    if args.prompt_file is not None and args.repetitive:
+        raise StrataError("--prompt-file and --repetitive each choose the prompt: give one")
+    prompt_text = read_text(args.prompt_file, "--prompt-file") if args.prompt_file is not None else None
     engines = bench_engines(modes, args.nodes, formats, resolve)
     report = run_bench(args.model, BenchPlan(engines, tuple(label for label, _ in formats or ()), given,
                                              tokens=args.tokens, prompt_tokens=args.prompt_tokens, rounds=args.rounds,
                                              quality_positions=args.quality_positions, speculative=args.bench_speculative,
-                                             repetitive=args.repetitive, temperature=args.bench_temperature))
+                                             repetitive=args.repetitive, prompt_text=prompt_text,
+                                             temperature=args.bench_temperature))
     print(markdown(report))
     if args.json:
         write_json(report, args.json)
@@ -532,6 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetitive", action="store_true",
                    help="a prompt of one random 16-token phrase repeated (text prompt lookup can draft from) "
                         "instead of random tokens")
+    p.add_argument("--prompt-file", dest="prompt_file", default=None, type=readable_file,
+                   help="the prompt: this text file's first --prompt-tokens tokens (instead of random tokens)")
     p.add_argument("--json", default=None, type=writable_file, help="write every figure to this file")
     p.add_argument("--plot", default=None, type=writable_file,
                    help="draw tokens/s and the bandwidth ratio into this PNG (needs matplotlib)")
