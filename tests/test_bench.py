@@ -222,10 +222,13 @@ def test_speculative_decoding_is_reported_beside_plain_decoding(tmp_path, capsys
     assert len(plain) == len(drafted) == 3
     assert sp["speedup_by_round"] == pytest.approx([d / p for d, p in zip(drafted, plain)])
     assert sp["speedup"] == pytest.approx(sorted(sp["speedup_by_round"])[1])
+    lo, hi = sp["speedup_quartiles"]  # 3 rounds: halfway from the least to the median, and from it to the most
+    r = sorted(sp["speedup_by_round"])
+    assert (lo, hi) == pytest.approx(((r[0] + r[1]) / 2, (r[1] + r[2]) / 2))
     assert sp["mode"] == "ngram" and sp["drafted_tokens"] > 0 and 0 <= sp["accepted_drafts"] <= sp["drafted_tokens"]
     assert sp["tokens_per_step"] >= 1
-    assert re.search(r"inproc: with ngram drafts decode [\d.]+ tok/s, [\d.]+x without \(median of the rounds'",
-                     capsys.readouterr().out)
+    assert re.search(r"inproc: with ngram drafts decode [\d.]+ tok/s, [\d.]+x without \(median of the rounds' "
+                     rf"ratios, their middle half {lo:.2f}-{hi:.2f}\)", capsys.readouterr().out)
 
 
 def test_a_prompt_file_is_the_rounds_prompt(tmp_path, monkeypatch):

@@ -328,16 +328,24 @@ def _drafted_round(eng, mode: str, prompt: list[int], tokens: int, sampling: dic
     res["accepted"] += s.timings["accepted_drafts"]
 
 
+def _middle(sp: dict) -> str:
+    """', their middle half LO-HIGH' where the rounds' ratios have quartiles."""
+    q = sp.get("speedup_quartiles")
+    return f", their middle half {q[0]:.2f}-{q[1]:.2f}" if q else ""
+
+
 def speculative_figures(mode: str, res: dict) -> dict | None:
     """Decode with drafts beside decode without, from the same rounds: tok/s of both, the speedup (the median of
     the rounds' ratios: each round's pair ran back to back, so a slow spell of the machine enters both sides of
-    one ratio), the share of drafted tokens that stood, and the tokens a decode step made."""
+    one ratio) and the quartiles of those ratios (how far a noisy machine spreads them), the share of drafted tokens
+    that stood, and the tokens a decode step made."""
     if mode == "off":
         return None
     with_drafts = by_round(res["spec_tps"])
     ratios = [d / p for d, p in zip(res["spec_tps"], res["decode_tps"]) if d and p]
     return {"mode": mode, "decode_tokens_per_s": with_drafts, "speedup_by_round": ratios,
             "speedup": float(np.median(ratios)) if ratios else None,
+            "speedup_quartiles": [float(q) for q in np.percentile(ratios, [25, 75])] if ratios else None,
             "acceptance_rate": res["accepted"] / res["drafted"] if res["drafted"] else None,
             "tokens_per_step": res["spec_tokens"] / res["spec_steps"] if res["spec_steps"] else None,
             "drafted_tokens": res["drafted"], "accepted_drafts": res["accepted"]}
@@ -451,7 +459,7 @@ def markdown(report: dict) -> str:
         if sp:
             d = sp["decode_tokens_per_s"]
             lines.append(f"{mode}: with {sp['mode']} drafts decode {_fmt(d['median'])} tok/s, "
-                         f"{_fmt(sp['speedup'], '.2f')}x without (median of the rounds' ratios); acceptance "
+                         f"{_fmt(sp['speedup'], '.2f')}x without (median of the rounds' ratios{_middle(sp)}); acceptance "
                          f"{_fmt(sp['acceptance_rate'], '.1%')} of {sp['drafted_tokens']} drafted, "
                          f"{_fmt(sp['tokens_per_step'], '.2f')} tokens a step")
     for mode, m in report["modes"].items():
