@@ -432,7 +432,8 @@ def _quality_by_label(report: dict) -> dict[str, dict]:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"model {report['model']} ({report['arch']}), {report['prompt_tokens']} {report.get('prompt', 'random')} prompt + {report['tokens']} "
+    lines = [f"model {report['model']} ({report['arch']}), {report['prompt_tokens']} {report.get('prompt', 'random')} "
+             f"prompt + {report['tokens']} "
              f"new tokens, {report['rounds']} interleaved rounds; STREAM array {report['membw_bytes'] / 2**20:.0f} MiB "
              f"(4x LLC); KV cache {report.get('kv_bytes_per_token', 0)} bytes a token"
              + (f", state {report['state_bytes_per_sequence']} bytes a sequence" if report.get(
@@ -459,8 +460,8 @@ def markdown(report: dict) -> str:
         if sp:
             d = sp["decode_tokens_per_s"]
             lines.append(f"{mode}: with {sp['mode']} drafts decode {_fmt(d['median'])} tok/s, "
-                         f"{_fmt(sp['speedup'], '.2f')}x without (median of the rounds' ratios{_middle(sp)}); acceptance "
-                         f"{_fmt(sp['acceptance_rate'], '.1%')} of {sp['drafted_tokens']} drafted, "
+                         f"{_fmt(sp['speedup'], '.2f')}x without (median of the rounds' ratios{_middle(sp)}); "
+                         f"acceptance {_fmt(sp['acceptance_rate'], '.1%')} of {sp['drafted_tokens']} drafted, "
                          f"{_fmt(sp['tokens_per_step'], '.2f')} tokens a step")
     for mode, m in report["modes"].items():
         o = m["overhead_per_token"]
