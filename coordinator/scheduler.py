@@ -70,16 +70,15 @@ class Sequence:
 MTP_CATCH_UP = 16  # rows of a pause the MTP layer is fed before a draft at most; a longer pause restarts its cache
 
 
-def last_rows(pieces: list, n: int) -> list:
-    """The last n rows of row blocks [n_i, H] kept in order, as views of the blocks."""
-    kept = []
-    for piece in reversed(pieces):
-        if n <= 0:
-            break
-        take = min(n, piece.shape[0])
-        kept.append(piece[piece.shape[0] - take:])
-        n -= take
-    return kept[::-1]
+def split_rows(pieces: list, n: int) -> tuple[list, list]:
+    """Row blocks [n_i, H] in order -> (blocks of their first n rows, blocks of the rest), views of the blocks."""
+    first, rest = [], []
+    for piece in pieces:
+        k = min(n, piece.shape[0])
+        first += [piece[:k]] if k else []
+        rest += [piece[k:]] if k < piece.shape[0] else []
+        n -= k
+    return first, rest
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -373,8 +372,9 @@ class Scheduler:
         instead of being fed every position it skipped: an off-switched sequence's probe costs a few rows, not a
         one-layer pass over the whole pause (its drafts attend to the positions since the restart; they are
         verified as any others)."""
-        if s.cache.length - s.mtp_cache.position > MTP_CATCH_UP:
-            s.mtp_hidden = last_rows(s.mtp_hidden, MTP_CATCH_UP)
+        waiting = s.cache.length - s.mtp_cache.position  # the rows in s.mtp_hidden
+        if waiting > MTP_CATCH_UP:
+            s.mtp_hidden = split_rows(s.mtp_hidden, waiting - MTP_CATCH_UP)[1]
             s.mtp_cache.restart(s.cache.length - MTP_CATCH_UP)
 
     def _mtp_feed(self, seqs: list[Sequence], upto: Callable[[Sequence], int] | None = None) -> None:
@@ -389,13 +389,7 @@ class Scheduler:
                 end = min(upto(s), fed + self.prefill_chunk)
                 if end <= fed:
                     continue
-                n, rows, rest = end - fed, [], []
-                for piece in s.mtp_hidden:  # the first n rows waiting, split off the list of pieces
-                    k = min(n, piece.shape[0])
-                    rows += [piece[:k]] if k else []
-                    rest += [piece[k:]] if k < piece.shape[0] else []
-                    n -= k
-                s.mtp_hidden = rest
+                rows, s.mtp_hidden = split_rows(s.mtp_hidden, end - fed)  # the first end - fed rows waiting
                 batch.append((rows, s.history[fed + 1:end + 1].copy(), s.mtp_cache))
             if not batch:
                 return

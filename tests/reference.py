@@ -165,13 +165,11 @@ class MtpReference:
         self.H, self.nh, self.eps = c["hidden_size"], c["num_attention_heads"], c["rms_norm_eps"]
         rp = c.get("rope_parameters") or {}
         self.theta = rp.get("rope_theta", c.get("rope_theta", 10000.0))
-        self.start = 0  # the text position of the rows' first (logits)
 
     def logits(self, hidden: np.ndarray, next_ids: list[int], start: int = 0) -> np.ndarray:
         """hidden [T, H] (the main model's rows 0..T-1), next_ids [T] (t_1..t_T) -> logits [T, V] of t_2..t_(T+1);
         ``start``: the text position of row 0 (RoPE's), the rows before it not attended to."""
         t, p, eps = self.t, self.p, self.eps
-        self.start = start
         embed = t.get(f"{p}.embed_tokens.weight", t["model.embed_tokens.weight"])
         head = t.get(f"{p}.shared_head.head.weight", t.get("lm_head.weight", t["model.embed_tokens.weight"]))
         xs = [t[f"{p}.eh_proj.weight"] @ np.concatenate([rmsnorm(embed[tok], t[f"{p}.enorm.weight"], eps),
@@ -180,7 +178,7 @@ class MtpReference:
         normed = [rmsnorm(x, t[f"{p}.input_layernorm.weight"], eps) for x in xs]
         attend = self.mla if self.arch == "DeepseekV3ForCausalLM" else self.gqa
         out = []
-        for pos, (x, a) in enumerate(zip(xs, attend(normed))):
+        for x, a in zip(xs, attend(normed, start)):
             h = x + a
             h = h + self.moe(rmsnorm(h, t[f"{p}.post_attention_layernorm.weight"], eps))
             out.append(head @ rmsnorm(h, t[f"{p}.shared_head.norm.weight"], eps))
@@ -206,10 +204,9 @@ class MtpReference:
         return out + swiglu(x, t[f"{s}.gate_proj.weight"], t[f"{s}.up_proj.weight"], t[f"{s}.down_proj.weight"])
 
     def _rotate(self, vec, pos, interleaved):
-        """RoPE on vec [d] at text position start + pos: pairs (2i, 2i + 1) when interleaved (DeepSeek's
-        rope_interleave), else (i, i + d/2)."""
+        """RoPE on vec [d] at text position pos: pairs (2i, 2i + 1) when interleaved (DeepSeek's rope_interleave),
+        else (i, i + d/2)."""
         d = vec.shape[0]
-        pos = self.start + pos
         out = np.empty_like(vec)
         for i in range(d // 2):
             angle = pos / self.theta ** (2 * i / d)
@@ -219,13 +216,13 @@ class MtpReference:
             out[hi] = vec[hi] * c + vec[lo] * s
         return out
 
-    def mla(self, xs):
-        """DeepseekV3Attention over the rows xs (causal), no YaRN."""
+    def mla(self, xs, start: int = 0):
+        """DeepseekV3Attention over the rows xs (causal) at text positions start.., no YaRN."""
         c, t, a = self.cfg, self.t, f"{self.p}.self_attn"
         nh, dn, dr, dv, r = self.nh, c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
         inter = c.get("rope_interleave", True)
         qs, ks, vs = [], [], []
-        for pos, x in enumerate(xs):
+        for pos, x in enumerate(xs, start):
             if c.get("q_lora_rank"):
                 q = t[f"{a}.q_b_proj.weight"] @ rmsnorm(t[f"{a}.q_a_proj.weight"] @ x,
                                                          t[f"{a}.q_a_layernorm.weight"], self.eps)
@@ -241,14 +238,15 @@ class MtpReference:
             vs.append([kv[h, dn:] for h in range(nh)])
         return self._attend(qs, ks, vs, (dn + dr) ** -0.5, t[f"{a}.o_proj.weight"])
 
-    def gqa(self, xs):
-        """Glm4MoeAttention over the rows xs (causal): q/k/v biases, optional per-head q/k norm, partial rotary."""
+    def gqa(self, xs, start: int = 0):
+        """Glm4MoeAttention over the rows xs (causal) at text positions start..: q/k/v biases, optional per-head
+        q/k norm, partial rotary."""
         c, t, a = self.cfg, self.t, f"{self.p}.self_attn"
         nkv, hd = c["num_key_value_heads"], c.get("head_dim") or self.H // self.nh
         rp = c.get("rope_parameters") or {}
         rot = int(hd * rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
         qs, ks, vs = [], [], []
-        for pos, x in enumerate(xs):
+        for pos, x in enumerate(xs, start):
             q, k, v = ((t[f"{a}.{n}_proj.weight"] @ x + t.get(f"{a}.{n}_proj.bias", 0.0)) for n in "qkv")
             q, k, v = q.reshape(self.nh, hd), k.reshape(nkv, hd), v.reshape(nkv, hd)
             if f"{a}.q_norm.weight" in t:
