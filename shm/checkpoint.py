@@ -298,6 +298,18 @@ class Checkpoint:
         check_shape(info, shape)
         return to_float32(self.raw(name), info.dtype)
 
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """The tensor's dtype a float type and its shape ``shape``, or CheckpointError naming both."""
+        check_shape(self.info(name), shape)
+
+    def stored_rows(self, name: str, rows: np.ndarray | None = None) -> np.ndarray | None:
+        """A matrix's rows as stored ([R, K] of its dtype), or only ``rows`` of them in that order; None for an
+        FP8 matrix (its rows are scaled per block)."""
+        if self.info(name).dtype == fp8.DTYPE:
+            return None
+        raw = self.raw(name)
+        return raw if rows is None else raw[rows]
+
     def rows(self, name: str, start: int, stop: int, *, axis: int = 0) -> np.ndarray:
         """Rows [start, stop) along ``axis`` as contiguous float32; reads only those rows."""
         info = self.info(name)
@@ -332,11 +344,24 @@ def is_block_dtype(dtype: str) -> bool:
     return t is not None and GGML_QUANT_SIZES[t][0] > 1
 
 
-def check_shape(info: TensorInfo, shape: tuple[int, ...] | None) -> None:
+def ggml_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape as ggml writes it (ggml_n_dims: its trailing sizes of 1 dropped, here leading in numpy's order):
+    llama-quantize writes a [1, H] tensor as [H]."""
+    shape = tuple(int(n) for n in shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def check_shape(info: TensorInfo, shape: tuple[int, ...] | None, ggml: bool = False) -> None:
+    """``info`` a float or block type of shape ``shape``; ``ggml``: a GGUF file's tensor, whose sizes of 1 in front
+    llama.cpp's tools may have dropped or kept (ggml_dims), so either form is that shape."""
     if info.dtype not in FLOAT_DTYPES and not is_block_dtype(info.dtype):
         raise CheckpointError(
             f"tensor {info.name!r} has dtype {info.dtype}; expected one of {', '.join(FLOAT_DTYPES)} "
             "(or a ggml block type in a GGUF file)"
         )
-    if shape is not None and tuple(info.shape) != tuple(shape):
+    if shape is None or tuple(info.shape) == tuple(shape):
+        return
+    if not ggml or ggml_dims(info.shape) != ggml_dims(shape):
         raise CheckpointError(f"tensor {info.name!r} has shape {list(info.shape)}; expected {list(shape)}")

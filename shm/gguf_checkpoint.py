@@ -141,9 +141,30 @@ class GgufCheckpoint:
         return data.view(np.uint8).reshape(*info.shape[:-1], info.shape[-1] // values * nbytes)
 
     def float32(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The tensor as float32 (a Mixtral file's q and k rows back in Hugging Face's order)."""
-        check_shape(self.info(name), shape)
-        return self.file.float32(self.index[name])
+        """The tensor as float32 (a Mixtral file's q and k rows back in Hugging Face's order), in ``shape`` when
+        given (a [1, H] gate that llama-quantize wrote as [H] read as [1, H])."""
+        self.check_shape(name, shape)
+        out = self.file.float32(self.index[name])
+        return out if shape is None else out.reshape(shape)
+
+    def check_shape(self, name: str, shape: tuple[int, ...] | None) -> None:
+        """The tensor a float or block type of shape ``shape``, in either of the forms llama.cpp's tools write
+        (checkpoint.ggml_dims); CheckpointError naming both shapes otherwise."""
+        check_shape(self.info(name), shape, ggml=True)
+
+    def stored_rows(self, name: str, rows: np.ndarray | None = None) -> np.ndarray | None:
+        """A matrix's rows as the file stores them ([R, row bytes] of a block type; [R, K] of a float type) in the
+        order float32 gives them (a Mixtral file's q and k un-permuted), or only ``rows`` of them in that order;
+        None for a tensor the file does not hold as rows (deepseek2's kv_b_proj, put back together)."""
+        gname = self.index[name]
+        if gname in self.file.joined:
+            return None
+        raw = self.raw(name)
+        raw = raw.reshape(raw.shape[0] if raw.ndim > 1 else 1, -1)
+        order = self.file.row_order(gname)
+        if order is not None:
+            rows = order if rows is None else order[rows]
+        return raw if rows is None else raw[rows]
 
     def rows(self, name: str, start: int, stop: int, *, axis: int = 0) -> np.ndarray:
         info = self.info(name)

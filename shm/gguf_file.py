@@ -487,6 +487,14 @@ class GgufFile:
             return int(self._meta("attention.head_count_kv", self._meta("attention.head_count")))
         return None
 
+    def row_order(self, name: str) -> np.ndarray | None:
+        """The file's row of each row float32 gives (a Mixtral file's q and k: unpermute_qk's order), None where
+        they are the same."""
+        heads = self.qk_heads(name)
+        if heads is None:
+            return None
+        return unpermute_qk(np.arange(self.shape(name)[0])[:, None], heads)[:, 0]
+
     def shape(self, name: str) -> tuple[int, ...]:
         """Numpy order: ggml's ne reversed ([E, I, H] for ffn_gate_exps)."""
         if name in self.joined:

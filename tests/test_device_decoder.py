@@ -196,7 +196,7 @@ def test_generate_and_bench_report_the_gpu_memory(gpu, tiny_model, tmp_path, cap
 
 def test_qwen3_next_is_planned_as_uploaded(gpu, tiny_model):
     """A BF16 Qwen3-Next checkpoint on the device: its regrouped matrices (q and the output gate from q_proj, the
-    Gated DeltaNet's qkvz and ba) keep the checkpoint's bf16, so the plan made from the index counts the bytes the
+    Gated DeltaNet's qkv, z and ba) keep the checkpoint's bf16, so the plan made from the index counts the bytes the
     upload holds; the kv cache's figure holds one sequence's Gated DeltaNet states, two buffers. The values are the
     checkpoint's: the logits are the CPU path's (a float32 cache) to float32 rounding."""
     from coordinator.device import load
@@ -213,7 +213,7 @@ def test_qwen3_next_is_planned_as_uploaded(gpu, tiny_model):
         assert planned.dense == eng.gpu_memory.dense == nbytes(w)
         linear = next(lw.linear for lw in w.layers if lw.linear is not None)
         gated = next(lw for lw in w.layers if lw.linear is None)
-        assert all(isinstance(m, DeviceMatrix) and m.fmt == "bf16" for m in (linear.qkvz, linear.ba, linear.out,
+        assert all(isinstance(m, DeviceMatrix) and m.fmt == "bf16" for m in (linear.qkv, linear.z, linear.ba, linear.out,
                                                                              gated.q_gate))
         assert planned.states == 2 * cfg.state_bytes_per_sequence > 0
         assert planned.kv == planned.kv_tokens * vram.kv_bytes_per_token(cfg, "bf16") + planned.states

@@ -91,8 +91,9 @@ def test_gated_delta_matches_float64_over_sequences_and_steps(cp):
         tables = [cupy.asarray(starts)] + [cupy.asarray(np.array([address(b[i][side]) for b in bufs], np.int64))
                                            for i, side in ((0, src), (0, dst), (1, src), (1, dst))]
         before = [(cupy.asnumpy(c)[src].copy(), cupy.asnumpy(r)[src].copy()) for c, r in bufs]
-        got = cupy.asnumpy(device_ops.gated_delta(cupy.asarray(qkvz), cupy.asarray(ba), *map(cupy.asarray, params),
-                                                  EPS, tables, slot, DIMS))
+        whole = cupy.asarray(qkvz)  # q, k, v and z as column slices of one array: rows apart, as a view reads them
+        got = cupy.asnumpy(device_ops.gated_delta(whole[:, :C], whole[:, C:], cupy.asarray(ba),
+                                                  *map(cupy.asarray, params), EPS, tables, slot, DIMS))
         for s, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
             ref_out, ref_conv, ref_rec = reference(qkvz[lo:hi], ba[lo:hi], params, *want[s])
             want[s] = (ref_conv, ref_rec)

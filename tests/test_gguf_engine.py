@@ -224,16 +224,17 @@ def test_integer_dots_keep_the_greedy_tokens_and_stay_near_the_float_path(files)
     assert 1e-6 < np.median(per_position) < 2e-2
 
 
-@pytest.mark.parametrize("dense", [Q.Q8_0, Q.Q4_0])
-def test_quantised_dense_matrices_are_read_as_the_file_has_them(tmp_path, dense):
+@pytest.mark.parametrize("arch, gguf_arch, dense", [("qwen3_moe", "qwen3moe", Q.Q8_0), ("qwen3_moe", "qwen3moe", Q.Q4_0),
+                                                    ("mixtral", "llama", Q.Q8_0)])
+def test_quantised_dense_matrices_are_read_as_the_file_has_them(tmp_path, arch, gguf_arch, dense):
     """A file whose attention, embedding and lm_head are quantised (the router F32): without a GPU they are
-    kept as its blocks (dense_dtype auto), and computed with exactly the dequantised weights; f32 asks for
-    float32 copies."""
+    kept as its blocks (dense_dtype auto), Mixtral's q and k too (their rows gathered back from the converter's
+    permutation), and computed with exactly the dequantised weights; f32 asks for float32 copies."""
     from coordinator.model.packed import PackedMatrix
 
-    ckpt = make_model(tmp_path / "m", seed=12, hidden_size=64, moe_intermediate_size=96)
+    ckpt = make_model(tmp_path / "m", arch=arch, seed=12, hidden_size=64, moe_intermediate_size=96)
     path = tmp_path / "m.gguf"
-    write_gguf(ckpt, path, experts=Q.Q8_0, dense=dense)
+    write_gguf(ckpt, path, arch=gguf_arch, experts=Q.Q8_0, dense=dense)
     deq = dequantised_checkpoint(path, ckpt, tmp_path / "deq")
     want_format = {Q.Q8_0: "q8", Q.Q4_0: "q4"}[dense]
     with Engine.open(path, EngineConfig(pool="inproc", device="cpu", activations="f32")) as eng, \

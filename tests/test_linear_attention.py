@@ -24,7 +24,8 @@ def weights(seed: int = 0) -> LinearAttnWeights:
     def f(*shape, scale=1.0):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    return LinearAttnWeights(qkvz=f(C + Hv * dv, H, scale=H ** -0.5), ba=f(2 * Hv, H, scale=H ** -0.5),
+    return LinearAttnWeights(qkv=f(C, H, scale=H ** -0.5), z=f(Hv * dv, H, scale=H ** -0.5),
+                             ba=f(2 * Hv, H, scale=H ** -0.5),
                              conv=f(C, LC.conv_kernel, scale=0.5), a_neg=-np.exp(f(Hv)), dt_bias=f(Hv),
                              norm=1 + f(dv, scale=0.1), out=f(H, Hv * dv, scale=(Hv * dv) ** -0.5))
 

@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.device import storage, vram
 from coordinator.model.model_config import attach_mtp, load_model_config
-from coordinator.model.weights import TensorSources, load_weights
+from coordinator.model.weights import RowSource, TensorSources, load_weights
 from shm.checkpoint import Checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -58,9 +58,9 @@ def test_a_freed_arrays_tensor_is_not_found_under_its_id_reused():
     sources = TensorSources()
     read = np.zeros(8, np.float32)
     freed = id(read)
-    sources.set(read, "model.layers.0.linear_attn.A_log")
-    assert sources.get(read) == "model.layers.0.linear_attn.A_log" and sources.values() == [
-        "model.layers.0.linear_attn.A_log"]
+    source = RowSource("model.layers.0.linear_attn.A_log")
+    sources.set(read, source)
+    assert sources.get(read) is source and sources.values() == [source]
     del read
     assert sources.values() == []
     made = [np.ones(8, np.float32) for _ in range(64)]  # CPython hands the freed object's block to one of these

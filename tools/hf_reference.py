@@ -252,6 +252,11 @@ def _qwen3_next(**kw):
     return Qwen3NextConfig(**base), Qwen3NextForCausalLM
 
 
+# hidden 256, heads of 128, experts and the shared expert of 256 rows: every matrix's rows whole super-blocks
+QUANTISABLE = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128, intermediate_size=256,
+                   moe_intermediate_size=256, shared_expert_intermediate_size=256, num_experts=4,
+                   num_experts_per_tok=2, initializer_range=0.03)
+
 # Non-zero e_score_correction_bias per MoE layer (transformers initialises it to zeros), set after init.
 BIAS_STD = {"deepseek_v3_basic": 0.3, "deepseek_v3_no_q_lora": 0.3, "glm4_moe_basic": 0.3}
 
@@ -304,6 +309,12 @@ CASES = {
     "deepseek_v2_lite": (lambda: _deepseek_v2(), torch.bfloat16, None),
     "glm4_moe_basic": (lambda: _glm4_moe(), torch.bfloat16, None),
     "qwen3_next_basic": (lambda: _qwen3_next(), torch.float32, None),
+    # Rows of whole 256-weight super-blocks in every matrix, so llama-quantize's K types and IQ4_XS take every one
+    # of them with no fallback type (tools/gguf_quant_fixtures.py; the safetensors are not committed, the
+    # quantised GGUF files are)
+    "qwen3_next_quant": (lambda: _qwen3_next(**QUANTISABLE, linear_key_head_dim=128, linear_value_head_dim=128,
+                                             linear_num_key_heads=1, linear_num_value_heads=2), torch.float32, None),
+    "qwen2_moe_quant": (lambda: _qwen2(**QUANTISABLE, num_hidden_layers=2), torch.float32, None),
 }
 
 # Cases whose prompt is longer than PROMPT: Qwen3-Next's is 150 tokens, more than two of the delta rule's 64-token
@@ -312,7 +323,7 @@ PROMPTS = {"qwen3_next_basic": np.random.RandomState(7).randint(0, VOCAB, 150).t
 
 # Qwen3-Next initialises its norms to zero ((1 + weight) is applied) and its dt_bias to one: these are drawn at
 # random instead, so that a norm read without the 1 or a missing dt_bias shows in the logits.
-RANDOM_VECTORS = {"qwen3_next_basic": 0.2}
+RANDOM_VECTORS = {"qwen3_next_basic": 0.2, "qwen3_next_quant": 0.2}
 
 
 # Cases whose config.json is rewritten after save into the transformers-4.x /

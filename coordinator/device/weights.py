@@ -147,19 +147,17 @@ def upload_matrix(w: np.ndarray, fmt: str, xp, raw: np.ndarray | None = None, dt
     return DeviceMatrix.from_stored(fmt, stored, w.shape[1], xp)
 
 
-def checkpoint_rows(ckpt: Checkpoint | None, name: str | None) -> tuple[np.ndarray | None, str]:
-    """(the tensor's own rows, its type) where they can be moved as they are; (None, "F32") for a tensor the
-    loader changes (a GGUF file's permuted q and k, a joined kv_b) or an FP8 one (scaled per block)."""
-    if ckpt is None or name is None or name not in ckpt:
+def checkpoint_rows(ckpt: Checkpoint | None, source) -> tuple[np.ndarray | None, str]:
+    """(the rows ``source`` (weights.RowSource) names as the checkpoint stores them, their type) where they can be
+    moved as they are: a BF16 tensor's or a block type's, gathered where the loader regrouped or un-permuted them;
+    (None, "F32") for a float32 one, a joined GGUF kv_b or an FP8 one (scaled per block)."""
+    if ckpt is None or source is None or source.tensor not in ckpt:
         return None, "F32"
-    dtype = ckpt.info(name).dtype
-    file = getattr(ckpt, "file", None)
-    if file is not None and (file.qk_heads(ckpt.index[name]) is not None or ckpt.index[name] in file.joined):
+    dtype = ckpt.info(source.tensor).dtype
+    if dtype != "BF16" and not is_block_dtype(dtype):
         return None, "F32"
-    if dtype == "BF16" or is_block_dtype(dtype):
-        raw = ckpt.raw(name)
-        return raw.reshape(raw.shape[0], -1), dtype
-    return None, "F32"
+    rows = ckpt.stored_rows(source.tensor, source.rows)
+    return (None, "F32") if rows is None else (np.ascontiguousarray(rows.reshape(rows.shape[0], -1)), dtype)
 
 
 def checkpoint_dtype(ckpt: Checkpoint | None, name: str | None) -> str:
@@ -174,7 +172,7 @@ def checkpoint_dtype(ckpt: Checkpoint | None, name: str | None) -> str:
 
 
 MATRICES = ("q", "k", "v", "o", "q_gate")  # LayerWeights' matrices (the MLP's, MLA's and linear's walked below)
-LINEAR_MATRICES = ("qkvz", "ba", "out")  # a Gated DeltaNet layer's (its taps and per-head vectors: float32)
+LINEAR_MATRICES = ("qkv", "z", "ba", "out")  # a Gated DeltaNet layer's (its taps and per-head vectors: float32)
 MLA_MATRICES = ("q", "q_a", "q_b", "kv_a", "kv_b")
 
 
@@ -188,10 +186,9 @@ def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = forma
         if w is None:
             return None
         if id(w) not in uploaded:
-            derived = weights.derived.get(w)  # rows regrouped at load: the tensor's format, encoded afresh
-            name = None if derived else weights.names.get(w)
-            fmt = storage.matrix_format(checkpoint_dtype(ckpt, name or derived), dense_dtype, w.shape[1])
-            raw, dtype = checkpoint_rows(ckpt, name)
+            source = weights.sources.get(w)  # a tensor, or rows of one the loader regrouped
+            fmt = storage.matrix_format(checkpoint_dtype(ckpt, source and source.tensor), dense_dtype, w.shape[1])
+            raw, dtype = checkpoint_rows(ckpt, source)
             uploaded[id(w)] = upload_matrix(w, fmt, xp, raw, dtype)
         return uploaded[id(w)]
 
@@ -219,8 +216,7 @@ def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = forma
                 **{f.name: vector(getattr(g, f.name)) for f in dataclasses.fields(g) if f.name not in LINEAR_MATRICES})
         layers.append(dataclasses.replace(lw, **changes))
     return dataclasses.replace(weights, layers=layers, final_norm=vector(weights.final_norm),
-                               lm_head=matrix(weights.lm_head), names=TensorSources(),
-                               derived=TensorSources())
+                               lm_head=matrix(weights.lm_head), sources=TensorSources())
 
 
 def nbytes(obj) -> int:

@@ -33,7 +33,7 @@ built for the CPU) and, on a GPU, through CuPy.
                            w_uk [nh, dn, c], w_uv_t [nh, c, dv], mask [T, S], s) -> [T, nh*dv]
     mla_attention_absorbed_cached(q_nope [Nq, nh, dn], q_rope, tables, w_uk, w_uv_t, s, max_keys, bf16)
                                                       -> [Nq, nh*dv]  the same over each query's sequence's cache
-    gated_delta(qkvz [N, C+Hv dv], ba [N, 2Hv], taps, a_neg, dt_bias, norm, eps, tables, slot, dims) -> [N, Hv dv]
+    gated_delta(qkv [N, C], z [N, Hv dv], ba [N, 2Hv], taps, a_neg, dt_bias, norm, eps, tables, slot, dims) -> [N, Hv dv]
                                                       Qwen3-Next's Gated DeltaNet step, a block a (sequence, head)
     silu_mul(g, u)                                    -> g * sigmoid(g) * u, elementwise
     to_bf16(x [...], out=None)                        -> bf16 bits, uint16 [...] (out: a cache's rows, in place)
@@ -628,8 +628,9 @@ extern "C" __global__ void strata_mla_combine_cached(const float* part, const fl
 }
 
 // Qwen3-Next's Gated DeltaNet over a step's rows (linear_attention.py's advance, then the gated RMSNorm), one
-// block a (sequence, value head) walking its sequence's tokens in order. Row t's inputs: qkvz [N, row stride]
-// (q | k | v before the conv, C channels, then z [Hv * dv]) and ba [N, ba stride] (b [Hv] | a [Hv]). Sequence s
+// block a (sequence, value head) walking its sequence's tokens in order. Row t's inputs: qkv [N, row stride]
+// (q | k | v before the conv, C channels), z [N, z stride] (the output gate, Hv * dv) and ba [N, ba stride]
+// (b [Hv] | a [Hv]). Sequence s
 // has rows row_start[s] .. row_start[s + 1] - 1; its state in layer slot `slot` is read from the buffers at
 // conv_src[s] ([slots, K-1, C] floats) and rec_src[s] ([slots, Hv, dk, dv]) and written to conv_dst[s],
 // rec_dst[s] (other buffers: a step never overwrites what it reads, so the state before it stays for a rewind).
@@ -637,7 +638,8 @@ extern "C" __global__ void strata_mla_combine_cached(const float* part, const fl
 // (q times `scale`); beta = sigmoid(b), decay = exp(a_neg softplus(a + dt_bias)); then thread j owns column j of
 // S [dk, dv]: S = decay S; d = beta (v - Sᵀk); S += k dᵀ; o = Sᵀq; out = rms_norm(o) * norm * silu(z).
 // Dynamic shared memory: 2 dk + 2 dv floats.
-extern "C" __global__ void strata_gated_delta(const float* qkvz, long long qkvz_stride, const float* ba,
+extern "C" __global__ void strata_gated_delta(const float* qkv, long long qkv_stride, const float* zs,
+                                              long long z_stride, const float* ba,
                                               long long ba_stride, const float* taps, const float* a_neg,
                                               const float* dt_bias, const float* norm, float eps, float scale,
                                               const long long* row_start, const long long* conv_src,
@@ -665,7 +667,7 @@ extern "C" __global__ void strata_gated_delta(const float* qkvz, long long qkvz_
             float a = 0.0f;
             for (int j = 0; j < K; j++) {  // tap j reads the input K-1-j tokens back: the conv state, then rows
                 long long f = t + j;
-                float x = f < K - 1 ? cs[f * C + c] : qkvz[(lo + f - (K - 1)) * qkvz_stride + c];
+                float x = f < K - 1 ? cs[f * C + c] : qkv[(lo + f - (K - 1)) * qkv_stride + c];
                 a = j ? a + x * taps[(long long)c * K + j] : x * taps[(long long)c * K];
             }
             delta_shared[i] = a / (1.0f + expf(-a));
@@ -705,7 +707,7 @@ extern "C" __global__ void strata_gated_delta(const float* qkvz, long long qkvz_
         }
         ss = block_sum(ss, part);  // synchronises: every thread is past its columns before the next token's conv
         float r = sqrtf(ss / (float)dv + eps);
-        const float* z = qkvz + row * qkvz_stride + C + (long long)h * dv;
+        const float* z = zs + row * z_stride + (long long)h * dv;
         float* orow = out + row * (long long)Hv * dv + (long long)h * dv;
         for (int j = threadIdx.x; j < dv; j += blockDim.x)
             orow[j] = (os[j] / r) * norm[j] * (z[j] / (1.0f + expf(-z[j])));
@@ -717,7 +719,7 @@ extern "C" __global__ void strata_gated_delta(const float* qkvz, long long qkvz_
         int c = i < dk ? qc + i : i < 2 * dk ? kc + i - dk : vc + i - 2 * dk;
         for (int r = 0; r < K - 1; r++) {
             long long f = T + r;
-            cd[(long long)r * C + c] = f < K - 1 ? cs[f * C + c] : qkvz[(lo + f - (K - 1)) * qkvz_stride + c];
+            cd[(long long)r * C + c] = f < K - 1 ? cs[f * C + c] : qkv[(lo + f - (K - 1)) * qkv_stride + c];
         }
     }
 }
@@ -1111,9 +1113,10 @@ def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: f
     return out
 
 
-def gated_delta(qkvz, ba, taps, a_neg, dt_bias, norm, eps: float, tables, slot: int, dims) -> object:
+def gated_delta(qkv, z, ba, taps, a_neg, dt_bias, norm, eps: float, tables, slot: int, dims) -> object:
     """Qwen3-Next's Gated DeltaNet layer between its projections, every sequence of a step in one launch (a block a
-    (sequence, value head), its tokens in order): qkvz [N, C + Hv dv] and ba [N, 2 Hv] (their rows may lie apart),
+    (sequence, value head), its tokens in order): qkv [N, C], z [N, Hv dv] and ba [N, 2 Hv] (their rows may lie
+    apart),
     taps [C, K], a_neg, dt_bias [Hv], norm [dv]; ``tables`` (row_start [B + 1], conv_src, conv_dst, rec_src, rec_dst
     [B]: device int64, the sequences' rows and their state buffers' addresses, linear_attention.DeviceLinearStates);
     ``slot``: the layer's place in those buffers; dims (Hk, Hv, dk, dv, K). Returns rms_norm(o) * norm * silu(z)
@@ -1121,16 +1124,17 @@ def gated_delta(qkvz, ba, taps, a_neg, dt_bias, norm, eps: float, tables, slot: 
     import cupy
 
     Hk, Hv, dk, dv, K = dims
-    qkvz, qkvz_stride, _ = _rows_f32(qkvz)
+    qkv, qkv_stride, _ = _rows_f32(qkv)
+    z, z_stride, _ = _rows_f32(z)
     ba, ba_stride, _ = _rows_f32(ba)
     row_start, conv_src, conv_dst, rec_src, rec_dst = tables
-    out = cupy.empty((qkvz.shape[0], Hv * dv), np.float32)
+    out = cupy.empty((qkv.shape[0], Hv * dv), np.float32)
     B = conv_src.shape[0]
     if out.size and B:
         threads = min(THREADS, 32 * -(-max(dv, dk) // 32))  # a thread a column of S where dv allows
         i32 = np.int32
         _kernel("strata_gated_delta")((B * Hv,), (threads,), (
-            qkvz, qkvz_stride, ba, ba_stride, _contiguous_f32(taps), _contiguous_f32(a_neg),
+            qkv, qkv_stride, z, z_stride, ba, ba_stride, _contiguous_f32(taps), _contiguous_f32(a_neg),
             _contiguous_f32(dt_bias), _contiguous_f32(norm), np.float32(eps), np.float32(dk ** -0.5), row_start,
             conv_src, conv_dst, rec_src, rec_dst, i32(slot), i32(Hk), i32(Hv), i32(dk), i32(dv), i32(K), out),
             shared_mem=(2 * dk + 2 * dv) * 4)

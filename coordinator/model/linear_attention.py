@@ -168,13 +168,13 @@ def layer(w: LinearAttnWeights, lc: LinearAttnConfig, x: np.ndarray, parts: list
     LinearState; the cache position of its first row)."""
     if type(x) is not np.ndarray:
         raise TypeError("linear_attention.layer is the host's form: device arrays take device_layer")
-    N, C, Hv, dv = x.shape[0], lc.conv_dim, lc.value_heads, lc.value_head_dim
-    qkvz = x @ w.qkvz.T  # [N, C + Hv*dv]
+    N, Hv, dv = x.shape[0], lc.value_heads, lc.value_head_dim
+    mixed = x @ w.qkv.T  # [N, C]
     ba = x @ w.ba.T  # [N, 2 Hv]
     core = np.empty((N, Hv, dv), np.float32)
     for rows, state, start in parts:
-        core[rows] = state.step(start, w, lc, qkvz[rows, :C], ba[rows, :Hv], ba[rows, Hv:])
-    z = qkvz[:, C:].reshape(N, Hv, dv)
+        core[rows] = state.step(start, w, lc, mixed[rows], ba[rows, :Hv], ba[rows, Hv:])
+    z = (x @ w.z.T).reshape(N, Hv, dv)
     gated = ops.rms_norm(core, w.norm, eps) * ops.silu(z)  # [N, Hv, dv]: norm per head, then the gate
     return gated.reshape(N, Hv * dv) @ w.out.T
 
@@ -195,7 +195,7 @@ class DeviceLinearStates:
         self._addresses = [(address(self.conv[b]), address(self.recurrent[b])) for b in (0, 1)]
         self.cur = 0
         self.start = self.end = 0  # cache positions of the last step's first token and the one after its last
-        self._last: dict | None = {}  # layer -> (weights, eps, qkvz rows, ba rows) of a rewindable step; None: not
+        self._last: dict | None = {}  # layer -> (weights, eps, qkv, z, ba rows) of a rewindable step; None: not
 
     @property
     def nbytes(self) -> int:
@@ -215,10 +215,10 @@ class DeviceLinearStates:
         self._last = {} if tokens <= REWINDABLE else None
         return conv_src, conv_dst, rec_src, rec_dst
 
-    def keep(self, layer: int, w: LinearAttnWeights, eps: float, qkvz, ba) -> None:
+    def keep(self, layer: int, w: LinearAttnWeights, eps: float, qkv, z, ba) -> None:
         """The step's inputs of ``layer`` (this sequence's rows), for a rewind inside the step."""
         if self._last is not None:
-            self._last[layer] = (w, eps, qkvz, ba)
+            self._last[layer] = (w, eps, qkv, z, ba)
 
     def rewind(self, length: int) -> None:
         """The state after ``length`` tokens: LinearState.rewind's rule, the step taken again from the buffer it
@@ -234,10 +234,10 @@ class DeviceLinearStates:
         if not keep:
             return
         tables = device_tables(self.xp, [(keep, self.begin(self.start, keep))])
-        for layer, (w, eps, qkvz, ba) in last.items():
-            device_ops.gated_delta(qkvz[:keep], ba[:keep], w.conv, w.a_neg, w.dt_bias, w.norm, eps, tables,
+        for layer, (w, eps, qkv, z, ba) in last.items():
+            device_ops.gated_delta(qkv[:keep], z[:keep], ba[:keep], w.conv, w.a_neg, w.dt_bias, w.norm, eps, tables,
                                    self.slot[layer], _dims(self.lc))
-            self.keep(layer, w, eps, qkvz[:keep], ba[:keep])
+            self.keep(layer, w, eps, qkv[:keep], z[:keep], ba[:keep])
 
 
 def _dims(lc: LinearAttnConfig) -> tuple[int, int, int, int, int]:
@@ -264,10 +264,12 @@ def device_layer(w: LinearAttnWeights, lc: LinearAttnConfig, x, layer: int, stat
     addresses in ``tables``). The whole step's recurrence runs in the kernel, a token at a time: a prompt takes the
     recurrent form too, not the host's chunked one (one launch a layer, no chunk-sized temporaries, and the same
     code for decode, drafts and prefill)."""
-    qkvz = x @ w.qkvz.T  # [N, C + Hv*dv]
+    qkv = x @ w.qkv.T  # [N, C]
+    z = x @ w.z.T  # [N, Hv*dv]
     ba = x @ w.ba.T  # [N, 2 Hv]
-    out = device_ops.gated_delta(qkvz, ba, w.conv, w.a_neg, w.dt_bias, w.norm, eps, tables, states[0].slot[layer],
+    out = device_ops.gated_delta(qkv, z, ba, w.conv, w.a_neg, w.dt_bias, w.norm, eps, tables, states[0].slot[layer],
                                  _dims(lc))
     for s, st in enumerate(states):
-        st.keep(layer, w, eps, qkvz[bounds[s]:bounds[s + 1]], ba[bounds[s]:bounds[s + 1]])
+        rows = slice(bounds[s], bounds[s + 1])
+        st.keep(layer, w, eps, qkv[rows], z[rows], ba[rows])
     return out

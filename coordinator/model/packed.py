@@ -156,64 +156,80 @@ class _Transposed:
         return self.matrix.matmul_t(x)
 
 
-def file_blocks(ckpt, name: str, shape: tuple[int, int], int_act: bool) -> PackedMatrix | None:
-    """The tensor ``name`` of a GGUF file kept as the file's quantised blocks (Q8_0, Q4_0, the K types,
-    IQ4_XS: shm.gguf_blocks' lossless formats), or None: not a GGUF file, a float type, a type no format keeps,
-    or rows the loader reorders (a Mixtral file's permuted q and k)."""
+def file_blocks(ckpt, source, shape: tuple[int, int], int_act: bool) -> PackedMatrix | None:
+    """The matrix ``source`` (weights.RowSource: a tensor of a GGUF file, or rows of one the loader regrouped) kept
+    as the file's quantised blocks (Q8_0, Q4_0, the K types, IQ4_XS: shm.gguf_blocks' lossless formats), its rows
+    gathered where the loader regrouped or un-permuted them; or None: not a GGUF file, a float type, a type no
+    format keeps, or rows the file does not store (deepseek2's kv_b_proj, put back together)."""
     from shm.gguf_blocks import ggml_type, repack
 
-    if not hasattr(ckpt, "file") or ckpt.file.qk_heads(ckpt.index[name]) is not None:
+    if not hasattr(ckpt, "file"):
         return None
-    dtype = ckpt.info(name).dtype  # a GGUF tensor's type name is always ggml's
+    dtype = ckpt.info(source.tensor).dtype  # a GGUF tensor's type name is always ggml's
     kept = traits.EXACT.get(dtype)
     if kept is None or traits.BY_NAME[kept].integer is None:  # float types are packed as --dense-dtype says
         return None
-    qtype = ggml_type(dtype)
-    fmt_name, stored = repack(ckpt.raw(name).reshape(shape[0], -1), qtype, shape[1])
+    rows = ckpt.stored_rows(source.tensor, source.rows)
+    if rows is None:
+        return None
+    fmt_name, stored = repack(np.ascontiguousarray(rows), ggml_type(dtype), shape[1])
     return PackedMatrix(formats.get(fmt_name), stored, shape, int_act)
+
+
+def dense_matrices(weights) -> list[tuple[object, str]]:
+    """Every dense matrix of the host's weights as (the object holding it, its field): attention's (MLA's and the
+    Gated DeltaNet's among them), the dense and shared MLPs', the MTP layer's, the lm_head. The router and the
+    shared expert's one-row gate are read as float32 (llama-quantize keeps them so), the embedding a row at a time."""
+    out: list[tuple[object, str]] = []
+    layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
+    for layer in layers:
+        out += [(layer, name) for name in ("q", "k", "v", "o", "q_gate")]
+        for part, names in ((layer.mla, ("q", "q_a", "q_b", "kv_a")), (layer.linear, ("qkv", "z", "ba", "out")),
+                            (layer.dense_mlp, ("gate", "up", "down")), (layer.shared_expert, ("gate", "up", "down"))):
+            if part is not None:
+                out += [(part, name) for name in names]
+    if weights.mtp is not None:
+        out.append((weights.mtp, "eh_proj"))
+    return out + [(weights, "lm_head")]
 
 
 def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None,
                bf16_products: bool = False) -> tuple[int, str, list[KernelSet]]:
-    """Store the model's dense matrices (attention, dense and shared MLPs, lm_head) in ``fmt``, in place;
-    returns their bytes, how many are in each format ("14 q4k, 3 q6k") and the kernel sets they are multiplied
-    with (one per format). A matrix whose rows do not fall on
-    the format's blocks stays float32. ``fmt`` None (dense_dtype auto): each matrix as ``ckpt``, a GGUF file,
-    has it quantised (file_blocks), as llama.cpp reads them; the others stay float32. ``int_act``: a few tokens
-    take integer dot products (EngineConfig.activations q8 or bf16); ``bf16_products``: bf16 matrices take
+    """Store the model's dense matrices (dense_matrices) in ``fmt``, in place; returns their bytes, how many are in
+    each format ("14 q4k, 3 q6k") and the kernel sets they are multiplied with (one per format). A matrix whose rows
+    do not fall on the format's blocks stays float32. ``fmt`` None (dense_dtype auto): each matrix as ``ckpt``, a
+    GGUF file, has it quantised (file_blocks), as llama.cpp reads them; the others stay float32. ``int_act``: a few
+    tokens take integer dot products (EngineConfig.activations q8 or bf16); ``bf16_products``: bf16 matrices take
     the activations rounded to bf16 (activations bf16)."""
     total = 0
     count: dict[str, int] = {}
     kernels: dict[KernelSet, None] = {}  # in first-use order
+    done: dict[int, object] = {}  # id(float32 matrix) -> what stands for it (the MTP layer may share the lm_head)
 
     def packed(w: np.ndarray) -> PackedMatrix | None:
         if fmt is None:
-            name = weights.names.get(w)
-            return None if name is None or ckpt is None else file_blocks(ckpt, name, w.shape, int_act)
+            source = weights.sources.get(w)
+            return None if source is None or ckpt is None else file_blocks(ckpt, source, w.shape, int_act)
         return PackedMatrix.encode(w, fmt, int_act, bf16_products) if w.shape[1] % fmt.BLOCK == 0 else None
 
     def store(w):
-        """w packed (or itself, as it stays), counted."""
+        """w packed (or itself, as it stays), counted once."""
         nonlocal total
+        if id(w) in done:
+            return done[id(w)]
         p = packed(w) if isinstance(w, np.ndarray) and w.ndim == 2 else None
         total += (p or w).nbytes
         key = p.fmt.NAME if p is not None else "f32"
         count[key] = count.get(key, 0) + 1
         if p is not None:
             kernels[p.kernels] = None
+        done[id(w)] = p or w
         return p or w
 
-    def pack(obj, name):
+    for obj, name in dense_matrices(weights):
         if getattr(obj, name) is not None:
             setattr(obj, name, store(getattr(obj, name)))
-
-    for layer in weights.layers:
-        for name in ("q", "k", "v", "o"):
-            pack(layer, name)
-        for mlp in (layer.dense_mlp, layer.shared_expert):
-            if mlp is not None:
-                for f in fields(mlp):
-                    pack(mlp, f.name)
-    weights.lm_head = store(weights.lm_head)  # tied: a packed copy; the embedding keeps its rows for the lookup
+    if weights.mtp is not None and id(weights.mtp.head) in done:  # the MTP head is the model's lm_head
+        weights.mtp.head = done[id(weights.mtp.head)]
     return (total, ", ".join(f"{n} {name}" for name, n in sorted(count.items(), key=lambda kv: -kv[1])),
             list(kernels))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shm.checkpoint import Checkpoint, CheckpointError, check_shape
+from shm.checkpoint import Checkpoint, CheckpointError
 from shm.expert_source import ExpertRefs, TensorRef
 from shm.progress import Progress
 
@@ -45,11 +45,13 @@ class MLAWeights:
 
 @dataclass
 class LinearAttnWeights:
-    """One Gated DeltaNet layer (Qwen3-Next), its projections' rows put in q, k, v, z order at load (the
-    checkpoint interleaves them per key head). Hk, Hv: key and value heads; dk, dv: their dims; C: conv channels
+    """One Gated DeltaNet layer (Qwen3-Next), its projections' rows put in q, k, v order at load (a transformers
+    checkpoint interleaves them and z's per key head) and z apart, as llama.cpp's attn_qkv and attn_gate: a GGUF
+    file may store the two in different types. Hk, Hv: key and value heads; dk, dv: their dims; C: conv channels
     (2 Hk dk + Hv dv)."""
 
-    qkvz: np.ndarray  # [C + Hv*dv, H]: q's Hk*dk rows, k's, v's Hv*dv, then z's (the output gate)
+    qkv: np.ndarray  # [C, H]: q's Hk*dk rows, k's, then v's Hv*dv (the conv's input)
+    z: np.ndarray  # [Hv*dv, H]: the output gate's rows
     ba: np.ndarray  # [2 Hv, H]: b's rows (beta = sigmoid(b)), then a's (the decay's input)
     conv: np.ndarray  # [C, K] the depthwise causal conv's taps
     a_neg: np.ndarray  # [Hv] -exp(A_log): the decay per unit of softplus(a + dt_bias)
@@ -103,9 +105,7 @@ class ModelWeights:
     lm_head: np.ndarray  # [V, H] (the embedding when tied)
     layers: list[LayerWeights]
     experts: dict[tuple[int, int], ExpertRefs]  # (layer, expert) -> where its matrices are
-    names: "TensorSources" = field(default_factory=lambda: TensorSources())  # a dense array above -> its tensor
-    # a matrix whose rows the loader regrouped from a tensor (Qwen3-Next's) -> that tensor (its type, not its bytes)
-    derived: "TensorSources" = field(default_factory=lambda: TensorSources())
+    sources: "TensorSources" = field(default_factory=lambda: TensorSources())  # a dense array above -> its tensor
     mtp: MtpWeights | None = None  # the MTP layer where ModelConfig.mtp_layers says it runs
 
 
@@ -129,35 +129,41 @@ def _mla(cfg: ModelConfig, r: "_Reader", attn: str) -> MLAWeights:
 
 
 def _linear_attn(cfg: ModelConfig, r: "_Reader", prefix: str) -> LinearAttnWeights:
-    """A Gated DeltaNet layer's tensors, the projections' rows regrouped from per key head to q, k, v, z."""
+    """A Gated DeltaNet layer's tensors, the projections' rows regrouped from per key head to q, k, v and z."""
     lc, H = cfg.linear, cfg.hidden_size
     Hk, Hv, dk, dv = lc.key_heads, lc.value_heads, lc.key_head_dim, lc.value_head_dim
     rep = Hv // Hk  # value heads per key head
-    ba = r.get(f"{prefix}.in_proj_ba.weight", (2 * Hv, H))
-    if f"{prefix}.in_proj_qkvz.weight" in r.ckpt:  # transformers' checkpoint
-        qkvz = r.get(f"{prefix}.in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, H))
-        per_key = qkvz.reshape(Hk, 2 * dk + 2 * rep * dv, H)  # [Hk, q dk | k dk | v rep*dv | z rep*dv, H]
-        cuts = np.cumsum([0, dk, dk, rep * dv, rep * dv])
-        qkvz = np.concatenate([per_key[:, lo:hi].reshape(-1, H) for lo, hi in zip(cuts[:-1], cuts[1:])])
+    if f"{prefix}.in_proj_qkvz.weight" in r.ckpt:  # transformers' checkpoint: [Hk, q dk | k dk | v rep dv | z rep dv]
+        name = f"{prefix}.in_proj_qkvz.weight"
+        qkvz = r.get(name, (2 * Hk * dk + 2 * Hv * dv, H))
+        cut = per_group_rows(Hk, [dk, dk, rep * dv, rep * dv])
+        qkv = r.take(qkvz, name, np.concatenate(cut[:3]))
+        z = r.take(qkvz, name, cut[3])
         conv = r.get(f"{prefix}.conv1d.weight", (lc.conv_dim, 1, lc.conv_kernel))[:, 0]
         a_neg = -np.exp(r.get(f"{prefix}.A_log", (Hv,)))
     else:  # a GGUF file (shm/gguf_file.py's QWEN3NEXT_TENSORS): q, k, v already regrouped, z apart, -exp(A_log)
-        qkvz = np.concatenate([r.get(f"{prefix}.in_proj_qkv.weight", (lc.conv_dim, H)),
-                               r.get(f"{prefix}.in_proj_z.weight", (Hv * dv, H))])
+        qkv = r.get(f"{prefix}.in_proj_qkv.weight", (lc.conv_dim, H))
+        z = r.get(f"{prefix}.in_proj_z.weight", (Hv * dv, H))
         conv = r.get(f"{prefix}.conv1d.weight", (lc.conv_dim, lc.conv_kernel))
         a_neg = r.get(f"{prefix}.A_neg", (Hv,))
-    per_key = ba.reshape(Hk, 2 * rep, H)  # [Hk, b rep | a rep, H]
-    ba = np.concatenate([per_key[:, :rep].reshape(Hv, H), per_key[:, rep:].reshape(Hv, H)])
-    r.regrouped(ba, f"{prefix}.in_proj_ba.weight")
-    r.regrouped(qkvz, f"{prefix}.in_proj_qkvz.weight" if f"{prefix}.in_proj_qkvz.weight" in r.ckpt
-                else f"{prefix}.in_proj_qkv.weight")
+    name = f"{prefix}.in_proj_ba.weight"  # [Hk, b rep | a rep, H] in both forms
+    b_rows, a_rows = per_group_rows(Hk, [rep, rep])
+    ba = r.take(r.get(name, (2 * Hv, H)), name, np.concatenate([b_rows, a_rows]))
     return LinearAttnWeights(
-        qkvz=qkvz, ba=ba, conv=np.ascontiguousarray(conv),
+        qkv=qkv, z=z, ba=ba, conv=np.ascontiguousarray(conv),
         a_neg=a_neg,
         dt_bias=r.get(f"{prefix}.dt_bias", (Hv,)),
         norm=r.get(f"{prefix}.norm.weight", (dv,)),
         out=r.get(f"{prefix}.out_proj.weight", (H, Hv * dv)),
     )
+
+
+def per_group_rows(groups: int, widths: list[int]) -> list[np.ndarray]:
+    """A tensor whose rows come in ``groups`` groups, each ``widths[0]`` rows of one kind, then ``widths[1]`` of the
+    next, ...: per kind, the row numbers of its rows over every group, in order."""
+    starts = np.cumsum([0, *widths])
+    group = np.arange(groups)[:, None] * starts[-1]  # [groups, 1] each group's first row
+    return [(group + lo + np.arange(n)).reshape(-1) for lo, n in zip(starts[:-1], widths)]
 
 
 def _prefix(cfg: ModelConfig, ckpt: Checkpoint, layer: int) -> tuple[str, str]:
@@ -167,50 +173,58 @@ def _prefix(cfg: ModelConfig, ckpt: Checkpoint, layer: int) -> tuple[str, str]:
     return base, f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
 
 
+@dataclass(frozen=True, eq=False)
+class RowSource:
+    """Where a dense array's values come from: tensor ``tensor`` of the checkpoint as float32 reads it, or only its
+    rows ``rows`` in that order (a matrix the loader regrouped: Qwen3-Next's q and gate, its Gated DeltaNet's q, k, v
+    and z). Each row of a stored format holds its own blocks, so such a matrix keeps the tensor's format and the
+    file's bytes (its rows gathered), not a second rounding."""
+
+    tensor: str
+    rows: np.ndarray | None = None  # [R] the tensor's row numbers; None: every row, in order
+
+
 class TensorSources:
-    """Which checkpoint tensor each array holds, keyed by the array itself: an entry keeps a weak reference, so a
-    freed array's id, taken by a new array, never finds the freed one's tensor (the new one's bytes differ)."""
+    """Which checkpoint tensor (a RowSource) each array holds, keyed by the array itself: an entry keeps a weak
+    reference, so a freed array's id, taken by a new array, never finds the freed one's tensor (the new one's bytes
+    differ)."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[weakref.ref, str]] = {}
+        self._by_id: dict[int, tuple[weakref.ref, RowSource]] = {}
 
-    def set(self, w: np.ndarray, name: str) -> None:
-        self._by_id[id(w)] = (weakref.ref(w), name)
+    def set(self, w: np.ndarray, source: RowSource) -> None:
+        self._by_id[id(w)] = (weakref.ref(w), source)
 
-    def pop(self, w: np.ndarray) -> None:
-        self._by_id.pop(id(w), None)
-
-    def get(self, w: object) -> str | None:
-        """``w``'s tensor, None where it holds none (not read as it is, or None)."""
+    def get(self, w: object) -> RowSource | None:
+        """``w``'s source, None where it holds none (computed from a tensor, or None)."""
         entry = self._by_id.get(id(w))
         return entry[1] if entry is not None and entry[0]() is w else None
 
-    def values(self) -> list[str]:
-        """The tensors of the arrays still alive."""
-        return [name for ref, name in self._by_id.values() if ref() is not None]
+    def values(self) -> list[RowSource]:
+        """The sources of the arrays still alive."""
+        return [source for ref, source in self._by_id.values() if ref() is not None]
 
 
 class _Reader:
     def __init__(self, ckpt: Checkpoint, progress: Progress | None = None):
         self.ckpt = ckpt
         self.progress = progress
-        self.names = TensorSources()  # array read -> its tensor
-        self.derived = TensorSources()  # matrix regrouped from a tensor's rows -> the tensor
+        self.sources = TensorSources()  # array read, or rows taken from one -> its tensor
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.ckpt:
             raise CheckpointError(f"missing tensor {name!r}: expected shape {list(shape)}")
         w = self.ckpt.float32(name, shape)
-        self.names.set(w, name)
+        self.sources.set(w, RowSource(name))
         if self.progress is not None:
             self.progress.add(1)
         return w
 
-    def regrouped(self, w: np.ndarray, name: str) -> None:
-        """``w``: a matrix made from tensor ``name``'s rows (regrouped, split): its format is the tensor's, its bytes
-        are not."""
-        self.names.pop(w)
-        self.derived.set(w, name)
+    def take(self, w: np.ndarray, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` of tensor ``name`` (read as ``w``) as a matrix of their own, its source recorded."""
+        out = np.ascontiguousarray(w[rows])
+        self.sources.set(out, RowSource(name, rows))
+        return out
 
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
         return self.get(name, shape) if present else None
@@ -219,30 +233,25 @@ class _Reader:
         """A norm's weight as the product uses it: Qwen3-Next's zero-centred norms multiply by (1 + weight), so
         ``offset`` 1.0 is added once here."""
         w = self.get(name, shape)
-        if not offset:
-            return w
-        w = w + np.float32(offset)
-        self.names.set(w, name)
-        return w
+        return w + np.float32(offset) if offset else w
 
     def expect(self, name: str, shape: tuple[int, ...]) -> None:
         """Check a tensor's presence, dtype and shape without reading it."""
         if name not in self.ckpt:
             raise CheckpointError(f"missing tensor {name!r}: expected shape {list(shape)}")
-        check_shape(self.ckpt.info(name), shape)
+        self.ckpt.check_shape(name, shape)
 
 
 def _q_proj(cfg: ModelConfig, r: _Reader, attn: str) -> tuple[np.ndarray, np.ndarray | None]:
     """(q [nh*hd, H], the output gate's rows [nh*hd, H] or None): Qwen3-Next's q_proj holds per head hd query
     rows then hd gate rows."""
     nh, hd, H = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    name = f"{attn}.q_proj.weight"
     if not cfg.attn_output_gate:
-        return r.get(f"{attn}.q_proj.weight", (nh * hd, H)), None
-    both = r.get(f"{attn}.q_proj.weight", (nh * 2 * hd, H)).reshape(nh, 2, hd, H)  # [nh, query | gate, hd, H]
-    q, gate = both[:, 0].reshape(nh * hd, H), both[:, 1].reshape(nh * hd, H)
-    r.regrouped(q, f"{attn}.q_proj.weight")
-    r.regrouped(gate, f"{attn}.q_proj.weight")
-    return q, gate
+        return r.get(name, (nh * hd, H)), None
+    both = r.get(name, (nh * 2 * hd, H))
+    q_rows, gate_rows = per_group_rows(nh, [hd, hd])
+    return r.take(both, name, q_rows), r.take(both, name, gate_rows)
 
 
 def _mlp(r: _Reader, prefix: str, inter: int, hidden: int) -> MLPWeights:
@@ -380,7 +389,7 @@ def _load_weights(cfg: ModelConfig, r: _Reader) -> ModelWeights:
         )
     mtp = _mtp(cfg, r, layers.pop(), embed, lm_head) if cfg.mtp_layers else None
     return ModelWeights(embed=embed, final_norm=r.norm("model.norm.weight", (H,), offset), lm_head=lm_head,
-                        layers=layers, experts=experts, names=r.names, derived=r.derived, mtp=mtp)
+                        layers=layers, experts=experts, sources=r.sources, mtp=mtp)
 
 
 def _mtp(cfg: ModelConfig, r: _Reader, layer: LayerWeights, embed: np.ndarray, lm_head: np.ndarray) -> MtpWeights:

@@ -1,0 +1,134 @@
+"""Quantised GGUF files as users have them: llama.cpp's converter, then ``llama-quantize`` to Q8_0, Q4_K_M and IQ4_XS
+(tests/fixtures/gguf/<case>-<type>.gguf, made by tools/gguf_quant_fixtures.py from random-weight transformers models
+of Qwen3-Next and Qwen2-MoE whose matrices' rows are whole super-blocks, so no type falls back).
+
+Each file's .npz holds transformers' float32 logits on the file's dequantised weights and llama.cpp's own
+log-probabilities on the same tokens (llama-perplexity --kl-divergence-base). The engine opens the files unmodified
+(llama-quantize writes the shared expert's [1, H] gate as [H]), keeps every dense matrix in the file's blocks, Gated
+DeltaNet's projections among them, stays within 1.2x of llama.cpp's own error from the reference, picks the
+reference's token wherever its margin is clear, and split over two (virtual) nodes gives in-process's bits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.model.packed import PackedMatrix, dense_matrices
+from shm.formats import traits
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
+FILES = [f"{case}-{qtype}" for case in ("qwen3_next_quant", "qwen2_moe_quant") for qtype in ("Q8_0", "Q4_K_M", "IQ4_XS")]
+FLOOR = 15.9  # nats below the best that llama-perplexity keeps (it floors the rest)
+
+
+def log_probs(logits: np.ndarray) -> np.ndarray:
+    lp = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+
+
+def worst(lp: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Per position, the largest |lp - ref| over the entries within FLOOR nats of ref's best."""
+    kept = ref > ref.max(-1, keepdims=True) - FLOOR
+    return np.where(kept, np.abs(lp - ref), 0.0).max(-1)
+
+
+@pytest.fixture(scope="module", params=FILES)
+def run(request):
+    """(file stem, the .npz, in-process logits, the in-process engine's dense matrices and format summary, and the
+    logits split over two virtual nodes by the in-process pool and by two node workers) of one file."""
+    path = FIXTURES / f"{request.param}.gguf"
+    ref = np.load(FIXTURES / f"{request.param}.npz")
+    tokens = ref["tokens"].tolist()
+    with Engine.open(path, EngineConfig(pool="inproc")) as eng:
+        logits = eng.logits(tokens)
+        matrices = [(name, getattr(obj, name), eng.decoder.w.sources) for obj, name in dense_matrices(eng.decoder.w)
+                    if getattr(obj, name) is not None]
+        dense_format = eng.dense_format
+    split = {}
+    for pool in ("inproc", "process"):  # the same plan: each node's rows of every expert, in process or in a worker
+        with Engine.open(path, EngineConfig(pool=pool, numa_split=True, nodes=2)) as eng:
+            assert len(eng.cpu.plan.node_ids) == 2
+            split[pool] = eng.logits(tokens)
+    return request.param, ref, logits, matrices, dense_format, split
+
+
+def test_the_shared_expert_gate_is_one_dimensional_in_the_file():
+    """What the engine has to open: llama-quantize writes ffn_gate_inp_shexp as [H] (the converter's is [1, H]),
+    in every quantised file of both architectures."""
+    for stem in FILES:
+        shapes = {t.name: [int(n) for n in t.shape] for t in gguf.GGUFReader(FIXTURES / f"{stem}.gguf").tensors}
+        gates = [shape for name, shape in shapes.items() if name.endswith("ffn_gate_inp_shexp.weight")]
+        assert gates and all(len(shape) == 1 for shape in gates), stem
+
+
+def test_within_llama_cpps_own_error_of_the_reference(run):
+    """The largest |log-prob difference| from transformers on the dequantised weights, over the positions
+    llama.cpp scored: at most 1.2x llama.cpp's own on the same positions."""
+    stem, ref, logits, *_ = run
+    first, T = int(ref["first"]), ref["tokens"].size
+    want = log_probs(ref["reference"][first:T - 1])
+    ours, theirs = worst(log_probs(logits[first:T - 1]), want).max(), worst(ref["llama"], want).max()
+    assert ours <= 1.2 * theirs, (stem, ours, theirs)
+
+
+def test_the_references_token_wherever_its_margin_is_clear(run):
+    """At every position whose reference margin (best less second log-prob) exceeds twice llama.cpp's own error
+    there (either entry may move by that much), the engine's best token is the reference's."""
+    stem, ref, logits, *_ = run
+    first, T = int(ref["first"]), ref["tokens"].size
+    want = log_probs(ref["reference"][first:T - 1])
+    top2 = np.sort(want, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * worst(ref["llama"], want)
+    assert clear.sum() >= want.shape[0] // 4, stem  # enough positions are clear for the check to test something
+    assert np.array_equal(logits[first:T - 1].argmax(-1)[clear], want.argmax(-1)[clear]), stem
+
+
+def test_every_dense_matrix_keeps_the_files_blocks(run):
+    """No dense matrix of the file is float32: attention's (q and its gate regrouped from one tensor), the Gated
+    DeltaNet's qkv, z, ba and out, the shared expert's, the lm_head: each is packed in the format that holds its
+    tensor's type, and the bench's summary counts them all."""
+    stem, _, _, matrices, dense_format, _ = run
+    assert matrices and all(isinstance(m, PackedMatrix) for _, m, _ in matrices), stem
+    assert "f32" not in dense_format and sum(int(n) for n, _ in (p.split() for p in dense_format.split(", "))) == len(
+        {id(m) for _, m, _ in matrices})
+    if stem.startswith("qwen3_next"):
+        assert {"qkv", "z", "ba", "out", "q_gate"} <= {name for name, _, _ in matrices}
+
+
+@pytest.mark.parametrize("stem", FILES)
+def test_the_packed_rows_are_the_files(stem):
+    """A matrix keeps the file's bytes, not a second rounding, also where the loader regrouped its rows (Qwen3-Next's
+    q and gate from attn_q, ssm_ba's b and a rows): decoded, every packed matrix is exactly the float32 weights the
+    loader read, and its format is the one that holds its tensor's type."""
+    from coordinator.model.model_config import parse_model_config
+    from coordinator.model.packed import pack_dense
+    from coordinator.model.weights import load_weights
+    from shm.gguf_checkpoint import GgufCheckpoint
+
+    ck = GgufCheckpoint(FIXTURES / f"{stem}.gguf")
+    try:
+        weights = load_weights(parse_model_config(ck.config()), ck)
+        read = [(obj, name, getattr(obj, name), weights.sources.get(getattr(obj, name)))
+                for obj, name in dense_matrices(weights) if getattr(obj, name) is not None]
+        assert any(source.rows is not None for *_, source in read) == stem.startswith("qwen3_next")
+        pack_dense(weights, None, True, ck)
+        for obj, name, w, source in read:
+            packed = getattr(obj, name)
+            assert isinstance(packed, PackedMatrix), (stem, name)
+            assert packed.fmt.NAME == traits.EXACT[ck.info(source.tensor).dtype], (stem, name)
+            assert np.array_equal(packed.decoded(), w), (stem, name)
+    finally:
+        ck.close()
+
+
+def test_split_over_two_nodes_gives_in_process_bits(run):
+    """Two node workers, each with its rows of every expert in its own segment, give the bits of the in-process
+    pool on the same plan; and the split's logits are the unsplit ones' but for the partial sums' order."""
+    stem, _, logits, *_, split = run
+    assert np.array_equal(split["process"], split["inproc"]), stem
+    np.testing.assert_allclose(split["inproc"], logits, atol=0.05 * np.abs(logits).max())
