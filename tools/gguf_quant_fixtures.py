@@ -24,8 +24,12 @@ checkpoint's weights before anything is quantised. Run with the project's venv, 
     .venv/bin/python tools/gguf_quant_fixtures.py --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp \
         --hf-python /tmp/hfenv/bin/python [--cases qwen3_next_quant qwen2_moe_quant] [--types Q8_0 Q4_K_M IQ4_XS]
 
-It prints, per file, the largest |log-prob difference| from the reference of llama.cpp and of the engine (in
-process, its default activations) over the entries within 16 nats of the best, and the tensor types the file holds.
+It prints, per file, llama.cpp's largest |log-prob difference| from the reference over the entries within 16 nats of
+the best, and the tensor types the file holds. ``--report`` reads the files already written and prints a table of
+llama.cpp's and the engine's (in process, its default activations) differences, the median and the largest over the
+positions, and the dense matrices' formats (docs/benchmarks.md, "Quantised files against llama.cpp"):
+
+    .venv/bin/python tools/gguf_quant_fixtures.py --report [--out tests/fixtures/gguf]
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-CASES = ("qwen3_next_quant", "qwen2_moe_quant")
+CASES = ("qwen3_next_quant", "qwen2_moe_quant", "qwen3_moe_quant", "mixtral_quant", "glm4_moe_quant",
+         "deepseek_v3_quant")
+MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's per-expert names
 TYPES = ("Q8_0", "Q4_K_M", "IQ4_XS")
 CTX = 64  # tokens llama-perplexity scores in one chunk (positions CTX/2 .. CTX-2)
 FLOOR = 15.9  # nats below the best that llama-perplexity's saved log-probabilities keep
@@ -78,10 +84,10 @@ def dequantised_state(gguf: Path, like: Path) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     try:
         for name, ref in want.items():
-            m = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
+            m = re.match(r"^(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$", name)
             linear = re.match(r"^(.*\.linear_attn)\.(\w+)(\.weight)?$", name)
             if m is not None:  # the file stacks each layer's experts
-                w = ck.float32(f"{m[1]}.{m[3]}")[int(m[2])]
+                w = ck.float32(f"{m[1]}.{MIXTRAL_EXPERTS.get(m[3], m[3])}")[int(m[2])]
             elif linear is not None and linear[2] == "in_proj_qkvz":
                 Hk, Hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
                 dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
@@ -91,6 +97,8 @@ def dequantised_state(gguf: Path, like: Path) -> dict[str, np.ndarray]:
                 w[rows[3]] = ck.float32(f"{linear[1]}.in_proj_z.weight")
             elif linear is not None and linear[2] == "A_log":
                 w = np.log(-ck.float32(f"{linear[1]}.A_neg"))
+            elif name not in ck:  # a multi-token-prediction layer's, which the converter leaves out
+                w = ref
             else:
                 w = ck.float32(name)
                 if cfg.get("model_type") == "qwen3_next" and name.endswith("norm.weight") and \
@@ -123,6 +131,29 @@ def worst(lp: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(lp - ref)[kept].max())
 
 
+def report(out: Path, cases, types) -> None:
+    """The module's --report table over the files in ``out``."""
+    from coordinator.config import EngineConfig
+    from coordinator.engine import Engine
+
+    print("| file | llama.cpp median / max | ours median / max | top-1 ours / llama.cpp | dense matrices |")
+    print("|---|---|---|---|---|")
+    for case in cases:
+        for qtype in types:
+            stem = f"{case}-{qtype}"
+            ref = np.load(out / f"{stem}.npz")
+            first, T = int(ref["first"]), ref["tokens"].size
+            want = log_probs(ref["reference"][first:T - 1])
+            with Engine.open(out / f"{stem}.gguf", EngineConfig(pool="inproc")) as eng:
+                got = log_probs(eng.logits(ref["tokens"].tolist())[first:T - 1])
+                dense = eng.dense_format
+            kept = want > want.max(-1, keepdims=True) - FLOOR
+            theirs, ours = (np.where(kept, np.abs(x - want), 0).max(-1) for x in (ref["llama"], got))
+            top = [int((x.argmax(-1) == want.argmax(-1)).sum()) for x in (got, ref["llama"])]
+            print(f"| `{stem}` | {np.median(theirs):.3f} / {theirs.max():.3f} | {np.median(ours):.3f} / "
+                  f"{ours.max():.3f} | {top[0]} / {top[1]} of {T - 1 - first} | {dense} |")
+
+
 def main() -> int:
     from gguf_llama_cpp_check import read_kld, with_a_merge
     from gguf_mla_fixtures import CONVERT, OWN_ARGS
@@ -130,13 +161,19 @@ def main() -> int:
     from coordinator.model.tokenizer import byte_level_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp source tree built with cmake (build/bin)")
-    ap.add_argument("--hf-python", type=Path, required=True, help="a Python with torch and transformers")
+    ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree built with cmake (build/bin)")
+    ap.add_argument("--hf-python", type=Path, help="a Python with torch and transformers")
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "gguf")
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     ap.add_argument("--types", nargs="*", default=list(TYPES))
     ap.add_argument("--text", type=Path, default=REPO / "README.md", help="the text scored (its first 4000 bytes)")
+    ap.add_argument("--report", action="store_true", help="only the table of the files already in --out")
     args = ap.parse_args()
+    if args.report:
+        report(args.out, args.cases, args.types)
+        return 0
+    if args.llama_cpp is None or args.hf_python is None:
+        ap.error("--llama-cpp and --hf-python are needed to write the files")
     bins = args.llama_cpp / "build" / "bin"
     env = dict(os.environ, PYTHONPATH=str(args.llama_cpp / "gguf-py"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,6 +189,9 @@ def main() -> int:
                 (src / "tokenizer_config.json").write_text(json.dumps({
                     "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": None,
                     "unk_token": None, "pad_token": None}))
+            if case.startswith("deepseek_v3"):  # as tools/gguf_mla_fixtures.py: the Hub's scoring_func
+                cfg = json.loads((src / "config.json").read_text())
+                (src / "config.json").write_text(json.dumps(dict(cfg, scoring_func="sigmoid"), indent=2))
             f32 = tmp / f"{case}-F32.gguf"
             subprocess.run([str(args.hf_python), "-c", CONVERT, str(args.llama_cpp / "convert_hf_to_gguf.py"), str(src),
                             *OWN_ARGS.get("qwen3_next_basic" if case.startswith("qwen3_next") else case, []),

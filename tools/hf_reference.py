@@ -254,11 +254,18 @@ def _qwen3_next(**kw):
 
 # hidden 256, heads of 128, experts and the shared expert of 256 rows: every matrix's rows whole super-blocks
 QUANTISABLE = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128, intermediate_size=256,
-                   moe_intermediate_size=256, shared_expert_intermediate_size=256, num_experts=4,
-                   num_experts_per_tok=2, initializer_range=0.03)
+                   moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2, initializer_range=0.03)
+SHARED = dict(shared_expert_intermediate_size=256)
+# the DeepSeek and GLM miniatures' own names: 4 routed experts in 2 groups of which 1 is kept, one shared expert
+GROUPED_QUANTISABLE = dict({k: v for k, v in QUANTISABLE.items() if k != "num_experts"}, n_routed_experts=4,
+                           n_group=2, topk_group=1, num_hidden_layers=2)
+# MLA with every row length a multiple of 256 (q_b's and kv_a's: the ranks; o_proj's: 2 heads x 128)
+MLA_QUANTISABLE = dict({k: v for k, v in GROUPED_QUANTISABLE.items() if k != "head_dim"}, num_key_value_heads=2,
+                       q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 # Non-zero e_score_correction_bias per MoE layer (transformers initialises it to zeros), set after init.
-BIAS_STD = {"deepseek_v3_basic": 0.3, "deepseek_v3_no_q_lora": 0.3, "glm4_moe_basic": 0.3}
+BIAS_STD = {"deepseek_v3_basic": 0.3, "deepseek_v3_no_q_lora": 0.3, "glm4_moe_basic": 0.3, "glm4_moe_quant": 0.3,
+            "deepseek_v3_quant": 0.3}
 
 
 # name -> (builder, save dtype, max_shard_size)
@@ -312,9 +319,15 @@ CASES = {
     # Rows of whole 256-weight super-blocks in every matrix, so llama-quantize's K types and IQ4_XS take every one
     # of them with no fallback type (tools/gguf_quant_fixtures.py; the safetensors are not committed, the
     # quantised GGUF files are)
-    "qwen3_next_quant": (lambda: _qwen3_next(**QUANTISABLE, linear_key_head_dim=128, linear_value_head_dim=128,
-                                             linear_num_key_heads=1, linear_num_value_heads=2), torch.float32, None),
-    "qwen2_moe_quant": (lambda: _qwen2(**QUANTISABLE, num_hidden_layers=2), torch.float32, None),
+    "qwen3_next_quant": (lambda: _qwen3_next(**QUANTISABLE, **SHARED, linear_key_head_dim=128,
+                                             linear_value_head_dim=128, linear_num_key_heads=1,
+                                             linear_num_value_heads=2), torch.float32, None),
+    "qwen2_moe_quant": (lambda: _qwen2(**QUANTISABLE, **SHARED, num_hidden_layers=2), torch.float32, None),
+    "qwen3_moe_quant": (lambda: _qwen3(**QUANTISABLE, num_hidden_layers=2), torch.float32, None),
+    "mixtral_quant": (lambda: _mixtral(**{k: v for k, v in QUANTISABLE.items() if k not in (
+        "num_experts", "moe_intermediate_size")}, num_local_experts=4, num_hidden_layers=2), torch.float32, None),
+    "glm4_moe_quant": (lambda: _glm4_moe(**GROUPED_QUANTISABLE), torch.float32, None),
+    "deepseek_v3_quant": (lambda: _deepseek_v3(**MLA_QUANTISABLE), torch.float32, None),
 }
 
 # Cases whose prompt is longer than PROMPT: Qwen3-Next's is 150 tokens, more than two of the delta rule's 64-token

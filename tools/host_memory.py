@@ -157,7 +157,7 @@ def main() -> int:
           f"{p['embedding'] / GB:.2f}, vectors and routers float32 {p['dense_vectors'] / GB:.3f} |")
     print(f"| KV cache | {p['kv'] / GB:.2f} | {cfg.kv_bytes_per_token:,} bytes a token, float32, "
           f"{len(cfg.attention_layers)} attention layers |")
-    print(f"| Gated DeltaNet states | {p['states'] / GB:.3f} | one sequence, {len(cfg.linear_layers) if cfg.linear else 0}"
+    print(f"| Gated DeltaNet states | {p['states'] / GB:.3f} | one sequence, {sum(cfg.linear_layers) if cfg.linear else 0}"
           " layers |")
     print(f"| pool segment (/dev/shm) | {p['segment'] / GB:.3f} | one step's rows |")
     print(f"| total | {total / GB:.2f} | |")

@@ -179,12 +179,14 @@ def file_blocks(ckpt, source, shape: tuple[int, int], int_act: bool) -> PackedMa
 def dense_matrices(weights) -> list[tuple[object, str]]:
     """Every dense matrix of the host's weights as (the object holding it, its field): attention's (MLA's and the
     Gated DeltaNet's among them), the dense and shared MLPs', the MTP layer's, the lm_head. The router and the
-    shared expert's one-row gate are read as float32 (llama-quantize keeps them so), the embedding a row at a time."""
+    shared expert's one-row gate are read as float32 (llama-quantize keeps them so), the embedding a row at a time.
+    MLA's kv_b put back together from a file's attn_k_b (transposed) and attn_v_b has no rows of the file's and
+    stays float32 (counted so), as do its per-head views w_uk and w_uv that the absorbed decode multiplies by."""
     out: list[tuple[object, str]] = []
     layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
     for layer in layers:
         out += [(layer, name) for name in ("q", "k", "v", "o", "q_gate")]
-        for part, names in ((layer.mla, ("q", "q_a", "q_b", "kv_a")), (layer.linear, ("qkv", "z", "ba", "out")),
+        for part, names in ((layer.mla, ("q", "q_a", "q_b", "kv_a", "kv_b")), (layer.linear, ("qkv", "z", "ba", "out")),
                             (layer.dense_mlp, ("gate", "up", "down")), (layer.shared_expert, ("gate", "up", "down"))):
             if part is not None:
                 out += [(part, name) for name in names]
