@@ -28,10 +28,18 @@ import signal
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
-if __name__ == "__main__":  # the compile child: stopped during its imports (nothing made yet), it just ends
-    for _sig in STOP_SIGNALS:
-        signal.signal(_sig, lambda signum, frame: os._exit(128 + signum))
+
+def end_at_once_when_stopped() -> None:
+    """The compile child's handlers: SIGINT or SIGTERM ends the process where it is, with status 128 + the signal,
+    raising nothing (a KeyboardInterrupt raised inside numba's ctypes callbacks is printed as "Exception ignored"
+    and the compile then fails on a missing object)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # its parent blocks them while it starts it
+
+
+if __name__ == "__main__":  # the compile child: stopped at any moment it just ends (what it finished stays)
+    end_at_once_when_stopped()
     from shm.threads_env import apply
 
     apply()  # before NumPy and numba load
@@ -60,7 +68,7 @@ if TYPE_CHECKING:
 
 KINDS = ("host", "doorbells", "experts", "dense", "encode")
 LOCK_NAME = "compile.lock"
-STOP_WAIT_S = 10.0  # for an interrupted compile to finish the function under way before it is killed
+STOP_WAIT_S = 10.0  # for an interrupted compile child to end before it is killed
 TICK_S = 0.25  # the terminal's progress line is redrawn this often
 
 
@@ -207,10 +215,10 @@ def ensure_compiled(units: Iterable[Unit], quiet: bool = False) -> list[Unit]:
 
 
 def _stop(child: subprocess.Popen) -> None:
-    """End an interrupted compile: SIGINT (it finishes nothing more, keeps what it finished), then SIGKILL."""
+    """End an interrupted compile: SIGTERM (it ends at once and keeps what it finished), then SIGKILL."""
     if child.poll() is None:
         try:
-            child.send_signal(signal.SIGINT)
+            child.send_signal(signal.SIGTERM)
             child.wait(STOP_WAIT_S)
         except subprocess.TimeoutExpired:
             child.kill()
@@ -334,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         compile_units(units, None if args.quiet else sys.stderr)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # main() called in a process of its own handlers
         return 130
     except OSError as exc:  # the cache folder filled up or went away while numba wrote to it
         print(f"strata: error: writing the kernel cache in {jit.build_dir()} failed: {exc.strerror or exc}",
@@ -398,18 +406,12 @@ def remove_build_folders(root: Path, keep: str | None = None) -> list[Path]:
     return removed
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 if __name__ == "__main__":
-    for _sig in (signal.SIGINT, signal.SIGTERM):  # from here on stopped as by Ctrl-C: what is finished stays
-        signal.signal(_sig, _interrupt)
-    try:
-        _code = main()
-    except KeyboardInterrupt:  # before the compile began (the arguments, the cache folder's check): nothing to keep
-        _code = 130
-    raise SystemExit(_code)
+    # Stopped (Ctrl-C, which a terminal sends the parent and this child alike, or the parent's SIGTERM), the child
+    # ends at once, as during its imports: numba writes each compiled function's cache file whole (a temporary
+    # renamed) and a unit's marker is written the same way, so what is finished stays. A KeyboardInterrupt instead
+    # would be raised inside numba's ctypes callbacks, which print it as "Exception ignored" and then fail.
+    raise SystemExit(main())
 
 
 class Compiles:

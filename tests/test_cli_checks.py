@@ -174,24 +174,60 @@ def test_generate_ends_with_a_speed_line_on_stderr(tiny, capsys):
     assert timing["load_s"] > 0 and 0 <= timing["compile_s"] <= timing["load_s"]
 
 
-def test_the_no_gpu_warning_comes_once_per_machine_state(tmp_path, monkeypatch, caplog):
+def test_the_no_gpu_warning_comes_once_per_machine_state(tmp_path, monkeypatch, caplog, capsys):
+    """A GPU that CuPy cannot use: one ``strata:`` line on stderr the first time, naming why; then INFO (-v only);
+    a new reason says it again."""
     from coordinator.model import backend
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(backend, "nvidia_device_present", lambda: True)
     monkeypatch.setattr(backend, "probe_cuda", lambda: (False, "CuPy is not installed"))
 
-    def levels() -> list[int]:
+    def said() -> tuple[list[str], list[int]]:
         caplog.clear()
+        capsys.readouterr()
         monkeypatch.setattr(backend, "_warned", False)  # a new process
         with caplog.at_level("INFO", logger=backend.__name__):
             assert backend.select_device("auto") == "numpy"
-        return [r.levelno for r in caplog.records if "no usable GPU" in r.getMessage()]
+        return (capsys.readouterr().err.splitlines(),
+                [r.levelno for r in caplog.records if "no usable GPU" in r.getMessage()])
 
-    assert levels() == [30]  # WARNING the first time
-    assert levels() == [20]  # then INFO: seen with -v only
+    lines, levels = said()
+    assert len(lines) == 1 and lines[0].startswith("strata: ") and "CuPy is not installed" in lines[0]
+    assert levels == []
+    assert said() == ([], [20])  # then INFO: seen with -v only
     monkeypatch.setattr(backend, "probe_cuda", lambda: (False, "the CUDA driver does not answer"))
-    assert levels() == [30]  # a new reason warns again
+    lines, _ = said()
+    assert len(lines) == 1 and "the CUDA driver does not answer" in lines[0]  # a new reason says it again
     assert backend.state_file().read_text() == "the CUDA driver does not answer"
+
+
+def test_without_a_gpu_the_cpu_path_is_taken_silently(tmp_path, monkeypatch, caplog, capsys):
+    """No NVIDIA device at all: nothing on stderr, not even once, an INFO record for -v, no state kept."""
+    from coordinator.model import backend
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(backend, "nvidia_device_present", lambda: False)
+    monkeypatch.setattr(backend, "probe_cuda", lambda: (False, "CuPy is not installed"))
+    monkeypatch.setattr(backend, "_warned", False)
+    with caplog.at_level("INFO", logger=backend.__name__):
+        assert backend.select_device("auto") == "numpy"
+    assert capsys.readouterr().err == ""
+    assert [r.levelno for r in caplog.records] == [20] and not backend.state_file().exists()
+
+
+def test_an_nvidia_device_is_seen_by_its_driver_entries_or_its_node(tmp_path):
+    from coordinator.model.backend import nvidia_device_present
+
+    assert not nvidia_device_present(tmp_path)
+    (tmp_path / "proc" / "driver" / "nvidia" / "gpus").mkdir(parents=True)
+    assert not nvidia_device_present(tmp_path)  # the driver loaded, no GPU listed
+    (tmp_path / "proc" / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir()
+    assert nvidia_device_present(tmp_path)
+    other = tmp_path / "other"
+    (other / "dev").mkdir(parents=True)
+    (other / "dev" / "nvidia0").touch()
+    assert nvidia_device_present(other)
 
 
 def test_a_model_path_naming_some_other_file_is_a_sentence_not_a_traceback(tmp_path, capsys):

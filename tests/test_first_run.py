@@ -368,6 +368,56 @@ def test_a_split_generate_stopped_at_any_moment_leaves_nothing_and_no_traceback(
     assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
+CALLBACK_STOP = """
+import ctypes, signal, sys
+from coordinator.warmup import end_at_once_when_stopped
+if sys.argv[1] == "child":
+    end_at_once_when_stopped()
+libc = ctypes.CDLL(None)
+compare = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int))
+
+def stopped_inside(a, b):  # numba's object-cache notifications run as such callbacks, called by LLVM
+    signal.raise_signal(signal.SIGINT)
+    return a[0] - b[0]
+
+values = (ctypes.c_int * 2)(2, 1)
+libc.qsort(values, 2, ctypes.sizeof(ctypes.c_int), compare(stopped_inside))
+print("went on after the stop")
+"""
+
+
+@pytest.mark.parametrize("handlers", ["child", "python"])
+def test_a_stop_inside_a_ctypes_callback_ends_the_compile_child_at_once(handlers):
+    """The compile child's handlers end it where a signal finds it, inside a callback from C as elsewhere: status
+    130, nothing printed. Python's own handler there raises a KeyboardInterrupt that ctypes prints as "Exception
+    ignored" and the process goes on (numba's compile then fails on a missing object): the race a terminal's Ctrl-C
+    lost 5 s into a cold compile."""
+    out = subprocess.run([sys.executable, "-c", CALLBACK_STOP, handlers], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    if handlers == "child":
+        assert (out.returncode, out.stdout, out.stderr) == (130, "", "")
+    else:
+        assert "Exception ignored" in out.stderr and "went on" in out.stdout
+
+
+@pytest.mark.parametrize("seconds", [1, 2, 5, 10])
+def test_a_terminals_ctrl_c_during_a_cold_split_generate_prints_no_traceback(tmp_path, seconds):
+    """Ctrl-C as a terminal sends it (the whole process group: the command and its compile child at once) 1, 2, 5
+    and 10 s into a cold `generate --numa-split --nodes 2`, whatever it is doing then (importing, compiling):
+    exit status 130, no traceback, no "Exception ignored" from numba's callbacks, no compile error, nothing left;
+    the units the compile finished are kept."""
+    model = make_model(tmp_path / "m", seed=0, num_layers=2)
+    cache = tmp_path / "cache"
+    env = clean_env(cache)
+    start = time.monotonic()
+    code, err = interrupted(["generate", "-m", str(model), "--prompt", "Once", "--numa-split", "--nodes", "2", "-n",
+                             "4"], env, lambda p, e: time.monotonic() - start >= seconds, group=True)
+    assert code == 130, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "error" not in err, err
+    markers = list(cache.glob("*/units/*.json"))
+    assert all(json.loads(m.read_text())["functions"] >= 0 for m in markers)  # whole, where any was written
+
+
 def test_chat_stopped_at_its_prompt_by_a_terminals_ctrl_c_leaves_nothing(tmp_path):
     """Ctrl-C at chat's idle prompt, as a terminal sends it (the whole process group): the chat ends with 130,
     no "Exception ignored" from a worker, nothing left (the node workers run in sessions of their own)."""

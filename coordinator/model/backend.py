@@ -1,15 +1,18 @@
 """Which array module the coordinator's device side runs on.
 
 ``cuda`` needs CuPy and a device that answers; ``auto`` takes them when present
-and otherwise says that the device side runs on the CPU (NumPy): as a warning
-once per machine state (the reason is kept in the user's cache folder, and a
-new reason warns again), then only with -v.
+and otherwise runs the device side on the CPU (NumPy). On a machine with no
+NVIDIA device that is the expected path and is said only with -v; where a GPU is
+there but CuPy is missing or broken, one ``strata:`` line says why and how to use
+it, once per machine state (the reason is kept in the user's cache folder, and a
+new reason says it again), then only with -v.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 from ..errors import StrataError
@@ -39,6 +42,18 @@ def probe_cuda() -> tuple[bool, str]:
     return True, ""
 
 
+def nvidia_device_present(root: Path = Path("/")) -> bool:
+    """Whether the machine has an NVIDIA GPU at all, whatever CuPy says: the driver's /proc/driver/nvidia/gpus
+    entries, or a /dev/nvidia0 node (a container given the device without the driver's /proc)."""
+    gpus = root / "proc" / "driver" / "nvidia" / "gpus"
+    try:
+        if any(gpus.iterdir()):
+            return True
+    except OSError:
+        pass
+    return (root / "dev" / "nvidia0").exists()
+
+
 def select_device(device: str) -> str:
     """'auto' | 'cpu' | 'cuda' -> the backend used: 'numpy' or 'cupy'."""
     global _warned
@@ -50,7 +65,10 @@ def select_device(device: str) -> str:
             raise DeviceError(f"--device cuda: {why}")
         return "cupy"
     if not usable and not _warned:
-        _say_no_gpu(why)
+        if nvidia_device_present():
+            _say_no_gpu(why)
+        else:  # no GPU at all: the CPU is the expected path
+            log.info("no NVIDIA GPU: the device side runs on the CPU with NumPy")
         _warned = True
     return "cupy" if usable else "numpy"
 
@@ -66,10 +84,13 @@ def _say_no_gpu(why: str) -> None:
         known = path.read_text() == why
     except OSError:
         known = False
-    (log.info if known else log.warning)("no usable GPU (%s): the device side runs on the CPU with NumPy", why)
-    if not known:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(why)
-        except OSError as exc:
-            log.debug("could not remember the GPU state in %s: %s", path, exc)
+    if known:
+        log.info("no usable GPU (%s): the device side runs on the CPU with NumPy", why)
+        return
+    print(f"strata: an NVIDIA GPU is here but unused: {why}; the device side runs on the CPU (--device cpu "
+          "to choose that, --device cuda to be refused instead)", file=sys.stderr, flush=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(why)
+    except OSError as exc:
+        log.debug("could not remember the GPU state in %s: %s", path, exc)
