@@ -313,6 +313,19 @@ def test_grammars_refuse_a_wrong_name_or_arguments(name, as_tokens):
     assert not accepts(grammar, text.replace(missing, "{}" if fmt.name != GLM45 else "", 1), tok)  # required key
 
 
+@pytest.mark.parametrize("name", [n for n, family in FAMILIES.items() if family != GLM45])
+def test_grammars_take_the_templates_separators_and_no_other_whitespace(name):
+    """A call's JSON as the template writes it (", " and ": ") and nothing looser: a second blank, a newline inside
+    the object or the compact form are refused, so a weak model cannot pad a call with whitespace."""
+    fmt = FORMATS[FAMILIES[name]]
+    tok = tokenizer(())
+    text, _, tools = reply(name, content="", calls=one_call(name))
+    grammar = fmt.grammar(tools, named(tools))
+    assert '": ' in text and accepts(grammar, text, tok)
+    for looser in (text.replace('": ', '":  ', 1), text.replace('": ', '":\n ', 1), text.replace('": ', '":', 1)):
+        assert not accepts(grammar, looser, tok), looser
+
+
 @pytest.mark.parametrize("as_tokens", [False, True], ids=["text", "tokens"])
 def test_only_qwen_may_think_first(as_tokens):
     """With ``think`` (the prompt leaves the model to think), Qwen's grammar takes a thought before the calls;

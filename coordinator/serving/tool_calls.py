@@ -33,7 +33,10 @@ ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "</arg_key>", "<ar
 
 _DS_V3_BODY = re.compile(r"([^\n]*)\n```json\n(.*)\n```\s*", re.S)  # after the separator: NAME, then fenced ARGS
 _GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
-_LENIENT = {"lenient": True}  # llguidance skips JSON-schema keywords it does not implement instead of failing
+# llguidance's options for a call's JSON: keywords it does not implement skipped instead of failing (lenient); the
+# separators the templates' tojson writes (", " and ": ", Python's) and no other whitespace, so a model writes a call
+# as it saw calls in training and cannot pad one with blanks until its token budget is spent
+_CALL_JSON = {"lenient": True, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -470,9 +473,9 @@ class _Markers:
 
 
 def _json(schema) -> str:
-    """An inline JSON-schema rule (llguidance's ``%json``), lenient about keywords llguidance lacks."""
+    """An inline JSON-schema rule (llguidance's ``%json``) with _CALL_JSON's options."""
     if isinstance(schema, Mapping):
-        schema = {**schema, "x-guidance": {**_LENIENT, **(schema.get("x-guidance") or {})}}
+        schema = {**schema, "x-guidance": {**_CALL_JSON, **(schema.get("x-guidance") or {})}}
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
