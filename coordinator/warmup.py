@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         compile_units(units, None if args.quiet else sys.stderr)
-    except KeyboardInterrupt:  # main() called in a process of its own handlers
+    except KeyboardInterrupt:  # main() called where Python's own SIGINT handler stands (not as the compile child)
         return 130
     except OSError as exc:  # the cache folder filled up or went away while numba wrote to it
         print(f"strata: error: writing the kernel cache in {jit.build_dir()} failed: {exc.strerror or exc}",

@@ -11,6 +11,7 @@ reference's token wherever its margin is clear, and split over two (virtual) nod
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import gguf
@@ -22,22 +23,13 @@ from coordinator.engine import Engine
 from coordinator.model.packed import PackedMatrix, dense_matrices
 from shm.formats import traits
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from gguf_quant_fixtures import log_probs, worst  # noqa: E402  (the report's figure: tools/gguf_quant_fixtures.py)
+
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 CASES = ("qwen3_next_quant", "qwen2_moe_quant", "qwen3_moe_quant", "mixtral_quant", "glm4_moe_quant", "deepseek_v3_quant")
 FILES = [f"{case}-{qtype}" for case in CASES for qtype in ("Q8_0", "Q4_K_M", "IQ4_XS")]
 SHARED_GATE = ("qwen3_next_quant", "qwen2_moe_quant")  # the architectures with a shared expert's gate
-FLOOR = 15.9  # nats below the best that llama-perplexity keeps (it floors the rest)
-
-
-def log_probs(logits: np.ndarray) -> np.ndarray:
-    lp = logits.astype(np.float64) - logits.max(-1, keepdims=True)
-    return lp - np.log(np.exp(lp).sum(-1, keepdims=True))
-
-
-def worst(lp: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """Per position, the largest |lp - ref| over the entries within FLOOR nats of ref's best."""
-    kept = ref > ref.max(-1, keepdims=True) - FLOOR
-    return np.where(kept, np.abs(lp - ref), 0.0).max(-1)
 
 
 @pytest.fixture(scope="module", params=FILES)
@@ -49,7 +41,7 @@ def run(request):
     tokens = ref["tokens"].tolist()
     with Engine.open(path, EngineConfig(pool="inproc")) as eng:
         logits = eng.logits(tokens)
-        matrices = [(name, getattr(obj, name), eng.decoder.w.sources) for obj, name in dense_matrices(eng.decoder.w)
+        matrices = [(name, getattr(obj, name)) for obj, name in dense_matrices(eng.decoder.w)
                     if getattr(obj, name) is not None]
         dense_format = eng.dense_format
     split = {}
@@ -104,12 +96,12 @@ def test_every_dense_matrix_keeps_the_files_blocks(run):
     is packed in the format that holds its tensor's type, and the bench's summary counts them all. The one
     exception is MLA's kv_b, which the file holds as attn_k_b (transposed) and attn_v_b: float32, and counted so."""
     stem, _, _, matrices, dense_format, _ = run
-    unpacked = [name for name, m, _ in matrices if not isinstance(m, PackedMatrix)]
+    unpacked = [name for name, m in matrices if not isinstance(m, PackedMatrix)]
     assert matrices and unpacked == (["kv_b"] * unpacked.count("kv_b") if stem.startswith("deepseek") else []), stem
     counts = {fmt: int(n) for n, fmt in (p.split() for p in dense_format.split(", "))}
-    assert counts.get("f32", 0) == len(unpacked) and sum(counts.values()) == len({id(m) for _, m, _ in matrices})
+    assert counts.get("f32", 0) == len(unpacked) and sum(counts.values()) == len({id(m) for _, m in matrices})
     if stem.startswith("qwen3_next"):
-        assert {"qkv", "z", "ba", "out", "q_gate"} <= {name for name, _, _ in matrices}
+        assert {"qkv", "z", "ba", "out", "q_gate"} <= {name for name, _ in matrices}
 
 
 @pytest.mark.parametrize("stem", FILES)

@@ -125,10 +125,11 @@ def log_probs(logits: np.ndarray) -> np.ndarray:
     return lp - np.log(np.exp(lp).sum(-1, keepdims=True))
 
 
-def worst(lp: np.ndarray, ref: np.ndarray) -> float:
-    """The largest |lp - ref| over the entries within FLOOR nats of ref's best (llama.cpp floors the rest)."""
+def worst(lp: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Per position, the largest |lp - ref| over the entries within FLOOR nats of ref's best (llama.cpp floors the
+    rest): the figure of the report and of tests/test_gguf_quantized.py."""
     kept = ref > ref.max(-1, keepdims=True) - FLOOR
-    return float(np.abs(lp - ref)[kept].max())
+    return np.where(kept, np.abs(lp - ref), 0.0).max(-1)
 
 
 def report(out: Path, cases, types) -> None:
@@ -147,8 +148,7 @@ def report(out: Path, cases, types) -> None:
             with Engine.open(out / f"{stem}.gguf", EngineConfig(pool="inproc")) as eng:
                 got = log_probs(eng.logits(ref["tokens"].tolist())[first:T - 1])
                 dense = eng.dense_format
-            kept = want > want.max(-1, keepdims=True) - FLOOR
-            theirs, ours = (np.where(kept, np.abs(x - want), 0).max(-1) for x in (ref["llama"], got))
+            theirs, ours = worst(ref["llama"], want), worst(got, want)
             top = [int((x.argmax(-1) == want.argmax(-1)).sum()) for x in (got, ref["llama"])]
             print(f"| `{stem}` | {np.median(theirs):.3f} / {theirs.max():.3f} | {np.median(ours):.3f} / "
                   f"{ours.max():.3f} | {top[0]} / {top[1]} of {T - 1 - first} | {dense} |")
@@ -157,6 +157,7 @@ def report(out: Path, cases, types) -> None:
 def main() -> int:
     from gguf_llama_cpp_check import read_kld, with_a_merge
     from gguf_mla_fixtures import CONVERT, OWN_ARGS
+    from safetensors.numpy import load_file, save_file
 
     from coordinator.model.tokenizer import byte_level_tokenizer
 
@@ -197,7 +198,6 @@ def main() -> int:
                             *OWN_ARGS.get("qwen3_next_basic" if case.startswith("qwen3_next") else case, []),
                             "--outtype", "f32", "--outfile", str(f32)],
                            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            from safetensors.numpy import load_file
             original = load_file(str(src / "model.safetensors"))
             back = dequantised_state(f32, src)
             gap = max(float(np.abs(back[n] - original[n]).max()) for n in original)
@@ -220,7 +220,6 @@ def main() -> int:
                 tokens, first, llama = read_kld(kld)
                 deq = tmp / "deq" / dst.stem
                 deq.mkdir(parents=True, exist_ok=True)
-                from safetensors.numpy import save_file
                 save_file(dequantised_state(dst, src), str(deq / "model.safetensors"))
                 (deq / "config.json").write_text((src / "config.json").read_text())
                 np.save(tmp / "tokens.npy", tokens[0])
@@ -231,7 +230,7 @@ def main() -> int:
                                     first=np.int32(first), reference=reference, llama=llama[0].astype(np.float32))
                 ref_lp = log_probs(reference[first:tokens.shape[1] - 1])
                 print(f"{dst.name}: {dst.stat().st_size} bytes, types {tensor_types(dst)}; llama.cpp's max |log-prob "
-                      f"difference| from transformers on the dequantised weights {worst(llama[0], ref_lp):.2e} "
+                      f"difference| from transformers on the dequantised weights {worst(llama[0], ref_lp).max():.2e} "
                       f"over {ref_lp.shape[0]} positions")
     return 0
 

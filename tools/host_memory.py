@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -96,7 +97,7 @@ def plan(cfg: ModelConfig, ctx: int, nodes: int = 1) -> dict:
         qtype = iq4_xs_type(name, cfg)
         types[qtype] = types.get(qtype, 0) + 1
         dense += rows * row * BYTES[qtype]
-    vectors = sum(4 * int(__import__("math").prod(t.shape)) for t in vram.dense_tensors(cfg) if not t.matrix)
+    vectors = sum(4 * math.prod(t.shape) for t in vram.dense_tensors(cfg) if not t.matrix)
     embedding = 4 * V * H
     experts, expert_types = 0.0, {}
     for layer in cfg.moe_layers:
