@@ -179,7 +179,7 @@ def cp(request, tmp_path_factory, monkeypatch):
     ok, why = cuda_emulator.available()
     if not ok:
         pytest.skip(why)
-    monkeypatch.setitem(sys.modules, "cupy", cuda_emulator.cupy_shim(tmp_path_factory.getbasetemp()))
+    monkeypatch.setitem(sys.modules, "cupy", cuda_emulator.cupy_shim(cuda_emulator.cache_dir()))
     device_standin.clear_kernel_caches()
     yield sys.modules["cupy"]
     device_standin.clear_kernel_caches()  # the next user gets the real module's kernels
@@ -194,6 +194,6 @@ def gpu(tmp_path_factory, monkeypatch):
     ok, why = cuda_emulator.available()
     if not ok:
         pytest.skip(why)
-    with device_standin.installed(tmp_path_factory.getbasetemp(), monkeypatch) as standin:
+    with device_standin.installed(cuda_emulator.cache_dir(), monkeypatch) as standin:
         yield standin
 
