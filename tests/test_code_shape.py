@@ -4,49 +4,23 @@ underscore names, and STRATA_ variables are read in coordinator/config.py alone.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("coordinator", "node_worker", "shm")
+from source_imports import REPO, imports, project_modules
+
 LAYER = {"coordinator": 0, "node_worker": 1, "shm": 2}  # a package imports only those after it
 
 
-def modules() -> dict[str, Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
-            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
-            found[name.removesuffix(".__init__")] = path
-    return found
-
-
-def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, list[str], int]]:
-    """(the module imported, the names taken from it, line) for every import in the module, lazy ones too."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            base = package.split(".")[:len(package.split(".")) - (node.level - 1)] if node.level else []
-            target = ".".join(base + ([node.module] if node.module else []))
-            for alias in node.names:
-                sub = f"{target}.{alias.name}"
-                found.append((sub if sub in known else target, [alias.name], node.lineno))
-        elif isinstance(node, ast.Import):
-            found.extend((alias.name, [], node.lineno) for alias in node.names)
-    return found
-
-
 def test_no_module_imports_another_modules_underscore_names():
-    known = modules()
-    hits = [f"{path.relative_to(REPO)}:{line} takes {n} from {target}"
-            for name, path in known.items() for target, names, line in imports(name, path, known)
-            for n in names if n.startswith("_") and not n.startswith("__") and target != name]
+    known = project_modules()
+    hits = [f"{path.relative_to(REPO)}:{i.line} takes {i.name} from {i.module}"
+            for name, path in known.items() for i in imports(path)
+            if i.name and i.name.startswith("_") and not i.name.startswith("__") and i.target(known) != name]
     assert hits == []
 
 
 def test_imports_run_one_way_and_make_no_circle():
-    known = modules()
-    graph = {name: {t for t, _, _ in imports(name, path, known) if t in known and t != name}
+    known = project_modules()
+    graph = {name: {t for t in (i.target(known) for i in imports(path)) if t in known and t != name}
              for name, path in known.items()}
     upward = [f"{a} imports {b}" for a, targets in graph.items() for b in targets
               if LAYER[b.split(".")[0]] < LAYER[a.split(".")[0]]]
@@ -97,7 +71,7 @@ def reads_environment(node: ast.AST) -> ast.AST | None:
 
 
 def test_strata_variables_are_read_in_the_config_module_alone():
-    known = modules()
+    known = project_modules()
     hits = []
     for name, path in known.items():
         if name == "coordinator.config":

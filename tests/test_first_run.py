@@ -184,38 +184,21 @@ def test_every_module_with_compiled_code_is_part_of_the_build_key():
     """Every module that compiles (a numba decorator, an intrinsic) is in JIT_SOURCES, and so is every module of
     the project they import at the top (whose constants their code holds): an edit to any of them is a new
     build, never a stale cache."""
-    import ast
+    import source_imports
 
     covered = set(jit.source_files())
     project = [p for package in ("coordinator", "node_worker", "shm") for p in (REPO / package).rglob("*.py")]
     compiles = [p for p in project if re.search(r"@(njit|intrinsic|register_jitable|vectorize)\b", p.read_text())]
     assert compiles and not [str(p.relative_to(REPO)) for p in compiles if p not in covered]
 
-    def module_file(name: str) -> Path | None:
-        base = REPO.joinpath(*name.split("."))
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-        return None
-
+    known = source_imports.project_modules()
     # pool_io is in the key for the constants answer.py holds; its segment plumbing (shm.segments) is Python only
     python_only = {REPO / "shm" / "segments.py"}
     uncovered = []
     for path in covered:
-        package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ImportFrom):
-                base = (package.rsplit(".", node.level - 1)[0] if node.level > 1 else package) if node.level else ""
-                name = f"{base}.{node.module}" if base and node.module else (node.module or base)
-                # each imported name: its own module where it is one, else the module it comes from
-                names = [f"{name}.{a.name}" if module_file(f"{name}.{a.name}") else name for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            files = {module_file(n) for n in names if n.split(".")[0] in ("coordinator", "node_worker", "shm")}
-            uncovered += [(str(path.relative_to(REPO)), str(f.relative_to(REPO))) for f in files
-                          if f is not None and f not in covered and f not in python_only]
+        files = {known.get(i.target(known)) for i in source_imports.imports(path) if i.top_level}
+        uncovered += [(str(path.relative_to(REPO)), str(f.relative_to(REPO))) for f in files
+                      if f is not None and f not in covered and f not in python_only]
     assert not uncovered, uncovered
 
 

@@ -6,44 +6,16 @@ test_code_shape.py.)"""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
+from source_imports import imports, project_modules
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("coordinator", "node_worker", "shm")
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {module_name(p): p for package in PACKAGES for p in (REPO / package).rglob("*.py")}
-
-
-def imports(name: str) -> list[tuple[str, list[str]]]:
-    """(module, names taken from it) for every import statement of module ``name``, relative ones resolved."""
-    path = MODULES[name]
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
-            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-            source = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
-            out.append((source, [a.name for a in node.names]))
-        elif isinstance(node, ast.Import):
-            out += [(a.name, []) for a in node.names]
-    return out
+MODULES = project_modules()
 
 
 def project_deps(name: str) -> set[str]:
     """The project modules ``name`` imports (a name taken from a package counts as its module where it is one)."""
-    deps = set()
-    for source, names in imports(name):
-        for taken in names or [None]:
-            full = f"{source}.{taken}" if taken else source
-            deps.add(full if full in MODULES else source)
+    deps = {i.target(MODULES) for i in imports(MODULES[name])}
     return {d for d in deps if d in MODULES and d != name}
 
 

@@ -4,7 +4,6 @@ run from the installed copy, not from the checkout."""
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import json
 import os
@@ -17,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from source_imports import imports, project_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("coordinator", "node_worker", "shm")
@@ -58,12 +58,8 @@ def test_every_third_party_import_is_a_declared_dependency(wheel):
                     for line in z.read(meta).decode().splitlines() if line.startswith("Requires-Dist:")
                     and "extra ==" not in line}
     imported: set[str] = set()
-    for rel in tree_modules():
-        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
-            if isinstance(node, ast.Import):
-                imported |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                imported.add(node.module.split(".")[0])
+    for path in project_modules().values():
+        imported |= {i.module.split(".")[0] for i in imports(path) if not i.relative}
     third_party = imported - set(sys.stdlib_module_names) - set(PACKAGES) - OPTIONAL
     dists = importlib.metadata.packages_distributions()
     missing = {m: dists.get(m) for m in third_party
