@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from node_worker import kernel_threads
-from node_worker.kernels.kernel_set import for_formats
+from node_worker.kernels.kernel_set import compiled_cover, for_formats
 from shm import formats
 from shm.checkpoint import Checkpoint
 from shm.expert_store import matrix_bytes
@@ -77,7 +77,7 @@ def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, backe
     spec = expert_format(config, mcfg, ckpt, layer_experts(mcfg, ckpt))
     names = spec.names
     encoders = [*names, config.dense_dtype] if backend == "numpy" else names  # q8 and q4 quantise floats
-    return spec, engine_units(config.pool, for_formats(names, config.activations), encoders)
+    return spec, engine_units(config.pool, compiled_cover(for_formats(names, config.activations)), encoders)
 
 
 @dataclass(eq=False)
@@ -204,7 +204,7 @@ class Engine:
         cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
         fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
         if fmt != planned:  # the layers' first experts named other formats than the whole layers (not seen)
-            compile_missing([Unit.experts(for_formats(fmt.names, config.activations))])
+            compile_missing([Unit.experts(compiled_cover(for_formats(fmt.names, config.activations)))])
         cpu = plan_cpu_experts(source, config, cpu_experts, nodes, device_set, fmt)
         plan = cpu.plan
         for size in sorted({size for size, _, _ in plan.left_out}):  # one line per expert size

@@ -25,7 +25,7 @@ import numpy as np
 from shm import formats
 from shm.expert_source import ExpertSlice
 
-from .kernels.kernel_set import KernelSet, for_formats
+from .kernels.kernel_set import KernelSet, compiled_cover, for_formats
 from .kernels.layer import ROUTING_ERRORS, layer_moe, warm_up
 from .kernels.rows import SHAPE, loop_id
 
@@ -56,8 +56,9 @@ class NodeWorker:
         self.node = node
         self.activations = activations  # "q8": integer dot products where the format has integers; "f32"
         self.bf16_products = activations == "bf16"  # bf16 rows by bf16 activations (kernels/bf16dp.py)
-        # the loops the layer kernel is compiled with: the store's formats, in this activation mode
-        self.kernels: KernelSet = for_formats(store.formats.names, activations)
+        # the loops the layer kernel is compiled with: the store's formats, in this activation mode (or a compiled
+        # set that covers them)
+        self.kernels: KernelSet = compiled_cover(for_formats(store.formats.names, activations))
         self.store = store
         self.hidden_size = hidden_size
         self.threads = threads  # numba's team for this node's kernels (the process is pinned to ``cpus``)

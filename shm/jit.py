@@ -123,6 +123,17 @@ def build_dir() -> Path:
     return cache_root() / build_key().name
 
 
+def finished_units(kind: str) -> list[str]:
+    """The arguments of this build's finished compile units of one kind, read from their markers
+    (units/<kind>.<arg>.json, written whole by coordinator/warmup.py): for "experts", the kernel sets' tags."""
+    prefix = kind + "."
+    try:
+        names = os.listdir(build_dir() / "units")
+    except OSError:
+        return []
+    return sorted(n[len(prefix):-len(".json")] for n in names if n.startswith(prefix) and n.endswith(".json"))
+
+
 class ProjectCacheLocator(UserProvidedCacheLocator):
     """numba's cache locator for the project's modules: their files under build_dir(), at the module's path
     inside the project (node_worker/kernels/rows.py's in <build>/node_worker/kernels/rows/); numba checks each

@@ -64,6 +64,17 @@ def checkpoint_tools():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def every_kernel_loop_compiled_once():
+    """Every experts loop compiled once per activation mode before any test (KernelSet.everything): each engine
+    and node worker after it runs that set (kernel_set.compiled_cover), so a fresh cache pays one compile per
+    format, not one per mix of formats the fixtures hold. The tests of compiling itself use caches of their own."""
+    from coordinator.warmup import Unit, ensure_compiled
+    from node_worker.kernels.kernel_set import KernelSet
+
+    ensure_compiled([Unit.experts(KernelSet.everything(int_act)) for int_act in (False, True)], quiet=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     """After the whole suite: no strata segment in /dev/shm and no node worker process of ours."""
     import os

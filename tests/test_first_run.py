@@ -233,6 +233,30 @@ def test_a_kernel_set_generates_its_own_formats_loops_alone():
     assert [u.name for u in engine_units("inproc", None)] == ["host"]
 
 
+def test_a_compiled_set_that_covers_a_models_formats_is_run_instead_of_compiling_its_own(monkeypatch, tmp_path):
+    """compiled_cover: the model's own set where this build compiled it; else the smallest compiled set holding
+    its loops in the same activation mode (an integer set would take integer loops a float run must not); else
+    its own, to be compiled. The suite's engines run KernelSet.everything (conftest compiles it first)."""
+    from node_worker.kernels import kernel_set
+
+    q4k_q6k = for_formats(["q4k", "q6k"], "q8")
+    every, every_f = KernelSet.everything(True), KernelSet.everything(False)
+    wider = KernelSet.of(["q4k", "q5k", "q6k"], True)
+    for compiled, want in [([], q4k_q6k), ([every.tag], every), ([every.tag, wider.tag], wider),
+                           ([every.tag, wider.tag, q4k_q6k.tag], q4k_q6k), ([every_f.tag], q4k_q6k),
+                           (["q4k-gone.i8", every.tag], every)]:
+        monkeypatch.setattr(kernel_set, "finished_units", lambda kind, tags=compiled: list(tags) if kind == "experts"
+                            else [])
+        assert kernel_set.compiled_cover(q4k_q6k) == want, compiled
+    monkeypatch.undo()
+    assert kernel_set.compiled_cover(for_formats(["q4k"], "f32")) == every_f  # this session's cache
+    assert every.covers(q4k_q6k) and not every.covers(for_formats(["q4k"], "f32"))
+    from coordinator import Engine, EngineConfig
+
+    with Engine.open(make_model(tmp_path / "m", seed=3), EngineConfig(pool="inproc")) as eng:
+        assert {w.kernels for w in eng.pool.workers} == {every_f}  # its float experts: no integer loops
+
+
 # -- stopped starts leave nothing behind -----------------------------------------------------------------------
 
 def leftovers(pid: int, segments_before: set[str], folders_before: set[Path], children=()) -> list[str]:

@@ -20,6 +20,8 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import NativeValue, intrinsic, models, register_model, typeof_impl, unbox
 
+from shm.jit import finished_units
+
 from .isimd import INT_FORMATS
 from .loops import FORMATS
 
@@ -52,8 +54,9 @@ class KernelSet:
         return name in self.loops
 
     def covers(self, other: KernelSet) -> bool:
-        """Whether every loop of ``other`` is compiled here (integer ones included)."""
-        return set(other.loops) <= set(self.loops) and (self.int_act or not other.int_act)
+        """Whether this set runs ``other``'s formats as ``other`` would: every loop of it compiled here, in the same
+        activation mode (a set with int_act takes the integer loops wherever it has them)."""
+        return set(other.loops) <= set(self.loops) and self.int_act == other.int_act
 
     @property
     def label(self) -> str:
@@ -82,6 +85,23 @@ def for_formats(format_names: Iterable[str], activations: str) -> KernelSet:
     (q8 and bf16: the integer loops; bf16: bf16 rows by bf16 activations too)."""
     bf16_products = activations == "bf16"
     return KernelSet.of((loop_name(n, bf16_products) for n in format_names), activations in ("q8", "bf16"))
+
+
+def compiled_cover(need: KernelSet) -> KernelSet:
+    """The set to run ``need``'s formats with: ``need`` itself where this build compiled it, or where no compiled
+    experts set covers it (it is then compiled); else the smallest compiled set that covers it. So one compile of
+    every loop (KernelSet.everything(), as the test suite makes) serves every model after it, each format
+    compiled once rather than once per mix of formats."""
+    tags = finished_units("experts")
+    if need.tag in tags:
+        return need
+    compiled = []
+    for tag in tags:
+        try:
+            compiled.append(KernelSet.from_tag(tag))
+        except ValueError:  # a marker of a loop this build no longer has: not a set it can load
+            continue
+    return min((s for s in compiled if s.covers(need)), key=lambda s: (len(s.loops), s.tag), default=need)
 
 
 class KernelSetType(types.Type):
