@@ -9,7 +9,7 @@ writes each unit's marker as it finishes and exits, giving back the compiler's m
 (the coordinator, the node workers) then only loads the compiled code.
 
     host            the decoder's host loops (norms, top-k, RoPE, attention)    the coordinator
-    doorbells       futex doorbells and atomics                                 both sides of a process pool
+    doorbells       futex doorbells and atomics, the stream's host functions    both sides of a process pool
     experts/TAG     a node's MoE layer, its answer and its STREAM read, for     node workers, an in-process pool
                     kernel set TAG
     dense/TAG       the packed dense matrices of one format (kernel set TAG)    the coordinator without a GPU
@@ -119,9 +119,10 @@ class Unit:
 
             host_ops.warm_up()
         elif self.kind == "doorbells":
-            from shm import doorbell
+            from shm import doorbell, pool_signal
 
             doorbell.warm_up()
+            pool_signal.warm_up()  # the stream's ring and wait host functions (a GPU's decode over the pool)
         elif self.kind == "encode":
             from shm.formats import encode
 

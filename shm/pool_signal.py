@@ -37,6 +37,8 @@ synchronisation the coordinator reads the error word, recovers the pool the eage
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 from numba import cfunc, njit, types
 
@@ -139,23 +141,30 @@ def wait(row):
 _HOST_FN = types.void(types.voidptr)
 
 
-@cfunc(_HOST_FN, **CACHED)
 def ring_host_fn(row):
     ring(doorbell.pointer_value(row))
 
 
-@cfunc(_HOST_FN, **CACHED)
 def wait_host_fn(row):
     wait(doorbell.pointer_value(row))
 
 
+@lru_cache(maxsize=None)
+def _host_function(fn):
+    """``fn`` as a C callable, compiled (or loaded from the cache) on first use, not at import: a cfunc compiles
+    when it is made, and made at import it compiled in every process that imports the engine, a cold
+    `strata generate` included, where a Ctrl-C then landed inside numba's callbacks (the compile child
+    compiles it instead: coordinator/warmup.py's doorbells unit)."""
+    return cfunc(_HOST_FN, **CACHED)(fn)
+
+
 def ring_address() -> int:
     """The address of ``ring`` as a CUDA host function (CUhostFn)."""
-    return ring_host_fn.address
+    return _host_function(ring_host_fn).address
 
 
 def wait_address() -> int:
-    return wait_host_fn.address
+    return _host_function(wait_host_fn).address
 
 
 class SignalTables:

@@ -407,6 +407,20 @@ def test_a_stop_inside_a_ctypes_callback_ends_the_compile_child_at_once(handlers
         assert "Exception ignored" in out.stderr and "went on" in out.stdout
 
 
+def test_importing_the_command_and_the_engine_compiles_nothing(tmp_path):
+    """On an empty cache, importing the command and the engine compiles no function in that process: a compile in
+    the command's own process is one a Ctrl-C can land in, inside numba's callbacks (the compile child does them
+    all). The stream's host functions compile on first use."""
+    code = ("import json; from coordinator.cli import main; from coordinator import engine; "
+            "from shm import compile_log, pool_signal; imported = compile_log.compiled(); pool_signal.ring_address(); "
+            "print(json.dumps([imported, compile_log.compiled()]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(tmp_path / "cache"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    imported, used = json.loads(out.stdout)
+    assert imported == [] and any("ring" in name for name in used), (imported, used)
+
+
 @pytest.mark.parametrize("seconds", [1, 2, 5, 10])
 def test_a_terminals_ctrl_c_during_a_cold_split_generate_prints_no_traceback(tmp_path, seconds):
     """Ctrl-C as a terminal sends it (the whole process group: the command and its compile child at once) 1, 2, 5
