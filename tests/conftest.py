@@ -6,7 +6,10 @@ from shm.threads_env import apply
 
 apply()  # the tests run with the thread settings of the strata command, set before NumPy loads
 
+import contextlib  # noqa: E402
+import fcntl  # noqa: E402
 import json  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,19 @@ from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from shm.checkpoint import INDEX_NAME, Checkpoint
 from shm.checkpoint_writer import save_checkpoint
+
+
+# -- tiers: ./tools/test.sh --quick leaves out the tests marked slow --------------------------------------------
+# Slow: a test that starts processes (strata commands, servers, node workers), compiles into an empty cache, or
+# drives a whole engine through the CUDA emulator; a module marks itself (pytestmark), a test its own, and a
+# test that takes one of these fixtures is marked here.
+SLOW_FIXTURES = {"serve", "server", "gpu"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
@@ -74,24 +90,51 @@ def every_kernel_loop_compiled_once():
     ensure_compiled([Unit.experts(KernelSet.everything(int_act)) for int_act in (False, True)], quiet=True)
 
 
+DEV_SHM_LOCK = "strata-tests-dev-shm.lock"  # in the temp folder: every pytest process on this machine takes it
+
+
+@contextlib.contextmanager
+def dev_shm_held():
+    """An exclusive lock among the suite's processes (pytest -n workers, another checkout's run)."""
+    with open(Path(tempfile.gettempdir()) / DEV_SHM_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def dev_shm_alone():
+    """/dev/shm's strata segments and the pool folders to this test alone while it runs: taken by the tests that
+    SIGKILL strata processes (their segments outlive them, owner dead, until a restart adopts them), that clean
+    every dead owner's segment (`shm clean --all`), or that look for leftovers among all of them; the other
+    tests of a parallel run (./tools/test.sh runs two) go on beside them."""
+    with dev_shm_held():
+        yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     """After the whole suite: no strata segment in /dev/shm and no node worker process of ours."""
-    import os
-    from pathlib import Path
-
-    import psutil
-
-    from shm.segments import SegmentError, owner_alive, read_header
-
-    import tempfile
-
-    from coordinator.pool.channel import POOL_DIR_PREFIX, pool_dir_owner_alive
+    from coordinator.pool.channel import POOL_DIR_PREFIX
 
     tmp = Path(tempfile.gettempdir())
     before = {p.name for p in Path("/dev/shm").glob("strata.*")}
     dirs_before = set(tmp.glob(POOL_DIR_PREFIX + "*"))
     yield
+    with dev_shm_held():  # no test of a parallel worker between its SIGKILL and its restart
+        check_nothing_left(before, dirs_before, tmp)
+
+
+def check_nothing_left(before: set[str], dirs_before: set[Path], tmp: Path) -> None:
+    import os
+
+    import psutil
+
+    from coordinator.pool.channel import POOL_DIR_PREFIX, pool_dir_owner_alive
+    from shm.segments import SegmentError, owner_alive, read_header
+
     me = psutil.Process(os.getpid())
     ours = {os.getpid()} | {p.pid for p in me.children(recursive=True)}
 

@@ -25,6 +25,7 @@ def report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_every_mode_and_figure_is_reported(report):
     assert list(report["modes"]) == ["inproc", "single", "split"]
     cfg = load_model_config(report["model"])  # K and V, float32, every layer
@@ -49,6 +50,7 @@ def test_every_mode_and_figure_is_reported(report):
     assert report["modes"]["inproc"]["moe_layer_decode"]["to_worker_us"]["n"] == 0
 
 
+@pytest.mark.slow
 def test_bytes_counted_equal_bytes_implied_by_routing(report):
     for mode, m in report["modes"].items():
         b = m["bytes"]
@@ -59,6 +61,7 @@ def test_bytes_counted_equal_bytes_implied_by_routing(report):
     assert len(loads) == 1
 
 
+@pytest.mark.slow
 def test_hot_experts_from_a_profile_are_benched_in_every_mode(tmp_path, capsys):
     """--expert-profile/--gpu-experts apply to every mode: the device serves a share of the pairs, the CPU
     side reads fewer expert bytes than without them, and the counted bytes still match the routing."""
@@ -84,6 +87,7 @@ def test_hot_experts_from_a_profile_are_benched_in_every_mode(tmp_path, capsys):
         assert hot["bytes"]["counted"] == hot["bytes"]["implied_by_routing"] < cold["bytes"]["counted"]
 
 
+@pytest.mark.slow
 def test_nodes_are_described_and_virtual_nodes_labelled(report):
     split = report["modes"]["split"]["nodes"]
     assert [n["node"] for n in split] == [0, 1]
@@ -170,6 +174,7 @@ def test_parameter_count_of_real_geometry():
     assert 46e9 < parameter_count("mixtral", m) < 47.5e9  # Mixtral 8x7B: 46.7B
 
 
+@pytest.mark.slow
 def test_plot_draws_a_png(report, tmp_path):
     pytest.importorskip("matplotlib")
     from coordinator.cli.bench import plot
@@ -179,6 +184,7 @@ def test_plot_draws_a_png(report, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, per_weight", [("bf16", 2.0), ("q4", 0.5625)])
 def test_each_format_reports_its_stored_bytes_and_reads(tmp_path, fmt, per_weight):
     # 96 = 3 whole blocks: no slice's W_down rows are padded (80 would pad the last node's 16 to 32)
@@ -193,6 +199,7 @@ def test_each_format_reports_its_stored_bytes_and_reads(tmp_path, fmt, per_weigh
         assert m["bytes"]["counted"] == m["bytes"]["implied_by_routing"] > 0, mode
 
 
+@pytest.mark.slow
 def test_quality_against_f32_is_reported_for_the_formats(tmp_path):
     """q8 experts + q8 dense matrices against the f32 computation: figures that show the quantisation."""
     model = make_model(tmp_path / "m", seed=3)
@@ -208,6 +215,7 @@ def test_quality_against_f32_is_reported_for_the_formats(tmp_path):
     assert p["positions"] == 16 and 0 < p["max_rel_logits_error"] < 0.05 and 0 < p["mean_kl"] < 1e-2
 
 
+@pytest.mark.slow
 def test_speculative_decoding_is_reported_beside_plain_decoding(tmp_path, capsys):
     """--speculative ngram on a repetitive prompt: each round decodes with and without drafts, the order
     alternating; the speedup is the median of the rounds' own ratios, and drafts were made and counted."""
@@ -266,6 +274,7 @@ def test_a_bad_prompt_file_is_refused_with_its_cause(tmp_path, capsys, name, tex
     assert match in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_formats_are_benched_side_by_side_with_ratios_to_the_first(tmp_path, capsys):
     """--formats opens each mode once per format (mode@format) in the same interleaved rounds: each engine
     stores what its entry asks (FORMAT for both, EXPERTS+DENSE apart), the ratios are to the same mode in the

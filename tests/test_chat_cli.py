@@ -22,6 +22,8 @@ from coordinator.errors import StrataError
 from coordinator.model.chat_template import load_chat_template
 from shm.segments import SegmentError, owner_alive, read_header
 
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("dev_shm_alone")]  # `strata chat` processes
+
 REPO = Path(__file__).resolve().parents[1]
 N = 12
 SYSTEM = "Be brief."

@@ -75,6 +75,7 @@ def test_make_model_is_deterministic(tmp_path):
     assert (tmp_path / "a" / "config.json").read_bytes() == (tmp_path / "c" / "config.json").read_bytes()
 
 
+@pytest.mark.slow
 def test_make_model_subprocess_matches_in_process(tmp_path):
     """The real entry point (python -m coordinator) writes the same bytes as cli.main."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
@@ -90,6 +91,7 @@ def test_make_model_subprocess_matches_in_process(tmp_path):
         (tmp_path / "inproc" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_subprocess_error_exit_code(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
     missing = tmp_path / "no-such-model"
@@ -162,6 +164,7 @@ def test_missing_model_dir_exit_2(tmp_path, capsys):
     assert err.startswith("strata: error:") and str(missing) in err
 
 
+@pytest.mark.slow
 def test_numa_split_over_two_nodes_gives_the_same_ids(model, capsys):
     args = ["--model", str(model), "--prompt", "Hello", "--max-new-tokens", str(N)]
     whole, _ = run_json(capsys, *args)
@@ -222,7 +225,7 @@ def test_generate_print_config_uses_env(model, capsys, monkeypatch):
     assert any(line.split()[:2] == ["nodes", "2"] and "env STRATA_NODES" in line for line in out.splitlines())
 
 
-def test_shm_clean_all_removes_pool_folders_of_gone_coordinators_only(tmp_path, monkeypatch, capsys):
+def test_shm_clean_all_removes_pool_folders_of_gone_coordinators_only(tmp_path, monkeypatch, capsys, dev_shm_alone):
     import json
     import os
     import subprocess
@@ -279,6 +282,7 @@ def thread_settings(code: str, given: dict[str, str]) -> dict:
                                              ({"OPENBLAS_THREAD_TIMEOUT": "12", "OMP_WAIT_POLICY": "PASSIVE"},
                                               {"OPENBLAS_THREAD_TIMEOUT": "12", "GOMP_SPINCOUNT": None})],
                          ids=["default", "user's"])
+@pytest.mark.slow
 def test_every_entry_point_sets_the_thread_variables_before_numpy_unless_the_user_did(entry, given, expected):
     """OpenBLAS's idle threads sleep at once and libgomp's spin a while (shm/threads_env.py), set by each entry
     point before NumPy loads OpenBLAS; a choice of the user's stays."""

@@ -292,7 +292,7 @@ def test_the_setup_script_installs_once_and_again_only_when_pyproject_changes():
     assert stamp.stat().st_mtime_ns == before
 
 
-def test_shm_list_shows_a_dead_coordinators_pool_folder_and_clean_all_removes_it(capsys):
+def test_shm_list_shows_a_dead_coordinators_pool_folder_and_clean_all_removes_it(capsys, dev_shm_alone):
     import json
     import subprocess
     import tempfile

@@ -13,6 +13,8 @@ from coordinator.errors import StrataError
 from coordinator.serving.client import Client, RequestTooLarge, ServerDisconnected
 from coordinator.serving.api import MAX_REQUEST_BYTES
 
+pytestmark = pytest.mark.slow  # `strata serve` processes
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

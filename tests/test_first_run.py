@@ -27,6 +27,8 @@ from coordinator.warmup import Unit, engine_units, marker
 from node_worker.kernels.kernel_set import KernelSet, for_formats
 from shm import jit
 
+pytestmark = pytest.mark.usefixtures("dev_shm_alone")  # SIGKILLs, cleans or counts segments
+
 REPO = Path(__file__).resolve().parents[1]
 UNIT_LINE = re.compile(r"^  \[(\d+)/(\d+)\] (.+): (\d+\.\d) s, (\d+) functions compiled$")
 
@@ -67,6 +69,7 @@ print(json.dumps({"coordinator": compile_log.compiled(), "workers": workers, "so
 """
 
 
+@pytest.mark.slow
 def test_a_first_run_compiles_once_in_a_child_and_every_process_then_loads_the_cache(tmp_path):
     """A cold split generate: one line naming what is compiled and why, one line per unit as it finishes, its
     marker written; then a second run and a copy of the project in another folder (a second clone) load it all:
@@ -115,16 +118,17 @@ def test_a_first_run_compiles_once_in_a_child_and_every_process_then_loads_the_c
     assert "nothing compiled yet" in strata("cache", env=env).stdout
 
 
+@pytest.mark.slow
 def test_an_interrupted_compile_keeps_the_units_it_finished(tmp_path):
-    """Ctrl-C during the second unit: exit status 130, no traceback, the first unit's marker kept, no
+    """Ctrl-C during the second unit (the two cheapest units: the cold compile is the subject, not its size): exit status 130, no traceback, the first unit's marker kept, no
     half-written file in the cache; the next run compiles the second unit alone."""
     cache = tmp_path / "cache"
     env = clean_env(cache)
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.warmup", "host", "experts/f32"], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.warmup", "doorbells", "host"], cwd=REPO, env=env,
                             stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stderr:
-            if "host loops:" in line:
+            if "doorbells:" in line:
                 break
         proc.send_signal(signal.SIGINT)
         rest = proc.stderr.read()
@@ -133,14 +137,15 @@ def test_an_interrupted_compile_keeps_the_units_it_finished(tmp_path):
         proc.kill()
     assert "Traceback" not in rest
     folder = build_folder(cache, env)
-    assert marker(Unit("host"), folder) is not None and marker(Unit("experts", "f32"), folder) is None
+    assert marker(Unit("doorbells"), folder) is not None and marker(Unit("host"), folder) is None
     assert not [p for p in folder.rglob("*") if ".tmp" in p.name]
-    rerun = subprocess.run([sys.executable, "-m", "coordinator.warmup", "host", "experts/f32"], cwd=REPO, env=env,
+    rerun = subprocess.run([sys.executable, "-m", "coordinator.warmup", "doorbells", "host"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
-    assert [m[3] for m in map(UNIT_LINE.match, rerun.stderr.splitlines()) if m] == ["experts (f32)"]
+    assert [m[3] for m in map(UNIT_LINE.match, rerun.stderr.splitlines()) if m] == ["host loops"]
 
 
+@pytest.mark.slow
 def test_two_compiles_into_one_build_take_turns(tmp_path):
     """A second process compiling into the same build folder waits for the first (it says whom it waits for)
     and then finds the unit compiled: the unit is compiled once."""
@@ -163,6 +168,7 @@ def test_two_compiles_into_one_build_take_turns(tmp_path):
         assert f"waiting for pid {first.pid}" in second.stderr
 
 
+@pytest.mark.slow
 def test_the_build_key_follows_the_sources_not_their_folder(tmp_path):
     """Two copies of the project in different folders name the same build; an edited kernel names another."""
     def key(root: Path) -> str:
@@ -353,6 +359,7 @@ def has_segment(proc, _err: str) -> bool:
                for p in Path("/dev/shm").glob("strata.*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moment", ["importing", "compiling", "workers starting", "segments filled", "generating"])
 def test_a_split_generate_stopped_at_any_moment_leaves_nothing_and_no_traceback(tmp_path, moment):
     """SIGINT (as `kill -INT`) at each phase of `generate --numa-split --nodes 2`: during the imports, the kernel
@@ -393,6 +400,7 @@ print("went on after the stop")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("handlers", ["child", "python"])
 def test_a_stop_inside_a_ctypes_callback_ends_the_compile_child_at_once(handlers):
     """The compile child's handlers end it where a signal finds it, inside a callback from C as elsewhere: status
@@ -407,6 +415,7 @@ def test_a_stop_inside_a_ctypes_callback_ends_the_compile_child_at_once(handlers
         assert "Exception ignored" in out.stderr and "went on" in out.stdout
 
 
+@pytest.mark.slow
 def test_importing_the_command_and_the_engine_compiles_nothing(tmp_path):
     """On an empty cache, importing the command and the engine compiles no function in that process: a compile in
     the command's own process is one a Ctrl-C can land in, inside numba's callbacks (the compile child does them
@@ -421,6 +430,7 @@ def test_importing_the_command_and_the_engine_compiles_nothing(tmp_path):
     assert imported == [] and any("ring" in name for name in used), (imported, used)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seconds", [1, 2, 5, 10])
 def test_a_terminals_ctrl_c_during_a_cold_split_generate_prints_no_traceback(tmp_path, seconds):
     """Ctrl-C as a terminal sends it (the whole process group: the command and its compile child at once) 1, 2, 5
@@ -439,6 +449,7 @@ def test_a_terminals_ctrl_c_during_a_cold_split_generate_prints_no_traceback(tmp
     assert all(json.loads(m.read_text())["functions"] >= 0 for m in markers)  # whole, where any was written
 
 
+@pytest.mark.slow
 def test_chat_stopped_at_its_prompt_by_a_terminals_ctrl_c_leaves_nothing(tmp_path):
     """Ctrl-C at chat's idle prompt, as a terminal sends it (the whole process group): the chat ends with 130,
     no "Exception ignored" from a worker, nothing left (the node workers run in sessions of their own)."""
@@ -449,6 +460,7 @@ def test_chat_stopped_at_its_prompt_by_a_terminals_ctrl_c_leaves_nothing(tmp_pat
     assert code == 130 and "Traceback" not in err and "Exception ignored" not in err, err
 
 
+@pytest.mark.slow
 def test_a_worker_start_timeout_leaves_nothing(tmp_path):
     """Workers that do not say HELLO within STRATA_WORKER_START_TIMEOUT: the error names the nodes and the
     setting, and the workers, their segments and the pool's folder are gone."""
@@ -468,6 +480,7 @@ def test_a_worker_start_timeout_leaves_nothing(tmp_path):
     assert not set(Path(tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*")) - folders
 
 
+@pytest.mark.slow
 def test_a_worker_gone_before_its_hello_has_its_segment_removed(tmp_path):
     """The supervisor's clean-up knows a worker's segment by name (model, plan, node) without its HELLO: a
     worker stopped while filling it (dead, its segment half-written) leaves nothing."""
@@ -493,6 +506,7 @@ def test_a_worker_gone_before_its_hello_has_its_segment_removed(tmp_path):
         segments.unlink(name)
 
 
+@pytest.mark.slow
 def test_a_cache_that_cannot_be_written_or_fills_up_is_named(tmp_path, monkeypatch, capsys):
     """An unwritable cache folder and a full disk while numba writes: one line each naming the folder and the
     cause (exit status 2), and the engine's start says the compile failed, pointing at it."""

@@ -17,6 +17,8 @@ import device_standin
 from coordinator import Engine, EngineConfig
 from shm import doorbell
 
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("dev_shm_alone")]  # whole engines through the CUDA emulator, over node worker processes
+
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 GEOMETRY = dict(hidden_size=256, moe_intermediate_size=256, dense_intermediate_size=256, head_dim=32, num_heads=4,
                 num_kv_heads=2, vocab_size=320)

@@ -45,6 +45,7 @@ def test_logits_and_greedy_match_transformers(case, split):
 DEEPSEEK = [c for c in CASES if c.startswith(("deepseek_v3", "deepseek_v2", "glm4_moe"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DEEPSEEK)
 def test_deepseek_node_workers_single_and_split_over_2_and_3(case):
     """Node worker processes, one holding whole experts and 2 or 3 holding rows: within 2e-4 of transformers,
@@ -85,6 +86,7 @@ def served_greedy(eng, prompt: list[int], new: int, prefill_chunk: int) -> tuple
     return out["ids"], sched.stats["steps"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", QWEN3_NEXT)
 def test_qwen3_next_node_workers_single_and_split_chunked_prefill(case):
     """Qwen3-Next (Gated DeltaNet and gated attention, 3:1), its 150-token prompt longer than two of the delta rule's

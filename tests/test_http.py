@@ -29,6 +29,8 @@ from coordinator.serving.http import prometheus
 from coordinator.serving.openai_api import OpenAIError, from_engine_error, generate_fields
 from served import REPO, server_env, start_server, stop_server, wait_for
 
+pytestmark = pytest.mark.slow  # `strata serve` processes over HTTP
+
 KEY = "test-key-123"
 TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}[S]{{ m.content }}\n{% else %}<|{{ m.role }}|>"
             "{{ m.content }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")

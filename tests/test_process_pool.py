@@ -30,6 +30,8 @@ from coordinator.pool.process import PoolError, ProcessPool, WorkerDied, row_pie
 from node_worker import protocol as P
 from node_worker.job import WorkerJob
 
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("dev_shm_alone")]  # node worker processes, killed and restarted
+
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
 

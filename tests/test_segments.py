@@ -58,6 +58,8 @@ from shm.segments import (
     unlink,
 )
 
+pytestmark = pytest.mark.usefixtures("dev_shm_alone")  # SIGKILLs, cleans or counts segments
+
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT = {"kind": "test", "note": "not an expert layout"}
 PLAN_DIGEST = "00112233445566778899aabbccddeeff"

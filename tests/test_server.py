@@ -24,6 +24,8 @@ from served import (EXIT_TIMEOUT_S, PROMPTS, READY_TIMEOUT_S, REPO, check_final,
 
 from coordinator.serving.client import Client, RequestFailed, ServerTimeout
 
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("dev_shm_alone")]  # `strata serve` processes
+
 
 # -- generation ----------------------------------------------------------------
 

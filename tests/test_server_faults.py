@@ -20,6 +20,8 @@ from coordinator.serving.api import GENERATE_FIELDS
 from coordinator.serving.client import Client, RequestFailed
 from coordinator.serving.server import Server
 
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("dev_shm_alone")]  # `strata serve` processes and their workers, killed
+
 TERMINAL = {"error", "final", "stats", "health"}
 
 

@@ -17,6 +17,8 @@ from numba.core import config
 
 from node_worker.kernels.common import KernelTargetError, check_target, target_features
 
+pytestmark = pytest.mark.slow  # kernels compiled cold for other CPUs, in processes of their own
+
 ROOT = Path(__file__).resolve().parents[1]
 HASWELL = "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1," \
           "+sse4.2,+ssse3"  # the AVX2 host: no AVX-512

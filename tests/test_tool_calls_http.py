@@ -18,6 +18,8 @@ import pytest
 from coordinator.cli.make_model import make_model
 from served import start_server, stop_server
 
+pytestmark = pytest.mark.slow  # `strata serve` processes over HTTP
+
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from source_imports import imports, project_modules
 
+pytestmark = pytest.mark.slow  # a wheel built and installed into a fresh venv
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("coordinator", "node_worker", "shm")
 OPTIONAL = {"cupy", "cupyx", "torch", "transformers", "matplotlib"}  # imported where present ([gpu], [plot], tools only)

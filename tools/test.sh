@@ -3,12 +3,19 @@
 #   ./tools/test.sh           every test: CI, and before a commit
 #   ./tools/test.sh --quick   the quick tier, every test not marked slow (tests/conftest.py says which are):
 #                             each module's logic in-process, for the edit-test loop
-# Other arguments go to pytest (e.g. ./tools/test.sh --quick -k split -x).
+# Two pytest workers (pytest-xdist) share the tests a file at a time (a module's fixtures are set up once); -n N
+# among the arguments sets another count (-n 0: none). Other arguments go to pytest
+# (e.g. ./tools/test.sh --quick -k split -x).
 set -euo pipefail
 . "$(dirname "$0")/_venv.sh" test
 cd "$ROOT"
 args=()
+workers=(-n 2 --dist loadfile)
 for a in "$@"; do
-  if [ "$a" = --quick ]; then args+=(-m "not slow"); else args+=("$a"); fi
+  case "$a" in
+    --quick) args+=(-m "not slow") ;;
+    -n|-n*|--numprocesses|--numprocesses=*) workers=(); args+=("$a") ;;
+    *) args+=("$a") ;;
+  esac
 done
-exec python -m pytest ${args[@]+"${args[@]}"}
+exec python -m pytest ${workers[@]+"${workers[@]}"} ${args[@]+"${args[@]}"}
