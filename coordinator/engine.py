@@ -77,7 +77,8 @@ def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, backe
     spec = expert_format(config, mcfg, ckpt, layer_experts(mcfg, ckpt))
     names = spec.names
     encoders = [*names, config.dense_dtype] if backend == "numpy" else names  # q8 and q4 quantise floats
-    return spec, engine_units(config.pool, compiled_cover(for_formats(names, config.activations)), encoders)
+    return spec, engine_units(config.pool, compiled_cover(for_formats(names, config.activations)), encoders,
+                              gpu=backend == "cupy")
 
 
 @dataclass(eq=False)

@@ -9,7 +9,8 @@ writes each unit's marker as it finishes and exits, giving back the compiler's m
 (the coordinator, the node workers) then only loads the compiled code.
 
     host            the decoder's host loops (norms, top-k, RoPE, attention)    the coordinator
-    doorbells       futex doorbells and atomics, the stream's host functions    both sides of a process pool
+    doorbells       futex doorbells and atomics                                 both sides of a process pool
+    stream          the pool's ring and wait as CUDA host functions             a GPU coordinator, process pool
     experts/TAG     a node's MoE layer, its answer and its STREAM read, for     node workers, an in-process pool
                     kernel set TAG
     dense/TAG       the packed dense matrices of one format (kernel set TAG)    the coordinator without a GPU
@@ -66,7 +67,7 @@ from .errors import StrataError
 if TYPE_CHECKING:
     from node_worker.kernels.kernel_set import KernelSet
 
-KINDS = ("host", "doorbells", "experts", "dense", "encode")
+KINDS = ("host", "doorbells", "stream", "experts", "dense", "encode")
 LOCK_NAME = "compile.lock"
 STOP_WAIT_S = 10.0  # for an interrupted compile child to end before it is killed
 TICK_S = 0.25  # the terminal's progress line is redrawn this often
@@ -87,7 +88,7 @@ class Unit:
     def parse(cls, name: str) -> Unit:
         kind, _, arg = name.partition("/")
         if kind not in KINDS or (kind in ("experts", "dense", "encode")) != bool(arg):
-            raise ValueError(f"no compile unit {name!r} (known: host, doorbells, experts/TAG, dense/TAG, encode/FMT)")
+            raise ValueError(f"no compile unit {name!r} (known: host, doorbells, stream, experts/TAG, dense/TAG, encode/FMT)")
         return cls(kind, arg)
 
     @classmethod
@@ -110,7 +111,8 @@ class Unit:
 
             what = "experts" if self.kind == "experts" else "dense matrices"
             return f"{what} ({KernelSet.from_tag(self.arg).label})"
-        return {"host": "host loops", "doorbells": "doorbells"}.get(self.kind, f"{self.arg} encoder")
+        return {"host": "host loops", "doorbells": "doorbells", "stream": "stream host functions"}.get(
+            self.kind, f"{self.arg} encoder")
 
     def compile(self) -> None:
         """Compile (or load) the unit's functions in this process, by calling them as the engine does."""
@@ -119,10 +121,13 @@ class Unit:
 
             host_ops.warm_up()
         elif self.kind == "doorbells":
-            from shm import doorbell, pool_signal
+            from shm import doorbell
 
             doorbell.warm_up()
-            pool_signal.warm_up()  # the stream's ring and wait host functions (a GPU's decode over the pool)
+        elif self.kind == "stream":
+            from shm import pool_signal
+
+            pool_signal.warm_up()
         elif self.kind == "encode":
             from shm.formats import encode
 
@@ -143,12 +148,13 @@ class Unit:
                 dense.warm_up(kernels)
 
 
-def engine_units(pool: str, expert_kernels, encoders: Iterable[str] = ()) -> list[Unit]:
-    """What an engine needs before it loads: the host loops, the doorbells (a process pool), the experts' layer
-    for kernel set ``expert_kernels`` (None: no CPU experts), and the q8 or q4 encoders that fill weights."""
+def engine_units(pool: str, expert_kernels, encoders: Iterable[str] = (), gpu: bool = False) -> list[Unit]:
+    """What an engine needs before it loads: the host loops, the doorbells (a process pool) and the stream's host
+    functions (a process pool driven from the GPU's stream), the experts' layer for kernel set ``expert_kernels``
+    (None: no CPU experts), and the q8 or q4 encoders that fill weights."""
     units = [Unit("host")]
     if pool == "process":
-        units.append(Unit("doorbells"))
+        units += [Unit("doorbells"), *([Unit("stream")] if gpu else [])]
     if expert_kernels is not None:
         units.append(Unit.experts(expert_kernels))
     units += [Unit("encode", name) for name in sorted(set(encoders)) if name in ("q8", "q4")]

@@ -154,7 +154,7 @@ def _host_function(fn):
     """``fn`` as a C callable, compiled (or loaded from the cache) on first use, not at import: a cfunc compiles
     when it is made, and made at import it compiled in every process that imports the engine, a cold
     `strata generate` included, where a Ctrl-C then landed inside numba's callbacks (the compile child
-    compiles it instead: coordinator/warmup.py's doorbells unit)."""
+    compiles it instead: coordinator/warmup.py's stream unit)."""
     return cfunc(_HOST_FN, **CACHED)(fn)
 
 

@@ -120,8 +120,9 @@ def test_a_first_run_compiles_once_in_a_child_and_every_process_then_loads_the_c
 
 @pytest.mark.slow
 def test_an_interrupted_compile_keeps_the_units_it_finished(tmp_path):
-    """Ctrl-C during the second unit (the two cheapest units: the cold compile is the subject, not its size): exit status 130, no traceback, the first unit's marker kept, no
-    half-written file in the cache; the next run compiles the second unit alone."""
+    """Ctrl-C during the second unit: exit status 130, no traceback, the first unit's marker kept, no half-written
+    file in the cache; the next run compiles the second unit alone (the two cheapest units: the cold compile is
+    the subject, not its size)."""
     cache = tmp_path / "cache"
     env = clean_env(cache)
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.warmup", "doorbells", "host"], cwd=REPO, env=env,
@@ -193,11 +194,10 @@ def test_every_module_with_compiled_code_is_part_of_the_build_key():
     import source_imports
 
     covered = set(jit.source_files())
-    project = [p for package in ("coordinator", "node_worker", "shm") for p in (REPO / package).rglob("*.py")]
-    compiles = [p for p in project if re.search(r"@(njit|intrinsic|register_jitable|vectorize)\b", p.read_text())]
+    known = source_imports.project_modules()
+    compiles = [p for p in known.values() if re.search(r"@(njit|intrinsic|register_jitable|vectorize)\b", p.read_text())]
     assert compiles and not [str(p.relative_to(REPO)) for p in compiles if p not in covered]
 
-    known = source_imports.project_modules()
     # pool_io is in the key for the constants answer.py holds; its segment plumbing (shm.segments) is Python only
     python_only = {REPO / "shm" / "segments.py"}
     uncovered = []
@@ -237,6 +237,8 @@ def test_a_kernel_set_generates_its_own_formats_loops_alone():
     assert engine_units("process", f32, ["q8", "f32"]) == [Unit("host"), Unit("doorbells"), Unit("experts", "f32"),
                                                            Unit("encode", "q8")]
     assert [u.name for u in engine_units("inproc", None)] == ["host"]
+    assert [u.name for u in engine_units("process", f32, gpu=True)] == ["host", "doorbells", "stream", "experts/f32"]
+    assert Unit.parse("stream") == Unit("stream") and Unit("stream").label == "stream host functions"
 
 
 def test_a_compiled_set_that_covers_a_models_formats_is_run_instead_of_compiling_its_own(monkeypatch, tmp_path):

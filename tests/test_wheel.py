@@ -16,12 +16,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from source_imports import imports, project_modules
+from source_imports import PACKAGES, imports, project_modules
 
 pytestmark = pytest.mark.slow  # a wheel built and installed into a fresh venv
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("coordinator", "node_worker", "shm")
 OPTIONAL = {"cupy", "cupyx", "torch", "transformers", "matplotlib"}  # imported where present ([gpu], [plot], tools only)
 
 
@@ -41,8 +40,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def tree_modules() -> set[str]:
-    return {str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
-            if "__pycache__" not in p.parts}
+    return {str(p.relative_to(ROOT)) for p in project_modules().values()}
 
 
 def test_the_wheel_holds_every_module_of_the_tree(wheel):
