@@ -117,36 +117,25 @@ def dev_shm_alone():
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     """After the whole suite: no strata segment in /dev/shm and no node worker process of ours."""
-    from coordinator.pool.channel import POOL_DIR_PREFIX
+    from leftovers import pool_folders_now, segments_now
 
-    tmp = Path(tempfile.gettempdir())
-    before = {p.name for p in Path("/dev/shm").glob("strata.*")}
-    dirs_before = set(tmp.glob(POOL_DIR_PREFIX + "*"))
+    before, dirs_before = segments_now(), pool_folders_now()
     yield
     with dev_shm_held():  # no test of a parallel worker between its SIGKILL and its restart
-        check_nothing_left(before, dirs_before, tmp)
+        check_nothing_left(before, dirs_before)
 
 
-def check_nothing_left(before: set[str], dirs_before: set[Path], tmp: Path) -> None:
+def check_nothing_left(before: set[str], dirs_before: set[Path]) -> None:
     import os
 
     import psutil
 
-    from coordinator.pool.channel import POOL_DIR_PREFIX, pool_dir_owner_alive
-    from shm.segments import SegmentError, owner_alive, read_header
+    from leftovers import pool_folders_left, segments_left
 
     me = psutil.Process(os.getpid())
     ours = {os.getpid()} | {p.pid for p in me.children(recursive=True)}
+    left = segments_left(before, ours)  # another live program's are not ours
 
-    def leaked(name: str) -> bool:
-        """Ours: owned by this session's processes, or by a dead one (another live program's is not)."""
-        try:
-            header = read_header("/" + name)
-        except SegmentError:
-            return True
-        return header.owner_pid in ours or not owner_alive(header)
-
-    left = sorted(n for n in {p.name for p in Path("/dev/shm").glob("strata.*")} - before if leaked(n))
     def is_worker(p) -> bool:
         try:
             cmd = " ".join(p.cmdline())
@@ -155,14 +144,7 @@ def check_nothing_left(before: set[str], dirs_before: set[Path], tmp: Path) -> N
             return False
 
     workers = [p for p in me.children(recursive=True) if is_worker(p)]
-    def owner_pid(folder: Path) -> int | None:
-        try:
-            return json.loads((folder / "owner.json").read_text())["pid"]
-        except (OSError, ValueError, KeyError):
-            return None
-
-    dirs_left = sorted(str(d) for d in set(tmp.glob(POOL_DIR_PREFIX + "*")) - dirs_before
-                       if owner_pid(d) in ours or not pool_dir_owner_alive(d))
+    dirs_left = pool_folders_left(dirs_before, ours)
     assert not left, f"segments leaked by the suite: {left}"
     assert not dirs_left, f"pool folders leaked by the suite: {dirs_left}"
     assert not workers, f"node worker processes left running: {[w.pid for w in workers]}"

@@ -20,7 +20,7 @@ from coordinator.cli.make_model import make_model
 from coordinator.config import ENV_VARS
 from coordinator.errors import StrataError
 from coordinator.model.chat_template import load_chat_template
-from shm.segments import SegmentError, owner_alive, read_header
+from leftovers import segments_left, segments_now
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("dev_shm_alone")]  # `strata chat` processes
 
@@ -48,13 +48,9 @@ def expected_answer(engine: Engine, template, messages: list[dict]) -> tuple[lis
     return ids, engine.decode(out[:cut])
 
 
-def strata_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("strata.*")}
-
-
 def test_chat_streams_the_greedy_answers_and_reset_forgets(chat_model):
     env = {k: v for k, v in os.environ.items() if k not in {var for var, _ in ENV_VARS.values()}}
-    before = strata_segments()
+    before = segments_now()
     proc = subprocess.Popen([sys.executable, "-m", "coordinator", "chat", "-m", str(chat_model), "-n", str(N),
                              "--system", SYSTEM], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -82,12 +78,7 @@ def test_chat_streams_the_greedy_answers_and_reset_forgets(chat_model):
                if f"--parent-pid {proc.pid}" in " ".join(p.info["cmdline"] or [])]
     assert not workers, "node workers left running"
 
-    def leaked(name: str) -> bool:
-        try:
-            return not owner_alive(read_header("/" + name))
-        except SegmentError:
-            return True
-    assert not [n for n in strata_segments() - before if leaked(n)], "segments left in /dev/shm"
+    assert not segments_left(before, {proc.pid}), "segments left in /dev/shm"
 
 
 def test_a_model_without_a_template_is_refused_before_loading(tiny_model, capsys):

@@ -22,8 +22,8 @@ import pytest
 
 from coordinator.cli.make_model import make_model
 from coordinator.config import ENV_VARS
-from coordinator.pool.channel import POOL_DIR_PREFIX
 from coordinator.warmup import Unit, engine_units, marker
+from leftovers import pool_folders_left, pool_folders_now, segments_left, segments_now
 from node_worker.kernels.kernel_set import KernelSet, for_formats
 from shm import jit
 
@@ -270,10 +270,6 @@ def test_a_compiled_set_that_covers_a_models_formats_is_run_instead_of_compiling
 def leftovers(pid: int, segments_before: set[str], folders_before: set[Path], children=()) -> list[str]:
     """What a stopped ``strata`` run (pid) left: its workers or compile (``children``: the processes it had
     started, seen before it was stopped), segments, pool folders."""
-    import tempfile
-
-    from shm.segments import SegmentError, owner_alive, read_header
-
     left = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
@@ -285,14 +281,9 @@ def leftovers(pid: int, segments_before: set[str], folders_before: set[Path], ch
                 left.append(f"process {child.pid}: {' '.join(child.cmdline())}")
         except psutil.Error:
             pass
-    for name in {p.name for p in Path("/dev/shm").glob("strata.*")} - segments_before:
-        try:
-            if owner_alive(read_header("/" + name)):
-                continue
-        except SegmentError:
-            pass
-        left.append(f"segment {name}")
-    left += [f"folder {d}" for d in set(Path(tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*")) - folders_before]
+    ours = {pid} | {c.pid for c in children}
+    left += [f"segment {name}" for name in segments_left(segments_before, ours)]
+    left += [f"folder {d}" for d in pool_folders_left(folders_before, ours)]
     return left
 
 
@@ -301,10 +292,7 @@ def interrupted(args: list[str], env: dict, when, signum=signal.SIGINT, group: b
     group, as a terminal's Ctrl-C, when ``group``), and return its exit status and stderr."""
     import tempfile
 
-    from coordinator.pool.channel import POOL_DIR_PREFIX as prefix
-
-    before = {p.name for p in Path("/dev/shm").glob("strata.*")}
-    folders = set(Path(tempfile.gettempdir()).glob(prefix + "*"))
+    before, folders = segments_now(), pool_folders_now()
     err_path = Path(tempfile.mkstemp(suffix=".err")[1])
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "coordinator", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
@@ -466,20 +454,17 @@ def test_chat_stopped_at_its_prompt_by_a_terminals_ctrl_c_leaves_nothing(tmp_pat
 def test_a_worker_start_timeout_leaves_nothing(tmp_path):
     """Workers that do not say HELLO within STRATA_WORKER_START_TIMEOUT: the error names the nodes and the
     setting, and the workers, their segments and the pool's folder are gone."""
-    import tempfile
-
     model = make_model(tmp_path / "m", seed=0, num_layers=2)
     env = clean_env()
     assert strata("generate", "-m", str(model), "--prompt-ids", "1", "-n", "1", env=env).returncode == 0  # compiled
-    before = {p.name for p in Path("/dev/shm").glob("strata.*")}
-    folders = set(Path(tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*"))
+    before, folders = segments_now(), pool_folders_now()
     out = strata("generate", "-m", str(model), "--prompt-ids", "1", "-n", "1", "--numa-split", "--nodes", "2",
                  env={**env, "STRATA_WORKER_START_TIMEOUT": "0.2"})
     assert out.returncode == 2, out.stderr
     assert re.search(r"node 0 \(pid \d+\), node 1 \(pid \d+\) did not finish starting within 0s", out.stderr)
     assert "STRATA_WORKER_START_TIMEOUT" in out.stderr and "Traceback" not in out.stderr
-    assert not [p.name for p in Path("/dev/shm").glob("strata.*") if p.name not in before]
-    assert not set(Path(tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*")) - folders
+    assert not segments_left(before)  # the run has ended: any segment of its processes has a dead owner
+    assert not pool_folders_left(folders)
 
 
 @pytest.mark.slow
