@@ -25,11 +25,54 @@ strides and its scalars; a copy's device side, and its host side's address where
 host array: a graph could not replay that copy with the next step's data); host functions' addresses and user data.
 Two steps whose records are equal queue the same work on the same memory: one captured graph replays both.
 
-Between ``Stream.begin_capture`` and ``end_capture`` (one capture at a time, whichever stream object) the work is
-kept for the graph instead of run, as CUDA captures it: a kernel, copy, fill, in-place operation or host function
-is not run; an operation that makes a new array computes it now (its shape; the values are last step's) and keeps
-its recomputation into that array's memory. ``Graph.launch`` runs the kept work in order, reading the inputs as
-they are then; a wait on the device inside a capture raises, as CUDA refuses it.
+Streams: ``cuda.get_current_stream()`` is the innermost ``with stream:`` or the null stream (ptr 0); every launch,
+copy and host function goes to the stream it names or the current one. Between ``Stream.begin_capture`` and
+``end_capture`` (one capture at a time) the capturing stream's work is kept for the graph instead of run, as CUDA
+captures it: a kernel, copy, fill, in-place operation or host function is not run; an operation that makes a new
+array computes it now (its shape; the values are last step's) and keeps its recomputation into that array's
+memory. ``Graph.launch`` runs the kept work in order, reading the inputs as they are then. Work on another stream
+runs at once (it is not part of the graph), and work on the null stream while a blocking stream captures is
+refused (below).
+
+What the stand-in refuses while a stream captures, each as CuPy or CUDA refuses it (CuPy's sources at
+cupy/cupy, CuPy 13 and 14; the CUDA runtime's stream-capture rules), with the same exception and message; each
+rule has a test in tests/test_device_standin.py::test_refused_inside_a_capture:
+
+    rule              what                                          raises                               mirrors
+    h2d               ndarray.set; a host array assigned into a     RuntimeError('the current stream is  memory.pyx MemoryPointer.copy_from_host_async,
+                      device array; cupy.asarray/array of host      capturing, so H2D transfers are      called by core.pyx ndarray.set, __setitem__
+                      data; cupy.concatenate of more than 8         disallowed')                         (_ndarray_setitem -> array), _array_default;
+                      arrays (its pointer table is uploaded)                                             _routines_manipulation.pyx
+                                                                                                         _concatenate_single_kernel (core.array(ptrs))
+    d2h               ndarray.get (blocking or not, any out);       RuntimeError('the current stream is  memory.pyx MemoryPointer.copy_to_host_async,
+                      cupy.asnumpy; int(), float(), bool(),         capturing, so D2H transfers are      called by core.pyx ndarray.get (and
+                      .item(), .tolist() of a device array          disallowed')                         __int__/__float__/item/tolist through get)
+    sync              Stream.synchronize of the capturing stream,   CUDARuntimeError('cudaErrorStream    stream.pyx Stream.synchronize
+                      Event.synchronize of an event it recorded,    CaptureUnsupported: operation not    (cudaStreamSynchronize), Event.synchronize
+                      Device.synchronize                            permitted when stream is capturing') (cudaEventSynchronize), device.pyx
+                                                                                                         Device.synchronize (cudaDeviceSynchronize)
+    free              the memory pool's free_all_blocks (cudaFree   CUDARuntimeError(cudaErrorStream     memory.pyx MemoryPool.free_all_blocks ->
+                      synchronizes the device)                      CaptureUnsupported)                  runtime.free
+    pageable          runtime.memcpyAsync with a host side that is  CUDARuntimeError(cudaErrorStream     CUDA: a copy with pageable host memory is
+                      neither pinned nor host-registered            CaptureUnsupported)                  synchronous, which a capture cannot hold
+    legacy            work queued on the null stream while a        CUDARuntimeError('cudaErrorStream    CUDA: the legacy stream synchronizes with
+                      blocking stream captures                      CaptureImplicit: operation would     every blocking stream
+                                                                    make the legacy stream depend on a
+                                                                    capturing blocking stream')
+    default stream    begin_capture on the null stream              RuntimeError('cannot capture on the  stream.pyx Stream.begin_capture
+                                                                    default (legacy) stream')
+    state             begin_capture while a capture is in progress; CUDARuntimeError('cudaErrorIllegal    cudaStreamBeginCapture, cudaStreamEndCapture
+                      end_capture of a stream that is not           State: the operation cannot be
+                      capturing                                     performed in the present state')
+    pool              a new array from CuPy's pool (an allocation   CaptureHazard (the stand-in's own)   CuPy captures in relaxed mode
+                      outside cupy.cuda.using_allocator, or the                                          (stream.pyx begin_capture), so CUDA lets
+                      pool's malloc)                                                                     cudaMalloc through; but "the captured graph
+                                                                                                         would be invalid" (cudaThreadExchangeStream
+                                                                                                         CaptureMode): its replays write memory the
+                                                                                                         pool hands out again
+
+``cuda.runtime.memcpyAsync(dst, src, size, kind, stream)`` copies between raw addresses (all host memory here);
+inside a capture it is kept for the graph, as CUDA keeps a memcpy node.
 
 Allocations under ``cupy.cuda.using_allocator`` are the allocator's: coordinator/device/arena.py's bump allocator
 hands out views of its buffer (real memory here too, so an array that outlived its step would be overwritten by
@@ -63,6 +106,8 @@ VIEWS = {np.reshape, np.transpose, np.swapaxes, np.squeeze, np.expand_dims, np.b
 _ALLOCATOR: list = [None]  # the allocator of cupy.cuda.using_allocator, or None: CuPy's pool
 RECORD: list = [None]  # the list recording() fills, or None
 CAPTURE: list = [None]  # the work of a stream capture in progress (Stream.begin_capture), or None
+CAPTURING: list = [None]  # the stream whose capture is in progress, or None
+_CURRENT: list = []  # the streams made current by ``with stream:``, innermost last
 _PINNED: dict[int, int] = {}  # page-locked host ranges: start address -> bytes
 _FRESH = itertools.count()  # the marks of pageable host memory, each used once
 
@@ -94,13 +139,60 @@ def _record(kind: str, *items) -> None:
         RECORD[0].append((kind, *(_desc(i) for i in items)))
 
 
+# cudaGetErrorName, cudaGetErrorString of the errors a capture meets
+CUDA_ERRORS = {
+    401: ("cudaErrorIllegalState", "the operation cannot be performed in the present state"),
+    900: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
+    906: ("cudaErrorStreamCaptureImplicit",
+          "operation would make the legacy stream depend on a capturing blocking stream"),
+}
+H2D_REFUSED = "the current stream is capturing, so H2D transfers are disallowed"  # cupy/cuda/memory.pyx
+D2H_REFUSED = "the current stream is capturing, so D2H transfers are disallowed"  # cupy/cuda/memory.pyx
+
+
+class CUDARuntimeError(RuntimeError):
+    """cupy_backends.cuda.api.runtime.CUDARuntimeError: 'name: description' of a cudaError_t, and its status."""
+
+    def __init__(self, status: int):
+        self.status = status
+        super().__init__("%s: %s" % CUDA_ERRORS[status])
+
+
+class CaptureHazard(RuntimeError):
+    """What CUDA lets a relaxed capture do but makes its graph wrong (the module docstring's table, rule "pool")."""
+
+
+def _stream_of(stream=None):
+    """The stream work goes to: the one named, else the current one."""
+    if stream is None:
+        return _CURRENT[-1] if _CURRENT else _NULL[0]
+    if isinstance(stream, int):  # a raw cudaStream_t
+        return _STREAMS.get(stream, _NULL[0])
+    return stream
+
+
+def _capture_of(stream=None) -> bool:
+    """Whether work queued on ``stream`` (default: the current one) goes into the capture in progress; raises
+    where CUDA refuses to queue it at all (rule "legacy")."""
+    capturing = CAPTURING[0]
+    if capturing is None:
+        return False
+    s = _stream_of(stream)
+    if s is capturing:
+        return True
+    if s.ptr == 0 and not capturing.non_blocking:
+        raise CUDARuntimeError(906)
+    return False
+
+
 def _capturing() -> bool:
     return CAPTURE[0] is not None
 
 
-def _deferred(work) -> bool:
-    """Inside a capture: ``work`` (a function of nothing) kept for the graph, not run, and True; else False."""
-    if CAPTURE[0] is None:
+def _deferred(work, stream=None) -> bool:
+    """Work (a function of nothing) queued on ``stream``: kept for the graph and True where that stream captures;
+    else False (the caller runs it now)."""
+    if not _capture_of(stream):
         return False
     CAPTURE[0].append(work)
     return True
@@ -109,13 +201,26 @@ def _deferred(work) -> bool:
 def _recomputed(out, compute) -> None:
     """Inside a capture, an op whose result is a new array ``out``: the graph computes it again into out's memory
     (its inputs are read when the graph runs, as a kernel reads them)."""
-    if CAPTURE[0] is not None and isinstance(out, np.ndarray):
+    if _capture_of() and isinstance(out, np.ndarray):
         CAPTURE[0].append(lambda: _host(out).__setitem__(Ellipsis, compute()))
 
 
-def _no_sync() -> None:
-    if CAPTURE[0] is not None:
-        raise RuntimeError("the host waited on the device inside a stream capture (CUDA refuses it)")
+def _h2d(stream=None) -> None:
+    """A host -> device copy through CuPy's MemoryPointer.copy_from_host_async on ``stream``."""
+    if _capture_of(stream):
+        raise RuntimeError(H2D_REFUSED)
+
+
+def _d2h(stream=None) -> None:
+    """A device -> host copy through CuPy's MemoryPointer.copy_to_host_async on ``stream``."""
+    if _capture_of(stream):
+        raise RuntimeError(D2H_REFUSED)
+
+
+def _no_pool_block() -> None:
+    if _capture_of():
+        raise CaptureHazard("a memory-pool allocation inside a stream capture: the graph's replays would write "
+                            "memory the pool hands out again")
 
 
 class _Graph:
@@ -153,10 +258,12 @@ class _MemoryPointer:
 
 
 class _Pool:
-    def free_all_blocks(self) -> None:
-        pass
+    def free_all_blocks(self, stream=None) -> None:
+        if CAPTURING[0] is not None:
+            raise CUDARuntimeError(900)
 
     def malloc(self, size: int) -> _MemoryPointer:
+        _no_pool_block()
         COUNTS["allocations"] += 1
         return _MemoryPointer(np.empty(max(size, 1), np.uint8))
 
@@ -179,6 +286,7 @@ def _new(result):
     if not isinstance(result, np.ndarray):
         return result
     if _ALLOCATOR[0] is None:
+        _no_pool_block()
         COUNTS["allocations"] += 1
         return _device(result)
     place = _ALLOCATOR[0](result.nbytes)
@@ -249,9 +357,13 @@ class DeviceArray(np.ndarray):
             _recomputed(got, compute)
             _record("gather", self, key, got)
             return got
+        if isinstance(got, np.generic):  # CuPy's a[i] is a 0-d array on the device, not a host scalar
+            got = _host(self)[(*key, Ellipsis) if isinstance(key, tuple) else (key, Ellipsis)]
         return _device(got)
 
     def __setitem__(self, key, value):
+        if type(value) is np.ndarray:
+            _h2d()
         _record("setitem", self, key, value)
         if type(value) is np.ndarray:
             COUNTS["uploads"] += 1
@@ -290,25 +402,45 @@ class DeviceArray(np.ndarray):
 
     def get(self, stream=None, order="C", out=None, blocking=True):
         """A download; with ``blocking=False`` (into page-locked memory) queued on the stream, no wait."""
+        _d2h(stream)
         COUNTS["downloads"] += 1
         COUNTS["syncs"] += bool(blocking)
-        if blocking:
-            _no_sync()
         if out is None:
             got = np.array(_host(self))
             _record("download", self, got, blocking)
             return got
         _record("download", self, out, blocking)
-        if not _deferred(lambda: out.__setitem__(Ellipsis, _host(self))):
-            out[...] = _host(self)
+        out[...] = _host(self)
         return out
 
     def set(self, arr, stream=None) -> None:
         """An upload of a host array into this one (asynchronous from page-locked memory)."""
+        _h2d(stream)
         COUNTS["uploads"] += 1
         _record("upload", arr, self)
-        if not _deferred(lambda: _host(self).__setitem__(Ellipsis, arr)):
-            _host(self)[...] = arr
+        _host(self)[...] = arr
+
+    def _scalar(self):
+        """CuPy's __int__, __float__, __bool__, item and tolist: a blocking get."""
+        _d2h()
+        COUNTS["downloads"] += 1
+        COUNTS["syncs"] += 1
+        return _host(self)
+
+    def __int__(self):
+        return int(self._scalar())
+
+    def __float__(self):
+        return float(self._scalar())
+
+    def __bool__(self):
+        return bool(self._scalar())
+
+    def item(self, *args):
+        return self._scalar().item(*args)
+
+    def tolist(self):
+        return self._scalar().tolist()
 
 
 def _unwrap(a):
@@ -325,9 +457,9 @@ def _asarray(a, dtype=None, order=None):
     """cupy.asarray: a host array uploaded (a new device array), a device array as it is (or converted)."""
     if isinstance(a, DeviceArray):
         return a if dtype is None or a.dtype == np.dtype(dtype) else a.astype(dtype)
+    _h2d()
     COUNTS["uploads"] += 1
     got = _new(np.array(a, dtype=dtype, order=order or "K"))
-    _recomputed(got, lambda: np.array(a, dtype=dtype))
     _record("upload", a if isinstance(a, np.ndarray) else np.asarray(a), got)
     return got
 
@@ -357,11 +489,22 @@ def _allocating(fn, launches: int = 0):
     return call
 
 
+def _concatenate(arrays, axis=0, out=None, dtype=None, **kwargs):
+    """cupy.concatenate: more than 8 arrays of one dtype, small enough for one kernel, upload a table of their
+    addresses first (_routines_manipulation.pyx _concatenate_single_kernel: core.array(ptrs))."""
+    arrays = list(arrays)
+    if len(arrays) > 8 and len({a.dtype for a in arrays}) == 1 \
+            and sum(a.nbytes for a in arrays) < (2 << 20) * len(arrays):
+        _h2d()
+        COUNTS["uploads"] += 1
+    return np.concatenate(arrays, axis=axis, out=out, dtype=dtype, **kwargs)
+
+
 def _asnumpy(a):
     if isinstance(a, DeviceArray):
+        _d2h()
         COUNTS["downloads"] += 1
         COUNTS["syncs"] += 1
-        _no_sync()
         got = np.array(_host(a))
         _record("download", a, got, True)
         return got
@@ -369,49 +512,99 @@ def _asnumpy(a):
 
 
 class _Event:
+    def __init__(self, captured: bool = False):
+        self.captured = captured  # recorded by a capturing stream: a point inside the graph, not yet reached
+
     def synchronize(self) -> None:
-        _no_sync()
+        if self.captured and CAPTURING[0] is not None:
+            raise CUDARuntimeError(900)
         COUNTS["syncs"] += 1
+
+
+_STREAMS: "weakref.WeakValueDictionary[int, _Stream]" = weakref.WeakValueDictionary()  # ptr -> stream
+_PTRS = itertools.count(0x5000)
 
 
 class _Stream:
-    """A stream: its work runs at once, in order; between begin_capture and end_capture it is kept for a graph
-    instead (one capture at a time, whichever stream object asks: the host runs one stream's work here)."""
+    """A stream: its work runs at once, in order; between begin_capture and end_capture the work queued on it is
+    kept for a graph instead (one capture at a time). ``ptr`` 0 is the null (legacy) stream."""
 
-    ptr = 1
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None):
+        self.ptr = 0 if null else next(_PTRS) if ptr is None else ptr
+        self.non_blocking = non_blocking
+        _STREAMS[self.ptr] = self
 
-    def __init__(self, non_blocking: bool = False):
-        pass
-
-    def record(self) -> _Event:
-        return _Event()
+    def record(self, event=None) -> _Event:
+        return _Event(captured=_capture_of(self))
 
     def wait_event(self, event: _Event) -> None:
-        pass
+        _capture_of(self)  # the null stream waiting while a blocking stream captures: refused
 
     def synchronize(self) -> None:
-        _no_sync()
+        if CAPTURING[0] is self or (CAPTURING[0] is not None and self.ptr == 0 and not CAPTURING[0].non_blocking):
+            raise CUDARuntimeError(900)
         COUNTS["syncs"] += 1
 
+    def launch_host_func(self, callback, arg) -> None:
+        if not _deferred(lambda: callback(arg), self):
+            callback(arg)
+
     def begin_capture(self, mode=None) -> None:
-        if CAPTURE[0] is not None:
-            raise RuntimeError("a stream capture is in progress already")
-        CAPTURE[0] = []
+        if self.ptr in (0, 1):
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        if CAPTURING[0] is not None:
+            raise CUDARuntimeError(401)
+        CAPTURE[0], CAPTURING[0] = [], self
 
     def is_capturing(self) -> bool:
-        return CAPTURE[0] is not None
+        return CAPTURING[0] is self
 
     def end_capture(self) -> _Graph:
-        work, CAPTURE[0] = CAPTURE[0], None
-        if work is None:
-            raise RuntimeError("end_capture without begin_capture")
+        if CAPTURING[0] is not self:
+            raise CUDARuntimeError(401)
+        work, CAPTURE[0], CAPTURING[0] = CAPTURE[0], None, None
         return _Graph(work)
 
     def __enter__(self):
+        _CURRENT.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        _CURRENT.pop()
+
+
+_NULL: list = [None]  # the null stream, made with the module (module())
+
+
+def _device_synchronize() -> None:
+    if CAPTURING[0] is not None:
+        raise CUDARuntimeError(900)
+    COUNTS["syncs"] += 1
+
+
+def _pinned_range(at: int, size: int) -> bool:
+    return any(start <= at and at + size <= start + n for start, n in _PINNED.items())
+
+
+def _memcpy_async(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+    """cuda.runtime.memcpyAsync between raw addresses (host memory here): kept for the graph in a capture, where
+    its host side must be page-locked (rule "pageable")."""
+    host = {1: src, 2: dst}.get(kind)
+    capturing = _capture_of(stream)
+    if capturing and host is not None and not _pinned_range(host, size):
+        raise CUDARuntimeError(900)
+    COUNTS["uploads" if kind == 1 else "downloads" if kind == 2 else "launches"] += 1
+    if kind == 2 and not _pinned_range(dst, size):
+        COUNTS["syncs"] += 1  # a pageable download: the host waits for it
+    if RECORD[0] is not None:
+        RECORD[0].append(("memcpy", kind, dst, src, size))
+
+    def run():
+        ctypes.memmove(dst, src, size)
+    if not capturing:
+        run()
+    else:
+        CAPTURE[0].append(run)
 
 
 class OutOfMemory(MemoryError):
@@ -448,7 +641,8 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
         setattr(cp, name, _allocating(getattr(np, name)))
     for name in ("zeros", "zeros_like", "full", "ones", "arange"):  # allocated and filled: a launch
         setattr(cp, name, _allocating(getattr(np, name), launches=1))
-    for name in ("concatenate", "where", "exp", "sort", "argsort", "take_along_axis", "repeat", "sum", "mean",
+    cp.concatenate = _concatenate
+    for name in ("where", "exp", "sort", "argsort", "take_along_axis", "repeat", "sum", "mean",
                  "sqrt", "square", "tanh", "max", "matmul"):  # NumPy's own dispatch counts them (DeviceArray)
         setattr(cp, name, getattr(np, name))
     for name in ("bool_", "float32", "int32", "int64", "uint16", "uint8", "uint64", "array_equal", "shares_memory"):
@@ -456,10 +650,18 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
     cp.get_array_module = lambda *arrays: cp
     cp.get_default_memory_pool = cp.get_default_pinned_memory_pool = lambda: _POOL
     cp.RawModule = lambda code, options=(): _CountedModule(code, build_dir)
-    cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, get_current_stream=lambda: _Stream(),
-                                 runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
-                                                               memGetInfo=lambda: (FREE_BYTES, FREE_BYTES),
-                                                               getDeviceProperties=lambda i: {"name": NAME}))
+    _NULL[0] = _Stream(null=True)
+    _CURRENT.clear()
+    CAPTURE[0] = CAPTURING[0] = None
+    _Stream.null = _NULL[0]
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=lambda: (FREE_BYTES, FREE_BYTES),
+                                    getDeviceProperties=lambda i: {"name": NAME}, memcpyAsync=_memcpy_async,
+                                    memcpyHostToDevice=1, memcpyDeviceToHost=2, memcpyDeviceToDevice=3,
+                                    memcpyDefault=4, deviceSynchronize=_device_synchronize,
+                                    CUDARuntimeError=CUDARuntimeError)
+    cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, runtime=runtime,
+                                 get_current_stream=lambda: _stream_of(None),
+                                 Device=lambda i=0: types.SimpleNamespace(synchronize=_device_synchronize))
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemory)
     cuda.using_allocator = _using_allocator
     cuda.runtime.hostRegister = lambda ptr, size, flags: _pin(ptr, size)  # host memory is the device's here

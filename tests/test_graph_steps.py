@@ -112,6 +112,30 @@ def test_each_shape_of_step_replays_a_graph_of_its_own(gpu, tiny_model):
     assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
+def _wide_batches(eng) -> list[np.ndarray]:
+    """Ten sequences decoded together (more than the 8 arrays CuPy concatenates without uploading a pointer
+    table), then again with every row of two-row steps' first sequence asked for: the logits of each step."""
+    caches = [eng.new_cache() for _ in range(10)]
+    out = eng.decoder.forward_batch([(np.array(PROMPT[:2 + k % 5]), c) for k, c in enumerate(caches)])
+    for step in range(4):
+        out = eng.decoder.forward_batch([(np.array([int(o[-1].argmax())]), c) for o, c in zip(out, caches)])
+    got = list(out)
+    for step in range(3):
+        seqs = [(np.array([int(o[-1].argmax()), 5]), c) for o, c in zip(out, caches)]
+        out = eng.decoder.forward_batch(seqs, all_rows=frozenset({0}))  # 2 + 9 rows from lm_head: a gather
+        got += out
+    return got
+
+
+def test_a_batch_of_ten_sequences_replays_its_graphs(gpu, tiny_model):
+    """Ten one-row sequences a step, then ten two-row ones with one sequence's every row: each shape captured on
+    its second step and replayed after, the eager steps' bits."""
+    model = tiny_model(num_layers=2, **GEOMETRY)
+    want, got, graph = _baseline_and_captured(model, _wide_batches, dict(graph=False))
+    assert (graph.captures, graph.replays, len(graph.failed)) == (2, 3, 0)
+    assert len(got) == len(want) == 40 and all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
 def _baseline_and_captured(model, run, baseline: dict):
     """``run(eng)`` on the split process pool with ``baseline``'s settings, then with steps replayed as graphs:
     (the first's result, the second's, the second's GraphSteps)."""
@@ -157,9 +181,11 @@ def test_a_shape_the_driver_will_not_capture_is_queued_each_step(gpu, tiny_model
     model = tiny_model(num_layers=2, **GEOMETRY)
     want, _, _ = _run(model, graph=False, split=False)
 
+    end_capture = device_standin._Stream.end_capture
+
     def refused(self):
-        device_standin.CAPTURE[0] = None
-        raise RuntimeError("operation not permitted when stream is capturing")
+        end_capture(self)  # the stream leaves capture, as CUDA's failed end does
+        raise device_standin.CUDARuntimeError(900)
 
     monkeypatch.setattr(device_standin._Stream, "end_capture", refused)
     config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", kv_dtype="f32")

@@ -32,6 +32,8 @@ import numpy as np
 from shm import formats
 from shm.formats import iq4xs
 
+from ..model.xp import device_address
+
 MAX_TOKENS = 8  # rows of x a matvec launch takes: one float32 sum each in every lane's registers
 WARPS = 4  # output rows a block, a warp each
 ALIGN = 16  # bytes: every stored row on the device starts at a multiple
@@ -374,9 +376,7 @@ def to_device_rows(fmt: str, stored: np.ndarray) -> np.ndarray:
 
 def address(a) -> int:
     """A device array's address (the emulator's: its NumPy memory's)."""
-    import cupy
-
-    return a.ctypes.data if getattr(cupy, "EMULATED", False) else a.data.ptr  # the emulator's arrays are NumPy's
+    return device_address(a)
 
 
 def upload_index(index: np.ndarray):

@@ -288,7 +288,7 @@ class Decoder:
                 self._streaming = False
 
         with g.stream:  # the caches' reserve, the tables and the step, in this order on one stream
-            g.begin(seqs, self._absorbed if self.cfg.mla is not None else None)
+            g.begin(seqs, self._absorbed if self.cfg.mla is not None else None, all_rows)
             g.stage(self.w.embed, np.concatenate([ids for ids, _ in seqs]))
             link.begin_step(rows)
             key = g.key(seqs, last_only, all_rows, hidden is not None, hidden_rows)
@@ -376,8 +376,9 @@ class Decoder:
             return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
         # each sequence's rows that lm_head takes: its last, or every one for those in all_rows
         wanted = [n if k in all_rows else 1 for k, n in enumerate(lengths)]
-        if keep is None:  # no layer dropped the rows: take them here
-            a = xp.concatenate([a[hi - n:hi] for hi, n in zip(bounds[1:], wanted)])
+        if keep is None and wanted != lengths:  # no layer dropped the rows: take them here
+            a = (a[self.graph.tables.wanted_rows(sum(wanted))] if self._streaming else  # a gather: no host table
+                 xp.concatenate([a[hi - n:hi] for hi, n in zip(bounds[1:], wanted)]))
         logits = self._logits(a)  # [sum(wanted), V]
         ends = np.cumsum([0] + wanted)
         return [logits[lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]

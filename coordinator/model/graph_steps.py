@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..device import compact
-from ..device.arena import StepArena
+from ..device.arena import ArenaFull, StepArena
 from ..device.format_kernels import address
 from ..pool.stream import StreamInterrupted
 from . import device_ops
@@ -62,6 +62,9 @@ class StepTables:
         row_seq, row_pos [MAX_ROWS]                    each row's sequence and position
         last_seq, last_pos [MAX_ROWS]                  each sequence's last row's (the last layer's queries)
         last_row [MAX_ROWS]                            each sequence's last row in the step (last_row_ids)
+        wanted_row [MAX_ROWS]                          the rows lm_head takes: every row of the sequences in
+                                                       all_rows, the last of the others (a gather, where eager
+                                                       steps concatenate one slice a sequence)
         seq_len [MAX_ROWS]                             each sequence's keys once the step is cached
         chunk, last_chunk [MAX_ROWS]                   MLA: each sequence's keys a chunk (device_ops.mla_splits of
                                                        its eager call: every row's queries, or its last row's)
@@ -70,12 +73,13 @@ class StepTables:
     def __init__(self, layers: int, xp):
         self.xp = xp
         M = MAX_ROWS
-        self.host = xp_module.pinned(2 * layers * M + 8 * M, np.int64)
+        self.host = xp_module.pinned(2 * layers * M + 9 * M, np.int64)
         self.device = xp.zeros(self.host.shape, np.int64)
         views = {}
         for name, width, host in (("k_ptrs", layers, True), ("v_ptrs", layers, True), ("row_seq", 1, False),
                                   ("row_pos", 1, False), ("last_seq", 1, False), ("last_pos", 1, False),
-                                  ("last_row", 1, False), ("seq_len", 1, False), ("chunk", 1, False),
+                                  ("last_row", 1, False), ("wanted_row", 1, False), ("seq_len", 1, False),
+                                  ("chunk", 1, False),
                                   ("last_chunk", 1, False)):
             at = sum(v[1] for v in views.values())
             views[name] = (at, width * M, width, host)
@@ -98,9 +102,9 @@ class StepTables:
         part = array[at:at + size]
         return part.reshape(width, MAX_ROWS) if per_layer else part
 
-    def fill(self, seqs, chunks=None) -> None:
+    def fill(self, seqs, chunks=None, all_rows: frozenset[int] = frozenset()) -> None:
         """The step's sequences [(ids, cache)] into the host table, then one upload. ``chunks``: MLA's (chunk,
-        last_chunk) of each sequence, or None."""
+        last_chunk) of each sequence, or None; ``all_rows``: the sequences whose every row's logits are asked for."""
         k_ptrs, v_ptrs = self._part(self.host, "k_ptrs"), self._part(self.host, "v_ptrs")
         seen = {}
         for s, (_, cache) in enumerate(seqs):
@@ -115,6 +119,9 @@ class StepTables:
         self._part(self.host, "last_seq")[:B] = np.arange(B)
         self._part(self.host, "last_pos")[:B] = starts + lengths - 1
         self._part(self.host, "last_row")[:B] = np.cumsum(lengths) - 1
+        wanted = [np.arange(hi - (n if k in all_rows else 1), hi) for k, (hi, n) in enumerate(zip(np.cumsum(lengths),
+                                                                                                 lengths))]
+        self._part(self.host, "wanted_row")[:sum(len(w) for w in wanted)] = np.concatenate(wanted)
         self._part(self.host, "seq_len")[:B] = starts + lengths
         if chunks is not None:
             self._part(self.host, "chunk")[:B], self._part(self.host, "last_chunk")[:B] = np.array(chunks).T
@@ -136,6 +143,10 @@ class StepTables:
     def last_rows(self, sequences: int):
         """Each of the step's sequences' last row [sequences] on the device (a view of the upload)."""
         return self._part(self.device, "last_row")[:sequences]
+
+    def wanted_rows(self, rows: int):
+        """The rows lm_head takes [rows] on the device (a view of the upload)."""
+        return self._part(self.device, "wanted_row")[:rows]
 
     def chunks(self, last_rows: bool):
         """MLA's chunks [MAX_ROWS] on the device: for every row's queries or, with ``last_rows``, the last rows'."""
@@ -191,7 +202,7 @@ class GraphSteps:
         form is part of it). Two steps of one shape replay one graph."""
         return (tuple(len(ids) for ids, _ in seqs), last_only, all_rows, hidden, hidden_rows, self.mla_cached)
 
-    def begin(self, seqs, absorbed=None) -> None:
+    def begin(self, seqs, absorbed=None, all_rows: frozenset[int] = frozenset()) -> None:
         """Before the step is queued: the caches reserved to the context once (so their buffers never move again
         and the attention's scores' rows are the context long every step: what a captured graph replays), and
         where each row reads and writes them. ``absorbed(T, S)``: whether MLA's eager call of T queries over S keys
@@ -205,7 +216,7 @@ class GraphSteps:
             chunks = [(device_ops.mla_splits(n, nh, S, c, dr)[1], device_ops.mla_splits(1, nh, S, c, dr)[1])
                       for n, S in sizes]
             self.mla_cached = (all(absorbed(n, S) for n, S in sizes), all(absorbed(1, S) for _, S in sizes))
-        self.tables.fill(seqs, chunks)
+        self.tables.fill(seqs, chunks, all_rows)
 
     def stage(self, embed, ids: np.ndarray) -> None:
         """The step's rows of the host embedding gathered into the page-locked staging rows (host work, done every
@@ -215,7 +226,7 @@ class GraphSteps:
     def embed(self, rows: int):
         """The staged rows [rows, H] on the device: copied into the fixed device rows (a copy from and to the same
         places every step)."""
-        self.embed_device[:rows].set(self.embed_host[:rows], stream=self.xp.cuda.get_current_stream())
+        xp_module.copy_to_device(self.embed_device[:rows], self.embed_host[:rows], self.xp.cuda.get_current_stream())
         return self.embed_device[:rows]
 
     def rope(self, rows: int):
@@ -228,9 +239,9 @@ class GraphSteps:
         """The step's logits [R, V] queued for download into the page-locked rows, with the routing counters: the
         rows (valid once ``wait`` returned; the next step overwrites them)."""
         R = logits.shape[0]
-        stream = self.xp.cuda.get_current_stream()
         self.queue_counters()
-        logits.get(stream=stream, out=self.logits_host[:R], blocking=False)
+        xp_module.copy_to_host(self.logits_host[:R], self.xp.ascontiguousarray(logits),
+                               self.xp.cuda.get_current_stream())
         return self.logits_host[:R]
 
     def queue(self, key: tuple, rows: int, queue_step):
@@ -260,9 +271,14 @@ class GraphSteps:
         self.link.posts.clear()
         self.stream.begin_capture()
         try:
-            with self.arena.step(rows):
+            with self.arena.step(rows, capturing=True):
                 result = queue_step()
             graph = self.stream.end_capture()
+        except ArenaFull:  # the shape needs a larger buffer: queued (and the buffer grown) first, captured after
+            with contextlib.suppress(Exception):
+                self.stream.end_capture()
+            self.sized.pop(key, None)
+            return None
         except Exception as e:  # the driver refused something the step queued: that shape stays uncaptured
             with contextlib.suppress(Exception):  # the stream leaves capture; what was captured is dropped
                 self.stream.end_capture()
@@ -274,8 +290,6 @@ class GraphSteps:
             with contextlib.suppress(Exception):
                 self.stream.end_capture()
             raise
-        if self.arena.generation(rows) != generation:  # its arrays left the buffer: the graph is not kept
-            return None
         self.captured[key] = Captured(graph, result, list(self.link.posts), generation)
         graph.launch(stream=self.stream)
         self.captures += 1
@@ -305,8 +319,8 @@ class GraphSteps:
     def queue_counters(self) -> None:
         """Before the step's one synchronisation: the routing counters copied to the host, then zeroed."""
         stream = self.xp.cuda.get_current_stream()
-        self.counts.get(stream=stream, out=self.counts_host, blocking=False)
-        self.totals.get(stream=stream, out=self.totals_host, blocking=False)
+        xp_module.copy_to_host(self.counts_host, self.counts, stream)
+        xp_module.copy_to_host(self.totals_host, self.totals, stream)
         self.counts.fill(0)
         self.totals.fill(0)
 

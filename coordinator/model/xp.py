@@ -171,6 +171,40 @@ def _driver():
 _LIBCUDA = None
 
 
+def device_address(a) -> int:
+    """A device array's address (the CPU stand-in's arrays are NumPy's: their memory's)."""
+    import cupy  # the module in use now: the stand-in's tests install it after this module was imported
+
+    return a.ctypes.data if getattr(cupy, "EMULATED", False) else a.data.ptr
+
+
+def _memcpy(dst: int, src: int, nbytes: int, kind: int, stream) -> None:
+    if nbytes:
+        _cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+
+
+def _contiguous_pair(device, host: np.ndarray) -> None:
+    if device.shape != host.shape or device.dtype != host.dtype or not (device.flags.c_contiguous
+                                                                        and host.flags.c_contiguous):
+        raise ValueError(f"a copy between {device.dtype}{device.shape} on the device and {host.dtype}{host.shape} on "
+                         "the host needs equal, C-contiguous arrays")
+
+
+def copy_to_host(host: np.ndarray, device, stream) -> None:
+    """device -> host (page-locked or host-registered) queued on ``stream``, no wait: cudaMemcpyAsync, which a
+    stream capture keeps as a copy node (CuPy's ndarray.get raises inside a capture, cupy/cuda/memory.pyx
+    copy_to_host_async)."""
+    _contiguous_pair(device, host)
+    _memcpy(host.ctypes.data, device_address(device), host.nbytes, _cupy.cuda.runtime.memcpyDeviceToHost, stream)
+
+
+def copy_to_device(device, host: np.ndarray, stream) -> None:
+    """host (page-locked or host-registered) -> device queued on ``stream``: cudaMemcpyAsync, which a capture
+    keeps (CuPy's ndarray.set raises inside one, copy_from_host_async)."""
+    _contiguous_pair(device, host)
+    _memcpy(device_address(device), host.ctypes.data, host.nbytes, _cupy.cuda.runtime.memcpyHostToDevice, stream)
+
+
 def register_host(array: np.ndarray) -> None:
     """Page-lock host memory the device copies to and from (a shared-memory segment): its copies are then
     asynchronous, as a pinned buffer's (cudaHostRegister, portable)."""

@@ -12,7 +12,8 @@
                                           dead or hung worker was recovered: the caller redoes the step)
 
 The pool segment is page-locked for the device (cudaHostRegister), so the copies are asynchronous; the tables the
-host functions read are page-locked too. Nothing here waits on the device.
+host functions read are page-locked too. The copies are cudaMemcpyAsync calls (xp.copy_to_host, copy_to_device),
+which a stream capture keeps; CuPy's get and set refuse to run inside one. Nothing here waits on the device.
 """
 
 from __future__ import annotations
@@ -60,11 +61,10 @@ class StreamLink:
         row[pool_signal.ROW_LAYER], row[pool_signal.ROW_T] = layer, T
         self.posts.append((slot, layer, T))
         stream = self.xp.cuda.get_current_stream()
-        x.get(stream=stream, out=io.x[:T], blocking=False)
-        split.cpu_tokens.get(stream=stream, out=io.tokens[:P], blocking=False)
-        split.cpu_experts.get(stream=stream, out=io.experts[:P], blocking=False)
-        split.cpu_weights.get(stream=stream, out=io.weights[:P], blocking=False)
-        split.cpu_count.get(stream=stream, out=row[pool_signal.ROW_P:pool_signal.ROW_P + 1], blocking=False)
+        for host, device in ((io.x[:T], self.xp.ascontiguousarray(x)), (io.tokens[:P], split.cpu_tokens),
+                             (io.experts[:P], split.cpu_experts), (io.weights[:P], split.cpu_weights),
+                             (row[pool_signal.ROW_P:pool_signal.ROW_P + 1], split.cpu_count)):
+            xp_module.copy_to_host(host, device, stream)  # into the registered segment and pinned tables
         xp_module.launch_host_func(self.ring_address, self.tables.row_address(slot))
 
     def restore(self, posts: list[tuple[int, int, int]]) -> None:
@@ -80,9 +80,9 @@ class StreamLink:
     def partials(self, T: int):
         """The nodes' partials [N, T, H] on the device, copied after the wait."""
         parts = self.xp.empty((self.nodes, T, self.io.layout.hidden), np.float32)
-        stream = self.xp.cuda.get_current_stream()  # named: without a stream CuPy's set is a blocking copy
+        stream = self.xp.cuda.get_current_stream()
         for n in range(self.nodes):
-            parts[n].set(self.io.y[n][:T], stream=stream)
+            xp_module.copy_to_device(parts[n], self.io.y[n][:T], stream)
         return parts
 
     def fits(self, rows: int, top_k: int) -> bool:
