@@ -218,7 +218,8 @@ class Engine:
             kv_dtype = "f32" if config.kv_dtype == "f32" or not gpu else "bf16"
             decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend, device_weights,
                               kv_dtype)
-            if config.graph and decoder.enable_graph_steps(max_seq_len, config.graph_capture):
+            step_buffer = memory.step if memory is not None else 0  # the plan's, made now: no step grows it
+            if config.graph and decoder.enable_graph_steps(max_seq_len, config.graph_capture, step_buffer):
                 log.info("decode steps of up to %d rows are graph-ready", graph_steps.MAX_ROWS)
             warm_up_host(dense_kernels)
             load_s = time.perf_counter() - start

@@ -74,9 +74,10 @@ rule has a test in tests/test_device_standin.py::test_refused_inside_a_capture:
 ``cuda.runtime.memcpyAsync(dst, src, size, kind, stream)`` copies between raw addresses (all host memory here);
 inside a capture it is kept for the graph, as CUDA keeps a memcpy node.
 
-Allocations under ``cupy.cuda.using_allocator`` are the allocator's: coordinator/device/arena.py's bump allocator
-hands out views of its buffer (real memory here too, so an array that outlived its step would be overwritten by
-the next one, as on a GPU) and only what it takes from the pool (``get_default_memory_pool().malloc``) counts.
+Allocations under ``cupy.cuda.using_allocator`` are the allocator's: coordinator/device/arena.py hands out places
+in its buffer (real memory here too, so an array that outlived its step would be overwritten by the next one, as
+on a GPU), each array holding its MemoryPointer as CuPy's does (so the allocator's UnownedMemory owner dies with
+the last array on it), and only what it takes from the pool (``get_default_memory_pool().malloc``) counts.
 
     with device_standin.installed(build_dir, monkeypatch):  ... Engine.open(..., EngineConfig(device="cuda"))
 """
@@ -247,14 +248,34 @@ def recording():
         RECORD[0] = previous
 
 
-class _MemoryPointer:
-    """cupy.cuda.MemoryPointer: a place in a buffer of host memory; + an offset gives a later place."""
+class _Block:
+    """A block of CuPy's pool: host memory here."""
 
-    def __init__(self, buffer: np.ndarray, offset: int = 0):
-        self.buffer, self.offset = buffer, offset
+    def __init__(self, size: int):
+        self.buffer = np.empty(max(size, 1), np.uint8)
+        self.ptr = self.buffer.ctypes.data
+
+
+class _UnownedMemory:
+    """cupy.cuda.UnownedMemory: ``size`` bytes at ``ptr`` that ``owner`` keeps alive."""
+
+    def __init__(self, ptr: int, size: int, owner, device_id: int = -1):
+        self.ptr, self.size, self.owner = ptr, size, owner
+
+
+class _MemoryPointer:
+    """cupy.cuda.MemoryPointer: a place in a memory (a pool block or an UnownedMemory); + an offset gives a later
+    place in the same memory."""
+
+    def __init__(self, mem, offset: int = 0):
+        self.mem, self.offset = mem, offset
+
+    @property
+    def ptr(self) -> int:
+        return self.mem.ptr + self.offset
 
     def __add__(self, offset: int) -> "_MemoryPointer":
-        return _MemoryPointer(self.buffer, self.offset + offset)
+        return _MemoryPointer(self.mem, self.offset + offset)
 
 
 class _Pool:
@@ -265,7 +286,7 @@ class _Pool:
     def malloc(self, size: int) -> _MemoryPointer:
         _no_pool_block()
         COUNTS["allocations"] += 1
-        return _MemoryPointer(np.empty(max(size, 1), np.uint8))
+        return _MemoryPointer(_Block(size))
 
 
 _POOL = _Pool()
@@ -290,7 +311,9 @@ def _new(result):
         COUNTS["allocations"] += 1
         return _device(result)
     place = _ALLOCATOR[0](result.nbytes)
-    view = place.buffer[place.offset:place.offset + result.nbytes].view(result.dtype).reshape(result.shape)
+    raw = (ctypes.c_uint8 * max(result.nbytes, 1)).from_address(place.ptr)
+    raw.place = place  # the array holds its memory pointer, as a CuPy array does: its allocator sees it freed
+    view = np.frombuffer(raw, np.uint8, count=result.nbytes).view(result.dtype).reshape(result.shape)
     view[...] = result
     return _device(view)
 
@@ -664,6 +687,7 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
                                  Device=lambda i=0: types.SimpleNamespace(synchronize=_device_synchronize))
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemory)
     cuda.using_allocator = _using_allocator
+    cuda.MemoryPointer, cuda.UnownedMemory = _MemoryPointer, _UnownedMemory
     cuda.runtime.hostRegister = lambda ptr, size, flags: _pin(ptr, size)  # host memory is the device's here
     cuda.runtime.hostUnregister = lambda ptr: _PINNED.pop(ptr, None)
     cp.cuda = cuda

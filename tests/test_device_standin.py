@@ -26,10 +26,11 @@ def _address(a) -> int:
 def _buffer_allocator(nbytes: int = 1 << 16):
     """An allocator over one buffer (as coordinator/device/arena.py's): a capture's arrays come from it."""
     buffer, used = np.empty(nbytes, np.uint8), [0]
+    memory = device_standin._UnownedMemory(buffer.ctypes.data, nbytes, buffer)
 
     def malloc(size):
         at, used[0] = used[0], used[0] + -(-size // 256) * 256
-        return device_standin._MemoryPointer(buffer, at)
+        return device_standin._MemoryPointer(memory, at)
     return malloc
 
 

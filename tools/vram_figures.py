@@ -3,6 +3,12 @@ coordinator/device/vram.py's plan for a BF16 checkpoint and for llama.cpp's Q4_K
 
     python tools/vram_figures.py [--presets qwen3-30b-a3b,deepseek-v3,glm-4.5-air] [--kv-tokens 4096]
                                  [--expert-memory-gb 8] [--json]
+    python tools/vram_figures.py --steps 1,8,64 --presets qwen3-30b-a3b:40960,deepseek-v3:163840
+
+--steps: a graph-ready decode step's device memory for those row counts over the preset's context (after the
+colon; default --kv-tokens): vram.step_bytes (the step arena planned by lifetimes: one layer's transients at a
+time, MLA's kv_b dequantised compact) beside what the bump arena it replaced took (every layer's allocations
+kept to the end of the step: layers x the same per-layer terms, plus lm_head's).
 
 A Q4_K_M file's tensor types follow llama-quantize's rule (llama_tensor_get_type): Q4_K, with Q6_K for
 output.weight and for attn_v and ffn_down in the layers use_more_bits picks; norms, biases and the router
@@ -12,6 +18,7 @@ output.weight and for attn_v and ffn_down in the layers use_more_bits picks; nor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -79,13 +86,34 @@ def table(rows: list[dict], expert_memory: float) -> str:
     return "\n".join(out)
 
 
+def bump_step_bytes(cfg: ModelConfig, rows: int, context: int) -> int:
+    """The bump arena's step: nothing freed, so every layer's attention and MLP terms of vram.step_bytes at once."""
+    one_layer = vram.step_bytes(dataclasses.replace(cfg, vocab_size=1), rows, context)  # its logits apart
+    return cfg.num_layers * one_layer + 4 * rows * cfg.vocab_size
+
+
+def step_table(specs: list[str], rows_list: list[int], default_context: int) -> str:
+    out = ["| model | context | rows | bump arena (before) | planned arena (after) |", "|---|---|---|---|---|"]
+    for spec in specs:
+        preset, _, context = spec.partition(":")
+        cfg, context = model_config(preset), int(context or default_context)
+        for rows in rows_list:
+            out.append(f"| {preset} | {context} | {rows} | {bump_step_bytes(cfg, rows, context) / GB:.2f} GB | "
+                       f"{vram.step_bytes(cfg, rows, context) / GB:.3f} GB |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,glm-4.5-air")
     ap.add_argument("--kv-tokens", type=int, default=4096)
     ap.add_argument("--expert-memory-gb", type=float, default=8.0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--steps", help="row counts: the decode steps' memory table instead")
     args = ap.parse_args(argv)
+    if args.steps:
+        print(step_table(args.presets.split(","), [int(r) for r in args.steps.split(",")], args.kv_tokens))
+        return 0
     rows = [r for p in args.presets.split(",") for r in figures(p, args.kv_tokens, args.expert_memory_gb)]
     print(json.dumps(rows, indent=1) if args.json else table(rows, args.expert_memory_gb))
     return 0

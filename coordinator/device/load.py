@@ -90,7 +90,15 @@ def plan_memory(cfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig, expert
     tokens = config.max_seq_len or cfg.max_position_embeddings
     kv_dtype = "f32" if config.kv_dtype == "f32" else "bf16"
     return vram.plan(cfg, dtype_of, config.dense_dtype, kv_dtype, tokens, config.prefill_chunk,
-                     largest_expert(cfg, formats)[1], experts)
+                     largest_expert(cfg, formats)[1], experts, graph_step_rows(cfg, config))
+
+
+def graph_step_rows(cfg: ModelConfig, config: EngineConfig) -> int:
+    """The largest graph-ready decode step the engine will run (its buffer is in the plan), 0 where steps will be
+    eager: Decoder.enable_graph_steps' conditions that the configuration alone decides."""
+    from ..model.graph_steps import MAX_ROWS
+
+    return MAX_ROWS if config.graph and config.pool == "process" and cfg.linear is None else 0
 
 
 @contextlib.contextmanager

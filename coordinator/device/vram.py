@@ -6,6 +6,8 @@
                  that sequence's Gated DeltaNet states (Qwen3-Next: float32, two buffers)
     scratch      what a prefill chunk needs besides: its activations, the attention's scores over the
                  whole context, a dequantised tile of the widest matrix, MLA's dequantised kv_b
+    decode steps the graph-ready steps' one buffer (arena.py), made at open for the largest step
+                 (step_bytes of graph_steps.MAX_ROWS rows over the whole context)
 
 ``VramPlan.check`` refuses a plan larger than the free memory, with every category's figure;
 ``fit_experts`` says how many hot experts fit in a budget. The tensor list mirrors
@@ -175,6 +177,43 @@ def scratch_bytes(cfg: ModelConfig, chunk: int, context: int, widest_row: int) -
     return activations + scores + tile + kv_b + logits
 
 
+STEP_SLACK = 64 * 256  # the step arena's rounding: up to 64 arrays live at once, each up to 256 bytes over
+
+
+def step_bytes(cfg: ModelConfig, rows: int, context: int, nodes: int = 8, compact_kv_b: bool = True) -> int:
+    """A graph-ready decode step's peak device memory for ``rows`` rows over caches of ``context`` tokens
+    (coordinator/device/arena.py: the step's arrays planned by lifetimes, so one layer's transients at a time):
+    what every layer keeps (the residual rows) and the largest of one layer's attention, its MoE or dense MLP,
+    and lm_head's logits. ``nodes``: the pool's partials, one [rows, H] a node (8 covers every machine here);
+    ``compact_kv_b``: MLA's kv_b stored in a compact format, dequantised in each layer's step."""
+    T, H, f32 = rows, cfg.hidden_size, 4
+    nh = cfg.num_heads
+    kept = 4 * T * H  # the residual, the normed rows, the layer's output and its sum
+    if cfg.mla is not None:
+        from ..model.device_ops import mla_max_splits
+
+        m = cfg.mla
+        c, dr, dn, dv = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+        q_width = nh * m.qk_head_dim
+        splits = mla_max_splits(nh, context, c, dr)
+        attention = (T * ((m.q_lora_rank or 0) + 2 * q_width + 2 * (c + dr) + nh * dv + H)  # projections, roped
+                     + T * nh * (c + dr)  # the absorbed queries
+                     + T * nh * c + T * nh * splits * (c + 2)  # _mla_absorb's scratch: q_lat, the partials
+                     + (nh * (dn + dv) * c if compact_kv_b else 0))  # kv_b dequantised in the step
+    else:
+        attention = (T * ((nh + 2 * cfg.num_kv_heads) * cfg.head_dim * 2 + nh * cfg.head_dim + H)
+                     + T * nh * context)  # qkv, normed and roped q and k, the output; the scores
+    k, E = cfg.top_k, cfg.num_experts
+    inter = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+    moe = (T * (E + 2 * k) + 2 * (3 * T * k + 2) + 2 * E  # router logits, packed pairs, the split, its marks
+           + 3 * T * k * inter + T * H  # the hot experts' rows
+           + 3 * T * inter + T * H  # the shared experts'
+           + nodes * T * H + T * H)  # the pool's partials, the sum
+    dense = 3 * T * cfg.dense_intermediate_size if not all(cfg.sparse_layers) else 0
+    logits = T * cfg.vocab_size
+    return f32 * (kept + max(attention, moe, dense, logits)) + STEP_SLACK
+
+
 @dataclass(frozen=True)
 class VramPlan:
     """What the device will hold, in bytes by category, before any of it is uploaded."""
@@ -188,20 +227,22 @@ class VramPlan:
     kv_tokens: int
     dense_formats: str  # "288 q4k, 49 q6k, 97 f32"
     states: int = 0  # of kv: one sequence's Gated DeltaNet states
+    step: int = 0  # the graph-ready decode steps' buffer (0 where steps are eager)
 
     @property
     def total(self) -> int:
-        return self.dense + self.hot_experts + self.kv + self.scratch
+        return self.dense + self.hot_experts + self.kv + self.scratch + self.step
 
     def categories(self) -> dict[str, int]:
-        return {"dense": self.dense, "hot experts": self.hot_experts, "kv cache": self.kv, "scratch": self.scratch}
+        return {"dense": self.dense, "hot experts": self.hot_experts, "kv cache": self.kv, "scratch": self.scratch,
+                "decode steps": self.step}
 
     def describe(self) -> str:
         parts = [f"dense {self.dense / GB:.2f} GB ({self.dense_formats})",
                  f"hot experts {self.hot_experts / GB:.2f} GB ({self.experts} x {self.expert_bytes / 1e6:.1f} MB)",
                  f"kv cache {self.kv / GB:.2f} GB ({self.kv_tokens} tokens"
                  + (f", {self.states / 1e6:.1f} MB of Gated DeltaNet state)" if self.states else ")"),
-                 f"scratch {self.scratch / GB:.2f} GB"]
+                 f"scratch {self.scratch / GB:.2f} GB"] + ([f"decode steps {self.step / GB:.2f} GB"] if self.step else [])
         return ", ".join(parts) + f"; total {self.total / GB:.2f} GB"
 
     def check(self, free: int) -> None:
@@ -218,22 +259,25 @@ class VramPlan:
 
 
 def plan(cfg: ModelConfig, dtype_of: Callable[[str], str], dense_dtype: str, kv_dtype: str, kv_tokens: int,
-         prefill_chunk: int, expert_formats: tuple[str, str, str] | None = None, experts: int = 0) -> VramPlan:
+         prefill_chunk: int, expert_formats: tuple[str, str, str] | None = None, experts: int = 0,
+         step_rows: int = 0) -> VramPlan:
     """The device's memory for ``cfg`` whose tensors' checkpoint types ``dtype_of(name)`` gives (the index
-    alone), with ``experts`` hot experts stored as ``expert_formats`` (gate, up, down)."""
-    dense, counts, widest = 0, {}, cfg.hidden_size
+    alone), with ``experts`` hot experts stored as ``expert_formats`` (gate, up, down); ``step_rows``: the
+    largest graph-ready decode step (0: steps are eager)."""
+    dense, counts, widest, compact_kv_b = 0, {}, cfg.hidden_size, False
     for t in dense_tensors(cfg):
         nbytes, fmt = tensor_bytes(t, dtype_of(t.name) if t.matrix else "F32", dense_dtype)
         dense += nbytes
         counts[fmt] = counts.get(fmt, 0) + 1
         if t.matrix and fmt != "f32":
             widest = max(widest, t.shape[1])
+            compact_kv_b |= t.name.endswith("kv_b_proj.weight")
     one = expert_bytes(cfg, expert_formats) if expert_formats else 0
     chunk = min(prefill_chunk, kv_tokens)
     return VramPlan(dense, experts * one, kv_tokens * kv_bytes_per_token(cfg, kv_dtype) + state_bytes(cfg),
                     scratch_bytes(cfg, chunk, kv_tokens, widest), experts, one, kv_tokens,
                     ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1])),
-                    state_bytes(cfg))
+                    state_bytes(cfg), step_bytes(cfg, step_rows, kv_tokens, compact_kv_b=compact_kv_b) if step_rows else 0)
 
 
 def fit_experts(budget: int, one: int) -> int:

@@ -210,11 +210,12 @@ class Decoder:
         self.graph = None  # graph_steps.GraphSteps where decode steps are graph-ready (enable_graph_steps)
         self._streaming = False  # inside a graph-ready step
 
-    def enable_graph_steps(self, context: int | None = None, capture: bool = True) -> bool:
+    def enable_graph_steps(self, context: int | None = None, capture: bool = True, step_buffer: int = 0) -> bool:
         """Make small steps graph-ready (coordinator/model/graph_steps.py) where the device, the pool and the
         experts allow it; whether they are. ``context``: the longest sequence (None: the model's
         max_position_embeddings), what their caches are reserved to; ``capture``: each shape's steps replayed as
-        a CUDA graph from its second step (else queued launch by launch)."""
+        a CUDA graph from its second step (else queued launch by launch); ``step_buffer``: the bytes of the
+        steps' buffer made now (the VRAM plan's; 0: sized by the first step)."""
         if self.cfg.linear is not None:  # a graph-ready step has no Gated DeltaNet layer (nor the attention's gate)
             return False
         link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp) if self.xp is not np else None
@@ -225,7 +226,7 @@ class Decoder:
 
         context = context or self.cfg.max_position_embeddings
         self.graph = GraphSteps(self.cfg, self.on_device, self.device_experts, link, self.xp, context,
-                                self._rope_tables(np.arange(context)), self.w.embed.dtype, capture)
+                                self._rope_tables(np.arange(context)), self.w.embed.dtype, capture, step_buffer)
         return True
 
     def new_cache(self) -> KVCache:

@@ -155,12 +155,13 @@ class StepTables:
 
 class GraphSteps:
     def __init__(self, cfg, on_device: dict[int, np.ndarray], device_experts, link, xp, context: int, rope,
-                 embed_dtype, capture: bool = True):
+                 embed_dtype, capture: bool = True, step_buffer: int = 0):
         """``on_device``: layer -> [E] bool, the experts kept on the device, ``device_experts`` their DeviceExperts;
         ``link``: the pool's StreamLink; ``context``: the longest a sequence may be (EngineConfig.max_seq_len or the
         model's), what every cache of a graph-ready step is reserved to; ``rope``: (cos, sin) [context, d] on the
         device, every position's RoPE rows (Decoder._rope_tables' bits), which a step gathers its rows' from;
-        ``embed_dtype``: the host embedding's, which the step's rows are staged in."""
+        ``embed_dtype``: the host embedding's, which the step's rows are staged in; ``step_buffer``: the bytes
+        of the steps' buffer (coordinator/device/arena.py)."""
         self.cfg, self.link, self.xp, self.context = cfg, link, xp, context
         self.rope_table = rope
         # the step's host inputs and outputs at fixed places: page-locked staging, fixed device rows (module docstring)
@@ -176,7 +177,7 @@ class GraphSteps:
         self.totals = xp.zeros(compact.TOTALS, np.int64)  # compact.TOTALS' counters
         self.counts_host = xp_module.pinned(self.counts.shape, np.int64)
         self.totals_host = xp_module.pinned(compact.TOTALS, np.int64)
-        self.arena = StepArena(xp)
+        self.arena = StepArena(xp, step_buffer)  # the steps' one buffer, made now for the plan's largest step
         self.tables = StepTables(cfg.num_layers, xp)
         self.mla_cached = (False, False)  # MLA read from the caches on the device: (every row's queries, last rows')
         self.steps = 0  # steps run graph-ready
@@ -260,7 +261,7 @@ class GraphSteps:
             captured = self._capture(key, rows, queue_step, generation)
             if captured is not None:
                 return captured
-        with self.arena.step(rows):
+        with self.arena.step(rows, key):
             result = queue_step()
         self.sized[key] = self.arena.generation(rows)  # a shape queued within its bucket's buffer: captured next
         return result
@@ -271,7 +272,7 @@ class GraphSteps:
         self.link.posts.clear()
         self.stream.begin_capture()
         try:
-            with self.arena.step(rows, capturing=True):
+            with self.arena.step(rows, key, capturing=True):
                 result = queue_step()
             graph = self.stream.end_capture()
         except ArenaFull:  # the shape needs a larger buffer: queued (and the buffer grown) first, captured after
