@@ -198,6 +198,7 @@ class Engine:
         else:
             device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
         if gpu:
+            device_load.compile_kernels()  # NVRTC now, not in the first request
             dense_format = memory.dense_formats
             device_load.release_pool()  # the upload's temporaries
             memory = dataclasses.replace(memory, dense=device_nbytes(device_weights),

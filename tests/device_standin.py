@@ -143,6 +143,7 @@ def _record(kind: str, *items) -> None:
 # cudaGetErrorName, cudaGetErrorString of the errors a capture meets
 CUDA_ERRORS = {
     401: ("cudaErrorIllegalState", "the operation cannot be performed in the present state"),
+    801: ("cudaErrorNotSupported", "operation not supported"),
     900: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
     906: ("cudaErrorStreamCaptureImplicit",
           "operation would make the legacy stream depend on a capturing blocking stream"),
@@ -638,7 +639,12 @@ class _CountedModule:
     """cupy.RawModule on the emulator: each kernel launch counted."""
 
     def __init__(self, code: str, build_dir):
+        COUNTS["modules_made"] += 1
         self._module = cuda_emulator.EmulatedModule(code, build_dir)
+
+    def compile(self, log_stream=None) -> None:
+        """CuPy's RawModule.compile: here the emulator built the module when it was made."""
+        COUNTS["module_compiles"] += 1
 
     def get_function(self, name: str):
         launch = self._module.get_function(name)
@@ -658,6 +664,7 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
     """(the ``cupy`` stand-in, the ``cupyx`` one)."""
     cp = types.ModuleType("cupy")
     cp.EMULATED = True
+    cp.__version__ = "13.6.0"  # the version whose rules the stand-in follows (the module docstring)
     cp.ndarray = DeviceArray
     cp.asarray, cp.ascontiguousarray, cp.asnumpy = _asarray, _ascontiguousarray, _asnumpy
     for name in ("empty", "empty_like"):
@@ -705,6 +712,9 @@ def _empty_pinned(shape, dtype=np.float32) -> np.ndarray:
     return out
 
 
+DRIVER = types.SimpleNamespace(name="libcuda.so.1 (the stand-in's)")
+
+
 def _launch_host_func(fn_address: int, user_data: int) -> None:
     """xp.launch_host_func: the stream's earlier work is done here already, so the function runs now."""
     COUNTS["host_functions"] += 1
@@ -735,6 +745,7 @@ def installed(build_dir, monkeypatch):
 
     cp, cx = module(build_dir)
     monkeypatch.setattr(xp, "launch_host_func", _launch_host_func)
+    monkeypatch.setattr(xp, "_driver", lambda: DRIVER)  # libcuda: the stand-in's host functions need none
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "cupyx", cx)
     monkeypatch.setattr(xp, "_cupy", cp)

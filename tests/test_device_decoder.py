@@ -217,3 +217,17 @@ def test_qwen3_next_is_planned_as_uploaded(gpu, tiny_model):
                                                                              gated.q_gate))
         assert planned.states == 2 * cfg.state_bytes_per_sequence > 0
         assert planned.kv == planned.kv_tokens * vram.kv_bytes_per_token(cfg, "bf16") + planned.states
+
+
+def test_every_cuda_module_is_compiled_at_open_with_a_progress_line(gpu, tiny_model, monkeypatch, capsys):
+    """Engine.open builds the five CUDA modules (device_ops, format_kernels, experts, compact, router) before any
+    request, saying so on stderr once the build has taken PROGRESS_AFTER_S; a request then builds none."""
+    from shm import progress
+
+    monkeypatch.setattr(progress, "PROGRESS_AFTER_S", 0.0)  # a first run's NVRTC time, without waiting for it
+    model = tiny_model(num_layers=2, **GEOMETRY)
+    with device_standin.counting() as counts, Engine.open(model, EngineConfig(device="cuda", pool="inproc")) as eng:
+        assert counts["module_compiles"] == counts["modules_made"] == 5
+        eng.logits(PROMPT[:2])
+        assert counts["module_compiles"] == counts["modules_made"] == 5  # nothing made or built by the request
+    assert "compiling the CUDA kernels" in capsys.readouterr().err

@@ -636,3 +636,57 @@ def model_config(model):
     from coordinator.model.source import open_source
 
     return open_source(model).config
+
+
+def _refuse_registration(cp, monkeypatch):
+    def refused(ptr, size, flags):
+        raise device_standin.CUDARuntimeError(801)
+    monkeypatch.setattr(cp.cuda.runtime, "hostRegister", refused)
+
+
+def _no_libcuda(cp, monkeypatch):
+    from coordinator.model import xp
+
+    def missing():
+        raise OSError("libcuda.so.1: cannot open shared object file: No such file or directory")
+    monkeypatch.setattr(xp, "_driver", missing)
+
+
+def _host_function_lost(cp, monkeypatch):
+    from coordinator.model import xp
+
+    monkeypatch.setattr(xp, "launch_host_func", lambda fn, data: None)
+
+
+FAULTS = {
+    "host registration refused": (_refuse_registration, "could not be registered with the device "
+                                                         "(CUDARuntimeError: cudaErrorNotSupported"),
+    "no libcuda": (_no_libcuda, "the CUDA driver library could not be loaded (libcuda.so.1: cannot open"),
+    "CuPy 12": (lambda cp, monkeypatch: monkeypatch.setattr(cp, "__version__", "12.3.0"),
+                "CuPy 12.3.0 is older than 13.0"),
+    "a host function that never runs": (_host_function_lost, "a host function queued on a stream did not run"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_what_the_driver_refuses_at_open_leaves_eager_steps_and_one_warning(gpu, tiny_model, monkeypatch, caplog,
+                                                                             fault):
+    """A refused cudaHostRegister of the pool's segment, a missing libcuda, a CuPy too old, a host function that
+    does not run: checked at open, one warning line naming the cause, the engine opens with eager steps (the pool's
+    segment unregistered again) and decodes what it decodes without graph-ready steps."""
+    model = tiny_model(num_layers=2, **GEOMETRY)
+    want, _, _ = _run(model, graph=False, split=False)
+    inject, cause = FAULTS[fault]
+    inject(gpu, monkeypatch)
+    config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", kv_dtype="f32")
+    with caplog.at_level("WARNING"), Engine.open(model, config) as eng:
+        assert eng.decoder.graph is None and eng.pool._link is None
+        segment = eng.pool.io.segment.data
+        assert segment.ctypes.data not in device_standin._PINNED  # registered, then given up; or never
+        cache = eng.new_cache()
+        logits = [eng.decoder.forward(np.array(PROMPT), cache, last_only=True)]
+        for _ in range(6):
+            logits.append(eng.decoder.forward(np.array([int(logits[-1][-1].argmax())]), cache, last_only=True))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "decode steps run eagerly" in warnings[0] and cause in warnings[0], warnings
+    assert np.array_equal(np.concatenate(logits), want)

@@ -75,7 +75,7 @@ extern "C" __global__ void strata_sum_partials(const float* parts, int nodes, lo
 
 
 @functools.lru_cache(maxsize=None)
-def _module():
+def cuda_module():
     import cupy
 
     return cupy.RawModule(code=SOURCE, options=("--std=c++14", "--fmad=false"))
@@ -105,7 +105,7 @@ def split_pairs(packed, k: int, on_device, skip: float, counts, totals) -> Split
     out = SplitPairs(*(cupy.empty(P, d) for d in (i32, i32, f32)), cupy.empty(1, i64),
                      *(cupy.empty(P, d) for d in (i32, i32, f32)), cupy.empty(1, i64))
     seen = cupy.empty(2 * E, np.uint8)
-    _module().get_function("strata_split_pairs")((1,), (32,), (  # a warp, thread 0 working: a launch's least
+    cuda_module().get_function("strata_split_pairs")((1,), (32,), (  # a warp, thread 0 working: a launch's least
         packed, i32(T), i32(k), on_device, i32(E), f32(skip), out.cpu_tokens, out.cpu_experts, out.cpu_weights,
         out.cpu_count, out.dev_tokens, out.dev_experts, out.dev_weights, out.dev_count, counts, totals, seen))
     return out
@@ -120,7 +120,7 @@ def sum_partials(parts, extra=None, more=None):
     n = T * H
     if n:
         null = np.uint64(0)  # a null pointer: that add is left out
-        _module().get_function("strata_sum_partials")(((n + 255) // 256,), (256,), (
+        cuda_module().get_function("strata_sum_partials")(((n + 255) // 256,), (256,), (
             parts, np.int32(N), np.int64(n), extra if extra is not None else null,
             more if more is not None else null, out))
     return out

@@ -81,7 +81,7 @@ extern "C" __global__ void strata_order_slots(const int* tokens, const int* expe
 
 
 @functools.lru_cache(maxsize=None)
-def _module():
+def cuda_module():
     import cupy
 
     return cupy.RawModule(code=_SOURCE, options=("--std=c++14",))
@@ -137,7 +137,7 @@ class DeviceExperts:
         i32 = np.int32
         slot_rows, slot_matrix, by_token, ids, order = (cupy.empty(P, i32) for _ in range(5))
         slot_weights, start = cupy.empty(P, np.float32), cupy.empty(T + 1, i32)
-        _module().get_function("strata_order_slots")((1,), (32,), (
+        cuda_module().get_function("strata_order_slots")((1,), (32,), (
             split.dev_tokens, split.dev_experts, split.dev_weights, split.dev_count, le.index_device, i32(T), i32(P),
             slot_rows, slot_matrix, slot_weights, by_token, start, ids, order))
         xs = cupy.ascontiguousarray(x, dtype=np.float32)
@@ -147,7 +147,7 @@ class DeviceExperts:
         down = format_kernels.grouped_matvec(le.formats[2], le.tables[2], inter, H, act, ids, slot_matrix)  # [P, H]
         y = cupy.empty((T, H), np.float32)
         n = T * H
-        _module().get_function("strata_slot_sum")(((n + 255) // 256,), (256,), (
+        cuda_module().get_function("strata_slot_sum")(((n + 255) // 256,), (256,), (
             down, slot_weights, by_token, start, i32(T), i32(H), y))
         return y
 
@@ -173,7 +173,7 @@ class DeviceExperts:
         start = np.searchsorted(tokens[order][by_token], np.arange(T + 1)).astype(np.int32)  # [T + 1]
         y = cupy.empty((T, H), np.float32)
         n = T * H
-        _module().get_function("strata_slot_sum")(((n + 255) // 256,), (256,), (
+        cuda_module().get_function("strata_slot_sum")(((n + 255) // 256,), (256,), (
             down, cupy.asarray(weights[order].astype(np.float32)), cupy.asarray(by_token.astype(np.int32)),
             cupy.asarray(start), np.int32(T), np.int32(H), y))
         return y

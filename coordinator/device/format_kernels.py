@@ -350,7 +350,7 @@ SOURCE = (_BODY.replace("@MAX_TOKENS@", str(MAX_TOKENS)).replace("@IQ4NL_LO@", h
 
 
 @functools.lru_cache(maxsize=None)
-def _module():
+def cuda_module():
     import cupy
 
     return cupy.RawModule(code=SOURCE, options=("--std=c++14",))  # NVRTC; CuPy keeps the binary on disk
@@ -358,7 +358,7 @@ def _module():
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str):
-    return _module().get_function(name)
+    return cuda_module().get_function(name)
 
 
 def row_stride(fmt: str, K: int) -> int:

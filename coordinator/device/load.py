@@ -101,6 +101,22 @@ def graph_step_rows(cfg: ModelConfig, config: EngineConfig) -> int:
     return MAX_ROWS if config.graph and config.pool == "process" and cfg.linear is None else 0
 
 
+def compile_kernels() -> None:
+    """Every CUDA module built now, at open (NVRTC, or CuPy's kernel cache on disk after a first run), with a
+    progress line once it has taken 2 s: no request waits for a compile."""
+    from shm.progress import Progress
+
+    from ..model import device_ops
+    from . import compact, experts, format_kernels, router
+
+    modules = (device_ops, format_kernels, experts, compact, router)
+    progress = Progress(len(modules), "compiling the CUDA kernels (NVRTC; cached for later runs)", unit="modules")
+    for mod in modules:
+        mod.cuda_module().compile()
+        progress.add(1)
+    progress.finish()
+
+
 @contextlib.contextmanager
 def out_of_memory(plan: vram.VramPlan):
     """The upload inside: a failed allocation (the memory the plan counted taken meanwhile by another process,

@@ -181,11 +181,16 @@ SOURCE = "".join(f"#define {name} {_bits(value)}\n" for name, value in _CONSTANT
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
+def cuda_module():
     import cupy
 
     # NVRTC, no contraction: the host's loop fuses no multiply-add either (module docstring)
-    return cupy.RawModule(code=SOURCE, options=("--std=c++14", "--fmad=false")).get_function("strata_route")
+    return cupy.RawModule(code=SOURCE, options=("--std=c++14", "--fmad=false"))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    return cuda_module().get_function("strata_route")
 
 
 def threads(E: int) -> int:

@@ -21,7 +21,7 @@ from . import device_ops, linear_attention, ops
 from .kv_cache import KVCache
 from .model_config import ModelConfig
 from .weights import LayerWeights, ModelWeights
-from .xp import HostStaging, SideStream, is_device, module, to_host
+from .xp import HostStaging, SideStream, host_functions_refused, is_device, module, to_host
 
 
 def on_device(obj, xp, _uploaded: dict | None = None):
@@ -218,15 +218,29 @@ class Decoder:
         steps' buffer made now (the VRAM plan's; 0: sized by the first step)."""
         if self.cfg.linear is not None:  # a graph-ready step has no Gated DeltaNet layer (nor the attention's gate)
             return False
-        link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp) if self.xp is not np else None
-        if link is None or (any(d.any() for d in self.on_device.values())
-                            and not isinstance(self.device_experts, DeviceExperts)):
+        if self.xp is np or (any(d.any() for d in self.on_device.values())
+                             and not isinstance(self.device_experts, DeviceExperts)):
             return False
         from .graph_steps import GraphSteps
 
+        stream = self.xp.cuda.Stream()  # the steps' own: a capture needs one
+        try:
+            link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp)
+        except Exception as e:  # cudaHostRegister of the pool's segment refused (drivers have refused such mappings)
+            link, why = None, f"the pool's segment could not be registered with the device ({type(e).__name__}: {e})"
+        else:
+            if link is None:  # a pool driven from Python only
+                return False
+            why = host_functions_refused(stream)  # libcuda loaded and a host function run now, not in a request
+            if why is not None:
+                self.pool.close_stream_link()
+        if why is not None:
+            log.warning("decode steps run eagerly, one layer at a time: %s", why)
+            return False
         context = context or self.cfg.max_position_embeddings
         self.graph = GraphSteps(self.cfg, self.on_device, self.device_experts, link, self.xp, context,
-                                self._rope_tables(np.arange(context)), self.w.embed.dtype, capture, step_buffer)
+                                self._rope_tables(np.arange(context)), self.w.embed.dtype, capture, step_buffer,
+                                stream)
         return True
 
     def new_cache(self) -> KVCache:

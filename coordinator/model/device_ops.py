@@ -735,11 +735,11 @@ extern "C" __global__ void strata_silu_mul(const float* g, const float* u, long 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str):
-    return _module().get_function(name)
+    return cuda_module().get_function(name)
 
 
 @functools.lru_cache(maxsize=None)
-def _module():
+def cuda_module():
     import cupy
 
     return cupy.RawModule(code=_SOURCE, options=("--std=c++14",))  # NVRTC; CuPy keeps the binary on disk

@@ -155,7 +155,7 @@ class StepTables:
 
 class GraphSteps:
     def __init__(self, cfg, on_device: dict[int, np.ndarray], device_experts, link, xp, context: int, rope,
-                 embed_dtype, capture: bool = True, step_buffer: int = 0):
+                 embed_dtype, capture: bool = True, step_buffer: int = 0, stream=None):
         """``on_device``: layer -> [E] bool, the experts kept on the device, ``device_experts`` their DeviceExperts;
         ``link``: the pool's StreamLink; ``context``: the longest a sequence may be (EngineConfig.max_seq_len or the
         model's), what every cache of a graph-ready step is reserved to; ``rope``: (cos, sin) [context, d] on the
@@ -187,7 +187,7 @@ class GraphSteps:
         self.queued_at = 0  # perf_counter_ns when the current step's queueing ended
         # the stream the steps run on: a capture needs one of its own; it waits for the default stream's work and
         # that waits for it (a blocking stream), so eager steps and MTP passes need no events around it
-        self.stream = xp.cuda.Stream()
+        self.stream = stream or xp.cuda.Stream()
         self.capture = capture
         self.captured: dict[tuple, Captured] = {}  # a step's shape (key) -> its graph
         self.sized: dict[tuple, int] = {}  # shape -> the bucket's buffer generation it last ran inside

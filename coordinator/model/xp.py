@@ -157,6 +157,35 @@ def launch_host_func(fn_address: int, user_data: int) -> None:
         raise RuntimeError(f"cuLaunchHostFunc failed: CUDA driver error {status}")
 
 
+MIN_CUPY = (13, 0)  # the oldest CuPy the graph-ready steps are written for (stream capture, UnownedMemory, runtime)
+
+
+def host_functions_refused(stream) -> str | None:
+    """Why host functions cannot drive the pool from a stream here, or None: CuPy's version, libcuda loaded, and
+    one host function queued on ``stream`` and seen to run (checked at open, so no request meets it)."""
+    import ctypes
+
+    version = getattr(_cupy, "__version__", "0")
+    found = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    if found < MIN_CUPY:
+        return f"CuPy {version} is older than {'.'.join(map(str, MIN_CUPY))}"
+    try:
+        _driver()
+    except OSError as e:
+        return f"the CUDA driver library could not be loaded ({e})"
+    ran: list[int] = []
+    probe = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda data: ran.append(data or 0))
+    try:
+        with stream:
+            launch_host_func(ctypes.cast(probe, ctypes.c_void_p).value, 7)
+        stream.synchronize()
+    except Exception as e:  # the driver's or CuPy's refusal, named
+        return f"a host function could not be queued ({type(e).__name__}: {e})"
+    if ran != [7]:
+        return "a host function queued on a stream did not run"
+    return None
+
+
 def _driver():
     """libcuda, the CUDA driver (present wherever CuPy runs on a GPU)."""
     import ctypes

@@ -118,6 +118,9 @@ class ExpertPool(abc.ABC):
         called from Python only (the in-process pool computes in the coordinator's own thread)."""
         return None
 
+    def close_stream_link(self) -> None:
+        """Give up the stream link stream_link made (none here)."""
+
     @abc.abstractmethod
     def membw(self, nbytes: int, repeats: int = 3) -> dict:
         """A STREAM-style read of ``nbytes`` per node by the nodes' own threads, all at once:

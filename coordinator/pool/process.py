@@ -150,6 +150,12 @@ class ProcessPool(ExpertPool):
             self._link = StreamLink(self, layers, xp)
         return self._link
 
+    def close_stream_link(self) -> None:
+        """The stream link given up (its segment unregistered): the pool is driven from Python only."""
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
     def recover_stream(self, error: int, node: int, rows: int) -> None:
         """After a stream-driven step met ``error`` on request ``request_id``: a node's error answer raises
         PoolError; a dead or hung worker is recovered and the request finished the eager way (restarted, asked
