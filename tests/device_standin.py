@@ -284,10 +284,18 @@ class _Pool:
         if CAPTURING[0] is not None:
             raise CUDARuntimeError(900)
 
+    def __init__(self):
+        self.handed_out = 0
+
     def malloc(self, size: int) -> _MemoryPointer:
         _no_pool_block()
         COUNTS["allocations"] += 1
+        self.handed_out += size
         return _MemoryPointer(_Block(size))
+
+    def used_bytes(self) -> int:
+        """Every block's bytes handed out (the stand-in frees none back to its pool)."""
+        return self.handed_out
 
 
 _POOL = _Pool()
@@ -695,6 +703,7 @@ def module(build_dir) -> tuple[types.ModuleType, types.ModuleType]:
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemory)
     cuda.using_allocator = _using_allocator
     cuda.MemoryPointer, cuda.UnownedMemory = _MemoryPointer, _UnownedMemory
+    cuda.alloc = _POOL.malloc
     cuda.runtime.hostRegister = lambda ptr, size, flags: _pin(ptr, size)  # host memory is the device's here
     cuda.runtime.hostUnregister = lambda ptr: _PINNED.pop(ptr, None)
     cp.cuda = cuda

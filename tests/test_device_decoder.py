@@ -148,7 +148,7 @@ def test_the_planned_memory_is_what_is_uploaded(gpu, tiny_model, tmp_path, sourc
 
 
 def test_the_gpu_bench_runs_through(gpu, tmp_path):
-    """tools/gpu_bench.py (what tools/gpu_check.sh --bench runs on a GPU) end to end on a tiny Q4_K_M file (the
+    """tools/gpu_bench.py (what tools/gpu_check.sh's gpu_bench stage runs on a GPU) end to end on a tiny Q4_K_M file (the
     other two models take the same path from a BF16 checkpoint, as the tests above do): every figure the issue
     asks for is in its JSON."""
     import json

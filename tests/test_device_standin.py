@@ -20,7 +20,9 @@ def cp(tmp_path):
 
 
 def _address(a) -> int:
-    return a.__array_interface__["data"][0]
+    """A device array's address: real CuPy's (tools/capture_probe.py runs CASES there) or the stand-in's."""
+    ptr = getattr(a.data, "ptr", None)
+    return ptr if ptr is not None else a.__array_interface__["data"][0]
 
 
 def _buffer_allocator(nbytes: int = 1 << 16):
@@ -34,7 +36,8 @@ def _buffer_allocator(nbytes: int = 1 << 16):
     return malloc
 
 
-# rule -> (the call, given the module, a device array [16] float32 and a pinned host array [16]; what it raises)
+# rule -> (the call, given the module, a device array [16] float32 and a pinned host array [16]; what it raises);
+# tools/capture_probe.py runs the same calls on a GPU's CuPy and says where CuPy's exception and message differ
 CASES = {
     "h2d: ndarray.set": (lambda cp, d, h: d.set(np.ones(16, np.float32)), RuntimeError, H2D_REFUSED),
     "h2d: ndarray.set from pinned": (lambda cp, d, h: d.set(h), RuntimeError, H2D_REFUSED),
@@ -156,3 +159,23 @@ def test_a_capture_keeps_kernels_and_pinned_copies_for_its_replays(cp):
         src[...], dst[...] = values, 0
         graph.launch(stream)
         assert dst.tolist() == [2 * v for v in values]
+
+
+def test_the_gpu_checks_capture_probe_runs_on_the_stand_in(gpu):
+    """tools/capture_probe.py, which gpu_check.sh runs on a GPU's CuPy, through the stand-in: every rule's call
+    refused as the table says, and its captured copy, kernel and host function replayed with new inputs."""
+    import sys
+    from pathlib import Path
+
+    import cupyx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import capture_probe  # noqa: E402  (tools/capture_probe.py)
+
+    found = capture_probe.refusals(gpu, cupyx)  # here "cupy" is the stand-in, which also refuses its own rules
+    assert [r["rule"] for r in found] == list(CASES)
+    assert all(r["matches"] for r in found if not r["standin_only"]), found
+    own = [r for r in found if r["standin_only"]]
+    assert own and all(r["cupy"].startswith("CaptureHazard") for r in own), own
+    replay = capture_probe.replay(gpu, cupyx)
+    assert replay["ok"] and replay["replays_right"] == [True] * 3 and replay["host_function_calls"] == 3, replay

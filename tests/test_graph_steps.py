@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -597,45 +599,24 @@ def test_a_step_that_uploads_a_fresh_array_queues_different_copies(gpu, tiny_mod
         assert a[0] == b[0] == "upload" and a[1][0] == b[1][0] == "pageable" and a[2] == b[2]  # same place, new source
 
 
-def _step_peaks(model, rows_list=(1, 4, 8), context: int = 512) -> tuple[dict[int, int], object, object]:
-    """Steps of each row count in ``rows_list`` (one sequence a row, four steps each: sized, captured, replayed;
-    MLA's first step over one key takes the expanded form, a shape of its own): the step buffer's plan peak per
-    bucket, the arena, and the engine's VRAM plan."""
-    config = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32",
-                          kv_dtype="f32", max_seq_len=context)
-    with Engine.open(model, config) as eng:
-        for rows in rows_list:
-            caches = [eng.new_cache() for _ in range(rows)]
-            for _ in range(4):
-                eng.decoder.forward_batch([(np.array([7]), c) for c in caches])
-        graph = eng.decoder.graph
-        assert graph.captures == len(rows_list) and graph.replays >= len(rows_list) and not graph.failed
-        return dict(graph.arena.stats.peaks), graph.arena, eng.gpu_memory
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_step_memory_does_not_grow_with_layers_and_is_within_the_plan(gpu, tiny_model, arch):
-    """The step buffer's peak for 1-, 4- and 8-row steps is the same with 8 layers as with 4 (memory a layer frees
-    is the next one's) and within the plan's step memory for that many rows (vram.step_bytes, at most 3 times
-    over); the buffer made at open for the plan's largest step is never grown, and no step took a pool block."""
+def test_step_memory_does_not_grow_with_layers_and_is_within_the_plan(gpu, tmp_path, arch):
+    """tools/gpu_step_memory.py's run through the stand-in: the step buffer's plan peak for 1-, 4- and 8-row steps
+    is the same with 8 layers as with 4 (memory a layer frees is the next one's) and within the plan's step memory
+    for that many rows (vram.step_bytes, at most 3 times over where kv_b is float32, as here); the buffer made at
+    open is never grown, no step takes a pool block, every shape is captured and replayed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import gpu_step_memory  # noqa: E402  (tools/gpu_step_memory.py)
+
     from coordinator.device import vram
-
-    peaks = {}
-    for layers in (4, 8):
-        model = tiny_model(name=f"m{layers}", arch=arch, num_layers=layers, **GEOMETRY, **ARCHS[arch])
-        peaks[layers], arena, plan = _step_peaks(model)
-        assert arena.stats.generation == 1 and arena.stats.pool_allocations == 0, arena.stats
-        assert arena.stats.bytes >= plan.step > 0
-        for rows, peak in peaks[layers].items():
-            planned = vram.step_bytes(model_config(model), rows, 512, compact_kv_b=False)
-            assert peak <= planned <= 3 * peak, (rows, peak, planned)
-    assert peaks[4] == peaks[8] and set(peaks[4]) == {1, 4, 8}
-
-
-def model_config(model):
     from coordinator.model.source import open_source
 
-    return open_source(model).config
+    runs = [gpu_step_memory.measure(layers, 512, tmp_path, arch=arch, **GEOMETRY, **ARCHS[arch]) for layers in (4, 8)]
+    assert gpu_step_memory.problems(runs) == []
+    cfg = open_source(tmp_path / "m4").config
+    for rows in gpu_step_memory.ROWS:
+        peak, planned = runs[0]["peaks"][str(rows)], vram.step_bytes(cfg, rows, 512, compact_kv_b=False)
+        assert peak <= planned <= 3 * peak, (rows, peak, planned)
 
 
 def _refuse_registration(cp, monkeypatch):
