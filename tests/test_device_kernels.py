@@ -281,3 +281,36 @@ def test_device_mla_attention_matches_float64(cp):
         widened = device_ops.mla_attention_absorbed(qd[..., :dn], qd[..., dn:], cupy.asarray(_widened(lat16)),
                                                     cupy.asarray(_widened(kr16)), *weights, splits=splits)
         assert cupy.array_equal(from16, widened), what
+
+
+@pytest.mark.slow  # 262,144 keys through the emulator: half a minute
+def test_split_k_attention_matches_float64_at_long_contexts(cp):
+    """gqa_attention split over the keys (a block a split of up to GQA_TILE-key tiles, online softmax, the splits
+    merged in order) against float64 for one decode token over 1,024, 32,768 and 262,144 keys (4, 32 and 32
+    splits; a sliding window at 32K), and the cached form over two sequences' caches of 1,000 and 33,000 keys
+    (read through the tables, the mask made in the kernel) equal to the eager form bit for bit."""
+    cupy = cp
+    rng = np.random.default_rng(23)
+    nh, nkv, hd = 4, 1, 64
+    for S, window in [(1024, None), (32768, None), (32768, 4000), (262144, None)]:
+        q = rng.standard_normal((1, nh, hd)).astype(np.float32)
+        k, v = (rng.standard_normal((2, S, nkv, hd)) * 2).astype(np.float32)
+        mask = ops.attention_mask(np.array([S - 1]), np.arange(S), window)  # [1, S]
+        got = cupy.asnumpy(device_ops.gqa_attention(*map(cupy.asarray, (q, k, v, mask)), hd**-0.5))
+        np.testing.assert_allclose(got, _attention64(q, k, v, mask), rtol=2e-5, atol=2e-6,
+                                   err_msg=f"S {S} window {window} ({device_ops.gqa_splits(S)[0]} splits)")
+    from coordinator.device.format_kernels import address
+
+    lengths = [1000, 33000]
+    caches = [(rng.standard_normal((2, S, nkv, hd)) * 2).astype(np.float32) for S in lengths]
+    kd = [(cupy.asarray(c[0]), cupy.asarray(c[1])) for c in caches]
+    q = rng.standard_normal((2, nh, hd)).astype(np.float32)
+    tables = [np.array([address(k) for k, _ in kd]), np.array([address(v) for _, v in kd]), np.arange(2),
+              np.array(lengths) - 1, np.array(lengths)]
+    got = cupy.asnumpy(device_ops.gqa_attention_cached(cupy.asarray(q), [cupy.asarray(t.astype(np.int64))
+                                                                         for t in tables], None, hd**-0.5, nkv,
+                                                       40000, False))
+    for s, ((k, v), S) in enumerate(zip(kd, lengths)):
+        mask = cupy.asarray(ops.attention_mask(np.array([S - 1]), np.arange(S), None))
+        want = cupy.asnumpy(device_ops.gqa_attention(cupy.asarray(q[s:s + 1]), k, v, mask, hd**-0.5))
+        assert np.array_equal(got[s:s + 1], want), S

@@ -7,8 +7,9 @@ coordinator/device/vram.py's plan for a BF16 checkpoint and for llama.cpp's Q4_K
 
 --steps: a graph-ready decode step's device memory for those row counts over the preset's context (after the
 colon; default --kv-tokens): vram.step_bytes (the step arena planned by lifetimes: one layer's transients at a
-time, MLA's kv_b dequantised compact) beside what the bump arena it replaced took (every layer's allocations
-kept to the end of the step: layers x the same per-layer terms, plus lm_head's).
+time, GQA's attention split over the keys, MLA's kv_b dequantised compact) beside what the bump arena and the
+one-pass GQA attention before them took (every layer's allocations kept to the end of the step, the scores as
+long as the context).
 
 A Q4_K_M file's tensor types follow llama-quantize's rule (llama_tensor_get_type): Q4_K, with Q6_K for
 output.weight and for attn_v and ffn_down in the layers use_more_bits picks; norms, biases and the router
@@ -18,7 +19,6 @@ output.weight and for attn_v and ffn_down in the layers use_more_bits picks; nor
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
@@ -87,9 +87,14 @@ def table(rows: list[dict], expert_memory: float) -> str:
 
 
 def bump_step_bytes(cfg: ModelConfig, rows: int, context: int) -> int:
-    """The bump arena's step: nothing freed, so every layer's attention and MLP terms of vram.step_bytes at once."""
-    one_layer = vram.step_bytes(dataclasses.replace(cfg, vocab_size=1), rows, context)  # its logits apart
-    return cfg.num_layers * one_layer + 4 * rows * cfg.vocab_size
+    """What the bump arena took for a step before the lifetimes were planned: nothing freed, so every layer's
+    attention (GQA's one-pass kernel with its context-long scores in place of the split-K partials) and MLP at
+    once, plus lm_head's logits (vram.step_terms' parts)."""
+    t = vram.step_terms(cfg, rows, context)
+    attention = t["attention"]
+    if cfg.mla is None:
+        attention += rows * cfg.num_heads * context - t["attention_scratch"]
+    return 4 * (cfg.num_layers * (t["kept"] + attention + max(t["moe"], t["dense"])) + t["logits"])
 
 
 def step_table(specs: list[str], rows_list: list[int], default_context: int) -> str:

@@ -180,29 +180,28 @@ def scratch_bytes(cfg: ModelConfig, chunk: int, context: int, widest_row: int) -
 STEP_SLACK = 64 * 256  # the step arena's rounding: up to 64 arrays live at once, each up to 256 bytes over
 
 
-def step_bytes(cfg: ModelConfig, rows: int, context: int, nodes: int = 8, compact_kv_b: bool = True) -> int:
-    """A graph-ready decode step's peak device memory for ``rows`` rows over caches of ``context`` tokens
-    (coordinator/device/arena.py: the step's arrays planned by lifetimes, so one layer's transients at a time):
-    what every layer keeps (the residual rows) and the largest of one layer's attention, its MoE or dense MLP,
-    and lm_head's logits. ``nodes``: the pool's partials, one [rows, H] a node (8 covers every machine here);
-    ``compact_kv_b``: MLA's kv_b stored in a compact format, dequantised in each layer's step."""
-    T, H, f32 = rows, cfg.hidden_size, 4
+def step_terms(cfg: ModelConfig, rows: int, context: int, nodes: int = 8, compact_kv_b: bool = True) -> dict:
+    """step_bytes' parts in float32 values: ``kept`` (every layer's residual rows), one layer's ``attention``
+    (of which ``attention_scratch``: the split-K partials or MLA's), its ``moe`` and ``dense`` MLP, and lm_head's
+    ``logits``."""
+    T, H = rows, cfg.hidden_size
     nh = cfg.num_heads
-    kept = 4 * T * H  # the residual, the normed rows, the layer's output and its sum
     if cfg.mla is not None:
         from ..model.device_ops import mla_max_splits
 
         m = cfg.mla
         c, dr, dn, dv = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
         q_width = nh * m.qk_head_dim
-        splits = mla_max_splits(nh, context, c, dr)
+        scratch = T * nh * c + T * nh * mla_max_splits(nh, context, c, dr) * (c + 2)  # q_lat, the partials
         attention = (T * ((m.q_lora_rank or 0) + 2 * q_width + 2 * (c + dr) + nh * dv + H)  # projections, roped
                      + T * nh * (c + dr)  # the absorbed queries
-                     + T * nh * c + T * nh * splits * (c + 2)  # _mla_absorb's scratch: q_lat, the partials
-                     + (nh * (dn + dv) * c if compact_kv_b else 0))  # kv_b dequantised in the step
+                     + scratch + (nh * (dn + dv) * c if compact_kv_b else 0))  # kv_b dequantised in the step
     else:
-        attention = (T * ((nh + 2 * cfg.num_kv_heads) * cfg.head_dim * 2 + nh * cfg.head_dim + H)
-                     + T * nh * context)  # qkv, normed and roped q and k, the output; the scores
+        from ..model.device_ops import gqa_max_splits
+
+        hd = cfg.head_dim
+        scratch = T * nh * gqa_max_splits(context) * (hd + 2)  # the split-K partials and their (max, sum)
+        attention = T * ((nh + 2 * cfg.num_kv_heads) * hd * 2 + 2 * nh * hd + H) + scratch  # qkv, q and k roped
     k, E = cfg.top_k, cfg.num_experts
     inter = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
     moe = (T * (E + 2 * k) + 2 * (3 * T * k + 2) + 2 * E  # router logits, packed pairs, the split, its marks
@@ -210,8 +209,18 @@ def step_bytes(cfg: ModelConfig, rows: int, context: int, nodes: int = 8, compac
            + 3 * T * inter + T * H  # the shared experts'
            + nodes * T * H + T * H)  # the pool's partials, the sum
     dense = 3 * T * cfg.dense_intermediate_size if not all(cfg.sparse_layers) else 0
-    logits = T * cfg.vocab_size
-    return f32 * (kept + max(attention, moe, dense, logits)) + STEP_SLACK
+    return {"kept": 4 * T * H, "attention": attention, "attention_scratch": scratch, "moe": moe, "dense": dense,
+            "logits": T * cfg.vocab_size}
+
+
+def step_bytes(cfg: ModelConfig, rows: int, context: int, nodes: int = 8, compact_kv_b: bool = True) -> int:
+    """A graph-ready decode step's peak device memory for ``rows`` rows over caches of ``context`` tokens
+    (coordinator/device/arena.py: the step's arrays planned by lifetimes, so one layer's transients at a time):
+    what every layer keeps (the residual rows) and the largest of one layer's attention, its MoE or dense MLP,
+    and lm_head's logits. ``nodes``: the pool's partials, one [rows, H] a node (8 covers every machine here);
+    ``compact_kv_b``: MLA's kv_b stored in a compact format, dequantised in each layer's step."""
+    t = step_terms(cfg, rows, context, nodes, compact_kv_b)
+    return 4 * (t["kept"] + max(t["attention"], t["moe"], t["dense"], t["logits"])) + STEP_SLACK
 
 
 @dataclass(frozen=True)

@@ -170,104 +170,146 @@ extern "C" __global__ void strata_norm_rope(const float* x, long long row_stride
     }
 }
 
-// Attention of T query tokens over S keys, heads sharing KV heads in groups of nh / nkv.
-// q [T, nh, hd]; k, v [S, nkv, hd] (KV: float, or bf16 bits widened exactly on load); mask [T, S] bytes,
-// nonzero where the key is seen; out [T, nh * hd]; scores [T * nh, S] scratch. One block a (token, head):
+// Attention of T query tokens over S keys, heads sharing KV heads in groups of nh / nkv, split over the keys
+// (flash-decoding, as the MLA path and llama.cpp's decode do): q [T, nh, hd]; k, v [S, nkv, hd] (KV: float, or
+// bf16 bits widened exactly on load); mask [T, S] bytes, nonzero where the key is seen. Without a mask (null), the
+// key j is seen by the query at position pos where j <= pos and, with a window, pos - j < window
+// (ops.attention_mask's rule, made here).
+// The S keys go to gqa_splits(S) splits of `chunk` keys (a formula of S alone, so every caller splits alike); a
+// block a (token, head, split) walks its keys in tiles of GQA_TILE:
 //   scores   a warp a key: the lanes split hd, a shuffle sum; masked keys -inf
-//   softmax  block max, e^(s - max) (masked: 0), block sum (strata_masked_softmax's arithmetic)
+//   softmax  online: the tile's block max, e^(s - max) (masked: 0), its block sum; the running sum and
+//            output rescaled by e^(old max - new max)
 //   output   the threads split (dim, key group): groups = blockDim / hd keys apart, summed in group order
-// Dynamic shared memory: hd + max(blockDim, hd) floats. Without a mask (null), the key j is seen by the query at
-// position pos where j <= pos and, with a window, pos - j < window (ops.attention_mask's rule, made here);
-// row r of scores starts at r * score_stride.
+// and writes its unnormalised output [hd] and (max, sum) to its split's place (rows `stride` splits apart);
+// strata_gqa_combine then merges a row's splits in order. The scratch is rows x heads x splits x (hd + 2)
+// floats, whatever the context. Dynamic shared memory: hd + GQA_TILE + max(blockDim, hd) floats.
+#define GQA_TILE 1024
+#define GQA_MIN_KEYS 256
+#define GQA_MAX_SPLITS 32
+__device__ __forceinline__ int gqa_splits(int S, int* chunk) {
+    int splits = min(GQA_MAX_SPLITS, max(1, (S + GQA_MIN_KEYS - 1) / GQA_MIN_KEYS));
+    *chunk = (S + splits - 1) / splits;
+    return (S + *chunk - 1) / *chunk;
+}
 template <typename KV>
-__device__ void gqa_attention(const float* q, const KV* k, const KV* v, const unsigned char* mask, int pos,
-                              int window, float scale, int S, int nh, int nkv, int hd, long long score_stride,
-                              float* scores, float* out) {
+__device__ void gqa_partial(const float* qr, const KV* k, const KV* v, const unsigned char* m, int pos, int window,
+                            float scale, int S, int split, int g, int nkv, int hd, float* part, float* stat) {
     extern __shared__ float gqa_shared[];  // named apart: a C++ function's and the kernels' would clash
-    __shared__ float part[32];
-    float* qs = gqa_shared;       // [hd] the query row
-    float* acc = gqa_shared + hd; // [groups * hd] the output's partial sums
-    long long t = blockIdx.x / nh;
-    int h = blockIdx.x % nh, g = h / (nh / nkv);
-    const float* qr = q + (long long)blockIdx.x * hd;
+    __shared__ float red[32];
+    float* qs = gqa_shared;                  // [hd] the query row
+    float* sc = gqa_shared + hd;             // [GQA_TILE] a tile's scores, then its e^(s - max)
+    float* acc = gqa_shared + hd + GQA_TILE; // [groups * hd] the output's running partial sums
+    int chunk, splits = gqa_splits(S, &chunk);
+    if (split >= splits) return;  // a cached step's grid is sized for the longest context: nothing here
+    int lo = split * chunk, hi = min(S, lo + chunk);
     for (int j = threadIdx.x; j < hd; j += blockDim.x) qs[j] = qr[j];
+    int groups = hd <= blockDim.x ? blockDim.x / hd : 1;
+    for (int i = threadIdx.x; i < groups * hd; i += blockDim.x) acc[i] = 0.0f;
     __syncthreads();
-    float* sc = scores + (long long)blockIdx.x * score_stride;
-    const unsigned char* m = mask ? mask + t * S : nullptr;
     long long kv_row = (long long)nkv * hd;
     const KV* kh = k + (long long)g * hd;
     const KV* vh = v + (long long)g * hd;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = w; j < S; j += nw) {
-        if (!(m ? m[j] : j <= pos && (window <= 0 || pos - j < window))) {  // the same j for the whole warp
-            if (lane == 0) sc[j] = __int_as_float(0xff800000);
-            continue;
+    float run_max = __int_as_float(0xff800000), run_sum = 0.0f;
+    for (int t0 = lo; t0 < hi; t0 += GQA_TILE) {
+        int n = min(GQA_TILE, hi - t0);
+        for (int jj = w; jj < n; jj += nw) {
+            int j = t0 + jj;
+            if (!(m ? m[j] : j <= pos && (window <= 0 || pos - j < window))) {  // the same j for the whole warp
+                if (lane == 0) sc[jj] = __int_as_float(0xff800000);
+                continue;
+            }
+            const KV* kr = kh + j * kv_row;
+            float a = 0.0f;
+            for (int d = lane; d < hd; d += 32) a += qs[d] * kv_load(kr, d);
+            a = warp_sum(a);
+            if (lane == 0) sc[jj] = a * scale;
         }
-        const KV* kr = kh + j * kv_row;
-        float a = 0.0f;
-        for (int d = lane; d < hd; d += 32) a += qs[d] * kv_load(kr, d);
-        a = warp_sum(a);
-        if (lane == 0) sc[j] = a * scale;
+        __syncthreads();
+        float mx = __int_as_float(0xff800000);
+        for (int jj = threadIdx.x; jj < n; jj += blockDim.x) mx = fmaxf(mx, sc[jj]);
+        mx = block_max(mx, red);
+        float new_max = fmaxf(run_max, mx);
+        if (new_max == __int_as_float(0xff800000)) continue;  // every key so far masked (the block agrees)
+        float sum = 0.0f;
+        for (int jj = threadIdx.x; jj < n; jj += blockDim.x) {
+            int j = t0 + jj;
+            float e = (m ? m[j] : j <= pos && (window <= 0 || pos - j < window)) ? expf(sc[jj] - new_max) : 0.0f;
+            sc[jj] = e;
+            sum += e;
+        }
+        sum = block_sum(sum, red);  // synchronises: sc[] holds every e
+        float rescale = run_max == __int_as_float(0xff800000) ? 0.0f : expf(run_max - new_max);
+        run_sum = run_sum * rescale + sum;
+        run_max = new_max;
+        for (int i = threadIdx.x; i < groups * hd; i += blockDim.x) {
+            int d = i % hd, grp = i / hd;
+            float a = 0.0f;
+            for (int jj = grp; jj < n; jj += groups) a += sc[jj] * kv_load(vh, (t0 + jj) * kv_row + d);
+            acc[grp * hd + d] = acc[grp * hd + d] * rescale + a;
+        }
+        __syncthreads();
     }
-    __syncthreads();
-    float mx = __int_as_float(0xff800000);
-    for (int j = threadIdx.x; j < S; j += blockDim.x) mx = fmaxf(mx, sc[j]);
-    mx = block_max(mx, part);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < S; j += blockDim.x) {
-        float e = (m ? m[j] : j <= pos && (window <= 0 || pos - j < window)) ? expf(sc[j] - mx) : 0.0f;
-        sc[j] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, part);  // synchronises: sc[] holds every e
-    int groups = hd <= blockDim.x ? blockDim.x / hd : 1;
-    for (int i = threadIdx.x; i < groups * hd; i += blockDim.x) {
-        int d = i % hd, grp = i / hd;
-        float a = 0.0f;
-        for (int j = grp; j < S; j += groups) a += sc[j] * kv_load(vh, j * kv_row + d);
-        acc[grp * hd + d] = a;
-    }
-    __syncthreads();
-    float* o = out + (long long)blockIdx.x * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float a = 0.0f;
         for (int grp = 0; grp < groups; grp++) a += acc[grp * hd + d];
-        o[d] = a / sum;
+        part[d] = a;
     }
+    if (threadIdx.x == 0) { stat[0] = run_max; stat[1] = run_sum; }
 }
-extern "C" __global__ void strata_gqa_attention(const float* q, const float* k, const float* v,
-                                                const unsigned char* mask, float scale, int S, int nh, int nkv,
-                                                int hd, float* scores, float* out) {
-    gqa_attention(q, k, v, mask, 0, 0, scale, S, nh, nkv, hd, S, scores, out);
-}
-extern "C" __global__ void strata_gqa_attention_bf16(const float* q, const unsigned short* k, const unsigned short* v,
-                                                     const unsigned char* mask, float scale, int S, int nh, int nkv,
-                                                     int hd, float* scores, float* out) {
-    gqa_attention(q, k, v, mask, 0, 0, scale, S, nh, nkv, hd, S, scores, out);
-}
-
-// The same attention reading where and how far from the device: query row t belongs to sequence q_seq[t] at
-// position q_pos[t]; sequence s's keys and values are seq_len[s] rows at k_ptrs[s] and v_ptrs[s] (its cache's
-// buffers for the layer); the mask is made here. Nothing in the arguments changes from step to step but
-// what the tables hold.
+// a block a (token t, head h, split): blockIdx.x = (t * nh + h) * stride + split
 template <typename KV>
-__device__ void gqa_attention_cached(const float* q, const long long* k_ptrs, const long long* v_ptrs,
-                                     const long long* q_seq, const long long* q_pos, const long long* seq_len,
-                                     int window, float scale, int nh, int nkv, int hd, long long score_stride,
-                                     float* scores, float* out) {
-    long long t = blockIdx.x / nh, s = q_seq[t];
-    gqa_attention((const float*)q, (const KV*)k_ptrs[s], (const KV*)v_ptrs[s], (const unsigned char*)nullptr,
-                  (int)q_pos[t], window, scale, (int)seq_len[s], nh, nkv, hd, score_stride, scores, out);
+__device__ void gqa_partial_row(const float* q, const KV* k, const KV* v, const unsigned char* mask, int pos,
+                                int window, float scale, int S, int nh, int nkv, int hd, int stride, float* part,
+                                float* stats) {
+    long long row = blockIdx.x / stride, t = row / nh;
+    int split = blockIdx.x % stride, h = (int)(row % nh);
+    gqa_partial(q + row * hd, k, v, mask ? mask + t * S : nullptr, pos, window, scale, S, split, h / (nh / nkv),
+                nkv, hd, part + (long long)blockIdx.x * hd, stats + 2LL * blockIdx.x);
 }
-extern "C" __global__ void strata_gqa_attention_cached(const float* q, const long long* k_ptrs,
-                                                       const long long* v_ptrs, const long long* q_seq,
-                                                       const long long* q_pos, const long long* seq_len, int window,
-                                                       float scale, int nh, int nkv, int hd, long long score_stride,
-                                                       int bf16, float* scores, float* out) {
-    if (bf16) gqa_attention_cached<unsigned short>(q, k_ptrs, v_ptrs, q_seq, q_pos, seq_len, window, scale, nh, nkv,
-                                                   hd, score_stride, scores, out);
-    else gqa_attention_cached<float>(q, k_ptrs, v_ptrs, q_seq, q_pos, seq_len, window, scale, nh, nkv, hd,
-                                     score_stride, scores, out);
+extern "C" __global__ void strata_gqa_partial(const float* q, const void* k, const void* v,
+                                              const unsigned char* mask, float scale, int S, int nh, int nkv, int hd,
+                                              int stride, int bf16, float* part, float* stats) {
+    if (bf16) gqa_partial_row((const float*)q, (const unsigned short*)k, (const unsigned short*)v, mask, 0, 0, scale,
+                              S, nh, nkv, hd, stride, part, stats);
+    else gqa_partial_row(q, (const float*)k, (const float*)v, mask, 0, 0, scale, S, nh, nkv, hd, stride, part, stats);
+}
+// The same partials reading where and how far from the device: query row t belongs to sequence q_seq[t] at
+// position q_pos[t]; sequence s's keys and values are seq_len[s] rows at k_ptrs[s] and v_ptrs[s] (its cache's
+// buffers for the layer); the mask is made here. Nothing in the arguments changes from step to step but what
+// the tables hold; `stride` is gqa_max_splits of the context.
+extern "C" __global__ void strata_gqa_partial_cached(const float* q, const long long* k_ptrs,
+                                                     const long long* v_ptrs, const long long* q_seq,
+                                                     const long long* q_pos, const long long* seq_len, int window,
+                                                     float scale, int nh, int nkv, int hd, int stride, int bf16,
+                                                     float* part, float* stats) {
+    long long t = blockIdx.x / stride / nh, s = q_seq[t];
+    if (bf16) gqa_partial_row(q, (const unsigned short*)k_ptrs[s], (const unsigned short*)v_ptrs[s], nullptr,
+                              (int)q_pos[t], window, scale, (int)seq_len[s], nh, nkv, hd, stride, part, stats);
+    else gqa_partial_row(q, (const float*)k_ptrs[s], (const float*)v_ptrs[s], nullptr, (int)q_pos[t], window, scale,
+                         (int)seq_len[s], nh, nkv, hd, stride, part, stats);
+}
+// A row's splits merged in order: out = sum_c part_c e^(max_c - M) / sum_c sum_c e^(max_c - M), M the largest
+// max; a block a (token, head). S is the keys (eager), or, `cached`, each query's sequence's seq_len[q_seq[t]].
+extern "C" __global__ void strata_gqa_combine(const float* part, const float* stats, int S, const long long* q_seq,
+                                              const long long* seq_len, int cached, int nh, int hd, int stride,
+                                              float* out) {
+    long long row = blockIdx.x;
+    int keys = cached ? (int)seq_len[q_seq[row / nh]] : S;
+    int chunk, splits = gqa_splits(keys, &chunk);
+    const float* st = stats + 2LL * row * stride;
+    float M = __int_as_float(0xff800000);
+    for (int c = 0; c < splits; c++) M = fmaxf(M, st[2 * c]);
+    float denom = 0.0f;
+    for (int c = 0; c < splits; c++) denom += st[2 * c + 1] * (st[2 * c + 1] > 0.0f ? expf(st[2 * c] - M) : 0.0f);
+    const float* p = part + row * stride * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int c = 0; c < splits; c++)
+            if (st[2 * c + 1] > 0.0f) a += p[(long long)c * hd + d] * expf(st[2 * c] - M);
+        out[row * hd + d] = a / denom;
+    }
 }
 
 __device__ __forceinline__ unsigned short bf16_bits(unsigned int b) {
@@ -830,44 +872,75 @@ def norm_rope(x, weight, eps: float, cos, sin):
     return out
 
 
+GQA_TILE, GQA_MIN_KEYS, GQA_MAX_SPLITS = 1024, 256, 32  # the kernels' GQA_TILE, GQA_MIN_KEYS, GQA_MAX_SPLITS
+
+
+def gqa_splits(S: int) -> tuple[int, int]:
+    """(splits, chunk): the kernels' gqa_splits of S keys, a formula of S alone."""
+    splits = min(GQA_MAX_SPLITS, max(1, -(-S // GQA_MIN_KEYS)))
+    chunk = -(-S // splits)
+    return -(-S // chunk), chunk
+
+
+def gqa_max_splits(max_keys: int) -> int:
+    """The most splits any length up to ``max_keys`` takes: a cached step's grid and its partials' row length."""
+    return max(gqa_splits(S)[0] for S in {max(1, max_keys), min(max_keys, GQA_MAX_SPLITS * GQA_MIN_KEYS)})
+
+
+def _gqa_combine(part, stats, S: int, tables, rows: int, nh: int, hd: int, stride: int):
+    """strata_gqa_combine: each (row, head)'s splits merged -> [rows, nh*hd]; ``tables`` (q_seq, seq_len) where
+    the keys are each sequence's (cached), else S."""
+    import cupy
+
+    out = cupy.empty((rows, nh * hd), np.float32)
+    q_seq, seq_len = tables if tables is not None else (stats, stats)  # any pointers: not read without tables
+    _kernel("strata_gqa_combine")((rows * nh,), (THREADS,), (
+        part, stats, np.int32(S), q_seq, seq_len, np.int32(tables is not None), np.int32(nh), np.int32(hd),
+        np.int32(stride), out))
+    return out
+
+
 def gqa_attention(q, k, v, mask, scale: float):
-    """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] bool -> [T, nh*hd]: one launch, a block a (token, head).
-    k and v float32, or both bf16 bits (uint16, a bf16 cache's): read and widened in the kernel, the result
-    equal to the float32 kernel's on the widened values."""
+    """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] bool -> [T, nh*hd]: split over the keys (gqa_splits), a block
+    a (token, head, split), then the splits merged: two launches. k and v float32, or both bf16 bits (uint16, a
+    bf16 cache's): read and widened in the kernel, the result equal to the float32 kernel's on the widened
+    values."""
     import cupy
 
     q = _contiguous_f32(q)
     k, v, bf16 = _kv_pair(k, v)
     T, nh, hd = q.shape
     S, nkv = k.shape[:2]
-    out = cupy.empty((T, nh * hd), np.float32)
-    if out.size and S:
-        scores = cupy.empty((T * nh, S), np.float32)
-        m = cupy.ascontiguousarray(mask, dtype=cupy.bool_)
-        _kernel("strata_gqa_attention_bf16" if bf16 else "strata_gqa_attention")((T * nh,), (THREADS,), (
-            q, k, v, m, np.float32(scale), np.int32(S), np.int32(nh), np.int32(nkv), np.int32(hd), scores, out),
-            shared_mem=(hd + max(THREADS, hd)) * 4)
-    return out
+    if not (T * nh * hd and S):
+        return cupy.empty((T, nh * hd), np.float32)
+    splits = gqa_splits(S)[0]
+    part, stats = cupy.empty((T * nh * splits, hd), np.float32), cupy.empty((T * nh * splits, 2), np.float32)
+    m = cupy.ascontiguousarray(mask, dtype=cupy.bool_)
+    _kernel("strata_gqa_partial")((T * nh * splits,), (THREADS,), (
+        q, k, v, m, np.float32(scale), np.int32(S), np.int32(nh), np.int32(nkv), np.int32(hd), np.int32(splits),
+        np.int32(bf16), part, stats), shared_mem=(hd + GQA_TILE + max(THREADS, hd)) * 4)
+    return _gqa_combine(part, stats, S, None, T, nh, hd, splits)
 
 
-def gqa_attention_cached(q, tables, window: int | None, scale: float, nkv: int, score_stride: int, bf16: bool):
+def gqa_attention_cached(q, tables, window: int | None, scale: float, nkv: int, max_keys: int, bf16: bool):
     """q [Nq, nh, hd] -> [Nq, nh*hd]: gqa_attention over each query's own sequence's cache, where and how far
     read from the device: ``tables`` (k_ptrs, v_ptrs [B] int64 addresses of the layer's cache buffers, q_seq,
-    q_pos [Nq], seq_len [B] int64), the mask made in the kernel; scores rows ``score_stride`` apart (at least the
-    longest seq_len). Equal to gqa_attention with ops.attention_mask's mask, bit for bit."""
+    q_pos [Nq], seq_len [B] int64), the mask made in the kernel; the grid sized for ``max_keys`` (the longest a
+    cache may be: gqa_max_splits). Equal to gqa_attention with ops.attention_mask's mask, bit for bit."""
     import cupy
 
     q = _contiguous_f32(q)
     Nq, nh, hd = q.shape
     k_ptrs, v_ptrs, q_seq, q_pos, seq_len = tables
-    out = cupy.empty((Nq, nh * hd), np.float32)
-    if out.size:
-        scores = cupy.empty((Nq * nh, score_stride), np.float32)
-        _kernel("strata_gqa_attention_cached")((Nq * nh,), (THREADS,), (
-            q, k_ptrs, v_ptrs, q_seq, q_pos, seq_len, np.int32(window or 0), np.float32(scale), np.int32(nh),
-            np.int32(nkv), np.int32(hd), np.int64(score_stride), np.int32(bf16), scores, out),
-            shared_mem=(hd + max(THREADS, hd)) * 4)
-    return out
+    if not q.size:
+        return cupy.empty((Nq, nh * hd), np.float32)
+    stride = gqa_max_splits(max_keys)
+    part, stats = cupy.empty((Nq * nh * stride, hd), np.float32), cupy.empty((Nq * nh * stride, 2), np.float32)
+    _kernel("strata_gqa_partial_cached")((Nq * nh * stride,), (THREADS,), (
+        q, k_ptrs, v_ptrs, q_seq, q_pos, seq_len, np.int32(window or 0), np.float32(scale), np.int32(nh),
+        np.int32(nkv), np.int32(hd), np.int32(stride), np.int32(bf16), part, stats),
+        shared_mem=(hd + GQA_TILE + max(THREADS, hd)) * 4)
+    return _gqa_combine(part, stats, 0, (q_seq, seq_len), Nq, nh, hd, stride)
 
 
 def kv_store(k, v, k_ptrs, v_ptrs, row_seq, row_pos, bf16: bool) -> None:

@@ -84,7 +84,7 @@ class StepTables:
             at = sum(v[1] for v in views.values())
             views[name] = (at, width * M, width, host)
         self._views = views
-        self.score_stride = 0  # the longest cache's capacity this step (the context): the scores' row length
+        self.score_stride = 0  # the longest cache's capacity this step (the context): the attention grids' keys
         self._known: dict = {}  # id(cache) -> _addresses' entry, the last step's caches
 
     def _addresses(self, cache) -> tuple:
