@@ -294,13 +294,15 @@ def test_a_worker_dead_or_hung_inside_a_step_loses_nothing(gpu, tiny_model, kill
     assert not psutil.pid_exists(pid_before[0]) or psutil.Process(pid_before[0]).status() == psutil.STATUS_ZOMBIE
 
 
-def test_split_pairs_is_the_hosts_routing_split(gpu):
+@pytest.mark.parametrize("T, k, E", [(7, 4, 16), (64, 8, 300)])
+def test_split_pairs_is_the_hosts_routing_split(gpu, T, k, E):
     """compact.split_pairs against the decoder's host bookkeeping (Decoder._route's): router order, the tail skip
-    (a NaN weight skipped as the host's comparison skips it), device experts apart, and the counters."""
+    (a NaN weight skipped as the host's comparison skips it), device experts apart, and the counters; a decode
+    step's few pairs, and more pairs and experts than the block has threads."""
     from coordinator.device import compact
 
     rng = np.random.default_rng(0)
-    T, k, E, skip = 7, 4, 16, 0.2
+    skip = 0.2
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.uint32)  # [T, k]
     weights = rng.random((T, k)).astype(np.float32)
     weights[2, 1] = np.nan
@@ -323,6 +325,33 @@ def test_split_pairs_is_the_hosts_routing_split(gpu):
     want = [T * k, (~keep).sum(), (keep & ~dev).sum(), len(set(experts[keep & ~dev])), (keep & dev).sum(),
             len(set(experts[keep & dev]))]
     assert np.asarray(totals).tolist() == [2 * v for v in want]
+
+
+@pytest.mark.parametrize("T, k, n", [(3, 2, 5), (64, 8, 400)])
+def test_the_slot_order_is_the_hosts_lexsort(gpu, T, k, n):
+    """strata_order_slots (DeviceExperts.run_split's) against DeviceExperts.run's host order: the first n of T*k
+    pairs by (expert, token), each slot's row, table row and weight, and each token's slots in slot order."""
+    from coordinator.device import experts as device_experts
+
+    rng = np.random.default_rng(5)
+    P, E = T * k, 40
+    tokens = np.sort(rng.integers(0, T, P)).astype(np.int32)
+    chosen = rng.integers(0, E, P).astype(np.int32)
+    weights = rng.random(P).astype(np.float32)
+    index = rng.permutation(E).astype(np.int32)
+    i32 = np.int32
+    outs = [gpu.empty(P, i32) for _ in range(2)] + [gpu.empty(P, np.float32), gpu.empty(P, i32),
+                                                     gpu.empty(T + 1, i32), gpu.empty(P, i32), gpu.empty(P, i32)]
+    device_experts.cuda_module().get_function("strata_order_slots")((1,), (device_experts.ORDER_THREADS,), (
+        *map(gpu.asarray, (tokens, chosen, weights, np.array([n], np.int64), index)), i32(T), i32(P), *outs))
+    slot_rows, slot_matrix, slot_weights, by_token, start, ids, _ = (np.asarray(o) for o in outs)
+    order = np.lexsort((tokens[:n], chosen[:n]))  # DeviceExperts.run's
+    assert np.array_equal(slot_rows[:n], tokens[:n][order]) and not slot_rows[n:].any()
+    assert np.array_equal(slot_matrix[:n], index[chosen[:n][order]]) and not slot_matrix[n:].any()
+    assert np.array_equal(slot_weights[:n], weights[:n][order]) and np.array_equal(ids, np.arange(P))
+    assert np.array_equal(start, np.concatenate([[0], np.cumsum(np.bincount(slot_rows[:n], minlength=T))]))
+    for t in range(T):
+        assert np.array_equal(by_token[start[t]:start[t + 1]], np.flatnonzero(slot_rows[:n] == t)), t
 
 
 def test_sum_partials_adds_in_the_eager_order(gpu):

@@ -9,8 +9,8 @@ pool's request and the device experts' pairs, and the pool's partials summed bac
 split_pairs keeps the host's order and arithmetic exactly (decoder.Decoder._route): the pairs in router order
 (token, then the router's rank), those whose weight is below ``skip`` dropped, each sent to the device where its
 expert is kept there, else to the CPU; a pair's token is its row of the layer (the stream sends every row, so
-no row index is compacted). It runs as one thread: a decode step's pairs are tens, and a sequential pass is the
-router order by construction. It also adds the layer's routing to running counters on the device, what the
+no row index is compacted). It runs as one block, a thread a pair: each pair's place is the count of earlier
+pairs of its side, so the router order holds without a sequential pass. It also adds the layer's routing to running counters on the device, what the
 host's RoutingStats counts, read back once per step without a wait::
 
     counts  [E]       pairs the router chose, per expert (skipped ones included)
@@ -29,36 +29,74 @@ from dataclasses import dataclass
 import numpy as np
 
 TOTALS = 6
+SPLIT_THREADS = 256  # strata_split_pairs' one block: a thread a pair (and an expert), in turns past 256
 ROUTED, SKIPPED, CPU_PAIRS, CPU_EXPERTS, DEVICE_PAIRS, DEVICE_EXPERTS = range(TOTALS)
 
 SOURCE = r"""
+// pair i (token i / k, the router's rank i % k): its expert and weight, and its side: 0 skipped (below the tail
+// skip: the host's weights >= skip, where on), 1 the CPU, 2 the device
+__device__ __forceinline__ int pair_side(const unsigned int* packed, int k, const unsigned char* on_device,
+                                         float skip, int i, int* e, float* w) {
+    long long row = (long long)(i / k) * 2 * k;
+    *e = (int)packed[row + i % k];
+    *w = __int_as_float((int)packed[row + k + i % k]);
+    if (skip > 0.0f && !(*w >= skip)) return 0;
+    return on_device[*e] ? 2 : 1;
+}
+__device__ int block_sum_int(int v, int* part) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) part[w] = v;
+    __syncthreads();
+    v = lane < nw ? part[lane] : 0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    return v;
+}
+// One block: a thread a pair places it at its side's count of earlier pairs (the router order, as the host's
+// pass keeps it), a thread an expert counts its pairs and whether each side met it; the totals block-summed.
 extern "C" __global__ void strata_split_pairs(const unsigned int* packed, int T, int k, const unsigned char* on_device,
                                               int E, float skip, int* cpu_tokens, int* cpu_experts,
                                               float* cpu_weights, long long* cpu_count, int* dev_tokens,
                                               int* dev_experts, float* dev_weights, long long* dev_count,
-                                              long long* counts, long long* totals, unsigned char* seen) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    for (int e = 0; e < 2 * E; ++e) seen[e] = 0;  // [0, E): a CPU pair met the expert; [E, 2E): a device pair
-    long long nc = 0, nd = 0, skipped = 0, ce = 0, de = 0;
-    for (int t = 0; t < T; ++t) {
-        for (int j = 0; j < k; ++j) {
-            int e = (int)packed[(long long)t * 2 * k + j];
-            float w = __int_as_float((int)packed[(long long)t * 2 * k + k + j]);
-            counts[e] += 1;
-            if (skip > 0.0f && !(w >= skip)) { skipped += 1; continue; }  // the host's weights >= skip, where on
-            if (on_device[e]) {
-                dev_tokens[nd] = t; dev_experts[nd] = e; dev_weights[nd] = w; nd += 1;
-                if (!seen[E + e]) { seen[E + e] = 1; de += 1; }
-            } else {
-                cpu_tokens[nc] = t; cpu_experts[nc] = e; cpu_weights[nc] = w; nc += 1;
-                if (!seen[e]) { seen[e] = 1; ce += 1; }
-            }
-        }
+                                              long long* counts, long long* totals) {
+    __shared__ int part[32];
+    int P = T * k, nc = 0, nd = 0, skipped = 0, ce = 0, de = 0;
+    for (int i = threadIdx.x; i < P; i += blockDim.x) {
+        int e, eq;
+        float w, wq;
+        int side = pair_side(packed, k, on_device, skip, i, &e, &w);
+        if (side == 0) { skipped += 1; continue; }
+        int at = 0;
+        for (int q = 0; q < i; ++q) at += pair_side(packed, k, on_device, skip, q, &eq, &wq) == side;
+        if (side == 2) { dev_tokens[at] = i / k; dev_experts[at] = e; dev_weights[at] = w; nd += 1; }
+        else { cpu_tokens[at] = i / k; cpu_experts[at] = e; cpu_weights[at] = w; nc += 1; }
     }
-    cpu_count[0] = nc;
-    dev_count[0] = nd;
-    totals[0] += (long long)T * k; totals[1] += skipped; totals[2] += nc; totals[3] += ce; totals[4] += nd;
-    totals[5] += de;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int chosen = 0, on_cpu = 0, on_dev = 0, ei;
+        float wi;
+        for (int i = 0; i < P; ++i) {
+            int side = pair_side(packed, k, on_device, skip, i, &ei, &wi);
+            if (ei != e) continue;
+            chosen += 1;
+            on_cpu |= side == 1;
+            on_dev |= side == 2;
+        }
+        counts[e] += chosen;
+        ce += on_cpu;
+        de += on_dev;
+    }
+    nc = block_sum_int(nc, part);
+    nd = block_sum_int(nd, part);
+    skipped = block_sum_int(skipped, part);
+    ce = block_sum_int(ce, part);
+    de = block_sum_int(de, part);
+    if (threadIdx.x == 0) {
+        cpu_count[0] = nc;
+        dev_count[0] = nd;
+        totals[0] += (long long)P; totals[1] += skipped; totals[2] += nc; totals[3] += ce; totals[4] += nd;
+        totals[5] += de;
+    }
 }
 
 extern "C" __global__ void strata_sum_partials(const float* parts, int nodes, long long n, const float* extra,
@@ -104,10 +142,9 @@ def split_pairs(packed, k: int, on_device, skip: float, counts, totals) -> Split
     i32, f32, i64 = np.int32, np.float32, np.int64
     out = SplitPairs(*(cupy.empty(P, d) for d in (i32, i32, f32)), cupy.empty(1, i64),
                      *(cupy.empty(P, d) for d in (i32, i32, f32)), cupy.empty(1, i64))
-    seen = cupy.empty(2 * E, np.uint8)
-    cuda_module().get_function("strata_split_pairs")((1,), (32,), (  # a warp, thread 0 working: a launch's least
+    cuda_module().get_function("strata_split_pairs")((1,), (SPLIT_THREADS,), (
         packed, i32(T), i32(k), on_device, i32(E), f32(skip), out.cpu_tokens, out.cpu_experts, out.cpu_weights,
-        out.cpu_count, out.dev_tokens, out.dev_experts, out.dev_weights, out.dev_count, counts, totals, seen))
+        out.cpu_count, out.dev_tokens, out.dev_experts, out.dev_weights, out.dev_count, counts, totals))
     return out
 
 

@@ -22,6 +22,8 @@ import numpy as np
 
 from . import format_kernels
 
+ORDER_THREADS = 256  # strata_order_slots' one block: a thread a pair, a slot and a token, in turns past 256
+
 _SOURCE = r"""
 // y [T, H] = for each token t, the sum over its slots s in order of weight[s] * down[s, :];
 // slots of token t: order[start[t] .. start[t + 1]) (indices into down's rows). One thread an element.
@@ -38,43 +40,42 @@ extern "C" __global__ void strata_slot_sum(const float* down, const float* weigh
     y[i] = acc;
 }
 
-// The host's slot bookkeeping (DeviceExperts.run) on the device, one thread: the first count[0] pairs sorted by
-// (expert, token) into slots (an insertion sort: decode's pairs are few), each slot's x row, table row and
-// weight; the slots of each token in slot order (by_token, from start[t]); slots past the pairs read x row 0
-// through table row 0 and belong to no token. ids[s] = s, the down product's rows.
+// The host's slot bookkeeping (DeviceExperts.run) on the device, one block: the first count[0] pairs placed
+// into slots by their rank in (expert, token, pair) order (np.lexsort's stable order), a thread a pair; each
+// slot's x row, table row and weight; slots past the pairs read x row 0 through table row 0 and belong to no
+// token; the slots of each token in slot order (by_token, from start[t]), each slot placed by its rank in
+// (token, slot) order. ids[s] = s, the down product's rows.
 extern "C" __global__ void strata_order_slots(const int* tokens, const int* experts, const float* weights,
                                               const long long* count, const int* index, int T, int P,
                                               int* slot_rows, int* slot_matrix, float* slot_weights, int* by_token,
                                               int* start, int* ids, int* order) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
     int n = (int)count[0];
-    for (int p = 0; p < n; ++p) {
-        int j = p;
-        while (j > 0 && (experts[order[j - 1]] > experts[p] ||
-                         (experts[order[j - 1]] == experts[p] && tokens[order[j - 1]] > tokens[p]))) {
-            order[j] = order[j - 1];
-            --j;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        int ep = experts[p], tp = tokens[p], rank = 0;
+        for (int q = 0; q < n; ++q) {
+            int eq = experts[q], tq = tokens[q];
+            rank += eq < ep || (eq == ep && (tq < tp || (tq == tp && q < p)));
         }
-        order[j] = p;
+        order[rank] = p;
     }
-    for (int s = 0; s < P; ++s) {
+    __syncthreads();
+    for (int s = threadIdx.x; s < P; s += blockDim.x) {
         ids[s] = s;
-        if (s < n) {
-            slot_rows[s] = tokens[order[s]];
-            slot_matrix[s] = index[experts[order[s]]];
-            slot_weights[s] = weights[order[s]];
-        } else {
-            slot_rows[s] = 0;
-            slot_matrix[s] = 0;
-            slot_weights[s] = 0.0f;
-        }
+        bool used = s < n;
+        slot_rows[s] = used ? tokens[order[s]] : 0;
+        slot_matrix[s] = used ? index[experts[order[s]]] : 0;
+        slot_weights[s] = used ? weights[order[s]] : 0.0f;
     }
-    for (int t = 0; t <= T; ++t) start[t] = 0;
-    for (int s = 0; s < n; ++s) start[slot_rows[s] + 1] += 1;
-    for (int t = 0; t < T; ++t) start[t + 1] += start[t];
-    for (int t = 0; t < T; ++t) {  // a counting placement: each token's slots in slot order
-        int at = start[t];
-        for (int s = 0; s < n; ++s) if (slot_rows[s] == t) by_token[at++] = s;
+    __syncthreads();
+    for (int t = threadIdx.x; t <= T; t += blockDim.x) {  // the slots of the tokens before t
+        int before = 0;
+        for (int s = 0; s < n; ++s) before += slot_rows[s] < t;
+        start[t] = before;
+    }
+    for (int s = threadIdx.x; s < n; s += blockDim.x) {
+        int t = slot_rows[s], at = 0;
+        for (int q = 0; q < n; ++q) at += slot_rows[q] < t || (slot_rows[q] == t && q < s);
+        by_token[at] = s;
     }
 }
 """
@@ -137,7 +138,7 @@ class DeviceExperts:
         i32 = np.int32
         slot_rows, slot_matrix, by_token, ids, order = (cupy.empty(P, i32) for _ in range(5))
         slot_weights, start = cupy.empty(P, np.float32), cupy.empty(T + 1, i32)
-        cuda_module().get_function("strata_order_slots")((1,), (32,), (
+        cuda_module().get_function("strata_order_slots")((1,), (ORDER_THREADS,), (
             split.dev_tokens, split.dev_experts, split.dev_weights, split.dev_count, le.index_device, i32(T), i32(P),
             slot_rows, slot_matrix, slot_weights, by_token, start, ids, order))
         xs = cupy.ascontiguousarray(x, dtype=np.float32)
