@@ -177,3 +177,26 @@ def test_grouped_matvec_equals_matvec_per_slot(cp, name):
         alone = cp.asnumpy(fk.matvec(name, experts[e], R, K, dx[row : row + 1]))
         assert np.array_equal(got[p], alone[0]), f"{name} slot {p}"
         within_float32_sums(got[p : p + 1], formats.decoded(fmt, stored[e]), x[row : row + 1], f"{name} slot {p}")
+
+
+@pytest.mark.parametrize("rows", [9, 24, 64])
+def test_a_graph_steps_rows_read_the_compact_matrix_in_blocks(cp, rows, monkeypatch):
+    """DeviceMatrix x Wᵀ for 9 to 64 rows (a graph-ready step's) runs the format's matvec a block of MAX_TOKENS
+    rows at a time: nothing dequantised, each row the bits it has alone, the bias and residual fused."""
+    from coordinator.device.weights import DeviceMatrix
+
+    rng = np.random.default_rng(rows)
+    R, K = 40, widths("q4k")[0]
+    stored = stored_rows("q4k", R, K, rng)
+    m = DeviceMatrix("q4k", upload(cp, "q4k", stored), (R, K))
+    x = (rng.standard_normal((rows, K)) * 2).astype(np.float32)
+    bias, residual = rng.standard_normal(R).astype(np.float32), rng.standard_normal((rows, R)).astype(np.float32)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a step's product dequantised the matrix")
+    monkeypatch.setattr(fk, "dequantize", refused)
+    got = cp.asnumpy(m.matmul_t(cp.asarray(x), cp.asarray(bias), cp.asarray(residual)))
+    alone = np.concatenate([cp.asnumpy(fk.matvec("q4k", m.data, R, K, cp.asarray(x[t:t + 1]), cp.asarray(bias),
+                                                 cp.asarray(residual[t:t + 1]))) for t in range(rows)])
+    assert np.array_equal(got, alone)
+    within_float32_sums(got - bias - residual, formats.decoded(formats.get("q4k"), stored), x, f"{rows} rows")

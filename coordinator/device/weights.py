@@ -4,7 +4,10 @@ A DeviceMatrix stands where a float32 array stood: the decoder's ``x @ w.T`` wor
 transposed view whose ``__rmatmul__`` runs format_kernels), so the model code has one form for both.
 
     x [T, K] @ m.T -> [T, R]
-        T <= format_kernels.MAX_TOKENS   one launch of the format's matrix x vector kernel (a warp a row)
+        T <= BLOCKED_ROWS (64)           the format's matrix x vector kernel (a warp a row), a launch for each
+                                         block of format_kernels.MAX_TOKENS rows of x: a graph-ready step reads
+                                         the compact weights, dequantises nothing, takes no scratch beyond its
+                                         output
         more                             tiles of vram.TILE_ROWS rows dequantised to float32 scratch, cuBLAS
 
 f32 matrices stay plain device arrays (cuBLAS reads them as they are). ``upload`` builds the device
@@ -29,6 +32,8 @@ from .vram import TILE_ROWS
 from ..model.weights import TensorSources
 
 log = logging.getLogger(__name__)
+
+BLOCKED_ROWS = 64  # graph_steps.MAX_ROWS: up to these rows x reads the compact rows in blocks of MAX_TOKENS
 
 
 class DeviceMatrix:
@@ -82,7 +87,7 @@ class DeviceMatrix:
         x2 = cupy.ascontiguousarray(x.reshape(-1, K), dtype=np.float32)  # [T, K]
         T = x2.shape[0]
         res = None if residual is None else cupy.ascontiguousarray(residual.reshape(T, R), dtype=np.float32)
-        if T <= format_kernels.MAX_TOKENS:
+        if T <= BLOCKED_ROWS:  # a launch a block of MAX_TOKENS rows: a row's sums are its own, whatever the block
             out = format_kernels.matvec(self.fmt, self.data, R, K, x2, bias, res)
             return out.reshape(*lead, R)
         out = cupy.empty((T, R), np.float32)
