@@ -242,7 +242,8 @@ def _mla64(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, scale):
 def test_device_mla_attention_matches_float64(cp):
     """mla_attention_absorbed (three launches) against the attention's float64 definition: query rows of several
     tokens in one block (nh 3), more tokens than a block's, latent widths below and above a block, v dims that
-    split a block unevenly and exceed it, windows that mask whole chunks, the keys split in chunks and not; q's
+    split a block unevenly and exceed it, windows that mask whole chunks and tiles, the keys split in chunks and
+    not, chunks longer than a block's tile (the online softmax across tiles); q's
     parts read where they lie in q. A bf16 cache gives the float32 kernel's result on the widened values."""
     cupy = cp
     assert f"#define MLA_ROWS {device_ops.MLA_ROWS}\n" in device_ops._SOURCE
@@ -250,7 +251,8 @@ def test_device_mla_attention_matches_float64(cp):
     #        T,   S,  nh, dn, dr,   c,  dv, window, splits
     cases = [(1, 1, 4, 16, 8, 32, 16, None, None), (1, 37, 4, 16, 8, 64, 16, None, 3),
              (4, 37, 4, 16, 8, 32, 16, 5, 4), (3, 40, 3, 16, 8, 32, 24, None, None), (10, 12, 2, 8, 8, 32, 16, 4, 2),
-             (2, 24, 2, 16, 8, 160, 16, None, 2), (1, 10, 2, 16, 8, 32, 144, None, 1)]
+             (2, 24, 2, 16, 8, 160, 16, None, 2), (1, 10, 2, 16, 8, 32, 144, None, 1),
+             (1, 3000, 4, 16, 8, 64, 16, None, 1), (2, 3000, 2, 16, 8, 32, 16, 700, 3)]  # chunks of several tiles
     if not getattr(cp, "EMULATED", False):  # DeepSeek-V3's shapes, long contexts, prefill: a GPU's work
         cases += [(1, 1000, 128, 128, 64, 512, 128, None, None), (1, 5000, 16, 128, 64, 512, 128, None, None),
                   (4, 300, 128, 128, 64, 512, 128, None, None), (64, 700, 16, 128, 64, 512, 128, None, None),

@@ -8,8 +8,8 @@ coordinator/device/vram.py's plan for a BF16 checkpoint and for llama.cpp's Q4_K
 --steps: a graph-ready decode step's device memory for those row counts over the preset's context (after the
 colon; default --kv-tokens): vram.step_bytes (the step arena planned by lifetimes: one layer's transients at a
 time, GQA's attention split over the keys, MLA's kv_b dequantised compact) beside what the bump arena and the
-one-pass GQA attention before them took (every layer's allocations kept to the end of the step, the scores as
-long as the context).
+one-pass GQA attention and the context-long MLA splits before them took (every layer's allocations kept to the
+end of the step, the scores as long as the context).
 
 A Q4_K_M file's tensor types follow llama-quantize's rule (llama_tensor_get_type): Q4_K, with Q6_K for
 output.weight and for attn_v and ffn_down in the layers use_more_bits picks; norms, biases and the router
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coordinator.cli.make_model import PRESET_ARCH, PRESETS, hf_config  # noqa: E402
 from coordinator.device import vram  # noqa: E402
 from coordinator.device.storage import matrix_format  # noqa: E402
+from coordinator.model import device_ops  # noqa: E402
 from coordinator.model.model_config import ModelConfig, parse_model_config  # noqa: E402
 
 GB = 1e9
@@ -94,6 +95,13 @@ def bump_step_bytes(cfg: ModelConfig, rows: int, context: int) -> int:
     attention = t["attention"]
     if cfg.mla is None:
         attention += rows * cfg.num_heads * context - t["attention_scratch"]
+    else:  # MLA's splits then grew with the context: a chunk at most its shared-memory tile of keys
+        m, nh = cfg.mla, cfg.num_heads
+        c, dr = m.kv_lora_rank, m.qk_rope_head_dim
+        cap = max(1, min(device_ops.MLA_CHUNK_MAX, device_ops.SHARED_FLOATS // device_ops.MLA_ROWS
+                         - max(c + dr, device_ops.THREADS)))
+        then = max(-(-context // cap), device_ops.mla_max_splits(nh, context, c, dr))
+        attention += rows * nh * (then - device_ops.mla_max_splits(nh, context, c, dr)) * (c + 2)
     return 4 * (cfg.num_layers * (t["kept"] + attention + max(t["moe"], t["dense"])) + t["logits"])
 
 

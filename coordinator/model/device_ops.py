@@ -415,13 +415,15 @@ extern "C" __global__ void strata_mla_q_absorb(const float* q_nope, long long qn
 }
 
 // q_lat [R, c]; q_rope: row t head h at q_rope + t * qr_row + h * qr_head; latent [S, c], k_rope [S, dr];
-// mask [T, S] bytes; chunk: keys a block (splits * chunk >= S); part [R, splits, c], stats [R, splits, 2]
-// (max, sum). Block b: rows from (b / splits) * MLA_ROWS, keys from (b % splits) * chunk.
+// mask [T, S] bytes; chunk: keys a block (splits * chunk >= S), walked `tile` keys at a time; part [R, splits, c],
+// stats [R, splits, 2] (max, sum). Block b: rows from (b / splits) * MLA_ROWS, keys from (b % splits) * chunk.
 //   scores   a warp a key: the lanes split c + dr, each value read once for every row, a shuffle sum a row;
 //            masked -inf
-//   softmax  a warp a row: chunk max, e^(s - max) (masked: 0), sum
-//   part     the threads split (latent column, key group), groups = blockDim / c keys apart, summed in order
-// Dynamic shared memory: MLA_ROWS * (max(c + dr, blockDim) + chunk) floats.
+//   softmax  a warp a row: the tile's max against the running one, e^(s - max) (masked: 0), the running sum
+//            rescaled and added to
+//   part     the threads split (latent column, key group), groups = blockDim / c keys apart, the running sums
+//            rescaled and added to, the groups summed in order at the end
+// Dynamic shared memory: MLA_ROWS * (2 * max(c + dr, blockDim) + tile) floats.
 // Whether query row r sees key j: mask[(r / nh) * S + j], or without a mask (null) j <= pos (causal; the cached
 // form's block holds one token's rows, at position pos).
 __device__ __forceinline__ bool mla_seen(const unsigned char* mask, long long r, int nh, int S, long long j,
@@ -429,96 +431,111 @@ __device__ __forceinline__ bool mla_seen(const unsigned char* mask, long long r,
     return mask ? mask[(r / nh) * S + j] != 0 : j <= pos;
 }
 
-// One block of strata_mla_partial: rows r0 .. r0 + rb, keys j0 .. j0 + n of latent and k_rope; part and stats
-// written at column `split` of rows `stride` columns long; the scores' rows `chunk` floats apart in shared memory.
+// One block of strata_mla_partial: rows r0 .. r0 + rb, keys j0 .. j0 + n of latent and k_rope, walked in tiles of
+// `tile` keys with an online softmax (a row's running max and sum, its part rescaled by e^(old max - new max), as
+// strata_gqa_partial's), so a split's keys are not bounded by shared memory and the splits need not grow with the
+// context; part and stats written at column `split` of rows `stride` columns long.
 template <typename KV>
 __device__ void mla_partial_block(const float* q_lat, const float* q_rope, long long qr_row, long long qr_head,
                                   const KV* latent, const KV* k_rope, const unsigned char* mask, long long pos,
                                   float scale, int nh, int S, int c, int dr, long long r0, int rb, long long j0, int n,
-                                  int chunk, int split, int stride, float* part, float* stats) {
+                                  int tile, int split, int stride, float* part, float* stats) {
     extern __shared__ float mla_shared[];  // named apart, as gqa_shared
+    __shared__ float run_max[MLA_ROWS], run_sum[MLA_ROWS], rescale[MLA_ROWS];
     int width = c + dr, span = width > (int)blockDim.x ? width : (int)blockDim.x;
-    float* qs = mla_shared;                    // [MLA_ROWS][span] the rows' queries (q_lat, q_rope), then part's sums
-    float* sc = mla_shared + MLA_ROWS * span;  // [MLA_ROWS][chunk] the scores, then e^(s - max)
+    float* qs = mla_shared;                        // [MLA_ROWS][span] the rows' queries (q_lat, q_rope)
+    float* acc = mla_shared + MLA_ROWS * span;     // [MLA_ROWS][span] part's running sums, by column group
+    float* sc = mla_shared + 2 * MLA_ROWS * span;  // [MLA_ROWS][tile] a tile's scores, then e^(s - max)
+    int groups = c <= (int)blockDim.x ? blockDim.x / c : 1;
     for (int i = threadIdx.x; i < rb * width; i += blockDim.x) {
         int rr = i / width, e = i % width;
         long long r = r0 + rr;
         qs[rr * span + e] = e < c ? q_lat[r * c + e] : q_rope[(r / nh) * qr_row + (r % nh) * qr_head + (e - c)];
     }
+    for (int i = threadIdx.x; i < MLA_ROWS * span; i += blockDim.x) acc[i] = 0.0f;
+    if (threadIdx.x < MLA_ROWS) { run_max[threadIdx.x] = __int_as_float(0xff800000); run_sum[threadIdx.x] = 0.0f; }
     __syncthreads();
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = w; j < n; j += nw) {
-        long long key = j0 + j;
-        bool seen = false;
-        for (int rr = 0; rr < rb; rr++) seen = seen || mla_seen(mask, r0 + rr, nh, S, key, pos);
-        if (!seen) {  // no row sees it (a later token's key in a prompt): no products
-            if (lane == 0)
-                for (int rr = 0; rr < rb; rr++) sc[rr * chunk + j] = __int_as_float(0xff800000);
-            continue;
-        }
-        float a[MLA_ROWS];
-        for (int rr = 0; rr < MLA_ROWS; rr++) a[rr] = 0.0f;
-        for (int e = lane; e < c; e += 32) {
-            float kv = kv_load(latent, key * c + e);
+    for (int t0 = 0; t0 < n; t0 += tile) {
+        int tn = n - t0 < tile ? n - t0 : tile;
+        for (int j = w; j < tn; j += nw) {
+            long long key = j0 + t0 + j;
+            bool seen = false;
+            for (int rr = 0; rr < rb; rr++) seen = seen || mla_seen(mask, r0 + rr, nh, S, key, pos);
+            if (!seen) {  // no row sees it (a later token's key in a prompt): no products
+                if (lane == 0)
+                    for (int rr = 0; rr < rb; rr++) sc[rr * tile + j] = __int_as_float(0xff800000);
+                continue;
+            }
+            float a[MLA_ROWS];
+            for (int rr = 0; rr < MLA_ROWS; rr++) a[rr] = 0.0f;
+            for (int e = lane; e < c; e += 32) {
+                float kv = kv_load(latent, key * c + e);
 #pragma unroll
-            for (int rr = 0; rr < MLA_ROWS; rr++)
-                if (rr < rb) a[rr] += qs[rr * span + e] * kv;
-        }
-        for (int e = lane; e < dr; e += 32) {
-            float kv = kv_load(k_rope, key * dr + e);
+                for (int rr = 0; rr < MLA_ROWS; rr++)
+                    if (rr < rb) a[rr] += qs[rr * span + e] * kv;
+            }
+            for (int e = lane; e < dr; e += 32) {
+                float kv = kv_load(k_rope, key * dr + e);
 #pragma unroll
-            for (int rr = 0; rr < MLA_ROWS; rr++)
-                if (rr < rb) a[rr] += qs[rr * span + c + e] * kv;
-        }
+                for (int rr = 0; rr < MLA_ROWS; rr++)
+                    if (rr < rb) a[rr] += qs[rr * span + c + e] * kv;
+            }
 #pragma unroll
-        for (int rr = 0; rr < MLA_ROWS; rr++) {  // a constant count, so a[] stays in registers
-            if (rr < rb) {
-                bool m = mla_seen(mask, r0 + rr, nh, S, key, pos);  // the same for the whole warp: no lane skips a shuffle
-                float s = m ? warp_sum(a[rr]) : 0.0f;
-                if (lane == 0) sc[rr * chunk + j] = m ? s * scale : __int_as_float(0xff800000);
+            for (int rr = 0; rr < MLA_ROWS; rr++) {  // a constant count, so a[] stays in registers
+                if (rr < rb) {
+                    bool m = mla_seen(mask, r0 + rr, nh, S, key, pos);  // the same for the whole warp: no lane skips a shuffle
+                    float s = m ? warp_sum(a[rr]) : 0.0f;
+                    if (lane == 0) sc[rr * tile + j] = m ? s * scale : __int_as_float(0xff800000);
+                }
             }
         }
-    }
-    __syncthreads();
-    for (int rr = w; rr < rb; rr += nw) {
-        long long r = r0 + rr;
-        float* s = sc + rr * chunk;
-        float mx = __int_as_float(0xff800000);
-        for (int j = lane; j < n; j += 32) mx = fmaxf(mx, s[j]);
-        mx = warp_max(mx);
-        float sum = 0.0f;
-        for (int j = lane; j < n; j += 32) {
-            float e = mla_seen(mask, r, nh, S, j0 + j, pos) ? expf(s[j] - mx) : 0.0f;
-            s[j] = e;
-            sum += e;
+        __syncthreads();
+        for (int rr = w; rr < rb; rr += nw) {  // a warp a row: the tile's max, e^(s - new max), their sum
+            long long r = r0 + rr;
+            float* s = sc + rr * tile;
+            float mx = __int_as_float(0xff800000);
+            for (int j = lane; j < tn; j += 32) mx = fmaxf(mx, s[j]);
+            mx = fmaxf(warp_max(mx), run_max[rr]);
+            float sum = 0.0f;
+            for (int j = lane; j < tn; j += 32) {
+                float e = mla_seen(mask, r, nh, S, j0 + t0 + j, pos) ? expf(s[j] - mx) : 0.0f;
+                s[j] = e;
+                sum += e;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                float old = run_max[rr];
+                rescale[rr] = old == __int_as_float(0xff800000) ? 0.0f : expf(old - mx);
+                run_sum[rr] = run_sum[rr] * rescale[rr] + sum;
+                run_max[rr] = mx;
+            }
         }
-        sum = warp_sum(sum);
-        if (lane == 0) {
-            stats[(r * stride + split) * 2] = mx;
-            stats[(r * stride + split) * 2 + 1] = sum;
-        }
-    }
-    __syncthreads();  // sc[] holds every e; qs[] is free for the sums
-    int groups = c <= (int)blockDim.x ? blockDim.x / c : 1;
-    for (int i = threadIdx.x; i < groups * c; i += blockDim.x) {
-        int col = i % c, grp = i / c;
-        float a[MLA_ROWS];
-        for (int rr = 0; rr < MLA_ROWS; rr++) a[rr] = 0.0f;
-        for (int j = grp; j < n; j += groups) {
-            float kv = kv_load(latent, (j0 + j) * c + col);
+        __syncthreads();  // sc[] holds every e, rescale[] each row's
+        for (int i = threadIdx.x; i < groups * c; i += blockDim.x) {
+            int col = i % c, grp = i / c;
+            float a[MLA_ROWS];
+            for (int rr = 0; rr < MLA_ROWS; rr++) a[rr] = 0.0f;
+            for (int j = grp; j < tn; j += groups) {
+                float kv = kv_load(latent, (j0 + t0 + j) * c + col);
+#pragma unroll
+                for (int rr = 0; rr < MLA_ROWS; rr++)
+                    if (rr < rb) a[rr] += sc[rr * tile + j] * kv;
+            }
 #pragma unroll
             for (int rr = 0; rr < MLA_ROWS; rr++)
-                if (rr < rb) a[rr] += sc[rr * chunk + j] * kv;
+                if (rr < rb) acc[rr * span + grp * c + col] = acc[rr * span + grp * c + col] * rescale[rr] + a[rr];
         }
-#pragma unroll
-        for (int rr = 0; rr < MLA_ROWS; rr++)
-            if (rr < rb) qs[rr * span + grp * c + col] = a[rr];
+        __syncthreads();
     }
-    __syncthreads();
+    for (int rr = threadIdx.x; rr < rb; rr += blockDim.x) {
+        stats[((r0 + rr) * stride + split) * 2] = run_max[rr];
+        stats[((r0 + rr) * stride + split) * 2 + 1] = run_sum[rr];
+    }
     for (int i = threadIdx.x; i < rb * c; i += blockDim.x) {
         int rr = i / c, col = i % c;
         float a = 0.0f;
-        for (int grp = 0; grp < groups; grp++) a += qs[rr * span + grp * c + col];
+        for (int grp = 0; grp < groups; grp++) a += acc[rr * span + grp * c + col];
         part[((r0 + rr) * stride + split) * c + col] = a;
     }
 }
@@ -526,29 +543,30 @@ __device__ void mla_partial_block(const float* q_lat, const float* q_rope, long 
 template <typename KV>
 __device__ void mla_partial(const float* q_lat, const float* q_rope, long long qr_row, long long qr_head,
                             const KV* latent, const KV* k_rope, const unsigned char* mask, float scale, int R,
-                            int nh, int S, int c, int dr, int chunk, int splits, float* part, float* stats) {
+                            int nh, int S, int c, int dr, int chunk, int tile, int splits, float* part,
+                            float* stats) {
     long long r0 = (long long)(blockIdx.x / splits) * MLA_ROWS;
     int split = blockIdx.x % splits;
     int rb = R - r0 < MLA_ROWS ? (int)(R - r0) : MLA_ROWS;
     long long j0 = (long long)split * chunk;
     int n = S - j0 < chunk ? (int)(S - j0) : chunk;  // this chunk's keys
     mla_partial_block(q_lat, q_rope, qr_row, qr_head, latent, k_rope, mask, 0, scale, nh, S, c, dr, r0, rb, j0, n,
-                      chunk, split, splits, part, stats);
+                      tile, split, splits, part, stats);
 }
 extern "C" __global__ void strata_mla_partial(const float* q_lat, const float* q_rope, long long qr_row,
                                               long long qr_head, const float* latent, const float* k_rope,
                                               const unsigned char* mask, float scale, int R, int nh, int S, int c,
-                                              int dr, int chunk, int splits, float* part, float* stats) {
-    mla_partial(q_lat, q_rope, qr_row, qr_head, latent, k_rope, mask, scale, R, nh, S, c, dr, chunk, splits, part,
-                stats);
+                                              int dr, int chunk, int tile, int splits, float* part, float* stats) {
+    mla_partial(q_lat, q_rope, qr_row, qr_head, latent, k_rope, mask, scale, R, nh, S, c, dr, chunk, tile, splits,
+                part, stats);
 }
 extern "C" __global__ void strata_mla_partial_bf16(const float* q_lat, const float* q_rope, long long qr_row,
                                                    long long qr_head, const unsigned short* latent,
                                                    const unsigned short* k_rope, const unsigned char* mask,
                                                    float scale, int R, int nh, int S, int c, int dr, int chunk,
-                                                   int splits, float* part, float* stats) {
-    mla_partial(q_lat, q_rope, qr_row, qr_head, latent, k_rope, mask, scale, R, nh, S, c, dr, chunk, splits, part,
-                stats);
+                                                   int tile, int splits, float* part, float* stats) {
+    mla_partial(q_lat, q_rope, qr_row, qr_head, latent, k_rope, mask, scale, R, nh, S, c, dr, chunk, tile, splits,
+                part, stats);
 }
 
 // strata_mla_partial reading where and how far from the device, as strata_gqa_attention_cached: query token t
@@ -561,7 +579,8 @@ template <typename KV>
 __device__ void mla_partial_cached(const float* q_lat, const float* q_rope, long long qr_row, long long qr_head,
                                    const long long* lat_ptrs, const long long* rope_ptrs, const long long* q_seq,
                                    const long long* q_pos, const long long* seq_len, const long long* chunks,
-                                   float scale, int nh, int c, int dr, int stride, float* part, float* stats) {
+                                   float scale, int nh, int c, int dr, int tile, int stride, float* part,
+                                   float* stats) {
     int hblocks = (nh + MLA_ROWS - 1) / MLA_ROWS, split = blockIdx.x % stride;
     long long t = blockIdx.x / ((long long)hblocks * stride), s = q_seq[t];
     if (s < 0) return;
@@ -571,7 +590,7 @@ __device__ void mla_partial_cached(const float* q_lat, const float* q_rope, long
     int n = S - j0 < chunk ? (int)(S - j0) : chunk;
     int rb = nh - h0 < MLA_ROWS ? nh - h0 : MLA_ROWS;
     mla_partial_block((const float*)q_lat, q_rope, qr_row, qr_head, (const KV*)lat_ptrs[s], (const KV*)rope_ptrs[s],
-                      (const unsigned char*)nullptr, q_pos[t], scale, nh, S, c, dr, t * nh + h0, rb, j0, n, chunk,
+                      (const unsigned char*)nullptr, q_pos[t], scale, nh, S, c, dr, t * nh + h0, rb, j0, n, tile,
                       split, stride, part, stats);
 }
 extern "C" __global__ void strata_mla_partial_cached(const float* q_lat, const float* q_rope, long long qr_row,
@@ -579,11 +598,11 @@ extern "C" __global__ void strata_mla_partial_cached(const float* q_lat, const f
                                                      const long long* rope_ptrs, const long long* q_seq,
                                                      const long long* q_pos, const long long* seq_len,
                                                      const long long* chunks, float scale, int nh, int c, int dr,
-                                                     int stride, int bf16, float* part, float* stats) {
+                                                     int tile, int stride, int bf16, float* part, float* stats) {
     if (bf16) mla_partial_cached<unsigned short>(q_lat, q_rope, qr_row, qr_head, lat_ptrs, rope_ptrs, q_seq, q_pos,
-                                                 seq_len, chunks, scale, nh, c, dr, stride, part, stats);
+                                                 seq_len, chunks, scale, nh, c, dr, tile, stride, part, stats);
     else mla_partial_cached<float>(q_lat, q_rope, qr_row, qr_head, lat_ptrs, rope_ptrs, q_seq, q_pos, seq_len, chunks,
-                                   scale, nh, c, dr, stride, part, stats);
+                                   scale, nh, c, dr, tile, stride, part, stats);
 }
 
 // part [R, stride, c], stats [R, stride, 2] (strata_mla_partial's: stride = splits); w_uv_t [nh, c, dv], element
@@ -1049,34 +1068,32 @@ def apply_rope_interleaved(x, cos, sin):
 
 
 MLA_ROWS = 8  # the kernels' MLA_ROWS: query rows (token, head) a strata_mla_partial block, tokens the others' block
-MLA_CHUNK_MIN = 64  # keys a block at least when the keys are split to fill the device ...
-MLA_CHUNK_MAX = 512  # ... and at most: the chunk's scores live in shared memory
+MLA_CHUNK_MIN = 64  # keys a block at least when the keys are split to fill the device
+MLA_CHUNK_MAX = 512  # keys a tile at most: a tile's scores live in shared memory
 MLA_BLOCKS = 264  # strata_mla_partial's grid is split up to this many blocks: two an H100 SM
 SHARED_FLOATS = 48 * 1024 // 4  # the dynamic shared memory a block gets without opting in
 
 
 def mla_chunk_cap(c: int, dr: int) -> int:
-    """The most keys a strata_mla_partial block takes: its chunk's scores live in shared memory beside the rows'
-    queries (< 1: mla_attention_absorbed's check raises)."""
-    return max(1, min(MLA_CHUNK_MAX, SHARED_FLOATS // MLA_ROWS - max(c + dr, THREADS)))
+    """The keys a strata_mla_partial block scores at once (its tile): their scores live in shared memory beside
+    the rows' queries and running sums (< 1: mla_attention_absorbed's check raises)."""
+    return max(1, min(MLA_CHUNK_MAX, SHARED_FLOATS // MLA_ROWS - 2 * max(c + dr, THREADS)))
 
 
 def mla_splits(T: int, nh: int, S: int, c: int, dr: int) -> tuple[int, int]:
     """(splits, chunk): the S keys in ``splits`` chunks of ``chunk`` keys (the last may be shorter) for
-    strata_mla_partial. Few query rows (decode): enough chunks of at least MLA_CHUNK_MIN keys to fill about
-    MLA_BLOCKS blocks; many: as few chunks as shared memory allows."""
-    cap = mla_chunk_cap(c, dr)
+    strata_mla_partial, each block walking its chunk a tile at a time. Few query rows (decode): enough chunks of
+    at least MLA_CHUNK_MIN keys to fill about MLA_BLOCKS blocks; many: one, the rows' blocks fill the device. The
+    splits never depend on the context beyond that: the partials are bounded."""
     row_blocks = -(-T * nh // MLA_ROWS)
-    splits = max(-(-S // cap), min(-(-S // MLA_CHUNK_MIN), -(-MLA_BLOCKS // row_blocks)), 1)
-    return _chunked(S, splits)
+    return _chunked(S, max(1, min(-(-S // MLA_CHUNK_MIN), -(-MLA_BLOCKS // row_blocks))))
 
 
 def mla_max_splits(nh: int, max_keys: int, c: int, dr: int) -> int:
     """The most chunks mla_splits gives any query count over up to ``max_keys`` keys: the cached form's grid and
-    its part's row length, fixed by the context, not by the step (mla_splits asks for at most
-    max(S / cap, min(S / MLA_CHUNK_MIN, MLA_BLOCKS / row blocks)), largest at one query token and S = max_keys)."""
-    S = max_keys
-    return max(-(-S // mla_chunk_cap(c, dr)), min(-(-S // MLA_CHUNK_MIN), -(-MLA_BLOCKS // -(-nh // MLA_ROWS))), 1)
+    its part's row length (min(S / MLA_CHUNK_MIN, MLA_BLOCKS / row blocks), largest at one query token and
+    S = max_keys; at most MLA_BLOCKS / ceil(nh / MLA_ROWS), whatever the context)."""
+    return max(1, min(-(-max_keys // MLA_CHUNK_MIN), -(-MLA_BLOCKS // -(-nh // MLA_ROWS))))
 
 
 def _chunked(S: int, splits: int) -> tuple[int, int]:
@@ -1113,21 +1130,21 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, s
     splits, chunk = mla_splits(T, nh, S, c, dr) if splits is None else _chunked(S, splits)
     R = T * nh
     q_lat, part, stats, partial_shared, combine_shared = _mla_absorb(
-        q_nope, qn_row, qn_head, w_uk, wk_strides, splits, chunk, dr, dv,
+        q_nope, qn_row, qn_head, w_uk, wk_strides, splits, dr, dv,
         f"mla_attention_absorbed: c {c}, dr {dr}, dv {dv} in {splits} chunks of {chunk} keys")
     token_blocks = nh * -(-T // MLA_ROWS)
     i32 = np.int32
     m = cupy.ascontiguousarray(mask, dtype=cupy.bool_)
     _kernel("strata_mla_partial_bf16" if bf16 else "strata_mla_partial")((-(-R // MLA_ROWS) * splits,), (THREADS,), (
         q_lat, q_rope, qr_row, qr_head, latent, k_rope, m, np.float32(scale), i32(R), i32(nh), i32(S), i32(c),
-        i32(dr), i32(chunk), i32(splits), part, stats), shared_mem=partial_shared * 4)
+        i32(dr), i32(chunk), i32(mla_chunk_cap(c, dr)), i32(splits), part, stats), shared_mem=partial_shared * 4)
     _kernel("strata_mla_combine")((token_blocks,), (THREADS,), (
         part, stats, w_uv_t, *wv_strides, i32(T), i32(nh), i32(c), i32(dv), i32(splits), out),
         shared_mem=combine_shared * 4)
     return out
 
 
-def _mla_absorb(q_nope, qn_row, qn_head, w_uk, wk_strides, splits: int, chunk: int, dr: int, dv: int, what: str):
+def _mla_absorb(q_nope, qn_row, qn_head, w_uk, wk_strides, splits: int, dr: int, dv: int, what: str):
     """The absorbed MLA's first launch and its scratch, shared by the eager and the cached forms: q_lat [R, c] =
     q_nope · W_UK per (token, head), with part [R, splits, c] and stats [R, splits, 2] beside it in one
     allocation; and the shared floats a block of the partial and the combine kernels takes (refused, naming
@@ -1136,7 +1153,7 @@ def _mla_absorb(q_nope, qn_row, qn_head, w_uk, wk_strides, splits: int, chunk: i
 
     T, nh, dn = q_nope.shape
     c = w_uk.shape[2]
-    partial_shared = MLA_ROWS * (max(c + dr, THREADS) + chunk)
+    partial_shared = MLA_ROWS * (2 * max(c + dr, THREADS) + mla_chunk_cap(c, dr))
     combine_shared = MLA_ROWS * (c + max(splits, THREADS, dv))
     if max(partial_shared, combine_shared, MLA_ROWS * dn) > SHARED_FLOATS:
         raise ValueError(f"{what} need more than {SHARED_FLOATS * 4} bytes of shared memory a block")
@@ -1173,13 +1190,13 @@ def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: f
         return out
     stride, cap = mla_max_splits(nh, max_keys, c, dr), mla_chunk_cap(c, dr)
     q_lat, part, stats, partial_shared, combine_shared = _mla_absorb(
-        q_nope, qn_row, qn_head, w_uk, wk_strides, stride, cap, dr, dv,
+        q_nope, qn_row, qn_head, w_uk, wk_strides, stride, dr, dv,
         f"mla_attention_absorbed_cached: c {c}, dr {dr}, dv {dv} over {max_keys} keys")
     token_blocks = nh * -(-Nq // MLA_ROWS)
     i32 = np.int32
     _kernel("strata_mla_partial_cached")((Nq * -(-nh // MLA_ROWS) * stride,), (THREADS,), (
         q_lat, q_rope, qr_row, qr_head, lat_ptrs, rope_ptrs, q_seq, q_pos, seq_len, chunks, np.float32(scale),
-        i32(nh), i32(c), i32(dr), i32(stride), i32(bf16), part, stats), shared_mem=partial_shared * 4)
+        i32(nh), i32(c), i32(dr), i32(cap), i32(stride), i32(bf16), part, stats), shared_mem=partial_shared * 4)
     _kernel("strata_mla_combine_cached")((token_blocks,), (THREADS,), (
         part, stats, w_uv_t, *wv_strides, i32(Nq), i32(nh), i32(c), i32(dv), i32(stride), q_seq, seq_len, chunks,
         out), shared_mem=combine_shared * 4)
