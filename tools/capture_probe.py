@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import json_report  # noqa: E402  (tools/json_report.py, beside this file)
 
 
 def refusals(cp, cx) -> list[dict]:
@@ -102,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"cupy": cupy.__version__, "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
               "refusals": refusals(cupy, cupyx), "replay": replay(cupy, cupyx)}
     report["ok"] = all(r["matches"] for r in report["refusals"]) and report["replay"]["ok"]
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return 0 if report["ok"] else 1
+    return json_report.emit(report, args.out)
 
 
 if __name__ == "__main__":

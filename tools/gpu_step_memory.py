@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import json_report  # noqa: E402  (tools/json_report.py, beside this file)
+
 ROWS = (1, 4, 8)
 
 
@@ -87,11 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [measure(int(n), args.context, Path(tmp)) for n in args.layers.split(",")]
     report = {"runs": runs, "problems": problems(runs)}
     report["ok"] = not report["problems"]
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return 0 if report["ok"] else 1
+    return json_report.emit(report, args.out)
 
 
 if __name__ == "__main__":
