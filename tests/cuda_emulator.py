@@ -293,10 +293,15 @@ class EmulatedModule:
             src = build_dir / f"emulated-{digest}.{os.getpid()}.cpp"
             src.write_text(source)
             tmp = build_dir / f"emulated-{digest}.{os.getpid()}.so"
-            subprocess.run(["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-o", str(tmp), str(src)],
-                           check=True, capture_output=True, text=True)
-            os.replace(tmp, lib)  # whole or absent: a run beside this one never loads a half-written library
-            src.unlink()
+            try:
+                built = subprocess.run(["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-o", str(tmp), str(src)],
+                                       capture_output=True, text=True)
+                if built.returncode:  # the compiler's own lines name the CUDA source's line (and leave nothing)
+                    raise RuntimeError(f"the emulator's g++ build failed:\n{built.stderr[-4000:]}")
+                os.replace(tmp, lib)  # whole or absent: a run beside this one never loads a half-written library
+            finally:
+                src.unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
         self._lib = ctypes.CDLL(str(lib))
         self._params = kernels
 

@@ -84,3 +84,21 @@ def test_strata_variables_are_read_in_the_config_module_alone():
             if "STRATA_" in text or text.endswith("_VAR"):
                 hits.append(f"{path.relative_to(REPO)}:{node.lineno} reads {text}")
     assert hits == []
+
+
+def test_cuda_lives_in_cu_files_not_in_python_strings():
+    """The kernels' CUDA C is in coordinator/gpu/kernels/*.cu (NVRTC and the emulator read the same files): no
+    string in a project module holds more than 20 lines of CUDA (a __global__ or __device__ function)."""
+    long_cuda = []
+    for path in project_modules().values():
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)  # prose about the kernels, not their code
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
+                      and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if id(node) not in docstrings and isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    ("__global__" in node.value or "__device__" in node.value) and node.value.count("\n") > 20:
+                long_cuda.append(f"{path.relative_to(REPO)}:{node.lineno} ({node.value.count(chr(10))} lines)")
+    assert long_cuda == []
+    assert {p.name for p in (REPO / "coordinator" / "gpu" / "kernels").glob("*.cu*")} >= {
+        "common.cuh", "ops.cu", "formats.cu", "compact.cu", "experts.cu", "router.cu"}

@@ -74,3 +74,12 @@ def test_the_library_is_built_once_under_the_cache(module):
     assert again._lib._name == module._lib._name
     assert str(cuda_emulator.cache_dir()) in module._lib._name
     assert not list(cuda_emulator.cache_dir().glob("*.cpp")), "a build left its source behind"
+
+
+def test_a_source_that_does_not_build_raises_with_the_compilers_words_and_leaves_nothing(tmp_path):
+    """A kernel g++ refuses: a RuntimeError carrying the compiler's message, and no source or library left in
+    the build folder (a later run would otherwise trip over it)."""
+    bad = 'extern "C" __global__ void strata_bad(float* x) { x[0] = undeclared_name; }\n'
+    with pytest.raises(RuntimeError, match="undeclared_name"):
+        cuda_emulator.EmulatedModule(bad, tmp_path)
+    assert not list(tmp_path.iterdir())

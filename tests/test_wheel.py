@@ -46,7 +46,10 @@ def tree_modules() -> set[str]:
 def test_the_wheel_holds_every_module_of_the_tree(wheel):
     with zipfile.ZipFile(wheel) as z:
         held = {n for n in z.namelist() if n.endswith(".py")}
+        cuda = {n for n in z.namelist() if n.endswith((".cu", ".cuh"))}
     assert tree_modules() <= held, sorted(tree_modules() - held)
+    sources = {str(p.relative_to(ROOT)) for p in (ROOT / "coordinator" / "gpu" / "kernels").glob("*.cu*")}
+    assert sources and sources <= cuda, sorted(sources - cuda)  # NVRTC reads them at open
 
 
 def test_every_third_party_import_is_a_declared_dependency(wheel):
