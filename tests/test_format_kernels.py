@@ -200,3 +200,30 @@ def test_a_graph_steps_rows_read_the_compact_matrix_in_blocks(cp, rows, monkeypa
                                                  cp.asarray(residual[t:t + 1]))) for t in range(rows)])
     assert np.array_equal(got, alone)
     within_float32_sums(got - bias - residual, formats.decoded(formats.get("q4k"), stored), x, f"{rows} rows")
+
+
+@pytest.mark.parametrize("name", ["q8", "q4k", "bf16"])
+def test_mla_reads_a_compact_kv_b_as_it_lies(cp, name):
+    """The absorbed MLA attention given kv_b in a storage format (device_ops.CompactKvB): q_nope · W_uk through the
+    format's reader (absorb_rows) and out_lat · W_uvᵀ through head_rows_matvec, against the float path over the
+    same rows decoded (within float32 sums of the output's largest terms; only W_uv's sums run in another
+    order)."""
+    from coordinator.model import device_ops, ops
+
+    rng = np.random.default_rng(29)
+    T, S, nh, dn, dv, dr = 3, 40, 4, 16, 24, 8
+    c = widths(name)[0]
+    stored = stored_rows(name, nh * (dn + dv), c, rng)
+    heads = formats.decoded(formats.get(name), stored).reshape(nh, dn + dv, c)  # [nh, dn+dv, c]
+    compact = device_ops.CompactKvB(name, upload(cp, name, stored), nh, dn, dv, c)
+    q = cp.asarray(rng.standard_normal((T, nh, dn + dr)).astype(np.float32))
+    latent, k_rope = (cp.asarray(rng.standard_normal((S, n)).astype(np.float32)) for n in (c, dr))
+    mask = cp.asarray(ops.attention_mask(np.arange(S - T, S), np.arange(S), None))
+    want = device_ops.mla_attention_absorbed(q[..., :dn], q[..., dn:], latent, k_rope, cp.asarray(heads[:, :dn]),
+                                             cp.asarray(np.ascontiguousarray(heads[:, dn:].transpose(0, 2, 1))),
+                                             mask, (dn + dr) ** -0.5)
+    got = device_ops.mla_attention_absorbed(q[..., :dn], q[..., dn:], latent, k_rope, compact, None, mask,
+                                            (dn + dr) ** -0.5)
+    assert got.shape == (T, nh * dv)
+    got, want = cp.asnumpy(got), cp.asnumpy(want)  # a file format's random blocks span many magnitudes:
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), name  # float32 sums of its largest terms

@@ -33,10 +33,10 @@ ARCHS = {
 }
 
 
-def _run(model, graph: bool, split: bool, steps: int = 6, kv_dtype: str = "f32", **extra):
+def _run(model, graph: bool, split: bool, steps: int = 6, kv_dtype: str = "f32", dense_dtype: str = "f32", **extra):
     """Greedy decode after a prompt, the logits of each step, through the process pool."""
     config = EngineConfig(device="cuda", pool="process", graph=graph, numa_split=split, nodes=2 if split else None,
-                          dense_dtype="f32", kv_dtype=kv_dtype, **extra)
+                          dense_dtype=dense_dtype, kv_dtype=kv_dtype, **extra)
     with Engine.open(model, config) as eng:
         assert (eng.decoder.graph is not None) == graph
         cache = eng.new_cache()
@@ -64,6 +64,21 @@ def test_graph_ready_steps_equal_eager_steps_bitwise(gpu, tiny_model, arch):
     assert got_stats.per_layer_expert.keys() == want_stats.per_layer_expert.keys()
     for layer, counts in want_stats.per_layer_expert.items():
         assert np.array_equal(got_stats.per_layer_expert[layer], counts)
+
+
+def test_graph_ready_steps_read_a_compact_kv_b_as_it_lies(gpu, tiny_model, monkeypatch):
+    """DeepSeek's dense weights in q8, kv_b among them: the absorbed attention reads kv_b's rows as they are
+    stored (device_ops.CompactKvB: no float32 copy of it, nothing dequantised), eager and graph-ready steps alike,
+    with the same bits."""
+    from coordinator.device import format_kernels
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a decode step dequantised a matrix")
+    monkeypatch.setattr(format_kernels, "dequantize", refused)
+    model = tiny_model(arch="deepseek_v3", num_layers=2, **GEOMETRY, **ARCHS["deepseek_v3"])
+    want, _, _ = _run(model, graph=False, split=True, dense_dtype="q8")
+    got, _, taken = _run(model, graph=True, split=True, dense_dtype="q8")
+    assert taken == 7 and np.array_equal(got, want)
 
 
 def test_graph_ready_steps_with_a_bf16_cache_and_one_node(gpu, tiny_model):
@@ -632,8 +647,8 @@ def test_a_step_that_uploads_a_fresh_array_queues_different_copies(gpu, tiny_mod
 def test_step_memory_does_not_grow_with_layers_and_is_within_the_plan(gpu, tmp_path, arch):
     """tools/gpu_step_memory.py's run through the stand-in: the step buffer's plan peak for 1-, 4- and 8-row steps
     is the same with 8 layers as with 4 (memory a layer frees is the next one's) and within the plan's step memory
-    for that many rows (vram.step_bytes for these 2 nodes and a float32 kv_b: at most 3 times over, less its
-    rounding allowance); the buffer made at
+    for that many rows (vram.step_bytes for these 2 nodes: at most 3 times over, less its rounding allowance);
+    the buffer made at
     open is never grown, no step takes a pool block, every shape is captured and replayed."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import gpu_step_memory  # noqa: E402  (tools/gpu_step_memory.py)
@@ -645,7 +660,7 @@ def test_step_memory_does_not_grow_with_layers_and_is_within_the_plan(gpu, tmp_p
     assert gpu_step_memory.problems(runs) == []
     cfg = open_source(tmp_path / "m4").config
     for rows in gpu_step_memory.ROWS:
-        peak, planned = runs[0]["peaks"][str(rows)], vram.step_bytes(cfg, rows, 512, nodes=2, compact_kv_b=False)
+        peak, planned = runs[0]["peaks"][str(rows)], vram.step_bytes(cfg, rows, 512, nodes=2)
         assert peak <= planned and planned - vram.STEP_SLACK <= 3 * peak, (rows, peak, planned)
 
 

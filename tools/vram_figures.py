@@ -8,8 +8,8 @@ coordinator/device/vram.py's plan for a BF16 checkpoint and for llama.cpp's Q4_K
 --steps: a graph-ready decode step's device memory for those row counts over the preset's context (after the
 colon; default --kv-tokens): vram.step_bytes (the step arena planned by lifetimes: one layer's transients at a
 time, GQA's attention split over the keys, MLA's kv_b dequantised compact) beside what the bump arena and the
-one-pass GQA attention and the context-long MLA splits before them took (every layer's allocations kept to the
-end of the step, the scores as long as the context).
+one-pass GQA attention, the context-long MLA splits and the float32 kv_b of every layer before them took (every
+layer's allocations kept to the end of the step, the scores as long as the context).
 
 A Q4_K_M file's tensor types follow llama-quantize's rule (llama_tensor_get_type): Q4_K, with Q6_K for
 output.weight and for attn_v and ffn_down in the layers use_more_bits picks; norms, biases and the router
@@ -102,6 +102,7 @@ def bump_step_bytes(cfg: ModelConfig, rows: int, context: int) -> int:
                          - max(c + dr, device_ops.THREADS)))
         then = max(-(-context // cap), device_ops.mla_max_splits(nh, context, c, dr))
         attention += rows * nh * (then - device_ops.mla_max_splits(nh, context, c, dr)) * (c + 2)
+        attention += nh * (m.qk_nope_head_dim + m.v_head_dim) * c - rows * nh * c  # kv_b dequantised, no out_lat
     return 4 * (cfg.num_layers * (t["kept"] + attention + max(t["moe"], t["dense"])) + t["logits"])
 
 

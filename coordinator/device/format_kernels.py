@@ -43,21 +43,7 @@ _BODY = kernels.source("formats")
 
 
 # one plain extern "C" declaration a kernel and format: NVRTC and tests/cuda_emulator.py's parser both see them
-_WRAPPERS = r"""
-extern "C" __global__ void strata_matvec_@F@(const unsigned char* w, long long stride, int R, int K,
-        const float* x, int T, const float* bias, int has_bias, const float* residual, int has_residual,
-        float* out) {
-    matvec<Reader_@F@>(w, stride, R, K, x, T, bias, has_bias, residual, has_residual, out);
-}
-extern "C" __global__ void strata_grouped_matvec_@F@(const unsigned long long* table, long long stride, int R,
-        int K, const float* x, const int* slot_rows, const int* slot_matrix, float* out) {
-    grouped_matvec<Reader_@F@>(table, stride, R, K, x, slot_rows, slot_matrix, out);
-}
-extern "C" __global__ void strata_dequantize_@F@(const unsigned char* w, long long stride, int rows, int K,
-        float* out) {
-    dequantize<Reader_@F@>(w, stride, rows, K, out);
-}
-"""
+_WRAPPERS = kernels.template("formats_wrappers")
 
 FORMATS = ("f32", "bf16", "q8", "q4", "q4k", "q5k", "q6k", "iq4xs")  # those with a Reader_<name> in SOURCE
 _IQ4NL = [sum((v & 255) << 8 * i for i, v in enumerate(iq4xs.KVALUES[h:h + 8])) for h in (0, 8)]
@@ -162,6 +148,34 @@ def matvec(fmt: str, w, R: int, K: int, x, bias=None, residual=None, out=None):
         _kernel(f"strata_matvec_{fmt}")((-(-R // WARPS),), (WARPS * 32,), (
             w, np.int64(stride), np.int32(R), np.int32(K), x[t : t + n], np.int32(n), b, np.int32(bias is not None),
             res[t : t + n], np.int32(residual is not None), out[t : t + n]))
+    return out
+
+
+ABSORB_ROWS = 8  # formats.cu's ABSORB_ROWS: tokens a strata_absorb_rows block
+
+
+def absorb_rows(fmt: str, w, heads: int, head_rows: int, n: int, K: int, x, x_row: int, x_head: int, T: int, out):
+    """out [T * heads, K] (C-contiguous float32): row t * heads + h = sum over d < n of x[t, h, d] times stored
+    row h * head_rows + d of W [heads * head_rows, K] (w: its device rows), in d order; x's row t head h at
+    x + t * x_row + h * x_head (floats). MLA's q · W_uk read from a compact kv_b."""
+    w, stride = _matrix(fmt, w, heads * head_rows, K)
+    if T and heads and K:
+        _kernel(f"strata_absorb_rows_{fmt}")((heads * -(-T // ABSORB_ROWS),), (WARPS * 32,), (
+            w, np.int64(stride), np.int32(head_rows), np.int32(n), np.int32(K), x, np.int64(x_row),
+            np.int64(x_head), np.int32(T), np.int32(heads), out), shared_mem=ABSORB_ROWS * n * 4)
+    return out
+
+
+def head_rows_matvec(fmt: str, w, heads: int, head_rows: int, first: int, R: int, K: int, x, out=None):
+    """x [rows, K] -> out [rows, R]: row r times rows first .. first + R of head r % heads' block of head_rows
+    stored rows of W [heads * head_rows, K] (grouped_matvec's sums). MLA's out_lat · W_uvᵀ from a compact kv_b."""
+    w, stride = _matrix(fmt, w, heads * head_rows, K)
+    x = _f32(x).reshape(-1, K)
+    out = _output(out, (x.shape[0], R))
+    if x.shape[0] and R:
+        _kernel(f"strata_head_rows_matvec_{fmt}")((x.shape[0] * -(-R // WARPS),), (WARPS * 32,), (
+            w, np.int64(stride), np.int32(head_rows), np.int32(first), np.int32(R), np.int32(K), x,
+            np.int32(heads), out))
     return out
 
 

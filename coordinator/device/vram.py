@@ -180,7 +180,7 @@ def scratch_bytes(cfg: ModelConfig, chunk: int, context: int, widest_row: int) -
 STEP_SLACK = 64 * 256  # the step arena's rounding: up to 64 arrays live at once, each up to 256 bytes over
 
 
-def step_terms(cfg: ModelConfig, rows: int, context: int, nodes: int = 8, compact_kv_b: bool = True) -> dict:
+def step_terms(cfg: ModelConfig, rows: int, context: int, nodes: int = 8) -> dict:
     """step_bytes' parts in float32 values: ``kept`` (every layer's residual rows), one layer's ``attention``
     (of which ``attention_scratch``: the split-K partials or MLA's), its ``moe`` and ``dense`` MLP, and lm_head's
     ``logits``."""
@@ -195,7 +195,7 @@ def step_terms(cfg: ModelConfig, rows: int, context: int, nodes: int = 8, compac
         scratch = T * nh * c + T * nh * mla_max_splits(nh, context, c, dr) * (c + 2)  # q_lat, the partials
         attention = (T * ((m.q_lora_rank or 0) + 2 * q_width + 2 * (c + dr) + nh * dv + H)  # projections, roped
                      + T * nh * (c + dr)  # the absorbed queries
-                     + scratch + (nh * (dn + dv) * c if compact_kv_b else 0))  # kv_b dequantised in the step
+                     + scratch + T * nh * c)  # out_lat where kv_b is compact (read as it lies, never widened)
     else:
         from ..model.device_ops import gqa_max_splits
 
@@ -213,13 +213,12 @@ def step_terms(cfg: ModelConfig, rows: int, context: int, nodes: int = 8, compac
             "logits": T * cfg.vocab_size}
 
 
-def step_bytes(cfg: ModelConfig, rows: int, context: int, nodes: int = 8, compact_kv_b: bool = True) -> int:
+def step_bytes(cfg: ModelConfig, rows: int, context: int, nodes: int = 8) -> int:
     """A graph-ready decode step's peak device memory for ``rows`` rows over caches of ``context`` tokens
     (coordinator/device/arena.py: the step's arrays planned by lifetimes, so one layer's transients at a time):
     what every layer keeps (the residual rows) and the largest of one layer's attention, its MoE or dense MLP,
-    and lm_head's logits. ``nodes``: the pool's partials, one [rows, H] a node (8 covers every machine here);
-    ``compact_kv_b``: MLA's kv_b stored in a compact format, dequantised in each layer's step."""
-    t = step_terms(cfg, rows, context, nodes, compact_kv_b)
+    and lm_head's logits. ``nodes``: the pool's partials, one [rows, H] a node (8 covers every machine here)."""
+    t = step_terms(cfg, rows, context, nodes)
     return 4 * (t["kept"] + max(t["attention"], t["moe"], t["dense"], t["logits"])) + STEP_SLACK
 
 
@@ -273,20 +272,19 @@ def plan(cfg: ModelConfig, dtype_of: Callable[[str], str], dense_dtype: str, kv_
     """The device's memory for ``cfg`` whose tensors' checkpoint types ``dtype_of(name)`` gives (the index
     alone), with ``experts`` hot experts stored as ``expert_formats`` (gate, up, down); ``step_rows``: the
     largest graph-ready decode step (0: steps are eager)."""
-    dense, counts, widest, compact_kv_b = 0, {}, cfg.hidden_size, False
+    dense, counts, widest = 0, {}, cfg.hidden_size
     for t in dense_tensors(cfg):
         nbytes, fmt = tensor_bytes(t, dtype_of(t.name) if t.matrix else "F32", dense_dtype)
         dense += nbytes
         counts[fmt] = counts.get(fmt, 0) + 1
         if t.matrix and fmt != "f32":
             widest = max(widest, t.shape[1])
-            compact_kv_b |= t.name.endswith("kv_b_proj.weight")
     one = expert_bytes(cfg, expert_formats) if expert_formats else 0
     chunk = min(prefill_chunk, kv_tokens)
     return VramPlan(dense, experts * one, kv_tokens * kv_bytes_per_token(cfg, kv_dtype) + state_bytes(cfg),
                     scratch_bytes(cfg, chunk, kv_tokens, widest), experts, one, kv_tokens,
                     ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda kv: -kv[1])),
-                    state_bytes(cfg), step_bytes(cfg, step_rows, kv_tokens, compact_kv_b=compact_kv_b) if step_rows else 0)
+                    state_bytes(cfg), step_bytes(cfg, step_rows, kv_tokens) if step_rows else 0)
 
 
 def fit_experts(budget: int, one: int) -> int:

@@ -590,17 +590,21 @@ class Decoder:
         bf16 = self.kv_dtype == "bf16"
         device_ops.kv_store(latent, k_rope, k_ptrs, v_ptrs, row_seq, row_pos, bf16)
         w_uk, w_uv = (w.w_uk, w.w_uv) if w.w_uk is not None else self._kv_b_heads(w.kv_b)
+        w_uv_t = None if w_uv is None else w_uv.transpose(0, 2, 1)  # None: w_uk is the compact kv_b
         out = device_ops.mla_attention_absorbed_cached(
-            q_nope, q_rope, (k_ptrs, v_ptrs, q_seq, q_pos, seq_len, tables.chunks(rows is not None)), w_uk,
-            w_uv.transpose(0, 2, 1), m.softmax_scale, tables.score_stride, bf16)  # [Nq, nh*dv]
+            q_nope, q_rope, (k_ptrs, v_ptrs, q_seq, q_pos, seq_len, tables.chunks(rows is not None)), w_uk, w_uv_t,
+            m.softmax_scale, tables.score_stride, bf16)  # [Nq, nh*dv]
         return out @ lw.o.T  # [Nq, H]
 
     def _kv_b_heads(self, kv_b):
-        """(W_uk [nh, dn, c], W_uv [nh, dv, c]): views of kv_b's rows, dequantised where it is stored compact
-        (the device keeps kv_b alone, not a second copy split by head)."""
+        """(W_uk [nh, dn, c], W_uv [nh, dv, c]): views of kv_b's rows (the device keeps kv_b alone, not a second
+        copy split by head); where it is stored compact, (device_ops.CompactKvB, None): its rows read as they lie,
+        never widened to float32."""
         m, nh = self.cfg.mla, self.cfg.num_heads
-        dense = kv_b.decoded() if isinstance(kv_b, DeviceMatrix) else kv_b
-        heads = dense.reshape(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)  # [nh, dn+dv, c]
+        if isinstance(kv_b, DeviceMatrix):
+            return device_ops.CompactKvB(kv_b.fmt, kv_b.data, nh, m.qk_nope_head_dim, m.v_head_dim,
+                                         m.kv_lora_rank), None
+        heads = kv_b.reshape(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)  # [nh, dn+dv, c]
         return heads[:, : m.qk_nope_head_dim], heads[:, m.qk_nope_head_dim :]
 
     def _absorbed(self, T: int, S: int) -> bool:

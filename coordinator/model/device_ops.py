@@ -48,9 +48,11 @@ float32 kernel's on the widened values.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
+from ..device import format_kernels
 from ..gpu import kernels
 
 THREADS = 128  # a block per row; a multiple of the warp, as the shuffle reductions need
@@ -365,6 +367,41 @@ def _chunked(S: int, splits: int) -> tuple[int, int]:
     return -(-S // chunk), chunk
 
 
+@dataclass(frozen=True, eq=False)
+class CompactKvB:
+    """MLA's kv_b [nh * (dn + dv), c] kept in its storage format, a head's dn rows of W_uk then dv of W_uv: the
+    absorbed attention reads it as it lies (format_kernels.absorb_rows for q_nope · W_uk, head_rows_matvec for
+    out_lat · W_uvᵀ), never widened to float32. Passed as w_uk, with w_uv_t None."""
+
+    fmt: str
+    data: object  # the stored rows on the device (DeviceMatrix.data)
+    nh: int
+    dn: int
+    dv: int
+    c: int
+
+
+def _mla_weights(w_uk, w_uv_t):
+    """(the compact kv_b or None, w_uk's [nh, dn, c] and w_uv_t's [nh, c] shapes, dv)."""
+    if isinstance(w_uk, CompactKvB):
+        return w_uk, (w_uk.nh, w_uk.dn, w_uk.c), (w_uk.nh, w_uk.c), w_uk.dv
+    return None, w_uk.shape, w_uv_t.shape[:2], w_uv_t.shape[2]
+
+
+def _mla_output(compact, combine, T: int, nh: int, c: int, dv: int):
+    """The combine launched (``combine(w_uv_t, strides, lat_out, out)``) into [T, nh*dv]: with a compact kv_b it
+    writes out_lat [T*nh, c] and W_uv's rows are applied after, as they lie."""
+    import cupy
+
+    if compact is None:
+        return None
+    out_lat = cupy.empty((T * nh, c), np.float32)
+    combine(out_lat, (np.int64(0),) * 3, 1, out_lat)  # any pointer for W_uv: not read
+    head = compact.dn + compact.dv
+    return format_kernels.head_rows_matvec(compact.fmt, compact.data, nh, head, compact.dn, dv, c,
+                                           out_lat).reshape(T, nh * dv)
+
+
 def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, scale: float, splits=None):
     """Absorbed multi-head latent attention, ops.mla_attention_absorbed's mathematics in three launches.
 
@@ -372,22 +409,26 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, s
     k_rope [S, dr]: float32, or both bf16 bits (uint16, a bf16 cache's: equal to float32 on the widened values);
     w_uk [nh, dn, c], w_uv_t [nh, c, dv]: float32, any layout read where it lies (views of kv_b's rows,
     w_uv.transpose(0, 2, 1)); w_uk with c, w_uv_t with dv adjacent reads fastest (w_uv [nh, dv, c] transposed
-    once at load); mask [T, S] bool -> [T, nh*dv]. ``splits``: chunks of keys (None: mla_splits' choice; the
-    tests force several)."""
+    once at load); or w_uk a CompactKvB and w_uv_t None; mask [T, S] bool -> [T, nh*dv]. ``splits``: chunks of
+    keys (None: mla_splits' choice; the tests force several)."""
     import cupy
 
     T, nh, dn = q_nope.shape
     S, c = latent.shape
-    dr, dv = k_rope.shape[1], w_uv_t.shape[2]
-    if (q_rope.shape, k_rope.shape, w_uk.shape, w_uv_t.shape[:2], mask.shape) != (
+    compact, uk_shape, uv_shape, dv = _mla_weights(w_uk, w_uv_t)
+    dr = k_rope.shape[1]
+    if (q_rope.shape, k_rope.shape, uk_shape, uv_shape, mask.shape) != (
             (T, nh, dr), (S, dr), (nh, dn, c), (nh, c), (T, S)):  # the kernels trust these: a mismatch reads astray
         raise ValueError(f"mla_attention_absorbed: shapes q_nope {q_nope.shape} q_rope {q_rope.shape} latent "
-                         f"{latent.shape} k_rope {k_rope.shape} w_uk {w_uk.shape} w_uv_t {w_uv_t.shape} "
+                         f"{latent.shape} k_rope {k_rope.shape} w_uk {uk_shape} w_uv_t {uv_shape} "
                          f"mask {mask.shape}")
     q_nope, qn_row, qn_head = _heads_f32(q_nope)
     q_rope, qr_row, qr_head = _heads_f32(q_rope)
     latent, k_rope, bf16 = _kv_pair(latent, k_rope)
-    (w_uk, wk_strides), (w_uv_t, wv_strides) = _strided_f32(w_uk), _strided_f32(w_uv_t)
+    if compact is None:
+        (w_uk, wk_strides), (w_uv_t, wv_strides) = _strided_f32(w_uk), _strided_f32(w_uv_t)
+    else:
+        wk_strides = None
     out = cupy.empty((T, nh * dv), np.float32)
     if not (out.size and S):
         return out
@@ -402,9 +443,15 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, s
     _kernel("strata_mla_partial_bf16" if bf16 else "strata_mla_partial")((-(-R // MLA_ROWS) * splits,), (THREADS,), (
         q_lat, q_rope, qr_row, qr_head, latent, k_rope, m, np.float32(scale), i32(R), i32(nh), i32(S), i32(c),
         i32(dr), i32(chunk), i32(mla_chunk_cap(c, dr)), i32(splits), part, stats), shared_mem=partial_shared * 4)
-    _kernel("strata_mla_combine")((token_blocks,), (THREADS,), (
-        part, stats, w_uv_t, *wv_strides, i32(T), i32(nh), i32(c), i32(dv), i32(splits), out),
-        shared_mem=combine_shared * 4)
+
+    def combine(w_uv, strides, lat_out: int, into):
+        _kernel("strata_mla_combine")((token_blocks,), (THREADS,), (
+            part, stats, w_uv, *strides, i32(T), i32(nh), i32(c), i32(dv), i32(splits), i32(lat_out), into),
+            shared_mem=combine_shared * 4)
+    done = _mla_output(compact, combine, T, nh, c, dv)
+    if done is not None:
+        return done
+    combine(w_uv_t, wv_strides, 0, out)
     return out
 
 
@@ -416,7 +463,7 @@ def _mla_absorb(q_nope, qn_row, qn_head, w_uk, wk_strides, splits: int, dr: int,
     import cupy
 
     T, nh, dn = q_nope.shape
-    c = w_uk.shape[2]
+    c = w_uk.c if isinstance(w_uk, CompactKvB) else w_uk.shape[2]
     partial_shared = MLA_ROWS * (2 * max(c + dr, THREADS) + mla_chunk_cap(c, dr))
     combine_shared = MLA_ROWS * (c + max(splits, THREADS, dv))
     if max(partial_shared, combine_shared, MLA_ROWS * dn) > SHARED_FLOATS:
@@ -424,9 +471,13 @@ def _mla_absorb(q_nope, qn_row, qn_head, w_uk, wk_strides, splits: int, dr: int,
     R = T * nh
     scratch = cupy.empty(R * c + R * splits * (c + 2), np.float32)  # one allocation: q_lat, part, stats
     q_lat = scratch[: R * c]  # [R, c]
-    _kernel("strata_mla_q_absorb")((nh * -(-T // MLA_ROWS),), (THREADS,), (
-        q_nope, qn_row, qn_head, w_uk, *wk_strides, np.int32(T), np.int32(nh), np.int32(dn), np.int32(c), q_lat),
-        shared_mem=MLA_ROWS * dn * 4)
+    if isinstance(w_uk, CompactKvB):  # W_uk's rows read as they are stored
+        format_kernels.absorb_rows(w_uk.fmt, w_uk.data, nh, w_uk.dn + w_uk.dv, dn, c, q_nope, int(qn_row),
+                                   int(qn_head), T, q_lat)
+    else:
+        _kernel("strata_mla_q_absorb")((nh * -(-T // MLA_ROWS),), (THREADS,), (
+            q_nope, qn_row, qn_head, w_uk, *wk_strides, np.int32(T), np.int32(nh), np.int32(dn), np.int32(c),
+            q_lat), shared_mem=MLA_ROWS * dn * 4)
     return q_lat, scratch[R * c : R * c + R * splits * c], scratch[R * c + R * splits * c :], partial_shared, \
         combine_shared
 
@@ -441,14 +492,18 @@ def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: f
     import cupy
 
     Nq, nh, dn = q_nope.shape
-    c, dr, dv = w_uk.shape[2], q_rope.shape[2], w_uv_t.shape[2]
-    if (q_rope.shape[:2], w_uk.shape[:2], w_uv_t.shape[:2]) != ((Nq, nh), (nh, dn), (nh, c)):
+    compact, uk_shape, uv_shape, dv = _mla_weights(w_uk, w_uv_t)
+    c, dr = uk_shape[2], q_rope.shape[2]
+    if (q_rope.shape[:2], uk_shape[:2], uv_shape) != ((Nq, nh), (nh, dn), (nh, c)):
         raise ValueError(f"mla_attention_absorbed_cached: shapes q_nope {q_nope.shape} q_rope {q_rope.shape} "
-                         f"w_uk {w_uk.shape} w_uv_t {w_uv_t.shape}")
+                         f"w_uk {uk_shape} w_uv_t {uv_shape}")
     lat_ptrs, rope_ptrs, q_seq, q_pos, seq_len, chunks = tables
     q_nope, qn_row, qn_head = _heads_f32(q_nope)
     q_rope, qr_row, qr_head = _heads_f32(q_rope)
-    (w_uk, wk_strides), (w_uv_t, wv_strides) = _strided_f32(w_uk), _strided_f32(w_uv_t)
+    if compact is None:
+        (w_uk, wk_strides), (w_uv_t, wv_strides) = _strided_f32(w_uk), _strided_f32(w_uv_t)
+    else:
+        wk_strides = None
     out = cupy.empty((Nq, nh * dv), np.float32)
     if not out.size:
         return out
@@ -461,9 +516,15 @@ def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: f
     _kernel("strata_mla_partial_cached")((Nq * -(-nh // MLA_ROWS) * stride,), (THREADS,), (
         q_lat, q_rope, qr_row, qr_head, lat_ptrs, rope_ptrs, q_seq, q_pos, seq_len, chunks, np.float32(scale),
         i32(nh), i32(c), i32(dr), i32(cap), i32(stride), i32(bf16), part, stats), shared_mem=partial_shared * 4)
-    _kernel("strata_mla_combine_cached")((token_blocks,), (THREADS,), (
-        part, stats, w_uv_t, *wv_strides, i32(Nq), i32(nh), i32(c), i32(dv), i32(stride), q_seq, seq_len, chunks,
-        out), shared_mem=combine_shared * 4)
+
+    def combine(w_uv, strides, lat_out: int, into):
+        _kernel("strata_mla_combine_cached")((token_blocks,), (THREADS,), (
+            part, stats, w_uv, *strides, i32(Nq), i32(nh), i32(c), i32(dv), i32(stride), q_seq, seq_len, chunks,
+            i32(lat_out), into), shared_mem=combine_shared * 4)
+    done = _mla_output(compact, combine, Nq, nh, c, dv)
+    if done is not None:
+        return done
+    combine(w_uv_t, wv_strides, 0, out)
     return out
 
 

@@ -300,11 +300,13 @@ def mla_attention_absorbed(q_nope: np.ndarray, q_rope: np.ndarray, latent: np.nd
     """The same attention on the cached latent [S, c] without expanding it: W_uk [nh, dn, c] folds into q
     (q_nope·(W_uk·l) = (q_nope·W_uk)·l) and W_uv [nh, dv, c] applies after the weighted sum of latents.
     Work per cached token: nh*(c + dr) instead of the expansion's nh*c*(dn + dv). latent and k_rope may be a
-    bf16 cache's bits; W_uk and W_uv may be views of kv_b's rows (decoder._kv_b_heads). On the device one
-    fused kernel (device_ops.mla_attention_absorbed)."""
+    bf16 cache's bits; W_uk and W_uv may be views of kv_b's rows (decoder._kv_b_heads), or on the device W_uk a
+    compact kv_b (device_ops.CompactKvB) and W_uv None. On the device one fused kernel
+    (device_ops.mla_attention_absorbed)."""
     if is_device(q_nope):
-        return device_ops.mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv.transpose(0, 2, 1), mask,
-                                                 scale)  # a view: the kernel reads W_uv where it lies
+        return device_ops.mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk,
+                                                 None if w_uv is None else w_uv.transpose(0, 2, 1), mask,
+                                                 scale)  # a view (or a compact kv_b): read where it lies
     latent, k_rope = widen(latent), widen(k_rope)
     T, nh, _ = q_nope.shape
     q_lat = q_nope.transpose(1, 0, 2) @ w_uk  # [nh, T, c]

@@ -279,3 +279,53 @@ __device__ void dequantize(const unsigned char* w, long long stride, int rows, i
             if (c * F::CHUNK + i < K) o[c * F::CHUNK + i] = v[i];
     }
 }
+
+// MLA's absorbed attention reading a compact kv_b [nh * head_rows, K] (a head's rows: W_uk's n, then W_uv's):
+// out [T * nh, K]: out[t * nh + h] = the sum over d < n, in order, of x[t, h, d] * row (h * head_rows + d), the
+// rows read through the format's reader (the float32 strata_mla_q_absorb reads, summed as it sums); x row t head h
+// at x + t * x_row + h * x_head. A block a head and ABSORB_ROWS tokens, a thread a (token, chunk of columns).
+// Dynamic shared memory: ABSORB_ROWS * n floats.
+#define ABSORB_ROWS 8
+template <class F>
+__device__ void absorb_rows(const unsigned char* w, long long stride, int head_rows, int n, int K, const float* x,
+                            long long x_row, long long x_head, int T, int nh, float* out) {
+    extern __shared__ float xs[];  // [ABSORB_ROWS][n] the tokens' x rows of head h
+    int h = blockIdx.x % nh;
+    long long t0 = (long long)(blockIdx.x / nh) * ABSORB_ROWS;
+    int tb = T - t0 < ABSORB_ROWS ? (int)(T - t0) : ABSORB_ROWS;
+    for (int i = threadIdx.x; i < tb * n; i += blockDim.x) xs[i] = x[(t0 + i / n) * x_row + h * x_head + i % n];
+    __syncthreads();
+    int chunks = (K + F::CHUNK - 1) / F::CHUNK;
+    for (int i = threadIdx.x; i < tb * chunks; i += blockDim.x) {
+        int tt = i / chunks, c = i % chunks;
+        float a[F::CHUNK];
+#pragma unroll
+        for (int j = 0; j < F::CHUNK; j++) a[j] = 0.0f;
+        for (int d = 0; d < n; d++) {
+            float wv[F::CHUNK];
+            F::decode(w + ((long long)h * head_rows + d) * stride, K, c, wv);
+            float q = xs[tt * n + d];
+#pragma unroll
+            for (int j = 0; j < F::CHUNK; j++) a[j] += q * wv[j];
+        }
+        float* o = out + ((t0 + tt) * nh + h) * K + (long long)c * F::CHUNK;
+#pragma unroll
+        for (int j = 0; j < F::CHUNK; j++)
+            if (c * F::CHUNK + j < K) o[j] = a[j];
+    }
+}
+// out [rows, R]: row r (head r % nh) = x [rows, K]'s row r . (rows first .. first + R of head h's block of
+// head_rows)^T; grouped_matvec's row sum, the matrix a head's rows of one stored matrix. Blocks run (row, WARPS
+// output rows).
+template <class F>
+__device__ void head_rows_matvec(const unsigned char* w, long long stride, int head_rows, int first, int R, int K,
+                                 const float* x, int nh, float* out) {
+    int warps = blockDim.x >> 5, groups = (R + warps - 1) / warps;
+    long long r = blockIdx.x / groups;
+    int v = (blockIdx.x % groups) * warps + (threadIdx.x >> 5);
+    if (v >= R) return;
+    float acc[MAX_TOKENS];
+    row_dot<F>(w + ((long long)(r % nh) * head_rows + first + v) * stride, K, x + r * K, 1, acc);
+    float s = warp_sum(acc[0]);
+    if ((threadIdx.x & 31) == 0) out[r * R + v] = s;
+}

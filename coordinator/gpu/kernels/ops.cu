@@ -531,7 +531,8 @@ extern "C" __global__ void strata_mla_partial_cached(const float* q_lat, const f
 // padding (q_seq -1: zeros out). Dynamic shared memory: MLA_ROWS * (c + max(stride, blockDim, dv)) floats.
 __device__ void mla_combine(const float* part, const float* stats, const float* w_uv_t, long long wv_head,
                             long long wv_row, long long wv_col, int T, int nh, int c, int dv, int stride,
-                            const long long* q_seq, const long long* seq_len, const long long* chunks, float* out) {
+                            const long long* q_seq, const long long* seq_len, const long long* chunks, int lat_out,
+                            float* out) {
     extern __shared__ float combine_shared[];
     float* ol = combine_shared;                  // [MLA_ROWS][c] the tokens' out_lat
     float* ws = combine_shared + MLA_ROWS * c;   // [MLA_ROWS][stride] the chunks' weights, then the output's sums
@@ -569,6 +570,11 @@ __device__ void mla_combine(const float* part, const float* stats, const float* 
         ol[tt * c + col] = ns[tt] ? a / sum : 0.0f;
     }
     __syncthreads();  // ol[] complete; ws[] is free for the sums
+    if (lat_out) {  // out [T * nh, c]: out_lat itself, W_uv applied by the caller (a compact kv_b's rows)
+        for (int i = threadIdx.x; i < tb * c; i += blockDim.x)
+            out[((t0 + i / c) * nh + h) * c + i % c] = ol[i];
+        return;
+    }
     int groups = dv <= (int)blockDim.x ? blockDim.x / dv : 1;
     for (int i = threadIdx.x; i < groups * dv; i += blockDim.x) {
         int d = i % dv, grp = i / dv;
@@ -595,14 +601,17 @@ __device__ void mla_combine(const float* part, const float* stats, const float* 
 }
 extern "C" __global__ void strata_mla_combine(const float* part, const float* stats, const float* w_uv_t,
                                               long long wv_head, long long wv_row, long long wv_col, int T, int nh,
-                                              int c, int dv, int splits, float* out) {
-    mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, splits, nullptr, nullptr, nullptr, out);
+                                              int c, int dv, int splits, int lat_out, float* out) {
+    mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, splits, nullptr, nullptr, nullptr,
+                lat_out, out);
 }
 extern "C" __global__ void strata_mla_combine_cached(const float* part, const float* stats, const float* w_uv_t,
                                                      long long wv_head, long long wv_row, long long wv_col, int T,
                                                      int nh, int c, int dv, int stride, const long long* q_seq,
-                                                     const long long* seq_len, const long long* chunks, float* out) {
-    mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, stride, q_seq, seq_len, chunks, out);
+                                                     const long long* seq_len, const long long* chunks, int lat_out,
+                                                     float* out) {
+    mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, stride, q_seq, seq_len, chunks, lat_out,
+                out);
 }
 
 // Qwen3-Next's Gated DeltaNet over a step's rows (linear_attention.py's advance, then the gated RMSNorm), one
