@@ -30,7 +30,7 @@ import functools
 import numpy as np
 
 from shm import formats
-from shm.formats import iq4xs
+from shm.formats import iq4xs, traits
 
 from ..gpu import kernels
 from ..model.xp import device_address
@@ -45,7 +45,7 @@ _BODY = kernels.source("formats")
 # one plain extern "C" declaration a kernel and format: NVRTC and tests/cuda_emulator.py's parser both see them
 _WRAPPERS = kernels.template("formats_wrappers")
 
-FORMATS = ("f32", "bf16", "q8", "q4", "q4k", "q5k", "q6k", "iq4xs")  # those with a Reader_<name> in SOURCE
+FORMATS = tuple(t.name for t in traits.TRAITS)  # each has its Reader_<name> in formats.cu (a test holds it)
 _IQ4NL = [sum((v & 255) << 8 * i for i, v in enumerate(iq4xs.KVALUES[h:h + 8])) for h in (0, 8)]
 SOURCE = (_BODY.replace("@MAX_TOKENS@", str(MAX_TOKENS)).replace("@IQ4NL_LO@", hex(_IQ4NL[0]))
           .replace("@IQ4NL_HI@", hex(_IQ4NL[1])) + "".join(_WRAPPERS.replace("@F@", f) for f in FORMATS))
