@@ -275,6 +275,8 @@ class _MemoryPointer:
     def ptr(self) -> int:
         return self.mem.ptr + self.offset
 
+    device_id = 0  # the one "device"
+
     def __add__(self, offset: int) -> "_MemoryPointer":
         return _MemoryPointer(self.mem, self.offset + offset)
 

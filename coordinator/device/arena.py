@@ -162,13 +162,14 @@ class StepArena:
         self._peak = max(self._peak, offset + aligned)
         token = _Token()
         weakref.finalize(token, self._give_back, self._epoch, index, offset, aligned)
-        if self._buffer is not None and offset + aligned <= self._capacity:
-            return cuda.MemoryPointer(cuda.UnownedMemory(self._buffer.ptr + offset, aligned, (self._buffer, token)), 0)
+        if self._buffer is not None and offset + aligned <= self._capacity:  # the device named: no pointer query
+            return cuda.MemoryPointer(cuda.UnownedMemory(self._buffer.ptr + offset, aligned, (self._buffer, token),
+                                                         self._buffer.device_id), 0)
         if self._capturing:
             raise ArenaFull(f"a captured step needs more than the {self._capacity}-byte step buffer")
         self.stats.pool_allocations += 1  # beyond the buffer: the pool's block, the range kept in the plan
         block = self.xp.get_default_memory_pool().malloc(aligned)
-        return cuda.MemoryPointer(cuda.UnownedMemory(block.ptr, aligned, (block, token)), 0)
+        return cuda.MemoryPointer(cuda.UnownedMemory(block.ptr, aligned, (block, token), block.device_id), 0)
 
     def _plans_peak(self, key) -> int:
         plan = self._plans.get(key)
