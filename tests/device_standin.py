@@ -579,10 +579,6 @@ class _Stream:
             raise CUDARuntimeError(900)
         COUNTS["syncs"] += 1
 
-    def launch_host_func(self, callback, arg) -> None:
-        if not _deferred(lambda: callback(arg), self):
-            callback(arg)
-
     def begin_capture(self, mode=None) -> None:
         if self.ptr in (0, 1):
             raise RuntimeError("cannot capture on the default (legacy) stream")

@@ -285,7 +285,7 @@ def test_device_mla_attention_matches_float64(cp):
         assert cupy.array_equal(from16, widened), what
 
 
-@pytest.mark.slow  # 262,144 keys through the emulator: half a minute
+@pytest.mark.slow  # 262,144 keys through the emulator
 def test_split_k_attention_matches_float64_at_long_contexts(cp):
     """gqa_attention split over the keys (a block a split of up to GQA_TILE-key tiles, online softmax, the splits
     merged in order) against float64 for one decode token over 1,024, 32,768 and 262,144 keys (4, 32 and 32

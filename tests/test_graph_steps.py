@@ -358,7 +358,8 @@ def test_the_slot_order_is_the_hosts_lexsort(gpu, T, k, n):
     outs = [gpu.empty(P, i32) for _ in range(2)] + [gpu.empty(P, np.float32), gpu.empty(P, i32),
                                                      gpu.empty(T + 1, i32), gpu.empty(P, i32), gpu.empty(P, i32)]
     device_experts.cuda_module().get_function("strata_order_slots")((1,), (device_experts.ORDER_THREADS,), (
-        *map(gpu.asarray, (tokens, chosen, weights, np.array([n], np.int64), index)), i32(T), i32(P), *outs))
+        *map(gpu.asarray, (tokens, chosen, weights, np.array([n], np.int64), index)), i32(T), i32(P), *outs),
+        shared_mem=2 * P * 4)
     slot_rows, slot_matrix, slot_weights, by_token, start, ids, _ = (np.asarray(o) for o in outs)
     order = np.lexsort((tokens[:n], chosen[:n]))  # DeviceExperts.run's
     assert np.array_equal(slot_rows[:n], tokens[:n][order]) and not slot_rows[n:].any()

@@ -95,7 +95,7 @@ class StepArena:
         self._capacity = 0
         self._free: list[list[int]] = []  # [offset, size] free ranges, by offset; the last one is unbounded
         self._epoch = 0  # the step whose ranges a finaliser may return (a late one from an earlier step may not)
-        self._live = self._peak = 0
+        self._peak = 0
         self._capturing = False
         self._plans: dict = {}  # a step's shape -> its _Plan
         self._plan: _Plan | None = None  # the current step's, while its allocations follow it
@@ -134,7 +134,6 @@ class StepArena:
             return
         self._ends[index] = self._events
         self._events += 1
-        self._live -= size
         if self._plan is not None:  # planned offsets: no free list kept
             return
         free = self._free
@@ -158,7 +157,6 @@ class StepArena:
         self._starts.append(self._events)
         self._ends.append(1 << 62)  # alive past the step unless its finaliser says otherwise
         self._events += 1
-        self._live += aligned
         self._peak = max(self._peak, offset + aligned)
         token = _Token()
         weakref.finalize(token, self._give_back, self._epoch, index, offset, aligned)
@@ -183,7 +181,7 @@ class StepArena:
         self._key, self._plan = key, self._plans.get(key)
         self._free = [[0, 1 << 62]]
         self._sizes, self._starts, self._ends, self._events = [], [], [], 0
-        self._live = self._peak = 0
+        self._peak = 0
         self._capturing = capturing
         completed = False
         try:

@@ -69,7 +69,8 @@ def split_pairs(packed, k: int, on_device, skip: float, counts, totals) -> Split
                      *(cupy.empty(P, d) for d in (i32, i32, f32)), cupy.empty(1, i64))
     cuda_module().get_function("strata_split_pairs")((1,), (SPLIT_THREADS,), (
         packed, i32(T), i32(k), on_device, i32(E), f32(skip), out.cpu_tokens, out.cpu_experts, out.cpu_weights,
-        out.cpu_count, out.dev_tokens, out.dev_experts, out.dev_weights, out.dev_count, counts, totals))
+        out.cpu_count, out.dev_tokens, out.dev_experts, out.dev_weights, out.dev_count, counts, totals),
+        shared_mem=2 * P * 4)  # each pair's side and expert
     return out
 
 

@@ -9,7 +9,7 @@
 A token's experts are summed in ascending expert order, as the per-expert loop it replaces summed them.
 The slots' bookkeeping (the sort, each token's slot list) runs on the host, where the routing is; in a
 graph-ready step (``run_split``) it runs on the device instead, from compact.split_pairs' device pairs, in one
-thread (strata_order_slots: the same order), over all T*k slots the layer could have, the unused ones
+block (strata_order_slots: the same order, each pair's key and each slot's token read once into shared memory), over all T*k slots the layer could have, the unused ones
 computed and never summed.
 """
 
@@ -87,7 +87,7 @@ class DeviceExperts:
         slot_weights, start = cupy.empty(P, np.float32), cupy.empty(T + 1, i32)
         cuda_module().get_function("strata_order_slots")((1,), (ORDER_THREADS,), (
             split.dev_tokens, split.dev_experts, split.dev_weights, split.dev_count, le.index_device, i32(T), i32(P),
-            slot_rows, slot_matrix, slot_weights, by_token, start, ids, order))
+            slot_rows, slot_matrix, slot_weights, by_token, start, ids, order), shared_mem=2 * P * 4)
         xs = cupy.ascontiguousarray(x, dtype=np.float32)
         g = format_kernels.grouped_matvec(le.formats[0], le.tables[0], H, inter, xs, slot_rows, slot_matrix)
         u = format_kernels.grouped_matvec(le.formats[1], le.tables[1], H, inter, xs, slot_rows, slot_matrix)

@@ -223,7 +223,6 @@ class Decoder:
             return False
         from .graph_steps import GraphSteps
 
-        stream = self.xp.cuda.Stream()  # the steps' own: a capture needs one
         try:
             link = self.pool.stream_link(len(self.cfg.moe_layers), self.xp)
         except Exception as e:  # cudaHostRegister of the pool's segment refused (drivers have refused such mappings)
@@ -231,6 +230,7 @@ class Decoder:
         else:
             if link is None:  # a pool driven from Python only
                 return False
+            stream = self.xp.cuda.Stream()  # the steps' own: a capture needs one
             why = host_functions_refused(stream)  # libcuda loaded and a host function run now, not in a request
             if why is not None:
                 self.pool.close_stream_link()

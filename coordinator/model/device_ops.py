@@ -388,18 +388,15 @@ def _mla_weights(w_uk, w_uv_t):
     return None, w_uk.shape, w_uv_t.shape[:2], w_uv_t.shape[2]
 
 
-def _mla_output(compact, combine, T: int, nh: int, c: int, dv: int):
-    """The combine launched (``combine(w_uv_t, strides, lat_out, out)``) into [T, nh*dv]: with a compact kv_b it
-    writes out_lat [T*nh, c] and W_uv's rows are applied after, as they lie."""
+def _compact_output(compact: CompactKvB, combine, T: int, nh: int, c: int, dv: int):
+    """The combine (``combine(w_uv_t, strides, lat_out, out)``) writing out_lat [T*nh, c], then W_uv's rows of the
+    compact kv_b applied as they lie: [T, nh*dv]."""
     import cupy
 
-    if compact is None:
-        return None
     out_lat = cupy.empty((T * nh, c), np.float32)
     combine(out_lat, (np.int64(0),) * 3, 1, out_lat)  # any pointer for W_uv: not read
-    head = compact.dn + compact.dv
-    return format_kernels.head_rows_matvec(compact.fmt, compact.data, nh, head, compact.dn, dv, c,
-                                           out_lat).reshape(T, nh * dv)
+    return format_kernels.head_rows_matvec(compact.fmt, compact.data, nh, compact.dn + compact.dv, compact.dn, dv,
+                                           c, out_lat).reshape(T, nh * dv)
 
 
 def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, scale: float, splits=None):
@@ -448,9 +445,8 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, s
         _kernel("strata_mla_combine")((token_blocks,), (THREADS,), (
             part, stats, w_uv, *strides, i32(T), i32(nh), i32(c), i32(dv), i32(splits), i32(lat_out), into),
             shared_mem=combine_shared * 4)
-    done = _mla_output(compact, combine, T, nh, c, dv)
-    if done is not None:
-        return done
+    if compact is not None:
+        return _compact_output(compact, combine, T, nh, c, dv)
     combine(w_uv_t, wv_strides, 0, out)
     return out
 
@@ -521,9 +517,8 @@ def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: f
         _kernel("strata_mla_combine_cached")((token_blocks,), (THREADS,), (
             part, stats, w_uv, *strides, i32(Nq), i32(nh), i32(c), i32(dv), i32(stride), q_seq, seq_len, chunks,
             i32(lat_out), into), shared_mem=combine_shared * 4)
-    done = _mla_output(compact, combine, Nq, nh, c, dv)
-    if done is not None:
-        return done
+    if compact is not None:
+        return _compact_output(compact, combine, Nq, nh, c, dv)
     combine(w_uv_t, wv_strides, 0, out)
     return out
 

@@ -22,32 +22,34 @@ extern "C" __global__ void strata_order_slots(const int* tokens, const int* expe
                                               const long long* count, const int* index, int T, int P,
                                               int* slot_rows, int* slot_matrix, float* slot_weights, int* by_token,
                                               int* start, int* ids, int* order) {
+    extern __shared__ float order_shared[];  // dynamic: 2 * P ints
+    int* keys = reinterpret_cast<int*>(order_shared);  // [P] a pair's expert * T + token: (expert, token) order
+    int* rows = keys + P;                              // [P] a slot's token
     int n = (int)count[0];
+    for (int p = threadIdx.x; p < n; p += blockDim.x) keys[p] = experts[p] * T + tokens[p];
+    __syncthreads();
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
-        int ep = experts[p], tp = tokens[p], rank = 0;
-        for (int q = 0; q < n; ++q) {
-            int eq = experts[q], tq = tokens[q];
-            rank += eq < ep || (eq == ep && (tq < tp || (tq == tp && q < p)));
-        }
+        int kp = keys[p], rank = 0;
+        for (int q = 0; q < n; ++q) rank += keys[q] < kp || (keys[q] == kp && q < p);
         order[rank] = p;
     }
     __syncthreads();
     for (int s = threadIdx.x; s < P; s += blockDim.x) {
         ids[s] = s;
         bool used = s < n;
-        slot_rows[s] = used ? tokens[order[s]] : 0;
+        rows[s] = slot_rows[s] = used ? tokens[order[s]] : 0;
         slot_matrix[s] = used ? index[experts[order[s]]] : 0;
         slot_weights[s] = used ? weights[order[s]] : 0.0f;
     }
     __syncthreads();
     for (int t = threadIdx.x; t <= T; t += blockDim.x) {  // the slots of the tokens before t
         int before = 0;
-        for (int s = 0; s < n; ++s) before += slot_rows[s] < t;
+        for (int s = 0; s < n; ++s) before += rows[s] < t;
         start[t] = before;
     }
     for (int s = threadIdx.x; s < n; s += blockDim.x) {
-        int t = slot_rows[s], at = 0;
-        for (int q = 0; q < n; ++q) at += slot_rows[q] < t || (slot_rows[q] == t && q < s);
+        int t = rows[s], at = 0;
+        for (int q = 0; q < n; ++q) at += rows[q] < t || (rows[q] == t && q < s);
         by_token[at] = s;
     }
 }
