@@ -24,21 +24,23 @@ from .config import EngineConfig
 from .context import available_memory, check_context
 from .cpu_experts import CpuExpertSpec, build_pool, expert_format, plan_cpu_experts, pool_nodes
 from .errors import ConfigValueError, StrataError
-from .device import load as device_load
-from .device.vram import VramPlan
-from .device.weights import nbytes as device_nbytes
-from .device.weights import upload as device_upload
-from .model.backend import select_device
+from .gpu import load as device_load
+from .gpu.graph_steps import MAX_ROWS as GRAPH_ROWS
+from .gpu.probe import select_device
+from .gpu.vram import VramPlan
+from .gpu.weights import nbytes as device_nbytes
+from .gpu.weights import upload as device_upload
+from .host.backend import HostBackend
+from .host.packed import pack_dense
+from .model.backend import Backend
 from .model.chat_template import ChatTemplate
 from .model.grammar import Grammars
-from .model import graph_steps
 from .model.decoder import Decoder
 from .model.kv_cache import KVCache
 from .model.model_config import MTP_ARCHS, ModelConfig
-from .model.packed import pack_dense
 from .model.source import ModelSource, open_source
+from .model.step import StepBatch, StepOutput
 from .model.tokenizer import TextCodec
-from .model.xp import module
 from .model.weights import layer_experts, load_weights
 from .pool import ExpertPool
 from .pool.hot_experts import ExpertProfile, device_expert_set, expert_bytes, whole_expert
@@ -50,12 +52,12 @@ from .warmup import Compiles, Unit, engine_units, warm_up_host
 log = logging.getLogger(__name__)
 
 
-def runs_decode_kernels(config: EngineConfig, backend: str, gguf: bool) -> bool:
+def runs_decode_kernels(config: EngineConfig, gpu: bool, gguf: bool) -> bool:
     """Whether the coordinator itself launches compiled kernels in a decode step (node_worker/kernel_threads.py):
     an in-process pool's MoE layers, or dense matrices kept quantised on a NumPy device side (a dense_dtype
     format; auto: a GGUF file's quantised tensors)."""
     quantised_dense = config.dense_dtype not in ("f32", formats.AUTO) or (config.dense_dtype == formats.AUTO and gguf)
-    return config.pool == "inproc" or (backend == "numpy" and quantised_dense)
+    return config.pool == "inproc" or (not gpu and quantised_dense)
 
 
 def check_prompt_ids(mcfg: ModelConfig, ids: Sequence[int], max_new_tokens: int, max_seq_len: int | None) -> None:
@@ -69,16 +71,25 @@ def check_prompt_ids(mcfg: ModelConfig, ids: Sequence[int], max_new_tokens: int,
                                f"length {limit}")
 
 
-def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, backend: str
+def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, gpu: bool
                 ) -> tuple[formats.ExpertFormats, list[Unit]]:
     """(the CPU experts' formats, the compile units an engine needs before it loads
     anything: coordinator/warmup.py's host loops, doorbells, experts and encoders), from the checkpoint's index
     alone; the dense matrices' units follow once they are packed."""
     spec = expert_format(config, mcfg, ckpt, layer_experts(mcfg, ckpt))
     names = spec.names
-    encoders = [*names, config.dense_dtype] if backend == "numpy" else names  # q8 and q4 quantise floats
+    encoders = names if gpu else [*names, config.dense_dtype]  # q8 and q4 quantise floats
     return spec, engine_units(config.pool, compiled_cover(for_formats(names, config.activations)), encoders,
-                              gpu=backend == "cupy")
+                              gpu=gpu)
+
+
+def open_backend(device: str) -> Backend:
+    """The side the network runs on, chosen once: 'auto' | 'cpu' | 'cuda' (gpu/probe.py's select_device)."""
+    if select_device(device) == "cupy":
+        from .gpu.backend import GpuBackend
+
+        return GpuBackend()
+    return HostBackend()
 
 
 @dataclass(eq=False)
@@ -89,6 +100,7 @@ class Engine:
     config: EngineConfig
     decoder: Decoder
     pool: ExpertPool
+    graph: object | None  # the GPU's graph-ready steps around decoder.forward (gpu/graph_steps.py), or None
     cpu: CpuExpertSpec  # the CPU side's experts: their format, nodes and plan
     device_placement: dict = field(default_factory=dict)  # which experts the device side holds, and why
     dense_format: str = "f32"  # how the device side's dense matrices are stored: formats and counts
@@ -164,13 +176,13 @@ class Engine:
                        f"an architecture without one; {', '.join(MTP_ARCHS)} have it")
             raise ConfigValueError(f"{model_dir}: speculative mtp needs the model's multi-token-prediction layer "
                                    f"({mcfg.arch} model, {missing}): use ngram or auto")
-        backend = select_device(config.device)
-        if backend == "numpy":  # a GPU's KV cache is in its memory plan (coordinator/device/vram.py)
+        backend = open_backend(config.device)
+        if not backend.gpu:  # a GPU's KV cache is in its memory plan (coordinator/gpu/vram.py)
             check_context(mcfg, config.max_seq_len or mcfg.max_position_embeddings, len(nodes),
                           config.pool == "process", available_memory(), shm_free() or 0, config.prefill_chunk)
-        runs_kernels = runs_decode_kernels(config, backend, source.gguf)
+        runs_kernels = runs_decode_kernels(config, backend.gpu, source.gguf)
         kernel_threads.settle(runs_kernels)  # before any kernel runs: libgomp reads its wait setting once
-        gpu = backend == "cupy"
+        gpu = backend.gpu
         if gpu:  # the GPU's experts and memory, checked before anything is read or uploaded
             placed = device_load.place(mcfg, ckpt, config)
             device_set, placement, hot_formats, one_expert, memory = (placed.experts, placed.chosen, placed.formats,
@@ -179,17 +191,17 @@ class Engine:
             device_set, placement = device_expert_set(mcfg, ckpt, config)
             hot_formats, one_expert, memory = {}, expert_bytes(mcfg), None
         compile_missing = Compiles(quiet)  # before anything runs them, in a child, what this build lacks
-        planned, units = start_units(config, mcfg, ckpt, backend)
+        planned, units = start_units(config, mcfg, ckpt, backend.gpu)
         compile_missing(units)
         weights = load_weights(mcfg, ckpt)
         dense_format, dense_kernels = "f32", []
-        if config.dense_dtype != "f32" and backend == "numpy":
+        if config.dense_dtype != "f32" and not gpu:
             fmt = None if config.dense_dtype == formats.AUTO else formats.get(config.dense_dtype)
             nbytes, dense_format, dense_kernels = pack_dense(weights, fmt, config.activations != "f32", ckpt,
                                                              config.activations == "bf16")
             log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
             compile_missing([Unit.dense(kernels) for kernels in dense_kernels])
-        xp = module(backend)
+        xp = backend.xp
         device_weights, device_experts = None, {}
         if gpu:
             with device_load.out_of_memory(memory):
@@ -217,17 +229,19 @@ class Engine:
         pool = build_pool(source, cpu, config, max_seq_len, runs_kernels)
         try:
             kv_dtype = "f32" if config.kv_dtype == "f32" or not gpu else "bf16"
-            decoder = Decoder(mcfg, weights, pool, config.route_tail_skip, device_experts, backend, device_weights,
+            decoder = Decoder(mcfg, weights, pool, backend, device_experts, device_weights, config.route_tail_skip,
                               kv_dtype)
             step_buffer = memory.step if memory is not None else 0  # the plan's, made now: no step grows it
-            if config.graph and decoder.enable_graph_steps(max_seq_len, config.graph_capture, step_buffer):
-                log.info("decode steps of up to %d rows are graph-ready", graph_steps.MAX_ROWS)
+            graph = backend.graph_runner(decoder, max_seq_len, config.graph_capture, step_buffer) \
+                if config.graph else None
+            if graph is not None:
+                log.info("decode steps of up to %d rows are graph-ready", GRAPH_ROWS)
             warm_up_host(dense_kernels)
             load_s = time.perf_counter() - start
             log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
                      model_dir, mcfg.arch, mcfg.num_layers, load_s, plan.digest, plan.node_ids)
-            return cls(source, config, decoder, pool, cpu,
-                       {"backend": backend, "experts": len(device_set), "chosen": placement,
+            return cls(source, config, decoder, pool, graph, cpu,
+                       {"backend": backend.name, "experts": len(device_set), "chosen": placement,
                         "bytes": len(device_set) * one_expert}, dense_format, load_s, compile_missing.seconds,
                        memory)
         except BaseException:  # Ctrl-C included: the workers, their segments and the pool's folder go too
@@ -321,13 +335,12 @@ class Engine:
         """An empty KV cache for one sequence."""
         return self.decoder.new_cache()
 
-    def step(self, batch: list[tuple[np.ndarray, KVCache]], all_rows: frozenset[int] = frozenset(),
-             hidden: list | None = None, hidden_rows: frozenset[int] = frozenset()) -> list[np.ndarray]:
-        """One forward pass over several sequences, each (its next token ids int64 [T], its cache): each one's
-        logits [1, V] for the token after them ([T, V], every row's, for the batch indices in ``all_rows``);
-        the caches advance. ``hidden``: a list that gets each one's hidden rows for the MTP layer (every row's
-        for the indices in ``all_rows`` and ``hidden_rows``, else the last row's; Decoder.forward_batch)."""
-        return self.decoder.forward_batch(batch, all_rows=all_rows, hidden=hidden, hidden_rows=hidden_rows)
+    def step(self, batch: StepBatch) -> StepOutput:
+        """One forward pass over several sequences (StepBatch: each one's next token ids and cache, and which rows'
+        logits and hidden states it asks for): each one's logits on the host and, where asked, its hidden rows for
+        the MTP layer; the caches advance. Small steps run graph-ready where the GPU's runner is (gpu/graph_steps.py),
+        around the same forward."""
+        return (self.graph or self.decoder).forward(batch)
 
     @property
     def has_mtp(self) -> bool:
@@ -368,10 +381,11 @@ class Engine:
         ``steps`` one decode step a token (the path generation takes after the prompt)."""
         ids = self.check_ids(token_ids)
         if not steps:
-            return self.decoder.forward(ids, self.decoder.new_cache()).astype(np.float32, copy=False)
-        cache = self.decoder.new_cache()
-        return np.concatenate([self.decoder.forward(ids[i:i + 1], cache) for i in range(ids.size)]).astype(
-            np.float32, copy=False)
+            return self.step(StepBatch.of(ids, self.new_cache(), every_row=True)).logits[0].astype(np.float32,
+                                                                                                  copy=False)
+        cache = self.new_cache()
+        return np.concatenate([self.step(StepBatch.of(ids[i:i + 1], cache)).logits[0] for i in range(ids.size)]
+                              ).astype(np.float32, copy=False)
 
     def generate_full(self, token_ids: Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                       temperature: float = GenerateRequest.temperature, *, stop_at_eos: bool = True,

@@ -31,6 +31,7 @@ from .model.grammar import Constraint, GrammarError
 from .model.kv_cache import KVCache
 from .latency import new_histograms
 from .model.sampling import Sampler, top_logprobs
+from .model.step import StepBatch
 from .model.tokenizer import StreamDecoder
 from .speculative import DraftHistory, DraftLength, NgramIndex, StepCosts
 from .request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
@@ -256,11 +257,11 @@ class Scheduler:
                 return
             scored = frozenset(k for k, (s, _) in enumerate(chunks) if s.prompt_logprobs is not None)
             scored |= {len(chunks) + j for j, d in enumerate(drafted) if d}  # a drafted row's logits verify it
-            mtp = self.speculative == "mtp"
-            hidden: list | None = [] if mtp else None  # each sequence's rows for the MTP layer
+            mtp = self.speculative == "mtp"  # each sequence's rows for the MTP layer: a chunk's every row
             t_forward = time.perf_counter()
-            outs = self.engine.step(batch, all_rows=scored, hidden=hidden,  # a scored chunk's logits: every row's
-                                    hidden_rows=frozenset(range(len(chunks))) if mtp else frozenset())
+            out = self.engine.step(StepBatch(batch, all_rows=scored, hidden=mtp,  # a scored chunk's: every row's
+                                             hidden_rows=frozenset(range(len(chunks))) if mtp else frozenset()))
+            outs, hidden = out.logits, out.hidden
             if not chunks and self.speculative != "off":  # a decode step's cost by its rows (prompt rows differ)
                 self.costs.forward(len(decoding) + made, time.perf_counter() - t_forward)
             if mtp:  # a prompt chunk's rows and an undrafted decode row wait for the MTP layer; a verify's, below

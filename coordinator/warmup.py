@@ -117,7 +117,7 @@ class Unit:
     def compile(self) -> None:
         """Compile (or load) the unit's functions in this process, by calling them as the engine does."""
         if self.kind == "host":
-            from .model import host_ops
+            from .host import ops as host_ops
 
             host_ops.warm_up()
         elif self.kind == "doorbells":
@@ -439,7 +439,7 @@ def warm_up_host(dense_kernels: Sequence["KernelSet"] = ()) -> None:
     matrices kept packed, their kernels (one kernel set per format)."""
     from node_worker.kernels import dense
 
-    from .model import host_ops
+    from .host import ops as host_ops
 
     host_ops.warm_up()
     for kernels in dense_kernels:

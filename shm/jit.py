@@ -39,7 +39,7 @@ PROJECT = Path(__file__).resolve().parents[1]  # the folder holding coordinator/
 # the files whose code the compiled functions hold: a change to any of them is a new build
 JIT_SOURCES = ("node_worker/kernels/*.py", "node_worker/answer.py", "node_worker/membw.py", "shm/jit.py",
                "shm/doorbell.py", "shm/pool_io.py", "shm/pool_signal.py", "shm/formats/*.py",
-               "coordinator/model/host_ops.py")
+               "coordinator/host/ops.py")
 
 CACHED = dict(nogil=True, cache=True)  # every cached function's options (ProjectCacheLocator keeps its code)
 FAST = dict(CACHED, fastmath=True)  # the kernels' options: fastmath where the IR does not fix the order

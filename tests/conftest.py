@@ -202,7 +202,7 @@ def cp(request, tmp_path_factory, monkeypatch):
 
     import cuda_emulator
     import device_standin
-    from coordinator.model.backend import probe_cuda
+    from coordinator.gpu.probe import probe_cuda
 
     if request.param == "cuda":
         usable, why = probe_cuda()

@@ -74,7 +74,7 @@ rule has a test in tests/test_device_standin.py::test_refused_inside_a_capture:
 ``cuda.runtime.memcpyAsync(dst, src, size, kind, stream)`` copies between raw addresses (all host memory here);
 inside a capture it is kept for the graph, as CUDA keeps a memcpy node.
 
-Allocations under ``cupy.cuda.using_allocator`` are the allocator's: coordinator/device/arena.py hands out places
+Allocations under ``cupy.cuda.using_allocator`` are the allocator's: coordinator/gpu/arena.py hands out places
 in its buffer (real memory here too, so an array that outlived its step would be overwritten by the next one, as
 on a GPU), each array holding its MemoryPointer as CuPy's does (so the allocator's UnownedMemory owner dies with
 the last array on it), and only what it takes from the pool (``get_default_memory_pool().malloc``) counts.
@@ -735,8 +735,8 @@ def _launch_host_func(fn_address: int, user_data: int) -> None:
 
 def clear_kernel_caches() -> None:
     """The modules' compiled kernels, built for whichever ``cupy`` was imported last."""
-    from coordinator.device import compact, experts, format_kernels, router
-    from coordinator.model import device_ops
+    from coordinator.gpu import compact, experts, format_kernels, router
+    from coordinator.gpu import ops as device_ops
 
     for mod in (device_ops, format_kernels, experts, router, compact):
         for name in dir(mod):
@@ -747,10 +747,13 @@ def clear_kernel_caches() -> None:
 
 @contextlib.contextmanager
 def installed(build_dir, monkeypatch):
-    """The stand-in as ``cupy`` for the engine (and xp.py's module-level handle) inside the block."""
-    from coordinator.model import xp
+    """The stand-in as ``cupy`` for the engine (and gpu/transfer.py's module-level handle) inside the block; the
+    array modules model/xp.py knows are restored after it."""
+    from coordinator.gpu import transfer as xp
+    from coordinator.model import xp as model_xp
 
     cp, cx = module(build_dir)
+    monkeypatch.setattr(model_xp, "_MODULES", [])
     monkeypatch.setattr(xp, "launch_host_func", _launch_host_func)
     monkeypatch.setattr(xp, "_driver", lambda: DRIVER)  # libcuda: the stand-in's host functions need none
     monkeypatch.setitem(sys.modules, "cupy", cp)

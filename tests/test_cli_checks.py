@@ -177,7 +177,7 @@ def test_generate_ends_with_a_speed_line_on_stderr(tiny, capsys):
 def test_the_no_gpu_warning_comes_once_per_machine_state(tmp_path, monkeypatch, caplog, capsys):
     """A GPU that CuPy cannot use: one ``strata:`` line on stderr the first time, naming why; then INFO (-v only);
     a new reason says it again."""
-    from coordinator.model import backend
+    from coordinator.gpu import probe as backend
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(backend, "nvidia_device_present", lambda: True)
@@ -204,7 +204,7 @@ def test_the_no_gpu_warning_comes_once_per_machine_state(tmp_path, monkeypatch, 
 
 def test_without_a_gpu_the_cpu_path_is_taken_silently(tmp_path, monkeypatch, caplog, capsys):
     """No NVIDIA device at all: nothing on stderr, not even once, an INFO record for -v, no state kept."""
-    from coordinator.model import backend
+    from coordinator.gpu import probe as backend
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(backend, "nvidia_device_present", lambda: False)
@@ -217,7 +217,7 @@ def test_without_a_gpu_the_cpu_path_is_taken_silently(tmp_path, monkeypatch, cap
 
 
 def test_an_nvidia_device_is_seen_by_its_driver_entries_or_its_node(tmp_path):
-    from coordinator.model.backend import nvidia_device_present
+    from coordinator.gpu.probe import nvidia_device_present
 
     assert not nvidia_device_present(tmp_path)
     (tmp_path / "proc" / "driver" / "nvidia" / "gpus").mkdir(parents=True)

@@ -13,6 +13,7 @@ import pytest
 
 import device_standin
 from coordinator import Engine, EngineConfig
+from coordinator.model.step import StepBatch
 
 KINDS = ("launches", "allocations", "uploads", "downloads", "syncs")
 GEOMETRY = dict(hidden_size=256, moe_intermediate_size=256, dense_intermediate_size=256, head_dim=32, num_heads=4,
@@ -62,11 +63,11 @@ def step_counts(model, **config) -> dict[str, int]:
     """What the third decode step after a 4-token prompt asks of the GPU (the first ones load kernels)."""
     with Engine.open(model, EngineConfig(device="cuda", pool="inproc", **config)) as eng:
         cache = eng.new_cache()
-        eng.decoder.forward(np.array([72, 101, 108, 108]), cache, last_only=True)
+        eng.step(StepBatch.of(np.array([72, 101, 108, 108]), cache)).logits[0]
         for token in (111, 44):
-            eng.decoder.forward(np.array([token]), cache, last_only=True)
+            eng.step(StepBatch.of(np.array([token]), cache)).logits[0]
         with device_standin.counting() as counts:
-            eng.decoder.forward(np.array([32]), cache, last_only=True)
+            eng.step(StepBatch.of(np.array([32]), cache)).logits[0]
         return {k: counts[k] for k in KINDS}
 
 
@@ -95,8 +96,8 @@ def test_one_more_call_a_layer_is_seen(gpu, tiny_model, monkeypatch):
     from coordinator.model.decoder import Decoder
 
     before, _ = layer_and_rest(tiny_model, "qwen3_moe")
-    moe = Decoder._moe
-    monkeypatch.setattr(Decoder, "_moe", lambda self, i, lw, x: moe(self, i, lw, x) + self.xp.zeros_like(x))
+    moe = Decoder.moe
+    monkeypatch.setattr(Decoder, "moe", lambda self, i, lw, x: moe(self, i, lw, x) + self.xp.zeros_like(x))
     after, _ = layer_and_rest(tiny_model, "qwen3_moe")
     assert after["allocations"] == before["allocations"] + 2  # zeros_like's and the sum's
     assert after["launches"] == before["launches"] + 2  # the fill and the add

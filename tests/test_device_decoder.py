@@ -10,8 +10,8 @@ import pytest
 
 import device_standin
 from coordinator import Engine, EngineConfig
-from coordinator.device import vram
-from coordinator.device.weights import DeviceMatrix
+from coordinator.gpu import vram
+from coordinator.gpu.weights import DeviceMatrix
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 
@@ -42,7 +42,7 @@ def test_the_device_path_matches_the_cpu_path(gpu, tiny_model, arch):
     model = tiny_model(arch=arch, **GEOMETRY, **extra)
     want, want_steps, _ = _logits(model, device="cpu", dense_dtype="f32")
     got, got_steps, eng = _logits(model, device="cuda", dense_dtype="f32", kv_dtype="f32")
-    assert eng.decoder.backend == "cupy" and eng.gpu_memory is not None
+    assert eng.decoder.backend.name == "cupy" and eng.gpu_memory is not None
     _close(got, want, 1e-5)
     _close(got_steps, want_steps, 1e-5)
     got, got_steps, eng = _logits(model, device="cuda", dense_dtype="bf16")
@@ -133,8 +133,8 @@ def test_the_planned_memory_is_what_is_uploaded(gpu, tiny_model, tmp_path, sourc
     BF16 checkpoint's and a Q4_K_M file's (q4k and q6k matrices kept as the file has them)."""
     from gguf import GGMLQuantizationType as Q
 
-    from coordinator.device import load
-    from coordinator.device.weights import nbytes
+    from coordinator.gpu import load
+    from coordinator.gpu.weights import nbytes
     from gguf_writer import write_gguf
 
     model = tiny_model(**dict(GEOMETRY, num_heads=8), dtype="BF16")
@@ -199,8 +199,8 @@ def test_qwen3_next_is_planned_as_uploaded(gpu, tiny_model):
     Gated DeltaNet's qkv, z and ba) keep the checkpoint's bf16, so the plan made from the index counts the bytes the
     upload holds; the kv cache's figure holds one sequence's Gated DeltaNet states, two buffers. The values are the
     checkpoint's: the logits are the CPU path's (a float32 cache) to float32 rounding."""
-    from coordinator.device import load
-    from coordinator.device.weights import nbytes
+    from coordinator.gpu import load
+    from coordinator.gpu.weights import nbytes
 
     model = tiny_model(arch="qwen3_next", dtype="BF16")
     want, want_steps, _ = _logits(model, device="cpu")

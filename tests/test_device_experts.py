@@ -13,7 +13,7 @@ from coordinator.cli.main import main
 from coordinator.cli.make_model import make_model
 from coordinator.pool.hot_experts import expert_bytes
 from coordinator.errors import ConfigValueError
-from coordinator.model.backend import DeviceError, probe_cuda
+from coordinator.gpu.probe import DeviceError, probe_cuda
 from coordinator.pool.hot_experts import ExpertProfile, ProfileError, choose_device_experts
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114]

@@ -4,20 +4,13 @@ as OS threads), so CI checks their indexing and synchronisation without a GPU.""
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import numpy as np
 import pytest
 
-from coordinator.model import device_ops, ops
+from coordinator.model import ops
+from coordinator.gpu import ops as device_ops
+from coordinator.gpu.backend import GpuBackend
 from shm.formats import bf16
-
-
-def _device(cp):
-    """ops treats cp's arrays as device arrays: CuPy's are; the emulator's NumPy arrays only inside this."""
-    return mock.patch.object(ops, "is_device", lambda a: True) if getattr(cp, "EMULATED", False) \
-        else contextlib.nullcontext()
 
 
 def _softmax64(scores: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
@@ -92,8 +85,7 @@ def test_device_attention_norm_rope_and_residual_norm_match_float64(cp):
         got = cupy.asnumpy(device_ops.gqa_attention(*map(cupy.asarray, (q, k, v, mask)), hd**-0.5))
         np.testing.assert_allclose(got, _attention64(q, k, v, mask), rtol=2e-5, atol=2e-6,
                                    err_msg=f"T {T} S {S} heads {nh}/{nkv} hd {hd} window {window}")
-        with _device(cp):
-            routed = cupy.asnumpy(ops.gqa_attention(*map(cupy.asarray, (q, k, v, mask))))  # ops sends T <= 64 here
+        routed = cupy.asnumpy(GpuBackend(cp).gqa_attention(*map(cupy.asarray, (q, k, v, mask))))  # T <= 64: here
         assert np.array_equal(routed, got)
 
     for T, heads, kv, hd, d in [(1, 32, 4, 128, 128), (5, 8, 2, 64, 32), (2, 4, 1, 256, 256)]:
@@ -301,7 +293,7 @@ def test_split_k_attention_matches_float64_at_long_contexts(cp):
         got = cupy.asnumpy(device_ops.gqa_attention(*map(cupy.asarray, (q, k, v, mask)), hd**-0.5))
         np.testing.assert_allclose(got, _attention64(q, k, v, mask), rtol=2e-5, atol=2e-6,
                                    err_msg=f"S {S} window {window} ({device_ops.gqa_splits(S)[0]} splits)")
-    from coordinator.device.format_kernels import address
+    from coordinator.gpu.format_kernels import address
 
     lengths = [1000, 33000]
     caches = [(rng.standard_normal((2, S, nkv, hd)) * 2).astype(np.float32) for S in lengths]

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.device.format_kernels import address
-from coordinator.model import device_ops
+from coordinator.gpu.format_kernels import address
+from coordinator.gpu import ops as device_ops
 from coordinator.model.model_config import LinearAttnConfig
+from coordinator.model.step import StepBatch
 
 LC = LinearAttnConfig(key_heads=2, value_heads=4, key_head_dim=16, value_head_dim=8, conv_kernel=4)
 DIMS = (LC.key_heads, LC.value_heads, LC.key_head_dim, LC.value_head_dim, LC.conv_kernel)
@@ -113,8 +114,8 @@ def prefill_then_decode(eng, prompt: np.ndarray, decode: list[int], cut: int) ->
     """Every position's logits [len(prompt) + len(decode), V], one cache: the prompt fed ``cut`` tokens a step (a
     chunked prefill), then the decode tokens one a step."""
     cache = eng.new_cache()
-    parts = [eng.decoder.forward(prompt[lo:lo + cut], cache) for lo in range(0, prompt.size, cut)]
-    parts += [eng.decoder.forward(np.array([t], np.int64), cache) for t in decode]
+    parts = [eng.step(StepBatch.of(prompt[lo:lo + cut], cache, every_row=True)).logits[0] for lo in range(0, prompt.size, cut)]
+    parts += [eng.step(StepBatch.of(np.array([t], np.int64), cache, every_row=True)).logits[0] for t in decode]
     return np.concatenate(parts)
 
 
@@ -133,7 +134,7 @@ def test_the_device_path_matches_the_host_path_on_qwen3_next(gpu):
     with Engine.open(FIXTURE, EngineConfig(device="cpu", pool="inproc")) as eng:
         want, want_run = eng.logits(prompt), prefill_then_decode(eng, prompt, greedy, 48)
     with Engine.open(FIXTURE, EngineConfig(device="cuda", pool="inproc", dense_dtype="f32", kv_dtype="f32")) as eng:
-        assert eng.decoder.backend == "cupy" and eng.decoder.graph is None
+        assert eng.decoder.backend.name == "cupy" and eng.graph is None
         got, got_run = eng.logits(prompt), prefill_then_decode(eng, prompt, greedy, 48)
         served, _ = served_greedy(eng, prompt.tolist(), len(greedy), prefill_chunk=48)
         cache, cfg = eng.new_cache(), eng.model_config
@@ -163,14 +164,14 @@ def test_rollback_on_the_device_is_a_fresh_pass_and_steps_stay_eager(gpu, tmp_pa
     model = make_model(tmp_path / "m", arch="qwen3_next", seed=2)
     prompt, drafts, nxt = np.arange(40, 110), np.array([7, 9, 11, 13, 15]), np.array([21])
     with Engine.open(model, EngineConfig(device="cuda", pool="process", dense_dtype="f32", kv_dtype="f32")) as eng:
-        assert eng.decoder.backend == "cupy" and eng.config.graph and eng.decoder.graph is None
+        assert eng.decoder.backend.name == "cupy" and eng.config.graph and eng.graph is None
         layer = next(i for i in range(eng.model_config.num_layers) if eng.model_config.is_linear(i))
         rolled, kept, whole, back = (eng.new_cache() for _ in range(4))
         for cache, step in ((rolled, drafts), (kept, drafts[:2]), (whole, drafts), (back, drafts)):
-            eng.step([(prompt, cache)])
+            eng.step(StepBatch([(prompt, cache)])).logits
             if cache is back:
                 before = cache.linear.state(layer)
-            eng.step([(step, cache)], all_rows=frozenset({0}))
+            eng.step(StepBatch([(step, cache)], all_rows=frozenset({0}))).logits
         rolled.truncate(prompt.size + 2)
         back.truncate(prompt.size)
         for got, want in zip(rolled.linear.state(layer), kept.linear.state(layer)):
@@ -178,7 +179,7 @@ def test_rollback_on_the_device_is_a_fresh_pass_and_steps_stay_eager(gpu, tmp_pa
         assert all(np.array_equal(g, w) for g, w in zip(back.linear.state(layer), before))
         with pytest.raises(ValueError, match="last step"):
             rolled.truncate(prompt.size - 1)
-        after = [eng.step([(nxt, cache)])[0] for cache in (rolled, kept, whole)]
+        after = [eng.step(StepBatch([(nxt, cache)])).logits[0] for cache in (rolled, kept, whole)]
         reqs = repetitive_requests(eng, n=1, max_new=12)
         plain, _ = run(eng, reqs)
         given = len(reqs[0].prompt_ids)

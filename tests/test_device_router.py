@@ -1,22 +1,22 @@
-"""The device router (coordinator/device/router.py) against the host's (ops.route_top_k, ops.route_grouped:
-host_ops.top_k): the same ids and the same weights' bits, for every architecture's fixture under
+"""The device router (coordinator/gpu/router.py) against the host's (host/backend.py's route_top_k and
+route_grouped: the top_k loop): the same ids and the same weights' bits, for every architecture's fixture under
 tests/fixtures/hf (its router's geometry, its real router weights on random hidden states) and for the
 full-size geometries; and both against float64 loops. On a GPU through CuPy (`-m gpu`), everywhere else through
 tests/cuda_emulator.py."""
 
 from __future__ import annotations
 
-import contextlib
 import re
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
 
-from coordinator.device import router
-from coordinator.model import ops
+from coordinator.gpu import router
+from coordinator.gpu.backend import GpuBackend
+from coordinator.host import backend as host
 from coordinator.model.model_config import load_model_config
 from shm.checkpoint import Checkpoint
 
@@ -87,8 +87,8 @@ def logit_rows(rng, E: int, gate: np.ndarray | None) -> tuple[np.ndarray, np.nda
 
 def host_route(logits: np.ndarray, bias: np.ndarray | None, r: Router) -> tuple[np.ndarray, np.ndarray]:
     if r.n_group == 1 and r.softmax:
-        return ops.route_top_k(logits, r.k, r.normalize)
-    return ops.route_grouped(logits, bias, r.k, r.n_group, r.topk_group, r.normalize, r.scaling,
+        return host.route_top_k(logits, r.k, r.normalize)
+    return host.route_grouped(logits, bias, r.k, r.n_group, r.topk_group, r.normalize, r.scaling,
                              "softmax" if r.softmax else "sigmoid")
 
 
@@ -156,12 +156,6 @@ def weight_tolerance(logits: np.ndarray, ids: np.ndarray, want: np.ndarray, r: R
     return (r.E + 16 + spread) * 2.0**-24 * np.abs(want) + 1e-37
 
 
-def _device(cp):
-    """ops treats cp's arrays as device arrays: CuPy's are; the emulator's NumPy arrays only inside this."""
-    return mock.patch.object(ops, "is_device", lambda a: True) if getattr(cp, "EMULATED", False) \
-        else contextlib.nullcontext()
-
-
 @pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists()))
 def test_the_device_router_is_the_hosts_on_every_fixture(cp, name):
     """A fixture's router geometry (E, k, norm_topk_prob, groups, scoring, scaling) and its real router weights
@@ -175,17 +169,29 @@ def test_the_device_router_is_the_hosts_on_every_fixture(cp, name):
 @pytest.mark.parametrize("name", list(FULL_SIZE))
 def test_the_device_router_is_the_hosts_at_full_size(cp, name):
     """The Hub models' routers (DeepSeek-V3: 256 experts in 8 groups, 4 kept, k 8), random rows and a bias in
-    steps of 1/8 (equal biases: exact ties of equal logits); through ops.py's device dispatch too."""
+    steps of 1/8 (equal biases: exact ties of equal logits); through the GPU backend's route too."""
     r = FULL_SIZE[name]
     rng = np.random.default_rng(r.E + r.k)
     bias = None if r.softmax else (np.round(rng.standard_normal(r.E) * 8) / 64).astype(np.float32)
     logits, loose = logit_rows(rng, r.E, None)
     check(cp, r, logits, bias, loose, name)
     ids, weights = host_route(logits, bias, r)
-    with _device(cp):
-        got = host_route(cp.asarray(logits), None if bias is None else cp.asarray(bias), r)
+    group = None if r.n_group == 1 and r.softmax else types.SimpleNamespace(
+        n_group=r.n_group, topk_group=r.topk_group, routed_scaling_factor=r.scaling,
+        scoring="softmax" if r.softmax else "sigmoid")
+    cfg = types.SimpleNamespace(top_k=r.k, norm_topk_prob=r.normalize, group_router=group)
+    got = GpuBackend(cp).route(cp.asarray(logits), None if bias is None else cp.asarray(bias), cfg)
     got_ids, got_weights = (cp.asnumpy(a) for a in got)
     assert np.array_equal(got_ids, ids) and np.array_equal(got_weights.view(np.uint32), weights.view(np.uint32))
+
+
+def test_the_normalisations_guard_is_one_value_on_both_sides():
+    """The host loop keeps its own copy of the guard (its compiled code depends on no file outside the build key,
+    shm/jit.py); the device router takes model/ops.py's: the two are one value."""
+    from coordinator.host import ops as host_ops
+    from coordinator.model import ops
+
+    assert host_ops.NORM_EPS == ops.ROUTER_NORM_EPS == np.float32(1e-20) and router.NORM_EPS == ops.ROUTER_NORM_EPS
 
 
 def test_ties_go_to_the_lower_expert_and_the_lower_group(cp):

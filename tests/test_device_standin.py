@@ -26,7 +26,7 @@ def _address(a) -> int:
 
 
 def _buffer_allocator(nbytes: int = 1 << 16):
-    """An allocator over one buffer (as coordinator/device/arena.py's): a capture's arrays come from it."""
+    """An allocator over one buffer (as coordinator/gpu/arena.py's): a capture's arrays come from it."""
     buffer, used = np.empty(nbytes, np.uint8), [0]
     memory = device_standin._UnownedMemory(buffer.ctypes.data, nbytes, buffer)
 

@@ -1,4 +1,4 @@
-"""coordinator/device/format_kernels' CUDA kernels on weights in every storage format: dequantising equals the
+"""coordinator/gpu/format_kernels' CUDA kernels on weights in every storage format: dequantising equals the
 format's decode_into bit for bit, matvec equals float64 products within float32 accumulation, grouped_matvec
 equals matvec. On a GPU through CuPy (`-m gpu`), everywhere else through tests/cuda_emulator.py."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.device import format_kernels as fk
+from coordinator.gpu import format_kernels as fk
 from shm import formats
 from shm.formats import traits
 
@@ -183,7 +183,7 @@ def test_grouped_matvec_equals_matvec_per_slot(cp, name):
 def test_a_graph_steps_rows_read_the_compact_matrix_in_blocks(cp, rows, monkeypatch):
     """DeviceMatrix x Wᵀ for 9 to 64 rows (a graph-ready step's) runs the format's matvec a block of MAX_TOKENS
     rows at a time: nothing dequantised, each row the bits it has alone, the bias and residual fused."""
-    from coordinator.device.weights import DeviceMatrix
+    from coordinator.gpu.weights import DeviceMatrix
 
     rng = np.random.default_rng(rows)
     R, K = 40, widths("q4k")[0]
@@ -208,7 +208,8 @@ def test_mla_reads_a_compact_kv_b_as_it_lies(cp, name):
     format's reader (absorb_rows) and out_lat · W_uvᵀ through head_rows_matvec, against the float path over the
     same rows decoded (within float32 sums of the output's largest terms; only W_uv's sums run in another
     order)."""
-    from coordinator.model import device_ops, ops
+    from coordinator.model import ops
+    from coordinator.gpu import ops as device_ops
 
     rng = np.random.default_rng(29)
     T, S, nh, dn, dv, dr = 3, 40, 4, 16, 24, 8

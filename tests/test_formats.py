@@ -221,7 +221,7 @@ def test_packed_dense_matrix_times_few_and_many_tokens_equals_float64(name, monk
     f32 and bf16 take dense.matmul_tiles from 3 tokens on (37 rows: tasks of 24 and 13, each in six-row tiles
     (rows.six_rows: rows of up to 1024 weights, or 12 tokens and more) then four and two, the last an odd
     row)."""
-    from coordinator.model.packed import PackedMatrix
+    from coordinator.host.packed import PackedMatrix
     from node_worker.kernels import dense, simd
 
     tiled, real = [], dense.matmul_tiles
@@ -254,7 +254,7 @@ def test_the_dense_warm_up_compiles_the_prefill_tiles_ahead_of_the_first_prompt(
     """dense.warm_up (the engine's and the workers' start) compiles dense.matmul_tiles for the types a
     PackedMatrix passes, so a prompt of three tokens or more (here bf16 rows by bf16 activations, which take
     the tiles on every host) adds no compiled version inside the request."""
-    from coordinator.model.packed import PackedMatrix
+    from coordinator.host.packed import PackedMatrix
     from node_worker.kernels import dense
 
     rng = np.random.default_rng(2)
@@ -272,7 +272,7 @@ def test_the_dense_warm_up_compiles_the_prefill_tiles_ahead_of_the_first_prompt(
 def test_packed_bf16_matrix_by_bf16_activations_equals_float64_of_the_rounded_activations(T):
     """A dense bf16 matrix with bf16_products (activations "bf16"): one and two tokens through the row loop,
     three and more through the tiles, on every host; 37 rows of 50 (an odd last row, a partial last block)."""
-    from coordinator.model.packed import PackedMatrix
+    from coordinator.host.packed import PackedMatrix
 
     fmt = formats.get("bf16")
     rng = np.random.default_rng(14)
@@ -288,7 +288,7 @@ def test_packed_bf16_matrix_by_bf16_activations_equals_float64_of_the_rounded_ac
 
 @pytest.mark.parametrize("name, top1", [("bf16", 1.0), ("q8", 1.0), ("q4", 0.5)])
 def test_dense_dtype_stores_the_dense_matrices_and_stays_close_to_f32(bf16_model, name, top1):
-    from coordinator.model.packed import PackedMatrix
+    from coordinator.host.packed import PackedMatrix
 
     with Engine.open(bf16_model, EngineConfig(device="cpu")) as eng:  # auto: a safetensors model's stay float32
         assert isinstance(eng.decoder.w.lm_head, np.ndarray) and isinstance(eng.decoder.w.layers[0].q, np.ndarray)
@@ -389,7 +389,7 @@ def test_four_row_tiles_give_the_two_row_tiles_and_the_one_token_loops_bits(name
     w = formats.decoded(fmt, stored).astype(np.float64)
     for got in (four, two, six, six_n):
         np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
-    from coordinator.model.packed import PackedMatrix
+    from coordinator.host.packed import PackedMatrix
 
     packed = PackedMatrix(fmt, stored, (R, hidden))
     one_by_one = np.concatenate([x[t:t + 1] @ packed.T for t in range(T)])  # the row loops, a token each
@@ -594,7 +594,7 @@ def test_one_tokens_bf16_rows_read_as_four_streams_give_f32s_bits(R, hidden):
     the prefetch, where f32's go four rows side by side: every row is still summed by the same code, so
     bf16 rows give the bits of f32 rows holding the same values, at every R (the quarters' ends repeat
     the last row, computed and not stored), in the dense matrices and in an expert's gate, up and down."""
-    from coordinator.model.packed import PackedMatrix
+    from coordinator.host.packed import PackedMatrix
 
     rng = np.random.default_rng(R)
     w = rng.standard_normal((R, hidden)).astype(np.float32)
@@ -764,7 +764,7 @@ def test_dense_tiles_over_token_blocks_give_each_tokens_own_bits(name):
     """dense.matmul_tiles takes the tokens in blocks that fit L2 (dense.token_block: 32 tokens of 4096 values);
     68 tokens (blocks of 32, 32, 4) give each token's row the bits of its own one-token product (matmul_rows),
     bf16 rows by bf16 activations (bf16dp: the tokens rounded once, then cut in blocks) too."""
-    from coordinator.model.packed import PackedMatrix
+    from coordinator.host.packed import PackedMatrix
     from node_worker.kernels import dense, rows
 
     R, K, T = 14, 4096, 68

@@ -20,6 +20,7 @@ from coordinator.cli.make_model import make_model
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from coordinator.errors import ConfigValueError
+from coordinator.model.step import StepBatch
 from shm import formats
 from shm.checkpoint_writer import save_checkpoint
 from shm.expert_store import HeapExpertStore
@@ -75,7 +76,7 @@ def files(request, tmp_path_factory):
 
 
 def logits(eng: Engine, ids) -> np.ndarray:
-    return eng.decoder.forward(np.asarray(ids, np.int64), eng.decoder.new_cache())
+    return eng.step(StepBatch.of(np.asarray(ids, np.int64), eng.decoder.new_cache(), every_row=True)).logits[0]
 
 
 def test_the_store_holds_the_files_blocks_byte_for_byte(files):
@@ -230,7 +231,7 @@ def test_quantised_dense_matrices_are_read_as_the_file_has_them(tmp_path, arch, 
     """A file whose attention, embedding and lm_head are quantised (the router F32): without a GPU they are
     kept as its blocks (dense_dtype auto), Mixtral's q and k too (their rows gathered back from the converter's
     permutation), and computed with exactly the dequantised weights; f32 asks for float32 copies."""
-    from coordinator.model.packed import PackedMatrix
+    from coordinator.host.packed import PackedMatrix
 
     ckpt = make_model(tmp_path / "m", arch=arch, seed=12, hidden_size=64, moe_intermediate_size=96)
     path = tmp_path / "m.gguf"

@@ -17,6 +17,7 @@ import pytest
 
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
+from coordinator.model.step import StepBatch
 from shm.checkpoint_writer import save_checkpoint
 from shm.gguf_checkpoint import GgufCheckpoint
 from shm.gguf_file import GgufError
@@ -28,7 +29,7 @@ ARCH = {"deepseek_v3_basic": "deepseek_v3", "deepseek_v2_lite": "deepseek_v2", "
 
 
 def logits(eng: Engine, ids) -> np.ndarray:
-    return eng.decoder.forward(np.asarray(ids, np.int64), eng.decoder.new_cache())
+    return eng.step(StepBatch.of(np.asarray(ids, np.int64), eng.decoder.new_cache(), every_row=True)).logits[0]
 
 
 def rewrite(src: Path, dst: Path, *, drop_keys=(), set_keys: dict | None = None, drop_tensors=(),
@@ -309,9 +310,9 @@ def test_the_nextn_layer_of_a_glm_file_is_the_checkpoints(tmp_path):
     for name, where in (("hf", hf_dir), ("gguf", path)):
         with Engine.open(where, EngineConfig(pool="inproc", activations="f32")) as eng:
             assert eng.has_mtp and eng.model_config.moe_layers == [1, 2, 3]
-            hidden: list = []
-            main = eng.step([(np.asarray(PROMPT, np.int64), eng.new_cache())], all_rows=frozenset({0}),
-                            hidden=hidden)[0]
+            out = eng.step(StepBatch([(np.asarray(PROMPT, np.int64), eng.new_cache())], all_rows=frozenset({0}),
+                                     hidden=True))
+            main, hidden = out.logits[0], out.hidden
             mtp, _ = eng.decoder.forward_mtp([(hidden, np.asarray(PROMPT[1:] + [1], np.int64),
                                                eng.new_mtp_cache())], last_only=False)
             plain = eng.generate(PROMPT, max_new_tokens=12, stop_at_eos=False)

@@ -20,7 +20,7 @@ import pytest
 
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
-from coordinator.model.packed import PackedMatrix, dense_matrices
+from coordinator.host.packed import PackedMatrix, dense_matrices
 from shm.formats import traits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -110,7 +110,7 @@ def test_the_packed_rows_are_the_files(stem):
     q and gate from attn_q, ssm_ba's b and a rows): decoded, every packed matrix is exactly the float32 weights the
     loader read, and its format is the one that holds its tensor's type."""
     from coordinator.model.model_config import parse_model_config
-    from coordinator.model.packed import pack_dense
+    from coordinator.host.packed import pack_dense
     from coordinator.model.weights import load_weights
     from shm.gguf_checkpoint import GgufCheckpoint
 

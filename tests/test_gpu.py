@@ -9,7 +9,7 @@ import pytest
 
 from coordinator import Engine, EngineConfig
 from coordinator.cli.make_model import make_model
-from coordinator.model.backend import probe_cuda
+from coordinator.gpu.probe import probe_cuda
 
 USABLE, WHY = probe_cuda()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
@@ -29,7 +29,7 @@ def model(request, tmp_path_factory):
 
 def test_cupy_and_numpy_backends_agree(model):
     with Engine.open(model, EngineConfig(device="cpu")) as cpu, Engine.open(model, EngineConfig(device="cuda", **F32)) as gpu:
-        assert gpu.decoder.backend == "cupy"
+        assert gpu.decoder.backend.name == "cupy"
         a, b = cpu.logits(PROMPT), gpu.logits(PROMPT)
         assert isinstance(b, np.ndarray)
         np.testing.assert_allclose(b, a, atol=2e-4, rtol=1e-4)
@@ -58,11 +58,11 @@ def test_graph_ready_steps_equal_eager_steps_on_the_gpu(model):
     cfg = dict(device="cuda", pool="process", numa_split=True, nodes=2)
     with Engine.open(model, EngineConfig(graph=False, **cfg)) as eager, \
             Engine.open(model, EngineConfig(graph=True, **cfg)) as graph:
-        assert graph.decoder.graph is not None and eager.decoder.graph is None
+        assert graph.graph is not None and eager.graph is None
         assert np.array_equal(graph.logits(PROMPT, steps=True), eager.logits(PROMPT, steps=True))
         assert graph.generate(PROMPT[:4], max_new_tokens=12) == eager.generate(PROMPT[:4], max_new_tokens=12)
-        assert graph.decoder.graph.steps >= 12 and graph.decoder.graph.arena.stats.steps > 0
-        assert graph.decoder.graph.captures >= 1 and graph.decoder.graph.replays >= 8  # CUDA graphs replayed
+        assert graph.graph.steps >= 12 and graph.graph.arena.stats.steps > 0
+        assert graph.graph.captures >= 1 and graph.graph.replays >= 8  # CUDA graphs replayed
 
 
 def test_captured_steps_of_several_shapes_equal_queued_steps_on_the_gpu(model):
@@ -87,8 +87,8 @@ def test_captured_steps_of_several_shapes_equal_queued_steps_on_the_gpu(model):
     with Engine.open(model, EngineConfig(graph_capture=False, **cfg)) as queued, \
             Engine.open(model, EngineConfig(**cfg)) as captured:
         assert run(captured) == run(queued)
-        assert captured.decoder.graph.captures >= 2 and captured.decoder.graph.replays > 0
-        assert queued.decoder.graph.captures == 0
+        assert captured.graph.captures >= 2 and captured.graph.replays > 0
+        assert queued.graph.captures == 0
 
 
 def is_pinned(a: np.ndarray) -> bool:
@@ -205,7 +205,7 @@ def test_deepseek_on_the_gpu_matches_transformers(case):
     prompt, greedy = ref["input_ids"].tolist(), ref["greedy_ids"].tolist()
     cfg = dict(device="cuda", numa_split=True, nodes=2, **F32)
     with Engine.open(HF / case, EngineConfig(pool="process", gpu_experts=4, **cfg)) as gpu:
-        assert gpu.decoder.backend == "cupy"
+        assert gpu.decoder.backend.name == "cupy"
         assert float(np.max(np.abs(gpu.logits(prompt) - ref["logits"]))) < 2e-4
         steps = gpu.logits(prompt + greedy, steps=True)  # the absorbed form at every step
         assert float(np.max(np.abs(steps - ref["full_logits"]))) < 2e-4
@@ -232,7 +232,7 @@ def test_fused_qkv_is_one_matrix_of_views(tmp_path):
 def test_compact_weights_and_a_bf16_cache_stay_near_the_cpu_path(tmp_path):
     """The GPU's defaults on a BF16 checkpoint (dense bf16, hot experts bf16, KV bf16) and a q8 setting: near the
     CPU path's logits, the same top tokens, the matrices held in their formats."""
-    from coordinator.device.weights import DeviceMatrix
+    from coordinator.gpu.weights import DeviceMatrix
 
     model = make_model(tmp_path / "m", seed=3, dtype="BF16", hidden_size=256, moe_intermediate_size=256,
                        head_dim=32)

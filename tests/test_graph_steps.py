@@ -1,4 +1,4 @@
-"""Graph-ready decode steps (coordinator/model/graph_steps.py) on the CPU: the device stand-in
+"""Graph-ready decode steps (coordinator/gpu/graph_steps.py) on the CPU: the device stand-in
 (tests/device_standin.py) with the process pool driven from the "stream" (shm/pool_signal.py's host functions,
 run in stream order). The same bits as eager steps, at most one synchronisation and no allocation a step once
 its bucket is sized, and a worker killed inside a step loses nothing."""
@@ -17,6 +17,7 @@ import pytest
 
 import device_standin
 from coordinator import Engine, EngineConfig
+from coordinator.model.step import StepBatch
 from shm import doorbell
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("dev_shm_alone")]  # whole engines through the CUDA emulator, over node worker processes
@@ -38,17 +39,17 @@ def _run(model, graph: bool, split: bool, steps: int = 6, kv_dtype: str = "f32",
     config = EngineConfig(device="cuda", pool="process", graph=graph, numa_split=split, nodes=2 if split else None,
                           dense_dtype=dense_dtype, kv_dtype=kv_dtype, **extra)
     with Engine.open(model, config) as eng:
-        assert (eng.decoder.graph is not None) == graph
+        assert (eng.graph is not None) == graph
         cache = eng.new_cache()
-        logits = [eng.decoder.forward(np.array(PROMPT), cache, last_only=True)]
+        logits = [eng.step(StepBatch.of(np.array(PROMPT), cache)).logits[0]]
         for _ in range(steps):
-            logits.append(eng.decoder.forward(np.array([int(logits[-1][-1].argmax())]), cache, last_only=True))
+            logits.append(eng.step(StepBatch.of(np.array([int(logits[-1][-1].argmax())]), cache)).logits[0])
         if graph and eng.model_config.mla is not None:  # a decode step's MLA read the caches on the device
-            assert eng.decoder.graph.mla_cached == (True, True)
+            assert eng.graph.mla_cached == (True, True)
         stats = eng.decoder.stats
-        taken = eng.decoder.graph.steps if graph else 0
+        taken = eng.graph.steps if graph else 0
         if graph and extra.get("graph_capture", True):  # the prompt's shape once, the decode step's captured
-            assert (eng.decoder.graph.captures, eng.decoder.graph.replays) == (1, steps - 2)
+            assert (eng.graph.captures, eng.graph.replays) == (1, steps - 2)
         return np.concatenate(logits), stats, taken
 
 
@@ -70,7 +71,7 @@ def test_graph_ready_steps_read_a_compact_kv_b_as_it_lies(gpu, tiny_model, monke
     """DeepSeek's dense weights in q8, kv_b among them: the absorbed attention reads kv_b's rows as they are
     stored (device_ops.CompactKvB: no float32 copy of it, nothing dequantised), eager and graph-ready steps alike,
     with the same bits."""
-    from coordinator.device import format_kernels
+    from coordinator.gpu import format_kernels
 
     def refused(*args, **kwargs):
         raise AssertionError("a decode step dequantised a matrix")
@@ -106,16 +107,16 @@ def _shapes_of_steps(eng) -> list[np.ndarray]:
     """Steps of several shapes, each shape again later: one sequence's decode row, its three rows with every
     row's logits (a verify of two drafts), two sequences' decode rows together; the logits of each."""
     a, b = eng.new_cache(), eng.new_cache()
-    out = [eng.decoder.forward(np.array(PROMPT), a, last_only=True),
-           eng.decoder.forward(np.array(PROMPT[:5]), b, last_only=True)]
+    out = [eng.step(StepBatch.of(np.array(PROMPT), a)).logits[0],
+           eng.step(StepBatch.of(np.array(PROMPT[:5]), b)).logits[0]]
     for step in range(9):
         token = int(out[-1][-1].argmax())
         if step % 3 == 0:
-            out.append(eng.decoder.forward(np.array([token]), a, last_only=True))
+            out.append(eng.step(StepBatch.of(np.array([token]), a)).logits[0])
         elif step % 3 == 1:
-            out.append(eng.decoder.forward(np.array([token, 7, 9]), a, last_only=False))
+            out.append(eng.step(StepBatch.of(np.array([token, 7, 9]), a, every_row=True)).logits[0])
         else:
-            out += eng.decoder.forward_batch([(np.array([token]), a), (np.array([token]), b)])
+            out += eng.step(StepBatch([(np.array([token]), a), (np.array([token]), b)])).logits
     return out
 
 
@@ -133,13 +134,13 @@ def _wide_batches(eng) -> list[np.ndarray]:
     """Ten sequences decoded together (more than the 8 arrays CuPy concatenates without uploading a pointer
     table), then again with every row of two-row steps' first sequence asked for: the logits of each step."""
     caches = [eng.new_cache() for _ in range(10)]
-    out = eng.decoder.forward_batch([(np.array(PROMPT[:2 + k % 5]), c) for k, c in enumerate(caches)])
+    out = eng.step(StepBatch([(np.array(PROMPT[:2 + k % 5]), c) for k, c in enumerate(caches)])).logits
     for step in range(4):
-        out = eng.decoder.forward_batch([(np.array([int(o[-1].argmax())]), c) for o, c in zip(out, caches)])
+        out = eng.step(StepBatch([(np.array([int(o[-1].argmax())]), c) for o, c in zip(out, caches)])).logits
     got = list(out)
     for step in range(3):
         seqs = [(np.array([int(o[-1].argmax()), 5]), c) for o, c in zip(out, caches)]
-        out = eng.decoder.forward_batch(seqs, all_rows=frozenset({0}))  # 2 + 9 rows from lm_head: a gather
+        out = eng.step(StepBatch(seqs, all_rows=frozenset({0}))).logits  # 2 + 9 rows from lm_head: a gather
         got += out
     return got
 
@@ -160,7 +161,7 @@ def _baseline_and_captured(model, run, baseline: dict):
     with Engine.open(model, EngineConfig(**baseline, **config)) as eng:
         want = run(eng)
     with Engine.open(model, EngineConfig(**config)) as eng:
-        return want, run(eng), eng.decoder.graph
+        return want, run(eng), eng.graph
 
 
 def _drafted_pair(eng) -> dict[str, list[int]]:
@@ -208,10 +209,10 @@ def test_a_shape_the_driver_will_not_capture_is_queued_each_step(gpu, tiny_model
     config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", kv_dtype="f32")
     with Engine.open(model, config) as eng:
         cache = eng.new_cache()
-        logits = [eng.decoder.forward(np.array(PROMPT), cache, last_only=True)]
+        logits = [eng.step(StepBatch.of(np.array(PROMPT), cache)).logits[0]]
         for _ in range(6):
-            logits.append(eng.decoder.forward(np.array([int(logits[-1][-1].argmax())]), cache, last_only=True))
-        graph = eng.decoder.graph
+            logits.append(eng.step(StepBatch.of(np.array([int(logits[-1][-1].argmax())]), cache)).logits[0])
+        graph = eng.graph
         assert (graph.captures, graph.replays, graph.steps, len(graph.failed)) == (0, 0, 7, 1)
     assert np.array_equal(np.concatenate(logits), want)
     assert "not captured as a CUDA graph" in caplog.text
@@ -224,12 +225,12 @@ def _step_counts(model, split: bool, capture: bool = False) -> dict[str, int]:
                           graph_capture=capture)
     with Engine.open(model, config) as eng:
         cache = eng.new_cache()
-        eng.decoder.forward(np.array([72, 101, 108, 108]), cache, last_only=True)
+        eng.step(StepBatch.of(np.array([72, 101, 108, 108]), cache)).logits[0]
         for token in (111, 44):
-            eng.decoder.forward(np.array([token]), cache, last_only=True)
+            eng.step(StepBatch.of(np.array([token]), cache)).logits[0]
         with device_standin.counting() as counts:
-            eng.decoder.forward(np.array([32]), cache, last_only=True)
-        graph = eng.decoder.graph
+            eng.step(StepBatch.of(np.array([32]), cache)).logits[0]
+        graph = eng.graph
         assert graph.steps == 4 and graph.arena.stats.pool_allocations == 0 and graph.arena.stats.generation == 1
         assert (graph.captures, graph.replays) == ((1, 1) if capture else (0, 0))
         kinds = ("launches", "allocations", "uploads", "downloads", "syncs", "host_functions", "graph_launches")
@@ -269,7 +270,7 @@ def _generate(model, fault=None, **config):
                 fault(eng)
 
         ids = eng.generate(PROMPT, max_new_tokens=12, stop_at_eos=False, on_token=on_token)
-        return ids, eng.pool.health(), eng.decoder.graph.steps, eng.decoder.graph.redone
+        return ids, eng.pool.health(), eng.graph.steps, eng.graph.redone
 
 
 def _stop_then_kill_when_asked(eng, kill: bool):
@@ -314,7 +315,7 @@ def test_split_pairs_is_the_hosts_routing_split(gpu, T, k, E):
     """compact.split_pairs against the decoder's host bookkeeping (Decoder._route's): router order, the tail skip
     (a NaN weight skipped as the host's comparison skips it), device experts apart, and the counters; a decode
     step's few pairs, and more pairs and experts than the block has threads."""
-    from coordinator.device import compact
+    from coordinator.gpu import compact
 
     rng = np.random.default_rng(0)
     skip = 0.2
@@ -346,7 +347,7 @@ def test_split_pairs_is_the_hosts_routing_split(gpu, T, k, E):
 def test_the_slot_order_is_the_hosts_lexsort(gpu, T, k, n):
     """strata_order_slots (DeviceExperts.run_split's) against DeviceExperts.run's host order: the first n of T*k
     pairs by (expert, token), each slot's row, table row and weight, and each token's slots in slot order."""
-    from coordinator.device import experts as device_experts
+    from coordinator.gpu import experts as device_experts
 
     rng = np.random.default_rng(5)
     P, E = T * k, 40
@@ -373,7 +374,7 @@ def test_the_slot_order_is_the_hosts_lexsort(gpu, T, k, n):
 def test_sum_partials_adds_in_the_eager_order(gpu):
     """Y_0 + Y_1 + Y_2, then the device experts', then the shared experts': the host's float32 adds, bit for bit
     (float32 addition is not associative, so another order would differ)."""
-    from coordinator.device import compact
+    from coordinator.gpu import compact
     from coordinator.pool.base import sum_in_node_order
 
     rng = np.random.default_rng(1)
@@ -390,14 +391,14 @@ def test_a_nodes_error_answer_inside_a_step_raises_and_the_next_step_runs(gpu, t
     """A routing weight that is not finite makes the nodes answer an error (layer_moe checks the routing): the
     wait host function records it, the step raises the eager path's PoolError with the node's message, the
     cache keeps none of the step's positions, and the next step gives the fault-free logits."""
-    from coordinator.device import compact
+    from coordinator.gpu import compact
     from coordinator.pool.channel import PoolError
 
     model = tiny_model(num_layers=2, **GEOMETRY)
     cfg = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="f32")
     with Engine.open(model, cfg) as eng:
         cache = eng.new_cache()
-        want = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
+        want = eng.step(StepBatch.of(np.array(PROMPT), cache)).logits[0]
         cache.truncate(0)
         split_pairs = compact.split_pairs
 
@@ -408,11 +409,11 @@ def test_a_nodes_error_answer_inside_a_step_raises_and_the_next_step_runs(gpu, t
 
         monkeypatch.setattr(compact, "split_pairs", poisoned)
         with pytest.raises(PoolError, match="finite"):
-            eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
+            eng.step(StepBatch.of(np.array(PROMPT), cache)).logits[0]
         assert cache.length == 0
         monkeypatch.setattr(compact, "split_pairs", split_pairs)
-        assert np.array_equal(eng.decoder.forward(np.array(PROMPT), cache, last_only=True), want)
-        assert eng.decoder.graph.steps == 2
+        assert np.array_equal(eng.step(StepBatch.of(np.array(PROMPT), cache)).logits[0], want)
+        assert eng.graph.steps == 2
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
@@ -421,15 +422,16 @@ def test_cached_attention_is_the_masked_attention_bitwise(gpu, bf16, window):
     """kv_store + gqa_attention_cached (places, positions and lengths read from device tables, the mask made in
     the kernel) against the cache's extend + gqa_attention with ops.attention_mask, three sequences of 1, 3 and 2
     new rows over 5, 0 and 9 cached ones, every row's queries and the last rows' alone."""
-    from coordinator.device.format_kernels import address
-    from coordinator.model import device_ops, ops
+    from coordinator.gpu.format_kernels import address
+    from coordinator.model import ops
+    from coordinator.gpu import ops as device_ops
     from coordinator.model.kv_cache import KVCache
 
     rng = np.random.default_rng(2)
     nh, nkv, hd = 4, 2, 32
     cached, new = [5, 0, 9], [1, 3, 2]
     dtype = "bf16" if bf16 else "f32"
-    caches = [KVCache(1, nkv, hd, capacity=16, xp=gpu, dtype=dtype) for _ in cached]
+    caches = [KVCache(1, nkv, hd, capacity=16, xp=gpu, dtype=dtype, to_bf16=device_ops.to_bf16) for _ in cached]
     for cache, n in zip(caches, cached):
         if n:
             cache.extend(0, *(gpu.asarray(rng.standard_normal((n, nkv, hd)).astype(np.float32)) for _ in range(2)))
@@ -475,18 +477,18 @@ def test_mtp_drafts_over_graph_ready_steps(gpu, tmp_path):
     cfg = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, activations="f32", dense_dtype="f32",
                        kv_dtype="f32")
     with Engine.open(model, cfg) as eng:
-        assert eng.has_mtp and eng.decoder.graph is not None
+        assert eng.has_mtp and eng.graph is not None
         plain = eng.generate(PROMPT, max_new_tokens=16, stop_at_eos=False)
-        before = eng.decoder.graph.steps
+        before = eng.graph.steps
         drafted = eng.generate_full(PROMPT, max_new_tokens=16, stop_at_eos=False, speculative="mtp")
         assert drafted.ids == plain and drafted.timings["drafted_tokens"] > 0
-        assert eng.decoder.graph.steps > before
+        assert eng.graph.steps > before
 
 
 def test_step_tables_read_a_caches_addresses_again_after_it_grew(gpu):
     """StepTables keeps each cache's buffer addresses between steps and reads them again once a buffer moved."""
-    from coordinator.device.format_kernels import address
-    from coordinator.model.graph_steps import StepTables
+    from coordinator.gpu.format_kernels import address
+    from coordinator.gpu.graph_steps import StepTables
     from coordinator.model.kv_cache import KVCache
 
     tables = StepTables(2, gpu)
@@ -511,15 +513,17 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
     with ops.attention_mask's mask, per sequence as the eager step calls it: three sequences of 1, 3 and 2 new
     rows over 70, 0 and 130 cached ones (several chunks each where the keys pass MLA_CHUNK_MIN), every row's
     queries and the last rows' alone."""
-    from coordinator.device.format_kernels import address
-    from coordinator.model import device_ops, ops
+    from coordinator.gpu.format_kernels import address
+    from coordinator.model import ops
+    from coordinator.gpu import ops as device_ops
     from coordinator.model.kv_cache import KVCache
 
     rng = np.random.default_rng(3)
     nh, dn, dr, c, dv, cap = 4, 16, 8, 32, 16, 160
     cached, new = [70, 0, 130], [1, 3, 2]
     dtype = "bf16" if bf16 else "f32"
-    caches = [KVCache(1, 1, 1, capacity=cap, xp=gpu, latent=(c, dr), dtype=dtype) for _ in cached]
+    caches = [KVCache(1, 1, 1, capacity=cap, xp=gpu, latent=(c, dr), dtype=dtype, to_bf16=device_ops.to_bf16)
+              for _ in cached]
     for cache, n in zip(caches, cached):
         if n:
             cache.extend(0, *(gpu.asarray(rng.standard_normal((n, d)).astype(np.float32)) for d in (c, dr)))
@@ -536,16 +540,17 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
     chunks = [device_ops.mla_splits(n, nh, S, c, dr)[1] for n, S in zip(new, lengths)]
     last_chunks = [device_ops.mla_splits(1, nh, S, c, dr)[1] for S in lengths]
     assert max(device_ops.mla_splits(1, nh, S, c, dr)[0] for S in lengths) > 1  # the chunks' merge is exercised
+    w_uv_t = w_uv.transpose(0, 2, 1)
     want_rows, want_last = [], []  # the eager path's, on the caches, then forgotten
     for s, cache in enumerate(caches):
         r = slice(bounds[s], bounds[s + 1])
         lat, kr = cache.extend(0, ckv[r, :c], ckv[r, c:])
         mask = ops.attention_mask(row_pos[r], np.arange(lat.shape[0]), None)
-        want_rows.append(np.asarray(ops.mla_attention_absorbed(q[r, :, :dn], q[r, :, dn:], lat, kr, w_uk, w_uv,
-                                                               gpu.asarray(mask), scale)))
+        want_rows.append(np.asarray(device_ops.mla_attention_absorbed(q[r, :, :dn], q[r, :, dn:], lat, kr, w_uk,
+                                                                      w_uv_t, gpu.asarray(mask), scale)))
         last = slice(bounds[s + 1] - 1, bounds[s + 1])
-        want_last.append(np.asarray(ops.mla_attention_absorbed(q[last, :, :dn], q[last, :, dn:], lat, kr, w_uk, w_uv,
-                                                               gpu.asarray(mask[-1:]), scale)))
+        want_last.append(np.asarray(device_ops.mla_attention_absorbed(q[last, :, :dn], q[last, :, dn:], lat, kr,
+                                                                      w_uk, w_uv_t, gpu.asarray(mask[-1:]), scale)))
         cache.truncate(cached[s])
     stored = [[np.asarray(b).copy() for b in c.buffers(0)] for c in caches]
     for cache, n, m in zip(caches, cached, new):
@@ -559,7 +564,6 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
     for cache, want in zip(caches, stored):
         for b, w in zip(cache.buffers(0), want):
             assert np.array_equal(np.asarray(b), w)
-    w_uv_t = w_uv.transpose(0, 2, 1)
     got = device_ops.mla_attention_absorbed_cached(q[..., :dn], q[..., dn:], (lp, rp, rs, pos, sl, ch), w_uk, w_uv_t,
                                                    scale, cap, bf16)
     assert np.array_equal(np.asarray(got), np.concatenate(want_rows))
@@ -573,21 +577,21 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
 def test_graph_step_caches_are_reserved_to_the_context_and_never_move(gpu, tiny_model, arch):
     """The first graph-ready step reserves its cache to max_seq_len, exactly: from then on no buffer moves
     (KVCache.moves, every buffer's address) and the attention's scores' rows are that long every step, while the
-    cache takes the bytes the GPU memory plan counts for its KV cache (coordinator/device/vram.py)."""
-    from coordinator.device.format_kernels import address
+    cache takes the bytes the GPU memory plan counts for its KV cache (coordinator/gpu/vram.py)."""
+    from coordinator.gpu.format_kernels import address
 
     model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
     config = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, dense_dtype="f32", kv_dtype="bf16",
                           max_seq_len=160)
     with Engine.open(model, config) as eng:
-        cache, graph = eng.new_cache(), eng.decoder.graph
+        cache, graph = eng.new_cache(), eng.graph
         prompt = np.arange(60) * 5 % 320  # 60 rows: one step, within the largest bucket
-        logits = eng.decoder.forward(prompt, cache, last_only=True)
+        logits = eng.step(StepBatch.of(prompt, cache)).logits[0]
         moves = cache.moves
         addresses = [address(b) for layer in range(2) for b in cache.buffers(layer)]
         assert cache.capacity == 160 and cache.nbytes == eng.gpu_memory.kv
         for _ in range(8):  # past the 64 tokens a cache made for 64 grows at when it is not reserved
-            logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)
+            logits = eng.step(StepBatch.of(np.array([int(logits[-1].argmax())]), cache)).logits[0]
             assert cache.moves == moves and graph.tables.score_stride == 160
         assert [address(b) for layer in range(2) for b in cache.buffers(layer)] == addresses
         assert cache.length == 68 and graph.steps == 9
@@ -598,7 +602,7 @@ def _two_recorded_steps(eng, cache, logits):
     records = []
     for _ in range(2):
         with device_standin.recording() as events:
-            logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)
+            logits = eng.step(StepBatch.of(np.array([int(logits[-1].argmax())]), cache)).logits[0]
         records.append(events)
     return records
 
@@ -620,8 +624,8 @@ def test_consecutive_steps_of_a_bucket_queue_the_same_launches(gpu, tiny_model, 
                           max_seq_len=96, graph_capture=False)  # the launches Python queues, not a graph's replay
     with Engine.open(model, config) as eng:
         cache = eng.new_cache()
-        logits = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
-        logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)  # sizes bucket 1
+        logits = eng.step(StepBatch.of(np.array(PROMPT), cache)).logits[0]
+        logits = eng.step(StepBatch.of(np.array([int(logits[-1].argmax())]), cache)).logits[0]  # sizes bucket 1
         first, second = _two_recorded_steps(eng, cache, logits)
         assert len(first) > 20 and any(e[0] == "host_function" for e in first)
         assert _first_difference(first, second) is None
@@ -630,15 +634,15 @@ def test_consecutive_steps_of_a_bucket_queue_the_same_launches(gpu, tiny_model, 
 def test_a_step_that_uploads_a_fresh_array_queues_different_copies(gpu, tiny_model, monkeypatch):
     """The records see what a captured graph could not replay: the embedding rows uploaded from a new host array
     each step (the eager path's way) in place of the page-locked staging."""
-    from coordinator.model.graph_steps import GraphSteps
+    from coordinator.gpu.graph_steps import GraphSteps
 
     monkeypatch.setattr(GraphSteps, "embed", lambda self, rows: self.xp.asarray(self.embed_host[:rows].copy()))
     model = tiny_model(num_layers=1, **GEOMETRY)
     config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", max_seq_len=96, graph_capture=False)
     with Engine.open(model, config) as eng:
         cache = eng.new_cache()
-        logits = eng.decoder.forward(np.array(PROMPT), cache, last_only=True)
-        logits = eng.decoder.forward(np.array([int(logits[-1].argmax())]), cache, last_only=True)
+        logits = eng.step(StepBatch.of(np.array(PROMPT), cache)).logits[0]
+        logits = eng.step(StepBatch.of(np.array([int(logits[-1].argmax())]), cache)).logits[0]
         first, second = _two_recorded_steps(eng, cache, logits)
         k, a, b = _first_difference(first, second)
         assert a[0] == b[0] == "upload" and a[1][0] == b[1][0] == "pageable" and a[2] == b[2]  # same place, new source
@@ -654,7 +658,7 @@ def test_step_memory_does_not_grow_with_layers_and_is_within_the_plan(gpu, tmp_p
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import gpu_step_memory  # noqa: E402  (tools/gpu_step_memory.py)
 
-    from coordinator.device import vram
+    from coordinator.gpu import vram
     from coordinator.model.source import open_source
 
     runs = [gpu_step_memory.measure(layers, 512, tmp_path, arch=arch, **GEOMETRY, **ARCHS[arch]) for layers in (4, 8)]
@@ -672,7 +676,7 @@ def _refuse_registration(cp, monkeypatch):
 
 
 def _no_libcuda(cp, monkeypatch):
-    from coordinator.model import xp
+    from coordinator.gpu import transfer as xp
 
     def missing():
         raise OSError("libcuda.so.1: cannot open shared object file: No such file or directory")
@@ -680,7 +684,7 @@ def _no_libcuda(cp, monkeypatch):
 
 
 def _host_function_lost(cp, monkeypatch):
-    from coordinator.model import xp
+    from coordinator.gpu import transfer as xp
 
     monkeypatch.setattr(xp, "launch_host_func", lambda fn, data: None)
 
@@ -707,13 +711,13 @@ def test_what_the_driver_refuses_at_open_leaves_eager_steps_and_one_warning(gpu,
     inject(gpu, monkeypatch)
     config = EngineConfig(device="cuda", pool="process", dense_dtype="f32", kv_dtype="f32")
     with caplog.at_level("WARNING"), Engine.open(model, config) as eng:
-        assert eng.decoder.graph is None and eng.pool._link is None
+        assert eng.graph is None and eng.pool._link is None
         segment = eng.pool.io.segment.data
         assert segment.ctypes.data not in device_standin._PINNED  # registered, then given up; or never
         cache = eng.new_cache()
-        logits = [eng.decoder.forward(np.array(PROMPT), cache, last_only=True)]
+        logits = [eng.step(StepBatch.of(np.array(PROMPT), cache)).logits[0]]
         for _ in range(6):
-            logits.append(eng.decoder.forward(np.array([int(logits[-1][-1].argmax())]), cache, last_only=True))
+            logits.append(eng.step(StepBatch.of(np.array([int(logits[-1][-1].argmax())]), cache)).logits[0])
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "decode steps run eagerly" in warnings[0] and cause in warnings[0], warnings
     assert np.array_equal(np.concatenate(logits), want)

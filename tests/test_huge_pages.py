@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.model.packed import PackedMatrix
+from coordinator.host.packed import PackedMatrix
 from shm import formats
 from shm.huge_pages import HUGE_PAGE, advised_copy, advised_empty
 

@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.config import EngineConfig
 from coordinator.errors import ConfigValueError
-from coordinator.model.packed import BLOCK_INT_TOKENS, PackedMatrix
+from coordinator.host.packed import BLOCK_INT_TOKENS, PackedMatrix
 from node_worker.kernels import idot
 from node_worker.kernels.activations import (quantize_reference, quantize_rows, quantize_rows_summed,
                                              quantize_rows_super, quantize_super_reference)
@@ -328,7 +328,7 @@ def test_dense_matrix_few_tokens_in_integers_equals_float64(name, tokens):
 def test_dense_matrix_of_many_tokens_takes_blas_on_decoded_rows(name, limit):
     """From INT_TOKENS rows of x on (a K type; BLOCK_INT_TOKENS for q8 and q4), BLAS on the decoded rows is
     faster than the integer loop (packed.py's measurement): the same bits as with float activations."""
-    from coordinator.model import packed
+    from coordinator.host import packed
 
     rng = np.random.default_rng(9)
     fmt = formats.get(name)

@@ -49,6 +49,30 @@ def test_imports_run_one_way(lower, upper):
     assert not upward
 
 
+GPU_LIBRARIES = ("cupy", "cupyx", "cupy_backends")
+
+
+@pytest.mark.parametrize("room, barred", [
+    ("coordinator.model", ("coordinator.gpu", "coordinator.host", *GPU_LIBRARIES)),
+    ("coordinator.host", ("coordinator.gpu", *GPU_LIBRARIES)),
+    ("coordinator.gpu", ("coordinator.host",)),
+])
+def test_the_network_knows_no_backend_and_the_backends_not_each_other(room, barred):
+    """model/ holds the network against the backend protocol (model/backend.py) and imports no backend and no GPU
+    library; host/ and gpu/ import model/, never each other (every import, those inside functions included)."""
+    reaching = sorted((name, i.target(MODULES)) for name in MODULES if under(name, room)
+                      for i in imports(MODULES[name]) if under(i.target(MODULES), *barred))
+    assert not reaching
+
+
+def test_one_package_knows_cuda():
+    """Every module that imports CuPy, or launches anything through it, is in coordinator/gpu/ (tests and tools
+    aside)."""
+    outside = sorted(name for name in MODULES if not under(name, "coordinator.gpu")
+                     for i in imports(MODULES[name]) if under(i.module, *GPU_LIBRARIES))
+    assert outside == []
+
+
 def test_serving_uses_the_engines_public_surface_only():
     """The server and the scheduler reach the model and the pool through Engine's methods (step, new_cache,
     check_ids, stats, health, maintain, set_wait_hook), not its decoder or pool."""

@@ -8,6 +8,7 @@ from reference import Reference
 
 from coordinator import Engine, EngineConfig
 from coordinator.cli.make_model import make_model
+from coordinator.model.step import StepBatch
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # "Hello, world"
 
@@ -61,9 +62,9 @@ def test_kv_cache_decode_equals_full_forward(variant):
     with Engine.open(path) as eng:
         full = eng.logits(PROMPT)
         cache = eng.decoder.new_cache()
-        steps = [eng.decoder.forward(np.array(PROMPT[:4]), cache)[-1]]
+        steps = [eng.step(StepBatch.of(np.array(PROMPT[:4]), cache, every_row=True)).logits[0][-1]]
         for tok in PROMPT[4:]:
-            steps.append(eng.decoder.forward(np.array([tok]), cache)[-1])
+            steps.append(eng.step(StepBatch.of(np.array([tok]), cache, every_row=True)).logits[0][-1])
     np.testing.assert_allclose(np.stack(steps), full[3:], atol=2e-5, rtol=0)
 
 
@@ -83,7 +84,7 @@ def test_split_plan_matches_unsplit_within_rounding(variant, nodes):
 def test_fused_qkv_projection_matches_reference(variant):
     """The device side's fused QKV (one matrix, q/k/v views of it, norm + RoPE read from the output's column
     slices), driven here on NumPy: the reference's logits, prefill and token by token through the cache."""
-    from coordinator.model.decoder import fuse_qkv
+    from coordinator.gpu.backend import fuse_qkv
 
     name, path = variant
     ref = Reference(path).forward(PROMPT)
@@ -94,7 +95,7 @@ def test_fused_qkv_projection_matches_reference(variant):
             assert np.shares_memory(dec.w.layers[i].v, dec.qkv[i].weight)
         got = eng.logits(PROMPT)
         cache = dec.new_cache()
-        dec.forward(np.array(PROMPT[:4]), cache)
-        steps = np.stack([dec.forward(np.array([tok]), cache)[-1] for tok in PROMPT[4:]])
+        dec.forward(StepBatch.of(np.array(PROMPT[:4]), cache, every_row=True)).logits[0]
+        steps = np.stack([dec.forward(StepBatch.of(np.array([tok]), cache, every_row=True)).logits[0][-1] for tok in PROMPT[4:]])
     assert float(np.max(np.abs(got - ref))) < 2e-4, name
     assert float(np.max(np.abs(steps - ref[4:]))) < 2e-4, name

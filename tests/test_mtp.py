@@ -14,6 +14,7 @@ from test_speculative import repetitive_requests, run
 from coordinator.cli.make_model import make_model
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
+from coordinator.model.step import StepBatch
 from coordinator.errors import ConfigValueError
 from coordinator.scheduler import MTP_CATCH_UP, Scheduler
 
@@ -28,9 +29,8 @@ def mtp_model(path, arch: str, seed: int = 2, **geometry):
 
 def main_hidden(eng: Engine, ids: list[int]) -> np.ndarray:
     """The model's rows [T, H] after its final norm over ``ids`` (a fresh cache), as the scheduler hands them on."""
-    hidden: list = []
-    eng.step([(np.asarray(ids, np.int64), eng.new_cache())], hidden=hidden, hidden_rows=frozenset({0}))
-    return np.asarray(hidden[0])
+    out = eng.step(StepBatch([(np.asarray(ids, np.int64), eng.new_cache())], hidden=True, hidden_rows=frozenset({0})))
+    return np.asarray(out.hidden[0])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -186,7 +186,7 @@ def check_device_drafts(model) -> None:
                                           last_only=False)
     with Engine.open(model, EngineConfig(device="cuda", pool="inproc", activations="f32", dense_dtype="f32",
                                          kv_dtype="f32")) as eng:
-        assert eng.decoder.backend == "cupy" and eng.has_mtp
+        assert eng.decoder.backend.name == "cupy" and eng.has_mtp
         got, _ = eng.decoder.forward_mtp([([eng.decoder.xp.asarray(h)], np.asarray(PROMPT[1:], np.int64),
                                            eng.new_mtp_cache())], last_only=False)
         plain = eng.generate(PROMPT, max_new_tokens=16, stop_at_eos=False)

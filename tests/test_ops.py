@@ -7,7 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.model import host_ops, ops
+from coordinator.host import backend as host
+from coordinator.model import ops
+from coordinator.host import ops as host_ops
 from coordinator.model.sampling import Sampler, SamplingParams, filtered_probs
 
 rng = np.random.default_rng(0)
@@ -16,7 +18,7 @@ rng = np.random.default_rng(0)
 def test_rms_norm_formula():
     x = rng.standard_normal((3, 8)).astype(np.float32)
     w = rng.standard_normal(8).astype(np.float32)
-    got = ops.rms_norm(x, w, 1e-6)
+    got = host.rms_norm(x, w, 1e-6)
     for t in range(3):
         rms = math.sqrt(sum(float(v) ** 2 for v in x[t]) / 8 + 1e-6)
         for j in range(8):
@@ -39,7 +41,7 @@ def test_rope_rotates_half_pairs():
     x = rng.standard_normal((4, 2, hd)).astype(np.float32)  # [T, heads, hd]
     pos = np.array([0, 1, 7, 100])
     cos, sin = ops.rope_cos_sin(pos, ops.rope_inv_freq(hd, theta))
-    got = ops.apply_rope(x, cos, sin)
+    got = host.apply_rope(x, cos, sin)
     for t, p in enumerate(pos):
         for h in range(2):
             for i in range(hd // 2):
@@ -63,7 +65,7 @@ def test_gqa_attention_formula():
     v = rng.standard_normal((S, nkv, hd)).astype(np.float32)
     qpos = np.array([2, 3, 4])
     mask = ops.attention_mask(qpos, np.arange(S), None)
-    got = ops.gqa_attention(q, k, v, mask).reshape(T, nh, hd)
+    got = host.gqa_attention(q, k, v, mask).reshape(T, nh, hd)
     for t in range(T):
         for h in range(nh):
             kv = h // (nh // nkv)
@@ -84,7 +86,7 @@ def test_sliding_window_mask():
 @pytest.mark.parametrize("normalize", [True, False])
 def test_router_top_k(normalize):
     logits = rng.standard_normal((6, 8)).astype(np.float32)
-    ids, w = ops.route_top_k(logits, 3, normalize)
+    ids, w = host.route_top_k(logits, 3, normalize)
     for t in range(6):
         p = np.exp(logits[t] - logits[t].max())
         p /= p.sum()
@@ -135,14 +137,14 @@ def test_sampling_params_refuse_bad_values():
 
 
 def test_rms_norm_of_a_column_slice_is_the_contiguous_rows_result():
-    """ops.rms_norm of the q heads as a view of the fused QKV output (not contiguous) takes the compiled loop
+    """host.rms_norm of the q heads as a view of the fused QKV output (not contiguous) takes the compiled loop
     on a copy: the same bits as the same values contiguous, and the float64 formula."""
     qkv = rng.standard_normal((6, 5 * 64)).astype(np.float32)
     q = qkv[:, :3 * 64].reshape(6, 3, 64)  # [T, heads, hd], rows 5 * 64 apart
     assert not q.flags.c_contiguous
     w = rng.standard_normal(64).astype(np.float32)
-    got = ops.rms_norm(q, w, 1e-6)
-    assert np.array_equal(got, ops.rms_norm(np.ascontiguousarray(q), w, 1e-6))
+    got = host.rms_norm(q, w, 1e-6)
+    assert np.array_equal(got, host.rms_norm(np.ascontiguousarray(q), w, 1e-6))
     q64 = q.astype(np.float64)
     np.testing.assert_allclose(got, q64 / np.sqrt((q64 ** 2).mean(-1, keepdims=True) + 1e-6) * w, rtol=2e-6,
                                atol=1e-6)
@@ -155,12 +157,12 @@ def test_host_rms_norm_and_top_k_equal_the_numpy_forms():
     x = rng.standard_normal((5, 3, 64)).astype(np.float32)  # q_norm's [T, heads, hd] too
     w = rng.standard_normal(64).astype(np.float32)
     numpy_form = (x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(1e-6))) * w
-    np.testing.assert_allclose(ops.rms_norm(x, w, 1e-6), numpy_form, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(host.rms_norm(x, w, 1e-6), numpy_form, rtol=2e-6, atol=1e-7)
     for normalize in (True, False):
         logits = rng.standard_normal((7, 40)).astype(np.float32) * 3
         logits[0, 5] = logits[0, 9] = logits[0, 30] = 50.0  # a three-way tie: the lower ids first
-        ids, weights = ops.route_top_k(logits, 4, normalize)
-        want_ids, want_w = ops.route_top_k(np.asfortranarray(logits), 4, normalize)
+        ids, weights = host.route_top_k(logits, 4, normalize)
+        want_ids, want_w = host.route_top_k(np.asfortranarray(logits), 4, normalize)
         assert ids.dtype == np.int64 and weights.dtype == np.float32
         assert np.array_equal(ids, want_ids) and ids[0, :3].tolist() == [5, 9, 30]
         np.testing.assert_allclose(weights, want_w, rtol=1e-6, atol=1e-7)
@@ -172,8 +174,8 @@ def test_host_rope_and_decode_attention_equal_float64():
     for hd, d in [(64, 64), (128, 64), (16, 8)]:
         x = rng.standard_normal((3, 4, hd)).astype(np.float32)
         cos, sin = ops.rope_cos_sin(np.array([0, 9, 300]), ops.rope_inv_freq(d, 1e6))
-        got = ops.apply_rope(x, cos, sin)
-        want = ops.apply_rope(x.astype(np.float64), cos.astype(np.float64), sin.astype(np.float64))
+        got = host.apply_rope(x, cos, sin)
+        want = host.apply_rope(x.astype(np.float64), cos.astype(np.float64), sin.astype(np.float64))
         assert got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         assert np.array_equal(got[..., d:], x[..., d:])
@@ -183,35 +185,35 @@ def test_host_rope_and_decode_attention_equal_float64():
         k = rng.standard_normal((S, nkv, hd)).astype(np.float32)
         v = rng.standard_normal((S, nkv, hd)).astype(np.float32)
         mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), window)
-        got = ops.gqa_attention(q, k, v, mask)
-        want = ops.gqa_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask)
+        got = host.gqa_attention(q, k, v, mask)
+        want = host.gqa_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask)
         assert got.dtype == np.float32 and got.shape == (T, nh * hd)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"T {T} S {S} nh {nh} nkv {nkv}")
-    S = ops.PARALLEL_ATTENTION_MACS // (32 * 128) + 3  # a long context: the threads share the KV heads
+    S = host.PARALLEL_ATTENTION_MACS // (32 * 128) + 3  # a long context: the threads share the KV heads
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in [(1, 32, 128), (S, 4, 128), (S, 4, 128)])
     mask = ops.attention_mask(np.array([S - 1]), np.arange(S), None)
-    got = ops.gqa_attention(q, k, v, mask)
+    got = host.gqa_attention(q, k, v, mask)
     serial, parallel = np.empty_like(got), np.empty_like(got)
     host_ops.gqa_attention(q, k, v, mask, np.float32(128**-0.5), serial)
     host_ops.gqa_attention_parallel(q, k, v, mask, np.float32(128**-0.5), parallel)
     assert np.array_equal(parallel, serial) and np.array_equal(got, parallel)  # the same loop per pair
-    np.testing.assert_allclose(got, ops.gqa_attention(q.astype(np.float64), k.astype(np.float64),
+    np.testing.assert_allclose(got, host.gqa_attention(q.astype(np.float64), k.astype(np.float64),
                                                       v.astype(np.float64), mask), rtol=1e-5, atol=1e-6)
-    T = ops.HOST_ATTENTION_TOKENS + 1  # a prompt over up to HOST_ATTENTION_KEYS keys: the loop, every token
+    T = host.HOST_ATTENTION_TOKENS + 1  # a prompt over up to HOST_ATTENTION_KEYS keys: the loop, every token
     q, k = rng.standard_normal((T, 4, 16)).astype(np.float32), rng.standard_normal((T, 2, 16)).astype(np.float32)
     mask = ops.attention_mask(np.arange(T), np.arange(T), None)
     looped = np.empty((T, 4 * 16), np.float32)
     host_ops.gqa_attention_parallel(q, k, k, mask, np.float32(16**-0.5), looped)
-    assert np.array_equal(ops.gqa_attention(q, k, k, mask), looped)
-    S = ops.HOST_ATTENTION_KEYS + 1  # over more keys: the batched matmuls, which agree with the loop
+    assert np.array_equal(host.gqa_attention(q, k, k, mask), looped)
+    S = host.HOST_ATTENTION_KEYS + 1  # over more keys: the batched matmuls, which agree with the loop
     q, k = rng.standard_normal((T, 4, 16)).astype(np.float32), rng.standard_normal((S, 2, 16)).astype(np.float32)
     mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), None)
     looped = np.empty((T, 4 * 16), np.float32)
     host_ops.gqa_attention_parallel(q, k, k, mask, np.float32(16**-0.5), looped)
-    batched = ops.gqa_attention(q, k, k, mask)
+    batched = host.gqa_attention(q, k, k, mask)
     assert not np.array_equal(batched, looped)  # another order of the same sums: the matmuls did run
     np.testing.assert_allclose(batched, looped, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(batched, np.concatenate([ops.gqa_attention(q[t:t + 1], k, k, mask[t:t + 1])
+    np.testing.assert_allclose(batched, np.concatenate([host.gqa_attention(q[t:t + 1], k, k, mask[t:t + 1])
                                                         for t in range(T)]), rtol=1e-5, atol=1e-6)
 
 
@@ -219,11 +221,13 @@ CACHED_VS_FRESH = """
 import sys
 import numpy as np
 from numba import njit
-from coordinator.model import host_ops, ops
+from coordinator.host import backend as host
+from coordinator.model import ops
+from coordinator.host import ops as host_ops
 from node_worker.kernels.common import JIT
 
 rng = np.random.default_rng(0)
-S = ops.PARALLEL_ATTENTION_MACS // (32 * 128) + 3
+S = host.PARALLEL_ATTENTION_MACS // (32 * 128) + 3
 q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in [(1, 32, 128), (S, 4, 128), (S, 4, 128)])
 mask = ops.attention_mask(np.array([S - 1]), np.arange(S), None)
 outs = np.empty((3, 1, 32 * 128), np.float32)
@@ -268,9 +272,11 @@ def test_the_engine_compiles_the_host_loops_ahead_of_the_first_prompt(tiny_model
     script = f"""
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
-from coordinator.model import host_ops, ops
+from coordinator.host import backend as host
+from coordinator.model import ops
+from coordinator.host import ops as host_ops
 from node_worker.kernels import dense
-ops.PARALLEL_ATTENTION_MACS = 0  # any prompt of more than HOST_ATTENTION_TOKENS takes the parallel loop
+host.PARALLEL_ATTENTION_MACS = 0  # any prompt of more than HOST_ATTENTION_TOKENS takes the parallel loop
 loops = [host_ops.rms_norm, host_ops.top_k, host_ops.rope, host_ops.gqa_attention, host_ops.gqa_attention_parallel,
          dense.matmul_tiles, dense.matmul_rows]
 assert [len(f.overloads) for f in loops] == [0] * len(loops)
@@ -310,7 +316,7 @@ def test_a_long_prompts_attention_in_query_blocks_equals_float64(monkeypatch):
     q = rng.standard_normal((T, nh, hd)).astype(np.float32)
     k, v = (rng.standard_normal((S, nkv, hd)).astype(np.float32) for _ in range(2))
     mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), None)
-    out = ops.gqa_attention(q, k, v, mask)
+    out = host.gqa_attention(q, k, v, mask)
     scores = np.einsum("thd,shd->hts", q.astype(np.float64), np.repeat(k, nh // nkv, 1).astype(np.float64))
     scores = np.where(mask, scores / math.sqrt(hd), -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))

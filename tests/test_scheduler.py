@@ -15,6 +15,7 @@ from coordinator.engine import Engine
 from coordinator.errors import StepInterrupted
 from coordinator.serving.api import ApiError, Limits, decode_request
 from coordinator.scheduler import Scheduler
+from coordinator.model.step import StepBatch
 
 MAX_STEPS = 500  # every loop over steps is bounded by this
 
@@ -312,16 +313,16 @@ def test_engine_failure_reports_each_sequence_once(engine, monkeypatch):
     """A step that fails in the decode pass ends each active sequence with exactly one 'engine' error."""
     rec = Recorder()
     sched = Scheduler(engine, emit=rec)
-    real = engine.decoder.forward_batch
+    real = engine.decoder.forward
     calls = []
 
-    def failing(seqs, last_only=True, **rows):
-        calls.append(len(seqs))
+    def failing(batch, step=None):
+        calls.append(len(batch.seqs))
         if len(calls) == 2:  # the first decode pass (step 2), right after the step that prefilled the admitted ones
             raise RuntimeError("boom")
-        return real(seqs, last_only, **rows)
+        return real(batch, step)
 
-    monkeypatch.setattr(engine.decoder, "forward_batch", failing)
+    monkeypatch.setattr(engine.decoder, "forward", failing)
     sched.add(b"c", request(id="a", prompt="abc", max_new_tokens=8))
     sched.add(b"c", request(id="b", prompt="xyz", max_new_tokens=8))
     sched.step()  # one forward per step: the prefill (and the first tokens)
@@ -343,7 +344,7 @@ def test_the_last_layer_carries_on_with_each_sequences_last_row_alone(engine, mo
     dec = engine.decoder
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 320, size=n).astype(np.int64) for n in (5, 1, 6)]
-    full = [dec.forward(p, dec.new_cache())[-1:] for p in prompts]
+    full = [dec.forward(StepBatch.of(p, dec.new_cache(), every_row=True)).logits[0][-1:] for p in prompts]
     routed = []  # rows each MoE layer routed
     real = dec._route
 
@@ -353,7 +354,7 @@ def test_the_last_layer_carries_on_with_each_sequences_last_row_alone(engine, mo
 
     monkeypatch.setattr(dec, "_route", spy)
     caches = [dec.new_cache() for _ in prompts]
-    got = dec.forward_batch(list(zip(prompts, caches)))
+    got = dec.forward(StepBatch(list(zip(prompts, caches)))).logits
     moe = [i for i in range(dec.cfg.num_layers) if dec.cfg.sparse_layers[i]]
     assert moe and moe[-1] == dec.cfg.num_layers - 1
     assert routed == [(i, 12) for i in moe[:-1]] + [(moe[-1], 3)]
@@ -361,7 +362,7 @@ def test_the_last_layer_carries_on_with_each_sequences_last_row_alone(engine, mo
     for g, w in zip(got, full):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
     routed.clear()
-    dec.forward_batch(list(zip(prompts, [dec.new_cache() for _ in prompts])), last_only=False)
+    dec.forward(StepBatch(list(zip(prompts, [dec.new_cache() for _ in prompts])), all_rows=frozenset({0, 1, 2})))
     assert routed == [(i, 12) for i in moe]  # every row when every row's logits are asked for
 
 def test_forward_batch_equals_separate_forwards(engine):
@@ -369,19 +370,19 @@ def test_forward_batch_equals_separate_forwards(engine):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 320, size=n).astype(np.int64) for n in (3, 7, 1)]
     solo_caches = [dec.new_cache() for _ in prompts]
-    want = [dec.forward(ids, c) for ids, c in zip(prompts, solo_caches)]
+    want = [dec.forward(StepBatch.of(ids, c, every_row=True)).logits[0] for ids, c in zip(prompts, solo_caches)]
     batch_caches = [dec.new_cache() for _ in prompts]
-    got = dec.forward_batch(list(zip(prompts, batch_caches)), last_only=False)
+    got = dec.forward(StepBatch(list(zip(prompts, batch_caches)), all_rows=frozenset({0, 1, 2}))).logits
     assert [g.shape for g in got] == [w.shape for w in want] == [(3, 320), (7, 320), (1, 320)]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
-    last = dec.forward_batch([(p, dec.new_cache()) for p in prompts])  # last_only default
+    last = dec.forward(StepBatch([(p, dec.new_cache()) for p in prompts])).logits  # last_only default
     for g, w in zip(last, want):
         np.testing.assert_allclose(g, w[-1:], atol=1e-5, rtol=0)
     # one more token each on top of the caches: the batch still agrees with the solo caches
     nxt = [np.array([int(np.argmax(w[-1]))], np.int64) for w in want]
-    want2 = [dec.forward(t, c) for t, c in zip(nxt, solo_caches)]
-    got2 = dec.forward_batch(list(zip(nxt, batch_caches)))
+    want2 = [dec.forward(StepBatch.of(t, c, every_row=True)).logits[0] for t, c in zip(nxt, solo_caches)]
+    got2 = dec.forward(StepBatch(list(zip(nxt, batch_caches)))).logits
     assert [c.length for c in batch_caches] == [4, 8, 2]
     for g, w in zip(got2, want2):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
@@ -393,19 +394,20 @@ LONG = "Once upon a time, in a land of mixtures of experts, " * 3  # 156 tokens:
 
 
 class ForwardSpy:
-    """Stands in for decoder.forward_batch: per call, the prompt tokens each sequence in it gets (by request id)."""
+    """Stands in for decoder.forward: per call, the prompt tokens each sequence in it gets (by request id)."""
 
     def __init__(self, engine, sched: Scheduler, monkeypatch, fail_at: int | None = None, exc: Exception | None = None):
-        self.real = engine.decoder.forward_batch
+        self.real = engine.decoder.forward
         self.sched = sched
         self.calls: list[dict[str, int]] = []
         self.fail_at, self.exc = fail_at, exc
-        monkeypatch.setattr(engine.decoder, "forward_batch", self)
+        monkeypatch.setattr(engine.decoder, "forward", self)
 
-    def __call__(self, seqs, last_only=True, **rows):
+    def __call__(self, batch, step=None):
+        seqs = batch.seqs
         by_cache = {id(s.cache): s for s in self.sched.all()}
         if not all(id(cache) in by_cache for _, cache in seqs):  # a solo run (check_final): not the scheduler's
-            return self.real(seqs, last_only, **rows)
+            return self.real(batch, step)
         prefill = {}
         for ids, cache in seqs:
             s = by_cache[id(cache)]
@@ -417,7 +419,7 @@ class ForwardSpy:
         self.calls.append(prefill)
         if self.fail_at == len(self.calls):
             raise self.exc
-        return self.real(seqs, last_only, **rows)
+        return self.real(batch, step)
 
 
 def test_chunked_prefill_keeps_decode_going_and_equals_solo(engine, monkeypatch):
@@ -575,7 +577,7 @@ def reference_greedy(engine, prompt_ids: list[int], n: int, presence: float = 0.
     Returns the ids and, per id, the log-softmax of the penalised logits it was chosen from."""
     dec = engine.decoder
     cache = dec.new_cache()
-    logits = dec.forward(np.asarray(prompt_ids, np.int64), cache, last_only=True)[-1]
+    logits = dec.forward(StepBatch.of(np.asarray(prompt_ids, np.int64), cache)).logits[0][-1]
     eos = set(engine.model_config.eos_token_ids)
     seen_prompt = set(prompt_ids)
     out: list[int] = []
@@ -594,7 +596,7 @@ def reference_greedy(engine, prompt_ids: list[int], n: int, presence: float = 0.
         out.append(tok)
         if given is None and tok in eos:
             break
-        logits = dec.forward(np.array([tok], np.int64), cache, last_only=True)[-1]
+        logits = dec.forward(StepBatch.of(np.array([tok], np.int64), cache)).logits[0][-1]
     return out, lps
 
 

@@ -15,6 +15,7 @@ from coordinator.model.sampling import Sampler, filtered_probs
 from coordinator.model.sampling_params import SamplingParams
 from coordinator.request import GenerateRequest
 from coordinator.scheduler import Scheduler
+from coordinator.model.step import StepBatch
 from coordinator.speculative import (MAX_PAUSE, DraftHistory, DraftLength, NgramIndex, StepCosts, best_length,
                                      expected_tokens)
 
@@ -270,10 +271,10 @@ def test_a_truncated_qwen3_next_cache_is_the_cache_that_never_took_the_drafts(tm
     with Engine.open(model, EngineConfig(pool="inproc")) as eng:
         rolled, kept, whole = eng.new_cache(), eng.new_cache(), eng.new_cache()
         for cache, step in ((rolled, drafts), (kept, drafts[:2]), (whole, drafts)):
-            eng.step([(prompt, cache)])
-            eng.step([(step, cache)], all_rows=frozenset({0}))
+            eng.step(StepBatch([(prompt, cache)])).logits
+            eng.step(StepBatch([(step, cache)], all_rows=frozenset({0}))).logits
         rolled.truncate(prompt.size + 2)
-        after = [eng.step([(nxt, cache)])[0] for cache in (rolled, kept, whole)]
+        after = [eng.step(StepBatch([(nxt, cache)])).logits[0] for cache in (rolled, kept, whole)]
     scale = np.abs(after[1]).max()
     assert np.abs(after[0] - after[1]).max() < 1e-5 * scale
     assert np.abs(after[2] - after[1]).max() > 1e-2 * scale

@@ -8,7 +8,7 @@ import pytest
 
 from coordinator import Engine, EngineConfig
 from coordinator.cli.make_model import make_model
-from coordinator.model.xp import HostStaging, SideStream
+from coordinator.gpu.transfer import HostStaging, SideStream
 from coordinator.pool import sum_in_node_order
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
@@ -135,7 +135,7 @@ def fake_cupy(monkeypatch):
     import sys
     import types
 
-    import coordinator.model.xp as xp_module
+    import coordinator.gpu.transfer as xp_module
 
     cuda = FakeCuda()
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
@@ -177,7 +177,7 @@ def test_an_array_met_twice_is_uploaded_once():
     """A tied embedding and lm_head share one device copy."""
     import types
 
-    from coordinator.model.decoder import on_device
+    from coordinator.gpu.backend import upload_tree as on_device
     from coordinator.model.weights import MLPWeights
 
     uploads = []

@@ -28,7 +28,7 @@ CHILD = """
 import json, numpy as np
 from node_worker.kernels import bf16dp, idot, simd
 from node_worker.kernels.activations import quantize_reference
-from coordinator.model.packed import PackedMatrix
+from coordinator.host.packed import PackedMatrix
 from shm import formats
 rng = np.random.default_rng(0)
 w = rng.standard_normal((64, 256)).astype(np.float32)

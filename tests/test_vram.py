@@ -1,4 +1,4 @@
-"""coordinator/device/vram.py: the device's memory by category from the checkpoint's index, its tensor list held
+"""coordinator/gpu/vram.py: the device's memory by category from the checkpoint's index, its tensor list held
 equal to what the loader reads, and the issue's figures for real geometries (tools/vram_figures.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.device import storage, vram
+from coordinator.gpu import storage, vram
 from coordinator.model.model_config import attach_mtp, load_model_config
 from coordinator.model.weights import RowSource, TensorSources, load_weights
 from shm.checkpoint import Checkpoint
@@ -150,11 +150,11 @@ def test_hot_experts_are_counted_at_their_real_size():
 
 
 def test_the_upload_sends_each_matrix_once_in_its_format(tiny_model):
-    """coordinator/device/weights.upload: every matrix reaches the device once, in its storage format (bf16
+    """coordinator/gpu/weights.upload: every matrix reaches the device once, in its storage format (bf16
     here); no float32 copy of an attention matrix goes up beside it."""
     import types
 
-    from coordinator.device.weights import upload
+    from coordinator.gpu.weights import upload
     from coordinator.model.model_config import load_model_config
 
     d = tiny_model()

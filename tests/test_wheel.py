@@ -83,7 +83,7 @@ def test_strata_runs_from_the_installed_wheel(wheel, tmp_path):
                    check=True, stdout=subprocess.DEVNULL)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-    where = subprocess.run([str(py), "-c", "import coordinator.device, shm, node_worker; print(coordinator.__file__)"],
+    where = subprocess.run([str(py), "-c", "import coordinator.gpu.backend, coordinator.host.backend, shm, node_worker; print(coordinator.__file__)"],
                            cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout.strip()
     assert Path(where).is_relative_to(site), where  # the wheel's copy, not the checkout
     run = dict(cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

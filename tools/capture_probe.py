@@ -61,7 +61,7 @@ def refusals(cp, cx) -> list[dict]:
 def replay(cp, cx) -> dict:
     import numpy as np
 
-    from coordinator.model import xp
+    from coordinator.gpu import transfer as xp
 
     rt = cp.cuda.runtime
     src, dst = cx.empty_pinned(1024, np.float32), cx.empty_pinned(1024, np.float32)

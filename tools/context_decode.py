@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from coordinator.model.step import StepBatch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -50,14 +51,14 @@ def main() -> int:
             cache = eng.new_cache()
             t0 = time.perf_counter()
             for lo in range(0, c, args.prefill_chunk):
-                out = eng.step([(ids[lo:lo + args.prefill_chunk], cache)])
+                out = eng.step(StepBatch([(ids[lo:lo + args.prefill_chunk], cache)])).logits
             print(f"context {c}: prefilled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             caches[c], last[c] = cache, int(np.argmax(out[0][-1]))
         times = {c: [] for c in contexts}
         for _ in range(args.steps):
             for c in contexts:
                 t0 = time.perf_counter()
-                out = eng.step([(np.array([last[c]], np.int64), caches[c])])
+                out = eng.step(StepBatch([(np.array([last[c]], np.int64), caches[c])])).logits
                 times[c].append(time.perf_counter() - t0)
                 last[c] = int(np.argmax(out[0][-1]))
         report = {"model": str(args.model), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,

@@ -7,7 +7,7 @@ its Q4_K_M GGUF (experts Q4_K with Q6_K down where llama.cpp's use_more_bits put
 output Q6_K: valid random blocks, tests/gguf_writer.py): decode and prefill tokens/s with the GPU device
 side (best of --rounds), the logits of 64 positions against the CPU path (the largest error relative to
 the CPU logits' largest magnitude, and the share of positions with the same top token), the GPU memory by
-category (coordinator/device/vram.py, as uploaded), how many hot experts fit in 8 GB in each format, and the
+category (coordinator/gpu/vram.py, as uploaded), how many hot experts fit in 8 GB in each format, and the
 process pool's decode with eager steps, graph-ready steps queued launch by launch and graph-ready steps replayed
 as CUDA graphs (docs/gpu.md): tokens/s, ms a step, the pool's wait a step and the host's time a layer.
 Writes DIR/gpu_bench.json and prints a table.
@@ -28,7 +28,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tools")]
 
 from coordinator import Engine, EngineConfig  # noqa: E402
 from coordinator.cli.make_model import make_model  # noqa: E402
-from coordinator.device import vram  # noqa: E402
+from coordinator.gpu import vram  # noqa: E402
+from coordinator.model.step import StepBatch
 from shm.threads_env import apply  # noqa: E402
 
 POSITIONS = 64
@@ -69,13 +70,13 @@ def speed(eng: Engine, prompt: list[int], tokens: int, rounds: int) -> tuple[flo
     decode, prefill = 0.0, 0.0
     for _ in range(rounds):
         t0 = time.perf_counter()
-        eng.decoder.forward(np.asarray(prompt), eng.new_cache(), last_only=True)
+        eng.step(StepBatch.of(np.asarray(prompt), eng.new_cache())).logits[0]
         prefill = max(prefill, len(prompt) / (time.perf_counter() - t0))
         cache = eng.new_cache()
-        eng.decoder.forward(np.asarray(prompt[:8]), cache, last_only=True)
+        eng.step(StepBatch.of(np.asarray(prompt[:8]), cache)).logits[0]
         t0 = time.perf_counter()
         for i in range(tokens):
-            eng.decoder.forward(np.asarray([prompt[i % len(prompt)]]), cache, last_only=True)
+            eng.step(StepBatch.of(np.asarray([prompt[i % len(prompt)]]), cache)).logits[0]
         decode = max(decode, tokens / (time.perf_counter() - t0))
     return decode, prefill
 
@@ -104,17 +105,17 @@ def eager_and_graph(path: Path, prompt: list[int], args) -> dict:
             eng.logits(prompt[:16])
             dec = eng.decoder
             wait0 = dec.stats.pool_wait_ns
-            g0 = (dec.graph.host_ns, dec.graph.steps, dec.graph.replays) if graph else None
+            g0 = (eng.graph.host_ns, eng.graph.steps, eng.graph.replays) if graph else None
             decode, _ = speed(eng, prompt, args.tokens, args.rounds)
             steps = args.tokens * args.rounds + 2 * args.rounds  # decode steps and the prompts' rows of 8
             row = {"decode_tokens_per_s": decode, "ms_a_step": 1e3 / decode,
                    "pool_wait_ms_a_step": (dec.stats.pool_wait_ns - wait0) / 1e6 / steps}
             if graph:
                 layers = eng.model_config.num_layers
-                n = dec.graph.steps - g0[1]
-                row["host_us_a_layer"] = (dec.graph.host_ns - g0[0]) / 1e3 / max(n, 1) / layers
+                n = eng.graph.steps - g0[1]
+                row["host_us_a_layer"] = (eng.graph.host_ns - g0[0]) / 1e3 / max(n, 1) / layers
                 row["graph_steps"] = n
-                row["replayed_steps"] = dec.graph.replays - g0[2]
+                row["replayed_steps"] = eng.graph.replays - g0[2]
             out[name] = row
     return out
 

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import json_report  # noqa: E402  (tools/json_report.py, beside this file)
+from coordinator.model.step import StepBatch
 
 ROWS = (1, 4, 8)
 
@@ -31,13 +32,13 @@ def measure(layers: int, context: int, folder: Path, **model) -> dict:
 
     from coordinator import Engine, EngineConfig
     from coordinator.cli.make_model import make_model
-    from coordinator.device import vram
+    from coordinator.gpu import vram
 
     path = make_model(folder / f"m{layers}", seed=0, num_layers=layers, **model)
     config = EngineConfig(device="cuda", pool="process", numa_split=True, nodes=2, max_seq_len=context,
                           dense_dtype="f32")
     with Engine.open(path, config) as eng:
-        graph, pool = eng.decoder.graph, cupy.get_default_memory_pool()
+        graph, pool = eng.graph, cupy.get_default_memory_pool()
         if graph is None:
             return {"layers": layers, "graph_ready": False}
         grown = 0  # CuPy's pool's growth over each shape's last step (the caches were reserved by its first)
@@ -45,7 +46,7 @@ def measure(layers: int, context: int, folder: Path, **model) -> dict:
             caches = [eng.new_cache() for _ in range(rows)]
             for step in range(4):
                 before = pool.used_bytes()
-                eng.decoder.forward_batch([(np.array([7]), c) for c in caches])
+                eng.step(StepBatch([(np.array([7]), c) for c in caches])).logits
             grown += pool.used_bytes() - before
         cupy.cuda.Device().synchronize()
         stats = graph.arena.stats

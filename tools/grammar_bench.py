@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coordinator.model.grammar import GrammarSpec, Grammars  # noqa: E402
 from coordinator.model.sampling import Sampler  # noqa: E402
 from coordinator.model.sampling_params import SamplingParams  # noqa: E402
+from coordinator.model.step import StepBatch
 
 SCHEMA = {
     "type": "object",
@@ -169,11 +170,11 @@ def model_step_us(model: str, repeat: int) -> dict:
 
     with Engine.open(model, EngineConfig(pool="inproc")) as eng:
         cache = eng.new_cache()
-        eng.step([(np.array([1, 2, 3], np.int64), cache)])
+        eng.step(StepBatch([(np.array([1, 2, 3], np.int64), cache)])).logits
         times = []
         for i in range(repeat):
             t0 = time.perf_counter()
-            eng.step([(np.array([4 + i], np.int64), cache)])
+            eng.step(StepBatch([(np.array([4 + i], np.int64), cache)])).logits
             times.append(time.perf_counter() - t0)
         return {**summary(times), "model": model}
 

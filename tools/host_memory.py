@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.cli.make_model import PRESET_ARCH, PRESETS, hf_config  # noqa: E402
 from coordinator.context import context_needs  # noqa: E402
-from coordinator.device import vram  # noqa: E402
+from coordinator.gpu import vram  # noqa: E402
 from coordinator.model.model_config import ModelConfig, parse_model_config  # noqa: E402
 from shm.formats import traits  # noqa: E402
 

@@ -33,6 +33,7 @@ import node_worker.worker as worker_module  # noqa: E402
 from coordinator.config import EngineConfig  # noqa: E402
 from coordinator.engine import Engine  # noqa: E402
 from coordinator.model import ops  # noqa: E402
+from coordinator.model.step import StepBatch
 from node_worker.kernels import dense  # noqa: E402
 
 PARTS = {"MoE layers": (worker_module, "layer_moe"), "dense tiles": (dense, "matmul_tiles"),
@@ -69,12 +70,12 @@ def main() -> None:
         dec = eng.decoder
         ids = np.random.default_rng(0).integers(0, 256, args.tokens)
         caches = [dec.new_cache() for _ in range(args.runs + 1)]  # made before the timing: their pages too
-        dec.forward(ids, caches[0], last_only=True)  # warm
+        dec.forward(StepBatch.of(ids, caches[0])).logits[0]  # warm
         walls, per_run = [], defaultdict(list)
         for cache in caches[1:]:
             spent.clear()
             t = time.perf_counter()
-            dec.forward(ids, cache, last_only=True)
+            dec.forward(StepBatch.of(ids, cache)).logits[0]
             walls.append(time.perf_counter() - t)
             for part in PARTS:
                 per_run[part].append(spent[part])

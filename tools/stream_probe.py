@@ -34,7 +34,7 @@ from numba import njit, prange
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.model.packed import PackedMatrix  # noqa: E402
+from coordinator.host.packed import PackedMatrix  # noqa: E402
 from node_worker.kernels import simd  # noqa: E402
 from node_worker.kernels.kernel_set import KernelSet  # noqa: E402
 from node_worker.kernels.rows import FORMAT_IDS  # noqa: E402

@@ -1,5 +1,5 @@
 """The device memory a model's geometry needs, by category, from its config alone (no weights read):
-coordinator/device/vram.py's plan for a BF16 checkpoint and for llama.cpp's Q4_K_M file of it.
+coordinator/gpu/vram.py's plan for a BF16 checkpoint and for llama.cpp's Q4_K_M file of it.
 
     python tools/vram_figures.py [--presets qwen3-30b-a3b,deepseek-v3,glm-4.5-air] [--kv-tokens 4096]
                                  [--expert-memory-gb 8] [--json]
@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.cli.make_model import PRESET_ARCH, PRESETS, hf_config  # noqa: E402
-from coordinator.device import vram  # noqa: E402
-from coordinator.device.storage import matrix_format  # noqa: E402
-from coordinator.model import device_ops  # noqa: E402
+from coordinator.gpu import vram  # noqa: E402
+from coordinator.gpu.storage import matrix_format  # noqa: E402
+from coordinator.gpu import ops as device_ops  # noqa: E402
 from coordinator.model.model_config import ModelConfig, parse_model_config  # noqa: E402
 
 GB = 1e9

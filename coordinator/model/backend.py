@@ -1,96 +1,179 @@
-"""Which array module the coordinator's device side runs on.
+"""The backend protocol: what the network asks of the side it runs on, chosen once when an engine opens.
 
-``cuda`` needs CuPy and a device that answers; ``auto`` takes them when present
-and otherwise runs the device side on the CPU (NumPy). On a machine with no
-NVIDIA device that is the expected path and is said only with -v; where a GPU is
-there but CuPy is missing or broken, one ``strata:`` line says why and how to use
-it, once per machine state (the reason is kept in the user's cache folder, and a
-new reason says it again), then only with -v.
+The decoder calls ``backend.rms_norm(...)``, ``backend.gqa_attention(...)``, ``backend.route(...)`` and never asks
+which side it is on (vLLM's ``CustomOp`` resolves its forward in ``__init__`` the same way). This base class is the
+reference: model/ops.py's forms on NumPy arrays, kept as what the others are tested against. Two backends extend
+it, each in its own package, and import this one, never each other:
+
+    coordinator/host/backend.py   HostBackend: the coordinator's compiled loops (numba) where the shapes allow
+    coordinator/gpu/backend.py    GpuBackend: CuPy arrays, the CUDA kernels, weights in their storage formats,
+                                  page-locked staging, the experts' side stream, graph-ready decode steps
+
+Besides the numerics, a backend says where the network's arrays live (``xp``, ``upload``, ``to_host``), how the
+pool's rows travel (``rows_to_host``, ``partials_buffer``, ``to_device``, ``side_stream``), and what a GPU adds
+(``fuse_qkv``, ``kv_b_heads``, ``linear_states``, ``graph_runner``); the host's answers are the trivial ones here.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
-from pathlib import Path
+import contextlib
 
-from ..errors import StrataError
+import numpy as np
 
-log = logging.getLogger(__name__)
-_warned = False
+from . import ops
+from .xp import to_host
 
 
-class DeviceError(StrataError):
-    """--device cuda was asked for and no usable GPU is there; the message says what is missing."""
+class WholeExperts:
+    """Routed experts the device side keeps whole in float32, (layer, e) -> MLPWeights: what a backend without
+    its own expert kernels runs (the NumPy side's hot experts), an expert at a time."""
+
+    def __init__(self, experts: dict, backend: "Backend"):
+        self.experts = {k: backend.upload(v) for k, v in experts.items()}
+        self.backend = backend
+
+    def keys(self):
+        return list(self.experts)
+
+    def run(self, i: int, x, tokens: np.ndarray, experts: np.ndarray, weights: np.ndarray):
+        """Layer i's share [T, H] of x [T, H] for the pairs (tokens, experts, weights) [P], experts in ascending
+        order, a pair's tokens in order within each."""
+        xp, b = self.backend.xp, self.backend
+        order = np.argsort(experts, kind="stable")  # pairs grouped by expert, token order kept within each
+        ids, starts = np.unique(experts[order], return_index=True)
+        ends = np.append(starts[1:], order.size)
+        tokens_dev = xp.asarray(tokens[order])  # [P_dev] one upload per layer, not per expert
+        weights_dev = xp.asarray(weights[order])[:, None]  # [P_dev, 1]
+        y = xp.zeros_like(x)  # [T, H]
+        for e, a, z in zip(ids.tolist(), starts.tolist(), ends.tolist()):
+            t = tokens_dev[a:z]  # the tokens routed to expert e, each once
+            mlp = self.experts[(i, e)]
+            y[t] += weights_dev[a:z] * b.swiglu_mlp(x[t], mlp.gate, mlp.up, mlp.down)
+        return y
 
 
-def probe_cuda() -> tuple[bool, str]:
-    """(usable, why not)."""
-    try:
-        import cupy
-    except ImportError:
-        return False, "CuPy is not installed (pip install 'strata-numa[gpu]')"
-    except Exception as exc:  # a broken CUDA install raises at import
-        return False, f"CuPy does not import: {exc}"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return False, f"the CUDA driver does not answer: {exc}"
-    if count < 1:
-        return False, "no CUDA device is visible"
-    return True, ""
+class Backend:
+    """The reference backend: NumPy arrays and model/ops.py's forms (see the module docstring)."""
 
+    name = "numpy"  # what the engine's reports call it
+    xp = np  # the module of the network's arrays
+    gpu = False  # whether a GPU holds them (the KV cache's bf16, the GPU's memory plan)
 
-def nvidia_device_present(root: Path = Path("/")) -> bool:
-    """Whether the machine has an NVIDIA GPU at all, whatever CuPy says: the driver's /proc/driver/nvidia/gpus
-    entries, or a /dev/nvidia0 node (a container given the device without the driver's /proc)."""
-    gpus = root / "proc" / "driver" / "nvidia" / "gpus"
-    try:
-        if any(gpus.iterdir()):
-            return True
-    except OSError:
-        pass
-    return (root / "dev" / "nvidia0").exists()
+    # -- where arrays live ------------------------------------------------------------------------------------
+    def upload(self, obj):
+        """A weights dataclass (nested), list, dict or array with every host array moved to this backend's side."""
+        return obj
 
+    def to_host(self, a) -> np.ndarray:
+        return to_host(a)
 
-def select_device(device: str) -> str:
-    """'auto' | 'cpu' | 'cuda' -> the backend used: 'numpy' or 'cupy'."""
-    global _warned
-    if device == "cpu":
-        return "numpy"
-    usable, why = probe_cuda()
-    if device == "cuda":
-        if not usable:
-            raise DeviceError(f"--device cuda: {why}")
-        return "cupy"
-    if not usable and not _warned:
-        if nvidia_device_present():
-            _say_no_gpu(why)
-        else:  # no GPU at all: the CPU is the expected path
-            log.info("no NVIDIA GPU: the device side runs on the CPU with NumPy")
-        _warned = True
-    return "cupy" if usable else "numpy"
+    def place_weights(self, weights, placed=None):
+        """The model's dense weights where the network runs: ``placed`` (the same, already there in their storage
+        formats) where given; the host keeps its own."""
+        return weights
 
+    def device_experts(self, experts):
+        """The routed experts kept beside the network: a backend's own (their ``run``) as they are, a dict of
+        whole float32 experts as WholeExperts."""
+        return experts if hasattr(experts, "run") else WholeExperts(experts or {}, self)
 
-def state_file() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "strata-numa" / "no-gpu"
+    def fuse_qkv(self, lw):
+        """(the layer, its q, k and v as one matrix (decoder.FusedQKV) or None): the host keeps three matrices."""
+        return lw, None
 
+    def kv_b_heads(self, kv_b, nh: int, dn: int, dv: int, c: int):
+        """MLA's (W_uk [nh, dn, c], W_uv [nh, dv, c]): views of kv_b's rows."""
+        heads = kv_b.reshape(nh, dn + dv, c)  # [nh, dn+dv, c]
+        return heads[:, :dn], heads[:, dn:]
 
-def _say_no_gpu(why: str) -> None:
-    path = state_file()
-    try:
-        known = path.read_text() == why
-    except OSError:
-        known = False
-    if known:
-        log.info("no usable GPU (%s): the device side runs on the CPU with NumPy", why)
-        return
-    print(f"strata: an NVIDIA GPU is here but unused: {why}; the device side runs on the CPU (--device cpu "
-          "to choose that, --device cuda to be refused instead)", file=sys.stderr, flush=True)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(why)
-    except OSError as exc:
-        log.debug("could not remember the GPU state in %s: %s", path, exc)
+    # -- the pool's traffic ---------------------------------------------------------------------------------
+    def rows_to_host(self, a) -> np.ndarray:
+        """Rows [T, H] for the pool, on the host and complete on return."""
+        return np.ascontiguousarray(a)
+
+    def partials_buffer(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """A reused host array [T, H] the pool sums the nodes' partials into."""
+        if getattr(self, "_partials", None) is None or self._partials.size < int(np.prod(shape)) \
+                or self._partials.dtype != np.dtype(dtype):
+            self._partials = np.empty(max(int(np.prod(shape)), 1 << 16), dtype)
+        return self._partials[:int(np.prod(shape))].reshape(shape)
+
+    def to_device(self, host: np.ndarray):
+        """The partials buffer where the network runs (here it is)."""
+        return host
+
+    def side_stream(self):
+        """A context in which the device experts' work is queued apart from the pool's wait (here: in order)."""
+        return contextlib.nullcontext()
+
+    def join_side(self) -> None:
+        """The network's later work after what side_stream queued (here: nothing to wait for)."""
+
+    # -- numerics: model/ops.py's reference forms -----------------------------------------------------------
+    def rms_norm(self, x, weight, eps: float):
+        return ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h, delta, weight, eps: float):
+        total = h + delta
+        return total, self.rms_norm(total, weight, eps)
+
+    def norm_rope(self, x, weight, eps: float, cos, sin):
+        return self.apply_rope(self.rms_norm(x, weight, eps) if weight is not None else x, cos, sin)
+
+    def apply_rope(self, x, cos, sin):
+        return ops.apply_rope(x, cos, sin)
+
+    def apply_rope_interleaved(self, x, cos, sin):
+        return ops.apply_rope_interleaved(x, cos, sin)
+
+    def swiglu_mlp(self, x, gate, up, down):
+        return ops.swiglu_mlp(x, gate, up, down)
+
+    def sigmoid(self, x):
+        return ops.sigmoid(x)
+
+    def widen(self, a):
+        return ops.widen(a)
+
+    def masked_softmax(self, scores, mask, scale: float):
+        return ops.masked_softmax(scores, mask, scale)
+
+    def gqa_attention(self, q, k, v, mask):
+        """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] -> [T, nh*hd] (ops.gqa_attention)."""
+        return ops.gqa_attention(q, k, v, mask, self.widen, self.masked_softmax)
+
+    def mla_attention(self, q_nope, q_rope, k_nope, k_rope, v, mask, scale: float):
+        return ops.mla_attention(q_nope, q_rope, k_nope, k_rope, v, mask, scale, self.widen, self.masked_softmax)
+
+    def mla_attention_absorbed(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask, scale: float):
+        latent, k_rope = self.widen(latent), self.widen(k_rope)
+        return ops.mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask, scale)
+
+    def route(self, logits, bias, cfg) -> tuple[np.ndarray, np.ndarray]:
+        """The router's choice from logits [T, E] (bias [E] or None) for a model ``cfg``: (ids [T, k] int64,
+        weights [T, k] float32) on the host, where the pair bookkeeping runs."""
+        g = cfg.group_router
+        if g is not None:
+            return ops.route_grouped(logits, bias, cfg.top_k, g.n_group, g.topk_group, cfg.norm_topk_prob,
+                                     g.routed_scaling_factor, g.scoring)
+        return ops.route_top_k(logits, cfg.top_k, cfg.norm_topk_prob)
+
+    # -- what a GPU adds ------------------------------------------------------------------------------------
+    def to_bf16(self, x, out):
+        raise NotImplementedError(f"the {self.name} backend keeps float32 caches")
+
+    def linear_states(self, lc, layers: list[int]):
+        """The Gated DeltaNet layers' states of one sequence kept together (a GPU's), or None: each layer keeps
+        its own in the cache (linear_attention.LinearState)."""
+        return None
+
+    def linear_step(self, seqs, lengths: list[int]):
+        """A step's Gated DeltaNet tables (a GPU's one kernel a layer), or None: the layers run in model/."""
+        return None
+
+    def linear_layer(self, lw, lc, x, i: int, step, bounds, eps: float):
+        raise NotImplementedError(f"the {self.name} backend runs Gated DeltaNet layers in model/")
+
+    def graph_runner(self, decoder, context: int | None, capture: bool, step_buffer: int):
+        """What runs small decode steps as CUDA graphs around the decoder's forward, or None (always here)."""
+        return None

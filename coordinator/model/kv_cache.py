@@ -6,7 +6,7 @@ the compressed latent after kv_a_layernorm [kv_lora_rank] and the roped shared
 key [qk_rope_head_dim]: (kv_lora_rank + qk_rope_head_dim) values a layer, not
 2 x heads x head dim. Values are float32, or on the device bf16 (``dtype``), held
 as uint16 bits (CuPy has no bfloat16): written rounded to nearest even
-(device_ops.to_bf16), read by the attention kernels as they are.
+(the backend's to_bf16), read by the attention kernels as they are.
 
 A model with Gated DeltaNet layers (Qwen3-Next) caches keys and values in its attention layers only
 (``attention_layers``); each of the other layers keeps a fixed-size state per sequence here
@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import device_ops
-
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64, xp=np,
                  latent: tuple[int, int] | None = None, dtype: str = "f32", attention_layers=None,
-                 first_layer: int = 0):
+                 first_layer: int = 0, to_bf16=None):
         """``attention_layers``: the layers that cache keys and values (None: all); ``first_layer``: the model's
-        id of this cache's first layer (an MTP layer's own cache: num_layers)."""
+        id of this cache's first layer (an MTP layer's own cache: num_layers); ``to_bf16(x, out)``: writes float32
+        rows as bf16 bits into a bf16 cache (the backend's, Backend.to_bf16)."""
         self.length = 0  # tokens already cached
         self.start = 0  # the position of the first of them (restart: an MTP cache that dropped the earlier ones)
         self.first_layer = first_layer
         self.xp = xp  # NumPy, or CuPy when the cache lives on the device
         self.bf16 = dtype == "bf16"
+        self._to_bf16 = to_bf16
         self._dtype = np.uint16 if self.bf16 else np.float32
         # the two entries' shapes per token: (key, value), or MLA's (latent, rope key)
         self._shapes = ((num_kv_heads, head_dim), (num_kv_heads, head_dim)) if latent is None else (
@@ -96,8 +96,8 @@ class KVCache:
         layer -= self.first_layer  # the model's layer id -> this cache's buffer
         self._reserve(layer, stop)
         if self.bf16:
-            device_ops.to_bf16(k, out=self._k[layer][start:stop])
-            device_ops.to_bf16(v, out=self._v[layer][start:stop])
+            self._to_bf16(k, out=self._k[layer][start:stop])
+            self._to_bf16(v, out=self._v[layer][start:stop])
         else:
             self._k[layer][start:stop] = k
             self._v[layer][start:stop] = v

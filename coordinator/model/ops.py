@@ -1,56 +1,36 @@
-"""The decoder's numeric building blocks, each a small pure function of arrays.
+"""The network's numeric building blocks in their reference forms, each a small pure function of arrays.
 
-Each function takes float32 arrays of one module, NumPy or CuPy (``xp_of``),
-and returns arrays of the same module. RoPE tables and masks are computed on
-the host (small) and moved by the caller.
+Each function takes float32 arrays of one module, NumPy or a GPU's (``xp_of``), and returns arrays of the same
+module. These are what a backend falls back to and what its own forms are tested against (vLLM's
+``forward_native``): coordinator/host/backend.py runs compiled loops where the shapes allow, coordinator/gpu/
+backend.py CUDA kernels; model/backend.py is the protocol the decoder calls. RoPE tables and masks are computed
+on the host (small) and moved by the caller.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..device import router
-from . import device_ops, host_ops
-from .xp import is_device, xp_of
+from .xp import xp_of
 
-
-def _host_rows(*arrays: np.ndarray) -> bool:
-    """NumPy float32 C-contiguous arrays: host_ops' compiled loops take them."""
-    return all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+ROUTER_NORM_EPS = np.float32(1e-20)  # the router's normalisation guard (transformers' DeepseekV3TopkRouter)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x [..., D] -> x / sqrt(mean(x²) + eps) * weight. A host x that is not contiguous (the q and k heads, a
-    column slice of the fused QKV output) is copied for the compiled loop: the copy and the loop cost less
-    than NumPy's ufuncs on the strided slice."""
-    if type(x) is np.ndarray and x.dtype == np.float32 and not x.flags.c_contiguous:
-        x = np.ascontiguousarray(x)
-    if _host_rows(x, weight) and x.ndim >= 1 and x.size:
-        out = np.empty_like(x)
-        host_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, np.float32(eps), out.reshape(-1, x.shape[-1]))
-        return out
-    if is_device(x):
-        return device_ops.rms_norm(x, weight, eps)
+    """x [..., D] -> x / sqrt(mean(x²) + eps) * weight."""
     xp = xp_of(x)
     variance = xp.mean(xp.square(x), axis=-1, keepdims=True)
     return (x / xp.sqrt(variance + np.float32(eps))) * weight
 
 
 def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """The residual add and the next norm: (h + delta, rms_norm(h + delta)), h and delta [..., D]. On the device
-    one launch, equal to the two ops."""
-    if is_device(h):
-        return device_ops.add_rms_norm(h, delta, weight, eps)
+    """The residual add and the next norm: (h + delta, rms_norm(h + delta)), h and delta [..., D]."""
     total = h + delta
     return total, rms_norm(total, weight, eps)
 
 
 def norm_rope(x: np.ndarray, weight: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [T, heads, hd] -> apply_rope(rms_norm(x, weight) per head, cos, sin) (weight None: no norm). On the
-    device one launch, equal to the two ops, that also reads x's rows where they lie (a column slice of the
-    fused QKV output)."""
-    if is_device(x):
-        return device_ops.norm_rope(x, weight, eps, cos, sin)
+    """x [T, heads, hd] -> apply_rope(rms_norm(x, weight) per head, cos, sin) (weight None: no norm)."""
     return apply_rope(rms_norm(x, weight, eps) if weight is not None else x, cos, sin)
 
 
@@ -71,8 +51,6 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def swiglu_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """x [T, H]; gate, up [I, H]; down [H, I] -> down · (silu(gate·x) ⊙ up·x), [T, H]."""
-    if is_device(x):
-        return device_ops.silu_mul(x @ gate.T, x @ up.T) @ down.T
     return (silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
@@ -92,12 +70,6 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x [T, heads, hd] rotated by position: x·cos + rotate_half(x)·sin. cos, sin [T, d] with d < hd (partial
     rotary, GLM-4.5): the first d dims rotated, the rest passed through."""
-    if is_device(x):
-        return device_ops.apply_rope(x, cos, sin)  # partial rotary too
-    if _host_rows(x, cos, sin) and x.ndim == 3 and cos.shape[-1] <= x.shape[-1]:
-        out = np.empty_like(x)
-        host_ops.rope(x, cos, sin, out)
-        return out
     if cos.shape[-1] < x.shape[-1]:
         d = cos.shape[-1]
         return xp_of(x).concatenate([apply_rope(x[..., :d], cos, sin), x[..., d:]], axis=-1)
@@ -114,20 +86,8 @@ def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> 
     return allowed
 
 
-HOST_ATTENTION_TOKENS = 4  # decode and small batches: host_ops' loop over any number of keys
-# A prompt's tokens (more than HOST_ATTENTION_TOKENS) take host_ops' loop up to this many keys, NumPy's batched
-# matmuls (BLAS) beyond. The loop skips the masked keys' products and reads each KV row once for the heads
-# that share it; the matmuls compute every score and copy transposes. Past this many keys the matmuls win.
-HOST_ATTENTION_KEYS = 2048
-# From this many multiply-adds (Qwen3-30B-A3B's heads over 512 cached keys) the (token, KV head) pairs are shared
-# among the threads; below it a parallel region's wake-up (where the coordinator's threads sleep,
-# kernel_threads.py) would cost more than it saves.
-PARALLEL_ATTENTION_MACS = 1 << 21
-# Up to this many query tokens the device runs device_ops' one-launch attention (a block a token and head, every
-# key read by each); longer prompts keep the batched matmuls, whose work grows as T x S once, not per block.
-DEVICE_ATTENTION_TOKENS = 64
-# NumPy's matmuls take the queries in blocks whose scores [heads, block, S] stay under this many floats: a long
-# prompt's softmax and its temporaries are several copies of the scores, which grow as T x S.
+# The reference attention takes a host query's rows in blocks whose scores [heads, block, S] stay under this many
+# floats: a long prompt's softmax and its temporaries are several copies of the scores, which grow as T x S.
 HOST_ATTENTION_SCORES = 1 << 26
 
 
@@ -135,34 +95,26 @@ def widen(a: np.ndarray) -> np.ndarray:
     """A bf16 cache's values (uint16 bits, kv_cache.py) as float32; float32 as it is."""
     if a.dtype != np.uint16:
         return a
-    if is_device(a):
-        return device_ops.from_bf16(a)
     return (a.astype(np.uint32) << 16).view(np.float32)
 
 
-def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, widen=None,
+                  masked_softmax=None) -> np.ndarray:
     """q [T, nh, hd], k/v [S, nkv, hd] (float32, or a bf16 cache's uint16 bits), mask [T, S] -> [T, nh*hd].
-    Heads share KV in groups of nh/nkv."""
+    Heads share KV in groups of nh/nkv; a host query of many rows in blocks (HOST_ATTENTION_SCORES). ``widen`` and ``masked_softmax``: a backend's forms of those two ops
+    (None: this module's)."""
+    widen, masked_softmax = widen or globals()["widen"], masked_softmax or globals()["masked_softmax"]
     T, nh, hd = q.shape
     nkv = k.shape[1]
-    if is_device(q) and T <= DEVICE_ATTENTION_TOKENS:
-        return device_ops.gqa_attention(q, k, v, mask, hd**-0.5)  # reads bf16 keys and values as they are
     k, v = widen(k), widen(v)
-    if (T <= HOST_ATTENTION_TOKENS or k.shape[0] <= HOST_ATTENTION_KEYS) and _host_rows(q, k, v) \
-            and mask.dtype == np.bool_ and mask.flags.c_contiguous:
-        out = np.empty((T, nh * hd), np.float32)
-        loop = host_ops.gqa_attention_parallel if T * k.shape[0] * nh * hd >= PARALLEL_ATTENTION_MACS \
-            else host_ops.gqa_attention
-        loop(q, k, v, mask, np.float32(hd**-0.5), out)
-        return out
     block = max(1, HOST_ATTENTION_SCORES // (nh * k.shape[0]))  # query rows per block of scores
-    if T > block and not is_device(q):
-        return np.concatenate([gqa_attention(q[lo:lo + block], k, v, mask[lo:lo + block])
+    if T > block and xp_of(q) is np:
+        return np.concatenate([gqa_attention(q[lo:lo + block], k, v, mask[lo:lo + block], widen, masked_softmax)
                                for lo in range(0, T, block)])
     group = nh // nkv
     qg = q.reshape(T, nkv, group, hd).transpose(1, 2, 0, 3)  # [nkv, g, T, hd]
     kt = k.transpose(1, 2, 0)  # [nkv, hd, S]
-    probs = _masked_softmax(qg @ kt[:, None], mask, hd**-0.5)  # [nkv, g, T, S]
+    probs = masked_softmax(qg @ kt[:, None], mask, hd**-0.5)  # [nkv, g, T, S]
     out = probs @ v.transpose(1, 0, 2)[:, None]  # [nkv, g, T, hd]
     return out.transpose(2, 0, 1, 3).reshape(T, nh * hd)
 
@@ -171,13 +123,8 @@ def route_top_k(router_logits: np.ndarray, k: int, normalize: bool) -> tuple[np.
     """router_logits [T, E] -> (expert ids [T, k] int64, weights [T, k] float32).
 
     Softmax over all experts, the k largest probabilities (ties to the lower id),
-    renormalised to sum to one when ``normalize``. Host float32 rows take host_ops.top_k, device arrays the
-    device router (coordinator/device/router.py): the same bits; other arrays this NumPy form.
+    renormalised to sum to one when ``normalize``.
     """
-    if is_device(router_logits):
-        return router.unpack(router.route(router_logits, None, k, 1, 1, True, normalize, 1.0), k)
-    if _host_rows(router_logits) and router_logits.ndim == 2 and 1 <= k <= router_logits.shape[1]:
-        return _route_rows(router_logits, host_ops.NO_BIAS, k, 1, 1, True, normalize, 1.0)
     xp = xp_of(router_logits)
     probs = softmax(router_logits.astype(np.float32), axis=-1)  # [T, E]
     ids = xp.argsort(-probs, axis=-1, kind="stable")[:, :k] if xp is np else xp.argsort(-probs, axis=-1)[:, :k]
@@ -185,15 +132,6 @@ def route_top_k(router_logits: np.ndarray, k: int, normalize: bool) -> tuple[np.
     if normalize:
         weights = weights / xp.sum(weights, axis=-1, keepdims=True)
     return ids.astype(np.int64), weights.astype(np.float32)
-
-
-def _route_rows(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int, softmax: bool,
-                normalize: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
-    """host_ops.top_k on host float32 rows [T, E] -> (ids [T, k] int64, weights [T, k] float32)."""
-    T = logits.shape[0]
-    ids, weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
-    host_ops.top_k(logits, bias, k, n_group, topk_group, softmax, normalize, np.float32(scaling), ids, weights)
-    return ids, weights
 
 
 def yarn_inv_freq(dim: int, theta: float, factor: float, original_max: int, beta_fast: float, beta_slow: float,
@@ -219,8 +157,6 @@ def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> n
     """x [T, heads, d] rotated in (x0, x1), (x2, x3), ... pairs, the output de-interleaved as transformers'
     apply_rotary_pos_emb_interleave writes it: [even·cos - odd·sin, odd·cos + even·sin] (q and k alike, so
     their dot products are those of the interleaved rotation). cos, sin [T, d] in the half-split layout."""
-    if is_device(x):
-        return device_ops.apply_rope_interleaved(x, cos, sin)
     half = x.shape[-1] // 2
     c, s = cos[:, None, :half], sin[:, None, :half]
     even, odd = x[..., 0::2], x[..., 1::2]
@@ -240,21 +176,9 @@ def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_
 
     ``scoring="softmax"``: DeepSeek-V2's router (DeepseekV2TopkRouter, group_limited_greedy; n_group 1 is its
     plain greedy): scores are softmax(logits), each group is scored by its best expert, there is no bias.
-
-    Host float32 rows take host_ops.top_k, device arrays the device router (coordinator/device/router.py): the
-    same bits; other arrays this NumPy form.
     """
-    softmax = scoring == "softmax"
-    if softmax and bias is not None:
+    if scoring == "softmax" and bias is not None:
         raise ValueError("route_grouped: the softmax router (DeepSeek-V2) takes no bias")
-    if is_device(router_logits):
-        return router.unpack(router.route(router_logits, bias, k, n_group, topk_group, softmax, normalize,
-                                          scaling), k)
-    E = router_logits.shape[-1]
-    if _host_rows(router_logits) and router_logits.ndim == 2 and E % n_group == 0 and 1 <= topk_group <= n_group \
-            and 1 <= k <= topk_group * (E // n_group):
-        host_bias = host_ops.NO_BIAS if bias is None else np.ascontiguousarray(bias, np.float32)
-        return _route_rows(router_logits, host_bias, k, n_group, topk_group, softmax, normalize, scaling)
     xp = xp_of(router_logits)
     T, E = router_logits.shape
     logits = router_logits.astype(np.float32)
@@ -270,28 +194,28 @@ def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_
     ids = xp.argsort(-masked, axis=-1, kind="stable")[:, :k] if xp is np else xp.argsort(-masked, axis=-1)[:, :k]
     weights = xp.take_along_axis(scores, ids, axis=-1)  # [T, k]
     if normalize:
-        weights = weights / (xp.sum(weights, axis=-1, keepdims=True) + np.float32(1e-20))
+        weights = weights / (xp.sum(weights, axis=-1, keepdims=True) + ROUTER_NORM_EPS)
     weights = weights * np.float32(scaling)
     return ids.astype(np.int64), weights.astype(np.float32)
 
 
-def _masked_softmax(scores: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+def masked_softmax(scores: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
     """scores [..., T, S], mask [T, S] -> softmax over S of where(mask, scores * scale, -inf)."""
-    if is_device(scores):
-        return device_ops.masked_softmax(scores, mask, scale)
     return softmax(np.where(mask, scores * np.float32(scale), np.float32(-np.inf)), axis=-1)
 
 
 def mla_attention(q_nope: np.ndarray, q_rope: np.ndarray, k_nope: np.ndarray, k_rope: np.ndarray,
-                  v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+                  v: np.ndarray, mask: np.ndarray, scale: float, widen=None, masked_softmax=None) -> np.ndarray:
     """Multi-head latent attention with the latent expanded: q_nope [T, nh, dn], q_rope [T, nh, dr],
     k_nope [S, nh, dn], k_rope [S, dr] (one rope key shared by every head; a bf16 cache's bits too), v [S, nh, dv],
-    mask [T, S] -> [T, nh*dv]. Scores (q_nope·k_nope + q_rope·k_rope) * scale."""
+    mask [T, S] -> [T, nh*dv]. Scores (q_nope·k_nope + q_rope·k_rope) * scale. ``widen``, ``masked_softmax``: as
+    gqa_attention's."""
+    widen, masked_softmax = widen or globals()["widen"], masked_softmax or globals()["masked_softmax"]
     T, nh, _ = q_nope.shape
     k_rope = widen(k_rope)
     scores = q_nope.transpose(1, 0, 2) @ k_nope.transpose(1, 2, 0)  # [nh, T, S]
     scores = scores + (q_rope.transpose(1, 0, 2) @ k_rope.T)  # [nh, T, S]
-    out = _masked_softmax(scores, mask, scale) @ v.transpose(1, 0, 2)  # [nh, T, dv]
+    out = masked_softmax(scores, mask, scale) @ v.transpose(1, 0, 2)  # [nh, T, dv]
     return out.transpose(1, 0, 2).reshape(T, -1)
 
 
@@ -300,17 +224,11 @@ def mla_attention_absorbed(q_nope: np.ndarray, q_rope: np.ndarray, latent: np.nd
     """The same attention on the cached latent [S, c] without expanding it: W_uk [nh, dn, c] folds into q
     (q_nope·(W_uk·l) = (q_nope·W_uk)·l) and W_uv [nh, dv, c] applies after the weighted sum of latents.
     Work per cached token: nh*(c + dr) instead of the expansion's nh*c*(dn + dv). latent and k_rope may be a
-    bf16 cache's bits; W_uk and W_uv may be views of kv_b's rows (decoder._kv_b_heads), or on the device W_uk a
-    compact kv_b (device_ops.CompactKvB) and W_uv None. On the device one fused kernel
-    (device_ops.mla_attention_absorbed)."""
-    if is_device(q_nope):
-        return device_ops.mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk,
-                                                 None if w_uv is None else w_uv.transpose(0, 2, 1), mask,
-                                                 scale)  # a view (or a compact kv_b): read where it lies
+    bf16 cache's bits; W_uk and W_uv may be views of kv_b's rows (Backend.kv_b_heads)."""
     latent, k_rope = widen(latent), widen(k_rope)
     T, nh, _ = q_nope.shape
     q_lat = q_nope.transpose(1, 0, 2) @ w_uk  # [nh, T, c]
     scores = q_lat @ latent.T + q_rope.transpose(1, 0, 2) @ k_rope.T  # [nh, T, S]
-    out_lat = _masked_softmax(scores, mask, scale) @ latent  # [nh, T, c]
+    out_lat = masked_softmax(scores, mask, scale) @ latent  # [nh, T, c]
     out = out_lat @ w_uv.transpose(0, 2, 1)  # [nh, T, dv]
     return out.transpose(1, 0, 2).reshape(T, -1)

@@ -113,9 +113,10 @@ class ExpertPool(abc.ABC):
     def close(self) -> None:
         """Release the pool's workers and memory."""
 
-    def stream_link(self, layers: int, xp):
-        """The pool driven from a GPU stream (process pools: coordinator/pool/stream.py), or None: this pool is
-        called from Python only (the in-process pool computes in the coordinator's own thread)."""
+    def stream_link(self, make):
+        """The pool driven from a GPU stream through the link ``make(pool)`` builds (coordinator/gpu/stream.py),
+        kept and closed with the pool; or None: this pool is called from Python only (the in-process pool
+        computes in the coordinator's own thread)."""
         return None
 
     def close_stream_link(self) -> None:

@@ -139,15 +139,13 @@ class ProcessPool(ExpertPool):
     def request_id(self, rid: int) -> None:
         self._rid = rid
 
-    def stream_link(self, layers: int, xp):
-        """The pool driven from the device's stream for ``layers`` MoE layers (stream.py); None when timings are
-        recorded per layer (the benchmark's breakdown needs the eager path)."""
+    def stream_link(self, make):
+        """The pool driven from the device's stream through ``make(pool)``'s link (coordinator/gpu/stream.py),
+        made once; None when timings are recorded per layer (the benchmark's breakdown needs the eager path)."""
         if self.record_timings:
             return None
         if self._link is None:
-            from .stream import StreamLink
-
-            self._link = StreamLink(self, layers, xp)
+            self._link = make(self)
         return self._link
 
     def close_stream_link(self) -> None:

@@ -12,7 +12,7 @@ isimd.py   decode's loop for the quantised formats with int8 activations: each f
            ``igroup``) times the activations' in integers (idot.py: VNNI, AVX2 or generic IR, chosen for the
            host), activations.py quantising them per block of 32 (EngineConfig.activations q8)
 dense.py   a whole stored matrix times a few rows, and rows decoded for BLAS (the CPU device side's
-           dense matrices, coordinator/model/packed.py)
+           dense matrices, coordinator/host/packed.py)
 rows8.py   q8 rows interleaved eight at a time (llama.cpp's repacked Q8_0): eight rows a vector, for every T
            (the dense q8 matrices with integer activations)
 common.py  numba's options and the CPU the code is compiled for (shm/jit.py keeps the compiled code)

@@ -2,7 +2,7 @@
 
 A dense matrix W [R, K] stored in a format (shm/formats: rows of K weights,
 ``row_bytes`` apart from byte ``base`` of ``data``) serves the coordinator's
-CPU device side (coordinator/model/packed.py) the way the expert kernels serve
+CPU device side (coordinator/host/packed.py) the way the expert kernels serve
 the pool: x [T, K] -> x·Wᵀ [T, R] in one compiled call, four rows at a time (bf16
 rows: four streams, the matrix's quarters, rows.stream_quad), rows split over numba's threads.
 
@@ -120,7 +120,7 @@ def decode_rows(ks, fmt, data, base, row_bytes, first, out):
 
 
 def warm_up(ks) -> None:
-    """Compile (or load from the disk cache) what coordinator/model/packed.py calls for matrices of the kernel
+    """Compile (or load from the disk cache) what coordinator/host/packed.py calls for matrices of the kernel
     set ``ks`` (kernel_set.KernelSet), on the types it passes, before the first request: the few-token rows and
     the decoded rows (every format), the integer loops (int_act), the float tiles (f32, bf16, bf16dp), rows8.py's
     interleaved q8 and q4 loops."""

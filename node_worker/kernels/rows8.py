@@ -20,7 +20,7 @@ Per group, block b and token t (x' = xd (.) xq, quantised per block of 32: activ
 which is eight rows' x' . w up to the float rounding of the scales and the sum (iblock.py's form, in another
 order). Two tokens at a time: by four the accumulators no longer fit AVX2's registers.
 
-The dense matrices (coordinator/model/packed.py) are stored this way. The experts stay row-major in the
+The dense matrices (coordinator/host/packed.py) are stored this way. The experts stay row-major in the
 store (its views, the device experts and the GGUF copies read them so): rows.py interleaves each eight rows of
 a prefill group's matrices on the fly into a scratch that stays in L1 (interleave8: eight 32-byte loads, an
 8 x 8 transpose of 32-bit lanes, the next eight rows prefetched), then runs the same loop over the group's

@@ -10,7 +10,7 @@ q8 and q4 are encoded in two compiled passes around one NumPy step:
 No fastmath: each step is the IEEE float32 operation the NumPy encoder does, so
 the bytes are identical (tests/test_formats.py checks it); bf16 and f32 stay
 NumPy (one vectorised bit operation or a copy). Used by the fill
-(shm/expert_source.py) and the dense matrices (coordinator/model/packed.py).
+(shm/expert_source.py) and the dense matrices (coordinator/host/packed.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..gpu import kernels
+from . import kernels
 from . import format_kernels
 
 ORDER_THREADS = 256  # strata_order_slots' one block: a thread a pair, a slot and a token, in turns past 256
@@ -77,7 +77,7 @@ class DeviceExperts:
         the device; the same bits as ``run`` with those pairs. [T, H]."""
         import cupy
 
-        from ..model import device_ops
+        from . import ops as device_ops
 
         le = self.layers[layer]
         T, H, inter = x.shape[0], self.hidden, self.intermediate
@@ -103,7 +103,7 @@ class DeviceExperts:
         """The device experts' share of the layer [T, H] for the pairs (tokens, experts, weights) [P]."""
         import cupy
 
-        from ..model import device_ops
+        from . import ops as device_ops
 
         le = self.layers[layer]
         T, H, inter = x.shape[0], self.hidden, self.intermediate

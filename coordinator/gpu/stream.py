@@ -22,7 +22,7 @@ import numpy as np
 
 from shm import pool_signal
 
-from ..model import xp as xp_module
+from . import transfer as xp_module
 
 
 class StreamInterrupted(Exception):

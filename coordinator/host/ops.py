@@ -5,7 +5,7 @@ each for a few hundred multiplies, and the routers' a softmax, a stable argsort
 and a gather, so the calls cost more than the arithmetic. Here each is one compiled loop over the rows;
 the results equal ops.py's to float32 rounding (tests/test_ops.py), ties in
 the top-k going to the lower expert id as there. The routers' loop (top_k) is the device
-router's twin, bit for bit (coordinator/device/router.py).
+router's twin, bit for bit (coordinator/gpu/router.py).
 
     rms_norm(x [N, D], weight [D], eps, out [N, D])          float32, C-contiguous
     top_k(logits [T, E], bias [E] | NO_BIAS, k, n_group, topk_group, softmax, normalize, scaling,
@@ -52,10 +52,11 @@ def rms_norm(x, weight, eps, out) -> None:
 
 
 # The router's loop: no fastmath, so LLVM fuses no multiply into an add and keeps every sum's order: its float32
-# operations are coordinator/device/router.py's kernel's one for one, and so are its results' bits.
+# operations are coordinator/gpu/router.py's kernel's one for one, and so are its results' bits.
 EXACT = CACHED
 NO_BIAS = np.empty(0, np.float32)  # top_k's bias where the router has none
-NORM_EPS = np.float32(1e-20)  # the normalisation's guard (transformers' DeepseekV3TopkRouter)
+# model/ops.py's ROUTER_NORM_EPS, written here: this file's compiled code depends on no file outside the build key
+NORM_EPS = np.float32(1e-20)
 
 
 @njit(inline="always", **EXACT)
@@ -110,7 +111,7 @@ def _keep_groups(choice, softmax, topk_group, group, kept, left) -> None:
 
 @njit(**EXACT)
 def top_k(logits, bias, k, n_group, topk_group, softmax, normalize, scaling, ids, weights) -> None:
-    """Every router (coordinator/device/router.py's docstring): per row the scores, the groups kept where
+    """Every router (coordinator/gpu/router.py's docstring): per row the scores, the groups kept where
     topk_group < n_group, the k best choices among their experts (ties to the lower id), their scores divided by
     their sum + 1e-20 (normalize), times scaling. bias: NO_BIAS where there is none."""
     T, E = logits.shape

@@ -3,18 +3,24 @@
 Eager, each MoE layer downloads the router's choice, sorts out the pool's pairs on the host, posts them and waits
 in Python for the nodes (a synchronisation a layer, docs/gpu.md). Here the layer stays on the device's stream:
 
-    router kernel -> split_pairs (coordinator/device/compact.py: CPU and device pairs, the routing counters)
+    router kernel -> split_pairs (compact.py: CPU and device pairs, the routing counters)
     -> copies of x and the CPU pairs into the pool segment -> host function ring (shm/pool_signal.py)
     -> the hot experts, the shared experts -> host function wait -> copies of the partials -> sum_partials
 
 so the host's Python runs ahead, queueing the whole step, and waits once, on the logits (with the routing
 counters, copied beside them). Every allocation of the step comes from its batch bucket's buffer
-(coordinator/device/arena.py), so the step's arrays have the same addresses each step; what crosses between host
+(arena.py), so the step's arrays have the same addresses each step; what crosses between host
 and device goes through fixed places too: the tables and the embedding rows from page-locked staging into fixed
 device rows, RoPE's rows gathered on the device from a table of the context's positions, the logits into
 page-locked rows. So two steps of a shape queue the same launches and copies (tests/test_graph_steps.py records
 them): a shape's second step is captured as a CUDA graph and every later one launches it (GraphSteps.queue), the
 host writing only the tables, the staged embedding rows and the pool's rows before the launch.
+
+GraphSteps is the runner around the network's one forward (model/decoder.py's Decoder.forward, unchanged), as
+vLLM's CudaGraphManager and nano-vllm's run_model wrap theirs: it hands the forward a StreamedStep, which takes the
+step's inputs from the fixed places, stores keys and values and attends through the tables on the device
+(ops.kv_store, gqa_attention_cached, mla_attention_absorbed_cached), drives the pool from the stream and queues
+the logits' download, where the eager step (model/step.py) does each from the host.
 
 A step is graph-ready where the pool can be driven from the stream (the process pool) and its rows fit the
 largest bucket and the pool's request; otherwise it runs eagerly. Hot experts run on the stream between the
@@ -27,16 +33,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..device import compact
-from ..device.arena import ArenaFull, StepArena
-from ..device.format_kernels import address
-from ..pool.stream import StreamInterrupted
-from . import device_ops
-from . import xp as xp_module
+from . import compact
+from ..model.step import EagerStep, StepBatch, StepOutput
+from ..model.routing import RoutingTotals
+from . import ops as device_ops
+from . import transfer as xp_module
+from .arena import ArenaFull, StepArena
+from .format_kernels import address
+from .stream import StreamInterrupted
 
 MAX_ROWS = 64  # the largest bucket: a step of more rows (a prefill chunk) is eager
 
@@ -154,25 +163,26 @@ class StepTables:
 
 
 class GraphSteps:
-    def __init__(self, cfg, on_device: dict[int, np.ndarray], device_experts, link, xp, context: int, rope,
-                 embed_dtype, capture: bool = True, step_buffer: int = 0, stream=None):
-        """``on_device``: layer -> [E] bool, the experts kept on the device, ``device_experts`` their DeviceExperts;
-        ``link``: the pool's StreamLink; ``context``: the longest a sequence may be (EngineConfig.max_seq_len or the
-        model's), what every cache of a graph-ready step is reserved to; ``rope``: (cos, sin) [context, d] on the
-        device, every position's RoPE rows (Decoder._rope_tables' bits), which a step gathers its rows' from;
-        ``embed_dtype``: the host embedding's, which the step's rows are staged in; ``step_buffer``: the bytes
-        of the steps' buffer (coordinator/device/arena.py)."""
-        self.cfg, self.link, self.xp, self.context = cfg, link, xp, context
-        self.rope_table = rope
+    def __init__(self, decoder, link, context: int, capture: bool = True, step_buffer: int = 0, stream=None):
+        """The runner of ``decoder``'s small steps (GpuBackend.graph_runner makes it): ``link``: the pool's
+        StreamLink; ``context``: the longest a sequence may be (EngineConfig.max_seq_len or the model's), what
+        every cache of a graph-ready step is reserved to; ``capture``: each shape's steps replayed as a CUDA graph
+        from its second step (else queued launch by launch); ``step_buffer``: the bytes of the steps' buffer
+        (arena.py); ``stream``: the steps' own (a capture needs one)."""
+        cfg, xp = decoder.cfg, decoder.xp
+        self.decoder, self.cfg, self.link, self.xp, self.context = decoder, cfg, link, xp, context
+        # every position's RoPE rows (Decoder.rope_tables' bits), which a step gathers its rows' from
+        self.rope_table = decoder.rope_tables(np.arange(context))  # cos, sin [context, d] on the device
         # the step's host inputs and outputs at fixed places: page-locked staging, fixed device rows (module docstring)
+        embed_dtype = decoder.w.embed.dtype
         self.embed_host = xp_module.pinned((MAX_ROWS, cfg.hidden_size), embed_dtype)  # [MAX_ROWS, H]
         self.embed_device = xp.zeros((MAX_ROWS, cfg.hidden_size), embed_dtype)  # [MAX_ROWS, H]
         self.logits_host = xp_module.pinned((MAX_ROWS, cfg.vocab_size), np.float32)  # [MAX_ROWS, V]
-        self.device_experts = device_experts
-        self.has_device = {i: bool(on_device[i].any()) for i in cfg.moe_layers}
+        self.device_experts = decoder.device_experts
+        self.has_device = {i: bool(decoder.on_device[i].any()) for i in cfg.moe_layers}
         self.slots = {layer: s for s, layer in enumerate(cfg.moe_layers)}  # MoE layer -> its row in the tables
         E = cfg.num_experts
-        self.on_device = {i: xp.asarray(on_device[i].astype(np.uint8)) for i in cfg.moe_layers}  # [E] each
+        self.on_device = {i: xp.asarray(decoder.on_device[i].astype(np.uint8)) for i in cfg.moe_layers}  # [E] each
         self.counts = xp.zeros((max(len(self.slots), 1), E), np.int64)  # [moe layers, E] chosen per expert
         self.totals = xp.zeros(compact.TOTALS, np.int64)  # compact.TOTALS' counters
         self.counts_host = xp_module.pinned(self.counts.shape, np.int64)
@@ -198,16 +208,64 @@ class GraphSteps:
     def takes(self, rows: int) -> bool:
         return rows <= MAX_ROWS and self.link.fits(rows, self.cfg.top_k)
 
-    def key(self, seqs, last_only: bool, all_rows: frozenset[int], hidden: bool, hidden_rows: frozenset[int]):
-        """A step's shape: what decides every launch it queues and every address in them (begin has run: the MLA
-        form is part of it). Two steps of one shape replay one graph."""
-        return (tuple(len(ids) for ids, _ in seqs), last_only, all_rows, hidden, hidden_rows, self.mla_cached)
+    def forward(self, batch: StepBatch) -> StepOutput:
+        """The decoder's forward of ``batch``: graph-ready where it takes the rows, else the eager forward."""
+        if not self.takes(batch.rows):
+            return self.decoder.forward(batch)
+        return self.run(batch)
+
+    def run(self, batch: StepBatch) -> StepOutput:
+        """The forward on the stream: the host's part (tables, embedding rows, the pool's state), then the step
+        queued, captured or replayed as a graph (queue), one wait, then the caches advanced. A step a worker's
+        death voided is redone eagerly."""
+        decoder, link = self.decoder, self.link
+        t0 = time.perf_counter_ns()
+
+        def queue_step():
+            out = decoder.forward(batch, StreamedStep(self, decoder, batch))
+            return out.logits, out.hidden
+
+        with self.stream:  # the caches' reserve, the tables and the step, in this order on one stream
+            self.begin(batch.seqs, decoder.absorbed if self.cfg.mla is not None else None, batch.all_rows)
+            self.stage(decoder.w.embed, batch.ids)
+            link.begin_step(batch.rows)
+            key = batch.key() + (self.mla_cached,)  # begin has run: the MLA form is part of the shape
+            try:
+                logits, hidden = self.queue(key, batch.rows, queue_step)
+                if hidden is not None:  # the hidden rows outlive the step: copied out of its buffer before the wait
+                    hidden = [r.copy() for r in hidden]
+                self.queued_at = time.perf_counter_ns()
+                self.wait()
+                out = [rows_.copy() for rows_ in logits]  # the page-locked rows: the next step overwrites them
+            except BaseException:  # the queued work finishes before the pool is touched again; nothing is cached
+                self.stream.synchronize()
+                self.drop_counters()
+                self.forget(key)  # a graph of a failed step is not replayed: its shape is queued, then captured anew
+                with contextlib.suppress(Exception):  # the pool recovers from what the stream met; the first error is raised
+                    link.end_step(batch.rows)
+                raise
+        try:
+            waited = link.end_step(batch.rows)
+        except BaseException as e:  # the pool met an error or a fault inside the step: nothing is cached
+            self.forget(key)
+            if not isinstance(e, StreamInterrupted):
+                raise
+            log.warning("%s; the step is redone eagerly", e)
+            self.redone += 1
+            return decoder.forward(batch)
+        for ids, cache in batch.seqs:  # the step's keys and values are in place: the caches take them
+            cache.advance(len(ids))
+        self.steps += 1
+        self.host_ns += self.queued_at - t0
+        self.wall_ns += time.perf_counter_ns() - t0
+        self.fold_counters(decoder.stats, waited)
+        return StepOutput(out, hidden)
 
     def begin(self, seqs, absorbed=None, all_rows: frozenset[int] = frozenset()) -> None:
         """Before the step is queued: the caches reserved to the context once (so their buffers never move again
         and the attention's scores' rows are the context long every step: what a captured graph replays), and
         where each row reads and writes them. ``absorbed(T, S)``: whether MLA's eager call of T queries over S keys
-        takes the absorbed form (Decoder._absorbed); the cached MLA attention runs where every sequence's does."""
+        takes the absorbed form (Decoder.absorbed); the cached MLA attention runs where every sequence's does."""
         for ids, cache in seqs:  # a sequence past the context (refused before it gets here) would still fit
             cache.reserve(max(self.context, cache.length + len(ids)), exact=True)
         m, chunks = self.cfg.mla, None
@@ -305,10 +363,10 @@ class GraphSteps:
         """The step's one synchronisation: its logits and counters are on the host after it."""
         self.stream.synchronize()
 
-    def moe(self, decoder, i: int, lw, x):
+    def moe(self, i: int, lw, x):
         """Layer i's MoE output [T, H] for x [T, H], queued on the stream (module docstring)."""
-        slot = self.slots[i]
-        packed = decoder.route_packed(x @ lw.router.T, lw.router_bias)  # [T, 2k]
+        slot, decoder = self.slots[i], self.decoder
+        packed = decoder.backend.route_packed(x @ lw.router.T, lw.router_bias, self.cfg)  # [T, 2k]
         split = compact.split_pairs(packed, self.cfg.top_k, self.on_device[i], decoder.route_tail_skip,
                                     self.counts[slot], self.totals)
         self.link.post(slot, i, x, split)  # the CPU work first ...
@@ -331,20 +389,71 @@ class GraphSteps:
         self.totals.fill(0)
 
     def fold_counters(self, stats, waited_ns: int) -> None:
-        """After it: the step's routing into the decoder's RoutingStats, as the eager path counts it."""
-        for layer, slot in self.slots.items():
-            if layer >= self.cfg.num_layers:  # the MTP layer: never in these steps (Decoder.forward_mtp is eager)
-                continue
-            per = stats.per_layer_expert.setdefault(layer, np.zeros(self.cfg.num_experts, np.int64))
-            per += self.counts_host[slot]
-        t = self.totals_host
-        stats.routed_pairs += int(t[compact.ROUTED])
-        stats.skipped_pairs += int(t[compact.SKIPPED])
-        stats.cpu_pairs += int(t[compact.CPU_PAIRS])
-        stats.cpu_expert_loads += int(t[compact.CPU_EXPERTS])
-        stats.device_pairs += int(t[compact.DEVICE_PAIRS])
-        stats.device_expert_loads += int(t[compact.DEVICE_EXPERTS])
+        """After it: the step's routing into the decoder's RoutingStats (RoutingStats.add, as an eager layer's)."""
+        t = self.totals_host  # the MTP layer is never in these steps (Decoder.forward_mtp is eager)
+        stats.add({layer: self.counts_host[slot] for layer, slot in self.slots.items() if layer < self.cfg.num_layers},
+                  RoutingTotals(int(t[compact.ROUTED]), int(t[compact.SKIPPED]), int(t[compact.CPU_PAIRS]),
+                                int(t[compact.CPU_EXPERTS]), int(t[compact.DEVICE_PAIRS]),
+                                int(t[compact.DEVICE_EXPERTS])))
         stats.count_pool_wait(waited_ns)
 
 
-__all__ = ["GraphSteps", "MAX_ROWS", "StreamInterrupted"]
+class StreamedStep(EagerStep):
+    """A graph-ready step's side of the forward (model/step.py's EagerStep for the eager one): inputs from the fixed
+    places, keys and values stored and attended through the step's tables on the device, the pool driven from the
+    stream, the logits queued into page-locked rows; the caches advance once the step's work is done (run)."""
+
+    def __init__(self, graph: GraphSteps, decoder, batch: StepBatch):
+        super().__init__(decoder, batch)
+        self.graph, self.tables = graph, graph.tables
+        self.bf16 = decoder.kv_dtype == "bf16"
+
+    def inputs(self):
+        rows = self.batch.rows
+        return self.graph.embed(rows), self.graph.rope(rows)
+
+    def last_rows(self):
+        return self.tables.last_rows(len(self.batch.seqs))
+
+    def wanted_rows(self, a):
+        return a[self.tables.wanted_rows(sum(self.batch.wanted))]  # a gather: no host table
+
+    def logits(self, a):
+        return self.graph.logits(a @ self.decoder.w.lm_head.T)  # [R, V] queued; the runner waits
+
+    def finish(self) -> None:
+        """Nothing yet: the runner advances the caches after the step's one wait."""
+
+    def moe(self, i: int, lw, x):
+        return self.graph.moe(i, lw, x)
+
+    def attend(self, i: int, q, k, v, window: int | None, rows=None):
+        """The new keys and values stored and every sequence's attention made in two launches that read the
+        caches' places and lengths from the step's tables, not from arguments; the same bits as the eager form."""
+        k_ptrs, v_ptrs, row_seq, row_pos, q_seq, q_pos, seq_len = self.tables.layer(i, rows is not None)
+        device_ops.kv_store(k, v, k_ptrs, v_ptrs, row_seq, row_pos, self.bf16)
+        cfg = self.decoder.cfg
+        return device_ops.gqa_attention_cached(q, (k_ptrs, v_ptrs, q_seq, q_pos, seq_len), window,
+                                               cfg.head_dim ** -0.5, cfg.num_kv_heads, self.tables.score_stride,
+                                               self.bf16)  # [N or B, nh*hd]
+
+    def attend_mla(self, i: int, lw, q_nope, q_rope, latent, k_rope, rope, rows=None):
+        """The absorbed form where every sequence's eager call takes it (GraphSteps.begin): latent and k_rope
+        stored by one kv_store, every sequence's attention in three launches reading the caches' places, lengths
+        and chunks from the step's tables; else the eager form. The same bits as the eager form."""
+        if not self.graph.mla_cached[rows is not None]:
+            return super().attend_mla(i, lw, q_nope, q_rope, latent, k_rope, rope, rows)
+        d, tables = self.decoder, self.tables
+        cos, sin = rope
+        q_rope = d.mla_rotate(q_rope, *((cos, sin) if rows is None else (cos[rows], sin[rows])))  # [Nq, nh, dr]
+        k_ptrs, v_ptrs, row_seq, row_pos, q_seq, q_pos, seq_len = tables.layer(i, rows is not None)
+        device_ops.kv_store(latent, k_rope, k_ptrs, v_ptrs, row_seq, row_pos, self.bf16)
+        w = lw.mla
+        w_uk, w_uv = (w.w_uk, w.w_uv) if w.w_uk is not None else d.kv_b_heads(w.kv_b)
+        w_uv_t = None if w_uv is None else w_uv.transpose(0, 2, 1)  # None: w_uk is the compact kv_b
+        return device_ops.mla_attention_absorbed_cached(
+            q_nope, q_rope, (k_ptrs, v_ptrs, q_seq, q_pos, seq_len, tables.chunks(rows is not None)), w_uk, w_uv_t,
+            d.cfg.mla.softmax_scale, tables.score_stride, self.bf16)  # [Nq, nh*dv]
+
+
+__all__ = ["GraphSteps", "MAX_ROWS", "StreamInterrupted", "StreamedStep"]

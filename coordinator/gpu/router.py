@@ -40,8 +40,8 @@ import numpy as np
 
 from node_worker.kernels import silu
 
-from ..gpu import kernels
-from ..model.host_ops import NORM_EPS
+from . import kernels
+from ..model.ops import ROUTER_NORM_EPS as NORM_EPS
 
 MAX_THREADS = 256  # a block's threads at most: an expert a thread up to DeepSeek-V3's 256
 MAX_EXPERTS = 1024  # a row's experts at most: four a thread

@@ -3,7 +3,7 @@
 At decode a layer's rows are one token, so the device side is bound by calls, not
 arithmetic: each CuPy call costs tens of microseconds on the host whatever its size,
 and rms_norm, RoPE, the masked softmax, the router and silu take several calls each.
-Each of those is one kernel here (the router's is coordinator/device/router.py's, the
+Each of those is one kernel here (the router's is coordinator/gpu/router.py's, the
 host's bits); ops.py calls them for CuPy arrays and keeps its NumPy forms (and host_ops'
 compiled loops) for the host. Results equal the NumPy forms to float32 rounding
 (tests/test_gpu.py, against float64). A layer's attention is one launch too (CuPy's
@@ -52,8 +52,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..device import format_kernels
-from ..gpu import kernels
+from . import format_kernels
+from . import kernels
 
 THREADS = 128  # a block per row; a multiple of the warp, as the shuffle reductions need
 

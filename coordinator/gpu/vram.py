@@ -187,7 +187,7 @@ def step_terms(cfg: ModelConfig, rows: int, context: int, nodes: int = 8) -> dic
     T, H = rows, cfg.hidden_size
     nh = cfg.num_heads
     if cfg.mla is not None:
-        from ..model.device_ops import mla_max_splits
+        from .ops import mla_max_splits
 
         m = cfg.mla
         c, dr, dn, dv = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
@@ -197,7 +197,7 @@ def step_terms(cfg: ModelConfig, rows: int, context: int, nodes: int = 8) -> dic
                      + T * nh * (c + dr)  # the absorbed queries
                      + scratch + T * nh * c)  # out_lat where kv_b is compact (read as it lies, never widened)
     else:
-        from ..model.device_ops import gqa_max_splits
+        from .ops import gqa_max_splits
 
         hd = cfg.head_dim
         scratch = T * nh * gqa_max_splits(context) * (hd + 2)  # the split-K partials and their (max, sum)
@@ -215,7 +215,7 @@ def step_terms(cfg: ModelConfig, rows: int, context: int, nodes: int = 8) -> dic
 
 def step_bytes(cfg: ModelConfig, rows: int, context: int, nodes: int = 8) -> int:
     """A graph-ready decode step's peak device memory for ``rows`` rows over caches of ``context`` tokens
-    (coordinator/device/arena.py: the step's arrays planned by lifetimes, so one layer's transients at a time):
+    (coordinator/gpu/arena.py: the step's arrays planned by lifetimes, so one layer's transients at a time):
     what every layer keeps (the residual rows) and the largest of one layer's attention, its MoE or dense MLP,
     and lm_head's logits. ``nodes``: the pool's partials, one [rows, H] a node (8 covers every machine here)."""
     t = step_terms(cfg, rows, context, nodes)

@@ -32,8 +32,8 @@ import numpy as np
 from shm import formats
 from shm.formats import iq4xs, traits
 
-from ..gpu import kernels
-from ..model.xp import device_address
+from . import kernels
+from .transfer import device_address
 
 MAX_TOKENS = 8  # rows of x a matvec launch takes: one float32 sum each in every lane's registers
 WARPS = 4  # output rows a block, a warp each

@@ -96,7 +96,7 @@ def plan_memory(cfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig, expert
 def graph_step_rows(cfg: ModelConfig, config: EngineConfig) -> int:
     """The largest graph-ready decode step the engine will run (its buffer is in the plan), 0 where steps will be
     eager: Decoder.enable_graph_steps' conditions that the configuration alone decides."""
-    from ..model.graph_steps import MAX_ROWS
+    from .graph_steps import MAX_ROWS
 
     return MAX_ROWS if config.graph and config.pool == "process" and cfg.linear is None else 0
 
@@ -106,7 +106,7 @@ def compile_kernels() -> None:
     progress line once it has taken 2 s: no request waits for a compile."""
     from shm.progress import Progress
 
-    from ..model import device_ops
+    from . import ops as device_ops
     from . import compact, experts, format_kernels, router
 
     modules = (device_ops, format_kernels, experts, compact, router)

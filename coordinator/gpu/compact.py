@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..gpu import kernels
+from . import kernels
 
 TOTALS = 6
 SPLIT_THREADS = 256  # strata_split_pairs' one block: a thread a pair (and an expert), in turns past 256
