@@ -33,14 +33,14 @@ from .gpu.weights import upload as device_upload
 from .host.backend import HostBackend
 from .host.packed import pack_dense
 from .model.backend import Backend
-from .model.chat_template import ChatTemplate
-from .model.grammar import Grammars
+from .text.chat_template import ChatTemplate
+from .text.grammar import Grammars
 from .model.decoder import Decoder
 from .model.kv_cache import KVCache
 from .model.model_config import MTP_ARCHS, ModelConfig
 from .model.source import ModelSource, open_source
 from .model.step import StepBatch, StepOutput
-from .model.tokenizer import TextCodec
+from .text.tokenizer import TextCodec
 from .model.weights import layer_experts, load_weights
 from .pool import ExpertPool
 from .pool.hot_experts import ExpertProfile, device_expert_set, expert_bytes, whole_expert

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model.grammar import GrammarSpec
+from .text.grammar import GrammarSpec
 from .model.sampling_params import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 256  # the most new tokens a request makes when it does not say

@@ -27,12 +27,12 @@ from typing import Callable
 import numpy as np
 
 from .errors import ConfigValueError, StepInterrupted
-from .model.grammar import Constraint, GrammarError
+from .text.grammar import Constraint, GrammarError
 from .model.kv_cache import KVCache
 from .latency import new_histograms
 from .model.sampling import Sampler, top_logprobs
 from .model.step import StepBatch
-from .model.tokenizer import StreamDecoder
+from .text.tokenizer import StreamDecoder
 from .speculative import DraftHistory, DraftLength, NgramIndex, StepCosts
 from .request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 

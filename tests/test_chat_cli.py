@@ -19,7 +19,7 @@ from coordinator.cli.main import main
 from coordinator.cli.make_model import make_model
 from coordinator.config import ENV_VARS
 from coordinator.errors import StrataError
-from coordinator.model.chat_template import load_chat_template
+from coordinator.text.chat_template import load_chat_template
 from leftovers import segments_left, segments_now
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("dev_shm_alone")]  # `strata chat` processes

@@ -18,8 +18,8 @@ import gguf_writer
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from coordinator.errors import StrataError
-from coordinator.model.tokenizer import TextCodec
-from coordinator.model.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from coordinator.text.tokenizer import TextCodec
+from coordinator.text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 CASES = [(f.stem, i) for f in sorted(FIXTURES.glob("*.json")) for i in range(len(json.loads(f.read_text())["cases"]))]

@@ -425,7 +425,7 @@ def test_min_p_and_the_repeat_penalty_reach_the_sampler(tiny, capsys):
 def test_make_model_writes_a_chat_template_and_names_an_unwritable_out(tmp_path, capsys):
     out = tmp_path / "m"
     assert main(["make-model", "--out", str(out), "--layers", "1"]) == 0
-    from coordinator.model.chat_template import load_chat_template
+    from coordinator.text.chat_template import load_chat_template
 
     template = load_chat_template(out)
     assert template is not None and template.eos_token == "<|im_end|>"

@@ -230,7 +230,7 @@ def test_deepseek_v3_and_glm4_split_rules(tmp_path, pre):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from coordinator.cli.make_model import make_model
-    from coordinator.model.gguf_tokenizer import LLAMA3, gguf_tokenizer
+    from coordinator.text.gguf_tokenizer import LLAMA3, gguf_tokenizer
     from shm.gguf_file import GgufFile
 
     from gguf_writer import write_gguf

@@ -14,8 +14,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from coordinator.cli.make_model import make_model
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
-from coordinator.model.gguf_tokenizer import LLAMA3, QWEN2, gguf_codec, gguf_tokenizer
-from coordinator.model.tokenizer import TextCodec, TokenizerError
+from coordinator.text.gguf_tokenizer import LLAMA3, QWEN2, gguf_codec, gguf_tokenizer
+from coordinator.text.tokenizer import TextCodec, TokenizerError
 from shm.gguf_file import GgufFile, metadata_value
 
 from gguf_writer import write_gguf

@@ -1,4 +1,4 @@
-"""Constrained decoding (coordinator/model/grammar.py): the text always stays inside the grammar.
+"""Constrained decoding (coordinator/text/grammar.py): the text always stays inside the grammar.
 
 Random-weight models wander anywhere the vocabulary lets them, so they are the hard case: every sampled text
 must parse and match its schema, and end where the grammar lets it (the model's eos), not at the length limit.
@@ -16,7 +16,7 @@ import pytest
 from coordinator.cli.make_model import make_model
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
-from coordinator.model.grammar import GrammarError, GrammarSpec
+from coordinator.text.grammar import GrammarError, GrammarSpec
 from coordinator.request import ApiError, GenerateRequest
 from coordinator.scheduler import Scheduler, generate
 from coordinator.serving.api import decode_request

@@ -24,7 +24,7 @@ import pytest
 from coordinator.cli.make_model import make_model
 from coordinator.config import EngineConfig
 from coordinator.engine import Engine
-from coordinator.model.chat_template import ChatTemplate, turn_end_id
+from coordinator.text.chat_template import ChatTemplate, turn_end_id
 from coordinator.serving.http import prometheus
 from coordinator.serving.openai_api import OpenAIError, from_engine_error, generate_fields
 from served import REPO, server_env, start_server, stop_server, wait_for

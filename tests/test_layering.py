@@ -65,6 +65,15 @@ def test_the_network_knows_no_backend_and_the_backends_not_each_other(room, barr
     assert not reaching
 
 
+def test_text_stands_on_its_own():
+    """The tokenizers, chat templates and grammars (coordinator/text/) import no other coordinator package but
+    errors.py: the model, the server and the command line use them, not the other way round."""
+    reaching = sorted((name, i.target(MODULES)) for name in MODULES if under(name, "coordinator.text")
+                      for i in imports(MODULES[name]) if under(i.target(MODULES), "coordinator")
+                      and not under(i.target(MODULES), "coordinator.text", "coordinator.errors"))
+    assert not reaching
+
+
 def test_one_package_knows_cuda():
     """Every module that imports CuPy, or launches anything through it, is in coordinator/gpu/ (tests and tools
     aside)."""

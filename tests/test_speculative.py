@@ -380,7 +380,7 @@ def test_a_server_with_drafts_streams_the_greedy_tokens_of_concurrent_requests(s
 def test_drafts_with_a_grammar_and_logprobs(tmp_path):
     """A grammar-constrained request and one asking for logprobs: the same tokens with drafts as without, the
     logprobs the same to float32 rounding (the rows are computed in other batch shapes)."""
-    from coordinator.model.grammar import GrammarSpec
+    from coordinator.text.grammar import GrammarSpec
 
     model = make_model(tmp_path / "m", seed=2)
     with Engine.open(model, EngineConfig(pool="inproc")) as eng:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.cli.make_model import EOS_ID, SPECIAL_TOKENS, make_model
-from coordinator.model.tokenizer import TOKENIZER_NAME, StreamDecoder, TextCodec, TokenizerError, bytes_to_unicode
+from coordinator.text.tokenizer import TOKENIZER_NAME, StreamDecoder, TextCodec, TokenizerError, bytes_to_unicode
 
 # No surrogates (not encodable), and no U+FFFD: StreamDecoder treats a trailing
 # U+FFFD as "character not complete yet", so real ones are only held back.

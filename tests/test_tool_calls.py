@@ -17,8 +17,8 @@ from pathlib import Path
 import llguidance
 import pytest
 
-from coordinator.model.chat_template import ChatTemplate
-from coordinator.model.tokenizer import byte_level_tokenizer
+from coordinator.text.chat_template import ChatTemplate
+from coordinator.text.tokenizer import byte_level_tokenizer
 from coordinator.serving.tool_calls import (DEEPSEEK_V3, DEEPSEEK_V31, FORMATS, GLM45, QWEN, CallDelta, TextDelta,
                                             ToolCall, tool_format)
 

@@ -19,7 +19,7 @@ project's code) and point it at a llama.cpp tree and a Python that has torch and
 What is changed in the temporary copy the converter reads, and why:
 
 * tokenizer.json: the fixtures have none; the byte-level tokenizer of 256 byte tokens and no merges
-  (coordinator/model/tokenizer.py's byte_level_tokenizer), as the fixtures' vocab_size is 256. The
+  (coordinator/text/tokenizer.py's byte_level_tokenizer), as the fixtures' vocab_size is 256. The
   converter recognises a BPE pre-tokenizer by a hash and refuses one it does not know; with no merges every
   pre-tokenizer gives the same ids, so it is told "gpt-2" (as tools/train_tiny_moe.py's ``gguf`` does), and
   GLM's vocabulary writer (which looks up GLM's own special tokens, [gMASK] etc.) is replaced by the gpt2 one.
@@ -56,7 +56,7 @@ CONVERT = ("import sys; sys.argv = sys.argv[1:]; sys.path[:0] = [sys.argv[0].rsp
 
 
 def main() -> int:
-    from coordinator.model.tokenizer import byte_level_tokenizer
+    from coordinator.text.tokenizer import byte_level_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp source tree (build/bin for --q8)")

@@ -159,7 +159,7 @@ def main() -> int:
     from gguf_mla_fixtures import CONVERT, OWN_ARGS
     from safetensors.numpy import load_file, save_file
 
-    from coordinator.model.tokenizer import byte_level_tokenizer
+    from coordinator.text.tokenizer import byte_level_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp source tree built with cmake (build/bin)")

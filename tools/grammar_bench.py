@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.model.grammar import GrammarSpec, Grammars  # noqa: E402
+from coordinator.text.grammar import GrammarSpec, Grammars  # noqa: E402
 from coordinator.model.sampling import Sampler  # noqa: E402
 from coordinator.model.sampling_params import SamplingParams  # noqa: E402
 from coordinator.model.step import StepBatch
@@ -78,7 +78,7 @@ def load_tokenizer(path: Path):
     if path.suffix == ".gguf":
         import gguf
 
-        from coordinator.model.gguf_tokenizer import gguf_tokenizer
+        from coordinator.text.gguf_tokenizer import gguf_tokenizer
         from shm.gguf_file import metadata_value
 
         reader = gguf.GGUFReader(str(path))

@@ -69,7 +69,7 @@ def stdlib_files(root: Path) -> list[Path]:
 def write_tokenizer(out: Path, project_python: Path) -> None:
     """tokenizer.json exactly as ``strata make-model`` writes it, by the project's code in its own venv."""
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); {SPECIALS_SOURCE}; "
-            "from coordinator.model.tokenizer import byte_level_tokenizer; "
+            "from coordinator.text.tokenizer import byte_level_tokenizer; "
             f"assert EOS_ID == {EOS_ID}, EOS_ID; "
             f"byte_level_tokenizer(SPECIAL_TOKENS).save({str(out / 'tokenizer.json')!r})")
     subprocess.run([str(project_python), "-c", code], check=True, cwd=REPO)

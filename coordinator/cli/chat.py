@@ -131,7 +131,7 @@ class _CtrlC:
 def _answer(engine, ids: list[int], max_new: int, args, seed, tty: bool) -> tuple[str, str]:
     """Generate and stream one answer, ended by the model's eos, the template's end-of-turn token, a --stop
     string, the token limit or Ctrl-C: (its text, why it ended)."""
-    from ..model.chat_template import turn_end_id
+    from ..text.chat_template import turn_end_id
 
     turn_end = turn_end_id(engine.chat_template, engine.codec)
     options = {**sampling_options(args), "seed": seed, "stop_token_ids": () if turn_end is None else (turn_end,)}

@@ -19,7 +19,7 @@ import numpy as np
 from shm.checkpoint_writer import save_checkpoint
 from shm.progress import Progress
 
-from ..model.tokenizer import byte_level_tokenizer
+from ..text.tokenizer import byte_level_tokenizer
 
 ARCH_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
               "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",

@@ -15,10 +15,10 @@ from pathlib import Path
 from shm.checkpoint import Checkpoint
 from shm.gguf_checkpoint import GgufCheckpoint, gguf_path
 
-from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from .gguf_tokenizer import gguf_codec
+from ..text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from ..text.gguf_tokenizer import gguf_codec
 from .model_config import ModelConfig, attach_mtp, load_model_config, parse_model_config
-from .tokenizer import TextCodec
+from ..text.tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
 

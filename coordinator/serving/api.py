@@ -34,7 +34,7 @@ Sampling (the defaults are off; every field is optional):
   score text.
 - ``logit_bias`` {"token id": bias in [-100, 100]} (OpenAI's; up to 300 ids): added to those logits after the
   penalties, so it steers greedy decoding and the logprobs too.
-- ``grammar`` (constrained decoding, coordinator/model/grammar.py): {"type": "json_schema", "schema": {...}},
+- ``grammar`` (constrained decoding, coordinator/text/grammar.py): {"type": "json_schema", "schema": {...}},
   {"type": "json_object"}, {"type": "lark", "grammar": "..."} (llguidance's Lark) or {"type": "regex",
   "pattern": "..."}: every token chosen keeps the text inside it (compact JSON: no free whitespace), and the
   end-of-sequence ids are allowed only where the text is complete. The logprobs stay those of the penalised
@@ -88,8 +88,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..model.grammar import KINDS as GRAMMAR_KINDS
-from ..model.grammar import GrammarSpec
+from ..text.grammar import KINDS as GRAMMAR_KINDS
+from ..text.grammar import GrammarSpec
 from ..request import ApiError, GenerateRequest, Limits
 
 MAX_ID_CHARS = 128

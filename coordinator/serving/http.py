@@ -39,7 +39,7 @@ from aiohttp import web, web_protocol, web_server
 from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_HEADER_TIMEOUT_S,
                   MAX_REQUEST_BYTES, encode_event)
 from .. import latency
-from ..model.chat_template import ChatTemplateError, turn_end_id
+from ..text.chat_template import ChatTemplateError, turn_end_id
 from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat_logprobs, chat_messages, chat_tools,
                          check_model, check_unicode, choices, chunk, completion_logprobs, completion_prompts,
                          completion_response, echo, echoed, error_body, from_engine_error, generate_fields,

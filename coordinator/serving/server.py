@@ -34,7 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StepInterrupted, StrataError
-from ..model.grammar import GrammarError
+from ..text.grammar import GrammarError
 from ..request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
 from ..scheduler import Scheduler
 from .api import (BRIDGE_FRAME_BYTES, BRIDGE_ID, MAX_REQUEST_BYTES, CancelRequest, HealthRequest, StatsRequest, decode_request, encode_event,
