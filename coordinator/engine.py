@@ -37,6 +37,7 @@ from .text.chat_template import ChatTemplate
 from .text.grammar import Grammars
 from .model.decoder import Decoder
 from .model.kv_cache import KVCache
+from .model.arch import family
 from .model.model_config import MTP_ARCHS, ModelConfig
 from .model.source import ModelSource, open_source
 from .model.step import StepBatch, StepOutput
@@ -171,7 +172,7 @@ class Engine:
         source = source or open_source(model_dir)  # GGUF: the config, tokenizer and template from its metadata
         ckpt, mcfg = source.checkpoint, source.config
         if config.speculative == "mtp" and not mcfg.mtp_layers:
-            named = f"model.layers.{mcfg.num_layers}.eh_proj" + (" or mtp.fc" if mcfg.arch == "qwen3_next" else "")
+            named = family(mcfg.arch).mtp_tensor_names(mcfg)
             missing = (f"no {named} in the checkpoint" if mcfg.arch in MTP_ARCHS else
                        f"an architecture without one; {', '.join(MTP_ARCHS)} have it")
             raise ConfigValueError(f"{model_dir}: speculative mtp needs the model's multi-token-prediction layer "

@@ -1,6 +1,6 @@
 """Every way a checkpoint directory can be wrong produces an error that names what is wrong.
 
-The tiny geometry (coordinator.cli.make_model.Geometry): hidden 64, 4 heads and 2 kv
+The tiny geometry (coordinator/model/arch/base.py's Geometry): hidden 64, 4 heads and 2 kv
 heads of 16, so q_proj is [64, 64], k_proj/v_proj [32, 64]; 8 experts with
 intermediate size 80, so an expert's down_proj is [64, 80]; vocab 320.
 """
@@ -16,7 +16,8 @@ import pytest
 
 from coordinator import Engine, EngineConfig
 from coordinator.errors import ModelConfigError
-from coordinator.model.model_config import ARCHITECTURES, SUPPORTED_ROPE_TYPES
+from coordinator.model.arch import BY_CLASS as ARCHITECTURES
+from coordinator.model.arch.base import SUPPORTED_ROPE_TYPES
 from shm.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError
 from shm.checkpoint_writer import write_safetensors
 

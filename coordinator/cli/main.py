@@ -13,6 +13,7 @@ from shm.checkpoint import CheckpointError
 
 from ..config import API_KEY_VAR, DENSE_DTYPES, EXPERT_DTYPES, SPECULATIVE_MODES, resolve_api_key
 from ..errors import StrataError
+from ..model.arch import FAMILIES
 from ..request import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_NEW_TOKENS_LIMIT,
                        DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_QUEUED)
 from ..serving.api import DEFAULT_ADDRESS, DEFAULT_HTTP_HEADER_TIMEOUT_S
@@ -428,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default %(default)s)")
     p.add_argument("--arch", default=None,
-                   choices=["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_next"],
+                   choices=[name for name, f in FAMILIES.items() if f.makeable],
                    help="default: the preset's own (qwen3_moe for tiny and bench-small)")
     p.add_argument("--dtype", default="F32", choices=["F32", "F16", "BF16"],
                    help="the checkpoint's tensor type (default %(default)s)")

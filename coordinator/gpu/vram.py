@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import StrataError
+from ..model.arch import family
 from ..model.model_config import ModelConfig
 from . import storage
 
@@ -86,7 +87,7 @@ def _layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
     """Layer i's non-expert tensors by checkpoint name."""
     H = cfg.hidden_size
     base = f"model.layers.{i}"
-    moe = f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
+    moe = f"{base}.{family(cfg.arch).moe_block}"
     out = [Tensor(f"{base}.input_layernorm.weight", (H,), False),
            Tensor(f"{base}.post_attention_layernorm.weight", (H,), False)]
     out += (_linear_attention(cfg, f"{base}.linear_attn") if cfg.is_linear(i)

@@ -18,6 +18,7 @@ from shm.checkpoint import Checkpoint, CheckpointError
 from shm.expert_source import ExpertRefs, TensorRef
 from shm.progress import Progress
 
+from .arch import family
 from .model_config import ModelConfig, mtp_names
 
 
@@ -170,7 +171,7 @@ def _prefix(cfg: ModelConfig, ckpt: Checkpoint, layer: int) -> tuple[str, str]:
     """(layer prefix, MoE block prefix); the MTP layer's where the checkpoint holds it (mtp_names)."""
     names = mtp_names(cfg, ckpt.__contains__) if layer == cfg.num_layers else None
     base = names.layer if names is not None else f"model.layers.{layer}"
-    return base, f"{base}.block_sparse_moe" if cfg.arch == "mixtral" else f"{base}.mlp"
+    return base, f"{base}.{family(cfg.arch).moe_block}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -266,7 +267,7 @@ def expert_refs(cfg: ModelConfig, r: _Reader, layer: int) -> dict[int, ExpertRef
     """Locate and check every routed expert of one layer (per-expert or fused tensors)."""
     _, moe = _prefix(cfg, r.ckpt, layer)
     H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    names = ("w1", "w3", "w2") if cfg.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    names = family(cfg.arch).expert_names
     stacked_gate = f"{moe}.experts.gate_proj"
     if stacked_gate in r.ckpt:
         # a GGUF file's ffn_{gate,up,down}_exps (shm/gguf_checkpoint.py): gate, up [E, I, H], down [E, H, I]
