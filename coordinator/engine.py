@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -17,37 +16,31 @@ from node_worker.kernels.kernel_set import compiled_cover, for_formats
 from shm import formats
 from shm.checkpoint import Checkpoint
 from shm.expert_store import matrix_bytes
-from shm.segments import shm_free
 from shm.topology import Node, format_cpulist
 
 from .config import EngineConfig
-from .context import available_memory, check_context
 from .cpu_experts import CpuExpertSpec, build_pool, expert_format, plan_cpu_experts, pool_nodes
 from .errors import ConfigValueError, StrataError
-from .gpu import load as device_load
 from .gpu.graph_steps import MAX_ROWS as GRAPH_ROWS
 from .gpu.probe import select_device
 from .gpu.vram import VramPlan
-from .gpu.weights import nbytes as device_nbytes
-from .gpu.weights import upload as device_upload
 from .host.backend import HostBackend
-from .host.packed import pack_dense
-from .model.backend import Backend
-from .text.chat_template import ChatTemplate
-from .text.grammar import Grammars
+from .model.arch import family
+from .model.backend import Backend, Placement
 from .model.decoder import Decoder
 from .model.kv_cache import KVCache
-from .model.arch import family
 from .model.model_config import MTP_ARCHS, ModelConfig
 from .model.source import ModelSource, open_source
 from .model.step import StepBatch, StepOutput
-from .text.tokenizer import TextCodec
 from .model.weights import layer_experts, load_weights
 from .pool import ExpertPool
-from .pool.hot_experts import ExpertProfile, device_expert_set, expert_bytes, whole_expert
+from .pool.hot_experts import ExpertProfile, expert_bytes
 from .request import DEFAULT_MAX_NEW_TOKENS, GenerateRequest
 from .scheduler import GenerationResult, generate
 from .speculative import DraftHistory, StepCosts
+from .text.chat_template import ChatTemplate
+from .text.grammar import Grammars
+from .text.tokenizer import TextCodec
 from .warmup import Compiles, Unit, engine_units, warm_up_host
 
 log = logging.getLogger(__name__)
@@ -91,6 +84,37 @@ def open_backend(device: str) -> Backend:
 
         return GpuBackend()
     return HostBackend()
+
+
+def check_speculative(source: ModelSource, config: EngineConfig) -> None:
+    """--speculative mtp refused, naming what is missing, where the model has no MTP layer to run."""
+    mcfg = source.config
+    if config.speculative != "mtp" or mcfg.mtp_layers:
+        return
+    named = family(mcfg.arch).mtp_tensor_names(mcfg)
+    missing = (f"no {named} in the checkpoint" if mcfg.arch in MTP_ARCHS else
+               f"an architecture without one; {', '.join(MTP_ARCHS)} have it")
+    raise ConfigValueError(f"{source.path}: speculative mtp needs the model's multi-token-prediction layer "
+                           f"({mcfg.arch} model, {missing}): use ngram or auto")
+
+
+def cpu_side(source: ModelSource, config: EngineConfig, weights, placement: Placement, nodes: list, planned,
+             compile_missing) -> CpuExpertSpec:
+    """The routed experts the network does not keep, planned over the pool's nodes in their format (its kernels
+    compiled where the layers' first experts named other formats than the whole layers); a node left idle is
+    said once per expert size."""
+    mcfg, ckpt = source.config, source.checkpoint
+    cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in placement.experts}
+    fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
+    if fmt != planned:
+        compile_missing([Unit.experts(compiled_cover(for_formats(fmt.names, config.activations)))])
+    cpu = plan_cpu_experts(source, config, cpu_experts, nodes, placement.experts, fmt)
+    left_out = cpu.plan.left_out
+    for size in sorted({size for size, _, _ in left_out}):  # one line per expert size
+        idle = [(node, reason) for s, node, reason in left_out if s == size]
+        log.warning("%d of %d nodes hold no rows of the size-%d experts and sit idle (node %s: %s)", len(idle),
+                    len(nodes), size, idle[0][0], idle[0][1])
+    return cpu
 
 
 @dataclass(eq=False)
@@ -171,80 +195,36 @@ class Engine:
         nodes = pool_nodes(config)  # before anything loads: a pool node that does not exist is refused at once
         source = source or open_source(model_dir)  # GGUF: the config, tokenizer and template from its metadata
         ckpt, mcfg = source.checkpoint, source.config
-        if config.speculative == "mtp" and not mcfg.mtp_layers:
-            named = family(mcfg.arch).mtp_tensor_names(mcfg)
-            missing = (f"no {named} in the checkpoint" if mcfg.arch in MTP_ARCHS else
-                       f"an architecture without one; {', '.join(MTP_ARCHS)} have it")
-            raise ConfigValueError(f"{model_dir}: speculative mtp needs the model's multi-token-prediction layer "
-                                   f"({mcfg.arch} model, {missing}): use ngram or auto")
-        backend = open_backend(config.device)
-        if not backend.gpu:  # a GPU's KV cache is in its memory plan (coordinator/gpu/vram.py)
-            check_context(mcfg, config.max_seq_len or mcfg.max_position_embeddings, len(nodes),
-                          config.pool == "process", available_memory(), shm_free() or 0, config.prefill_chunk)
+        check_speculative(source, config)
+        backend = open_backend(config.device)  # the side the network runs on, chosen once
+        backend.check_memory(mcfg, config, nodes)
         runs_kernels = runs_decode_kernels(config, backend.gpu, source.gguf)
         kernel_threads.settle(runs_kernels)  # before any kernel runs: libgomp reads its wait setting once
-        gpu = backend.gpu
-        if gpu:  # the GPU's experts and memory, checked before anything is read or uploaded
-            placed = device_load.place(mcfg, ckpt, config)
-            device_set, placement, hot_formats, one_expert, memory = (placed.experts, placed.chosen, placed.formats,
-                                                                      placed.one_expert, placed.memory)
-        else:  # a count the model cannot give: refused now
-            device_set, placement = device_expert_set(mcfg, ckpt, config)
-            hot_formats, one_expert, memory = {}, expert_bytes(mcfg), None
+        placement = backend.place(mcfg, ckpt, config)  # the experts beside the network, before anything is read
         compile_missing = Compiles(quiet)  # before anything runs them, in a child, what this build lacks
         planned, units = start_units(config, mcfg, ckpt, backend.gpu)
         compile_missing(units)
         weights = load_weights(mcfg, ckpt)
-        dense_format, dense_kernels = "f32", []
-        if config.dense_dtype != "f32" and not gpu:
-            fmt = None if config.dense_dtype == formats.AUTO else formats.get(config.dense_dtype)
-            nbytes, dense_format, dense_kernels = pack_dense(weights, fmt, config.activations != "f32", ckpt,
-                                                             config.activations == "bf16")
-            log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
-            compile_missing([Unit.dense(kernels) for kernels in dense_kernels])
-        xp = backend.xp
-        device_weights, device_experts = None, {}
-        if gpu:
-            with device_load.out_of_memory(memory):
-                device_weights = device_upload(weights, xp, ckpt, config.dense_dtype)
-                device_experts = device_load.load_experts(ckpt, weights.experts, device_set, hot_formats, mcfg, xp)
-        else:
-            device_experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(device_set)}
-        if gpu:
-            device_load.compile_kernels()  # NVRTC now, not in the first request
-            dense_format = memory.dense_formats
-            device_load.release_pool()  # the upload's temporaries
-            memory = dataclasses.replace(memory, dense=device_nbytes(device_weights),
-                                         hot_experts=device_experts.nbytes)  # what was uploaded
-        cpu_experts = {key: refs for key, refs in weights.experts.items() if key not in device_set}
-        fmt = expert_format(config, mcfg, ckpt, cpu_experts or weights.experts)
-        if fmt != planned:  # the layers' first experts named other formats than the whole layers (not seen)
-            compile_missing([Unit.experts(compiled_cover(for_formats(fmt.names, config.activations)))])
-        cpu = plan_cpu_experts(source, config, cpu_experts, nodes, device_set, fmt)
-        plan = cpu.plan
-        for size in sorted({size for size, _, _ in plan.left_out}):  # one line per expert size
-            idle = [(node, reason) for s, node, reason in plan.left_out if s == size]
-            log.warning("%d of %d nodes hold no rows of the size-%d experts and sit idle (node %s: %s)", len(idle),
-                        len(nodes), size, idle[0][0], idle[0][1])
+        loaded = backend.load(weights, placement, ckpt, mcfg, config, compile_missing)
+        cpu = cpu_side(source, config, weights, placement, nodes, planned, compile_missing)
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
         pool = build_pool(source, cpu, config, max_seq_len, runs_kernels)
         try:
-            kv_dtype = "f32" if config.kv_dtype == "f32" or not gpu else "bf16"
-            decoder = Decoder(mcfg, weights, pool, backend, device_experts, device_weights, config.route_tail_skip,
-                              kv_dtype)
-            step_buffer = memory.step if memory is not None else 0  # the plan's, made now: no step grows it
+            decoder = Decoder(mcfg, weights, pool, backend, loaded.experts, loaded.weights, config.route_tail_skip,
+                              "f32" if config.kv_dtype == "f32" else "bf16")
+            step_buffer = loaded.memory.step if loaded.memory is not None else 0  # the plan's: no step grows it
             graph = backend.graph_runner(decoder, max_seq_len, config.graph_capture, step_buffer) \
                 if config.graph else None
             if graph is not None:
                 log.info("decode steps of up to %d rows are graph-ready", GRAPH_ROWS)
-            warm_up_host(dense_kernels)
+            warm_up_host(loaded.dense_kernels)
             load_s = time.perf_counter() - start
             log.info("loaded %s (%s, %d layers) in %.2fs, plan %s over nodes %s",
-                     model_dir, mcfg.arch, mcfg.num_layers, load_s, plan.digest, plan.node_ids)
-            return cls(source, config, decoder, pool, graph, cpu,
-                       {"backend": backend.name, "experts": len(device_set), "chosen": placement,
-                        "bytes": len(device_set) * one_expert}, dense_format, load_s, compile_missing.seconds,
-                       memory)
+                     model_dir, mcfg.arch, mcfg.num_layers, load_s, cpu.plan.digest, cpu.plan.node_ids)
+            placed = {"backend": backend.name, "experts": len(placement.experts), "chosen": placement.chosen,
+                      "bytes": len(placement.experts) * placement.one_expert}
+            return cls(source, config, decoder, pool, graph, cpu, placed, loaded.dense_format, load_s,
+                       compile_missing.seconds, loaded.memory)
         except BaseException:  # Ctrl-C included: the workers, their segments and the pool's folder go too
             pool.close()
             raise

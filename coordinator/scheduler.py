@@ -31,7 +31,7 @@ from .text.grammar import Constraint, GrammarError
 from .model.kv_cache import KVCache
 from .latency import new_histograms
 from .model.sampling import Sampler, top_logprobs
-from .model.step import StepBatch
+from .model.step import StepBatch, StepOutput
 from .text.tokenizer import StreamDecoder
 from .speculative import DraftHistory, DraftLength, NgramIndex, StepCosts
 from .request import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_QUEUED, ApiError, GenerateRequest, Limits
@@ -232,91 +232,121 @@ class Scheduler:
     def step(self) -> None:
         """Admit, run one forward pass (prompt chunks + one decode token per running sequence), sample and emit."""
         t0 = time.perf_counter()
+        self._admit()
+        chunks = self._chunks()
+        decoding = list(self.active)
+        drafted = self._drafts_timed(decoding)
+        try:
+            if not chunks and not decoding:
+                return
+            out = self._forward(chunks, decoding, drafted)
+            self._take(chunks, decoding, drafted, out)
+        except StepInterrupted:  # the server is shutting down: it fails every sequence next, nothing to emit here
+            raise
+        except Exception as exc:  # the engine failed this step: every admitted sequence ends with the cause
+            self._fail_all(exc)
+            raise
+        finally:
+            self.stats["steps"] += 1
+            self.stats["step_s"] += time.perf_counter() - t0
+
+    def _admit(self) -> None:
+        """Queued requests into prefilling, up to max_active sequences in all."""
         while self.queue and len(self.prefilling) + len(self.active) < self.max_active:
             s = self.queue.popleft()
             self.latency["queue"].observe(time.monotonic() - s.arrived)
             self.prefilling.append(s)
-        chunks: list[tuple[Sequence, int]] = []  # (prefilling sequence, prompt tokens it gets this step)
-        budget = self.prefill_chunk
+
+    def _chunks(self) -> list[tuple[Sequence, int]]:
+        """(prefilling sequence, prompt tokens it gets this step), within the step's prefill_chunk tokens."""
+        chunks, budget = [], self.prefill_chunk
         for s in self.prefilling:
             if budget <= 0:
                 break
             n = min(budget, len(s.prompt_ids) - s.prefilled)
             chunks.append((s, n))
             budget -= n
-        decoding = list(self.active)
-        t_drafts = time.perf_counter()
-        drafted = self._drafts(decoding)  # each running sequence's drafts ([] : none this step)
+        return chunks
+
+    def _drafts_timed(self, decoding: list[Sequence]) -> list[list[int]]:
+        """Each running sequence's drafts ([]: none this step), their cost counted."""
+        t = time.perf_counter()
+        drafted = self._drafts(decoding)
         made = sum(len(d) for d in drafted)
         if made:
-            self.costs.drafts(made, time.perf_counter() - t_drafts)
+            self.costs.drafts(made, time.perf_counter() - t)
+        return drafted
+
+    def _forward(self, chunks, decoding: list[Sequence], drafted: list[list[int]]) -> StepOutput:
+        """The step's one forward: the prompt chunks, then each running sequence's last token and its drafts.
+        Every row's logits where a chunk scores its prompt or a row verifies a draft; with MTP drafts, the rows
+        the MTP layer takes (a chunk's every row)."""
         batch = [(np.asarray(s.prompt_ids[s.prefilled:s.prefilled + n], np.int64), s.cache) for s, n in chunks]
         batch += [(np.array([s.out_ids[-1], *d], np.int64), s.cache) for s, d in zip(decoding, drafted)]
-        try:
-            if not batch:
-                return
-            scored = frozenset(k for k, (s, _) in enumerate(chunks) if s.prompt_logprobs is not None)
-            scored |= {len(chunks) + j for j, d in enumerate(drafted) if d}  # a drafted row's logits verify it
-            mtp = self.speculative == "mtp"  # each sequence's rows for the MTP layer: a chunk's every row
-            t_forward = time.perf_counter()
-            out = self.engine.step(StepBatch(batch, all_rows=scored, hidden=mtp,  # a scored chunk's: every row's
-                                             hidden_rows=frozenset(range(len(chunks))) if mtp else frozenset()))
-            outs, hidden = out.logits, out.hidden
-            if not chunks and self.speculative != "off":  # a decode step's cost by its rows (prompt rows differ)
-                self.costs.forward(len(decoding) + made, time.perf_counter() - t_forward)
-            if mtp:  # a prompt chunk's rows and an undrafted decode row wait for the MTP layer; a verify's, below
-                for s, h in zip([s for s, _ in chunks] + decoding, hidden):
-                    s.mtp_hidden.append(h)
-            done = []
-            for (s, n), logits in zip(chunks, outs):
-                if s.prompt_logprobs is not None:
-                    self._score_prompt(s, n, logits)
-                s.prefilled += n
-                self.stats["prefill_tokens"] += n
-                if s.prefilled == len(s.prompt_ids):
-                    s.logits = logits[-1]
-                    done.append(s)
-            if mtp:
-                self._mtp_feed([s for s, _ in chunks])
-            rows = {}  # a drafted sequence -> (its drafts, their k + 1 rows of logits, their hidden rows or None)
-            for j, (s, d, logits) in enumerate(zip(decoding, drafted, outs[len(chunks):])):
+        scored = frozenset(k for k, (s, _) in enumerate(chunks) if s.prompt_logprobs is not None)
+        scored |= {len(chunks) + j for j, d in enumerate(drafted) if d}  # a drafted row's logits verify it
+        mtp = self.speculative == "mtp"
+        t = time.perf_counter()
+        out = self.engine.step(StepBatch(batch, all_rows=scored, hidden=mtp,
+                                         hidden_rows=frozenset(range(len(chunks))) if mtp else frozenset()))
+        if not chunks and self.speculative != "off":  # a decode step's cost by its rows (prompt rows differ)
+            self.costs.forward(sum(len(ids) for ids, _ in batch), time.perf_counter() - t)
+        return out
+
+    def _take(self, chunks, decoding: list[Sequence], drafted: list[list[int]], out: StepOutput) -> None:
+        """The forward's logits to their sequences: a chunk's prompt advanced (scored, and done when whole: it
+        samples its first token now), a running sequence's token sampled or its drafts verified."""
+        outs, hidden, mtp = out.logits, out.hidden, self.speculative == "mtp"
+        if mtp:  # a prompt chunk's rows and an undrafted decode row wait for the MTP layer; a verify's, below
+            for s, h in zip([s for s, _ in chunks] + decoding, hidden):
+                s.mtp_hidden.append(h)
+        done = []
+        for (s, n), logits in zip(chunks, outs):
+            if s.prompt_logprobs is not None:
+                self._score_prompt(s, n, logits)
+            s.prefilled += n
+            self.stats["prefill_tokens"] += n
+            if s.prefilled == len(s.prompt_ids):
                 s.logits = logits[-1]
-                if d:
-                    rows[id(s)] = (d, logits, hidden[len(chunks) + j] if mtp else None)
-                    if mtp:
-                        s.mtp_hidden.pop()  # _verify keeps the rows that stand
-            for s in done:  # the prompt is cached: it samples its first token now and decodes from the next step
-                self.prefilling.remove(s)
-            self.active.extend(done)
-            for s in list(self.active):
-                try:
-                    if id(s) in rows:
-                        self._verify(s, *rows[id(s)])
-                    else:
-                        self._advance(s, s.logits)
-                except GrammarError as exc:  # this sequence's grammar failed: it ends, the others go on
-                    self.stats["errors"] += 1
-                    self.emit(s.client, {"type": "error", "id": s.req.id, "code": "grammar", "message": str(exc)})
-                    self._remove(s)
-        except StepInterrupted:  # the server is shutting down: it fails every sequence next, nothing to emit here
-            raise
-        except Exception as exc:  # the engine failed this step: every admitted sequence ends with the cause
-            log.exception("engine step failed")
-            self.stats["errors"] += 1
-            failed = {id(s): s for s in self.prefilling + self.active}  # each sequence once
-            retry = getattr(exc, "retry_after_s", None)  # a node worker down (pool/supervisor.py): transient
-            for s in failed.values():
-                event = {"type": "error", "id": s.req.id, "code": "engine" if retry is None else "unavailable",
-                         "message": f"{type(exc).__name__}: {exc}"}
-                if retry is not None:
-                    event["retry_after_s"] = retry
-                self.emit(s.client, event)
-            self.prefilling = []
-            self.active = []
-            raise
-        finally:
-            self.stats["steps"] += 1
-            self.stats["step_s"] += time.perf_counter() - t0
+                done.append(s)
+        if mtp:
+            self._mtp_feed([s for s, _ in chunks])
+        rows = {}  # a drafted sequence -> (its drafts, their k + 1 rows of logits, their hidden rows or None)
+        for j, (s, d, logits) in enumerate(zip(decoding, drafted, outs[len(chunks):])):
+            s.logits = logits[-1]
+            if d:
+                rows[id(s)] = (d, logits, hidden[len(chunks) + j] if mtp else None)
+                if mtp:
+                    s.mtp_hidden.pop()  # _verify keeps the rows that stand
+        for s in done:  # the prompt is cached: it samples its first token now and decodes from the next step
+            self.prefilling.remove(s)
+        self.active.extend(done)
+        for s in list(self.active):
+            try:
+                if id(s) in rows:
+                    self._verify(s, *rows[id(s)])
+                else:
+                    self._advance(s, s.logits)
+            except GrammarError as exc:  # this sequence's grammar failed: it ends, the others go on
+                self.stats["errors"] += 1
+                self.emit(s.client, {"type": "error", "id": s.req.id, "code": "grammar", "message": str(exc)})
+                self._remove(s)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """The engine failed the step: every admitted sequence ends once with the cause (unavailable, with when to
+        retry, where a node worker is down: pool/supervisor.py)."""
+        log.exception("engine step failed")
+        self.stats["errors"] += 1
+        failed = {id(s): s for s in self.prefilling + self.active}  # each sequence once
+        retry = getattr(exc, "retry_after_s", None)
+        for s in failed.values():
+            event = {"type": "error", "id": s.req.id, "code": "engine" if retry is None else "unavailable",
+                     "message": f"{type(exc).__name__}: {exc}"}
+            if retry is not None:
+                event["retry_after_s"] = retry
+            self.emit(s.client, event)
+        self.prefilling = []
+        self.active = []
 
     def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
         """Each running sequence's drafts this step: prompt lookup's, or the MTP layer's for all at once."""

@@ -34,8 +34,8 @@ def names_compared_with_an_arch(path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            arch = any((isinstance(s, ast.Attribute) and s.attr == "arch") or (isinstance(s, ast.Name) and s.id == "arch")
-                       for s in sides)
+            arch = any((isinstance(s, ast.Attribute) and s.attr == "arch") or
+                       (isinstance(s, ast.Name) and s.id == "arch") for s in sides)
             text = any(isinstance(s, ast.Constant) and isinstance(s.value, str) or
                        isinstance(s, (ast.Tuple, ast.List)) and any(isinstance(e, ast.Constant) for e in s.elts)
                        for s in sides)

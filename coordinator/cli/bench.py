@@ -199,101 +199,29 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
     model_dir = Path(model_dir)
     engines: dict[str, Engine] = {}
     labels = [(e.label, e.mode) for e in plan.engines]
-    tokens, prompt_tokens, rounds, seed = plan.tokens, plan.prompt_tokens, plan.rounds, plan.seed
     try:
-        took = 0
-        for k, bench_engine in enumerate(plan.engines):
-            before = psutil.virtual_memory().available
-            engines[bench_engine.label] = Engine.open(model_dir, bench_engine.config)
-            available = psutil.virtual_memory().available
-            took = max(took, before - available)  # the engine's heap, segments and workers
-            check_room_for_modes(took, list(engines), [name for name, _ in labels[k + 1:]], available)
+        available = _open_engines(model_dir, plan, engines)
         membw_bytes = plan.membw_bytes or stream_bytes(l3_bytes(), available)  # beside every mode's engine
         any_eng = next(iter(engines.values()))
         mcfg = any_eng.model_config
-        rng = np.random.default_rng(seed)
-        prompt = bench_prompt(plan, any_eng, rng)
-        prompt_tokens = len(prompt)
-        results: dict[str, dict] = {m: {"decode_tps": [], "prefill_tps": [], "timings": [], "pairs": 0,
-                                        "expert_loads": 0, "spec_tps": [], "spec_steps": 0, "drafted": 0,
-                                        "accepted": 0, "spec_tokens": 0} for m in engines}
-        for eng in engines.values():
-            eng.generate(prompt, max_new_tokens=plan.warmup_tokens, stop_at_eos=False)
-        for k in range(rounds):
-            print(f"bench: round {k + 1} of {rounds} ({', '.join(engines)})", file=sys.stderr, flush=True)
-            for mode, eng in engines.items():  # interleaved: A B C A B C ...
-                pool = eng.pool
-                sampling = {"temperature": plan.temperature, "seed": seed + k}
-                res = results[mode]
-                drafts_first = plan.speculative != "off" and k % 2 == 1  # the order alternates, so drift evens out
-                if drafts_first:
-                    _drafted_round(eng, plan.speculative, prompt, tokens, sampling, res)
-                pool.record_timings, pool.timings = True, []
-                loads0, pairs0 = eng.decoder.stats.cpu_expert_loads, eng.decoder.stats.routed_pairs
-                r = eng.generate_full(prompt, max_new_tokens=tokens, stop_at_eos=False, speculative="off", **sampling)
-                pool.record_timings = False
-                res["decode_tps"].append(r.timings["decode_tokens_per_s"])
-                res["prefill_tps"].append(r.timings["prefill_tokens_per_s"])
-                res["timings"].extend(pool.timings)
-                res["expert_loads"] += eng.decoder.stats.cpu_expert_loads - loads0
-                res["pairs"] += eng.decoder.stats.routed_pairs - pairs0
-                if plan.speculative != "off" and not drafts_first:
-                    _drafted_round(eng, plan.speculative, prompt, tokens, sampling, res)
+        prompt = bench_prompt(plan, any_eng, np.random.default_rng(plan.seed))
+        results = _rounds(engines, plan, prompt)
         report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
                   "state_bytes_per_sequence": mcfg.state_bytes_per_sequence,
-                  "spin_us": plan.engines[0].config.pool_spin_us, "tokens": tokens, "prompt_tokens": prompt_tokens,
+                  "spin_us": plan.engines[0].config.pool_spin_us, "tokens": plan.tokens, "prompt_tokens": len(prompt),
                   "prompt": "text" if plan.prompt_text is not None else "repetitive" if plan.repetitive else "random",
-                  "rounds": rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(), "device": dict(plan.settings),
-                  "formats": list(plan.formats), "kernels": target_summary(), "modes": {}}
-        for mode, eng in engines.items():
-            expert_bytes = eng.cpu_expert_bytes()
-            res = results[mode]
-            pool = eng.pool
-            floor = [pool.ping() * 1e6 for _ in range(100)]  # in-process: a call's time, no sockets
-            bw = pool.membw(membw_bytes)
-            decode = layer_figures(res["timings"], decode_only=True)
-            all_calls = layer_figures(res["timings"], decode_only=False)
-            pool_gbps = decode["bytes_read"] / decode["compute_s"] / 1e9 if decode["compute_s"] else None
-            health = pool.health()
-            node_info = {n.id: n for n in eng.nodes}
-            stored = sum(h["segment_bytes"] or 0 for h in health)  # each node's store, in a segment or the heap
-            report["modes"][mode] = {
-                "mode": next(m for label, m in labels if label == mode),
-                "config": {"pool": eng.config.pool, "numa_split": eng.config.numa_split, "plan": pool.plan.digest},
-                "decode_tokens_per_s": by_round(res["decode_tps"]),
-                "prefill_tokens_per_s": summary(res["prefill_tps"]),
-                "moe_layer_decode": decode,
-                "empty_round_trip_us": summary(floor),
-                "overhead_per_token": per_token_overhead(decode, len(mcfg.moe_layers), res["decode_tps"]),
-                "overhead_vs_floor": (decode["overhead_us"]["median"] / statistics.median(floor)
-                                      if statistics.median(floor) > 0 and decode["overhead_us"]["median"] is not None
-                                      else None),
-                "pool_gb_per_s": pool_gbps,
-                "membw": bw,
-                "bandwidth_ratio": pool_gbps / bw["gb_per_s"] if pool_gbps else None,
-                "experts": eng.expert_report(),
-                "expert_format": eng.expert_format,
-                "dense_format": eng.dense_format,
-                "gpu_memory": eng.gpu_memory.as_dict() if eng.gpu_memory is not None else None,
-                "stored_bytes_per_weight": stored / eng.cpu_expert_weights() if eng.cpu_expert_weights() else None,
-                "bytes": {"counted": all_calls["bytes_read"], "implied_by_routing": res["expert_loads"] * expert_bytes,
-                          "expert_loads": res["expert_loads"], "routed_pairs": res["pairs"]},
-                "nodes": [{
-                    "node": h["node"], "virtual": node_info[h["node"]].virtual, "threads": h.get("threads"),
-                    "cpus": list(node_info[h["node"]].cpus), "slice_rows": h.get("slice_rows"),
-                    "mean_rows": pool.plan.mean_rows(mcfg.moe_intermediate_size, h["node"]),
-                    "local_share": (h.get("placement") or {}).get("local_share"),
-                } for h in health],
-                "balance": node_balance(res["timings"], pool.plan),
-                "speculative": speculative_figures(plan.speculative, res),
-            }
+                  "rounds": plan.rounds, "membw_bytes": membw_bytes, "l3_bytes": l3_bytes(),
+                  "device": dict(plan.settings), "formats": list(plan.formats), "kernels": target_summary(),
+                  "modes": {mode: {"mode": next(m for label, m in labels if label == mode),
+                                   **_mode_report(eng, results[mode], membw_bytes, plan.speculative)}
+                            for mode, eng in engines.items()}}
         if plan.quality_positions:
             # the first mode in each format (the first mode alone without formats); the rest are measured and
             # closed first: their memory goes to the f32 reference engine
             compared = [label for label, mode in labels if mode == labels[0][1]]
             for label in [name for name in engines if name not in compared]:
                 engines.pop(label).close()
-            quality = measure_quality(model_dir, engines, compared, plan.quality_positions, seed)
+            quality = measure_quality(model_dir, engines, compared, plan.quality_positions, plan.seed)
             report["quality"] = quality[compared[0]]
             if plan.formats:
                 report["quality_by_format"] = quality
@@ -302,6 +230,95 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
     finally:
         for eng in engines.values():
             eng.close()
+
+
+def _open_engines(model_dir: Path, plan: BenchPlan, engines: dict) -> int:
+    """Each mode's engine opened into ``engines`` (its label -> engine; the caller closes them), refused before
+    the next where the memory left cannot hold the rest; the memory available after the last."""
+    labels = [e.label for e in plan.engines]
+    took = available = 0
+    for k, bench_engine in enumerate(plan.engines):
+        before = psutil.virtual_memory().available
+        engines[bench_engine.label] = Engine.open(model_dir, bench_engine.config)
+        available = psutil.virtual_memory().available
+        took = max(took, before - available)  # the engine's heap, segments and workers
+        check_room_for_modes(took, list(engines), labels[k + 1:], available)
+    return available
+
+
+def _rounds(engines: dict, plan: BenchPlan, prompt: list[int]) -> dict[str, dict]:
+    """Every mode's figures over plan.rounds rounds, the modes interleaved (A B C A B C ...) after a warm-up."""
+    results: dict[str, dict] = {m: {"decode_tps": [], "prefill_tps": [], "timings": [], "pairs": 0,
+                                    "expert_loads": 0, "spec_tps": [], "spec_steps": 0, "drafted": 0,
+                                    "accepted": 0, "spec_tokens": 0} for m in engines}
+    for eng in engines.values():
+        eng.generate(prompt, max_new_tokens=plan.warmup_tokens, stop_at_eos=False)
+    for k in range(plan.rounds):
+        print(f"bench: round {k + 1} of {plan.rounds} ({', '.join(engines)})", file=sys.stderr, flush=True)
+        for mode, eng in engines.items():
+            pool = eng.pool
+            sampling = {"temperature": plan.temperature, "seed": plan.seed + k}
+            res = results[mode]
+            drafts_first = plan.speculative != "off" and k % 2 == 1  # the order alternates, so drift evens out
+            if drafts_first:
+                _drafted_round(eng, plan.speculative, prompt, plan.tokens, sampling, res)
+            pool.record_timings, pool.timings = True, []
+            loads0, pairs0 = eng.decoder.stats.cpu_expert_loads, eng.decoder.stats.routed_pairs
+            r = eng.generate_full(prompt, max_new_tokens=plan.tokens, stop_at_eos=False, speculative="off",
+                                  **sampling)
+            pool.record_timings = False
+            res["decode_tps"].append(r.timings["decode_tokens_per_s"])
+            res["prefill_tps"].append(r.timings["prefill_tokens_per_s"])
+            res["timings"].extend(pool.timings)
+            res["expert_loads"] += eng.decoder.stats.cpu_expert_loads - loads0
+            res["pairs"] += eng.decoder.stats.routed_pairs - pairs0
+            if plan.speculative != "off" and not drafts_first:
+                _drafted_round(eng, plan.speculative, prompt, plan.tokens, sampling, res)
+    return results
+
+
+def _mode_report(eng: Engine, res: dict, membw_bytes: int, speculative: str) -> dict:
+    """One mode's figures: its rounds' speeds, the MoE layer's times, the pool's floor and bandwidth, the experts
+    read, each node's share."""
+    mcfg, pool = eng.model_config, eng.pool
+    floor = [pool.ping() * 1e6 for _ in range(100)]  # in-process: a call's time, no sockets
+    bw = pool.membw(membw_bytes)
+    decode = layer_figures(res["timings"], decode_only=True)
+    all_calls = layer_figures(res["timings"], decode_only=False)
+    pool_gbps = decode["bytes_read"] / decode["compute_s"] / 1e9 if decode["compute_s"] else None
+    health = pool.health()
+    node_info = {n.id: n for n in eng.nodes}
+    stored = sum(h["segment_bytes"] or 0 for h in health)  # each node's store, in a segment or the heap
+    return {
+        "config": {"pool": eng.config.pool, "numa_split": eng.config.numa_split, "plan": pool.plan.digest},
+        "decode_tokens_per_s": by_round(res["decode_tps"]),
+        "prefill_tokens_per_s": summary(res["prefill_tps"]),
+        "moe_layer_decode": decode,
+        "empty_round_trip_us": summary(floor),
+        "overhead_per_token": per_token_overhead(decode, len(mcfg.moe_layers), res["decode_tps"]),
+        "overhead_vs_floor": (decode["overhead_us"]["median"] / statistics.median(floor)
+                              if statistics.median(floor) > 0 and decode["overhead_us"]["median"] is not None
+                              else None),
+        "pool_gb_per_s": pool_gbps,
+        "membw": bw,
+        "bandwidth_ratio": pool_gbps / bw["gb_per_s"] if pool_gbps else None,
+        "experts": eng.expert_report(),
+        "expert_format": eng.expert_format,
+        "dense_format": eng.dense_format,
+        "gpu_memory": eng.gpu_memory.as_dict() if eng.gpu_memory is not None else None,
+        "stored_bytes_per_weight": stored / eng.cpu_expert_weights() if eng.cpu_expert_weights() else None,
+        "bytes": {"counted": all_calls["bytes_read"],
+                  "implied_by_routing": res["expert_loads"] * eng.cpu_expert_bytes(),
+                  "expert_loads": res["expert_loads"], "routed_pairs": res["pairs"]},
+        "nodes": [{
+            "node": h["node"], "virtual": node_info[h["node"]].virtual, "threads": h.get("threads"),
+            "cpus": list(node_info[h["node"]].cpus), "slice_rows": h.get("slice_rows"),
+            "mean_rows": pool.plan.mean_rows(mcfg.moe_intermediate_size, h["node"]),
+            "local_share": (h.get("placement") or {}).get("local_share"),
+        } for h in health],
+        "balance": node_balance(res["timings"], pool.plan),
+        "speculative": speculative_figures(speculative, res),
+    }
 
 
 def bench_prompt(plan: BenchPlan, eng: Engine, rng: np.random.Generator) -> list[int]:

@@ -410,18 +410,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description="MoE decoding across NUMA nodes")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (also after the command)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="print no progress (also after the command)")
-    parser.add_argument("--version", action="version", version=f"strata {_version()}")
-    common = argparse.ArgumentParser(add_help=False)  # flags every command takes after its name too
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="log at INFO level")
-    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                        help="print no progress (the kernels compiled on a first run, the pool's layout)")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_make_model_command(sub, common) -> None:
+    """strata make-model's flags."""
     p = sub.add_parser("make-model", help="write a deterministic random checkpoint", parents=[common])
     p.add_argument("--preset", default="tiny", choices=list(PRESETS),
                    help="the geometry: " + ", ".join(PRESETS) + " (default %(default)s)")
@@ -440,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut the safetensors into shards of at most this size (default %(default)s)")
     p.set_defaults(func=cmd_make_model)
 
+
+def _add_generate_command(sub, common) -> None:
+    """strata generate's flags."""
     p = sub.add_parser("generate", help="generate text from a prompt", parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     src = p.add_mutually_exclusive_group(required=True)
@@ -451,8 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
 
-    add_chat_command(sub, common)  # strata chat: cli/chat.py
 
+def _add_serve_command(sub, common) -> None:
+    """strata serve's flags."""
     p = sub.add_parser("serve", help="serve the ZeroMQ client API", parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
     p.add_argument("--bind", default=None,
@@ -487,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 
+
+def _add_client_command(sub, common) -> None:
+    """strata client's flags."""
     p = sub.add_parser("client", help="send one prompt to a running server", parents=[common])
     p.add_argument("prompt", type=non_empty("the prompt"), help="the prompt text")
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the server's endpoint (default %(default)s)")
@@ -498,6 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the final event as JSON")
     p.set_defaults(func=cmd_client)
 
+
+def _add_bench_command(sub, common) -> None:
+    """strata bench's flags."""
     p = sub.add_parser("bench", help="decode/prefill speed, pool overhead and bandwidth, modes side by side",
                        description="Each mode sets its pool (and split mode its nodes); every other engine setting "
                                    "comes from its flag, else its STRATA_* variable, else the default, as in every "
@@ -548,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw tokens/s and the bandwidth ratio into this PNG (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
 
+
+def _add_profile_command(sub, common) -> None:
+    """strata profile's flags."""
     p = sub.add_parser("profile", help="count the routing over prompts into a frozen expert profile",
                        parents=[common])
     p.add_argument("-m", "--model", required=True, type=Path, help="a checkpoint folder or a GGUF file")
@@ -558,11 +561,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.set_defaults(func=cmd_profile)
 
+
+def _add_topo_command(sub, common) -> None:
+    """strata topo's flags."""
     p = sub.add_parser("topo", help="show the NUMA nodes, their CPUs and memory", parents=[common])
     p.add_argument("--nodes", type=int, default=None, help="show the nodes a split over N would use (virtual if needed)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_topo)
 
+
+def _add_shm_command(sub, common) -> None:
+    """strata shm's flags."""
     shm_p = sub.add_parser("shm", help="list or remove the shared-memory segments")
     shm_sub = shm_p.add_subparsers(dest="shm_command", required=True)
     p = shm_sub.add_parser("list", help="segments with size, owner, model, plan, state", parents=[common])
@@ -576,11 +585,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="remove segments of live owners too")
     p.set_defaults(func=cmd_shm_clean)
 
+
+def _add_config_command(sub, common) -> None:
+    """strata config's flags."""
     p = sub.add_parser("config", help="show the effective engine config and where each value came from",
                        parents=[common])
     add_engine_flags(p)
     p.set_defaults(func=cmd_config)
 
+
+def _add_cache_command(sub, common) -> None:
+    """strata cache's flags."""
     cache_p = sub.add_parser("cache", help="where the compiled CPU kernels are kept and what is compiled",
                              parents=[common])
     cache_p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -591,6 +606,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--others", action="store_true",
                    help="only the other builds' folders (other sources, numba versions or CPUs), not this one's")
     p.set_defaults(func=cmd_cache_clear)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="MoE decoding across NUMA nodes")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (also after the command)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print no progress (also after the command)")
+    parser.add_argument("--version", action="version", version=f"strata {_version()}")
+    common = argparse.ArgumentParser(add_help=False)  # flags every command takes after its name too
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log at INFO level")
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="print no progress (the kernels compiled on a first run, the pool's layout)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_model_command(sub, common)
+    _add_generate_command(sub, common)
+    add_chat_command(sub, common)  # strata chat: cli/chat.py
+    _add_serve_command(sub, common)
+    _add_client_command(sub, common)
+    _add_bench_command(sub, common)
+    _add_profile_command(sub, common)
+    _add_topo_command(sub, common)
+    _add_shm_command(sub, common)
+    _add_config_command(sub, common)
+    _add_cache_command(sub, common)
     return parser
 
 

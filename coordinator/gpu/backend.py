@@ -16,12 +16,12 @@ import logging
 import numpy as np
 
 from ..model import xp as model_xp
-from ..model.backend import Backend
+from ..model.backend import Backend, Loaded, Placement
 from ..model.decoder import FusedQKV
-from . import linear_attention, router
+from . import linear_attention, load, router
 from . import ops as device_ops
 from .transfer import HostStaging, SideStream, host_functions_refused
-from .weights import DeviceMatrix, upload
+from .weights import DeviceMatrix, nbytes, upload
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,25 @@ class GpuBackend(Backend):
     def side(self) -> SideStream:
         """The device experts' own stream."""
         return SideStream("cupy")
+
+    # -- at open --------------------------------------------------------------------------------------------
+    def place(self, mcfg, ckpt, config) -> Placement:
+        """The hot experts chosen and the GPU's memory planned and checked from the index (load.place): its KV
+        cache is in that plan, so check_memory has nothing of its own to check."""
+        return load.place(mcfg, ckpt, config)
+
+    def load(self, weights, placement: Placement, ckpt, mcfg, config, compile_missing) -> Loaded:
+        """The dense weights uploaded in their storage formats and the hot experts in their layers' formats (a
+        failed allocation refused naming the plan), every CUDA module built now (NVRTC, not in the first
+        request), the upload's temporaries handed back; the plan's figures become what was uploaded."""
+        memory = placement.memory
+        with load.out_of_memory(memory):
+            placed = upload(weights, self.xp, ckpt, config.dense_dtype)
+            experts = load.load_experts(ckpt, weights.experts, placement.experts, placement.formats, mcfg, self.xp)
+        load.compile_kernels()
+        load.release_pool()
+        memory = dataclasses.replace(memory, dense=nbytes(placed), hot_experts=experts.nbytes)
+        return Loaded(experts, placed, memory.dense_formats, memory=memory)
 
     # -- where arrays live ----------------------------------------------------------------------------------
     def upload(self, obj):

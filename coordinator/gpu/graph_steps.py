@@ -241,7 +241,7 @@ class GraphSteps:
                 self.stream.synchronize()
                 self.drop_counters()
                 self.forget(key)  # a graph of a failed step is not replayed: its shape is queued, then captured anew
-                with contextlib.suppress(Exception):  # the pool recovers from what the stream met; the first error is raised
+                with contextlib.suppress(Exception):  # the pool recovers from what the stream met; the first raises
                     link.end_step(batch.rows)
                 raise
         try:

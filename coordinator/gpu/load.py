@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from shm.checkpoint import Checkpoint
 from shm.expert_source import read_expert_slice
 
 from ..config import EngineConfig
+from ..model.backend import Placement
 from ..model.model_config import ModelConfig
 from ..model.weights import layer_experts
 from ..pool.hot_experts import device_expert_set
@@ -29,15 +29,6 @@ from .weights import DeviceMatrix, checkpoint_dtype
 
 Triple = tuple[str, str, str]
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Placement:
-    experts: frozenset  # (layer, e) kept whole on the GPU
-    chosen: str  # how they were chosen
-    formats: dict  # MoE layer -> its hot experts' (gate, up, down) formats
-    one_expert: int  # bytes of the largest layer's expert: what the budget counts
-    memory: vram.VramPlan
 
 
 def place(cfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig) -> Placement:
@@ -58,7 +49,7 @@ def place(cfg: ModelConfig, ckpt: Checkpoint, config: EngineConfig) -> Placement
     memory = plan_memory(cfg, ckpt, config, len(experts), formats)
     log.info("GPU memory planned: %s", memory.describe())
     memory.check(free)
-    return Placement(experts, chosen, formats, one, memory)
+    return Placement(experts, chosen, one, formats, memory)
 
 
 def expert_formats(cfg: ModelConfig, ckpt: Checkpoint, expert_dtype: str) -> dict[int, Triple]:

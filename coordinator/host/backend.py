@@ -5,9 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 
+import logging
+
+from shm import formats
+from shm.segments import shm_free
+
+from ..context import available_memory, check_context
 from ..model import ops
-from ..model.backend import Backend
+from ..model.backend import Backend, Loaded, Placement
+from ..pool.hot_experts import device_expert_set, expert_bytes, whole_expert
+from ..warmup import Unit
 from . import ops as loops
+from .packed import pack_dense
+
+log = logging.getLogger(__name__)
 
 HOST_ATTENTION_TOKENS = 4  # decode and small batches: the loop over any number of keys
 # A prompt's tokens (more than HOST_ATTENTION_TOKENS) take the loop up to this many keys, NumPy's batched matmuls
@@ -92,6 +103,30 @@ def route_grouped(logits: np.ndarray, bias, k: int, n_group: int, topk_group: in
 
 class HostBackend(Backend):
     """The network on the coordinator's CPU (the module docstring)."""
+
+    def check_memory(self, mcfg, config, nodes: list) -> None:
+        """The KV cache, the states and the pool's segment for the context within the host's memory and /dev/shm."""
+        check_context(mcfg, config.max_seq_len or mcfg.max_position_embeddings, len(nodes),
+                      config.pool == "process", available_memory(), shm_free() or 0, config.prefill_chunk)
+
+    def place(self, mcfg, ckpt, config) -> Placement:
+        """The experts kept whole in float32 (--gpu-experts on the NumPy side); a count the model cannot give is
+        refused now."""
+        experts, chosen = device_expert_set(mcfg, ckpt, config)
+        return Placement(experts, chosen, expert_bytes(mcfg))
+
+    def load(self, weights, placement: Placement, ckpt, mcfg, config, compile_missing) -> Loaded:
+        """The dense matrices packed in --dense-dtype's format (their kernels compiled where this build lacks
+        them), the placed experts read whole in float32."""
+        dense_format, kernels = "f32", []
+        if config.dense_dtype != "f32":
+            fmt = None if config.dense_dtype == formats.AUTO else formats.get(config.dense_dtype)
+            nbytes, dense_format, kernels = pack_dense(weights, fmt, config.activations != "f32", ckpt,
+                                                       config.activations == "bf16")
+            log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
+            compile_missing([Unit.dense(k) for k in kernels])
+        experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(placement.experts)}
+        return Loaded(experts, dense_format=dense_format, dense_kernels=kernels)
 
     def rms_norm(self, x, weight, eps: float):
         return rms_norm(x, weight, eps)

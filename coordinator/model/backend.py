@@ -9,7 +9,9 @@ it, each in its own package, and import this one, never each other:
     coordinator/gpu/backend.py    GpuBackend: CuPy arrays, the CUDA kernels, weights in their storage formats,
                                   page-locked staging, the experts' side stream, graph-ready decode steps
 
-Besides the numerics, a backend says where the network's arrays live (``xp``, ``upload``, ``to_host``), how the
+At open a backend says what its side needs before anything is read (``check_memory``), which routed experts it
+keeps beside the network (``place``) and puts the weights there (``load``): the engine's open is wiring around
+those. Besides the numerics, a backend says where the network's arrays live (``xp``, ``upload``, ``to_host``), how the
 pool's rows travel (``rows_to_host``, ``partials_buffer``, ``to_device``, ``side_stream``), and what a GPU adds
 (``fuse_qkv``, ``kv_b_heads``, ``linear_states``, ``graph_runner``); the host's answers are the trivial ones here.
 """
@@ -17,11 +19,34 @@ pool's rows travel (``rows_to_host``, ``partials_buffer``, ``to_device``, ``side
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import ops
 from .xp import to_host
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The routed experts kept beside the network, chosen at open before anything is read."""
+
+    experts: frozenset  # (layer, e)
+    chosen: str  # how they were chosen
+    one_expert: int  # bytes of one where they are kept (a GPU's: the largest layer's, in its formats)
+    formats: dict = field(default_factory=dict)  # a GPU's: MoE layer -> its hot experts' (gate, up, down) formats
+    memory: object = None  # a GPU's memory plan (coordinator/gpu/vram.py's VramPlan), checked against its free memory
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a backend put where the network runs at open."""
+
+    experts: object  # the experts kept beside it: a backend's own (their ``run``) or (layer, e) -> MLPWeights
+    weights: object = None  # the dense weights placed in their storage formats (a GPU's), or None: the host's own
+    dense_format: str = "f32"  # how the dense matrices are stored, for the reports
+    dense_kernels: list = field(default_factory=list)  # the host's packed dense matrices' kernel sets, warmed at open
+    memory: object = None  # a GPU's memory plan with what was uploaded
 
 
 class WholeExperts:
@@ -58,6 +83,18 @@ class Backend:
     name = "numpy"  # what the engine's reports call it
     xp = np  # the module of the network's arrays
     gpu = False  # whether a GPU holds them (the KV cache's bf16, the GPU's memory plan)
+
+    # -- at open ----------------------------------------------------------------------------------------------
+    def check_memory(self, mcfg, config, nodes: list) -> None:
+        """Refuse, naming the figures, a context the side cannot hold, before anything is read."""
+
+    def place(self, mcfg, ckpt, config) -> Placement:
+        raise NotImplementedError(f"the {self.name} backend does not load models")
+
+    def load(self, weights, placement: Placement, ckpt, mcfg, config, compile_missing) -> Loaded:
+        """The dense weights and the placed experts where the network runs (``compile_missing``: the engine's
+        compiler of kernel units this build lacks)."""
+        raise NotImplementedError(f"the {self.name} backend does not load models")
 
     # -- where arrays live ------------------------------------------------------------------------------------
     def upload(self, obj):

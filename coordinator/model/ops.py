@@ -101,8 +101,8 @@ def widen(a: np.ndarray) -> np.ndarray:
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, widen=None,
                   masked_softmax=None) -> np.ndarray:
     """q [T, nh, hd], k/v [S, nkv, hd] (float32, or a bf16 cache's uint16 bits), mask [T, S] -> [T, nh*hd].
-    Heads share KV in groups of nh/nkv; a host query of many rows in blocks (HOST_ATTENTION_SCORES). ``widen`` and ``masked_softmax``: a backend's forms of those two ops
-    (None: this module's)."""
+    Heads share KV in groups of nh/nkv; a host query of many rows in blocks (HOST_ATTENTION_SCORES). ``widen``
+    and ``masked_softmax``: a backend's forms of those two ops (None: this module's)."""
     widen, masked_softmax = widen or globals()["widen"], masked_softmax or globals()["masked_softmax"]
     T, nh, hd = q.shape
     nkv = k.shape[1]

@@ -259,42 +259,18 @@ def decode_request(raw: bytes, limits: Limits):
         raise ApiError("bad_request", f"'type' must be one of generate, cancel, stats, health; got {shown}",
                        rid if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS and lone_surrogate(rid) is None
                        else None)
+    return _generate_request(doc, limits)
+
+
+def _generate_request(doc: dict, limits: Limits) -> GenerateRequest:
+    """A generate document's fields, each checked (ApiError naming the one at fault); absent ones take
+    GenerateRequest's defaults."""
     rid = _id(doc)
     unknown = sorted(set(doc) - GENERATE_FIELDS)
     if unknown:
         raise ApiError("bad_request", f"unknown field(s): {', '.join(unknown)}", rid)
-    prompt, prompt_ids = doc.get("prompt"), doc.get("prompt_ids")
-    if (prompt is None) == (prompt_ids is None):
-        raise ApiError("bad_request", "give exactly one of 'prompt' (text) and 'prompt_ids' (list of integers)", rid)
-    if prompt is not None:
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError("bad_request", "'prompt' must be a non-empty string", rid)
-        _text(prompt, "prompt", rid)
-        if len(prompt) > limits.max_prompt_chars:
-            raise ApiError("too_long", f"'prompt' has {len(prompt)} characters; the limit is "
-                                       f"{limits.max_prompt_chars}", rid)
-    else:
-        if not isinstance(prompt_ids, list) or not prompt_ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
-            raise ApiError("bad_request", "'prompt_ids' must be a non-empty list of integers", rid)
-        if len(prompt_ids) > limits.max_prompt_tokens:
-            raise ApiError("too_long", f"'prompt_ids' has {len(prompt_ids)} tokens; the limit is "
-                                       f"{limits.max_prompt_tokens}", rid)
-        prompt_ids = tuple(prompt_ids)
-    stop = doc.get("stop", [])
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(
-            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise ApiError("bad_request", f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} "
-                                      f"non-empty strings of at most {MAX_STOP_CHARS} characters", rid)
-    for s in stop:
-        _text(s, "stop", rid)
-    stop_ids = doc.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
-        raise ApiError("bad_request", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
-                       rid)
+    prompt, prompt_ids = _prompt(doc, limits, rid)
+    stop, stop_ids = _stops(doc, rid)
     logit_bias = read_logit_bias(doc.get("logit_bias"), rid)
     prompt_logprobs = None if doc.get("prompt_logprobs") is None else read_int(doc, "prompt_logprobs", None, 0,
                                                                                 MAX_LOGPROBS, rid)
@@ -327,6 +303,48 @@ def decode_request(raw: bytes, limits: Limits):
         grammar=read_grammar(doc.get("grammar"), rid),
         skip_special_tokens=_flag(doc, "skip_special_tokens", G.skip_special_tokens, rid),
     )
+
+
+def _prompt(doc: dict, limits: Limits, rid: str) -> tuple:
+    """(prompt text or None, prompt ids or None): exactly one, within the limits."""
+    prompt, prompt_ids = doc.get("prompt"), doc.get("prompt_ids")
+    if (prompt is None) == (prompt_ids is None):
+        raise ApiError("bad_request", "give exactly one of 'prompt' (text) and 'prompt_ids' (list of integers)", rid)
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError("bad_request", "'prompt' must be a non-empty string", rid)
+        _text(prompt, "prompt", rid)
+        if len(prompt) > limits.max_prompt_chars:
+            raise ApiError("too_long", f"'prompt' has {len(prompt)} characters; the limit is "
+                                       f"{limits.max_prompt_chars}", rid)
+    else:
+        if not isinstance(prompt_ids, list) or not prompt_ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise ApiError("bad_request", "'prompt_ids' must be a non-empty list of integers", rid)
+        if len(prompt_ids) > limits.max_prompt_tokens:
+            raise ApiError("too_long", f"'prompt_ids' has {len(prompt_ids)} tokens; the limit is "
+                                       f"{limits.max_prompt_tokens}", rid)
+        prompt_ids = tuple(prompt_ids)
+    return prompt, prompt_ids
+
+
+def _stops(doc: dict, rid: str) -> tuple[list, list]:
+    """(stop strings, stop token ids), each list within its limits."""
+    stop = doc.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ApiError("bad_request", f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} "
+                                      f"non-empty strings of at most {MAX_STOP_CHARS} characters", rid)
+    for s in stop:
+        _text(s, "stop", rid)
+    stop_ids = doc.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+        raise ApiError("bad_request", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+                       rid)
+    return stop, stop_ids
 
 
 def encode_event(doc: dict) -> bytes:

@@ -510,8 +510,8 @@ class Draw:
 
 def swiglu(draw: Draw, prefix: str, inter: int, hidden: int, names=("gate_proj", "up_proj", "down_proj")) -> dict:
     """An MLP's three matrices under ``prefix``: gate and up [inter, hidden], down [hidden, inter]."""
-    return {f"{prefix}.{names[0]}.weight": draw.mat(inter, hidden), f"{prefix}.{names[1]}.weight": draw.mat(inter, hidden),
-            f"{prefix}.{names[2]}.weight": draw.mat(hidden, inter)}
+    gate, up, down = (f"{prefix}.{name}.weight" for name in names)
+    return {gate: draw.mat(inter, hidden), up: draw.mat(inter, hidden), down: draw.mat(hidden, inter)}
 
 
 # -- a family ------------------------------------------------------------------------------------------------------
@@ -570,8 +570,10 @@ class Family:
     def attention_tensors(self, draw: Draw, g: Geometry, layer: int, prefix: str) -> dict:
         """A layer's token mixer under ``prefix`` (model.layers.N): q, k, v and o projections."""
         a, hd, H = f"{prefix}.self_attn", g.head_dim, g.hidden_size
-        return {f"{a}.q_proj.weight": draw.mat(g.num_heads * hd, H), f"{a}.k_proj.weight": draw.mat(g.num_kv_heads * hd, H),
-                f"{a}.v_proj.weight": draw.mat(g.num_kv_heads * hd, H), f"{a}.o_proj.weight": draw.mat(H, g.num_heads * hd)}
+        return {f"{a}.q_proj.weight": draw.mat(g.num_heads * hd, H),
+                f"{a}.k_proj.weight": draw.mat(g.num_kv_heads * hd, H),
+                f"{a}.v_proj.weight": draw.mat(g.num_kv_heads * hd, H),
+                f"{a}.o_proj.weight": draw.mat(H, g.num_heads * hd)}
 
     def moe_tensors(self, draw: Draw, g: Geometry, moe: str) -> dict:
         """A MoE block under ``moe``: the router (peaked routing) and the routed experts."""

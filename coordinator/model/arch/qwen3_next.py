@@ -134,8 +134,10 @@ class Qwen3Next(Family):
             return {f"{prefix}.linear_attn.{n}": self._linear_tensor(draw, n, shape)
                     for n, shape in linear_shapes(g).items()}
         a, hd, H = f"{prefix}.self_attn", g.head_dim, g.hidden_size
-        return {f"{a}.q_proj.weight": draw.mat(2 * g.num_heads * hd, H), f"{a}.k_proj.weight": draw.mat(g.num_kv_heads * hd, H),
-                f"{a}.v_proj.weight": draw.mat(g.num_kv_heads * hd, H), f"{a}.o_proj.weight": draw.mat(H, g.num_heads * hd),
+        return {f"{a}.q_proj.weight": draw.mat(2 * g.num_heads * hd, H),
+                f"{a}.k_proj.weight": draw.mat(g.num_kv_heads * hd, H),
+                f"{a}.v_proj.weight": draw.mat(g.num_kv_heads * hd, H),
+                f"{a}.o_proj.weight": draw.mat(H, g.num_heads * hd),
                 f"{a}.q_norm.weight": draw.norm(hd, self.norm_centre),
                 f"{a}.k_norm.weight": draw.norm(hd, self.norm_centre)}
 
