@@ -27,7 +27,7 @@ from .gpu.vram import VramPlan
 from .host.backend import HostBackend
 from .model.arch import family
 from .model.backend import Backend, Placement
-from .model.decoder import Decoder
+from .model.decoder import Decoder, DecoderOptions
 from .model.kv_cache import KVCache
 from .model.model_config import MTP_ARCHS, ModelConfig
 from .model.source import ModelSource, open_source
@@ -210,8 +210,8 @@ class Engine:
         max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
         pool = build_pool(source, cpu, config, max_seq_len, runs_kernels)
         try:
-            decoder = Decoder(mcfg, weights, pool, backend, loaded.experts, loaded.weights, config.route_tail_skip,
-                              "f32" if config.kv_dtype == "f32" else "bf16")
+            decoder = Decoder(mcfg, weights, pool, backend, loaded, DecoderOptions(
+                config.route_tail_skip, "f32" if config.kv_dtype == "f32" else "bf16"))
             step_buffer = loaded.memory.step if loaded.memory is not None else 0  # the plan's: no step grows it
             graph = backend.graph_runner(decoder, max_seq_len, config.graph_capture, step_buffer) \
                 if config.graph else None

@@ -16,6 +16,7 @@ from coordinator.cli.main import main
 from coordinator.errors import ModelConfigError
 from coordinator.host import backend as host
 from coordinator.model import ops
+from coordinator.model.ops import RouterSpec
 from coordinator.model.model_config import load_model_config, parse_model_config
 from coordinator.model.step import StepBatch
 
@@ -48,7 +49,7 @@ def test_grouped_router_matches_a_float64_loop(E, k, n_group, topk_group, normal
     rng = np.random.default_rng(E + k)
     logits = rng.normal(0, 2, (40, E)).astype(np.float32)
     bias = rng.normal(0, 0.3, E).astype(np.float32)
-    ids, weights = host.route_grouped(logits, bias, k, n_group, topk_group, normalize, scaling)
+    ids, weights = host.route(logits, bias, RouterSpec(k, n_group, topk_group, False, normalize, scaling, True))
     want_ids, want_w = route_reference(logits, bias, k, n_group, topk_group, normalize, scaling)
     assert ids.dtype == np.int64 and weights.dtype == np.float32
     assert np.array_equal(ids, want_ids)
@@ -169,7 +170,8 @@ def test_both_attention_forms_match_transformers(absorb):
         assert float(np.max(np.abs(eng.logits(ids) - ref["full_logits"]))) < 2e-4
         assert float(np.max(np.abs(eng.logits(ids, steps=True) - ref["full_logits"]))) < 2e-4
         cache = eng.decoder.new_cache()  # chunks over cached latents, as the server's chunked prefill runs them
-        chunks = [eng.step(StepBatch.of(np.array(c, np.int64), cache, every_row=True)).logits[0] for c in (ids[:5], ids[5:13], ids[13:])]
+        chunks = [eng.step(StepBatch.of(np.array(c, np.int64), cache, every_row=True)).logits[0]
+                  for c in (ids[:5], ids[5:13], ids[13:])]
         assert float(np.max(np.abs(np.concatenate(chunks) - ref["full_logits"]))) < 2e-4
         cache = eng.decoder.new_cache()  # last_only: the last layer takes each sequence's last query alone
         for a, b in ((0, 5), (5, 13), (13, len(ids))):
@@ -200,7 +202,7 @@ def route_reference_v2(logits, k, n_group, topk_group, scaling):
 def test_deepseek_v2_softmax_router_matches_a_float64_loop(E, k, n_group, topk_group, scaling):
     rng = np.random.default_rng(E + k)
     logits = rng.normal(0, 2, (40, E)).astype(np.float32)
-    ids, weights = host.route_grouped(logits, None, k, n_group, topk_group, False, scaling, "softmax")
+    ids, weights = host.route(logits, None, RouterSpec(k, n_group, topk_group, True, False, scaling, True))
     want_ids, want_w = route_reference_v2(logits, k, n_group, topk_group, scaling)
     assert np.array_equal(ids, want_ids)
     np.testing.assert_allclose(weights, want_w, rtol=2e-6, atol=1e-7)

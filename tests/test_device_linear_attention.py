@@ -114,7 +114,8 @@ def prefill_then_decode(eng, prompt: np.ndarray, decode: list[int], cut: int) ->
     """Every position's logits [len(prompt) + len(decode), V], one cache: the prompt fed ``cut`` tokens a step (a
     chunked prefill), then the decode tokens one a step."""
     cache = eng.new_cache()
-    parts = [eng.step(StepBatch.of(prompt[lo:lo + cut], cache, every_row=True)).logits[0] for lo in range(0, prompt.size, cut)]
+    parts = [eng.step(StepBatch.of(prompt[lo:lo + cut], cache, every_row=True)).logits[0]
+             for lo in range(0, prompt.size, cut)]
     parts += [eng.step(StepBatch.of(np.array([t], np.int64), cache, every_row=True)).logits[0] for t in decode]
     return np.concatenate(parts)
 

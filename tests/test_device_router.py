@@ -1,5 +1,5 @@
-"""The device router (coordinator/gpu/router.py) against the host's (host/backend.py's route_top_k and
-route_grouped: the top_k loop): the same ids and the same weights' bits, for every architecture's fixture under
+"""The device router (coordinator/gpu/router.py) against the host's (host/backend.py's route: the top_k
+loop): the same ids and the same weights' bits, for every architecture's fixture under
 tests/fixtures/hf (its router's geometry, its real router weights on random hidden states) and for the
 full-size geometries; and both against float64 loops. On a GPU through CuPy (`-m gpu`), everywhere else through
 tests/cuda_emulator.py."""
@@ -17,6 +17,7 @@ import pytest
 from coordinator.gpu import router
 from coordinator.gpu.backend import GpuBackend
 from coordinator.host import backend as host
+from coordinator.model.ops import RouterSpec
 from coordinator.model.model_config import load_model_config
 from shm.checkpoint import Checkpoint
 
@@ -85,16 +86,17 @@ def logit_rows(rng, E: int, gate: np.ndarray | None) -> tuple[np.ndarray, np.nda
     return rows, loose
 
 
+def spec(r: Router) -> RouterSpec:
+    return RouterSpec(r.k, r.n_group, r.topk_group, r.softmax, r.normalize, r.scaling,
+                      grouped=not (r.n_group == 1 and r.softmax))
+
+
 def host_route(logits: np.ndarray, bias: np.ndarray | None, r: Router) -> tuple[np.ndarray, np.ndarray]:
-    if r.n_group == 1 and r.softmax:
-        return host.route_top_k(logits, r.k, r.normalize)
-    return host.route_grouped(logits, bias, r.k, r.n_group, r.topk_group, r.normalize, r.scaling,
-                             "softmax" if r.softmax else "sigmoid")
+    return host.route(logits, bias, spec(r))
 
 
 def device_route(cp, logits: np.ndarray, bias: np.ndarray | None, r: Router) -> tuple[np.ndarray, np.ndarray]:
-    packed = router.route(cp.asarray(logits), None if bias is None else cp.asarray(bias), r.k, r.n_group,
-                          r.topk_group, r.softmax, r.normalize, r.scaling)
+    packed = router.route(cp.asarray(logits), None if bias is None else cp.asarray(bias), spec(r))
     assert packed.dtype == np.uint32 and packed.shape == (logits.shape[0], 2 * r.k)
     return router.unpack(cp.asnumpy(packed), r.k)
 
@@ -213,8 +215,10 @@ def test_a_router_the_kernel_cannot_hold_is_refused():
     """More experts than a block holds, k beyond the kept groups' experts, groups that do not divide E, a bias
     with softmax scores: refused before a launch (the kernel would read astray)."""
     logits = np.zeros((1, 16), np.float32)
-    for args in [(logits, None, 9, 4, 2, False, True, 1.0), (logits, None, 2, 5, 1, False, True, 1.0),
-                 (logits, np.zeros(16, np.float32), 2, 1, 1, True, True, 1.0),
-                 (np.zeros((1, router.MAX_EXPERTS + 1), np.float32), None, 2, 1, 1, True, True, 1.0)]:
+    too_many = np.zeros((1, router.MAX_EXPERTS + 1), np.float32)
+    for rows, bias, rule in [(logits, None, RouterSpec(9, 4, 2, False, True)),
+                             (logits, None, RouterSpec(2, 5, 1, False, True)),
+                             (logits, np.zeros(16, np.float32), RouterSpec(2, 1, 1, True, True)),
+                             (too_many, None, RouterSpec(2, 1, 1, True, True))]:
         with pytest.raises(ValueError, match="route"):
-            router.route(*args)
+            router.route(rows, bias, rule)

@@ -425,13 +425,13 @@ def test_cached_attention_is_the_masked_attention_bitwise(gpu, bf16, window):
     from coordinator.gpu.format_kernels import address
     from coordinator.model import ops
     from coordinator.gpu import ops as device_ops
-    from coordinator.model.kv_cache import KVCache
+    from coordinator.model.kv_cache import CacheLayout, KVCache
 
     rng = np.random.default_rng(2)
     nh, nkv, hd = 4, 2, 32
     cached, new = [5, 0, 9], [1, 3, 2]
     dtype = "bf16" if bf16 else "f32"
-    caches = [KVCache(1, nkv, hd, capacity=16, xp=gpu, dtype=dtype, to_bf16=device_ops.to_bf16) for _ in cached]
+    caches = [KVCache(CacheLayout(1, nkv, hd, dtype=dtype), 16, gpu, device_ops.to_bf16) for _ in cached]
     for cache, n in zip(caches, cached):
         if n:
             cache.extend(0, *(gpu.asarray(rng.standard_normal((n, nkv, hd)).astype(np.float32)) for _ in range(2)))
@@ -489,10 +489,10 @@ def test_step_tables_read_a_caches_addresses_again_after_it_grew(gpu):
     """StepTables keeps each cache's buffer addresses between steps and reads them again once a buffer moved."""
     from coordinator.gpu.format_kernels import address
     from coordinator.gpu.graph_steps import StepTables
-    from coordinator.model.kv_cache import KVCache
+    from coordinator.model.kv_cache import CacheLayout, KVCache
 
     tables = StepTables(2, gpu)
-    cache = KVCache(2, 2, 16, capacity=4, xp=gpu)
+    cache = KVCache(CacheLayout(2, 2, 16), capacity=4, xp=gpu)
     seqs = [(np.array([1, 2, 3]), cache)]
 
     def written():
@@ -516,14 +516,13 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
     from coordinator.gpu.format_kernels import address
     from coordinator.model import ops
     from coordinator.gpu import ops as device_ops
-    from coordinator.model.kv_cache import KVCache
+    from coordinator.model.kv_cache import CacheLayout, KVCache
 
     rng = np.random.default_rng(3)
     nh, dn, dr, c, dv, cap = 4, 16, 8, 32, 16, 160
     cached, new = [70, 0, 130], [1, 3, 2]
     dtype = "bf16" if bf16 else "f32"
-    caches = [KVCache(1, 1, 1, capacity=cap, xp=gpu, latent=(c, dr), dtype=dtype, to_bf16=device_ops.to_bf16)
-              for _ in cached]
+    caches = [KVCache(CacheLayout(1, latent=(c, dr), dtype=dtype), cap, gpu, device_ops.to_bf16) for _ in cached]
     for cache, n in zip(caches, cached):
         if n:
             cache.extend(0, *(gpu.asarray(rng.standard_normal((n, d)).astype(np.float32)) for d in (c, dr)))

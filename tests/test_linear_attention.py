@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coordinator.model import linear_attention as la
-from coordinator.model.kv_cache import KVCache
+from coordinator.model.kv_cache import CacheLayout, KVCache
 from coordinator.model.model_config import LinearAttnConfig
 from coordinator.model.weights import LinearAttnWeights
 
@@ -111,7 +111,7 @@ def test_a_rewound_state_is_the_state_that_never_took_the_rejected_tokens():
     """A cache whose last step took 6 tokens, truncated to keep 2 of them, holds bit for bit the state of a cache
     that took those 2; a truncation before the last step is refused, and one to the cache's length changes nothing."""
     w, (mixed, b, a) = weights(), inputs(40)
-    cache, other = KVCache(2, 1, 4, attention_layers=[1]), KVCache(2, 1, 4, attention_layers=[1])
+    cache, other = (KVCache(CacheLayout(2, 1, 4, attention_layers=(1,))) for _ in range(2))
     for c in (cache, other):
         c.states[0] = la.LinearState(LC)
         c.states[0].step(0, w, LC, mixed[:30], b[:30], a[:30])
@@ -153,7 +153,7 @@ def test_a_prompts_step_keeps_no_inputs_and_is_not_rewound_inside():
 def test_state_layers_hold_no_keys_and_count_their_state():
     """A Gated DeltaNet layer has no key/value rows in the cache: bytes per token count the attention layers only,
     and the state's bytes are the conv's K-1 inputs and the recurrent state."""
-    cache = KVCache(4, 2, 16, attention_layers=[3])
+    cache = KVCache(CacheLayout(4, 2, 16, attention_layers=(3,)))
     assert cache.bytes_per_token == 2 * 2 * 16 * 4
     cache.states[0] = la.LinearState(LC)
     assert cache.state_bytes == LC.state_floats * 4

@@ -96,6 +96,7 @@ def test_fused_qkv_projection_matches_reference(variant):
         got = eng.logits(PROMPT)
         cache = dec.new_cache()
         dec.forward(StepBatch.of(np.array(PROMPT[:4]), cache, every_row=True)).logits[0]
-        steps = np.stack([dec.forward(StepBatch.of(np.array([tok]), cache, every_row=True)).logits[0][-1] for tok in PROMPT[4:]])
+        steps = np.stack([dec.forward(StepBatch.of(np.array([tok]), cache, every_row=True)).logits[0][-1]
+                          for tok in PROMPT[4:]])
     assert float(np.max(np.abs(got - ref))) < 2e-4, name
     assert float(np.max(np.abs(steps - ref[4:]))) < 2e-4, name

@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.host import backend as host
 from coordinator.model import ops
+from coordinator.model.ops import RouterSpec
 from coordinator.host import ops as host_ops
 from coordinator.model.sampling import Sampler, SamplingParams, filtered_probs
 
@@ -86,7 +87,7 @@ def test_sliding_window_mask():
 @pytest.mark.parametrize("normalize", [True, False])
 def test_router_top_k(normalize):
     logits = rng.standard_normal((6, 8)).astype(np.float32)
-    ids, w = host.route_top_k(logits, 3, normalize)
+    ids, w = host.route(logits, None, RouterSpec(3, normalize=normalize))
     for t in range(6):
         p = np.exp(logits[t] - logits[t].max())
         p /= p.sum()
@@ -161,8 +162,8 @@ def test_host_rms_norm_and_top_k_equal_the_numpy_forms():
     for normalize in (True, False):
         logits = rng.standard_normal((7, 40)).astype(np.float32) * 3
         logits[0, 5] = logits[0, 9] = logits[0, 30] = 50.0  # a three-way tie: the lower ids first
-        ids, weights = host.route_top_k(logits, 4, normalize)
-        want_ids, want_w = host.route_top_k(np.asfortranarray(logits), 4, normalize)
+        ids, weights = host.route(logits, None, RouterSpec(4, normalize=normalize))
+        want_ids, want_w = host.route(np.asfortranarray(logits), None, RouterSpec(4, normalize=normalize))
         assert ids.dtype == np.int64 and weights.dtype == np.float32
         assert np.array_equal(ids, want_ids) and ids[0, :3].tolist() == [5, 9, 30]
         np.testing.assert_allclose(weights, want_w, rtol=1e-6, atol=1e-7)

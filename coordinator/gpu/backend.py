@@ -18,6 +18,7 @@ import numpy as np
 from ..model import xp as model_xp
 from ..model.backend import Backend, Loaded, Placement
 from ..model.decoder import FusedQKV
+from ..model.ops import RouterSpec
 from . import linear_attention, load, router
 from . import ops as device_ops
 from .transfer import HostStaging, SideStream, host_functions_refused
@@ -175,9 +176,9 @@ class GpuBackend(Backend):
             return device_ops.gqa_attention(q, k, v, mask, q.shape[2] ** -0.5)
         return super().gqa_attention(q, k, v, mask)
 
-    def mla_attention_absorbed(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask, scale: float):
+    def mla_attention_absorbed(self, rows, w_uk, w_uv, mask, scale: float):
         """One fused kernel; w_uv read where it lies (a view, or None beside a compact kv_b)."""
-        return device_ops.mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk,
+        return device_ops.mla_attention_absorbed(rows.q_nope, rows.q_rope, rows.latent, rows.k_rope, w_uk,
                                                  None if w_uv is None else w_uv.transpose(0, 2, 1), mask, scale)
 
     def route(self, logits, bias, cfg) -> tuple[np.ndarray, np.ndarray]:
@@ -188,10 +189,7 @@ class GpuBackend(Backend):
     @staticmethod
     def route_packed(logits, bias, cfg):
         """Device logits [T, E] -> the router's choice packed [T, 2k] on the device (router.route)."""
-        g = cfg.group_router
-        n_group, topk_group, scaling, softmax = (1, 1, 1.0, True) if g is None else (
-            g.n_group, g.topk_group, g.routed_scaling_factor, g.scoring == "softmax")
-        return router.route(logits, bias, cfg.top_k, n_group, topk_group, softmax, cfg.norm_topk_prob, scaling)
+        return router.route(logits, bias, RouterSpec.of(cfg))
 
     # -- what a GPU adds ------------------------------------------------------------------------------------
     def to_bf16(self, x, out):
@@ -207,9 +205,9 @@ class GpuBackend(Backend):
         steps = [(n, st.begin(cache.length, n)) for (_, cache), st, n in zip(seqs, states, lengths)]
         return states, linear_attention.device_tables(self.xp, steps)
 
-    def linear_layer(self, lw, lc, x, i: int, step, bounds, eps: float):
+    def linear_layer(self, lw, cfg, x, i: int, step, bounds):
         states, tables = step
-        return linear_attention.device_layer(lw, lc, x, i, states, tables, bounds, eps)
+        return linear_attention.device_layer(lw, cfg.linear, x, i, states, tables, bounds, cfg.rms_norm_eps)
 
     def graph_runner(self, decoder, context: int | None, capture: bool, step_buffer: int):
         """Graph-ready small steps (graph_steps.py) where the model, the pool and the experts allow them, else

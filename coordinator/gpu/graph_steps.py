@@ -38,9 +38,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import compact
-from ..model.step import EagerStep, StepBatch, StepOutput
+from ..model.ops import MlaRows
 from ..model.routing import RoutingTotals
+from ..model.step import EagerStep, StepBatch, StepOutput
+from . import compact
 from . import ops as device_ops
 from . import transfer as xp_module
 from .arena import ArenaFull, StepArena
@@ -437,22 +438,22 @@ class StreamedStep(EagerStep):
                                                cfg.head_dim ** -0.5, cfg.num_kv_heads, self.tables.score_stride,
                                                self.bf16)  # [N or B, nh*hd]
 
-    def attend_mla(self, i: int, lw, q_nope, q_rope, latent, k_rope, rope, rows=None):
+    def attend_mla(self, i: int, lw, mla: MlaRows, rope, rows=None):
         """The absorbed form where every sequence's eager call takes it (GraphSteps.begin): latent and k_rope
         stored by one kv_store, every sequence's attention in three launches reading the caches' places, lengths
         and chunks from the step's tables; else the eager form. The same bits as the eager form."""
         if not self.graph.mla_cached[rows is not None]:
-            return super().attend_mla(i, lw, q_nope, q_rope, latent, k_rope, rope, rows)
+            return super().attend_mla(i, lw, mla, rope, rows)
         d, tables = self.decoder, self.tables
         cos, sin = rope
-        q_rope = d.mla_rotate(q_rope, *((cos, sin) if rows is None else (cos[rows], sin[rows])))  # [Nq, nh, dr]
+        q_rope = d.mla_rotate(mla.q_rope, *((cos, sin) if rows is None else (cos[rows], sin[rows])))  # [Nq, nh, dr]
         k_ptrs, v_ptrs, row_seq, row_pos, q_seq, q_pos, seq_len = tables.layer(i, rows is not None)
-        device_ops.kv_store(latent, k_rope, k_ptrs, v_ptrs, row_seq, row_pos, self.bf16)
+        device_ops.kv_store(mla.latent, mla.k_rope, k_ptrs, v_ptrs, row_seq, row_pos, self.bf16)
         w = lw.mla
         w_uk, w_uv = (w.w_uk, w.w_uv) if w.w_uk is not None else d.kv_b_heads(w.kv_b)
         w_uv_t = None if w_uv is None else w_uv.transpose(0, 2, 1)  # None: w_uk is the compact kv_b
         return device_ops.mla_attention_absorbed_cached(
-            q_nope, q_rope, (k_ptrs, v_ptrs, q_seq, q_pos, seq_len, tables.chunks(rows is not None)), w_uk, w_uv_t,
+            mla.q_nope, q_rope, (k_ptrs, v_ptrs, q_seq, q_pos, seq_len, tables.chunks(rows is not None)), w_uk, w_uv_t,
             d.cfg.mla.softmax_scale, tables.score_stride, self.bf16)  # [Nq, nh*dv]
 
 

@@ -1,6 +1,6 @@
 """The MoE router on the device: the experts of each token chosen where its logits are, bit for bit the host's.
 
-One kernel serves every router the models have (ops.route_top_k, ops.route_grouped):
+One kernel serves every router the models have (model/ops.py's route, by a RouterSpec):
 
     softmax top-k     Qwen, Mixtral: n_group = topk_group = 1, softmax scores, renormalised where asked
     grouped sigmoid   DeepSeek-V3, GLM-4.5 (noaux_tc): sigmoid scores, the choice on scores + bias, groups
@@ -42,6 +42,7 @@ from node_worker.kernels import silu
 
 from . import kernels
 from ..model.ops import ROUTER_NORM_EPS as NORM_EPS
+from ..model.ops import RouterSpec
 
 MAX_THREADS = 256  # a block's threads at most: an expert a thread up to DeepSeek-V3's 256
 MAX_EXPERTS = 1024  # a row's experts at most: four a thread
@@ -80,9 +81,11 @@ def threads(E: int) -> int:
     return min(MAX_THREADS, max(32, -(-E // 32) * 32))
 
 
-def route(logits, bias, k: int, n_group: int, topk_group: int, softmax: bool, normalize: bool, scaling: float):
+def route(logits, bias, spec: RouterSpec):
     """logits [T, E] float32 on the device, bias [E] or None (the sigmoid router's only) -> packed [T, 2k] uint32
-    on the device (module docstring), one launch."""
+    on the device (module docstring), one launch, by ``spec``'s rule."""
+    k, n_group, topk_group, softmax = spec.k, spec.n_group, spec.topk_group, spec.softmax
+    normalize, scaling = spec.normalize, spec.scaling
     T, E = logits.shape
     size = E // max(n_group, 1)
     if not (1 <= E <= MAX_EXPERTS and 1 <= n_group and E % n_group == 0 and 1 <= topk_group <= n_group

@@ -72,33 +72,21 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray)
     return ops.gqa_attention(q, k, v, mask)
 
 
-def _route_rows(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int, softmax: bool,
-                normalize: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
-    """The top_k loop on host float32 rows [T, E] -> (ids [T, k] int64, weights [T, k] float32)."""
-    T = logits.shape[0]
-    ids, weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
-    loops.top_k(logits, bias, k, n_group, topk_group, softmax, normalize, np.float32(scaling), ids, weights)
-    return ids, weights
-
-
-def route_top_k(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """ops.route_top_k through the top_k loop (the GPU router's twin: the same bits, coordinator/gpu/router.py)."""
-    if rows(logits) and logits.ndim == 2 and 1 <= k <= logits.shape[1]:
-        return _route_rows(logits, loops.NO_BIAS, k, 1, 1, True, normalize, 1.0)
-    return ops.route_top_k(logits, k, normalize)
-
-
-def route_grouped(logits: np.ndarray, bias, k: int, n_group: int, topk_group: int, normalize: bool, scaling: float,
-                  scoring: str = "sigmoid") -> tuple[np.ndarray, np.ndarray]:
-    """ops.route_grouped through the top_k loop."""
+def route(logits: np.ndarray, bias, spec: ops.RouterSpec) -> tuple[np.ndarray, np.ndarray]:
+    """ops.route through the top_k loop where the logits are host float32 rows the rule fits (the GPU router's
+    twin: the same bits, coordinator/gpu/router.py)."""
     E = logits.shape[-1]
-    if scoring == "softmax" and bias is not None:
-        raise ValueError("route_grouped: the softmax router (DeepSeek-V2) takes no bias")
-    if rows(logits) and logits.ndim == 2 and E % n_group == 0 and 1 <= topk_group <= n_group \
-            and 1 <= k <= topk_group * (E // n_group):
+    if spec.softmax and bias is not None:
+        raise ValueError("route: the softmax router (DeepSeek-V2's, Qwen's) takes no bias")
+    if rows(logits) and logits.ndim == 2 and E % spec.n_group == 0 and 1 <= spec.topk_group <= spec.n_group \
+            and 1 <= spec.k <= spec.topk_group * (E // spec.n_group):
+        T = logits.shape[0]
+        ids, weights = np.empty((T, spec.k), np.int64), np.empty((T, spec.k), np.float32)
         host_bias = loops.NO_BIAS if bias is None else np.ascontiguousarray(bias, np.float32)
-        return _route_rows(logits, host_bias, k, n_group, topk_group, scoring == "softmax", normalize, scaling)
-    return ops.route_grouped(logits, bias, k, n_group, topk_group, normalize, scaling, scoring)
+        loops.top_k(logits, host_bias, spec.k, spec.n_group, spec.topk_group, spec.softmax, spec.normalize,
+                    np.float32(spec.scaling), ids, weights)
+        return ids, weights
+    return ops.route(logits, bias, spec)
 
 
 class HostBackend(Backend):
@@ -138,8 +126,4 @@ class HostBackend(Backend):
         return gqa_attention(q, k, v, mask)
 
     def route(self, logits, bias, cfg) -> tuple[np.ndarray, np.ndarray]:
-        g = cfg.group_router
-        if g is not None:
-            return route_grouped(logits, bias, cfg.top_k, g.n_group, g.topk_group, cfg.norm_topk_prob,
-                                 g.routed_scaling_factor, g.scoring)
-        return route_top_k(logits, cfg.top_k, cfg.norm_topk_prob)
+        return route(logits, bias, ops.RouterSpec.of(cfg))

@@ -179,21 +179,20 @@ class Backend:
         """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] -> [T, nh*hd] (ops.gqa_attention)."""
         return ops.gqa_attention(q, k, v, mask, self.widen, self.masked_softmax)
 
-    def mla_attention(self, q_nope, q_rope, k_nope, k_rope, v, mask, scale: float):
-        return ops.mla_attention(q_nope, q_rope, k_nope, k_rope, v, mask, scale, self.widen, self.masked_softmax)
+    def mla_attention(self, rows: ops.MlaRows, k_nope, v, mask, scale: float):
+        """rows' queries over the latents expanded through kv_b: k_nope [S, nh, dn], v [S, nh, dv]."""
+        return ops.mla_attention(rows.q_nope, rows.q_rope, k_nope, rows.k_rope, v, mask, scale, self.widen,
+                                 self.masked_softmax)
 
-    def mla_attention_absorbed(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask, scale: float):
-        latent, k_rope = self.widen(latent), self.widen(k_rope)
-        return ops.mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask, scale)
+    def mla_attention_absorbed(self, rows: ops.MlaRows, w_uk, w_uv, mask, scale: float):
+        """rows' queries over their cached latents without expanding them (ops.mla_attention_absorbed)."""
+        widened = ops.MlaRows(rows.q_nope, rows.q_rope, self.widen(rows.latent), self.widen(rows.k_rope))
+        return ops.mla_attention_absorbed(widened, w_uk, w_uv, mask, scale)
 
     def route(self, logits, bias, cfg) -> tuple[np.ndarray, np.ndarray]:
         """The router's choice from logits [T, E] (bias [E] or None) for a model ``cfg``: (ids [T, k] int64,
         weights [T, k] float32) on the host, where the pair bookkeeping runs."""
-        g = cfg.group_router
-        if g is not None:
-            return ops.route_grouped(logits, bias, cfg.top_k, g.n_group, g.topk_group, cfg.norm_topk_prob,
-                                     g.routed_scaling_factor, g.scoring)
-        return ops.route_top_k(logits, cfg.top_k, cfg.norm_topk_prob)
+        return ops.route(logits, bias, ops.RouterSpec.of(cfg))
 
     # -- what a GPU adds ------------------------------------------------------------------------------------
     def to_bf16(self, x, out):
@@ -208,7 +207,7 @@ class Backend:
         """A step's Gated DeltaNet tables (a GPU's one kernel a layer), or None: the layers run in model/."""
         return None
 
-    def linear_layer(self, lw, lc, x, i: int, step, bounds, eps: float):
+    def linear_layer(self, lw, cfg, x, i: int, step, bounds):
         raise NotImplementedError(f"the {self.name} backend runs Gated DeltaNet layers in model/")
 
     def graph_runner(self, decoder, context: int | None, capture: bool, step_buffer: int):

@@ -18,9 +18,10 @@ import numpy as np
 
 from ..pool import ExpertPool, PoolRequest
 from . import linear_attention, ops
-from .backend import Backend
-from .kv_cache import KVCache
+from .backend import Backend, Loaded
+from .kv_cache import CacheLayout, KVCache
 from .model_config import ModelConfig
+from .ops import MlaRows
 from .routing import CpuBatch, Pairs, Routing, RoutingStats
 from .step import EagerStep, StepBatch, StepOutput
 from .weights import LayerWeights, ModelWeights
@@ -39,27 +40,32 @@ class FusedQKV:
     k_end: int  # k's here; v's at the end
 
 
+@dataclass(frozen=True)
+class DecoderOptions:
+    route_tail_skip: float = 0.0  # routed pairs of a smaller weight are dropped (EngineConfig.route_tail_skip)
+    kv_dtype: str = "f32"  # the KV cache's values, "f32" or "bf16" (a GPU's; the host keeps float32)
+
+
 class Decoder:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, pool: ExpertPool, backend: Backend,
-                 device_experts=None, placed_weights: ModelWeights | None = None, route_tail_skip: float = 0.0,
-                 kv_dtype: str = "f32"):
-        """``backend``: the side the network runs on (model/backend.py), chosen once; ``device_experts``: the
-        routed experts kept beside the network, a backend's own (a GPU's DeviceExperts) or (layer, e) ->
-        MLPWeights kept whole; ``placed_weights``: ``weights`` already on the backend's side in their storage
-        formats (None: Backend.place_weights); ``kv_dtype``: the KV cache's values, "f32" or "bf16" (a GPU's)."""
+                 loaded: Loaded | None = None, options: DecoderOptions = DecoderOptions()):
+        """``backend``: the side the network runs on (model/backend.py), chosen once; ``loaded``: what it put there
+        at open (Backend.load: the routed experts kept beside the network, the dense weights in their storage
+        formats); None: no experts kept, the weights placed by Backend.place_weights."""
+        loaded = loaded or Loaded({})
         self.cfg, self.backend, self.pool = cfg, backend, pool
         self.xp = backend.xp
-        self.w = backend.place_weights(weights, placed_weights)  # the embedding stays on the host (a step reads T rows)
-        self.kv_dtype = kv_dtype if backend.gpu else "f32"
+        self.w = backend.place_weights(weights, loaded.weights)  # the embedding stays on the host (a step reads T rows)
+        self.kv_dtype = options.kv_dtype if backend.gpu else "f32"
         self.qkv: list[FusedQKV | None] = [None] * len(self.w.layers)  # per layer, where the backend fuses them
         for i, lw in enumerate(self.w.layers):  # a fused layer's q, k, v become views of its matrix: no second copy
             self.w.layers[i], self.qkv[i] = backend.fuse_qkv(lw)
         self.mtp, self.mtp_embed, self.mtp_head = self._mtp_weights(weights)
-        self.device_experts = backend.device_experts(device_experts)
+        self.device_experts = backend.device_experts(loaded.experts)
         self.on_device = {i: np.zeros(cfg.num_experts, bool) for i in cfg.moe_layers}  # layer -> [E]
         for layer, e in self.device_experts.keys():
             self.on_device[layer][e] = True
-        self.route_tail_skip = route_tail_skip
+        self.route_tail_skip = options.route_tail_skip
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)
         self.mla_absorb: bool | None = None  # MLA: None picks per call (absorbed); True/False forces a form
         self.stats = RoutingStats()
@@ -67,8 +73,9 @@ class Decoder:
     def new_cache(self) -> KVCache:
         cfg = self.cfg
         latent = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) if cfg.mla is not None else None
-        cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent,
-                        dtype=self.kv_dtype, attention_layers=cfg.attention_layers, to_bf16=self.backend.to_bf16)
+        layout = CacheLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, latent, self.kv_dtype,
+                             tuple(cfg.attention_layers))
+        cache = KVCache(layout, xp=self.xp, to_bf16=self.backend.to_bf16)
         if cfg.linear is not None:
             cache.linear = self.backend.linear_states(cfg.linear,
                                                       [i for i in range(cfg.num_layers) if cfg.is_linear(i)])
@@ -78,8 +85,8 @@ class Decoder:
         """A sequence's cache of the MTP layer alone (layer id num_layers): its positions run behind the model's."""
         cfg = self.cfg
         latent = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim) if cfg.mla is not None else None
-        return KVCache(1, cfg.num_kv_heads, cfg.head_dim, xp=self.xp, latent=latent, dtype=self.kv_dtype,
-                       first_layer=cfg.num_layers, to_bf16=self.backend.to_bf16)
+        layout = CacheLayout(1, cfg.num_kv_heads, cfg.head_dim, latent, self.kv_dtype, first_layer=cfg.num_layers)
+        return KVCache(layout, xp=self.xp, to_bf16=self.backend.to_bf16)
 
     def rope_tables(self, positions: np.ndarray):
         """cos, sin [len(positions), d] where the network runs (YaRN's attention factor applied)."""
@@ -213,8 +220,7 @@ class Decoder:
         its cache; ``rows`` as _attention's (the output's rows taken after). ``linear``: the backend's step tables
         where it runs the layer itself (a GPU's one kernel between the projections)."""
         if linear is not None:
-            gated = self.backend.linear_layer(lw.linear, self.cfg.linear, x, i, linear, batch.bounds,
-                                              self.cfg.rms_norm_eps)  # [N, Hv*dv]
+            gated = self.backend.linear_layer(lw.linear, self.cfg, x, i, linear, batch.bounds)  # [N, Hv*dv]
             return (gated if rows is None else gated[rows]) @ lw.linear.out.T
         lc, parts = self.cfg.linear, []
         for s, (_, cache) in enumerate(batch.seqs):
@@ -238,7 +244,7 @@ class Decoder:
         ckv = x @ w.kv_a.T  # [N, c+dr]
         latent = b.rms_norm(self.xp.ascontiguousarray(ckv[:, : m.kv_lora_rank]), w.kv_a_norm, cfg.rms_norm_eps)
         k_rope = self.mla_rotate(ckv[:, None, m.kv_lora_rank :], *rope)[:, 0]  # [N, dr]
-        out = step.attend_mla(i, lw, q[..., :dn], q[..., dn:], latent, k_rope, rope, rows)  # [N or B, nh*dv]
+        out = step.attend_mla(i, lw, MlaRows(q[..., :dn], q[..., dn:], latent, k_rope), rope, rows)  # [N or B, nh*dv]
         return out @ lw.o.T  # [N or B, H]
 
     def mla_rotate(self, x, cos, sin):
@@ -246,17 +252,17 @@ class Decoder:
         b = self.backend
         return b.apply_rope_interleaved(x, cos, sin) if self.cfg.mla.rope_interleave else b.apply_rope(x, cos, sin)
 
-    def mla_core(self, lw: LayerWeights, q_nope, q_rope, lat, kr, mask):
-        """One sequence's MLA over its cached latents lat [S, c] and rope keys kr [S, dr], q_rope roped: the
-        absorbed form or the latents expanded through kv_b, whichever takes fewer multiply-adds (absorbed)."""
+    def mla_core(self, lw: LayerWeights, rows: MlaRows, mask):
+        """One sequence's MLA: its queries (q_rope roped) over its cached latents [S, c] and rope keys [S, dr], in
+        the absorbed form or with the latents expanded through kv_b, whichever takes fewer multiply-adds."""
         m, w, b = self.cfg.mla, lw.mla, self.backend
-        if self.absorbed(q_nope.shape[0], lat.shape[0]):
+        if self.absorbed(rows.q_nope.shape[0], rows.latent.shape[0]):
             w_uk, w_uv = (w.w_uk, w.w_uv) if w.w_uk is not None else self.kv_b_heads(w.kv_b)
-            return b.mla_attention_absorbed(q_nope, q_rope, lat, kr, w_uk, w_uv, mask, m.softmax_scale)
-        lat = b.widen(lat)  # a bf16 cache's latents as float32 for the product
+            return b.mla_attention_absorbed(rows, w_uk, w_uv, mask, m.softmax_scale)
+        lat = b.widen(rows.latent)  # a bf16 cache's latents as float32 for the product
         kv = (lat @ w.kv_b.T).reshape(lat.shape[0], self.cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim)
         dn = m.qk_nope_head_dim
-        return b.mla_attention(q_nope, q_rope, kv[..., :dn], kr, kv[..., dn:], mask, m.softmax_scale)
+        return b.mla_attention(rows, kv[..., :dn], kv[..., dn:], mask, m.softmax_scale)
 
     def kv_b_heads(self, kv_b):
         """(W_uk [nh, dn, c], W_uv [nh, dv, c]) of MLA's kv_b, as the backend keeps them (Backend.kv_b_heads)."""

@@ -16,27 +16,45 @@ device the states of all those layers are one linear_attention.DeviceLinearState
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a sequence's cache holds per token and layer."""
+
+    num_layers: int
+    num_kv_heads: int = 1
+    head_dim: int = 1
+    latent: tuple[int, int] | None = None  # MLA: (kv_lora_rank, qk_rope_head_dim) in place of keys and values
+    dtype: str = "f32"  # "f32" or "bf16" (uint16 bits)
+    attention_layers: tuple[int, ...] | None = None  # the layers that cache keys and values (None: all)
+    first_layer: int = 0  # the model's id of the cache's first layer (an MTP layer's own cache: num_layers)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The two entries' shapes per token: (key, value), or MLA's (latent, rope key)."""
+        if self.latent is None:
+            return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+        return (self.latent[0],), (self.latent[1],)
+
+
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int = 64, xp=np,
-                 latent: tuple[int, int] | None = None, dtype: str = "f32", attention_layers=None,
-                 first_layer: int = 0, to_bf16=None):
-        """``attention_layers``: the layers that cache keys and values (None: all); ``first_layer``: the model's
-        id of this cache's first layer (an MTP layer's own cache: num_layers); ``to_bf16(x, out)``: writes float32
+    def __init__(self, layout: CacheLayout, capacity: int = 64, xp=np, to_bf16=None):
+        """``xp``: NumPy, or the GPU's module where the cache lives on the device; ``to_bf16(x, out)``: writes float32
         rows as bf16 bits into a bf16 cache (the backend's, Backend.to_bf16)."""
+        num_layers = layout.num_layers
         self.length = 0  # tokens already cached
         self.start = 0  # the position of the first of them (restart: an MTP cache that dropped the earlier ones)
-        self.first_layer = first_layer
+        self.first_layer = layout.first_layer
         self.xp = xp  # NumPy, or CuPy when the cache lives on the device
-        self.bf16 = dtype == "bf16"
+        self.bf16 = layout.dtype == "bf16"
         self._to_bf16 = to_bf16
         self._dtype = np.uint16 if self.bf16 else np.float32
-        # the two entries' shapes per token: (key, value), or MLA's (latent, rope key)
-        self._shapes = ((num_kv_heads, head_dim), (num_kv_heads, head_dim)) if latent is None else (
-            (latent[0],), (latent[1],))
-        attending = set(range(num_layers) if attention_layers is None else attention_layers)
+        self._shapes = layout.shapes
+        attending = set(range(num_layers) if layout.attention_layers is None else layout.attention_layers)
         caps = [capacity if i in attending else 0 for i in range(num_layers)]  # no keys in a state layer
         self._k = [xp.zeros((cap, *self._shapes[0]), self._dtype) for cap in caps]  # [cap, ...]
         self._v = [xp.zeros((cap, *self._shapes[1]), self._dtype) for cap in caps]

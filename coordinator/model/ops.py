@@ -11,9 +11,54 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataclasses import dataclass
+
 from .xp import xp_of
 
 ROUTER_NORM_EPS = np.float32(1e-20)  # the router's normalisation guard (transformers' DeepseekV3TopkRouter)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """A MoE router's choice rule: the k best experts, of the topk_group best of n_group groups (1, 1: no groups),
+    scored by a softmax (DeepSeek-V2's, Qwen's, Mixtral's) or a sigmoid (DeepSeek-V3's, GLM-4.5's: a correction
+    bias for the choice only), the weights renormalised when ``normalize``, then multiplied by ``scaling``."""
+
+    k: int
+    n_group: int = 1
+    topk_group: int = 1
+    softmax: bool = True
+    normalize: bool = False
+    scaling: float = 1.0
+    grouped: bool = False  # DeepSeek's and GLM's rule (transformers' grouped routers), not a plain softmax top-k
+
+    @classmethod
+    def of(cls, cfg) -> "RouterSpec":
+        """A model's (ModelConfig): its group router's, else a softmax top-k."""
+        g = cfg.group_router
+        if g is None:
+            return cls(cfg.top_k, normalize=cfg.norm_topk_prob)
+        return cls(cfg.top_k, g.n_group, g.topk_group, g.scoring == "softmax", cfg.norm_topk_prob,
+                   g.routed_scaling_factor, grouped=True)
+
+
+@dataclass(frozen=True, eq=False)
+class MlaRows:
+    """Multi-head latent attention's operands: the queries' two parts and the keys' (a layer's new rows, before
+    RoPE on q_rope, before they are cached; or one sequence's queries, roped, over its cached latents)."""
+
+    q_nope: np.ndarray  # [T, nh, dn]
+    q_rope: np.ndarray  # [T, nh, dr]
+    latent: np.ndarray  # [S, c] after kv_a_layernorm (a bf16 cache's bits too)
+    k_rope: np.ndarray  # [S, dr] roped: one rope key shared by every head
+
+
+def route(logits: np.ndarray, bias, spec: RouterSpec) -> tuple[np.ndarray, np.ndarray]:
+    """logits [T, E] -> (ids [T, k] int64, weights [T, k] float32) by ``spec`` (route_top_k or route_grouped)."""
+    if not spec.grouped:
+        return route_top_k(logits, spec.k, spec.normalize)
+    return route_grouped(logits, bias, spec.k, spec.n_group, spec.topk_group, spec.normalize, spec.scaling,
+                         "softmax" if spec.softmax else "sigmoid")
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -219,13 +264,13 @@ def mla_attention(q_nope: np.ndarray, q_rope: np.ndarray, k_nope: np.ndarray, k_
     return out.transpose(1, 0, 2).reshape(T, -1)
 
 
-def mla_attention_absorbed(q_nope: np.ndarray, q_rope: np.ndarray, latent: np.ndarray, k_rope: np.ndarray,
-                           w_uk: np.ndarray, w_uv: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+def mla_attention_absorbed(rows: MlaRows, w_uk: np.ndarray, w_uv: np.ndarray, mask: np.ndarray,
+                           scale: float) -> np.ndarray:
     """The same attention on the cached latent [S, c] without expanding it: W_uk [nh, dn, c] folds into q
     (q_nope·(W_uk·l) = (q_nope·W_uk)·l) and W_uv [nh, dv, c] applies after the weighted sum of latents.
     Work per cached token: nh*(c + dr) instead of the expansion's nh*c*(dn + dv). latent and k_rope may be a
     bf16 cache's bits; W_uk and W_uv may be views of kv_b's rows (Backend.kv_b_heads)."""
-    latent, k_rope = widen(latent), widen(k_rope)
+    q_nope, q_rope, latent, k_rope = rows.q_nope, rows.q_rope, widen(rows.latent), widen(rows.k_rope)
     T, nh, _ = q_nope.shape
     q_lat = q_nope.transpose(1, 0, 2) @ w_uk  # [nh, T, c]
     scores = q_lat @ latent.T + q_rope.transpose(1, 0, 2) @ k_rope.T  # [nh, T, S]

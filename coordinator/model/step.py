@@ -15,6 +15,7 @@ from functools import cached_property
 import numpy as np
 
 from . import ops
+from .ops import MlaRows
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,17 +136,18 @@ class EagerStep:
             parts.append(self.b.gqa_attention(q[r], keys, values, mask))
         return parts[0] if len(parts) == 1 else self.b.xp.concatenate(parts)
 
-    def attend_mla(self, i: int, lw, q_nope, q_rope, latent, k_rope, rope, rows=None):
-        """Layer i's multi-head latent attention [N or B, nh*dv] of q_nope [N or B, nh, dn] and q_rope [N or B, nh,
-        dr] (before RoPE) once every row's latent [N, c] and roped k_rope [N, dr] are appended to the cache."""
+    def attend_mla(self, i: int, lw, mla: MlaRows, rope, rows=None):
+        """Layer i's multi-head latent attention [N or B, nh*dv] of the queries once every row's latent and rope key
+        are appended to the cache."""
         b, d = self.batch, self.decoder
+        q_nope, q_rope = mla.q_nope, mla.q_rope
         out = self.b.xp.empty((q_nope.shape[0], d.cfg.num_heads * d.cfg.mla.v_head_dim), np.float32)
         for s, (_, cache) in enumerate(b.seqs):
             r = slice(b.bounds[s], b.bounds[s + 1])
             cos, sin = rope[0][r], rope[1][r]
-            lat, kr = cache.extend(i, latent[r], k_rope[r])  # [S, c], [S, dr]
+            lat, kr = cache.extend(i, mla.latent[r], mla.k_rope[r])  # [S, c], [S, dr]
             mask = self.mask(s, lat.shape[0], None)  # [T_s, S]
             if rows is not None:  # sequence s's last query alone: row s of q
                 r, cos, sin, mask = slice(s, s + 1), cos[-1:], sin[-1:], mask[-1:]
-            out[r] = d.mla_core(lw, q_nope[r], d.mla_rotate(q_rope[r], cos, sin), lat, kr, mask)
+            out[r] = d.mla_core(lw, MlaRows(q_nope[r], d.mla_rotate(q_rope[r], cos, sin), lat, kr), mask)
         return out
