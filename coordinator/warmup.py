@@ -202,23 +202,40 @@ def ensure_compiled(units: Iterable[Unit], quiet: bool = False) -> list[Unit]:
         print(f"strata: compiling CPU kernels for {', '.join(u.label for u in todo)} (first run of this build on "
               f"this CPU, {key.cpu}; cached in {jit.build_dir()} for next time)", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "coordinator.warmup", *(u.name for u in todo), *(["-q"] if quiet else [])]
-    # a Ctrl-C while the child starts waits until it is known (else it would outlive this process)
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    started: list[subprocess.Popen] = []  # the child, held here from the moment it exists
     try:
-        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
-                                 env=dict(os.environ, PYTHONUNBUFFERED="1", **jit.child_env()))
+        noted = _start(cmd, started)
+        if noted:  # a stop signal came while the child started: its own handler now, the child known
+            signal.raise_signal(noted[0])
+        code = started[0].wait()
     except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        raise
-    try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal that came meanwhile is raised here
-        code = child.wait()
-    except BaseException:
-        _stop(child)
+        for child in started:
+            _stop(child)
         raise
     if code != 0:
         raise KernelCompileError(f"compiling the CPU kernels failed (exit status {code}); the reason is above")
     return todo
+
+
+def _start(cmd: list[str], started: list) -> list[int]:
+    """Start the compile child into ``started``; the stop signals that came meanwhile. A stop signal while it
+    starts must not raise before the caller holds the child, or the child would outlive this process: Python runs
+    a signal's handler between bytecodes, which may be inside Popen after the fork. So the stop signals' handlers
+    only note them until the child is in ``started``, and the signals are blocked while it forks, so that it
+    starts with them blocked too (it unblocks them once its own handlers are set: end_at_once_when_stopped)."""
+    noted: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            started.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                            env=dict(os.environ, PYTHONUNBUFFERED="1", **jit.child_env())))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one blocked meanwhile is noted now
+        return noted
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _stop(child: subprocess.Popen) -> None:
