@@ -58,7 +58,7 @@ for name in ("numpy", "numba", "zmq", "posix_ipc", "psutil", "safetensors", "tok
 if missing:
     sys.exit("missing: " + ", ".join(missing) + ": where pip reaches PyPI, ./tools/gpu_wheels.sh fetches"
              " the wheels into .whl/; carry that folder")
-from coordinator.model.backend import probe_cuda
+from coordinator.gpu.probe import probe_cuda
 
 ok, why = probe_cuda()
 print("cuda usable:", ok, why)
