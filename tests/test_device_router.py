@@ -182,7 +182,7 @@ def test_the_device_router_is_the_hosts_at_full_size(cp, name):
         n_group=r.n_group, topk_group=r.topk_group, routed_scaling_factor=r.scaling,
         scoring="softmax" if r.softmax else "sigmoid")
     cfg = types.SimpleNamespace(top_k=r.k, norm_topk_prob=r.normalize, group_router=group)
-    got = GpuBackend(cp).route(cp.asarray(logits), None if bias is None else cp.asarray(bias), cfg)
+    got = GpuBackend(cp).route(cp.asarray(logits), None if bias is None else cp.asarray(bias), RouterSpec.of(cfg))
     got_ids, got_weights = (cp.asnumpy(a) for a in got)
     assert np.array_equal(got_ids, ids) and np.array_equal(got_weights.view(np.uint32), weights.view(np.uint32))
 

@@ -180,8 +180,8 @@ print("alive", alive)
 def test_a_signal_while_the_compile_child_starts_stops_the_child_too(tmp_path):
     """SIGINT whose handler runs inside Popen, after the fork (Python runs handlers between bytecodes): the compile
     is interrupted and its child stopped with it. Before, the KeyboardInterrupt left Popen before the child was
-    known, and the child compiled on with no parent (seen in test_a_split_generate_stopped_at_any_moment... about
-    one run in five)."""
+    known, and the child compiled on with no parent (seen in test_a_split_generate_stopped_at_any_moment_...
+    [compiling])."""
     done = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_POPEN], cwd=REPO, env=clean_env(tmp_path / "cache"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -181,15 +181,15 @@ class GpuBackend(Backend):
         return device_ops.mla_attention_absorbed(rows.q_nope, rows.q_rope, rows.latent, rows.k_rope, w_uk,
                                                  None if w_uv is None else w_uv.transpose(0, 2, 1), mask, scale)
 
-    def route(self, logits, bias, cfg) -> tuple[np.ndarray, np.ndarray]:
+    def route(self, logits, bias, spec: RouterSpec) -> tuple[np.ndarray, np.ndarray]:
         """Routed on the device; only the choice comes back, [T, 2k] words where the logits are [T, E] floats: the
         same bits as the host's (router.py)."""
-        return router.unpack(self.to_host(self.route_packed(logits, bias, cfg)), cfg.top_k)
+        return router.unpack(self.to_host(self.route_packed(logits, bias, spec)), spec.k)
 
     @staticmethod
-    def route_packed(logits, bias, cfg):
+    def route_packed(logits, bias, spec: RouterSpec):
         """Device logits [T, E] -> the router's choice packed [T, 2k] on the device (router.route)."""
-        return router.route(logits, bias, RouterSpec.of(cfg))
+        return router.route(logits, bias, spec)
 
     # -- what a GPU adds ------------------------------------------------------------------------------------
     def to_bf16(self, x, out):

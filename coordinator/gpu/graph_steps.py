@@ -367,7 +367,7 @@ class GraphSteps:
     def moe(self, i: int, lw, x):
         """Layer i's MoE output [T, H] for x [T, H], queued on the stream (module docstring)."""
         slot, decoder = self.slots[i], self.decoder
-        packed = decoder.backend.route_packed(x @ lw.router.T, lw.router_bias, self.cfg)  # [T, 2k]
+        packed = decoder.backend.route_packed(x @ lw.router.T, lw.router_bias, decoder.router)  # [T, 2k]
         split = compact.split_pairs(packed, self.cfg.top_k, self.on_device[i], decoder.route_tail_skip,
                                     self.counts[slot], self.totals)
         self.link.post(slot, i, x, split)  # the CPU work first ...

@@ -125,5 +125,5 @@ class HostBackend(Backend):
     def gqa_attention(self, q, k, v, mask):
         return gqa_attention(q, k, v, mask)
 
-    def route(self, logits, bias, cfg) -> tuple[np.ndarray, np.ndarray]:
-        return route(logits, bias, ops.RouterSpec.of(cfg))
+    def route(self, logits, bias, spec: ops.RouterSpec) -> tuple[np.ndarray, np.ndarray]:
+        return route(logits, bias, spec)

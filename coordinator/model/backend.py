@@ -83,6 +83,7 @@ class Backend:
     name = "numpy"  # what the engine's reports call it
     xp = np  # the module of the network's arrays
     gpu = False  # whether a GPU holds them (the KV cache's bf16, the GPU's memory plan)
+    _partials: np.ndarray | None = None  # the host's reused partials buffer (partials_buffer)
 
     # -- at open ----------------------------------------------------------------------------------------------
     def check_memory(self, mcfg, config, nodes: list) -> None:
@@ -130,10 +131,10 @@ class Backend:
 
     def partials_buffer(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         """A reused host array [T, H] the pool sums the nodes' partials into."""
-        if getattr(self, "_partials", None) is None or self._partials.size < int(np.prod(shape)) \
-                or self._partials.dtype != np.dtype(dtype):
-            self._partials = np.empty(max(int(np.prod(shape)), 1 << 16), dtype)
-        return self._partials[:int(np.prod(shape))].reshape(shape)
+        n = int(np.prod(shape))
+        if self._partials is None or self._partials.size < n or self._partials.dtype != np.dtype(dtype):
+            self._partials = np.empty(max(n, 1 << 16), dtype)
+        return self._partials[:n].reshape(shape)
 
     def to_device(self, host: np.ndarray):
         """The partials buffer where the network runs (here it is)."""
@@ -189,10 +190,10 @@ class Backend:
         widened = ops.MlaRows(rows.q_nope, rows.q_rope, self.widen(rows.latent), self.widen(rows.k_rope))
         return ops.mla_attention_absorbed(widened, w_uk, w_uv, mask, scale)
 
-    def route(self, logits, bias, cfg) -> tuple[np.ndarray, np.ndarray]:
-        """The router's choice from logits [T, E] (bias [E] or None) for a model ``cfg``: (ids [T, k] int64,
+    def route(self, logits, bias, spec: ops.RouterSpec) -> tuple[np.ndarray, np.ndarray]:
+        """The router's choice by ``spec`` from logits [T, E] (bias [E] or None): (ids [T, k] int64,
         weights [T, k] float32) on the host, where the pair bookkeeping runs."""
-        return ops.route(logits, bias, ops.RouterSpec.of(cfg))
+        return ops.route(logits, bias, spec)
 
     # -- what a GPU adds ------------------------------------------------------------------------------------
     def to_bf16(self, x, out):

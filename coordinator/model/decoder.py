@@ -66,6 +66,7 @@ class Decoder:
         for layer, e in self.device_experts.keys():
             self.on_device[layer][e] = True
         self.route_tail_skip = options.route_tail_skip
+        self.router = ops.RouterSpec.of(cfg)  # the router's rule, once: every MoE layer's call takes it
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)
         self.mla_absorb: bool | None = None  # MLA: None picks per call (absorbed); True/False forces a form
         self.stats = RoutingStats()
@@ -310,7 +311,7 @@ class Decoder:
         """The router's top-k pairs of every row, less the tail skip, split device / CPU."""
         cfg = self.cfg
         T = x.shape[0]
-        ids, weights = self.backend.route(x @ lw.router.T, lw.router_bias, cfg)  # [T, k] each, on the host
+        ids, weights = self.backend.route(x @ lw.router.T, lw.router_bias, self.router)  # [T, k] each, on the host
         chosen = ids.reshape(-1)  # [P]
         pairs = Pairs(np.repeat(np.arange(T, dtype=np.int64), cfg.top_k), chosen, weights.reshape(-1))
         skipped = 0

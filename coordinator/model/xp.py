@@ -21,19 +21,19 @@ def register(module) -> None:
 def xp_of(*arrays):
     """The module of the arrays: the registered one whose ndarray the first non-NumPy array is, else NumPy."""
     for m in _MODULES:
-        if any(isinstance(a, m.ndarray) and not type(a) is np.ndarray for a in arrays):
+        if any(isinstance(a, m.ndarray) and type(a) is not np.ndarray for a in arrays):
             return m
     return np
 
 
 def is_device(a) -> bool:
     """An array of a registered GPU module (CuPy's)."""
-    return any(isinstance(a, m.ndarray) and not type(a) is np.ndarray for m in _MODULES)
+    return any(isinstance(a, m.ndarray) and type(a) is not np.ndarray for m in _MODULES)
 
 
 def to_host(a) -> np.ndarray:
     """A host NumPy array of ``a`` (a device array copied down, and the copy waited for)."""
     for m in _MODULES:
-        if isinstance(a, m.ndarray) and not type(a) is np.ndarray:
+        if isinstance(a, m.ndarray) and type(a) is not np.ndarray:
             return m.asnumpy(a)
     return np.asarray(a)
