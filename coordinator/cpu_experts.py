@@ -138,8 +138,8 @@ def worker_job(source: ModelSource, cpu: CpuExpertSpec, config: EngineConfig, ma
         max_message_bytes=max_message_bytes(max_tokens, mcfg.hidden_size),
         nodes=tuple(NodeJob(n.id, n.parent if n.virtual else n.id, tuple(n.cpus),
                             config.worker_threads or len(n.cpus), n.mem_free or 0) for n in cpu.nodes),
-        experts=tuple(ExpertJob(l, e, mcfg.moe_intermediate_size, refs)
-                      for (l, e), refs in sorted(cpu.experts.items())),
+        experts=tuple(ExpertJob(l, e, mcfg.moe_intermediate_size, refs.renamed(source.checkpoint.file_name))
+                      for (l, e), refs in sorted(cpu.experts.items())),  # the file's names: workers read no family
         spin_us=config.pool_spin_us, keep_shm=config.keep_shm, log_level=config.worker_log_level,
         expert_format=cpu.fmt, activations=config.activations,
     )

@@ -281,6 +281,15 @@ class Checkpoint:
             raise CheckpointError(f"missing tensor {name!r} in {self.dir}")
         return self.files[path].tensors[name]
 
+    def stored_type(self, name: str) -> str:
+        """The type the files store ``name`` in (GgufCheckpoint's twin)."""
+        return self.info(name).dtype
+
+    def file_name(self, name: str) -> str:
+        """The name the files hold ``name`` under: itself (GgufCheckpoint's twin)."""
+        self.info(name)
+        return name
+
     def raw(self, name: str) -> np.ndarray | fp8.Fp8Matrix:
         """Storage view (no copy) of a tensor; for an F8_E4M3 matrix, an Fp8Matrix over its codes (slices read
         nothing; ``np.asarray`` of one gives its float32 weights, the block scales applied)."""

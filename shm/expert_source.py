@@ -11,8 +11,9 @@ every matrix is computed by the same dot-product loops).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Callable
 
 import numpy as np
 
@@ -37,6 +38,10 @@ class ExpertRefs:
     gate: TensorRef  # [I, H]
     up: TensorRef  # [I, H]
     down: TensorRef  # [H, I]
+
+    def renamed(self, name: Callable[[str], str]) -> ExpertRefs:
+        """The same matrices under the names ``name`` gives them (a GGUF file's own, for a node worker's job)."""
+        return ExpertRefs(*(replace(r, name=name(r.name)) for r in (self.gate, self.up, self.down)))
 
 
 @dataclass(frozen=True)

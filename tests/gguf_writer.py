@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType as Q
 
 from shm.checkpoint import Checkpoint
 from shm.gguf_blocks import random_blocks
-from shm.gguf_file import GLOBAL_TENSORS, LAYER_TENSORS, MIXTRAL_TENSORS
+from coordinator.model.arch.gguf import GLOBAL_TENSORS, LAYER_TENSORS
+from coordinator.model.arch.mixtral import GGUF_TENSORS as MIXTRAL_TENSORS
 
 HF_TO_GGUF = {**{hf: g for g, hf in GLOBAL_TENSORS.items()}, **{hf: g for g, hf in LAYER_TENSORS.items()}}
 MIXTRAL_TO_GGUF = {**{hf: g for g, hf in GLOBAL_TENSORS.items()}, **{hf: g for g, hf in MIXTRAL_TENSORS.items()}}

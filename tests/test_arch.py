@@ -14,17 +14,19 @@ import textwrap
 import pytest
 from source_imports import REPO, project_modules
 
-from coordinator.model.arch import BY_CLASS, FAMILIES, PRESETS
+from coordinator.model.arch import BY_CLASS, BY_GGUF, FAMILIES, PRESETS, SHARED
 from coordinator.model.arch.base import Family
 
 
 def test_every_file_of_the_package_is_a_family_found():
     files = sorted(p.stem for p in (REPO / "coordinator" / "model" / "arch").glob("*.py")
-                   if p.stem not in ("__init__", "base"))
+                   if p.stem not in ("__init__", *SHARED))
     modules = sorted({type(f).__module__.rsplit(".", 1)[1] for f in FAMILIES.values()})
     assert files == modules and len(FAMILIES) >= 7
     assert all(isinstance(f, Family) and BY_CLASS[f.hf_class] is f for f in FAMILIES.values())
     assert all(PRESETS[name][0] is f for f in FAMILIES.values() for name in f.presets)
+    assert set(BY_GGUF) == {"qwen3moe", "qwen2moe", "llama", "deepseek2", "glm4moe", "qwen3next"}
+    assert all(BY_GGUF[f.gguf_arch] is f for f in FAMILIES.values() if f.gguf_arch)
 
 
 def names_compared_with_an_arch(path) -> list[str]:
@@ -61,6 +63,7 @@ class ToyMoe(Qwen3Moe):
     hf_class = "ToyMoeForCausalLM"
     moe_block = "toy_block"
     presets = {}
+    gguf_arch = ""  # no GGUF files: Qwen3-MoE's are read as Qwen3-MoE's
 
 
 FAMILY = ToyMoe()

@@ -25,7 +25,9 @@ from shm import formats
 from shm.checkpoint_writer import save_checkpoint
 from shm.expert_store import HeapExpertStore
 from shm.gguf_blocks import repack
-from shm.gguf_checkpoint import GgufCheckpoint, gguf_path
+from coordinator.model.arch import gguf_config
+from coordinator.model.source import open_gguf
+from shm.gguf_checkpoint import gguf_path
 from shm.gguf_file import GgufError
 from shm.plan import NodeShare, make_plan
 
@@ -36,7 +38,7 @@ PROMPT = [3, 17, 42, 5, 99, 7]
 
 def dequantised_checkpoint(gguf_file, config_src, out):
     """A safetensors folder holding the GGUF's tensors dequantised, experts one by one as transformers names them."""
-    ck = GgufCheckpoint(gguf_file)
+    ck = open_gguf(gguf_file)
     mixtral = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if ck.file.arch == "llama" else None
     tensors = {}
     for name in ck.names():
@@ -81,9 +83,9 @@ def logits(eng: Engine, ids) -> np.ndarray:
 
 def test_the_store_holds_the_files_blocks_byte_for_byte(files):
     name, path, _ = files
-    ck = GgufCheckpoint(path)
+    ck = open_gguf(path)
     fmt = FILES[name][2]
-    cfg = ck.config()
+    cfg = gguf_config(ck.file)
     I, H = cfg["moe_intermediate_size"], cfg["hidden_size"]
     block = formats.ExpertFormats.parse(fmt).down_block
     plan = make_plan([NodeShare(0, 1), NodeShare(1, 2)], [I], max(32, block))  # node 1: twice node 0's rows

@@ -19,7 +19,9 @@ from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from coordinator.model.step import StepBatch
 from shm.checkpoint_writer import save_checkpoint
-from shm.gguf_checkpoint import GgufCheckpoint
+from coordinator.model.arch import gguf_config
+from coordinator.model.arch.deepseek_v3 import KvB
+from coordinator.model.source import open_gguf
 from shm.gguf_file import GgufError
 
 ROOT = Path(__file__).parent / "fixtures"
@@ -76,10 +78,10 @@ def test_the_converters_file_is_the_checkpoint(name):
     from coordinator.model.model_config import load_model_config, parse_model_config
     from shm.checkpoint import Checkpoint
 
-    ck = GgufCheckpoint(ROOT / "gguf" / f"{name}.gguf")
+    ck = open_gguf(ROOT / "gguf" / f"{name}.gguf")
     hf = Checkpoint(ROOT / "hf" / name)
     if name.startswith("deepseek"):
-        assert ck.file.joined  # the converter split kv_b_proj
+        assert any(isinstance(src, KvB) for src in ck.index.values())  # the converter split kv_b_proj
         assert not any(n.endswith("attn_kv_b.weight") for n in ck.file.tensors)
     assert set(ck.names()) == {n for n in hf.names() if ".experts." not in n} | {
         f"model.layers.{i}.mlp.experts.{p}" for i in (1, 2) for p in ("gate_proj", "up_proj", "down_proj")}
@@ -90,7 +92,7 @@ def test_the_converters_file_is_the_checkpoint(name):
         else:
             want = hf.float32(n)
         assert np.array_equal(ck.float32(n), want), n
-    got = parse_model_config(ck.config())
+    got = parse_model_config(gguf_config(ck.file))
     want = load_model_config(ROOT / "hf" / name)
     assert got.arch == ARCH[name]
     diff = {k: (getattr(got, k), getattr(want, k)) for k in got.__dataclass_fields__
@@ -127,7 +129,7 @@ def test_an_older_converters_file_kv_b_unsplit(tmp_path, keep_split):
     value_length (no *_mla keys): the same model (and attn_kv_b is read where a file has it beside the split
     pair, as some converters wrote both)."""
     src = ROOT / "gguf" / "deepseek_v3_basic.gguf"
-    ck = GgufCheckpoint(src)
+    ck = open_gguf(src)
     kv_b = {f"blk.{i}.attn_kv_b.weight": ck.float32(f"model.layers.{i}.self_attn.kv_b_proj.weight")
             for i in range(3)}
     u32 = gguf.GGUFValueType.UINT32
@@ -136,7 +138,7 @@ def test_an_older_converters_file_kv_b_unsplit(tmp_path, keep_split):
                   set_keys={"deepseek2.attention.key_length": (20, u32), "deepseek2.attention.value_length": (20, u32)},
                   drop_tensors=[] if keep_split else [f"blk.{i}.attn_{kv}_b.weight" for i in range(3) for kv in "kv"],
                   tensors=kv_b)
-    assert not GgufCheckpoint(old).file.joined
+    assert not any(isinstance(src, KvB) for src in open_gguf(old).index.values())
     with Engine.open(src, EngineConfig(pool="inproc", activations="f32")) as new, \
             Engine.open(old, EngineConfig(pool="inproc", activations="f32")) as eng:
         np.testing.assert_array_equal(logits(eng, PROMPT), logits(new, PROMPT))
@@ -147,7 +149,7 @@ def test_q8_0_file_computes_with_its_dequantised_weights(tmp_path):
     32, fall back): the engine keeps the file's blocks and agrees with a float32 checkpoint of the same
     dequantised weights."""
     path = ROOT / "gguf" / "deepseek_v3_basic-q8_0.gguf"
-    ck = GgufCheckpoint(path)
+    ck = open_gguf(path)
     assert ck.info("model.layers.1.mlp.experts.gate_proj").dtype == "Q8_0"
     tensors = {}
     for n in ck.names():
@@ -159,7 +161,7 @@ def test_q8_0_file_computes_with_its_dequantised_weights(tmp_path):
             tensors[n] = w
     deq = tmp_path / "deq"
     save_checkpoint(deq, tensors, "F32")
-    (deq / "config.json").write_text(json.dumps(ck.config()))
+    (deq / "config.json").write_text(json.dumps(gguf_config(ck.file)))
     with Engine.open(path, EngineConfig(pool="inproc", activations="f32")) as eng, \
             Engine.open(deq, EngineConfig(pool="inproc", activations="f32", expert_dtype="f32")) as ref:
         assert eng.expert_format == "q8"
@@ -204,7 +206,7 @@ def test_yarn_without_log_multiplier_is_read_as_llama_cpp_does(tmp_path):
 
     bad = rewrite(ROOT / "gguf" / "deepseek_v3_basic.gguf", tmp_path / "m.gguf",
                   drop_keys=("deepseek2.rope.scaling.yarn_log_multiplier",))
-    cfg = parse_model_config(GgufCheckpoint(bad).config())
+    cfg = parse_model_config(gguf_config(open_gguf(bad).file))
     m = 1 + 0.1 * np.log(40.0)
     assert cfg.yarn.attention_factor == pytest.approx(m)
     assert cfg.mla.softmax_scale == pytest.approx(20 ** -0.5 * m * m)
@@ -281,9 +283,10 @@ def nextn_layer(hf_dir: Path, seed: int = 5) -> dict[str, np.ndarray]:
 
 def as_gguf_names(layer: dict[str, np.ndarray], E: int) -> dict[str, np.ndarray]:
     """The nextn layer under llama.cpp's names: blk.3.nextn.* for its own, the experts stacked [E, I, H]."""
-    from shm.gguf_file import GLM4MOE_TENSORS, NEXTN_TENSORS
+    from coordinator.model.arch.glm4_moe import FAMILY as GLM
+    from coordinator.model.arch.gguf import NEXTN_TENSORS
 
-    names = {hf: g for g, hf in {**GLM4MOE_TENSORS, **NEXTN_TENSORS}.items()}
+    names = {hf: g for g, hf in {**GLM.gguf_layer_tensors, **NEXTN_TENSORS}.items()}
     out = {f"blk.3.{names[n[len('model.layers.3.'):]]}": a for n, a in layer.items() if ".experts." not in n}
     for proj in ("gate_proj", "up_proj", "down_proj"):
         out[f"blk.3.{names[f'mlp.experts.{proj}']}"] = np.stack(
@@ -302,8 +305,8 @@ def test_the_nextn_layer_of_a_glm_file_is_the_checkpoints(tmp_path):
     layer = nextn_layer(hf_dir)
     save_file(layer, str(hf_dir / "nextn.safetensors"))
     path = rewrite(ROOT / "gguf" / "glm4_moe_basic.gguf", tmp_path / "mtp.gguf", tensors=as_gguf_names(layer, 8))
-    ck = GgufCheckpoint(path)
-    assert ck.config()["num_hidden_layers"] == 3
+    ck = open_gguf(path)
+    assert gguf_config(ck.file)["num_hidden_layers"] == 3
     assert {n for n in ck.names() if ".layers.3." in n} == {n for n in layer if ".experts." not in n} | {
         f"model.layers.3.mlp.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
     got = {}

@@ -112,11 +112,12 @@ def test_the_packed_rows_are_the_files(stem):
     from coordinator.model.model_config import parse_model_config
     from coordinator.host.packed import pack_dense
     from coordinator.model.weights import load_weights
-    from shm.gguf_checkpoint import GgufCheckpoint
+    from coordinator.model.arch import gguf_config
+    from coordinator.model.source import open_gguf
 
-    ck = GgufCheckpoint(FIXTURES / f"{stem}.gguf")
+    ck = open_gguf(FIXTURES / f"{stem}.gguf")
     try:
-        weights = load_weights(parse_model_config(ck.config()), ck)
+        weights = load_weights(parse_model_config(gguf_config(ck.file)), ck)
         read = [(obj, name, getattr(obj, name), weights.sources.get(getattr(obj, name)))
                 for obj, name in dense_matrices(weights) if getattr(obj, name) is not None]
         assert any(source.rows is not None for *_, source in read) == stem.startswith("qwen3_next")

@@ -15,7 +15,9 @@ from coordinator.config import EngineConfig
 from coordinator.engine import Engine
 from coordinator.model.model_config import load_model_config, parse_model_config
 from coordinator.model.weights import load_weights
-from shm.gguf_checkpoint import GgufCheckpoint, open_checkpoint
+from coordinator.model.arch import gguf_config
+from coordinator.model.source import open_gguf
+from shm.gguf_checkpoint import open_checkpoint
 
 ROOT = Path(__file__).parent / "fixtures"
 HF, GGUF = ROOT / "hf" / "qwen3_next_basic", ROOT / "gguf" / "qwen3_next_basic.gguf"
@@ -29,9 +31,9 @@ def test_the_files_metadata_is_the_checkpoints_config():
     """Every ModelConfig field read from the file's metadata equals config.json's, but the norms' offset: the
     file's weights already hold 1 + weight."""
     want = load_model_config(HF)
-    ck = GgufCheckpoint(GGUF)
+    ck = open_gguf(GGUF)
     try:
-        got = parse_model_config(ck.config())
+        got = parse_model_config(gguf_config(ck.file))
     finally:
         ck.close()
     assert got.norm_offset == 0.0 and want.norm_offset == 1.0
@@ -45,7 +47,7 @@ def test_the_files_weights_are_the_checkpoints():
     (1 + weight either way) and everything else are the same float32 numbers; -exp(A_log) is torch's in the file
     and NumPy's from the checkpoint, within a float32 rounding."""
     cfg = load_model_config(HF)
-    ck, gk = open_checkpoint(HF), GgufCheckpoint(GGUF)
+    ck, gk = open_checkpoint(HF), open_gguf(GGUF)
     try:
         want, got = load_weights(cfg, ck), load_weights(dataclasses.replace(cfg, norm_offset=0.0), gk)
     finally:

@@ -25,7 +25,8 @@ from coordinator.model.model_config import attach_mtp, load_model_config, parse_
 from coordinator.model.weights import load_weights
 from coordinator.scheduler import Scheduler
 from shm.checkpoint import Checkpoint
-from shm.gguf_checkpoint import GgufCheckpoint
+from coordinator.model.arch import gguf_config
+from coordinator.model.source import open_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -174,10 +175,10 @@ def test_a_gguf_files_nextn_layer_is_the_checkpoints_mtp_layer(tmp_path):
     """The file's blk.4.nextn.* and blk.4.* load as the checkpoint's mtp.* (the norms' 1 + weight held in the file,
     added to the checkpoint's at load), and on the file greedy with MTP drafts is greedy without."""
     hf, path = with_mtp_layer(tmp_path)
-    ck, gk = Checkpoint(hf), GgufCheckpoint(path)
+    ck, gk = Checkpoint(hf), open_gguf(path)
     try:
         cfg = attach_mtp(load_model_config(hf), ck.__contains__)
-        gcfg = attach_mtp(parse_model_config(gk.config()), gk.__contains__)
+        gcfg = attach_mtp(parse_model_config(gguf_config(gk.file)), gk.__contains__)
         want, got = load_weights(cfg, ck), load_weights(gcfg, gk)
     finally:
         ck.close()

@@ -76,11 +76,12 @@ def dequantised_state(gguf: Path, like: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     from coordinator.model.weights import per_group_rows
-    from shm.gguf_checkpoint import GgufCheckpoint
+    from coordinator.model.arch import gguf_config
+    from coordinator.model.source import open_gguf
 
     want = load_file(str(like / "model.safetensors"))
     cfg = json.loads((like / "config.json").read_text())
-    ck = GgufCheckpoint(gguf)
+    ck = open_gguf(gguf)
     out: dict[str, np.ndarray] = {}
     try:
         for name, ref in want.items():

@@ -113,11 +113,12 @@ def plan(cfg: ModelConfig, ctx: int, nodes: int = 1) -> dict:
 
 def check(path: Path) -> int:
     """The rule's type against the file's for every tensor; prints the differences, returns their count."""
-    from shm.gguf_checkpoint import GgufCheckpoint
+    from coordinator.model.arch import gguf_config
+    from coordinator.model.source import open_gguf
 
-    ck = GgufCheckpoint(path)
+    ck = open_gguf(path)
     try:
-        cfg = parse_model_config(ck.config())
+        cfg = parse_model_config(gguf_config(ck.file))
         tensors = {name: t.tensor_type.name for name, (_, t) in ck.file.tensors.items()}
     finally:
         ck.close()

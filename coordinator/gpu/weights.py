@@ -170,10 +170,7 @@ def checkpoint_dtype(ckpt: Checkpoint | None, name: str | None) -> str:
     compact); F32 when unknown."""
     if ckpt is None or name is None or name not in ckpt:
         return "F32"
-    file = getattr(ckpt, "file", None)
-    if file is not None and ckpt.index[name] in file.joined:
-        return file.tensors[file.joined[ckpt.index[name]][0]][1].tensor_type.name
-    return ckpt.info(name).dtype
+    return ckpt.stored_type(name)
 
 
 MATRICES = ("q", "k", "v", "o", "q_gate")  # LayerWeights' matrices (the MLP's, MLA's and linear's walked below)

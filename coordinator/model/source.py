@@ -14,9 +14,11 @@ from pathlib import Path
 
 from shm.checkpoint import Checkpoint
 from shm.gguf_checkpoint import GgufCheckpoint, gguf_path
+from shm.gguf_file import GgufFile
 
 from ..text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from ..text.gguf_tokenizer import gguf_codec
+from .arch import gguf_config, of_gguf
 from .model_config import ModelConfig, attach_mtp, load_model_config, parse_model_config
 from ..text.tokenizer import TextCodec
 
@@ -37,6 +39,16 @@ class ModelSource:
         return isinstance(self.checkpoint, GgufCheckpoint)
 
 
+def open_gguf(path: str | Path) -> GgufCheckpoint:
+    """A GGUF file as a checkpoint under Hugging Face's names, by its family (model/arch/); its metadata checked
+    now, before any worker starts."""
+    def names(f: GgufFile):
+        family = of_gguf(f)
+        family.gguf_config(f)
+        return family.gguf_names(f)
+    return GgufCheckpoint(path, names)
+
+
 def open_source(model_path: str | Path) -> ModelSource:
     """The source of a model folder or GGUF file, its tensors not read yet; a missing or broken configuration
     is the first error named. A broken chat template is logged and kept as ``chat_template_error``."""
@@ -48,8 +60,8 @@ def open_source(model_path: str | Path) -> ModelSource:
         checkpoint: Checkpoint | GgufCheckpoint = Checkpoint(path)
         metadata = None
     else:
-        checkpoint = GgufCheckpoint(gguf)
-        config = parse_model_config(checkpoint.config(), gguf.parent)
+        checkpoint = open_gguf(gguf)
+        config = parse_model_config(gguf_config(checkpoint.file), gguf.parent)
         codec = gguf_codec(checkpoint.file.metadata, gguf)
         metadata = checkpoint.file.metadata
     config = attach_mtp(config, lambda name: name in checkpoint)

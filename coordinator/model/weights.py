@@ -142,7 +142,7 @@ def _linear_attn(cfg: ModelConfig, r: "_Reader", prefix: str) -> LinearAttnWeigh
         z = r.take(qkvz, name, cut[3])
         conv = r.get(f"{prefix}.conv1d.weight", (lc.conv_dim, 1, lc.conv_kernel))[:, 0]
         a_neg = -np.exp(r.get(f"{prefix}.A_log", (Hv,)))
-    else:  # a GGUF file (shm/gguf_file.py's QWEN3NEXT_TENSORS): q, k, v already regrouped, z apart, -exp(A_log)
+    else:  # a GGUF file (model/arch/qwen3_next.py GGUF_TENSORS): q, k, v already regrouped, z apart, -exp(A_log)
         qkv = r.get(f"{prefix}.in_proj_qkv.weight", (lc.conv_dim, H))
         z = r.get(f"{prefix}.in_proj_z.weight", (Hv * dv, H))
         conv = r.get(f"{prefix}.conv1d.weight", (lc.conv_dim, lc.conv_kernel))

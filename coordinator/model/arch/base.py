@@ -1,6 +1,7 @@
 """What every model family shares: the model's configuration (ModelConfig and its parts), the readers of
 config.json's keys every family uses, a make-model geometry and weight drawer, and Family, the base of each
-family's file (coordinator/model/arch/<family>.py, as llama.cpp's src/models/).
+family's file (coordinator/model/arch/<family>.py, as llama.cpp's src/models/). (What the families share in
+reading GGUF files: gguf.py.)
 
 Keys are read as transformers writes them, in both the 4.x form (``rope_theta`` and ``rope_scaling`` at top
 level) and the 5.x form (``rope_parameters``). Defaults for absent keys are those of the transformers config
@@ -17,7 +18,11 @@ from typing import Callable
 
 import numpy as np
 
+from shm.gguf_checkpoint import Derived, Stored
+from shm.gguf_file import GgufFile
+
 from ...errors import ModelConfigError
+from .gguf import LAYER_TENSORS, hf_names
 
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 MLA_ROPE_TYPES = ("default", "linear", "yarn")  # YaRN: DeepSeek's MLA architectures only, for now
@@ -534,9 +539,22 @@ class Family:
     made_norm_topk_prob: bool = False  # make-model: norm_topk_prob where the geometry leaves it to the family
     presets: dict[str, Callable[[], Geometry]] = {}  # make-model presets of a real model of the family
     makeable: bool = True  # strata make-model writes it (--arch)
+    gguf_arch: str = ""  # general.architecture of the family's GGUF files ("": none is read as this family)
+    gguf_layer_tensors: dict[str, str] = LAYER_TENSORS  # a layer's GGUF tensor (after blk.N.) -> Hugging Face name
+    gguf_nextn: bool = False  # its GGUF files may append multi-token-prediction layers (nextn_predict_layers)
 
     def parse(self, cfg: dict, model_dir: Path | None) -> ModelConfig:
         raise NotImplementedError
+
+    # -- GGUF files ------------------------------------------------------------------------------------------------
+    def gguf_config(self, f: GgufFile) -> dict:
+        """config.json's keys from a GGUF file's metadata, as llama.cpp reads the family's files; GgufError for
+        what it cannot read."""
+        raise NotImplementedError
+
+    def gguf_names(self, f: GgufFile) -> dict[str, Stored | Derived]:
+        """{Hugging Face name: the file's tensor} (shm/gguf_checkpoint.py); a tensor the family lacks: GgufError."""
+        return hf_names(f, self.gguf_layer_tensors, nextn=self.gguf_nextn)
 
     def mtp_names(self, cfg: ModelConfig, holds: Callable[[str], bool]) -> MtpNames | None:
         """The checkpoint's MTP layer's names where it holds one: DeepSeek-V3's nextn names model.layers.L.*

@@ -4,13 +4,125 @@ greedy or group-limited), shared experts, dense first layers, and V3's multi-tok
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from shm.fp8 import Fp8Error, block_size as fp8_block_size
+from shm.gguf_checkpoint import Derived, Stored
+from shm.gguf_file import GgufError, GgufFile
 
 from ...errors import ModelConfigError
 from .base import (MLA_ROPE_TYPES, Draw, Family, Geometry, GroupRouter, MLAConfig, ModelConfig, boolean, choice,
                    field, groups, positive, rope, shared_fields, silu_only, swiglu, yarn)
+from .gguf import GROUPED_TENSORS, LAYER, grouped_keys, hf_names
+
+# a deepseek2 file's layer tensors: the grouped router's, and multi-head latent attention's
+GGUF_TENSORS = {
+    **GROUPED_TENSORS,
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # older converters; newer ones split it (KvB)
+}
+KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
+
+
+@dataclass(frozen=True)
+class KvB:
+    """kv_b_proj [nh * (dn + dv), c], which convert_hf_to_gguf.py's DeepseekV2Model splits per head into attn_k_b
+    [nh, c, dn] (the key rows, transposed) and attn_v_b [nh, dv, c]: put back together (shm's Derived)."""
+
+    k_b: str
+    v_b: str
+
+    @property
+    def parts(self) -> tuple[str, str]:
+        return self.k_b, self.v_b
+
+    def shape(self, f: GgufFile) -> tuple[int, int]:
+        k_b, v_b = f.shape(self.k_b), f.shape(self.v_b)  # [nh, c, dn], [nh, dv, c]
+        if len(k_b) != 3 or len(v_b) != 3 or k_b[0] != v_b[0] or k_b[1] != v_b[2]:
+            raise GgufError(f"{f.path}: {self.k_b} {list(k_b)} and {self.v_b} {list(v_b)} are not [heads, "
+                            "kv_lora_rank, nope] and [heads, v, kv_lora_rank]")
+        return (k_b[0] * (k_b[2] + v_b[1]), k_b[1])
+
+    def float32(self, f: GgufFile) -> np.ndarray:
+        """Per head, the dn key rows (attn_k_b transposed), then the dv values."""
+        shape = self.shape(f)
+        k_b, v_b = f.float32(self.k_b), f.float32(self.v_b)
+        return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(shape))
+
+
+def split_kv_b(f: GgufFile) -> dict[str, KvB]:
+    """{Hugging Face name: KvB} for each layer (the first nextn one included) whose kv_b_proj the converter split;
+    a converter that wrote attn_kv_b beside the pair is read as attn_kv_b."""
+    joined = {}
+    for name in f.tensors:
+        m = LAYER.match(name)
+        if m is None or m[2] != KV_B_PARTS[0] or f"blk.{m[1]}.attn_kv_b.weight" in f.tensors:
+            continue
+        v_name = f"blk.{m[1]}.{KV_B_PARTS[1]}"
+        if v_name not in f.tensors:
+            raise GgufError(f"{f.tensors[name][0]}: tensor {name} without {v_name}: kv_b_proj cannot be put back "
+                            "together")
+        if int(m[1]) <= f.num_layers:  # a second nextn layer's is not read
+            joined[f"model.layers.{m[1]}.self_attn.kv_b_proj.weight"] = KvB(name, v_name)
+    return joined
+
+
+def yarn_keys(f: GgufFile) -> dict:
+    """rope_scaling for a deepseek2 file's YaRN, as llama.cpp applies it."""
+    factor = float(f.meta("rope.scaling.factor"))
+    rope = {"rope_type": "yarn", "factor": factor,
+            "original_max_position_embeddings": f.integer("rope.scaling.original_context_length"),
+            "beta_fast": float(f.meta("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(f.meta("rope.scaling.yarn_beta_slow", 1.0))}
+    log_mul = f.meta("rope.scaling.yarn_log_multiplier", None)
+    if log_mul:  # 0.1 x mscale_all_dim; llama.cpp takes mscale = mscale_all_dim for deepseek2
+        m_all = float(str(np.float32(float(log_mul) / 0.1)))  # 0.707, as config.json had it
+        rope.update(mscale=m_all, mscale_all_dim=m_all)
+    else:  # llama.cpp: cos and sin x mscale(factor), and the softmax scale x mscale(factor)^2
+        rope.update(mscale_all_dim=1.0, attention_factor=0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return rope
+
+
+def router_keys(f: GgufFile, norm_topk_prob: bool) -> dict:
+    """V3's sigmoid router or V2's softmax one, by expert_gating_func (absent: softmax, as llama.cpp reads
+    DeepSeek-V2 files)."""
+    scoring = f.gating("softmax")
+    if scoring == "sigmoid":
+        return {"architectures": ["DeepseekV3ForCausalLM"], "scoring_func": scoring, "topk_method": "noaux_tc"}
+    if f.has_layer_tensor(".exp_probs_b.bias"):
+        raise GgufError(f"{f.path}: a softmax router (expert_gating_func 1 or absent) with a correction bias "
+                        "(exp_probs_b): no DeepSeek-V2 model has one; not supported")
+    if norm_topk_prob:
+        raise GgufError(f"{f.path}: metadata {f.arch}.expert_weights_norm true with a softmax router (DeepSeek-V2 "
+                        "never normalises its top-k weights): not supported")
+    # groups scored by their best expert (transformers' DeepseekV2 group_limited_greedy)
+    method = "group_limited_greedy" if f.integer("expert_group_count", 1) > 1 else "greedy"
+    return {"architectures": ["DeepseekV2ForCausalLM"], "scoring_func": scoring, "topk_method": method}
+
+
+def mla_keys(f: GgufFile) -> dict:
+    """Multi-head latent attention's sizes. Newer converters write the head sizes as *_mla (key_length then is
+    kv_lora_rank + rope: the absorbed form's); older ones as key_length and value_length themselves."""
+    kv_lora = f.integer("attention.kv_lora_rank")
+    rope_dim = f.integer("rope.dimension_count")
+    k_len = f.integer("attention.key_length_mla" if f.holds("attention.key_length_mla") else "attention.key_length")
+    v_len = f.integer("attention.value_length_mla" if f.holds("attention.value_length_mla")
+                      else "attention.value_length")
+    if k_len <= rope_dim:
+        raise GgufError(f"{f.path}: metadata {f.arch}.attention.key_length(_mla) {k_len} is not more than "
+                        f"{f.arch}.rope.dimension_count {rope_dim}")
+    q_lora = f.meta("attention.q_lora_rank", None)
+    return dict(kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=k_len - rope_dim, v_head_dim=v_len,
+                q_lora_rank=None if not q_lora else f.integer("attention.q_lora_rank"),
+                rope_interleave=True)  # llama.cpp ropes deepseek2 on adjacent pairs (LLAMA_ROPE_TYPE_NORM)
 
 
 def grouped_config(g: Geometry, cfg: dict) -> dict:
@@ -63,6 +175,30 @@ class DeepseekV3(Family):
                                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, yarn_factor=40.0,
                                         yarn_original_max_position_embeddings=4096, norm_topk_prob=True,
                                         rope_theta=10000.0, max_position_embeddings=163840)}
+    gguf_arch = "deepseek2"  # DeepSeek-V2/V2-Lite/V3/R1, Kimi-K2: V3 or V2 by the gating function
+    gguf_layer_tensors = GGUF_TENSORS
+    gguf_nextn = True
+
+    def gguf_config(self, f: GgufFile) -> dict:
+        """DeepSeek-V2/V3 as llama.cpp reads a deepseek2 file (src/models/deepseek2.cpp, llama-context.cpp)."""
+        cfg = grouped_keys(f)
+        cfg.update(router_keys(f, cfg["norm_topk_prob"]), moe_layer_freq=1, **mla_keys(f))
+        f.refuse("attention.temperature_scale", "attention temperature tuning (Mistral-Large) is not supported")
+        f.refuse("rope.scaling.attn_factor", "a rope attention factor is not supported")
+        f.refuse("rope.scaling.yarn_ext_factor", "a YaRN extrapolation factor is not supported")
+        scaling = f.meta("rope.scaling.type", "none")
+        if scaling == "yarn":
+            cfg["rope_scaling"] = yarn_keys(f)
+        elif scaling == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(f.meta("rope.scaling.factor"))}
+        elif scaling not in ("none", None):
+            raise GgufError(f"{f.path}: metadata {f.arch}.rope.scaling.type {scaling!r} is not supported "
+                            "(none, linear, yarn)")
+        return cfg
+
+    def gguf_names(self, f: GgufFile) -> dict[str, Stored | Derived]:
+        """Its names, kv_b_proj put back together where the converter split it."""
+        return {**hf_names(f, self.gguf_layer_tensors, nextn=True, skip=frozenset(KV_B_PARTS)), **split_kv_b(f)}
 
     def parse(self, cfg: dict, model_dir: Path | None) -> ModelConfig:
         """DeepSeek-V3's config.json (the Hub's remote-code form and transformers 5's DeepseekV3Config alike)."""
@@ -178,6 +314,7 @@ class DeepseekV2(DeepseekV3):
                     rope_interleave=True)
     scoring_funcs = ("softmax",)
     topk_methods = ("greedy", "group_limited_greedy")
+    gguf_arch = ""  # a deepseek2 file is read by DeepseekV3, whose config names V2 where its router is V2's
     mtp = False
     renormalises = False
     always_interleaved = True

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shm.gguf_file import GgufError, GgufFile
+
 from ...errors import ModelConfigError
 from .base import (Draw, Family, Geometry, GroupRouter, ModelConfig, boolean, field, gqa_fields, groups,
                    head_counts, positive, rotary_dim, shared_fields, silu_only)
 from .deepseek_v3 import grouped_config, grouped_moe_tensors
+from .gguf import GROUPED_TENSORS, grouped_keys, no_rope_scaling
 from .qwen2_moe import qkv_biases
 
 
@@ -27,6 +30,27 @@ class Glm4Moe(Family):
                                         first_k_dense_replace=1, routed_scaling_factor=1.0, partial_rotary_factor=0.5,
                                         use_qk_norm=False, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5,
                                         max_position_embeddings=131072)}
+    gguf_arch = "glm4moe"
+    gguf_layer_tensors = {**GROUPED_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight"}
+    gguf_nextn = True
+
+    def gguf_config(self, f: GgufFile) -> dict:
+        """GLM-4.5 as llama.cpp reads a glm4moe file (src/models/glm4-moe.cpp)."""
+        cfg = grouped_keys(f)
+        if f.gating("sigmoid") != "sigmoid":
+            raise GgufError(f"{f.path}: metadata {f.arch}.expert_gating_func is not 2 (sigmoid): GLM-4.5's "
+                            "router is sigmoid")
+        heads = cfg["num_attention_heads"]
+        head_dim = f.integer("attention.key_length", cfg["hidden_size"] // heads)
+        rope_dim = f.integer("rope.dimension_count", head_dim // 2)
+        if not 0 < rope_dim <= head_dim:
+            raise GgufError(f"{f.path}: metadata {f.arch}.rope.dimension_count {rope_dim} for heads of {head_dim}")
+        no_rope_scaling(f)
+        cfg.update(architectures=[self.hf_class], num_key_value_heads=f.integer("attention.head_count_kv", heads),
+                   head_dim=head_dim, partial_rotary_factor=rope_dim / head_dim,
+                   attention_bias=f.has_layer_tensor(".attn_q.bias"),
+                   use_qk_norm=f.has_layer_tensor(".attn_q_norm.weight"))
+        return cfg
 
     def parse(self, cfg: dict, model_dir: Path | None) -> ModelConfig:
         d = self.defaults

@@ -5,8 +5,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shm.gguf_checkpoint import Derived, Stored
+from shm.gguf_file import GgufError, GgufFile
+
 from .base import (Family, Geometry, ModelConfig, check_top_k, field, gqa_fields, gqa_geometry, shared_fields,
                    silu_only, sliding_windows, boolean)
+from .gguf import LAYER_TENSORS, gqa_keys, hf_names
+
+# a llama file's names: block_sparse_moe's router and experts, and no dense MLP
+GGUF_TENSORS = {**{k: v for k, v in LAYER_TENSORS.items() if k != "ffn_gate.weight"},
+                "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+                "ffn_gate_exps.weight": "block_sparse_moe.experts.gate_proj",
+                "ffn_up_exps.weight": "block_sparse_moe.experts.up_proj",
+                "ffn_down_exps.weight": "block_sparse_moe.experts.down_proj"}
+
+
+def with_experts(f: GgufFile) -> GgufFile:
+    """The file, where it is a MoE model: a llama file of experts (llama.expert_count) is a Mixtral."""
+    if not f.meta("expert_count", 0):
+        raise GgufError(f"{f.path}: a llama model without experts (llama.expert_count): not a MoE model")
+    return f
 
 
 class Mixtral(Family):
@@ -20,6 +38,8 @@ class Mixtral(Family):
                                                 num_kv_heads=8, head_dim=128, num_experts=8, top_k=2,
                                                 moe_intermediate_size=14336, rms_norm_eps=1e-5,
                                                 max_position_embeddings=32768)}
+    gguf_arch = "llama"  # with experts
+    gguf_layer_tensors = GGUF_TENSORS
 
     def parse(self, cfg: dict, model_dir: Path | None) -> ModelConfig:
         d = self.defaults
@@ -44,6 +64,24 @@ class Mixtral(Family):
             sparse_layers=(True,) * layers,
             sliding_windows=sliding_windows(cfg, layers, every_layer=True),
         )
+
+    def gguf_config(self, f: GgufFile) -> dict:
+        cfg = gqa_keys(with_experts(f), self.hf_class)  # the experts' size is the feed-forward length
+        cfg["num_local_experts"] = cfg.pop("num_experts")
+        cfg["intermediate_size"] = int(f.meta("feed_forward_length"))
+        return cfg
+
+    def gguf_names(self, f: GgufFile) -> dict[str, Stored | Derived]:
+        """Its names, q's and k's rows read back in Hugging Face's order: the converter permuted them per head
+        (LlamaModel.permute)."""
+        names = hf_names(with_experts(f), self.gguf_layer_tensors)
+        heads = int(f.meta("attention.head_count"))
+        kv_heads = int(f.meta("attention.head_count_kv", heads))
+        for hf, src in names.items():
+            for suffix, n in ((".attn_q.weight", heads), (".attn_k.weight", kv_heads)):
+                if src.name.endswith(suffix):
+                    names[hf] = Stored(src.name, n)
+        return names
 
     def hf_config(self, g: Geometry, cfg: dict) -> dict:
         cfg.update(num_local_experts=g.num_experts, intermediate_size=g.moe_intermediate_size, sliding_window=None,

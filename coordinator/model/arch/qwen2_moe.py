@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shm.gguf_file import GgufFile
+
 from .base import Draw, Family, Geometry, ModelConfig, boolean, field, swiglu
-from .qwen3_moe import qwen_moe_config
+from .qwen3_moe import qwen_gguf_config, qwen_moe_config
 
 
 def shared_expert_tensors(draw: Draw, g: Geometry, moe: str) -> dict:
@@ -26,10 +28,15 @@ class Qwen2Moe(Family):
     hf_class = "Qwen2MoeForCausalLM"
     defaults = dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, norm_topk_prob=False,
                     decoder_sparse_step=1, attention_bias=True, tie_word_embeddings=False)
+    gguf_arch = "qwen2moe"
 
     def parse(self, cfg: dict, model_dir: Path | None) -> ModelConfig:
         return qwen_moe_config(self, cfg, model_dir, "num_experts", qkv_bias=boolean(cfg, "qkv_bias", True),
                                shared=field(cfg, "shared_expert_intermediate_size", int))
+
+    def gguf_config(self, f: GgufFile) -> dict:
+        return {**qwen_gguf_config(self, f, norm_default=False),
+                "shared_expert_intermediate_size": int(f.meta("expert_shared_feed_forward_length"))}
 
     def hf_config(self, g: Geometry, cfg: dict) -> dict:
         return {**super().hf_config(g, cfg), "shared_expert_intermediate_size": g.shared_expert_intermediate_size}

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shm.gguf_file import GgufFile
+
 from ...errors import ModelConfigError
 from .base import (Draw, Family, Geometry, ModelConfig, boolean, check_top_k, field, gqa_fields, gqa_geometry,
                    shared_fields, silu_only, sliding_windows, sparse_by_step)
+from .gguf import gqa_keys
 
 
 def qwen_moe_config(family: Family, cfg: dict, model_dir: Path | None, experts_key: str, *, shared: int = 0,
@@ -38,6 +41,16 @@ def qwen_moe_config(family: Family, cfg: dict, model_dir: Path | None, experts_k
     )
 
 
+def qwen_gguf_config(family: Family, f: GgufFile, norm_default: bool) -> dict:
+    """A Qwen-style MoE GGUF file's keys; ``norm_default``: whether llama.cpp renormalises the top-k weights where
+    the file does not say (expert_weights_norm)."""
+    cfg = gqa_keys(f, family.hf_class)
+    cfg["moe_intermediate_size"] = int(f.meta("expert_feed_forward_length"))
+    cfg["intermediate_size"] = int(f.meta("feed_forward_length", cfg["moe_intermediate_size"]))
+    cfg["norm_topk_prob"] = bool(f.meta("expert_weights_norm", norm_default))
+    return cfg
+
+
 class Qwen3Moe(Family):
     name = "qwen3_moe"
     hf_class = "Qwen3MoeForCausalLM"
@@ -48,6 +61,7 @@ class Qwen3Moe(Family):
                                                  num_kv_heads=4, head_dim=128, num_experts=128, top_k=8,
                                                  moe_intermediate_size=768, dense_intermediate_size=6144,
                                                  rope_theta=1e6, max_position_embeddings=40960)}
+    gguf_arch = "qwen3moe"
 
     def parse(self, cfg: dict, model_dir: Path | None) -> ModelConfig:
         if cfg.get("num_experts") is None and cfg.get("num_local_experts") is None:
@@ -56,6 +70,9 @@ class Qwen3Moe(Family):
         key = "num_local_experts" if cfg.get("num_experts") is None else "num_experts"  # transformers 5's name
         return qwen_moe_config(self, cfg, model_dir, key, qk_norm=True,
                                qkv_bias=boolean(cfg, "attention_bias", self.defaults["attention_bias"]))
+
+    def gguf_config(self, f: GgufFile) -> dict:
+        return qwen_gguf_config(self, f, norm_default=True)
 
     def hf_config(self, g: Geometry, cfg: dict) -> dict:
         return {**super().hf_config(g, cfg), "attention_bias": False}

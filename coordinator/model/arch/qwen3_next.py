@@ -7,10 +7,47 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from shm.gguf_file import GgufError, GgufFile
+
 from ...errors import ModelConfigError
 from .base import (Draw, Family, Geometry, LinearAttnConfig, ModelConfig, MtpNames, boolean, field, gqa_fields,
                    head_counts, positive, rotary_dim, shared_fields, silu_only, sparse_by_step)
+from .gguf import LAYER_TENSORS, no_rope_scaling, shared_keys
 from .qwen2_moe import shared_expert_tensors
+
+# Qwen3NextModel's converter writes in_proj_qkvz as attn_qkv (q, k, v rows, each grouped by head) and attn_gate (z),
+# -exp(A_log) as ssm_a, conv1d squeezed to [C, K], and its RMSNorms' weights plus 1 (gguf_config says so:
+# norms_hold_one_plus_weight); the names below are the engine's for those forms (model/weights.py reads them)
+GGUF_TENSORS = {
+    **LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_neg",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+
+
+def linear_attention_keys(f: GgufFile, num_layers: int) -> dict:
+    """The Gated DeltaNet geometry from the ssm keys, and the layers' kinds from attention.recurrent_layers (or
+    full_attention_interval)."""
+    value_heads = f.integer("ssm.time_step_rank")
+    inner = f.integer("ssm.inner_size")
+    if inner % value_heads:
+        raise GgufError(f"{f.path}: metadata {f.arch}.ssm.inner_size {inner} over ssm.time_step_rank {value_heads} "
+                        "does not fit")
+    recurrent = f.meta("attention.recurrent_layers", None)
+    if recurrent is None:
+        interval = f.integer("full_attention_interval", 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(num_layers)]
+    return {"linear_conv_kernel_dim": f.integer("ssm.conv_kernel"), "linear_key_head_dim": f.integer("ssm.state_size"),
+            "linear_num_key_heads": f.integer("ssm.group_count"), "linear_num_value_heads": value_heads,
+            "linear_value_head_dim": inner // value_heads,
+            "layer_types": ["linear_attention" if r else "full_attention" for r in list(recurrent)[:num_layers]]}
 
 
 def linear_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
@@ -44,6 +81,39 @@ class Qwen3Next(Family):
                                        partial_rotary_factor=0.25, max_position_embeddings=262144,
                                        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                                        linear_value_head_dim=128)}
+    gguf_arch = "qwen3next"
+    gguf_layer_tensors = GGUF_TENSORS
+    gguf_nextn = True
+
+    def gguf_config(self, f: GgufFile) -> dict:
+        """Qwen3-Next as llama.cpp reads a qwen3next file (src/models/qwen3next.cpp): a softmax router whose top-k
+        weights are renormalised, partial rotary from rope.dimension_count, the Gated DeltaNet's keys."""
+        cfg = shared_keys(f)
+        heads = cfg["num_attention_heads"]
+        head_dim = f.integer("attention.key_length", cfg["hidden_size"] // heads)
+        rope_dim = f.integer("rope.dimension_count", head_dim // 4)
+        if not 0 < rope_dim <= head_dim:
+            raise GgufError(f"{f.path}: metadata {f.arch}.rope.dimension_count {rope_dim} (heads of {head_dim}) "
+                            "does not fit")
+        no_rope_scaling(f)
+        f.refuse("expert_weights_scale", "a scale on the routed experts' weights is not Qwen3-Next's")
+        cfg.update({
+            "architectures": [self.hf_class],
+            "num_hidden_layers": f.num_layers,
+            "num_key_value_heads": f.integer("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(f.meta("rope.freq_base", 10000.0)),
+                                "partial_rotary_factor": rope_dim / head_dim},
+            "intermediate_size": f.integer("feed_forward_length"),
+            "moe_intermediate_size": f.integer("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": f.integer("expert_shared_feed_forward_length"),
+            "num_experts": f.integer("expert_count"),
+            "num_experts_per_tok": f.integer("expert_used_count"),
+            "norm_topk_prob": True,
+            **linear_attention_keys(f, f.num_layers),
+            "norms_hold_one_plus_weight": True,
+        })
+        return cfg
 
     def parse(self, cfg: dict, model_dir: Path | None) -> ModelConfig:
         d = self.defaults
