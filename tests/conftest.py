@@ -9,6 +9,7 @@ apply()  # the tests run with the thread settings of the strata command, set bef
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path
 
@@ -77,6 +78,17 @@ def checkpoint_tools():
         rewrite = staticmethod(rewrite_checkpoint)
         config = staticmethod(edit_config)
     return Tools
+
+
+@pytest.fixture(autouse=True)
+def stop_signals_kept():
+    """SIGINT's and SIGTERM's handlers as they were before each test: serve() run in-process leaves them ignored
+    for its caller's teardown (serving/server.py), and a child Python started later would inherit the ignored
+    SIGINT and never see a KeyboardInterrupt."""
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in kept.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from coordinator.model import ops
+from coordinator.model.ops import MlaRows
 from coordinator.gpu import ops as device_ops
 from coordinator.gpu.backend import GpuBackend
 from shm.formats import bf16
@@ -260,20 +261,20 @@ def test_device_mla_attention_matches_float64(cp):
         scale = (dn + dr) ** -0.5
         qd, kv_b_dev = cupy.asarray(q), cupy.asarray(kv_b)
         weights = cupy.asarray(w_uk), cupy.asarray(w_uv_t), cupy.asarray(mask), scale
-        got = device_ops.mla_attention_absorbed(qd[..., :dn], qd[..., dn:], cupy.asarray(latent),
-                                                cupy.asarray(k_rope), *weights, splits=splits)
+        rows = MlaRows(qd[..., :dn], qd[..., dn:], cupy.asarray(latent), cupy.asarray(k_rope))
+        got = device_ops.mla_attention_absorbed(rows, *weights, splits=splits)
         what = f"T {T} S {S} nh {nh} c {c} dv {dv} window {window} splits {splits}"
         want = _mla64(q[..., :dn], q[..., dn:], latent, k_rope, w_uk, w_uv_t, mask, scale)
         np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=5e-5, atol=5e-6, err_msg=what)
         views = device_ops.mla_attention_absorbed(  # the weights read in kv_b's rows, nothing copied
-            qd[..., :dn], qd[..., dn:], cupy.asarray(latent), cupy.asarray(k_rope), kv_b_dev[:, :dn],
-            kv_b_dev[:, dn:].transpose(0, 2, 1), *weights[2:], splits=splits)
+            rows, kv_b_dev[:, :dn], kv_b_dev[:, dn:].transpose(0, 2, 1), *weights[2:], splits=splits)
         assert cupy.array_equal(views, got), what
         lat16, kr16 = _bf16(latent), _bf16(k_rope)
-        from16 = device_ops.mla_attention_absorbed(qd[..., :dn], qd[..., dn:], cupy.asarray(lat16),
-                                                   cupy.asarray(kr16), *weights, splits=splits)
-        widened = device_ops.mla_attention_absorbed(qd[..., :dn], qd[..., dn:], cupy.asarray(_widened(lat16)),
-                                                    cupy.asarray(_widened(kr16)), *weights, splits=splits)
+        from16 = device_ops.mla_attention_absorbed(
+            MlaRows(qd[..., :dn], qd[..., dn:], cupy.asarray(lat16), cupy.asarray(kr16)), *weights, splits=splits)
+        widened = device_ops.mla_attention_absorbed(
+            MlaRows(qd[..., :dn], qd[..., dn:], cupy.asarray(_widened(lat16)), cupy.asarray(_widened(kr16))),
+            *weights, splits=splits)
         assert cupy.array_equal(from16, widened), what
 
 

@@ -151,6 +151,7 @@ import os, signal, subprocess, sys
 import psutil
 from coordinator import warmup
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's Python has it, whatever this inherited
 real = subprocess.Popen
 children = []
 

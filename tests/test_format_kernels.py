@@ -209,6 +209,7 @@ def test_mla_reads_a_compact_kv_b_as_it_lies(cp, name):
     same rows decoded (within float32 sums of the output's largest terms; only W_uv's sums run in another
     order)."""
     from coordinator.model import ops
+    from coordinator.model.ops import MlaRows
     from coordinator.gpu import ops as device_ops
 
     rng = np.random.default_rng(29)
@@ -220,11 +221,11 @@ def test_mla_reads_a_compact_kv_b_as_it_lies(cp, name):
     q = cp.asarray(rng.standard_normal((T, nh, dn + dr)).astype(np.float32))
     latent, k_rope = (cp.asarray(rng.standard_normal((S, n)).astype(np.float32)) for n in (c, dr))
     mask = cp.asarray(ops.attention_mask(np.arange(S - T, S), np.arange(S), None))
-    want = device_ops.mla_attention_absorbed(q[..., :dn], q[..., dn:], latent, k_rope, cp.asarray(heads[:, :dn]),
+    rows = MlaRows(q[..., :dn], q[..., dn:], latent, k_rope)
+    want = device_ops.mla_attention_absorbed(rows, cp.asarray(heads[:, :dn]),
                                              cp.asarray(np.ascontiguousarray(heads[:, dn:].transpose(0, 2, 1))),
                                              mask, (dn + dr) ** -0.5)
-    got = device_ops.mla_attention_absorbed(q[..., :dn], q[..., dn:], latent, k_rope, compact, None, mask,
-                                            (dn + dr) ** -0.5)
+    got = device_ops.mla_attention_absorbed(rows, compact, None, mask, (dn + dr) ** -0.5)
     assert got.shape == (T, nh * dv)
     got, want = cp.asnumpy(got), cp.asnumpy(want)  # a file format's random blocks span many magnitudes:
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), name  # float32 sums of its largest terms

@@ -17,6 +17,7 @@ import pytest
 
 import device_standin
 from coordinator import Engine, EngineConfig
+from coordinator.model.ops import MlaRows
 from coordinator.model.step import StepBatch
 from shm import doorbell
 
@@ -545,11 +546,11 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
         r = slice(bounds[s], bounds[s + 1])
         lat, kr = cache.extend(0, ckv[r, :c], ckv[r, c:])
         mask = ops.attention_mask(row_pos[r], np.arange(lat.shape[0]), None)
-        want_rows.append(np.asarray(device_ops.mla_attention_absorbed(q[r, :, :dn], q[r, :, dn:], lat, kr, w_uk,
-                                                                      w_uv_t, gpu.asarray(mask), scale)))
+        want_rows.append(np.asarray(device_ops.mla_attention_absorbed(MlaRows(q[r, :, :dn], q[r, :, dn:], lat, kr),
+                                                                      w_uk, w_uv_t, gpu.asarray(mask), scale)))
         last = slice(bounds[s + 1] - 1, bounds[s + 1])
-        want_last.append(np.asarray(device_ops.mla_attention_absorbed(q[last, :, :dn], q[last, :, dn:], lat, kr,
-                                                                      w_uk, w_uv_t, gpu.asarray(mask[-1:]), scale)))
+        want_last.append(np.asarray(device_ops.mla_attention_absorbed(
+            MlaRows(q[last, :, :dn], q[last, :, dn:], lat, kr), w_uk, w_uv_t, gpu.asarray(mask[-1:]), scale)))
         cache.truncate(cached[s])
     stored = [[np.asarray(b).copy() for b in c.buffers(0)] for c in caches]
     for cache, n, m in zip(caches, cached, new):

@@ -178,8 +178,8 @@ class GpuBackend(Backend):
 
     def mla_attention_absorbed(self, rows, w_uk, w_uv, mask, scale: float):
         """One fused kernel; w_uv read where it lies (a view, or None beside a compact kv_b)."""
-        return device_ops.mla_attention_absorbed(rows.q_nope, rows.q_rope, rows.latent, rows.k_rope, w_uk,
-                                                 None if w_uv is None else w_uv.transpose(0, 2, 1), mask, scale)
+        return device_ops.mla_attention_absorbed(rows, w_uk, None if w_uv is None else w_uv.transpose(0, 2, 1), mask,
+                                                 scale)
 
     def route(self, logits, bias, spec: RouterSpec) -> tuple[np.ndarray, np.ndarray]:
         """Routed on the device; only the choice comes back, [T, 2k] words where the logits are [T, E] floats: the

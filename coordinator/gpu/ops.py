@@ -29,7 +29,7 @@ built for the CPU) and, on a GPU, through CuPy.
     gqa_attention_cached(q [Nq, nh, hd], tables, window, s, ...) -> [Nq, nh*hd]  the same, each query over its
                                                       sequence's cache, lengths and mask read on the device
     kv_store(k [N, ...], v [N, ...], k_ptrs, v_ptrs, row_seq, row_pos, bf16)  each row into its sequence's cache
-    mla_attention_absorbed(q_nope [T, nh, dn], q_rope [T, nh, dr], latent [S, c], k_rope [S, dr],
+    mla_attention_absorbed(MlaRows(q_nope [T, nh, dn], q_rope [T, nh, dr], latent [S, c], k_rope [S, dr]),
                            w_uk [nh, dn, c], w_uv_t [nh, c, dv], mask [T, S], s) -> [T, nh*dv]
     mla_attention_absorbed_cached(q_nope [Nq, nh, dn], q_rope, tables, w_uk, w_uv_t, s, max_keys, bf16)
                                                       -> [Nq, nh*dv]  the same over each query's sequence's cache
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..model.ops import MlaRows
 from . import format_kernels
 from . import kernels
 
@@ -399,10 +400,10 @@ def _compact_output(compact: CompactKvB, combine, T: int, nh: int, c: int, dv: i
                                            c, out_lat).reshape(T, nh * dv)
 
 
-def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, scale: float, splits=None):
+def mla_attention_absorbed(rows: MlaRows, w_uk, w_uv_t, mask, scale: float, splits=None):
     """Absorbed multi-head latent attention, ops.mla_attention_absorbed's mathematics in three launches.
 
-    q_nope [T, nh, dn], q_rope [T, nh, dr] (rows and heads may lie apart: column slices of q); latent [S, c],
+    rows: q_nope [T, nh, dn], q_rope [T, nh, dr] (rows and heads may lie apart: column slices of q); latent [S, c],
     k_rope [S, dr]: float32, or both bf16 bits (uint16, a bf16 cache's: equal to float32 on the widened values);
     w_uk [nh, dn, c], w_uv_t [nh, c, dv]: float32, any layout read where it lies (views of kv_b's rows,
     w_uv.transpose(0, 2, 1)); w_uk with c, w_uv_t with dv adjacent reads fastest (w_uv [nh, dv, c] transposed
@@ -410,6 +411,7 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv_t, mask, s
     keys (None: mla_splits' choice; the tests force several)."""
     import cupy
 
+    q_nope, q_rope, latent, k_rope = rows.q_nope, rows.q_rope, rows.latent, rows.k_rope
     T, nh, dn = q_nope.shape
     S, c = latent.shape
     compact, uk_shape, uv_shape, dv = _mla_weights(w_uk, w_uv_t)

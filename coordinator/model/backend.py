@@ -182,8 +182,7 @@ class Backend:
 
     def mla_attention(self, rows: ops.MlaRows, k_nope, v, mask, scale: float):
         """rows' queries over the latents expanded through kv_b: k_nope [S, nh, dn], v [S, nh, dv]."""
-        return ops.mla_attention(rows.q_nope, rows.q_rope, k_nope, rows.k_rope, v, mask, scale, self.widen,
-                                 self.masked_softmax)
+        return ops.mla_attention(rows, k_nope, v, mask, scale, self.widen, self.masked_softmax)
 
     def mla_attention_absorbed(self, rows: ops.MlaRows, w_uk, w_uv, mask, scale: float):
         """rows' queries over their cached latents without expanding them (ops.mla_attention_absorbed)."""

@@ -57,8 +57,7 @@ def route(logits: np.ndarray, bias, spec: RouterSpec) -> tuple[np.ndarray, np.nd
     """logits [T, E] -> (ids [T, k] int64, weights [T, k] float32) by ``spec`` (route_top_k or route_grouped)."""
     if not spec.grouped:
         return route_top_k(logits, spec.k, spec.normalize)
-    return route_grouped(logits, bias, spec.k, spec.n_group, spec.topk_group, spec.normalize, spec.scaling,
-                         "softmax" if spec.softmax else "sigmoid")
+    return route_grouped(logits, bias, spec)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -208,9 +207,8 @@ def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> n
     return xp_of(x).concatenate([even * c - odd * s, odd * c + even * s], axis=-1)
 
 
-def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_group: int,
-                  topk_group: int, normalize: bool, scaling: float,
-                  scoring: str = "sigmoid") -> tuple[np.ndarray, np.ndarray]:
+def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None,
+                  spec: RouterSpec) -> tuple[np.ndarray, np.ndarray]:
     """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, the noaux_tc method).
 
     router_logits [T, E] -> (ids [T, k] int64, weights [T, k] float32). Scores are sigmoid(logits); the choice
@@ -219,9 +217,11 @@ def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_
     ``topk_group`` best groups stay and the k best experts among theirs are chosen (ties to the lower id). The
     weights are divided by their sum (+1e-20) when ``normalize``, then multiplied by ``scaling``.
 
-    ``scoring="softmax"``: DeepSeek-V2's router (DeepseekV2TopkRouter, group_limited_greedy; n_group 1 is its
+    ``spec.softmax``: DeepSeek-V2's router (DeepseekV2TopkRouter, group_limited_greedy; n_group 1 is its
     plain greedy): scores are softmax(logits), each group is scored by its best expert, there is no bias.
     """
+    k, n_group, topk_group = spec.k, spec.n_group, spec.topk_group
+    scoring = "softmax" if spec.softmax else "sigmoid"
     if scoring == "softmax" and bias is not None:
         raise ValueError("route_grouped: the softmax router (DeepSeek-V2) takes no bias")
     xp = xp_of(router_logits)
@@ -238,9 +238,9 @@ def route_grouped(router_logits: np.ndarray, bias: np.ndarray | None, k: int, n_
     masked = xp.where(xp.repeat(keep, E // n_group, axis=-1), choice, np.float32(-np.inf))  # [T, E]
     ids = xp.argsort(-masked, axis=-1, kind="stable")[:, :k] if xp is np else xp.argsort(-masked, axis=-1)[:, :k]
     weights = xp.take_along_axis(scores, ids, axis=-1)  # [T, k]
-    if normalize:
+    if spec.normalize:
         weights = weights / (xp.sum(weights, axis=-1, keepdims=True) + ROUTER_NORM_EPS)
-    weights = weights * np.float32(scaling)
+    weights = weights * np.float32(spec.scaling)
     return ids.astype(np.int64), weights.astype(np.float32)
 
 
@@ -249,15 +249,16 @@ def masked_softmax(scores: np.ndarray, mask: np.ndarray, scale: float) -> np.nda
     return softmax(np.where(mask, scores * np.float32(scale), np.float32(-np.inf)), axis=-1)
 
 
-def mla_attention(q_nope: np.ndarray, q_rope: np.ndarray, k_nope: np.ndarray, k_rope: np.ndarray,
-                  v: np.ndarray, mask: np.ndarray, scale: float, widen=None, masked_softmax=None) -> np.ndarray:
-    """Multi-head latent attention with the latent expanded: q_nope [T, nh, dn], q_rope [T, nh, dr],
-    k_nope [S, nh, dn], k_rope [S, dr] (one rope key shared by every head; a bf16 cache's bits too), v [S, nh, dv],
-    mask [T, S] -> [T, nh*dv]. Scores (q_nope·k_nope + q_rope·k_rope) * scale. ``widen``, ``masked_softmax``: as
-    gqa_attention's."""
+def mla_attention(rows: MlaRows, k_nope: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float, widen=None,
+                  masked_softmax=None) -> np.ndarray:
+    """Multi-head latent attention with the latent expanded: rows' q_nope [T, nh, dn], q_rope [T, nh, dr] and
+    k_rope [S, dr] (one rope key shared by every head; a bf16 cache's bits too), k_nope [S, nh, dn], v [S, nh, dv]
+    (the latent through kv_b), mask [T, S] -> [T, nh*dv]. Scores (q_nope·k_nope + q_rope·k_rope) * scale.
+    ``widen``, ``masked_softmax``: as gqa_attention's."""
     widen, masked_softmax = widen or globals()["widen"], masked_softmax or globals()["masked_softmax"]
+    q_nope, q_rope = rows.q_nope, rows.q_rope
     T, nh, _ = q_nope.shape
-    k_rope = widen(k_rope)
+    k_rope = widen(rows.k_rope)
     scores = q_nope.transpose(1, 0, 2) @ k_nope.transpose(1, 2, 0)  # [nh, T, S]
     scores = scores + (q_rope.transpose(1, 0, 2) @ k_rope.T)  # [nh, T, S]
     out = masked_softmax(scores, mask, scale) @ v.transpose(1, 0, 2)  # [nh, T, dv]

@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -44,10 +45,25 @@ from .openai_api import (COMPLETION_MAX_TOKENS, FINISH_REASON, OpenAIError, chat
                          check_model, check_unicode, choices, chunk, completion_logprobs, completion_prompts,
                          completion_response, echo, echoed, error_body, from_engine_error, generate_fields,
                          models_list, new_id, parallel_tool_calls, stream_flags, template_kwargs, tool_call_doc,
-                         tool_choice, usage_chunk)
+                         tool_choice, usage_chunk, StreamId)
 from .tool_calls import CallDelta, leaves_thinking, tool_format
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamAsk:
+    """How one request's events are streamed: as chat or completion chunks, with a usage chunk at the end
+    (``include_usage``) and log-probabilities (``want_logprobs``); with ``echo_of``, each choice's prompt (and
+    its log-probabilities) first, its text alone after (``prompt_only``); with ``tools`` (format, tools), each
+    choice's text parsed into content and tool calls as it comes."""
+
+    chat: bool
+    include_usage: bool
+    want_logprobs: bool
+    echo_of: list[str] | None = None
+    prompt_only: bool = False
+    tools: tuple | None = None
 
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # vLLM's: text or messages <-> token ids, under the API key too
 SHUTDOWN_GRACE_S = 5.0  # in-flight handlers get this long to send their last event on stop
@@ -495,19 +511,17 @@ class HttpFrontend:
                 return _json(200, completion_response(new_id(chat), self.model_name, finals, chat, want_logprobs,
                                                       tools))
             echo_of = None if echo_texts is None else [echo_texts[k // n] for k in range(len(queues))]
-            response, done = await self._stream(request, [q for q, _ in queues], chat, include_usage,
-                                                want_logprobs, echo_of, prompt_only, tools)
+            ask = StreamAsk(chat, include_usage, want_logprobs, echo_of, prompt_only, tools)
+            response, done = await self._stream(request, [q for q, _ in queues], ask)
             return response
         finally:
             for _, rid in queues:
                 self.bridge.end(rid, cancel=not done)
 
-    async def _stream(self, request: web.Request, queues: list[asyncio.Queue], chat: bool, include_usage: bool,
-                      want_logprobs: bool, echo_of: list[str] | None = None, prompt_only: bool = False,
-                      tools: tuple | None = None) -> tuple[web.StreamResponse, bool]:
-        """The choices' events as SSE chunks, each tagged with its choice's index, in the order they come; with
-        ``echo_of``, each choice's prompt (and its log-probabilities) first, its text alone after
-        (``prompt_only``); with ``tools``, each choice's text parsed into content and tool calls as it comes."""
+    async def _stream(self, request: web.Request, queues: list[asyncio.Queue],
+                      ask: StreamAsk) -> tuple[web.StreamResponse, bool]:
+        """The choices' events as SSE chunks, each tagged with its choice's index, in the order they come (ask:
+        StreamAsk's table)."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def forward(index: int, queue: asyncio.Queue) -> None:
@@ -519,26 +533,26 @@ class HttpFrontend:
 
         tasks = [asyncio.get_running_loop().create_task(forward(i, q)) for i, q in enumerate(queues)]
         try:
-            return await self._write_stream(request, merged, len(queues), chat, include_usage, want_logprobs,
-                                            echo_of, prompt_only, tools)
+            return await self._write_stream(request, merged, len(queues), ask)
         finally:
             for t in tasks:
                 t.cancel()
 
-    async def _write_stream(self, request: web.Request, merged: asyncio.Queue, n: int, chat: bool,
-                            include_usage: bool, want_logprobs: bool, echo_of: list[str] | None,
-                            prompt_only: bool, tools: tuple | None) -> tuple[web.StreamResponse, bool]:
+    async def _write_stream(self, request: web.Request, merged: asyncio.Queue, n: int,
+                            ask: StreamAsk) -> tuple[web.StreamResponse, bool]:
+        chat, want_logprobs, echo_of, prompt_only, tools = (ask.chat, ask.want_logprobs, ask.echo_of,
+                                                            ask.prompt_only, ask.tools)
         index, first = await merged.get()
         if first["type"] == "error":  # refused before any token: a plain HTTP error, not a stream
             raise from_engine_error(first)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         self.streams += 1
-        oid, created, offsets, finals = new_id(chat), int(time.time()), [0] * n, {}
+        head, offsets, finals = StreamId(new_id(chat), self.model_name, int(time.time()), chat), [0] * n, {}
         try:
             if chat:
                 for i in range(n):
-                    await response.write(sse(chunk(oid, self.model_name, created, chat, "", role=True, index=i)))
+                    await response.write(sse(chunk(head, "", role=True, index=i)))
             ev = first
             echoed_choices: set[int] = set()
             streamers = [tools[0].streamer(tools[1]) for _ in range(n)] if tools is not None else None
@@ -550,14 +564,14 @@ class HttpFrontend:
                 for d in out:
                     if isinstance(d, CallDelta):
                         called[i] = True
-                        piece = chunk(oid, self.model_name, created, chat, None, logprobs=lp, index=i,
+                        piece = chunk(head, None, logprobs=lp, index=i,
                                       tool_calls=[tool_call_doc(d.call, d.index)])
                     else:
-                        piece = chunk(oid, self.model_name, created, chat, d.text, logprobs=lp, index=i)
+                        piece = chunk(head, d.text, logprobs=lp, index=i)
                     await response.write(sse(piece))
                     lp = None
                 if lp is not None:
-                    await response.write(sse(chunk(oid, self.model_name, created, chat, "", logprobs=lp, index=i)))
+                    await response.write(sse(chunk(head, "", logprobs=lp, index=i)))
 
             while True:
                 if echo_of is not None and index not in echoed_choices and ev["type"] in ("token", "final"):
@@ -565,8 +579,7 @@ class HttpFrontend:
                     entries = ev.get("prompt_logprobs") or []
                     lp = completion_logprobs(entries) if want_logprobs else None
                     offsets[index] = len(echo_of[index])
-                    await response.write(sse(chunk(oid, self.model_name, created, chat, echo_of[index], logprobs=lp,
-                                                   index=index)))
+                    await response.write(sse(chunk(head, echo_of[index], logprobs=lp, index=index)))
                 if prompt_only and ev["type"] == "token":
                     pass  # the one token made for an echo of max_tokens 0 is not the answer's
                 elif ev["type"] == "token":
@@ -578,8 +591,7 @@ class HttpFrontend:
                     if streamers is not None:
                         await deltas(index, streamers[index].push(ev["text"]), lp)
                     else:
-                        await response.write(sse(chunk(oid, self.model_name, created, chat, ev["text"], logprobs=lp,
-                                                       index=index)))
+                        await response.write(sse(chunk(head, ev["text"], logprobs=lp, index=index)))
                 elif ev["type"] == "final":
                     if prompt_only:
                         ev = dict(ev, finish_reason="length", usage=dict(ev["usage"], completion_tokens=0))
@@ -587,13 +599,11 @@ class HttpFrontend:
                     if streamers is not None:
                         await deltas(index, streamers[index].finish(), None)
                         finish = "tool_calls" if called[index] and finish == "stop" else finish
-                    await response.write(sse(chunk(oid, self.model_name, created, chat, None if chat else "",
-                                                   finish=finish, index=index)))
+                    await response.write(sse(chunk(head, None if chat else "", finish=finish, index=index)))
                     finals[index] = ev
                     if len(finals) == n:
-                        if include_usage:
-                            await response.write(sse(usage_chunk(oid, self.model_name, created, chat,
-                                                                 [finals[i] for i in range(n)])))
+                        if ask.include_usage:
+                            await response.write(sse(usage_chunk(head, [finals[i] for i in range(n)])))
                         break
                 else:  # an error after the stream began (engine failure, shutdown): an error event ends it
                     await response.write(sse(from_engine_error(ev).body()))

@@ -25,6 +25,8 @@ Finish reasons: the engine's ``eos`` and ``stop`` are OpenAI's ``stop``; its
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import json
 import math
 import time
@@ -507,10 +509,22 @@ def completion_response(rid: str, model: str, finals: list[dict], chat: bool, wa
             "model": model, "choices": out, "usage": usage(finals)}
 
 
-def chunk(rid: str, model: str, created: int, chat: bool, text: str | None, finish: str | None = None,
-          logprobs: dict | None = None, role: bool = False, index: int = 0, tool_calls: list | None = None) -> dict:
+@dataclass(frozen=True)
+class StreamId:
+    """What every chunk of one streamed response repeats: its id, the model's name, when it began, and whether it
+    is a chat completion."""
+
+    rid: str
+    model: str
+    created: int
+    chat: bool
+
+
+def chunk(head: StreamId, text: str | None, finish: str | None = None, logprobs: dict | None = None,
+          role: bool = False, index: int = 0, tool_calls: list | None = None) -> dict:
     """One streamed chunk of choice ``index``: a piece of text (or the role, or tool calls, or the finish
     reason)."""
+    chat = head.chat
     choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if chat:
         delta: dict = {"role": "assistant"} if role else {}
@@ -521,13 +535,13 @@ def chunk(rid: str, model: str, created: int, chat: bool, text: str | None, fini
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice]}
+    return {"id": head.rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": head.created, "model": head.model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, created: int, chat: bool, finals: list[dict]) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(finals)}
+def usage_chunk(head: StreamId, finals: list[dict]) -> dict:
+    return {"id": head.rid, "object": "chat.completion.chunk" if head.chat else "text_completion",
+            "created": head.created, "model": head.model, "choices": [], "usage": usage(finals)}
 
 
 def models_list(model: str, created: int) -> dict:
