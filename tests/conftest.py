@@ -80,14 +80,20 @@ def checkpoint_tools():
     return Tools
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SESSION_HANDLERS = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # as the pytest process began
+
+
 @pytest.fixture(autouse=True)
 def stop_signals_kept():
-    """SIGINT's and SIGTERM's handlers as they were before each test: serve() run in-process leaves them ignored
-    for its caller's teardown (serving/server.py), and a child Python started later would inherit the ignored
-    SIGINT and never see a KeyboardInterrupt."""
-    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    """SIGINT's and SIGTERM's handlers as the pytest process began, around each test: serve() and the command's
+    entry run in-process leave them ignored for their caller's teardown (serving/server.py, cli/entry.py), in a
+    test or in a module's fixture, and a child Python started later would inherit the ignored SIGINT and never see
+    a KeyboardInterrupt."""
+    for sig, handler in SESSION_HANDLERS.items():
+        signal.signal(sig, handler)
     yield
-    for sig, handler in kept.items():
+    for sig, handler in SESSION_HANDLERS.items():
         signal.signal(sig, handler)
 
 

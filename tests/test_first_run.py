@@ -422,6 +422,7 @@ def test_a_split_generate_stopped_at_any_moment_leaves_nothing_and_no_traceback(
 CALLBACK_STOP = """
 import ctypes, signal, sys
 from coordinator.warmup import end_at_once_when_stopped
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's Python has it, whatever this inherited
 if sys.argv[1] == "child":
     end_at_once_when_stopped()
 libc = ctypes.CDLL(None)

@@ -148,3 +148,41 @@ def test_both_iq4xs_level_lookups_give_the_levels(shuffle):
     out = np.zeros(32, np.int8)
     run(idx, out)
     assert out.tolist() == [formats.get("iq4xs").KVALUES[i] for i in idx]
+
+
+@pytest.mark.parametrize("triple", [(t, t, t) for t in K_TYPES] + [(Q.Q4_K, Q.IQ4_XS, Q.Q6_K)],
+                         ids=lambda t: "/".join(q.name for q in t))
+@pytest.mark.parametrize("activations", ["f32", "q8"])  # the float loops; the super-block integer loop (isuper.py)
+def test_a_tokens_partial_output_on_k_blocks_does_not_depend_on_the_tokens_beside_it(triple, activations):
+    """Token 0's partial output from an expert in K blocks is the same bits alone (decode's rows) and beside 1
+    to 15 other tokens routed to the same experts (the tiles of eight, four, three and two tokens, one left over
+    alone, padding) or elsewhere: what a sequence decodes does not depend on the batch it is in (issue 62)."""
+    from node_worker.worker import NodeWorker
+    from shm.expert_source import ExpertSlice
+    from shm.expert_store import HeapExpertStore
+
+    rng = np.random.default_rng(5)
+    R = 256
+    experts = {}
+    for e in range(3):
+        raws = [random_rows(triple[0], R, rng), random_rows(triple[1], R, rng), random_rows(triple[2], H, rng,
+                                                                                              hidden=R)]
+        stored = [gguf_blocks.repack(raw, t, raw.shape[1] // gguf.GGML_QUANT_SIZES[t][1] * 256)
+                  for raw, t in zip(raws, triple)]
+        spec = formats.ExpertFormats(tuple(name for name, _ in stored)).spec
+        experts[(0, e)] = ExpertSlice(*(s for _, s in stored), spec)
+    worker = NodeWorker(0, HeapExpertStore(0, experts, spec), H, threads=2, activations=activations)
+    x = rng.standard_normal((16, H)).astype(np.float32)
+    pairs = [(0, 1)] + [(t % 3, (t + 1) % 3) for t in range(1, 16)]  # token 0 to experts 0 and 1
+    w = rng.random(32).astype(np.float32)
+
+    def token_0(T: int) -> np.ndarray:
+        return worker.compute(0, x[:T], np.repeat(np.arange(T), 2), np.array(pairs[:T]).reshape(-1), w[:2 * T])[0]
+
+    try:
+        alone = token_0(1).copy()
+        beside = {T: token_0(T).copy() for T in (2, 3, 4, 5, 6, 8, 9, 13, 16)}
+    finally:
+        worker.close()
+    assert np.abs(alone).max() > 0
+    assert [T for T, y in beside.items() if not np.array_equal(y, alone)] == []

@@ -324,3 +324,42 @@ def test_a_long_prompts_attention_in_query_blocks_equals_float64(monkeypatch):
     p /= p.sum(-1, keepdims=True)
     want = np.einsum("hts,shd->thd", p, np.repeat(v, nh // nkv, 1).astype(np.float64)).reshape(T, nh * hd)
     assert np.abs(out - want).max() < 1e-5
+
+
+def test_host_linear_rows_give_a_row_the_same_bits_beside_any_rows():
+    """host_ops.linear_rows (the routers' and the shared expert gate's products on the host): each (row, column)
+    summed in one order, so a row's bits do not change with the rows beside it, where NumPy's BLAS product
+    changes them; and within float32 rounding of float64."""
+    x = rng.standard_normal((40, 2051)).astype(np.float32)  # 2051: a tail past the eight lanes
+    w = rng.standard_normal((64, 2051)).astype(np.float32)
+    one = np.empty((1, 64), np.float32)
+    host_ops.linear_rows(x[:1], w, one)
+    for T in (2, 3, 8, 9, 40):
+        out = np.empty((T, 64), np.float32)
+        host_ops.linear_rows(x[:T], w, out)
+        assert np.array_equal(out[0], one[0]), T
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+    w.flags.writeable = False  # a checkpoint's read-only view: another type, the same loop
+    again = np.empty((1, 64), np.float32)
+    host_ops.linear_rows(x[:1], w, again)
+    assert np.array_equal(again, one)
+
+
+def test_host_attention_gives_a_token_the_same_bits_alone_and_in_a_longer_chunk():
+    """A token's attention output is the same bits computed alone over the keys it sees and as the first rows of
+    a longer chunk (whose later keys it does not see): every loop runs over its own keys, and the softmax's sum
+    in a fixed order (issue 62). Serial and parallel loops alike."""
+    S, nh, nkv, hd = 53, 8, 2, 64
+    q = rng.standard_normal((S, nh, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((S, nkv, hd)).astype(np.float32) for _ in range(2))
+    for window in (None, 7):
+        for t in (0, 9, 30):
+            mask = ops.attention_mask(np.array([t]), np.arange(t + 1), window)
+            alone = np.empty((1, nh * hd), np.float32)
+            host_ops.gqa_attention(q[t:t + 1], k[:t + 1], v[:t + 1], mask, np.float32(0.125), alone)
+            for T in (2, 11, S - t):
+                mask = ops.attention_mask(np.arange(t, t + T), np.arange(t + T), window)
+                for loop in (host_ops.gqa_attention, host_ops.gqa_attention_parallel):
+                    out = np.empty((T, nh * hd), np.float32)
+                    loop(q[t:t + T], k[:t + T], v[:t + T], mask, np.float32(0.125), out)
+                    assert np.array_equal(out[0], alone[0]), (window, t, T, loop)

@@ -16,7 +16,7 @@ from ..model.backend import Backend, Loaded, Placement
 from ..pool.hot_experts import device_expert_set, expert_bytes, whole_expert
 from ..warmup import Unit
 from . import ops as loops
-from .packed import pack_dense
+from .packed import pack_dense, rows_exact
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class HostBackend(Backend):
                                                        config.activations == "bf16")
             log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
             compile_missing([Unit.dense(k) for k in kernels])
+        rows_exact(weights)  # the routers' products the same bits for a row in any batch
         experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(placement.experts)}
         return Loaded(experts, dense_format=dense_format, dense_kernels=kernels)
 

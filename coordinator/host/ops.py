@@ -11,6 +11,7 @@ router's twin, bit for bit (coordinator/gpu/router.py).
     top_k(logits [T, E], bias [E] | NO_BIAS, k, n_group, topk_group, softmax, normalize, scaling,
           ids [T, k], weights [T, k])                        every router: softmax top-k, grouped
     rope(x [T, heads, hd], cos [T, d], sin [T, d], out)       d <= hd; the rest copied
+    linear_rows(x [T, K], w [N, K], out [T, N])              x · wᵀ, each (row, column) summed in one fixed order
     gqa_attention(q [T, nh, hd], k, v [S, nkv, hd], mask [T, S], scale, out [T, nh*hd])
     gqa_attention_parallel(the same)                         the (token, KV head) pairs over the threads
 
@@ -141,6 +142,45 @@ def top_k(logits, bias, k, n_group, topk_group, softmax, normalize, scaling, ids
             weights[t, j] = w * scaling
 
 
+LANES = 8  # linear_rows' partial sums a dot product
+
+
+@njit(inline="always", **EXACT)
+def _dot_lanes(x, w, K):
+    """x · w over K: LANES sums of every LANES-th product, added as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)),
+    then the last K mod LANES products one by one. No fastmath: LLVM keeps each sum's operations as written
+    (it may still pack the lanes into one vector), so a row's bits never depend on the code around it."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    k = 0
+    while k + LANES <= K:
+        s0 += x[k] * w[k]
+        s1 += x[k + 1] * w[k + 1]
+        s2 += x[k + 2] * w[k + 2]
+        s3 += x[k + 3] * w[k + 3]
+        s4 += x[k + 4] * w[k + 4]
+        s5 += x[k + 5] * w[k + 5]
+        s6 += x[k + 6] * w[k + 6]
+        s7 += x[k + 7] * w[k + 7]
+        k += LANES
+    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    while k < K:
+        s += x[k] * w[k]
+        k += 1
+    return s
+
+
+@njit(parallel=True, **EXACT)
+def linear_rows(x, w, out) -> None:
+    """out [T, N] = x [T, K] · w [N, K]ᵀ (float32), every (row, column) by _dot_lanes: the same bits for a row of x
+    whatever rows are beside it (BLAS picks its kernels and blocking by the row count)."""
+    T, K = x.shape
+    N = w.shape[0]
+    for i in prange(T * N):
+        t = i // N
+        n = i - t * N
+        out[t, n] = _dot_lanes(x[t], w[n], K)
+
+
 @njit(**JIT)
 def rope(x, cos, sin, out) -> None:
     T, heads, hd = x.shape
@@ -157,11 +197,60 @@ def rope(x, cos, sin, out) -> None:
 
 
 @njit(inline="always", **JIT)
+def _seen(mask, t):
+    """[lo, hi): the keys from token t's first seen one to its last (causal and windowed masks: all of them)."""
+    S = mask.shape[1]
+    lo = 0
+    while lo < S and not mask[t, lo]:
+        lo += 1
+    hi = S
+    while hi > lo and not mask[t, hi - 1]:
+        hi -= 1
+    return lo, hi
+
+
+@njit(**EXACT)
+def _softmax_seen(row, seen, lo, hi) -> None:
+    """row[lo:hi] <- the softmax of the seen scores (0 where unseen), in float32 operations as written: no
+    fastmath, so its vector and scalar forms give the same bits wherever LLVM splits the loops, and the sum
+    takes LANES partial sums in a fixed order (as _dot_lanes) whatever the length: a token's weights are the
+    same bits alone and in a longer chunk, compiled in the process or loaded from the cache, serial or parallel.
+    Called, not inlined: inlined it would take its caller's fastmath."""
+    m = row[lo]
+    for j in range(lo + 1, hi):
+        m = max(m, row[j])
+    for j in range(lo, hi):  # silu.exp: float32 operations that LLVM vectorises, where libm's is a call
+        row[j] = exp(row[j] - m) if seen[j] else np.float32(0.0)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    j = lo
+    while j + LANES <= hi:
+        s0 += row[j]
+        s1 += row[j + 1]
+        s2 += row[j + 2]
+        s3 += row[j + 3]
+        s4 += row[j + 4]
+        s5 += row[j + 5]
+        s6 += row[j + 6]
+        s7 += row[j + 7]
+        j += LANES
+    total = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    while j < hi:
+        total += row[j]
+        j += 1
+    for j in range(lo, hi):
+        row[j] /= total
+
+
+@njit(inline="always", **JIT)
 def _kv_group(q, k, v, mask, scale, out, t, kh, scores, acc) -> None:
-    """Token t's heads that share KV head kh: scores [g, S] and acc [g, hd] are scratch."""
-    g, S = scores.shape
+    """Token t's heads that share KV head kh: scores [g, S] and acc [g, hd] are scratch. Every loop runs over the
+    keys token t sees alone (_seen), never over the keys a longer prompt adds past it: LLVM splits a loop into
+    vectors and a remainder by its length, so the softmax's sum would otherwise add in another order when the
+    same token comes in a longer chunk (issue 62)."""
+    g = scores.shape[0]
     hd = acc.shape[1]
-    for j in range(S):
+    lo, hi = _seen(mask, t)
+    for j in range(lo, hi):
         seen = mask[t, j]
         for a in range(g):
             s = np.float32(-np.inf)
@@ -172,18 +261,10 @@ def _kv_group(q, k, v, mask, scale, out, t, kh, scores, acc) -> None:
                 s *= scale
             scores[a, j] = s
     for a in range(g):
-        m = scores[a, 0]
-        for j in range(1, S):
-            m = max(m, scores[a, j])
-        for j in range(S):  # silu.exp: float32 operations that LLVM vectorises, where libm's is a call
-            scores[a, j] = exp(scores[a, j] - m) if mask[t, j] else np.float32(0.0)
-        total = np.float32(0.0)
-        for j in range(S):  # apart from the stores: see the module docstring
-            total += scores[a, j]
-        for j in range(S):
-            scores[a, j] /= total
         acc[a, :] = 0.0
-    for j in range(S):
+        if hi > lo:  # else no key seen: nothing to weigh
+            _softmax_seen(scores[a], mask[t], lo, hi)
+    for j in range(lo, hi):
         if mask[t, j]:  # a masked key's weight is 0: its products are skipped (half of a causal prompt's)
             for a in range(g):
                 p = scores[a, j]
@@ -241,6 +322,10 @@ def warm_up() -> None:
         top_k(x, b, 2, 2, 1, b is NO_BIAS, True, np.float32(1.0), ids, routed)
     bias.flags.writeable = False  # a checkpoint's e_score_correction_bias: a read-only view of the file
     top_k(x, bias, 2, 2, 1, False, True, np.float32(1.0), ids, routed)
+    w = np.ones((2, 8), np.float32)
+    linear_rows(x, w, np.empty((2, 2), np.float32))
+    w.flags.writeable = False  # a checkpoint's router: a read-only view of the file
+    linear_rows(x, w, np.empty((2, 2), np.float32))
     heads = np.ones((2, 2, 8), np.float32)  # [T, heads, hd]
     rope(heads, x, x, np.empty_like(heads))
     mask = np.ones((2, 2), np.bool_)  # [T, S]

@@ -30,6 +30,8 @@ from shm.formats import traits
 from shm.formats.encode import encode_into
 from shm.huge_pages import advised_copy, advised_empty
 
+from . import ops as host_ops
+
 BLOCK_IDS = tuple(FORMAT_IDS[name] for name in traits.BLOCK_INT_LOOPS)  # q8, q4: iblock.py's prefill loop
 
 FEW_TOKENS = 8  # up to this many rows of x: the row loops; more: decoded tiles of TILE rows and BLAS
@@ -144,6 +146,48 @@ class PackedMatrix:
                 dense.decode_rows(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, r, tile[:n])
                 np.matmul(x2, tile[:n].T, out=out[:, r:r + n])
         return out.reshape(*lead, R)
+
+
+class RowExactMatrix:
+    """A float32 W [R, K] whose ``x @ m.T`` gives each row of x the same bits whatever rows are beside it
+    (host/ops.linear_rows): the routers and the shared expert's one-row gate, whose BLAS products change in
+    their last bits with the row count, and with them which experts a near tie routes to (issue 62)."""
+
+    __array_ufunc__ = None  # ndarray @ RowExactMatrix.T defers to __rmatmul__ instead of converting
+
+    def __init__(self, w: np.ndarray):
+        self.w = np.ascontiguousarray(w, np.float32)  # [R, K]
+        self.shape = self.w.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes
+
+    @property
+    def T(self) -> _Transposed:
+        return _Transposed(self)
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x [..., K] -> x · Wᵀ [..., R]."""
+        R, K = self.shape
+        x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
+        out = np.empty((x2.shape[0], R), np.float32)
+        host_ops.linear_rows(x2, self.w, out)
+        return out.reshape(*x.shape[:-1], R)
+
+
+def rows_exact(weights) -> int:
+    """The routers and shared-expert gates of the host's weights (the MTP layer's too) as RowExactMatrix, in
+    place; how many."""
+    layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
+    done = 0
+    for layer in layers:
+        for name in ("router", "shared_expert_gate"):
+            w = getattr(layer, name, None)
+            if isinstance(w, np.ndarray):
+                setattr(layer, name, RowExactMatrix(w))
+                done += 1
+    return done
 
 
 class _Transposed:

@@ -489,12 +489,15 @@ def group_task(ks, data, hidden, x, tokens, tok_start, tok_stop, offsets, shapes
             out[:, :] = yg[:n]
         return
     xj = x[tokens[t0]]
-    gate = np.zeros(width, np.float32)  # [R], then silu(gate) * up (zeros past R)
+    gate = np.empty(R, np.float32)  # [R]
     up = np.empty(R, np.float32)
+    h = np.zeros(width, np.float32)  # silu(gate) * up (zeros past R)
     rows_dot(ks, shapes[g, GATE_FMT], data, og, shapes[g, GATE_BYTES], R, hidden, xj, gate)
     rows_dot(ks, shapes[g, UP_FMT], data, ou, shapes[g, UP_BYTES], R, hidden, xj, up)
-    silu_times(gate.reshape((1, width)), up.reshape((1, R)), gate.reshape((1, width)), 1, R)
-    rows_dot(ks, shapes[g, DOWN_FMT], data, od, down_bytes, hidden, width, gate, out[0])
+    # into a buffer of its own, as task_tokens' h: written in place over gate, the loop would take its scalar
+    # form (LLVM's run-time check finds the arrays overlap), whose division rounds otherwise than the vector one
+    silu_times(gate.reshape((1, R)), up.reshape((1, R)), h.reshape((1, width)), 1, R)
+    rows_dot(ks, shapes[g, DOWN_FMT], data, od, down_bytes, hidden, width, h, out[0])
 
 
 # The groups are handed out one at a time in their order (schedule.take), not split by prange into one run

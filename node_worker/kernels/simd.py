@@ -137,7 +137,7 @@ def tree_sums(builder, vecs) -> list:
 def _scaled_block(builder, fmt, row, b, hidden):
     """Block b of a row as <32 x float> weights (the scale multiplied in)."""
     w, d = fmt.block(builder, row, b, hidden)
-    return w if d is None else builder.fmul(w, splat(builder, d), flags=FAST)
+    return w if d is None else builder.fmul(w, splat(builder, d), flags=EXACT)
 
 
 def _weights(builder, fmt, row, i, j, hidden):
