@@ -15,6 +15,8 @@ from shm import formats
 from shm.expert_source import ExpertSlice
 from shm.expert_store import HeapExpertStore
 
+from invariance import first_token_alone_and_beside
+
 H = 256
 ROWS = 64  # an expert's rows: whole 32-blocks, as W_down's rows [H, R] need in q8 and q4
 LIMITS = {"f32": 4.0, "bf16": 2.0, "q8": 1.07, "q4": 0.57}  # bytes per weight, issue 13
@@ -160,19 +162,7 @@ def test_a_tokens_partial_output_does_not_depend_on_the_tokens_beside_it(name, a
     fmt = formats.get(name)
     slices = {(0, e): ExpertSlice(*expert(fmt, 10 * e), name) for e in range(3)}
     worker = NodeWorker(0, HeapExpertStore(0, dict(slices), name), H, threads=2, activations=activations)
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((16, H)).astype(np.float32)
-    pairs = [(0, 1)] + [(t % 3, (t + 1) % 3) for t in range(1, 16)]  # token 0 to experts 0 and 1
-    w = rng.random(32).astype(np.float32)
-
-    def token_0(T: int) -> np.ndarray:
-        return worker.compute(0, x[:T], np.repeat(np.arange(T), 2), np.array(pairs[:T]).reshape(-1), w[:2 * T])[0]
-
-    try:
-        alone = token_0(1).copy()
-        beside = {T: token_0(T).copy() for T in (2, 3, 4, 5, 8, 9, 13, 16)}
-    finally:
-        worker.close()
+    alone, beside = first_token_alone_and_beside(worker, H, (2, 3, 4, 5, 8, 9, 13, 16))
     assert np.abs(alone).max() > 0
     assert [T for T, y in beside.items() if not np.array_equal(y, alone)] == []
 

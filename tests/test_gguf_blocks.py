@@ -12,6 +12,8 @@ from shm import formats, gguf_blocks
 
 from shm.gguf_blocks import random_blocks
 
+from invariance import first_token_alone_and_beside
+
 H = 256
 
 
@@ -172,17 +174,6 @@ def test_a_tokens_partial_output_on_k_blocks_does_not_depend_on_the_tokens_besid
         spec = formats.ExpertFormats(tuple(name for name, _ in stored)).spec
         experts[(0, e)] = ExpertSlice(*(s for _, s in stored), spec)
     worker = NodeWorker(0, HeapExpertStore(0, experts, spec), H, threads=2, activations=activations)
-    x = rng.standard_normal((16, H)).astype(np.float32)
-    pairs = [(0, 1)] + [(t % 3, (t + 1) % 3) for t in range(1, 16)]  # token 0 to experts 0 and 1
-    w = rng.random(32).astype(np.float32)
-
-    def token_0(T: int) -> np.ndarray:
-        return worker.compute(0, x[:T], np.repeat(np.arange(T), 2), np.array(pairs[:T]).reshape(-1), w[:2 * T])[0]
-
-    try:
-        alone = token_0(1).copy()
-        beside = {T: token_0(T).copy() for T in (2, 3, 4, 5, 6, 8, 9, 13, 16)}
-    finally:
-        worker.close()
+    alone, beside = first_token_alone_and_beside(worker, H, (2, 3, 4, 5, 6, 8, 9, 13, 16))
     assert np.abs(alone).max() > 0
     assert [T for T, y in beside.items() if not np.array_equal(y, alone)] == []
