@@ -96,3 +96,56 @@ def test_the_same_bits_through_the_node_workers(pool):
     if pool == "single":
         assert unequal(want, inproc) == []
     assert {how: unequal(logits, want) for how, logits in got.items()} == {how: [] for how in got}
+
+
+@pytest.mark.slow
+def test_a_served_request_gets_the_same_greedy_answer_alone_and_among_8(tmp_path):
+    """`strata serve` on a Q4_K_M file: a greedy request's answer sent alone, and its tokens' log-probabilities to
+    the last bit, are what it gets among 8 concurrent ones (each stream open before any goes on: the server
+    steps them together)."""
+    import threading
+
+    import openai
+    from served import start_server, stop_server
+
+    s = start_server(FIXTURES / "qwen3_moe_quant-Q4_K_M.gguf", tmp_path, "--http", "127.0.0.1:0")
+    try:
+        client = openai.OpenAI(base_url=s.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompts = [[int(t) for t in A[:6]]] + [[int(t) for t in ids] for ids in OTHERS]  # 8, A's first
+
+        def ask(prompt: list[int], stream: bool = False, started: threading.Barrier | None = None) -> tuple:
+            """(the text, each token's log-probability)."""
+            r = client.completions.create(model="qwen3_moe_quant-Q4_K_M.gguf", prompt=prompt, max_tokens=40,
+                                          temperature=0, logprobs=1, stream=stream)
+            if not stream:
+                return r.choices[0].text, tuple(r.choices[0].logprobs.token_logprobs)
+            pieces, logprobs = [], []
+            for n, chunk in enumerate(r):
+                pieces.append(chunk.choices[0].text)
+                if chunk.choices[0].logprobs is not None:
+                    logprobs += chunk.choices[0].logprobs.token_logprobs
+                if n == 0 and started is not None:
+                    started.wait()  # every stream open before any goes on
+            return "".join(pieces), tuple(logprobs)
+
+        alone = ask(prompts[0])
+        answers: list = [None] * len(prompts)
+        started = threading.Barrier(len(prompts), timeout=120)
+
+        def run(i: int) -> None:
+            try:
+                answers[i] = ask(prompts[i], stream=True, started=started)
+            except BaseException as exc:  # noqa: BLE001 - checked below, in the test's thread
+                started.abort()
+                answers[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    finally:
+        assert stop_server(s) == 0, s.stderr()
+    assert all(isinstance(a, tuple) for a in answers), answers
+    assert alone[0] and len(alone[1]) == 40 and answers[0] == alone
+    assert len({text for text, _ in answers}) > 1  # the others asked other things
