@@ -320,7 +320,7 @@ def test_dense_dtype_stores_the_dense_matrices_and_stays_close_to_f32(bf16_model
         w = eng.decoder.w
         assert isinstance(w.lm_head, PackedMatrix) and w.lm_head.fmt.NAME == name
         assert all(isinstance(getattr(layer, m), PackedMatrix) for layer in w.layers for m in "qkvo")
-        assert w.layers[0].router.w.dtype == np.float32  # the router stays float32 (RowExactMatrix)
+        assert w.layers[0].router.wt.dtype == np.float32  # the router stays float32 (RowExactMatrix)
         got = eng.logits(PROMPT)
     assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= top1
     assert not np.array_equal(got, ref)

@@ -246,7 +246,7 @@ def test_quantised_dense_matrices_are_read_as_the_file_has_them(tmp_path, arch, 
         assert all(isinstance(getattr(layer, m), PackedMatrix) and getattr(layer, m).fmt.NAME == want_format
                    for layer in w.layers for m in "qkvo")
         assert isinstance(w.lm_head, PackedMatrix) and w.lm_head.fmt.NAME == want_format
-        assert w.layers[0].router.w.dtype == np.float32 and isinstance(ref.decoder.w.layers[0].q, np.ndarray)
+        assert w.layers[0].router.wt.dtype == np.float32 and isinstance(ref.decoder.w.layers[0].q, np.ndarray)
         got, want = eng.logits(PROMPT, steps=True), ref.logits(PROMPT, steps=True)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         assert eng.generate(PROMPT, max_new_tokens=5, stop_at_eos=False) == \

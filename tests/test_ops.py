@@ -327,22 +327,26 @@ def test_a_long_prompts_attention_in_query_blocks_equals_float64(monkeypatch):
 
 
 def test_host_linear_rows_give_a_row_the_same_bits_beside_any_rows():
-    """host_ops.linear_rows (the routers' and the shared expert gate's products on the host): each (row, column)
-    summed in one order, so a row's bits do not change with the rows beside it, where NumPy's BLAS product
-    changes them; and within float32 rounding of float64."""
+    """host_ops.linear_rows (the routers' and the shared expert gate's products on the host, packed.RowExactMatrix):
+    each (row, column) summed in an order fixed by the matrix alone, so a row's bits do not change with the rows
+    beside it, where NumPy's BLAS product changes them, serial or parallel; and within float32 rounding of
+    float64. A one-column matrix (a shared expert's gate) takes the lane sums, a wider one the columns' form."""
+    from coordinator.host.packed import RowExactMatrix
+
     x = rng.standard_normal((40, 2051)).astype(np.float32)  # 2051: a tail past the eight lanes
-    w = rng.standard_normal((64, 2051)).astype(np.float32)
-    one = np.empty((1, 64), np.float32)
-    host_ops.linear_rows(x[:1], w, one)
-    for T in (2, 3, 8, 9, 40):
-        out = np.empty((T, 64), np.float32)
-        host_ops.linear_rows(x[:T], w, out)
-        assert np.array_equal(out[0], one[0]), T
-    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
-    w.flags.writeable = False  # a checkpoint's read-only view: another type, the same loop
-    again = np.empty((1, 64), np.float32)
-    host_ops.linear_rows(x[:1], w, again)
-    assert np.array_equal(again, one)
+    for N in (64, 1):
+        w = rng.standard_normal((N, 2051)).astype(np.float32)
+        wt = np.ascontiguousarray(w.T)
+        one = np.empty((1, N), np.float32)
+        host_ops.linear_rows(x[:1], wt, one)
+        for T in (2, 3, 5, 8, 9, 40):
+            for loop in (host_ops.linear_rows, host_ops.linear_rows_parallel):
+                out = np.empty((T, N), np.float32)
+                loop(x[:T], wt, out)
+                assert np.array_equal(out[0], one[0]), (N, T, loop)
+        np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-3)
+        m = RowExactMatrix(w)
+        assert np.array_equal((x @ m.T)[0], one[0]) and np.array_equal(x[:1] @ m.T, one)
 
 
 def test_host_attention_gives_a_token_the_same_bits_alone_and_in_a_longer_chunk():

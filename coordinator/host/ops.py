@@ -11,7 +11,8 @@ router's twin, bit for bit (coordinator/gpu/router.py).
     top_k(logits [T, E], bias [E] | NO_BIAS, k, n_group, topk_group, softmax, normalize, scaling,
           ids [T, k], weights [T, k])                        every router: softmax top-k, grouped
     rope(x [T, heads, hd], cos [T, d], sin [T, d], out)       d <= hd; the rest copied
-    linear_rows(x [T, K], w [N, K], out [T, N])              x · wᵀ, each (row, column) summed in one fixed order
+    linear_rows(x [T, K], wt [K, N], out [T, N])             x · wt, each (row, column) summed over k in order
+    linear_rows_parallel(the same)                           the rows over the threads
     gqa_attention(q [T, nh, hd], k, v [S, nkv, hd], mask [T, S], scale, out [T, nh*hd])
     gqa_attention_parallel(the same)                         the (token, KV head) pairs over the threads
 
@@ -142,43 +143,80 @@ def top_k(logits, bias, k, n_group, topk_group, softmax, normalize, scaling, ids
             weights[t, j] = w * scaling
 
 
-LANES = 8  # linear_rows' partial sums a dot product
+LANES = 8  # partial sums of a sum whose steps do not vectorise (_dot_columns, _softmax_seen's total)
+
+
+ROW_BLOCK = 4  # rows of x a step of _times_columns takes, each row of wt read once for them
 
 
 @njit(inline="always", **EXACT)
-def _dot_lanes(x, w, K):
-    """x · w over K: LANES sums of every LANES-th product, added as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)),
-    then the last K mod LANES products one by one. No fastmath: LLVM keeps each sum's operations as written
-    (it may still pack the lanes into one vector), so a row's bits never depend on the code around it."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-    k = 0
-    while k + LANES <= K:
-        s0 += x[k] * w[k]
-        s1 += x[k + 1] * w[k + 1]
-        s2 += x[k + 2] * w[k + 2]
-        s3 += x[k + 3] * w[k + 3]
-        s4 += x[k + 4] * w[k + 4]
-        s5 += x[k + 5] * w[k + 5]
-        s6 += x[k + 6] * w[k + 6]
-        s7 += x[k + 7] * w[k + 7]
-        k += LANES
-    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-    while k < K:
-        s += x[k] * w[k]
-        k += 1
-    return s
+def _times_columns(x, wt, out, t0, t1) -> None:
+    """out[t, n] = sum over k of x[t, k] wt[k, n], k in order, for t0 <= t < t1 and every n: each step a row of wt
+    scaled and added along n, which LLVM vectorises with no fastmath (no sum is reassociated), so every (t, n) is
+    the same operations, hence bits, whatever rows share its block, serial or parallel."""
+    K, N = wt.shape
+    for t in range(t0, t1):
+        for n in range(N):
+            out[t, n] = np.float32(0.0)
+    for k in range(K):
+        for t in range(t0, t1):
+            a = x[t, k]
+            for n in range(N):
+                out[t, n] += a * wt[k, n]
+
+
+@njit(inline="always", **EXACT)
+def _dot_columns(x, wt, out, t) -> None:
+    """out[t, n] for a wt of fewer than LANES columns (the shared expert's one-row gate), where the steps along n
+    are too short to vectorise: each a dot product over k in LANES partial sums added in a fixed order."""
+    K, N = wt.shape
+    for n in range(N):
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        k = 0
+        while k + LANES <= K:
+            s0 += x[t, k] * wt[k, n]
+            s1 += x[t, k + 1] * wt[k + 1, n]
+            s2 += x[t, k + 2] * wt[k + 2, n]
+            s3 += x[t, k + 3] * wt[k + 3, n]
+            s4 += x[t, k + 4] * wt[k + 4, n]
+            s5 += x[t, k + 5] * wt[k + 5, n]
+            s6 += x[t, k + 6] * wt[k + 6, n]
+            s7 += x[t, k + 7] * wt[k + 7, n]
+            k += LANES
+        total = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+        while k < K:
+            total += x[t, k] * wt[k, n]
+            k += 1
+        out[t, n] = total
+
+
+@njit(inline="always", **EXACT)
+def _linear_block(x, wt, out, b) -> None:
+    """Block b of ROW_BLOCK rows of linear_rows: the form chosen by wt's width alone, so a row's bits never depend
+    on T."""
+    t0 = b * ROW_BLOCK
+    t1 = min(t0 + ROW_BLOCK, x.shape[0])
+    if wt.shape[1] < LANES:
+        for t in range(t0, t1):
+            _dot_columns(x, wt, out, t)
+    else:
+        _times_columns(x, wt, out, t0, t1)
+
+
+@njit(**EXACT)
+def linear_rows(x, wt, out) -> None:
+    """out [T, N] = x [T, K] · wt [K, N] (float32; wt the matrix transposed), every (row, column) summed in an
+    order fixed by K and N (_linear_block): the same bits for a row of x whatever rows are beside it (BLAS picks
+    its kernels and blocking by the row count)."""
+    for b in range((x.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _linear_block(x, wt, out, b)
 
 
 @njit(parallel=True, **EXACT)
-def linear_rows(x, w, out) -> None:
-    """out [T, N] = x [T, K] · w [N, K]ᵀ (float32), every (row, column) by _dot_lanes: the same bits for a row of x
-    whatever rows are beside it (BLAS picks its kernels and blocking by the row count)."""
-    T, K = x.shape
-    N = w.shape[0]
-    for i in prange(T * N):
-        t = i // N
-        n = i - t * N
-        out[t, n] = _dot_lanes(x[t], w[n], K)
+def linear_rows_parallel(x, wt, out) -> None:
+    """linear_rows with the blocks of rows over the threads: a prompt's, a batch's."""
+    for b in prange((x.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _linear_block(x, wt, out, b)
 
 
 @njit(**JIT)
@@ -213,7 +251,7 @@ def _seen(mask, t):
 def _softmax_seen(row, seen, lo, hi) -> None:
     """row[lo:hi] <- the softmax of the seen scores (0 where unseen), in float32 operations as written: no
     fastmath, so its vector and scalar forms give the same bits wherever LLVM splits the loops, and the sum
-    takes LANES partial sums in a fixed order (as _dot_lanes) whatever the length: a token's weights are the
+    takes LANES partial sums in a fixed order whatever the length: a token's weights are the
     same bits alone and in a longer chunk, compiled in the process or loaded from the cache, serial or parallel.
     Called, not inlined: inlined it would take its caller's fastmath."""
     m = row[lo]
@@ -322,10 +360,9 @@ def warm_up() -> None:
         top_k(x, b, 2, 2, 1, b is NO_BIAS, True, np.float32(1.0), ids, routed)
     bias.flags.writeable = False  # a checkpoint's e_score_correction_bias: a read-only view of the file
     top_k(x, bias, 2, 2, 1, False, True, np.float32(1.0), ids, routed)
-    w = np.ones((2, 8), np.float32)
-    linear_rows(x, w, np.empty((2, 2), np.float32))
-    w.flags.writeable = False  # a checkpoint's router: a read-only view of the file
-    linear_rows(x, w, np.empty((2, 2), np.float32))
+    wt = np.ones((8, 2), np.float32)  # [K, N]
+    for loop in (linear_rows, linear_rows_parallel):
+        loop(x, wt, np.empty((2, 2), np.float32))
     heads = np.ones((2, 2, 8), np.float32)  # [T, heads, hd]
     rope(heads, x, x, np.empty_like(heads))
     mask = np.ones((2, 2), np.bool_)  # [T, S]

@@ -41,6 +41,9 @@ INT_TOKENS = 96
 # q8's and q4's (iblock.py): BLAS on decoded tiles overtakes iblock's loop at fewer tokens than isuper's
 BLOCK_INT_TOKENS = 48
 TILE = 512  # rows of W decoded at once for BLAS (2-8 MB of float32)
+# RowExactMatrix's products of at least this many multiply-adds take linear_rows_parallel (a prompt's); fewer, the
+# serial loop, which a decode step's router (128 x 2048 a token) runs in less time than a parallel region starts
+PARALLEL_ROWS_MACS = 1 << 20
 # f32 and bf16 matrices by this many tokens or more, on a host with 512-bit vectors (simd.WIDE_TILES): the experts'
 # prefill loop (dense.matmul_tiles, four rows by four tokens) in place of the row loops and of BLAS on decoded tiles.
 # bf16 rows by bf16 activations (bf16_products) take it on every host (BLAS would multiply float32 activations)
@@ -156,12 +159,12 @@ class RowExactMatrix:
     __array_ufunc__ = None  # ndarray @ RowExactMatrix.T defers to __rmatmul__ instead of converting
 
     def __init__(self, w: np.ndarray):
-        self.w = np.ascontiguousarray(w, np.float32)  # [R, K]
-        self.shape = self.w.shape
+        self.wt = np.ascontiguousarray(np.asarray(w, np.float32).T)  # [K, R]: linear_rows' form, a copy
+        self.shape = w.shape
 
     @property
     def nbytes(self) -> int:
-        return self.w.nbytes
+        return self.wt.nbytes
 
     @property
     def T(self) -> _Transposed:
@@ -172,22 +175,20 @@ class RowExactMatrix:
         R, K = self.shape
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         out = np.empty((x2.shape[0], R), np.float32)
-        host_ops.linear_rows(x2, self.w, out)
+        loop = host_ops.linear_rows_parallel if x2.shape[0] * R * K >= PARALLEL_ROWS_MACS else host_ops.linear_rows
+        loop(x2, self.wt, out)
         return out.reshape(*x.shape[:-1], R)
 
 
-def rows_exact(weights) -> int:
+def rows_exact(weights) -> None:
     """The routers and shared-expert gates of the host's weights (the MTP layer's too) as RowExactMatrix, in
-    place; how many."""
+    place."""
     layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
-    done = 0
     for layer in layers:
         for name in ("router", "shared_expert_gate"):
-            w = getattr(layer, name, None)
+            w = getattr(layer, name)
             if isinstance(w, np.ndarray):
                 setattr(layer, name, RowExactMatrix(w))
-                done += 1
-    return done
 
 
 class _Transposed:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from shm.checkpoint import Checkpoint
 from shm.gguf_checkpoint import GgufCheckpoint, gguf_path
-from shm.gguf_file import GgufFile
 
 from ..text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from ..text.gguf_tokenizer import gguf_codec
@@ -40,13 +39,8 @@ class ModelSource:
 
 
 def open_gguf(path: str | Path) -> GgufCheckpoint:
-    """A GGUF file as a checkpoint under Hugging Face's names, by its family (model/arch/); its metadata checked
-    now, before any worker starts."""
-    def names(f: GgufFile):
-        family = of_gguf(f)
-        family.gguf_config(f)
-        return family.gguf_names(f)
-    return GgufCheckpoint(path, names)
+    """A GGUF file as a checkpoint under Hugging Face's names, by its family (model/arch/)."""
+    return GgufCheckpoint(path, lambda f: of_gguf(f).gguf_names(f))
 
 
 def open_source(model_path: str | Path) -> ModelSource:
