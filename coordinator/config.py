@@ -60,6 +60,11 @@ class EngineConfig:
     # to bf16 (llama.cpp's BF16 arithmetic: vdpbf16ps on AVX-512 BF16). "f32" widens the weights to float (the
     # reference)
     activations: str = "q8"
+    # batch-invariant numerics: every row of a step summed in an order fixed by the row alone (never by the rows
+    # beside it), so a sequence's logits are the same bits alone, batched, with drafts or prefilled in chunks
+    # (greedy output with drafts is greedy output without); off: BLAS on decoded tiles and the chunked linear
+    # attention where they are faster for many rows
+    batch_invariant: bool = True
     # speculative decoding (coordinator/speculative.py): off | ngram (prompt lookup) | mtp (the model's MTP layer)
     # | auto (mtp where the model has the layer, else ngram); draft_max: drafts tried per step at most
     speculative: str = "off"
@@ -120,6 +125,8 @@ class EngineConfig:
             raise ConfigValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.activations not in ACTIVATIONS:
             raise ConfigValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ConfigValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
                                    f"got {self.speculative!r}")
@@ -175,6 +182,7 @@ ENV_VARS: dict[str, tuple[str, Callable[[str], object]]] = {
     "dense_dtype": ("STRATA_DENSE_DTYPE", str),
     "kv_dtype": ("STRATA_KV_DTYPE", str),
     "activations": ("STRATA_ACTIVATIONS", str),
+    "batch_invariant": ("STRATA_BATCH_INVARIANT", parse_bool),
     "speculative": ("STRATA_SPECULATIVE", str),
     "draft_max": ("STRATA_DRAFT_MAX", int),
     "graph": ("STRATA_GRAPH", parse_bool),

@@ -211,7 +211,7 @@ class Engine:
         pool = build_pool(source, cpu, config, max_seq_len, runs_kernels)
         try:
             decoder = Decoder(mcfg, weights, pool, backend, loaded, DecoderOptions(
-                config.route_tail_skip, "f32" if config.kv_dtype == "f32" else "bf16"))
+                config.route_tail_skip, "f32" if config.kv_dtype == "f32" else "bf16", config.batch_invariant))
             step_buffer = loaded.memory.step if loaded.memory is not None else 0  # the plan's: no step grows it
             graph = backend.graph_runner(decoder, max_seq_len, config.graph_capture, step_buffer) \
                 if config.graph else None

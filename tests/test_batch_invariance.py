@@ -1,11 +1,8 @@
 """A row's result does not depend on the rows beside it (issue 62): one sequence's logits decoded alone, in a
-batch of 3 or 8 sequences, with drafts (several rows of it at once) and prefilled in chunks, bit for bit, on
-GGUF files llama.cpp's converter and llama-quantize made (K types and IQ4_XS: their experts' and dense
-matrices' integer loops sum each (row, token) in one order), through every pool. Not yet so: Q8_0's and
-Q4_0's integer loops (isimd.py, iblock.py, rows8.py), float32 dense matrices taken by BLAS (a safetensors
-model's on the host, and every matrix's by float activations past 8 rows), a K type's dense matrices past 96
-rows (BLAS on decoded tiles: a prefill in chunks of 96 tokens or more), MLA, Qwen3-Next's chunked linear attention
-and the GPU's kernels."""
+batch of 3 or 8 sequences, with 1 to 4 drafts (several rows of it at once) and prefilled in chunks of 1, 7 and
+64 tokens, bit for bit, in every storage format (a safetensors model's experts and dense matrices as f32, bf16,
+q8 or q4; GGUF files llama.cpp's converter and llama-quantize made: K types, Q8_0, IQ4_XS), every activation mode,
+every family's attention (GQA, gated, MLA, the Gated DeltaNet), the host's hot experts, and every pool."""
 
 from __future__ import annotations
 
@@ -13,86 +10,85 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from invariance import A, OTHERS, alone, beside, drafted, chunked, every_step_shape, unequal
 
 from coordinator import Engine, EngineConfig
-from coordinator.model.step import StepBatch
+from coordinator.cli.make_model import make_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
-rng = np.random.default_rng(0)
-A = rng.integers(3, 250, 20)  # the sequence watched
-OTHERS = [rng.integers(3, 250, n) for n in (5, 9, 3, 17, 2, 11, 7)]  # the sequences beside it
+ACTIVATIONS = ("q8", "bf16", "f32")
+FORMATS = ("f32", "bf16", "q8", "q4")  # a safetensors model's, experts and dense matrices alike
+FILES = ("qwen3_moe_quant-Q4_K_M", "qwen3_moe_quant-Q8_0", "qwen3_moe_quant-IQ4_XS")  # llama-quantize's
 
 
-def alone(eng) -> np.ndarray:
-    """A's logits, one token a step: [len(A), V]."""
-    cache = eng.new_cache()
-    return np.array([eng.step(StepBatch.of(np.array([t]), cache)).logits[0][-1] for t in A])
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """A Qwen2-MoE safetensors model (a shared expert and its gate beside the routed ones), 64 wide: whole blocks
+    of 32 for q8 and q4."""
+    return make_model(tmp_path_factory.mktemp("inv") / "qwen2", arch="qwen2_moe", seed=3)
 
 
-def beside(eng, k: int) -> np.ndarray:
-    """A's logits, one token a step in a batch with k other sequences (prefilled first, then a token a step)."""
-    cache, others = eng.new_cache(), [eng.new_cache() for _ in range(k)]
-    for ids, c in zip(OTHERS, others):
-        eng.step(StepBatch.of(ids, c))
-    out = []
-    for i, t in enumerate(A):
-        seqs = [(np.array([t]), cache)] + [(OTHERS[j][i % len(OTHERS[j])][None], others[j]) for j in range(k)]
-        out.append(eng.step(StepBatch(seqs)).logits[0][-1])
-    return np.array(out)
-
-
-def chunked(eng, n: int) -> np.ndarray:
-    """A's logits for every row, n rows a step (a prefill in chunks of n; drafts are such steps too)."""
-    cache, out = eng.new_cache(), []
-    for s in range(0, len(A), n):
-        out.extend(eng.step(StepBatch.of(A[s:s + n], cache, every_row=True)).logits[0])
-    return np.array(out)
-
-
-def drafted(eng) -> np.ndarray:
-    """A's logits as a drafting step sees them: a token and 1 to 4 drafts a step, beside two other sequences."""
-    cache, others = eng.new_cache(), [eng.new_cache() for _ in range(2)]
-    for ids, c in zip(OTHERS, others):
-        eng.step(StepBatch.of(ids, c))
-    out, s, width = [], 0, 1
-    while s < len(A):
-        rows = A[s:s + width]
-        seqs = [(rows, cache)] + [(OTHERS[j][s % len(OTHERS[j])][None], others[j]) for j in range(2)]
-        out.extend(eng.step(StepBatch(seqs, all_rows=frozenset({0}))).logits[0])
-        s += len(rows)
-        width = width % 5 + 1  # 1, 2, 3, 4, 5 rows: a token and up to 4 drafts
-    return np.array(out)
-
-
-def unequal(got: np.ndarray, want: np.ndarray) -> list[int]:
-    return [i for i in range(len(want)) if not np.array_equal(got[i], want[i])]
-
-
-@pytest.mark.parametrize("name", ["qwen3_moe_quant-Q4_K_M", "qwen3_moe_quant-IQ4_XS", "qwen2_moe_quant-Q4_K_M",
-                                  "mixtral_quant-Q4_K_M"])
-def test_a_sequences_logits_are_the_same_bits_in_any_step(name):
-    """With the default integer activations (activations f32 takes BLAS on decoded tiles past 8 rows, whose
-    sums change with the row count: not yet invariant)."""
-    with Engine.open(FIXTURES / f"{name}.gguf", EngineConfig(pool="inproc", device="cpu")) as eng:
-        want = alone(eng)
-        got = {"batch of 3": beside(eng, 2), "batch of 8": beside(eng, 7), "drafts": drafted(eng),
-               **{f"chunks of {n}": chunked(eng, n) for n in (1, 7, 20)}}
+def check(path: Path, n: int = len(A), **settings) -> None:
+    """A's logits in every step shape are its logits alone, to the last bit, in-process."""
+    with Engine.open(path, EngineConfig(pool="inproc", device="cpu", **settings)) as eng:
+        want = alone(eng, n)
+        got = every_step_shape(eng, n)
     assert np.abs(want).max() > 0 and len({w.argmax() for w in want}) > 1
     assert {how: unequal(logits, want) for how, logits in got.items()} == {how: [] for how in got}
 
 
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_and_activation_mode_of_a_safetensors_model(model, fmt, activations):
+    check(model, expert_dtype=fmt, dense_dtype=fmt, activations=activations)
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+@pytest.mark.parametrize("name", FILES)
+def test_every_activation_mode_on_llama_quantize_files(name, activations):
+    check(FIXTURES / f"{name}.gguf", activations=activations)
+
+
+@pytest.mark.parametrize("name", ["mixtral_quant-Q4_K_M", "qwen2_moe_quant-Q8_0", "glm4_moe_quant-IQ4_XS",
+                                  "deepseek_v3_quant-Q8_0", "qwen3_next_quant-Q4_K_M"])
+def test_every_familys_attention(name):
+    """Mixtral's, GLM-4.5's (the sigmoid router's groups), DeepSeek's MLA (absorbed, a row at a time over the keys
+    it sees) and Qwen3-Next's gated attention and Gated DeltaNet (a token at a time)."""
+    check(FIXTURES / f"{name}.gguf", n=40 if name.startswith("qwen3_next") else len(A))
+
+
+def test_the_hosts_hot_experts(model):
+    """Experts kept whole on the device side (NumPy's hot experts), beside the pool's."""
+    check(model, gpu_experts=3)
+
+
+def test_without_invariance_a_chunked_prompt_takes_other_sums():
+    """--no-batch-invariant gives the chunked Gated DeltaNet back to prompts of 16 tokens or more: their rows then
+    differ from decode's (what the tests above would catch)."""
+    path = FIXTURES / "qwen3_next_quant-Q4_K_M.gguf"
+    with Engine.open(path, EngineConfig(pool="inproc", device="cpu", batch_invariant=False)) as eng:
+        assert unequal(chunked(eng, 64, 40), alone(eng, 40)) != []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", ["single", "split"])
-def test_the_same_bits_through_the_node_workers(pool):
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+@pytest.mark.parametrize("name", FILES + tuple(f"safetensors-{fmt}" for fmt in FORMATS))
+def test_the_same_bits_through_the_node_workers(model, name, activations, pool):
     """The process pool's workers (one, or two virtual nodes each holding half of every expert's rows, their
     partials added in node order) give a row the same bits in any step, and the in-process pool's bits."""
-    path = FIXTURES / "qwen3_moe_quant-Q4_K_M.gguf"
-    with Engine.open(path, EngineConfig(pool="inproc", device="cpu")) as eng:
-        inproc = alone(eng)
+    if name.startswith("safetensors-"):
+        fmt = name.split("-")[1]
+        path, settings = model, dict(expert_dtype=fmt, dense_dtype=fmt, activations=activations)
+    else:
+        path, settings = FIXTURES / f"{name}.gguf", dict(activations=activations)
+    n = 24
+    with Engine.open(path, EngineConfig(pool="inproc", device="cpu", **settings)) as eng:
+        inproc = alone(eng, n)
     split = dict(numa_split=True, nodes=2) if pool == "split" else dict(nodes=1)
-    with Engine.open(path, EngineConfig(pool="process", device="cpu", **split)) as eng:
-        want = alone(eng)
-        got = {"batch of 8": beside(eng, 7), "drafts": drafted(eng), "chunks of 7": chunked(eng, 7)}
+    with Engine.open(path, EngineConfig(pool="process", device="cpu", **split, **settings)) as eng:
+        want = alone(eng, n)
+        got = {"batch of 8": beside(eng, 7, n), "drafts": drafted(eng, n), "chunks of 7": chunked(eng, 7, n)}
     if pool == "single":
         assert unequal(want, inproc) == []
     assert {how: unequal(logits, want) for how, logits in got.items()} == {how: [] for how in got}

@@ -461,9 +461,16 @@ def test_f32_tensors_are_read_only_views_of_the_map(tiny_model):
 
 
 def test_engine_weights_share_the_mapped_file(tiny_model):
+    """A float32 checkpoint's embedding is read in place; its dense matrices too where BLAS may take them (no
+    batch invariance); batch-invariant, they are copied into the f32 rows of the invariant loops."""
     d = tiny_model()
-    with Engine.open(d) as engine:
+    with Engine.open(d, EngineConfig(batch_invariant=False)) as engine:
         w = engine.decoder.w
         assert np.shares_memory(w.embed, engine.ckpt.raw("model.embed_tokens.weight"))
         assert np.shares_memory(w.layers[2].k, engine.ckpt.raw("model.layers.2.self_attn.k_proj.weight"))
         assert not w.layers[2].k.flags.writeable
+    with Engine.open(d) as engine:
+        w = engine.decoder.w
+        assert np.shares_memory(w.embed, engine.ckpt.raw("model.embed_tokens.weight"))
+        assert w.layers[2].k.fmt.NAME == "f32" and np.array_equal(
+            w.layers[2].k.decoded(), engine.ckpt.raw("model.layers.2.self_attn.k_proj.weight"))

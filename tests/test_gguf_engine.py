@@ -246,10 +246,12 @@ def test_quantised_dense_matrices_are_read_as_the_file_has_them(tmp_path, arch, 
         assert all(isinstance(getattr(layer, m), PackedMatrix) and getattr(layer, m).fmt.NAME == want_format
                    for layer in w.layers for m in "qkvo")
         assert isinstance(w.lm_head, PackedMatrix) and w.lm_head.fmt.NAME == want_format
-        assert w.layers[0].router.wt.dtype == np.float32 and isinstance(ref.decoder.w.layers[0].q, np.ndarray)
+        assert w.layers[0].router.wt.dtype == np.float32 and ref.decoder.w.layers[0].q.fmt.NAME == "f32"
         got, want = eng.logits(PROMPT, steps=True), ref.logits(PROMPT, steps=True)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         assert eng.generate(PROMPT, max_new_tokens=5, stop_at_eos=False) == \
             ref.generate(PROMPT, max_new_tokens=5, stop_at_eos=False)
     with Engine.open(path, EngineConfig(pool="inproc", device="cpu", dense_dtype="f32")) as eng:
+        assert eng.decoder.w.lm_head.fmt.NAME == "f32"  # float32 rows for the batch-invariant loops
+    with Engine.open(path, EngineConfig(pool="inproc", device="cpu", dense_dtype="f32", batch_invariant=False)) as eng:
         assert isinstance(eng.decoder.w.lm_head, np.ndarray)

@@ -15,7 +15,7 @@ from coordinator.config import EngineConfig
 from coordinator.errors import ConfigValueError
 from coordinator.host.packed import BLOCK_INT_TOKENS, PackedMatrix
 from node_worker.kernels import idot
-from node_worker.kernels.activations import (quantize_reference, quantize_rows, quantize_rows_summed,
+from node_worker.kernels.activations import (quantize_reference, quantize_rows_summed,
                                              quantize_rows_super, quantize_super_reference)
 from node_worker.worker import NodeWorker
 from shm import formats
@@ -66,16 +66,13 @@ def test_super_block_activations_are_the_numpy_form_and_within_half_a_step():
 
 def test_quantised_activations_are_the_numpy_form_and_within_half_a_step():
     x = activations(np.random.default_rng(0), 5, 256)
-    got, want = quantize_rows(x), quantize_reference(x)
+    got, want = quantize_rows_summed(x), quantize_reference(x)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and np.array_equal(g, w)
-    xq, xd, xs = got
+    xq, xd, sums = got
     assert np.abs(xq).max() == 127 and not xq[0, :32].any() and xd[0, 0] == 0
     step = np.repeat(xd, 32, axis=1)
     assert np.all(np.abs(x - dequantised(x)) <= step / 2 * (1 + 1e-6))
-    np.testing.assert_allclose(xs, xd * xq.reshape(5, 8, 32).sum(axis=2), rtol=1e-6)
-    q, d, sums = quantize_rows_summed(x)  # rows8's unsigned values: the same values, the sums as integers
-    assert np.array_equal(q, xq) and np.array_equal(d, xd)
     assert sums.dtype == np.int32 and np.array_equal(sums, xq.reshape(5, 8, 32).astype(np.int64).sum(axis=2))
 
 
@@ -326,17 +323,21 @@ def test_dense_matrix_few_tokens_in_integers_equals_float64(name, tokens):
 
 @pytest.mark.parametrize("name, limit", [("q4k", "INT_TOKENS"), ("q8", "BLOCK_INT_TOKENS")])
 def test_dense_matrix_of_many_tokens_takes_blas_on_decoded_rows(name, limit):
-    """From INT_TOKENS rows of x on (a K type; BLOCK_INT_TOKENS for q8 and q4), BLAS on the decoded rows is
-    faster than the integer loop (packed.py's measurement): the same bits as with float activations."""
+    """Without batch invariance, from INT_TOKENS rows of x on (a K type; BLOCK_INT_TOKENS for q8 and q4), BLAS on
+    the decoded rows is faster than the integer loop (packed.py's measurement): the same bits as with float
+    activations. Batch-invariant (the default), the integer loop at any row count: a row's bits as alone."""
     from coordinator.host import packed
 
     rng = np.random.default_rng(9)
     fmt = formats.get(name)
     stored = stored_rows(fmt, 70, 512, rng)
     x = activations(rng, getattr(packed, limit), 512)
-    int_act, float_act = (PackedMatrix(fmt, stored, (70, 512), int_act=flag) for flag in (True, False))
+    int_act, float_act = (PackedMatrix(fmt, stored, (70, 512), int_act=flag, invariant=False) for flag in (True, False))
     assert np.array_equal(x @ int_act.T, x @ float_act.T)
     assert not np.array_equal(x[:-1] @ int_act.T, x[:-1] @ float_act.T)  # one row fewer: the integer loop
+    invariant = PackedMatrix(fmt, stored, (70, 512), int_act=True)
+    every = x @ invariant.T
+    assert np.array_equal(every[:-1], x[:-1] @ int_act.T) and np.array_equal(every[-1:], x[-1:] @ invariant.T)
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 3, 64])
@@ -387,7 +388,7 @@ def test_q4_dense_matrix_eight_rows_at_a_time_equals_float64(tokens):
     error = np.abs(got - want).max()
     assert got.shape == (tokens, R) and error <= 2e-6 * np.abs(want).max()
     assert np.abs((x @ PackedMatrix(fmt, stored, (R, K)).T) - got).max() > 100 * error
-    rest = x @ PackedMatrix(fmt, stored[:44], (44, K), int_act=True).T
+    rest = x @ PackedMatrix(fmt, stored[:44], (44, K), int_act=True, invariant=False).T
     if tokens >= BLOCK_INT_TOKENS:
         want = x.astype(np.float64) @ matrix.decoded().astype(np.float64).T
     assert np.abs(rest - want[:, :44]).max() <= 2e-6 * np.abs(want).max()

@@ -211,7 +211,8 @@ def test_host_rope_and_decode_attention_equal_float64():
     mask = ops.attention_mask(np.arange(S - T, S), np.arange(S), None)
     looped = np.empty((T, 4 * 16), np.float32)
     host_ops.gqa_attention_parallel(q, k, k, mask, np.float32(16**-0.5), looped)
-    batched = host.gqa_attention(q, k, k, mask)
+    assert np.array_equal(host.gqa_attention(q, k, k, mask), looped)  # batch-invariant: the loop, at any length
+    batched = host.gqa_attention(q, k, k, mask, invariant=False)
     assert not np.array_equal(batched, looped)  # another order of the same sums: the matmuls did run
     np.testing.assert_allclose(batched, looped, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(batched, np.concatenate([host.gqa_attention(q[t:t + 1], k, k, mask[t:t + 1])

@@ -83,6 +83,18 @@ def parse_formats(text: str) -> list[tuple[str, dict]]:
     return out
 
 
+INVARIANCE = (("invariant", {"batch_invariant": True}), ("variable", {"batch_invariant": False}))
+
+
+def with_invariance(formats: list[tuple[str, dict]] | None) -> list[tuple[str, dict]]:
+    """``--invariance both``: each format (or the engine's own, without --formats) measured with batch-invariant
+    numerics and without, side by side (labels FORMAT/invariant and FORMAT/variable; the invariant one first, the
+    base of the ratios)."""
+    if not formats:
+        return list(INVARIANCE)
+    return [(f"{label}/{name}", {**fields, **extra}) for label, fields in formats for name, extra in INVARIANCE]
+
+
 def labels_for(modes, formats: list[tuple[str, dict]] | None) -> list[tuple[str, str, dict]]:
     """(label, mode, the format's EngineConfig fields) for each mode and format: the mode's name alone without
     formats, else mode@format, the formats of a mode side by side."""

@@ -24,7 +24,7 @@ CLI_DEFAULTS = {"pool": "process"}  # the command line runs real node workers; t
 FLAG_FIELDS = ("numa_split", "nodes", "pool", "pool_node", "worker_threads", "keep_shm", "route_tail_skip", "max_seq_len",
                "worker_hang_timeout", "worker_restart_window", "expert_dtype", "dense_dtype", "kv_dtype",
                "activations", "prefill_chunk", "device", "expert_profile", "gpu_experts", "gpu_expert_memory",
-               "speculative", "draft_max", "graph", "graph_capture")
+               "speculative", "draft_max", "graph", "graph_capture", "batch_invariant")
 
 
 def number(kind, name: str, low=None, high=None, low_open: bool = False):
@@ -140,6 +140,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's values: auto (bf16 on a GPU, f32 on the host), f32, bf16 (a GPU's; the "
                         "host keeps f32) " + setting("kv_dtype"))
     add_activations_flag(g)
+    add_invariance_flags(g)
     g.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, default=None,
                    help="prompt tokens prefilled per serving step, interleaved with decoding "
                         + setting("prefill_chunk"))
@@ -168,6 +169,15 @@ def add_activations_flag(g) -> None:
                         "integers by the activations quantised to int8 (per block of 32 for q8 and q4, per 256 for "
                         "the K types and IQ4_XS), as llama.cpp does; f32 widens the weights to float32, the "
                         "reference " + setting("activations"))
+
+
+def add_invariance_flags(g) -> None:
+    g.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None,
+                   help="sum every row of a step in an order fixed by the row alone, so a sequence's logits are the "
+                        "same bits alone, in a batch, with drafts or prefilled in chunks " + setting("batch_invariant"))
+    g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None,
+                   help="take BLAS and the chunked linear attention where they are faster for many rows (a row's "
+                        "last bits then depend on the rows beside it)")
 
 
 def add_device_flags(g) -> None:

@@ -18,8 +18,9 @@ from ..request import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_N
                        DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_QUEUED)
 from ..serving.api import DEFAULT_ADDRESS, DEFAULT_HTTP_HEADER_TIMEOUT_S
 from .chat import add_chat_command
-from .flags import (add_activations_flag, add_device_flags, add_engine_flags, add_sampling_flags, engine_config,
-                    host_port, non_empty, number, print_config, readable_file, sampling_options, setting, writable_file)
+from .flags import (add_activations_flag, add_device_flags, add_engine_flags, add_invariance_flags, add_sampling_flags,
+                    engine_config, host_port, non_empty, number, print_config, readable_file, sampling_options, setting,
+                    writable_file)
 from .make_model import PRESETS
 
 log = logging.getLogger("strata")
@@ -304,7 +305,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import (MODES, BenchPlan, bench_engines, markdown, parse_formats, plot, plot_available, run_bench,
-                        write_json)
+                        with_invariance, write_json)
 
     if args.plot and plot_available():  # before minutes of measuring, not after
         raise StrataError(plot_available())
@@ -316,6 +317,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if formats and (args.expert_dtype or args.dense_dtype):
         raise StrataError("--formats sets the storage formats of every engine: give it without --expert-dtype "
                           "and --dense-dtype (an entry EXPERTS+DENSE gives both)")
+    if args.invariance == "both":
+        if args.batch_invariant is not None:
+            raise StrataError("--invariance both measures each engine with batch-invariant numerics and without: "
+                              "give it without --batch-invariant or --no-batch-invariant")
+        formats = with_invariance(formats)
     given: dict = {}  # the settings that came from a flag or a variable, not set by a mode or format
 
     def resolve(fixed: dict):
@@ -527,6 +533,11 @@ def _add_bench_command(sub, common) -> None:
                         "and dense matrices) or EXPERTS+DENSE, e.g. f32,bf16 or q4k+q8,q8 (instead of "
                         "--expert-dtype and --dense-dtype)")
     add_activations_flag(p)
+    add_invariance_flags(p)
+    p.add_argument("--invariance", default="given", choices=["given", "both"],
+                   help="both: each engine (each mode and format) opened with batch-invariant numerics and without, "
+                        "measured side by side (labels .../invariant and .../variable, ratios to the invariant one); "
+                        "given: as --batch-invariant says (default %(default)s)")
     p.add_argument("--quality-positions", dest="quality_positions", type=int, default=128,
                    help="compare the logits over this many positions with an f32 computation of the same "
                         "checkpoint (max relative error, mean KL, top-1 agreement); 0: skip (default %(default)s)")

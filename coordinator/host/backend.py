@@ -16,7 +16,7 @@ from ..model.backend import Backend, Loaded, Placement
 from ..pool.hot_experts import device_expert_set, expert_bytes, whole_expert
 from ..warmup import Unit
 from . import ops as loops
-from .packed import pack_dense, rows_exact
+from .packed import Packing, pack_dense, pack_experts, rows_exact
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +57,13 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return ops.apply_rope(x, cos, sin)
 
 
-def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, invariant: bool = True) -> np.ndarray:
     """ops.gqa_attention: the loop for decode and for prompts over up to HOST_ATTENTION_KEYS keys (in parallel
-    from PARALLEL_ATTENTION_MACS), NumPy's matmuls beyond."""
+    from PARALLEL_ATTENTION_MACS), NumPy's matmuls beyond; ``invariant``: the loop for every step (a row's sums over
+    its own keys alone, whatever the rows beside it)."""
     T, nh, hd = q.shape
     k, v = ops.widen(k), ops.widen(v)
-    if (T <= HOST_ATTENTION_TOKENS or k.shape[0] <= HOST_ATTENTION_KEYS) and rows(q, k, v) \
+    if (T <= HOST_ATTENTION_TOKENS or k.shape[0] <= HOST_ATTENTION_KEYS or invariant) and rows(q, k, v) \
             and mask.dtype == np.bool_ and mask.flags.c_contiguous:
         out = np.empty((T, nh * hd), np.float32)
         loop = loops.gqa_attention_parallel if T * k.shape[0] * nh * hd >= PARALLEL_ATTENTION_MACS \
@@ -92,6 +93,8 @@ def route(logits: np.ndarray, bias, spec: ops.RouterSpec) -> tuple[np.ndarray, n
 class HostBackend(Backend):
     """The network on the coordinator's CPU (the module docstring)."""
 
+    invariant = True  # EngineConfig.batch_invariant, set at load: attention's loop for every step
+
     def check_memory(self, mcfg, config, nodes: list) -> None:
         """The KV cache, the states and the pool's segment for the context within the host's memory and /dev/shm."""
         check_context(mcfg, config.max_seq_len or mcfg.max_position_embeddings, len(nodes),
@@ -106,15 +109,19 @@ class HostBackend(Backend):
     def load(self, weights, placement: Placement, ckpt, mcfg, config, compile_missing) -> Loaded:
         """The dense matrices packed in --dense-dtype's format (their kernels compiled where this build lacks
         them), the placed experts read whole in float32."""
+        self.invariant = config.batch_invariant
         dense_format, kernels = "f32", []
-        if config.dense_dtype != "f32":
+        if config.dense_dtype != "f32" or self.invariant:  # float32 matrices too go through the loops: never BLAS
             fmt = None if config.dense_dtype == formats.AUTO else formats.get(config.dense_dtype)
-            nbytes, dense_format, kernels = pack_dense(weights, fmt, config.activations != "f32", ckpt,
-                                                       config.activations == "bf16")
+            how = Packing(config.activations != "f32", config.activations == "bf16", self.invariant)
+            nbytes, dense_format, kernels = pack_dense(weights, fmt, how, ckpt)
             log.info("dense matrices (%s) stored as %s: %.2f GB", config.dense_dtype, dense_format, nbytes / 1e9)
-            compile_missing([Unit.dense(k) for k in kernels])
         rows_exact(weights)  # the routers' products the same bits for a row in any batch
         experts = {key: whole_expert(ckpt, weights.experts[key], mcfg) for key in sorted(placement.experts)}
+        if self.invariant and experts:  # the hot experts' float32 matrices through the same loops
+            experts, expert_kernels = pack_experts(experts, config.activations != "f32")
+            kernels = list(dict.fromkeys(kernels + expert_kernels))
+        compile_missing([Unit.dense(k) for k in kernels])
         return Loaded(experts, dense_format=dense_format, dense_kernels=kernels)
 
     def rms_norm(self, x, weight, eps: float):
@@ -124,7 +131,7 @@ class HostBackend(Backend):
         return apply_rope(x, cos, sin)
 
     def gqa_attention(self, q, k, v, mask):
-        return gqa_attention(q, k, v, mask)
+        return gqa_attention(q, k, v, mask, self.invariant)
 
     def route(self, logits, bias, spec: ops.RouterSpec) -> tuple[np.ndarray, np.ndarray]:
         return route(logits, bias, spec)

@@ -9,6 +9,10 @@ multiplied by the same compiled row loops as the experts
 (node_worker/kernels/dense.py). The router, the norms and the embedding stay
 float32: they are small, or read one row at a time.
 
+With batch-invariant numerics (EngineConfig.batch_invariant, the default) every matrix is multiplied by loops
+that sum a row in one order whatever the row count (never BLAS, whose kernels change with it): the matrices
+that stay float32 are kept as f32 rows for them, and the host's whole experts too.
+
 A PackedMatrix stands where the float32 array stood: the decoder's
 ``x @ w.T`` works unchanged (``.T`` gives a transposed view whose
 ``__rmatmul__`` runs the kernel), so the model code has one form for both.
@@ -16,7 +20,8 @@ A PackedMatrix stands where the float32 array stood: the decoder's
 
 from __future__ import annotations
 
-from dataclasses import fields
+import dataclasses
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -31,6 +36,8 @@ from shm.formats.encode import encode_into
 from shm.huge_pages import advised_copy, advised_empty
 
 from . import ops as host_ops
+
+F32 = formats.get("f32")  # float32 rows: what a matrix that stays float32 is kept as for the invariant loops
 
 BLOCK_IDS = tuple(FORMAT_IDS[name] for name in traits.BLOCK_INT_LOOPS)  # q8, q4: iblock.py's prefill loop
 
@@ -68,9 +75,10 @@ class PackedMatrix:
     __array_ufunc__ = None  # ndarray @ PackedMatrix.T defers to __rmatmul__ instead of converting
 
     def __init__(self, fmt: ModuleType, stored: np.ndarray, shape: tuple[int, int], int_act: bool = False,
-                 bf16_products: bool = False):
+                 bf16_products: bool = False, invariant: bool = True):
         self.fmt = fmt
         self.int_act = int_act  # integer dot products on quantised activations (isimd.py; several tokens: isuper.py)
+        self.invariant = invariant  # every row count takes loops that sum a row in one order: never BLAS
         self.bf16_products = bf16_products and fmt.NAME == "bf16"  # by bf16 activations (bf16dp.py)
         self.shape = shape  # [R, K]
         self.row_bytes = fmt.row_bytes(shape[1])
@@ -84,13 +92,13 @@ class PackedMatrix:
         self.kernels = kernel_set(fmt.NAME, int_act, bf16_products)  # its format's loops alone: compiled per format
 
     @classmethod
-    def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False,
-               bf16_products: bool = False) -> PackedMatrix:
+    def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False, bf16_products: bool = False,
+               invariant: bool = True) -> PackedMatrix:
         R, K = w.shape
         stored = np.empty((R, fmt.row_bytes(K) // np.dtype(fmt.STORED_DTYPE).itemsize), fmt.STORED_DTYPE)
         for r in range(0, R, 4 * TILE):  # float32 copies of a few tiles at a time, not of the whole matrix
             encode_into(fmt, stored[r:r + 4 * TILE], np.asarray(w[r:r + 4 * TILE], np.float32))
-        return cls(fmt, stored, (R, K), int_act, bf16_products)
+        return cls(fmt, stored, (R, K), int_act, bf16_products, invariant)
 
     @property
     def nbytes(self) -> int:
@@ -110,37 +118,35 @@ class PackedMatrix:
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         """x [..., K] -> x · Wᵀ [..., R]."""
         R, K = self.shape
-        lead = x.shape[:-1]
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
-        T = x2.shape[0]
+        return self._product(x2, x2.shape[0]).reshape(*x.shape[:-1], R)
+
+    def _product(self, x2: np.ndarray, T: int) -> np.ndarray:
+        """x2 [T, K] · Wᵀ -> [T, R], by the loop this matrix takes for T rows (the module's constants)."""
+        R, K = self.shape
+        out = np.empty((T, R), np.float32)
         if self.grouped:
-            out = np.empty((T, R), np.float32)
             rows8.matmul_groups(self.kernels, self.data, R, K, x2, out)
-            return out.reshape(*lead, R)
-        if self.int_act and self.fmt_id in BLOCK_IDS and R % rows8.GROUP_ROWS == 0 and T >= GROUPED_FROM:
-            out = np.empty((T, R), np.float32)  # q4's rows eight at a time, interleaved on the fly
+            return out
+        int_block = self.int_act and self.fmt_id in BLOCK_IDS
+        int_super = self.int_act and self.fmt_id in SUPER_IDS
+        if int_block and R % rows8.GROUP_ROWS == 0 and T >= GROUPED_FROM:
+            # q4's rows eight at a time, interleaved on the fly
             rows8.matmul_rows_by_eight(self.kernels, self.fmt_id, self.data, self.row_bytes, R, K, x2, out)
-            return out.reshape(*lead, R)
-        if self.int_act and ((T < INT_TOKENS and self.fmt_id in SUPER_IDS) or
-                             (1 < T < BLOCK_INT_TOKENS and self.fmt_id in BLOCK_IDS)):
-            # the integer loops (isuper.py, iblock.py); q8's and q4's one token: matmul_rows
-            padded = x2
-            if T > 1 and T % 4 == 1 and self.fmt_id in SUPER_IDS:  # isuper's tiles: 8, 4, 3 or 2 tokens
-                padded = np.zeros((T + 3, K), np.float32)
-                padded[:T] = x2
-            out = np.empty((padded.shape[0], R), np.float32)
-            dense.matmul_tokens_int(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
-            return out[:T].reshape(*lead, R)
-        if self.fmt_id in WIDE_IDS and (simd.WIDE_TILES or self.bf16_products) and T >= WIDE_TILE_TOKENS:
+            return out
+        if (int_super and (T < INT_TOKENS or self.invariant)) or (
+                int_block and 1 < T and (T < BLOCK_INT_TOKENS or self.invariant)):
+            return self._integer_tokens(x2, T, int_super)  # q8's and q4's one token: matmul_rows
+        wide = self.fmt_id in WIDE_IDS and (simd.WIDE_TILES or self.bf16_products or self.invariant)
+        if wide and T >= WIDE_TILE_TOKENS:
             rows = -(-T // 4) * 4
             padded = aligned_buffer(rows * K * 4).view(np.float32).reshape(rows, K)  # [T rounded up to 4, K]
             padded[:T] = x2
             padded[T:] = 0
-            out = np.empty((padded.shape[0], R + 1), np.float32)
-            dense.matmul_tiles(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
-            return out[:T, :R].reshape(*lead, R)
-        out = np.empty((T, R), np.float32)  # [T, R]
-        if T <= FEW_TOKENS:
+            tiles = np.empty((padded.shape[0], R + 1), np.float32)
+            dense.matmul_tiles(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, tiles)
+            out[:] = tiles[:T, :R]
+        elif T <= FEW_TOKENS or self.invariant:  # the invariant form: a token at a time through the rows' loops
             dense.matmul_rows(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K, x2, out)
         else:
             tile = np.empty((min(TILE, R), K), np.float32)
@@ -148,7 +154,18 @@ class PackedMatrix:
                 n = min(TILE, R - r)
                 dense.decode_rows(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, r, tile[:n])
                 np.matmul(x2, tile[:n].T, out=out[:, r:r + n])
-        return out.reshape(*lead, R)
+        return out
+
+    def _integer_tokens(self, x2: np.ndarray, T: int, int_super: bool) -> np.ndarray:
+        """The integer loops for several tokens (isuper.py, iblock.py) -> [T, R]."""
+        R, K = self.shape
+        padded = x2
+        if T > 1 and T % 4 == 1 and int_super:  # isuper's tiles: 8, 4, 3 or 2 tokens
+            padded = np.zeros((T + 3, K), np.float32)
+            padded[:T] = x2
+        out = np.empty((padded.shape[0], R), np.float32)
+        dense.matmul_tokens_int(self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K, padded, out)
+        return out[:T]
 
 
 class RowExactMatrix:
@@ -201,7 +218,7 @@ class _Transposed:
         return self.matrix.matmul_t(x)
 
 
-def file_blocks(ckpt, source, shape: tuple[int, int], int_act: bool) -> PackedMatrix | None:
+def file_blocks(ckpt, source, shape: tuple[int, int], how: Packing) -> PackedMatrix | None:
     """The matrix ``source`` (weights.RowSource: a tensor of a GGUF file, or rows of one the loader regrouped) kept
     as the file's quantised blocks (Q8_0, Q4_0, the K types, IQ4_XS: shm.gguf_blocks' lossless formats), its rows
     gathered where the loader regrouped or un-permuted them; or None: not a GGUF file, a float type, a type no
@@ -218,7 +235,7 @@ def file_blocks(ckpt, source, shape: tuple[int, int], int_act: bool) -> PackedMa
     if rows is None:
         return None
     fmt_name, stored = repack(np.ascontiguousarray(rows), ggml_type(dtype), shape[1])
-    return PackedMatrix(formats.get(fmt_name), stored, shape, int_act)
+    return PackedMatrix(formats.get(fmt_name), stored, shape, how.int_act, invariant=how.invariant)
 
 
 def dense_matrices(weights) -> list[tuple[object, str]]:
@@ -240,14 +257,24 @@ def dense_matrices(weights) -> list[tuple[object, str]]:
     return out + [(weights, "lm_head")]
 
 
-def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None,
-               bf16_products: bool = False) -> tuple[int, str, list[KernelSet]]:
+@dataclass(frozen=True)
+class Packing:
+    """How the host's matrices are multiplied: ``int_act`` integer dot products on quantised activations (activations
+    q8 or bf16); ``bf16_products`` bf16 rows by activations rounded to bf16 (activations bf16); ``invariant`` the
+    loops that sum a row in one order for every row count (EngineConfig.batch_invariant), float32 matrices packed
+    as f32 rows for them rather than left to BLAS."""
+
+    int_act: bool = False
+    bf16_products: bool = False
+    invariant: bool = True
+
+
+def pack_dense(weights, fmt: ModuleType | None, how: Packing = Packing(), ckpt=None) -> tuple[int, str, list[KernelSet]]:
     """Store the model's dense matrices (dense_matrices) in ``fmt``, in place; returns their bytes, how many are in
     each format ("14 q4k, 3 q6k") and the kernel sets they are multiplied with (one per format). A matrix whose rows
-    do not fall on the format's blocks stays float32. ``fmt`` None (dense_dtype auto): each matrix as ``ckpt``, a
-    GGUF file, has it quantised (file_blocks), as llama.cpp reads them; the others stay float32. ``int_act``: a few
-    tokens take integer dot products (EngineConfig.activations q8 or bf16); ``bf16_products``: bf16 matrices take
-    the activations rounded to bf16 (activations bf16)."""
+    do not fall on the format's blocks stays float32 (as f32 rows where ``how.invariant``). ``fmt`` None
+    (dense_dtype auto): each matrix as ``ckpt``, a GGUF file, has it quantised (file_blocks), as llama.cpp reads
+    them; the others stay float32."""
     total = 0
     count: dict[str, int] = {}
     kernels: dict[KernelSet, None] = {}  # in first-use order
@@ -256,9 +283,13 @@ def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None
     def packed(w: np.ndarray) -> PackedMatrix | None:
         if fmt is None:
             source = weights.sources.get(w)
-            return None if source is None or ckpt is None else file_blocks(ckpt, source, w.shape, int_act)
-        return PackedMatrix.encode(w, fmt, int_act, bf16_products) if w.shape[1] % fmt.BLOCK == 0 else None
-
+            p = None if source is None or ckpt is None else file_blocks(ckpt, source, w.shape, how)
+        else:
+            p = PackedMatrix.encode(w, fmt, how.int_act, how.bf16_products, how.invariant) \
+                if w.shape[1] % fmt.BLOCK == 0 else None
+        if p is None and how.invariant:
+            p = PackedMatrix.encode(w, F32, how.int_act, False, True)
+        return p
     def store(w):
         """w packed (or itself, as it stays), counted once."""
         nonlocal total
@@ -280,3 +311,13 @@ def pack_dense(weights, fmt: ModuleType | None, int_act: bool = False, ckpt=None
         weights.mtp.head = done[id(weights.mtp.head)]
     return (total, ", ".join(f"{n} {name}" for name, n in sorted(count.items(), key=lambda kv: -kv[1])),
             list(kernels))
+
+
+def pack_experts(experts: dict, int_act: bool) -> tuple[dict, list[KernelSet]]:
+    """The device side's whole float32 experts ((layer, e) -> MLPWeights) with their matrices as f32 rows (the
+    invariant loops), and the kernel set they take."""
+    out = {key: dataclasses.replace(mlp, **{name: PackedMatrix.encode(getattr(mlp, name), F32, int_act)
+                                             for name in ("gate", "up", "down")})
+           for key, mlp in experts.items()}
+    first = next(iter(out.values()))
+    return out, [first.gate.kernels]

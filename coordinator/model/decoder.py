@@ -44,6 +44,9 @@ class FusedQKV:
 class DecoderOptions:
     route_tail_skip: float = 0.0  # routed pairs of a smaller weight are dropped (EngineConfig.route_tail_skip)
     kv_dtype: str = "f32"  # the KV cache's values, "f32" or "bf16" (a GPU's; the host keeps float32)
+    # a row's result fixed by the row alone (EngineConfig.batch_invariant): MLA in the absorbed form a row at a time
+    # over the keys it sees, the Gated DeltaNet a token at a time
+    batch_invariant: bool = True
 
 
 class Decoder:
@@ -66,6 +69,7 @@ class Decoder:
         for layer, e in self.device_experts.keys():
             self.on_device[layer][e] = True
         self.route_tail_skip = options.route_tail_skip
+        self.invariant = options.batch_invariant
         self.router = ops.RouterSpec.of(cfg)  # the router's rule, once: every MoE layer's call takes it
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)
         self.mla_absorb: bool | None = None  # MLA: None picks per call (absorbed); True/False forces a form
@@ -226,7 +230,7 @@ class Decoder:
         lc, parts = self.cfg.linear, []
         for s, (_, cache) in enumerate(batch.seqs):
             if i not in cache.states:
-                cache.states[i] = linear_attention.LinearState(lc)
+                cache.states[i] = linear_attention.LinearState(lc, chunked=not self.invariant)
             parts.append((slice(batch.bounds[s], batch.bounds[s + 1]), cache.states[i], cache.length))
         out = linear_attention.layer(lw.linear, lc, x, parts, self.cfg.rms_norm_eps)
         return out if rows is None else out[rows]
@@ -257,13 +261,26 @@ class Decoder:
         """One sequence's MLA: its queries (q_rope roped) over its cached latents [S, c] and rope keys [S, dr], in
         the absorbed form or with the latents expanded through kv_b, whichever takes fewer multiply-adds."""
         m, w, b = self.cfg.mla, lw.mla, self.backend
-        if self.absorbed(rows.q_nope.shape[0], rows.latent.shape[0]):
+        if self.invariant or self.absorbed(rows.q_nope.shape[0], rows.latent.shape[0]):
             w_uk, w_uv = (w.w_uk, w.w_uv) if w.w_uk is not None else self.kv_b_heads(w.kv_b)
+            if self.invariant and rows.q_nope.shape[0] > 1:
+                return self._mla_rows_alone(rows, (w_uk, w_uv), mask)
             return b.mla_attention_absorbed(rows, w_uk, w_uv, mask, m.softmax_scale)
         lat = b.widen(rows.latent)  # a bf16 cache's latents as float32 for the product
         kv = (lat @ w.kv_b.T).reshape(lat.shape[0], self.cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim)
         dn = m.qk_nope_head_dim
         return b.mla_attention(rows, kv[..., :dn], kv[..., dn:], mask, m.softmax_scale)
+
+    def _mla_rows_alone(self, rows: MlaRows, heads: tuple, mask):
+        """The absorbed MLA a query row at a time over the keys it sees (its mask's prefix), as each row computes
+        alone in decode: its bits do not depend on the rows prefilled or verified beside it."""
+        scale, xp = self.cfg.mla.softmax_scale, self.xp
+        seen = self.backend.to_host(mask).sum(axis=1)  # [T] keys each row sees, a prefix of the cache
+        out = []
+        for t, n in enumerate(seen.tolist()):
+            alone = MlaRows(rows.q_nope[t:t + 1], rows.q_rope[t:t + 1], rows.latent[:n], rows.k_rope[:n])
+            out.append(self.backend.mla_attention_absorbed(alone, *heads, mask[t:t + 1, :n], scale))
+        return xp.concatenate(out, axis=0)  # [T, nh*dv]
 
     def kv_b_heads(self, kv_b):
         """(W_uk [nh, dn, c], W_uv [nh, dv, c]) of MLA's kv_b, as the backend keeps them (Backend.kv_b_heads)."""

@@ -101,9 +101,11 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 
 def advance(w: LinearAttnWeights, lc: LinearAttnConfig, conv_state: np.ndarray, state: np.ndarray,
-            mixed: np.ndarray, b: np.ndarray, a: np.ndarray):
+            mixed: np.ndarray, b: np.ndarray, a: np.ndarray, chunked: bool = True):
     """One sequence's T new tokens through the conv and the delta rule: mixed [T, C] (q, k, v before the conv),
-    b, a [T, Hv]; returns (o [T, Hv, dv], new conv state [K-1, C], new state [Hv, dk, dv])."""
+    b, a [T, Hv]; returns (o [T, Hv, dv], new conv state [K-1, C], new state [Hv, dk, dv]). ``chunked``: a step of
+    RECURRENT_BELOW tokens or more may take the chunked form (else a token at a time, whose bits do not depend
+    on how a prompt is cut into steps)."""
     T, Hk, Hv, dk, dv = mixed.shape[0], lc.key_heads, lc.value_heads, lc.key_head_dim, lc.value_head_dim
     y, conv_state = causal_conv(conv_state, mixed, w.conv)  # [T, C]
     q = l2norm(y[:, :Hk * dk].reshape(T, Hk, dk)) * np.float32(dk ** -0.5)
@@ -113,7 +115,7 @@ def advance(w: LinearAttnWeights, lc: LinearAttnConfig, conv_state: np.ndarray, 
         q, k = np.repeat(q, Hv // Hk, axis=1), np.repeat(k, Hv // Hk, axis=1)
     beta = ops.sigmoid(b)  # [T, Hv]
     g = w.a_neg * softplus(a + w.dt_bias)  # [T, Hv] log of the decay, <= 0
-    rule = delta_rule_recurrent if T < RECURRENT_BELOW else delta_rule_chunked
+    rule = delta_rule_chunked if chunked and T >= RECURRENT_BELOW else delta_rule_recurrent
     out, state = rule(q, k, v, g, beta, state)
     return out, conv_state, state
 
@@ -124,7 +126,8 @@ class LinearState:
     decode step with its drafts), a copy of its inputs. A longer step (a prompt's) keeps no inputs, so a prefill
     does not hold its whole projection per layer."""
 
-    def __init__(self, lc: LinearAttnConfig):
+    def __init__(self, lc: LinearAttnConfig, chunked: bool = True):
+        self.chunked = chunked  # long steps may take the chunked form (advance)
         self.conv = np.zeros((lc.conv_kernel - 1, lc.conv_dim), np.float32)  # [K-1, C]
         self.recurrent = np.zeros((lc.value_heads, lc.key_head_dim, lc.value_head_dim), np.float32)
         self.start = self.end = 0  # cache positions of the last step's first token and the one after its last
@@ -140,7 +143,7 @@ class LinearState:
         self.start, self.end = start, start + T
         self._last = (w, lc, self.conv, self.recurrent, mixed.copy(), b.copy(), a.copy()) if T <= REWINDABLE \
             else None
-        out, self.conv, self.recurrent = advance(w, lc, self.conv, self.recurrent, mixed, b, a)
+        out, self.conv, self.recurrent = advance(w, lc, self.conv, self.recurrent, mixed, b, a, self.chunked)
         return out
 
     def rewind(self, length: int) -> None:

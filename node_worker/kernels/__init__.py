@@ -9,7 +9,7 @@ rows.py    the tasks' loops (decode: four rows by one token; prefill: two rows b
 simd.py    the vector loops both use (rows' dot products, rows added into an output, a row decoded, the next
            rows prefetched), in LLVM IR; f32.py, bf16.py, q8.py, q4.py: each format's block reader, its layout drawn
 isimd.py   decode's loop for the quantised formats with int8 activations: each format's integers (its
-           ``igroup``) times the activations' in integers (idot.py: VNNI, AVX2 or generic IR, chosen for the
+           ``iblocks``) times the activations' in integers (idot.py: VNNI, AVX2 or generic IR, chosen for the
            host), activations.py quantising them per block of 32 (EngineConfig.activations q8)
 dense.py   a whole stored matrix times a few rows, and rows decoded for BLAS (the CPU device side's
            dense matrices, coordinator/host/packed.py)

@@ -3,8 +3,7 @@
     a row of K activations (K a multiple of 32), nb = K / 32 blocks:
       xq [K]   int8     q[i] = round(x[i] / d[b]) in [-127, 127], b = i // 32 (ties to even)
       xd [nb]  float32  d[b] = max |x| over block b / 127 (0 for a block of zeros)
-      xs [nb]  float32  d[b] * sum of q over block b: the block's sum as the quantised values give it, for the
-                        formats whose weights carry an offset (q4's 8, Q4_K's and Q5_K's mins)
+      sums [nb] int32   the sum of q over block b (rows8.py's unsigned q4 values: their offset's share)
     the row as the kernels see it: x'[i] = d[b] * q[i]
 
 That is Q8_0 and Q4_0 weights' form (isimd.py), as llama.cpp's. Prefill's loop for them (iblock.py) takes
@@ -64,15 +63,8 @@ def quantize_rows_summed(x):
 
 
 @njit(**EXACT_JIT)
-def quantize_rows(x):
-    """x [n, K] float32 -> (xq [n, K] int8, xd [n, K / 32], xs [n, K / 32] float32): xs = xd * the block's sum."""
-    xq, xd, sums = quantize_rows_summed(x)
-    return xq, xd, xd * sums.astype(np.float32)
-
-
-@njit(**EXACT_JIT)
 def quantize_rows_biased(x):
-    """x [n, K] float32 -> (xu [n, K] uint8, xd [n, K / 32] float32): quantize_rows' values biased by 128, and
+    """x [n, K] float32 -> (xu [n, K] uint8, xd [n, K / 32] float32): quantize_rows_summed's values biased by 128, and
     its scales (module docstring)."""
     n, K = x.shape
     xq = np.empty(K, np.int8)
@@ -125,7 +117,7 @@ def quantize_super_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """NumPy form of quantize_rows (tests): x [n, K] -> (xq, xd, xs)."""
+    """NumPy form of quantize_rows_summed (tests): x [n, K] -> (xq, xd, sums)."""
     n, K = x.shape
     q, d = _blocks_reference(x, BLOCK)
-    return q.reshape(n, K), d, (d * q.sum(axis=2, dtype=np.int64).astype(np.float32)).astype(np.float32)
+    return q.reshape(n, K), d, q.sum(axis=2, dtype=np.int32)

@@ -46,7 +46,7 @@ def matmul_rows(ks, fmt, data, base, row_bytes, R, K, x, out):
             for t in range(x.shape[0]):
                 stream_quad(ks, fmt, data, base, row_bytes, R, K, x[t], out[t], q)
         return
-    xq, xd, xs = quantised_if(use_int, x)
+    xq, xd = quantised_if(use_int, x)
     for q in prange((R + 3) // 4):
         r = 4 * q
         o = base + r * row_bytes  # rows past R repeat row R - 1: computed, not stored
@@ -54,7 +54,7 @@ def matmul_rows(ks, fmt, data, base, row_bytes, R, K, x, out):
         o2 = base + min(r + 2, R - 1) * row_bytes
         o3 = base + min(r + 3, R - 1) * row_bytes
         for t in range(x.shape[0]):
-            a0, a1, a2, a3 = dot4(ks, fmt, use_int, data, o, o1, o2, o3, K, x[t], xq[t], xd[t], xs[t])
+            a0, a1, a2, a3 = dot4(ks, fmt, use_int, data, o, o1, o2, o3, K, x[t], xq[t], xd[t])
             out[t, r] = a0
             if r + 1 < R:
                 out[t, r + 1] = a1

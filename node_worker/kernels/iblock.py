@@ -4,7 +4,7 @@ The tokens come quantised per block of 32 (activations.py's quantize_rows_biased
 in the form this loop reads without further work per row:
 
     xu  [n, K]      uint8    q + 128, q the int8 activation in [-127, 127]
-    xd  [n, K / 32] float32  each block's scale d, broadcast to the lanes of the block's integer sums as loaded
+    xd  [n, K / 32] float32  each block's scale d
 
 and a row's blocks come as signed integers s (q8: its int8 values; q4: its nibbles - 8) with their float16
 scales d_w (the format's ``iblocks``). Per row, token and G weights (G = 64, two blocks, where the lowering
@@ -12,19 +12,17 @@ has 512-bit registers, else 32), with W = G / 4 lanes:
 
     init <W x i32>   = -(128 s, four by four)         per row, once for the tokens (the bias's 128 sum s)
     ints <W x i32>   = vpdpbusd(init, xu, s)           exactly q . s four by four: (q + 128) s - 128 s
-    acc <W x float> += float(ints) * (d_w * d, each eight times per block)
+    then per block, the tile's (token, row) items side by side (idot.totals, idot.scaled_blocks):
+    acc <8 x float> = acc + float(the items' block sums) * (d_w * d)
 
-and the row's dot product is the sum of acc's lanes. vpdpbusd multiplies unsigned bytes by signed ones, so
-the bias puts the activations' sign into the product without the sign trick's two operations per row and
-token (isimd.py, idot.dot); the row's correction is the accumulator's starting value, free. AVX2's
+so that a (row, token)'s blocks are added in the one order isimd.py's decode rows and rows8.py's groups take.
+vpdpbusd multiplies unsigned bytes by signed ones, so the bias puts the activations' sign into the product without the sign trick's two operations per row and
+token (idot.dot); the row's correction is the accumulator's starting value, free. AVX2's
 vpmaddubsw would saturate on q8's (q + 128) s pairs: there q8 takes the sign trick on q itself (idot.dot),
-q4 (|s| <= 8) the same biased form. Per row and token that is a multiply-add in integers, a conversion, a
-multiply and an add per G weights, where the float loop (simd.py's dot2r4) widens every weight and spends
-two FMAs per 32 weights and token. The 512-bit layout (two blocks a step, an odd last block alone on 256
-bits) is taken on hosts whose lowering is vnni512 (idot.py).
-
-The scales are broadcast from 4 bytes, not laid out eight times over (a <8 x float> load per block and
-token): at 64 tokens a row's pass would then read 256 KiB of activations, out of L1.
+q4 (|s| <= 8) the same biased form. Per block, a tile of eight tokens takes seven lane additions to its
+block sums, then one conversion, two multiplies and an add for the eight, where the float loop (simd.py's
+dot2r4) widens every weight and spends two FMAs per 32 weights and token. The 512-bit layout (two blocks a
+step, an odd last block alone on 256 bits, last) is taken on hosts whose lowering is vnni512 (idot.py).
 
     dot1r8b(ks, fmt, data, o, row_step, hidden, xu, xd, t0, out, col)  (dot1r4b .. dot1r1b: t < 4 .. 1)
         out[t0 + t, col] = x'[t0 + t] . the row at byte o, t < 8, x' = xd (.) q the quantised activations;
@@ -41,20 +39,9 @@ from numba.extending import intrinsic
 from . import idot
 from .ir import F32, I8, I32, LANES, const
 from .isimd import BLOCK_FORMATS
-from .loops import byte_ptr, per_format, prefetch_ahead, reduce_sum, register_loop, tile
-from .simd import FAST
+from .loops import byte_ptr, per_format, prefetch_ahead, register_loop, tile
 
 SAFE_ON_AVX2 = 63  # |s| up to this: vpmaddubsw's pairs of (q + 128) s stay below 2^15 (idot.biased)
-
-
-def _lane_scales(builder, scales, W: int):
-    """<W x float>: each block's scale in its W / len(scales) lanes."""
-    k = len(scales)
-    vec = ir.Constant(ir.VectorType(F32, k), ir.Undefined)
-    for j, d in enumerate(scales):
-        vec = builder.insert_element(vec, d, ir.Constant(I32, j))
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(I32, W), [j for j in range(k)
-                                                                               for _ in range(W // k)]))
 
 
 def _sign_trick(fmt, how) -> bool:
@@ -71,59 +58,67 @@ def _block_sums(builder, fmt, how, init, u, s):
     return idot.biased(builder, init, u, s, how)
 
 
-def _accumulate(builder, fmt, how, rows, x, hidden_v, tok, i, G, accs):
-    """accs [NT * NR] <G / 4 x float> (token-major) plus the G weights from weight G i of each row."""
+def _half(builder, v, k: int):
+    """<8 x i32>: block k's lanes of a group's sums (a 512-bit group holds two blocks side by side)."""
+    if v.type.count == 8:
+        return v
+    return builder.shuffle_vector(v, v, ir.Constant(idot.VI8, list(range(8 * k, 8 * k + 8))))
+
+
+def _lanes(builder, values):
+    """<8 x float> of up to 8 float values (lanes past them 0)."""
+    vec = ir.Constant(idot.VF8, [0.0] * 8)
+    for j, v in enumerate(values):
+        vec = builder.insert_element(vec, v, ir.Constant(I32, j))
+    return vec
+
+
+def _accumulate(builder, fmt, how, rows, x, hidden_v, tok, i, G, acc):
+    """acc <8 x float> (lane t NR + r: token t, row r) plus the G weights from weight G i of each row, a block at a
+    time in the blocks' order (idot.scaled_blocks)."""
     xu, xd = x
     W = G // 4
-    VW, VI = ir.VectorType(F32, W), ir.VectorType(I32, W)
+    VI = ir.VectorType(I32, W)
     bias = ir.Constant(ir.VectorType(I8, G), [-128] * G)  # 128 as the unsigned operand
     rowwise = []
     for row in rows:  # each row's blocks once for the tokens
         s, scales = fmt.iblocks(builder, row, i, hidden_v, G)
         init = None if _sign_trick(fmt, how) else builder.sub(
             ir.Constant(VI, [0] * W), idot.biased(builder, ir.Constant(VI, [0] * W), bias, s, how))
-        rowwise.append((s, _lane_scales(builder, scales, W), init))
-    out = []
-    for t, token in enumerate(tok):
+        rowwise.append((s, scales, init))
+    ints, dxs = [], []  # [item] <W x i32>; [token] [the tokens' block scales]
+    for token in tok:
         first = builder.add(builder.mul(token, hidden_v), builder.mul(i, const(G)))
         u = builder.load(builder.bitcast(builder.gep(xu, [first]), ir.VectorType(I8, G).as_pointer()), align=1)
         at = builder.add(builder.mul(token, builder.udiv(hidden_v, const(LANES))), builder.mul(i, const(G // LANES)))
-        dx = _lane_scales(builder, [builder.load(builder.gep(xd, [builder.add(at, const(k))]), align=4)
-                                    for k in range(G // LANES)], W)
-        for r, (s, dw, init) in enumerate(rowwise):
-            ints = _block_sums(builder, fmt, how, init, u, s)
-            acc = accs[t * len(rows) + r]
-            out.append(builder.fadd(acc, builder.fmul(builder.sitofp(ints, VW), builder.fmul(dw, dx, flags=FAST),
-                                                      flags=FAST), flags=FAST))
-    return out
+        dxs.append([builder.load(builder.gep(xd, [builder.add(at, const(k))]), align=4) for k in range(G // LANES)])
+        ints.extend(_block_sums(builder, fmt, how, init, u, s) for s, _, init in rowwise)
+    for k in range(G // LANES):
+        dw = _lanes(builder, [scales[k] for _ in tok for _, scales, _ in rowwise])
+        dx = _lanes(builder, [d[k] for d in dxs for _ in rowwise])
+        acc = idot.scaled_blocks(builder, acc, idot.totals(builder, [_half(builder, v, k) for v in ints]), dw, dx)
+    return acc
 
 
 def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
     how = idot.host_lowering()
     G = idot.group_bytes(how)
-    n = len(tok) * len(rows)
 
-    def step(i, accs):
+    def step(i, carried):
         for k in range(G // LANES):  # each block's share of the row PREFETCH_ROWS rows on
             prefetch_ahead(builder, fmt, rows, builder.add(builder.mul(i, const(G // LANES)), const(k)), row_step)
-        return _accumulate(builder, fmt, how, rows, x, hidden_v, tok, i, G, accs)
+        return [_accumulate(builder, fmt, how, rows, x, hidden_v, tok, i, G, carried[0])]
 
-    zero = ir.Constant(ir.VectorType(F32, G // 4), [0.0] * (G // 4))
-    flat = register_loop(builder, builder.udiv(hidden_v, const(G)), [zero] * n, step)
-    totals = [reduce_sum(builder, v) for v in flat]
-    if G > LANES:  # hidden an odd number of blocks: the last one by itself, on 32 weights
+    acc = register_loop(builder, builder.udiv(hidden_v, const(G)), [ir.Constant(idot.VF8, [0.0] * 8)], step)[0]
+    if G > LANES:  # hidden an odd number of blocks: the last one by itself, on 32 weights, after the others
         last = builder.udiv(hidden_v, const(LANES))
-        odd = builder.icmp_unsigned("!=", builder.urem(last, const(2)), const(0))
-        slots = [cgutils.alloca_once_value(builder, total) for total in totals]
-        with builder.if_then(odd):
-            zero8 = ir.Constant(ir.VectorType(F32, 8), [0.0] * 8)
-            tail = _accumulate(builder, fmt, how, rows, x, hidden_v, tok, builder.sub(last, const(1)), LANES,
-                               [zero8] * n)
-            for slot, total, extra in zip(slots, totals, tail):
-                builder.store(builder.fadd(total, reduce_sum(builder, extra), flags=FAST), slot)
-        totals = [builder.load(slot) for slot in slots]
-    for total, dest in zip(totals, (d for per_t in dests for d in per_t)):
-        builder.store(total, dest, align=4)
+        slot = cgutils.alloca_once_value(builder, acc)
+        with builder.if_then(builder.icmp_unsigned("!=", builder.urem(last, const(2)), const(0))):
+            builder.store(_accumulate(builder, fmt, how, rows, x, hidden_v, tok, builder.sub(last, const(1)), LANES,
+                                      builder.load(slot)), slot)
+        acc = builder.load(slot)
+    for j, dest in enumerate(d for per_t in dests for d in per_t):
+        builder.store(builder.extract_element(acc, ir.Constant(I32, j)), dest, align=4)
 
 
 def _make(NR: int, NT: int):

@@ -29,6 +29,17 @@ pairs and scaled_add take one group of 32 weights (q <32 x i8>, sc <16 x i16>, a
 side by side (<64 x i8>, <32 x i16>, <16 x i32>) where the lowering has 512-bit registers: ``group_bytes()``
 says which, ``joined`` puts two groups side by side. The products and sums are the same integers either way.
 
+Q8_0's and Q4_0's loops (isimd.py's decode rows, iblock.py's prefill tiles, rows8.py's interleaved groups) add
+a (row, token)'s blocks in one order, so its bits do not depend on the loop that computes it:
+
+    totals(builder, vecs) -> <8 x i32>             lane i = the sum of vecs[i]'s lanes (len(vecs) <= 8): each
+                                                   item's exact integer block sum, items side by side
+    scaled_blocks(builder, acc, s, dw, dx)         acc + float(s) * (dw * dx) lane by lane, each operation
+                                                   rounded (no contraction, no reassociation)
+
+starting from 0 and taking the blocks in order: the integers are exact in any grouping, and the float chain
+is the same three roundings a block whichever loop, tile or lowering runs it.
+
 How the products are taken is chosen when the kernels compile, for the host (the disk cache is per CPU,
 as for iq4xs.py's byte shuffle):
     vnni512  AVX512-VNNI with BW: as vnni, on two groups at once (vpmaddubsw and vpdpwssd on 512 bits): the
@@ -48,11 +59,12 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from .common import target_features
-from .ir import I8, I16, I32, LANES
+from .ir import EXACT, F32, I8, I16, I32, LANES
 
 V32 = ir.VectorType(I8, LANES)
 VI8 = ir.VectorType(I32, LANES // 4)  # <8 x i32>: one lane per four products
 VI16 = ir.VectorType(I16, LANES // 2)
+VF8 = ir.VectorType(F32, LANES // 4)  # <8 x float>: a lane per item of totals
 LOWERINGS = ("vnni512", "vnni", "avx2", "generic", "generic512")
 FEATURES = {"vnni512": {"avx512vnni", "avx512bw", "avx512vl"}, "avx2": {"avx2"}}  # and vnni: see host_lowering
 
@@ -208,3 +220,27 @@ def biased(builder, acc, u, s, lowering: str | None = None):
     wide = ir.VectorType(I32, 4 * lanes)
     products = builder.mul(builder.zext(u, wide), builder.sext(s, wide))
     return builder.add(acc, _strided_pairs(builder, _strided_pairs(builder, products, 2 * lanes), lanes))
+
+
+EVENS = ir.Constant(VI8, list(range(0, 16, 2)))
+ODDS = ir.Constant(VI8, list(range(1, 16, 2)))
+
+
+def totals(builder, vecs):
+    """<8 x i32>: lane i the sum of vecs[i]'s eight lanes, for up to 8 vectors <8 x i32> (lanes past them 0): a
+    tree of even and odd lanes added, two vectors into one a level (each level halves every item's lanes),
+    three levels down to one lane an item."""
+    zero = ir.Constant(VI8, [0] * 8)
+    level = list(vecs) + [zero] * (8 - len(vecs))
+    while len(level) > 1:
+        level = [zero if a is zero and b is zero else
+                 builder.add(builder.shuffle_vector(a, b, EVENS), builder.shuffle_vector(a, b, ODDS))
+                 for a, b in zip(level[::2], level[1::2])]
+    return level[0]
+
+
+def scaled_blocks(builder, acc, sums, dw, dx):
+    """acc + float(sums) * (dw * dx), <8 x float> lane by lane, each operation rounded as written (EXACT): one
+    block's step in the one order every Q8_0 / Q4_0 integer loop takes (module docstring)."""
+    scale = builder.fmul(dw, dx, flags=EXACT)
+    return builder.fadd(acc, builder.fmul(builder.sitofp(sums, VF8), scale, flags=EXACT), flags=EXACT)

@@ -24,13 +24,6 @@ def block(builder, row, b, hidden):
     return builder.sitofp(q, VF), d
 
 
-def igroup(builder, row, b, j, hidden):
-    """Block b for the integer path (idot.py): the nibbles unsigned (q + 8, in [0, 15]), scale d[b], offset
-    8 d[b]: w = d q' - 8 d."""
-    q, (d,) = iblocks(builder, row, b, hidden, LANES)
-    return builder.add(q, ir.Constant(V32, [8] * LANES)), False, d, builder.fmul(d, ir.Constant(F32, 8.0))
-
-
 def iblocks(builder, row, i, hidden, n: int):
     """The n / 32 blocks from block i n / 32 for prefill's integer loop (iblock.py): (<n x i8> their values
     q in [-8, 7], signed, in order (each block's 16 low nibbles, then its 16 high ones); [their scales])."""

@@ -22,13 +22,6 @@ def block(builder, row, b, hidden):
     return builder.sitofp(q, VF), d
 
 
-def igroup(builder, row, b, j, hidden):
-    """Block b as the integer path takes it (idot.py): (q, signed, scale, offset) with w = scale * q - offset;
-    here the int8 values themselves, signed, scaled by d[b], no offset."""
-    q, (d,) = iblocks(builder, row, b, hidden, LANES)
-    return q, True, d, None
-
-
 def iblocks(builder, row, i, hidden, n: int):
     """The n / 32 blocks from block i n / 32 for prefill's integer loop (iblock.py): (<n x i8> their values,
     signed; [the blocks' scales d as float32])."""

@@ -41,7 +41,7 @@ from shm.formats.traits import (BF16_PRODUCTS, BLOCK_INT_LOOPS, LOOP_IDS, STREAM
                                  WIDE_LOOPS)
 
 from . import bf16dp, iblock, isimd, isuper, rows8, simd
-from .activations import quantize_rows, quantize_rows_biased, quantize_rows_summed, quantize_rows_super
+from .activations import quantize_rows_biased, quantize_rows_summed, quantize_rows_super
 from .common import JIT
 from .kernel_set import int_products, loop_name
 from .schedule import take
@@ -76,8 +76,10 @@ ROWS, GATE_FMT, GATE_BYTES, UP_FMT, UP_BYTES, DOWN_FMT, DOWN_WIDTH, DOWN_BYTES =
 
 @njit(inline="always", **JIT)
 def quantised_if(use_int, x):
-    """x [n, K] quantised per block (activations.py) when use_int, else the same three arrays empty ([n, 0])."""
-    return quantize_rows(x[:, :x.shape[1] if use_int else 0])
+    """x [n, K] quantised per block (activations.py: the values and their scales) when use_int, else the same two
+    arrays empty ([n, 0])."""
+    xq, xd, _ = quantize_rows_summed(x[:, :x.shape[1] if use_int else 0])
+    return xq, xd
 
 
 @njit(inline="always", **JIT)
@@ -88,11 +90,11 @@ def block_int(ks, fmt) -> bool:
 
 
 @njit(inline="always", **JIT)
-def dot4(ks, fmt, use_int, data, o0, o1, o2, o3, hidden, x, xq, xd, xs):
-    """The four rows' dot products with one token: integer ones against its quantised row (xq, xd, xs) when
+def dot4(ks, fmt, use_int, data, o0, o1, o2, o3, hidden, x, xq, xd):
+    """The four rows' dot products with one token: integer ones against its quantised row (xq, xd) when
     use_int (block_int), else float ones against x."""
     if use_int:
-        return isimd.dot4i(ks, fmt, data, o0, o1, o2, o3, hidden, xq, xd, xs)
+        return isimd.dot4i(ks, fmt, data, o0, o1, o2, o3, hidden, xq, xd)
     return simd.dot4(ks, fmt, data, o0, o1, o2, o3, hidden, x)
 
 
@@ -160,13 +162,12 @@ def rows_dot(ks, fmt, data, o, row_bytes, rows, hidden, x, out) -> None:
         for q in range((rows + 3) // 4):
             stream_quad(ks, fmt, data, o, row_bytes, rows, hidden, x, out, q)
         return
-    xq, xd, xs = quantised_if(use_int, x[:hidden].reshape((1, hidden)))
+    xq, xd = quantised_if(use_int, x[:hidden].reshape((1, hidden)))
     for r in range(0, rows, 4):
         m = min(4, rows - r)
         o0 = o + r * row_bytes
         a0, a1, a2, a3 = dot4(ks, fmt, use_int, data, o0, o0 + min(1, m - 1) * row_bytes,
-                              o0 + min(2, m - 1) * row_bytes, o0 + min(3, m - 1) * row_bytes, hidden, x, xq[0], xd[0],
-                              xs[0])
+                              o0 + min(2, m - 1) * row_bytes, o0 + min(3, m - 1) * row_bytes, hidden, x, xq[0], xd[0])
         out[r] = a0
         if m > 1:
             out[r + 1] = a1

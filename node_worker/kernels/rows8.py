@@ -15,10 +15,10 @@ come out as one vector, stored whole.
 Per group, block b and token t (x' = xd (.) xq, quantised per block of 32: activations.quantize_rows):
 
     ints <8 x i32>   = sum over k < 8 of idot.dot(values k, xq[t, 32 b + 4 k .. + 4] in every lane)
-    acc <8 x float> += float(ints) * (d <8 x float> * xd[t, b])
+    acc <8 x float>  = acc + float(ints) * (d <8 x float> * xd[t, b])        (idot.scaled_blocks)
 
-which is eight rows' x' . w up to the float rounding of the scales and the sum (iblock.py's form, in another
-order). Two tokens at a time: by four the accumulators no longer fit AVX2's registers.
+which is eight rows' x' . w, each row's blocks added in the one order isimd.py's decode rows and iblock.py's
+tiles take: a row's bits are the same in any of the three loops. Two tokens at a time: by four the accumulators no longer fit AVX2's registers.
 
 The dense matrices (coordinator/host/packed.py) are stored this way. The experts stay row-major in the
 store (its views, the device experts and the GGUF copies read them so): rows.py interleaves each eight rows of
@@ -69,12 +69,11 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import idot
-from .activations import quantize_rows, quantize_rows_summed
+from .activations import quantize_rows_summed
 from .common import JIT
 from .ir import F32, I8, I16, I32, const, prefetch, splat
 from .isimd import BLOCK_FORMATS
 from .loops import FORMATS, byte_ptr, per_format, register_loop
-from .simd import FAST
 
 GROUP_ROWS = 8
 GROUP_BYTES = 272  # a block of 8 rows: 8 x 32 values, 8 float16 scales
@@ -150,8 +149,7 @@ def _emit(builder, group, xq, xd, xsum, hidden_v, tok, accs_out) -> None:
         out = []
         for t, at in enumerate(rows_d):
             dx = builder.load(builder.gep(xd, [builder.add(at, b)]), align=4)
-            scale = builder.fmul(d, splat(builder, dx, VW), flags=FAST)
-            out.append(builder.fadd(accs[t], builder.fmul(builder.sitofp(ints[t], VW), scale, flags=FAST), flags=FAST))
+            out.append(idot.scaled_blocks(builder, accs[t], ints[t], d, splat(builder, dx, VW)))
         return out
 
     zero = ir.Constant(VW, [0.0] * 8)
@@ -316,7 +314,7 @@ def matmul_rows_by_eight(ks, fmt, data, row_bytes, R, K, x, out):
 
 @njit(parallel=True, **JIT)
 def matmul_groups(ks, data, R, K, x, out):
-    xq, xd, _ = quantize_rows(x)  # [T, K] once for every group
+    xq, xd, _ = quantize_rows_summed(x)  # [T, K] once for every group
     group_bytes = (K // 32) * GROUP_BYTES
     for g in prange(R // GROUP_ROWS):
         group_tokens(ks, data, g * group_bytes, K, xq, xd, x.shape[0], out, g * GROUP_ROWS)

@@ -150,6 +150,13 @@ def _tail(builder, hidden, nb):
     return cgutils.for_range_slice(builder, builder.mul(nb, const(LANES)), hidden, const(1))
 
 
+def _tail_add(builder, acc, w, x):
+    """acc + w x for a value of the partial last block, each operation rounded (EXACT): with fastmath LLVM fuses
+    it into an FMA in some loops and not in others, and a row's sum would depend on the loop (the tile) taking
+    it."""
+    return builder.fadd(acc, builder.fmul(w, x, flags=EXACT), flags=EXACT)
+
+
 def _emit_dot4(builder, fmt, rows, xp, hidden_v, ahead: bool) -> list:
     """The four rows' dot products with the float32 row at xp, in format ``fmt``: four float values. ``ahead``:
     prefetch the rows PREFETCH_ROWS rows further on (rows side by side), else nothing (the four rows are four
@@ -177,7 +184,7 @@ def _emit_dot4(builder, fmt, rows, xp, hidden_v, ahead: bool) -> list:
             xi = builder.load(builder.gep(xp, [i]), align=4)
             for row, acc in zip(rows, sums):
                 w = fmt.value(builder, row, i)
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xi, flags=FAST), flags=FAST), acc)
+                builder.store(_tail_add(builder, builder.load(acc), w, xi), acc)
     return [builder.load(s) for s in sums]
 
 
@@ -278,7 +285,7 @@ def _dot_pairs(builder, fmt, rows, xrows, hidden_v, rounded=False, ahead=True) -
             xi = builder.load(builder.gep(xr, [i]), align=2 if rounded else 4)
             xi = fmt.widened(builder, xi) if rounded else fmt.rounded(builder, xi)
             for wi, acc in zip(wis, per_t):
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(wi, xi, flags=FAST), flags=FAST), acc)
+                builder.store(_tail_add(builder, builder.load(acc), wi, xi), acc)
     return sums
 
 
@@ -345,7 +352,7 @@ def _finish_tile(builder, fmt, rows, xp, dests, hidden_v, tok, nb, flat) -> None
             for t, per_t in zip(tok, sums):
                 xi = builder.load(row_major(builder, xp, t, hidden_v, i), align=4)
                 for wi, acc in zip(wis, per_t):
-                    builder.store(builder.fadd(builder.load(acc), builder.fmul(wi, xi, flags=FAST), flags=FAST), acc)
+                    builder.store(_tail_add(builder, builder.load(acc), wi, xi), acc)
     for per_t, per_dest in zip(sums, dests):
         for acc, dest in zip(per_t, per_dest):
             builder.store(builder.load(acc), dest, align=4)
