@@ -309,3 +309,29 @@ def test_split_k_attention_matches_float64_at_long_contexts(cp):
         mask = cupy.asarray(ops.attention_mask(np.array([S - 1]), np.arange(S), None))
         want = cupy.asnumpy(device_ops.gqa_attention(cupy.asarray(q[s:s + 1]), k, v, mask, hd**-0.5))
         assert np.array_equal(got[s:s + 1], want), S
+
+
+def test_a_rows_device_attention_is_the_same_bits_alone_and_among_a_chunks_rows(cp):
+    """Each query row splits its own keys (its position + 1: gqa_splits of that), never the step's: a chunk of 6
+    rows over 700 keys (3 splits for the last row, 2 for a row at 300) gives every row the bits it gets alone over
+    the keys it sees, eager (the mask made by the caller) and cached (made in the kernel)."""
+    cupy = cp
+    from coordinator.gpu.format_kernels import address
+
+    rng = np.random.default_rng(31)
+    nh, nkv, hd, S = 4, 2, 32, 700
+    positions = np.array([0, 255, 256, 300, 512, S - 1])  # across the split boundaries of every count
+    q = rng.standard_normal((len(positions), nh, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((2, S, nkv, hd)) * 2).astype(np.float32)
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    mask = ops.attention_mask(positions, np.arange(S), None)  # [6, S]
+    chunk = cupy.asnumpy(device_ops.gqa_attention(cupy.asarray(q), kd, vd, cupy.asarray(mask), hd**-0.5))
+    tables = [cupy.asarray(np.array(t, np.int64)) for t in
+              ([address(kd)], [address(vd)], np.zeros(len(positions)), positions, [S])]
+    cached = cupy.asnumpy(device_ops.gqa_attention_cached(cupy.asarray(q), tables, None, hd**-0.5, nkv, S, False))
+    for t, pos in enumerate(positions):
+        n = int(pos) + 1
+        alone = cupy.asnumpy(device_ops.gqa_attention(cupy.asarray(q[t:t + 1]), kd[:n], vd[:n],
+                                                      cupy.asarray(np.ones((1, n), bool)), hd**-0.5))
+        assert np.array_equal(chunk[t:t + 1], alone) and np.array_equal(cached[t:t + 1], alone), pos
+    assert device_ops.gqa_splits(S)[0] != device_ops.gqa_splits(301)[0]  # the step's count would split otherwise

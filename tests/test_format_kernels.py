@@ -179,11 +179,12 @@ def test_grouped_matvec_equals_matvec_per_slot(cp, name):
         within_float32_sums(got[p : p + 1], formats.decoded(fmt, stored[e]), x[row : row + 1], f"{name} slot {p}")
 
 
-@pytest.mark.parametrize("rows", [9, 24, 64])
+@pytest.mark.parametrize("rows", [9, 24, 64, 100])
 def test_a_graph_steps_rows_read_the_compact_matrix_in_blocks(cp, rows, monkeypatch):
-    """DeviceMatrix x Wᵀ for 9 to 64 rows (a graph-ready step's) runs the format's matvec a block of MAX_TOKENS
-    rows at a time: nothing dequantised, each row the bits it has alone, the bias and residual fused."""
-    from coordinator.gpu.weights import DeviceMatrix
+    """DeviceMatrix x Wᵀ for 9 to 64 rows (a graph-ready step's), and batch-invariant for any count (a prompt's
+    100), runs the format's matvec a block of MAX_TOKENS rows at a time: nothing dequantised, each row the bits it
+    has alone, the bias and residual fused."""
+    from coordinator.gpu.weights import BLOCKED_ROWS, DeviceMatrix
 
     rng = np.random.default_rng(rows)
     R, K = 40, widths("q4k")[0]
@@ -200,6 +201,10 @@ def test_a_graph_steps_rows_read_the_compact_matrix_in_blocks(cp, rows, monkeypa
                                                  cp.asarray(residual[t:t + 1]))) for t in range(rows)])
     assert np.array_equal(got, alone)
     within_float32_sums(got - bias - residual, formats.decoded(formats.get("q4k"), stored), x, f"{rows} rows")
+    if rows > BLOCKED_ROWS:  # without batch invariance a prompt's rows take cuBLAS on the dequantised tiles
+        m.invariant = False
+        with pytest.raises(AssertionError, match="dequantised the matrix"):
+            m.matmul_t(cp.asarray(x))
 
 
 @pytest.mark.parametrize("name", ["q8", "q4k", "bf16"])

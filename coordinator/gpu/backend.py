@@ -104,7 +104,7 @@ class GpuBackend(Backend):
         request), the upload's temporaries handed back; the plan's figures become what was uploaded."""
         memory = placement.memory
         with load.out_of_memory(memory):
-            placed = upload(weights, self.xp, ckpt, config.dense_dtype)
+            placed = upload(weights, self.xp, ckpt, config.dense_dtype, config.batch_invariant)
             experts = load.load_experts(ckpt, weights.experts, placement.experts, placement.formats, mcfg, self.xp)
         load.compile_kernels()
         load.release_pool()

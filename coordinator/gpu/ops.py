@@ -173,22 +173,25 @@ def gqa_max_splits(max_keys: int) -> int:
     return max(gqa_splits(S)[0] for S in {max(1, max_keys), min(max_keys, GQA_MAX_SPLITS * GQA_MIN_KEYS)})
 
 
-def _gqa_combine(part, stats, S: int, tables, rows: int, nh: int, hd: int, stride: int):
-    """strata_gqa_combine: each (row, head)'s splits merged -> [rows, nh*hd]; ``tables`` (q_seq, seq_len) where
-    the keys are each sequence's (cached), else S."""
+def _gqa_combine(part, stats, keys, rows: int, nh: int, hd: int, stride: int):
+    """strata_gqa_combine: each (row, head)'s splits merged -> [rows, nh*hd]; ``keys`` says how many keys each row
+    counted: (mask [rows, S], S) (eager), or the tables (q_seq, q_pos, seq_len) (cached)."""
     import cupy
 
     out = cupy.empty((rows, nh * hd), np.float32)
-    q_seq, seq_len = tables if tables is not None else (stats, stats)  # any pointers: not read without tables
+    cached = len(keys) == 3
+    mask, S = (stats, 0) if cached else keys  # any pointer where not read
+    q_seq, q_pos, seq_len = keys if cached else (stats, stats, stats)
     _kernel("strata_gqa_combine")((rows * nh,), (THREADS,), (
-        part, stats, np.int32(S), q_seq, seq_len, np.int32(tables is not None), np.int32(nh), np.int32(hd),
+        part, stats, mask, np.int32(S), q_seq, q_pos, seq_len, np.int32(cached), np.int32(nh), np.int32(hd),
         np.int32(stride), out))
     return out
 
 
 def gqa_attention(q, k, v, mask, scale: float):
-    """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] bool -> [T, nh*hd]: split over the keys (gqa_splits), a block
-    a (token, head, split), then the splits merged: two launches. k and v float32, or both bf16 bits (uint16, a
+    """q [T, nh, hd], k/v [S, nkv, hd], mask [T, S] bool -> [T, nh*hd]: each row's keys split over (gqa_splits of
+    its own count: the same bits as the row alone), a block a (token, head, split), then the splits merged: two
+    launches. k and v float32, or both bf16 bits (uint16, a
     bf16 cache's): read and widened in the kernel, the result equal to the float32 kernel's on the widened
     values."""
     import cupy
@@ -199,13 +202,13 @@ def gqa_attention(q, k, v, mask, scale: float):
     S, nkv = k.shape[:2]
     if not (T * nh * hd and S):
         return cupy.empty((T, nh * hd), np.float32)
-    splits = gqa_splits(S)[0]
+    splits = gqa_max_splits(S)  # each row splits its own keys (at most S): the grid for the longest
     part, stats = cupy.empty((T * nh * splits, hd), np.float32), cupy.empty((T * nh * splits, 2), np.float32)
     m = cupy.ascontiguousarray(mask, dtype=cupy.bool_)
     _kernel("strata_gqa_partial")((T * nh * splits,), (THREADS,), (
         q, k, v, m, np.float32(scale), np.int32(S), np.int32(nh), np.int32(nkv), np.int32(hd), np.int32(splits),
         np.int32(bf16), part, stats), shared_mem=(hd + GQA_TILE + max(THREADS, hd)) * 4)
-    return _gqa_combine(part, stats, S, None, T, nh, hd, splits)
+    return _gqa_combine(part, stats, (m, S), T, nh, hd, splits)
 
 
 def gqa_attention_cached(q, tables, window: int | None, scale: float, nkv: int, max_keys: int, bf16: bool):
@@ -226,7 +229,7 @@ def gqa_attention_cached(q, tables, window: int | None, scale: float, nkv: int, 
         q, k_ptrs, v_ptrs, q_seq, q_pos, seq_len, np.int32(window or 0), np.float32(scale), np.int32(nh),
         np.int32(nkv), np.int32(hd), np.int32(stride), np.int32(bf16), part, stats),
         shared_mem=(hd + GQA_TILE + max(THREADS, hd)) * 4)
-    return _gqa_combine(part, stats, 0, (q_seq, seq_len), Nq, nh, hd, stride)
+    return _gqa_combine(part, stats, (q_seq, q_pos, seq_len), Nq, nh, hd, stride)
 
 
 def kv_store(k, v, k_ptrs, v_ptrs, row_seq, row_pos, bf16: bool) -> None:

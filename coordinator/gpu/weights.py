@@ -4,15 +4,17 @@ A DeviceMatrix stands where a float32 array stood: the decoder's ``x @ w.T`` wor
 transposed view whose ``__rmatmul__`` runs format_kernels), so the model code has one form for both.
 
     x [T, K] @ m.T -> [T, R]
-        T <= BLOCKED_ROWS (64)           the format's matrix x vector kernel (a warp a row), a launch for each
-                                         block of format_kernels.MAX_TOKENS rows of x: a graph-ready step reads
+        T <= BLOCKED_ROWS (64), or any T  the format's matrix x vector kernel (a warp a row), a launch for each
+        batch-invariant                  block of format_kernels.MAX_TOKENS rows of x: a graph-ready step reads
                                          the compact weights, dequantises nothing, takes no scratch beyond its
-                                         output
-        more                             tiles of vram.TILE_ROWS rows dequantised to float32 scratch, cuBLAS
+                                         output; a row's sums are its own, whatever rows are beside it
+        more, not invariant              tiles of vram.TILE_ROWS rows dequantised to float32 scratch, cuBLAS
 
-f32 matrices stay plain device arrays (cuBLAS reads them as they are). ``upload`` builds the device
-ModelWeights from the host one: matrices in their formats (a GGUF file's blocks and a BF16 file's bits moved
-as they are, the rest encoded from float32), vectors and routers float32, the embedding left on the host.
+Without batch invariance f32 matrices stay plain device arrays (cuBLAS reads them as they are); with it
+(EngineConfig.batch_invariant) they and the routers are f32 DeviceMatrix rows for the same kernel, since
+cuBLAS picks its kernels (and splits of K) by the row count. ``upload`` builds the device ModelWeights from the
+host one: matrices in their formats (a GGUF file's blocks and a BF16 file's bits moved as they are, the rest
+encoded from float32), vectors float32, the embedding left on the host.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ class DeviceMatrix:
 
     __array_ufunc__ = None  # ndarray @ DeviceMatrix.T defers to __rmatmul__
 
-    def __init__(self, fmt: str, data, shape: tuple[int, int]):
+    def __init__(self, fmt: str, data, shape: tuple[int, int], invariant: bool = True):
         self.fmt = fmt
         self.data = data  # device uint8 [R * stride]
         self.shape = (int(shape[0]), int(shape[1]))
         self.stride = format_kernels.row_stride(fmt, self.shape[1])
+        self.invariant = invariant  # every row count through the matrix x vector kernel, never cuBLAS
 
     @classmethod
     def from_stored(cls, fmt: str, stored: np.ndarray, K: int, xp) -> "DeviceMatrix":
@@ -71,7 +74,8 @@ class DeviceMatrix:
     def rows(self, start: int, stop: int) -> "DeviceMatrix":
         """Rows [start, stop) as a matrix that shares this one's memory."""
         return DeviceMatrix(self.fmt, self.data[start * self.stride : stop * self.stride], (stop - start,
-                                                                                          self.shape[1]))
+                                                                                          self.shape[1]),
+                            self.invariant)
 
     def decoded(self, out=None):
         """W as float32 [R, K] on the device (tests, MLA's absorbed decode)."""
@@ -87,7 +91,7 @@ class DeviceMatrix:
         x2 = cupy.ascontiguousarray(x.reshape(-1, K), dtype=np.float32)  # [T, K]
         T = x2.shape[0]
         res = None if residual is None else cupy.ascontiguousarray(residual.reshape(T, R), dtype=np.float32)
-        if T <= BLOCKED_ROWS:  # a launch a block of MAX_TOKENS rows: a row's sums are its own, whatever the block
+        if T <= BLOCKED_ROWS or self.invariant:  # a launch a block of MAX_TOKENS rows: a row's sums are its own
             out = format_kernels.matvec(self.fmt, self.data, R, K, x2, bias, res)
             return out.reshape(*lead, R)
         out = cupy.empty((T, R), np.float32)
@@ -107,7 +111,8 @@ class DeviceMatrix:
         """One matrix of the matrices' rows in order (one format, one K): the fused q, k, v projection."""
         fmt, K = matrices[0].fmt, matrices[0].shape[1]
         assert all(m.fmt == fmt and m.shape[1] == K for m in matrices)
-        return DeviceMatrix(fmt, xp.concatenate([m.data for m in matrices]), (sum(m.shape[0] for m in matrices), K))
+        return DeviceMatrix(fmt, xp.concatenate([m.data for m in matrices]), (sum(m.shape[0] for m in matrices), K),
+                            all(m.invariant for m in matrices))
 
 
 class _Transposed:
@@ -137,9 +142,13 @@ def _stored(fmt: str, shape: tuple[int, int]) -> np.ndarray:
     return np.empty((shape[0], f.row_bytes(shape[1]) // dtype.itemsize), dtype)
 
 
-def upload_matrix(w: np.ndarray, fmt: str, xp, raw: np.ndarray | None = None, dtype: str = "F32"):
-    """A host matrix -> the device: a plain float32 array for f32, else a DeviceMatrix in ``fmt``. ``raw``
-    (the checkpoint's own rows of ``dtype``) is moved as it is where ``fmt`` holds that type exactly."""
+def upload_matrix(w: np.ndarray, fmt: str, xp, raw: np.ndarray | None = None, dtype: str = "F32",
+                  invariant: bool = False):
+    """A host matrix -> the device: a plain float32 array for f32 (f32 rows of a DeviceMatrix where
+    ``invariant``), else a DeviceMatrix in ``fmt``. ``raw`` (the checkpoint's own rows of ``dtype``) is moved as
+    it is where ``fmt`` holds that type exactly."""
+    if fmt == "f32" and invariant:
+        return DeviceMatrix.encode(np.asarray(w, np.float32), "f32", xp)
     if fmt == "f32":
         return xp.asarray(np.ascontiguousarray(w, np.float32))
     exact = raw is not None and ((is_block_dtype(dtype) and traits.EXACT.get(dtype) == fmt) or
@@ -178,20 +187,26 @@ LINEAR_MATRICES = ("qkv", "z", "ba", "out")  # a Gated DeltaNet layer's (its tap
 MLA_MATRICES = ("q", "q_a", "q_b", "kv_a", "kv_b")
 
 
-def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = formats.AUTO):
+def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = formats.AUTO, invariant: bool = False):
     """The host ModelWeights -> a device one (a new object; the host one is unchanged): matrices in
     their storage formats (storage.matrix_format), everything else float32, the embedding kept on the
-    host. MLA keeps kv_b alone (w_uk and w_uv are its rows: the decoder reads them from it)."""
+    host. MLA keeps kv_b alone (w_uk and w_uv are its rows: the decoder reads them from it). ``invariant``
+    (EngineConfig.batch_invariant): every matrix a DeviceMatrix that takes the matrix x vector kernel at any row
+    count, the routers and shared-expert gates among them."""
     uploaded: dict[int, object] = {}  # id(host array) -> device: a tied lm_head shares nothing with the host
 
-    def matrix(w):
+    def matrix(w, products: bool = True):
+        """``products`` False: a matrix the network never multiplies rows by (MLA's kv_b, read as w_uk and w_uv by
+        the absorbed attention's kernels), left a float32 array where f32."""
         if w is None:
             return None
         if id(w) not in uploaded:
             source = weights.sources.get(w)  # a tensor, or rows of one the loader regrouped
             fmt = storage.matrix_format(checkpoint_dtype(ckpt, source and source.tensor), dense_dtype, w.shape[1])
             raw, dtype = checkpoint_rows(ckpt, source)
-            uploaded[id(w)] = upload_matrix(w, fmt, xp, raw, dtype)
+            uploaded[id(w)] = upload_matrix(w, fmt, xp, raw, dtype, invariant and products)
+            if isinstance(uploaded[id(w)], DeviceMatrix):
+                uploaded[id(w)].invariant = invariant
         return uploaded[id(w)]
 
     def vector(a):
@@ -205,11 +220,14 @@ def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = forma
         changes = {f.name: vector(getattr(lw, f.name)) for f in dataclasses.fields(lw)  # the matrices below, once
                    if f.name not in MATRICES and isinstance(getattr(lw, f.name), np.ndarray)}
         changes.update({name: matrix(getattr(lw, name)) for name in MATRICES})
+        if invariant:  # the routers' and gates' products too: cuBLAS's bits change with the row count
+            changes.update({name: DeviceMatrix.encode(getattr(lw, name), "f32", xp)
+                            for name in ("router", "shared_expert_gate") if getattr(lw, name) is not None})
         changes.update(dense_mlp=mlp(lw.dense_mlp), shared_expert=mlp(lw.shared_expert))
         if lw.mla is not None:
             m = lw.mla
-            changes["mla"] = dataclasses.replace(
-                m, **{name: matrix(getattr(m, name)) for name in MLA_MATRICES},
+            changes["mla"] = dataclasses.replace(  # batch-invariant, kv_b is read only by the absorbed form
+                m, **{name: matrix(getattr(m, name), name != "kv_b") for name in MLA_MATRICES},
                 q_a_norm=vector(m.q_a_norm), kv_a_norm=vector(m.kv_a_norm), w_uk=None, w_uv=None)
         if lw.linear is not None:
             g = lw.linear

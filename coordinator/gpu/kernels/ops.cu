@@ -92,7 +92,9 @@ extern "C" __global__ void strata_norm_rope(const float* x, long long row_stride
 // bf16 bits widened exactly on load); mask [T, S] bytes, nonzero where the key is seen. Without a mask (null), the
 // key j is seen by the query at position pos where j <= pos and, with a window, pos - j < window
 // (ops.attention_mask's rule, made here).
-// The S keys go to gqa_splits(S) splits of `chunk` keys (a formula of S alone, so every caller splits alike); a
+// A query row's keys go to gqa_splits(keys) splits of `chunk` keys, keys the row's own count (its position + 1, or
+// the last key its mask row sees + 1: row_keys), never the step's S: a row splits its keys as it does decoded
+// alone, whatever rows and keys are beside it (batch invariance; the keys past its own are masked anyway). A
 // block a (token, head, split) walks its keys in tiles of GQA_TILE:
 //   scores   a warp a key: the lanes split hd, a shuffle sum; masked keys -inf
 //   softmax  online: the tile's block max, e^(s - max) (masked: 0), its block sum; the running sum and
@@ -109,6 +111,13 @@ __device__ __forceinline__ int gqa_splits(int S, int* chunk) {
     *chunk = (S + splits - 1) / splits;
     return (S + *chunk - 1) / *chunk;
 }
+// The keys a query row sees up to its last: the last nonzero of its mask row + 1 (0 if none), the block agreeing.
+__device__ int row_keys(const unsigned char* m, int S, float* red) {
+    float last = 0.0f;
+    for (int j = threadIdx.x; j < S; j += blockDim.x)
+        if (m[j]) last = fmaxf(last, (float)(j + 1));  // exact: S < 2^24
+    return (int)block_max(last, red);
+}
 template <typename KV>
 __device__ void gqa_partial(const float* qr, const KV* k, const KV* v, const unsigned char* m, int pos, int window,
                             float scale, int S, int split, int g, int nkv, int hd, float* part, float* stat) {
@@ -117,9 +126,10 @@ __device__ void gqa_partial(const float* qr, const KV* k, const KV* v, const uns
     float* qs = gqa_shared;                  // [hd] the query row
     float* sc = gqa_shared + hd;             // [GQA_TILE] a tile's scores, then its e^(s - max)
     float* acc = gqa_shared + hd + GQA_TILE; // [groups * hd] the output's running partial sums
-    int chunk, splits = gqa_splits(S, &chunk);
-    if (split >= splits) return;  // a cached step's grid is sized for the longest context: nothing here
-    int lo = split * chunk, hi = min(S, lo + chunk);
+    int keys = m ? row_keys(m, S, red) : min(S, pos + 1);
+    int chunk, splits = gqa_splits(keys, &chunk);
+    if (split >= splits) return;  // the grid is sized for the longest row: nothing here
+    int lo = split * chunk, hi = min(keys, lo + chunk);
     for (int j = threadIdx.x; j < hd; j += blockDim.x) qs[j] = qr[j];
     int groups = hd <= blockDim.x ? blockDim.x / hd : 1;
     for (int i = threadIdx.x; i < groups * hd; i += blockDim.x) acc[i] = 0.0f;
@@ -208,12 +218,15 @@ extern "C" __global__ void strata_gqa_partial_cached(const float* q, const long 
                          (int)seq_len[s], nh, nkv, hd, stride, part, stats);
 }
 // A row's splits merged in order: out = sum_c part_c e^(max_c - M) / sum_c sum_c e^(max_c - M), M the largest
-// max; a block a (token, head). S is the keys (eager), or, `cached`, each query's sequence's seq_len[q_seq[t]].
-extern "C" __global__ void strata_gqa_combine(const float* part, const float* stats, int S, const long long* q_seq,
+// max; a block a (token, head). The row's keys as the partials counted them: from its mask row [S] (eager), or,
+// `cached`, its position q_pos[t] + 1 within its sequence's seq_len[q_seq[t]] keys.
+extern "C" __global__ void strata_gqa_combine(const float* part, const float* stats, const unsigned char* mask,
+                                              int S, const long long* q_seq, const long long* q_pos,
                                               const long long* seq_len, int cached, int nh, int hd, int stride,
                                               float* out) {
-    long long row = blockIdx.x;
-    int keys = cached ? (int)seq_len[q_seq[row / nh]] : S;
+    __shared__ float red[32];
+    long long row = blockIdx.x, t = row / nh;
+    int keys = cached ? min((int)seq_len[q_seq[t]], (int)q_pos[t] + 1) : row_keys(mask + t * S, S, red);
     int chunk, splits = gqa_splits(keys, &chunk);
     const float* st = stats + 2LL * row * stride;
     float M = __int_as_float(0xff800000);
