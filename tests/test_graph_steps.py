@@ -513,7 +513,7 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
     from device tables, the causal mask made in the kernel) against the cache's extend + mla_attention_absorbed
     with ops.attention_mask's mask, per sequence as the eager step calls it: three sequences of 1, 3 and 2 new
     rows over 70, 0 and 130 cached ones (several chunks each where the keys pass MLA_CHUNK_MIN), every row's
-    queries and the last rows' alone."""
+    queries and the last rows' alone; and with each row's own chunks (batch invariance), each row's call alone."""
     from coordinator.gpu.format_kernels import address
     from coordinator.model import ops
     from coordinator.gpu import ops as device_ops
@@ -557,7 +557,7 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
         for b in cache.buffers(0):
             b[n:n + m] = 0  # the store must write what extend wrote
     tables = [np.array([address(c.buffers(0)[0]) for c in caches]), np.array([address(c.buffers(0)[1]) for c in caches]),
-              np.repeat(np.arange(B), new), row_pos, np.arange(B), lengths - 1, lengths, np.array(chunks),
+              np.repeat(np.arange(B), new), row_pos, np.arange(B), lengths - 1, lengths, np.repeat(chunks, new),
               np.array(last_chunks)]
     lp, rp, rs, pos, ls, lpos, sl, ch, lch = (gpu.asarray(t.astype(np.int64)) for t in tables)
     device_ops.kv_store(ckv[:, :c], ckv[:, c:], lp, rp, rs, pos, bf16)
@@ -571,6 +571,18 @@ def test_cached_mla_attention_is_the_absorbed_attention_bitwise(gpu, bf16):
     got = device_ops.mla_attention_absorbed_cached(lq[..., :dn], lq[..., dn:], (lp, rp, ls, lpos, sl, lch), w_uk,
                                                    w_uv_t, scale, cap, bf16)
     assert np.array_equal(np.asarray(got), np.concatenate(want_last))
+    # batch-invariant: each row's chunks its own alone's (mla_splits of one query over its position + 1 keys), the
+    # bits of that row's eager call alone over the keys it sees
+    alone_chunks = gpu.asarray(np.array([device_ops.mla_splits(1, nh, p + 1, c, dr)[1] for p in row_pos], np.int64))
+    got = np.asarray(device_ops.mla_attention_absorbed_cached(q[..., :dn], q[..., dn:], (lp, rp, rs, pos, sl,
+                                                                                          alone_chunks),
+                                                              w_uk, w_uv_t, scale, cap, bf16))
+    row_seq = np.repeat(np.arange(B), new)
+    for t, p in enumerate(row_pos):
+        lat, kr = (b[:p + 1] for b in caches[row_seq[t]].buffers(0))
+        alone = device_ops.mla_attention_absorbed(MlaRows(q[t:t + 1, :, :dn], q[t:t + 1, :, dn:], lat, kr), w_uk,
+                                                  w_uv_t, gpu.asarray(np.ones((1, p + 1), bool)), scale)
+        assert np.array_equal(got[t:t + 1], np.asarray(alone)), (t, p)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
@@ -721,3 +733,28 @@ def test_what_the_driver_refuses_at_open_leaves_eager_steps_and_one_warning(gpu,
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "decode steps run eagerly" in warnings[0] and cause in warnings[0], warnings
     assert np.array_equal(np.concatenate(logits), want)
+
+
+@pytest.mark.parametrize("arch, invariant", [("qwen3_moe", True), ("deepseek_v3", True), ("qwen3_moe", False)],
+                         ids=["qwen3_moe", "deepseek_v3", "qwen3_moe-variable"])
+def test_a_sequences_logits_are_the_same_bits_in_any_graph_step(gpu, tiny_model, arch, invariant):
+    """Batch invariance on the GPU's path (issue 62), graph-ready steps through the process pool: a sequence's
+    logits decoded alone, beside two other sequences, with drafts (several of its rows a step: MLA's cached
+    attention with each row's own chunks) and prefilled in chunks of 7, over 70 keys (MLA's keys in two chunks),
+    bit for bit: the matrices by the matrix x vector kernel at any row count, each attention row split over its
+    own keys. Without batch invariance (the f32 matrices plain arrays, for cuBLAS) some rows differ: what the
+    check catches."""
+    from invariance import alone, beside, chunked, drafted, unequal
+
+    model = tiny_model(arch=arch, num_layers=2, **GEOMETRY, **ARCHS[arch])
+    n = 70
+    with Engine.open(model, EngineConfig(device="cuda", pool="process", nodes=1, batch_invariant=invariant)) as eng:
+        assert eng.graph is not None
+        want = alone(eng, n)
+        got = {"batch of 3": beside(eng, 2, n), "drafts": drafted(eng, n), "chunks of 7": chunked(eng, 7, n)}
+        assert eng.graph.steps > 0
+    differ = {how: unequal(logits, want) for how, logits in got.items()}
+    if invariant:
+        assert differ == {how: [] for how in got}
+    else:
+        assert any(differ.values())

@@ -76,8 +76,10 @@ class StepTables:
                                                        all_rows, the last of the others (a gather, where eager
                                                        steps concatenate one slice a sequence)
         seq_len [MAX_ROWS]                             each sequence's keys once the step is cached
-        chunk, last_chunk [MAX_ROWS]                   MLA: each sequence's keys a chunk (device_ops.mla_splits of
-                                                       its eager call: every row's queries, or its last row's)
+        chunk [MAX_ROWS]                               MLA: each row's keys a chunk (device_ops.mla_splits of its
+                                                       eager call: its sequence's rows', or with batch invariance
+                                                       its own alone's)
+        last_chunk [MAX_ROWS]                          each sequence's last row's, as a call of that row alone
     """
 
     def __init__(self, layers: int, xp):
@@ -113,8 +115,9 @@ class StepTables:
         return part.reshape(width, MAX_ROWS) if per_layer else part
 
     def fill(self, seqs, chunks=None, all_rows: frozenset[int] = frozenset()) -> None:
-        """The step's sequences [(ids, cache)] into the host table, then one upload. ``chunks``: MLA's (chunk,
-        last_chunk) of each sequence, or None; ``all_rows``: the sequences whose every row's logits are asked for."""
+        """The step's sequences [(ids, cache)] into the host table, then one upload. ``chunks``: MLA's (each row's
+        chunk, each sequence's last row's), or None; ``all_rows``: the sequences whose every row's logits are asked
+        for."""
         k_ptrs, v_ptrs = self._part(self.host, "k_ptrs"), self._part(self.host, "v_ptrs")
         seen = {}
         for s, (_, cache) in enumerate(seqs):
@@ -134,7 +137,7 @@ class StepTables:
         self._part(self.host, "wanted_row")[:sum(len(w) for w in wanted)] = np.concatenate(wanted)
         self._part(self.host, "seq_len")[:B] = starts + lengths
         if chunks is not None:
-            self._part(self.host, "chunk")[:B], self._part(self.host, "last_chunk")[:B] = np.array(chunks).T
+            self._part(self.host, "chunk")[:N], self._part(self.host, "last_chunk")[:B] = chunks
         self.score_stride = max(cache.capacity for _, cache in seqs)
         self.device.set(self.host, stream=self.xp.cuda.get_current_stream())
 
@@ -273,8 +276,14 @@ class GraphSteps:
         if m is not None and absorbed is not None:
             nh, c, dr = self.cfg.num_heads, m.kv_lora_rank, m.qk_rope_head_dim
             sizes = [(len(ids), cache.length + len(ids)) for ids, cache in seqs]  # (rows, keys once cached)
-            chunks = [(device_ops.mla_splits(n, nh, S, c, dr)[1], device_ops.mla_splits(1, nh, S, c, dr)[1])
-                      for n, S in sizes]
+
+            def row_chunks(n: int, S: int) -> list[int]:
+                """A sequence's rows' chunks: its rows' eager call's, or each row's alone over its own keys."""
+                if self.decoder.invariant:
+                    return [device_ops.mla_splits(1, nh, S - n + 1 + j, c, dr)[1] for j in range(n)]
+                return [device_ops.mla_splits(n, nh, S, c, dr)[1]] * n
+            chunks = ([k for n, S in sizes for k in row_chunks(n, S)],
+                      [device_ops.mla_splits(1, nh, S, c, dr)[1] for _, S in sizes])
             self.mla_cached = (all(absorbed(n, S) for n, S in sizes), all(absorbed(1, S) for _, S in sizes))
         self.tables.fill(seqs, chunks, all_rows)
 

@@ -486,7 +486,7 @@ def _mla_absorb(q_nope, qn_row, qn_head, w_uk, wk_strides, splits: int, dr: int,
 def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: float, max_keys: int, bf16: bool):
     """mla_attention_absorbed with each query token over its own sequence's cache, where and how far read from the
     device (as gqa_attention_cached): ``tables`` (lat_ptrs, rope_ptrs [B] int64 addresses of the layer's cache
-    buffers (latents [cap, c], rope keys [cap, dr]), q_seq, q_pos [Nq], seq_len [B], chunks [B]: each sequence's
+    buffers (latents [cap, c], rope keys [cap, dr]), q_seq, q_pos [Nq], seq_len [B], chunks [Nq]: each query's
     mla_splits chunk for its eager call, so the sums are the eager call's, bit for bit); the mask (causal) made in
     the kernel. ``max_keys``: the longest a cache may be (mla_max_splits: the grid). Every launch's grid and
     arguments depend on Nq and max_keys alone. -> [Nq, nh*dv]."""
@@ -520,7 +520,7 @@ def mla_attention_absorbed_cached(q_nope, q_rope, tables, w_uk, w_uv_t, scale: f
 
     def combine(w_uv, strides, lat_out: int, into):
         _kernel("strata_mla_combine_cached")((token_blocks,), (THREADS,), (
-            part, stats, w_uv, *strides, i32(Nq), i32(nh), i32(c), i32(dv), i32(stride), q_seq, seq_len, chunks,
+            part, stats, w_uv, *strides, i32(Nq), i32(nh), i32(c), i32(dv), i32(stride), q_seq, q_pos, seq_len, chunks,
             i32(lat_out), into), shared_mem=combine_shared * 4)
     if compact is not None:
         return _compact_output(compact, combine, Nq, nh, c, dv)

@@ -261,7 +261,7 @@ class Decoder:
         """One sequence's MLA: its queries (q_rope roped) over its cached latents [S, c] and rope keys [S, dr], in
         the absorbed form or with the latents expanded through kv_b, whichever takes fewer multiply-adds."""
         m, w, b = self.cfg.mla, lw.mla, self.backend
-        if self.invariant or self.absorbed(rows.q_nope.shape[0], rows.latent.shape[0]):
+        if self.absorbed(rows.q_nope.shape[0], rows.latent.shape[0]):
             w_uk, w_uv = (w.w_uk, w.w_uv) if w.w_uk is not None else self.kv_b_heads(w.kv_b)
             if self.invariant and rows.q_nope.shape[0] > 1:
                 return self._mla_rows_alone(rows, (w_uk, w_uv), mask)
@@ -292,6 +292,8 @@ class Decoder:
         Decode always does; a prefill of a few hundred tokens expands the latents through kv_b_proj."""
         if self.mla_absorb is not None:
             return self.mla_absorb
+        if self.invariant:  # the form a row takes alone, whatever rows are beside it
+            return True
         m, nh = self.cfg.mla, self.cfg.num_heads
         c, dn, dr, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         absorbed = nh * T * (c * (dn + dv) + S * (2 * c + dr))

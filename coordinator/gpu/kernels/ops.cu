@@ -501,8 +501,9 @@ extern "C" __global__ void strata_mla_partial_bf16(const float* q_lat, const flo
 
 // strata_mla_partial reading where and how far from the device, as strata_gqa_attention_cached: query token t
 // belongs to sequence q_seq[t] (-1: a bucket's padding, nothing done) at position q_pos[t]; sequence s's latents
-// and rope keys are seq_len[s] rows at lat_ptrs[s], rope_ptrs[s], cut in chunks of chunks[s] keys (the eager
-// call's mla_splits, so the same sums). Block b: token b / (hblocks * stride), heads from
+// and rope keys are seq_len[s] rows at lat_ptrs[s], rope_ptrs[s]; token t reads its keys up to its own
+// (min(seq_len[s], q_pos[t] + 1): the later ones are masked) cut in chunks of chunks[t] keys (its eager call's
+// mla_splits, so the same sums: the sequence's rows' call's, or with batch invariance its own alone's). Block b: token b / (hblocks * stride), heads from
 // ((b / stride) % hblocks) * MLA_ROWS, chunk b % stride; a chunk past the sequence's keys does nothing. part
 // [Nq * nh, stride, c], stats [Nq * nh, stride, 2]. The grid depends on Nq and stride alone.
 template <typename KV>
@@ -514,7 +515,8 @@ __device__ void mla_partial_cached(const float* q_lat, const float* q_rope, long
     int hblocks = (nh + MLA_ROWS - 1) / MLA_ROWS, split = blockIdx.x % stride;
     long long t = blockIdx.x / ((long long)hblocks * stride), s = q_seq[t];
     if (s < 0) return;
-    int S = (int)seq_len[s], chunk = (int)chunks[s], h0 = (int)((blockIdx.x / stride) % hblocks) * MLA_ROWS;
+    int S = (int)min(seq_len[s], q_pos[t] + 1), chunk = (int)chunks[t];
+    int h0 = (int)((blockIdx.x / stride) % hblocks) * MLA_ROWS;
     long long j0 = (long long)split * chunk;
     if (chunk <= 0 || j0 >= S) return;  // the whole block alike: no thread waits at a barrier alone
     int n = S - j0 < chunk ? (int)(S - j0) : chunk;
@@ -540,12 +542,12 @@ extern "C" __global__ void strata_mla_partial_cached(const float* q_lat, const f
 // [T, nh * dv]. Block b: head b % nh, tokens from (b / nh) * MLA_ROWS. Each chunk weighs e^(max_s - M) (M the
 // row's largest max; an all-masked chunk, max -inf, weighs 0): out_lat = sum of w_s part_s / sum of w_s sum_s,
 // then a thread a (output dim, column group), groups = blockDim / dv columns apart, summed in group order.
-// Token t's chunks: all `stride`, or with q_seq (the cached form) its sequence's ceil(seq_len / chunk), none for
-// padding (q_seq -1: zeros out). Dynamic shared memory: MLA_ROWS * (c + max(stride, blockDim, dv)) floats.
+// Token t's chunks: all `stride`, or with q_seq (the cached form) ceil(its keys / chunks[t]), its keys
+// min(seq_len[s], q_pos[t] + 1), none for padding (q_seq -1: zeros out). Dynamic shared memory: MLA_ROWS * (c + max(stride, blockDim, dv)) floats.
 __device__ void mla_combine(const float* part, const float* stats, const float* w_uv_t, long long wv_head,
                             long long wv_row, long long wv_col, int T, int nh, int c, int dv, int stride,
-                            const long long* q_seq, const long long* seq_len, const long long* chunks, int lat_out,
-                            float* out) {
+                            const long long* q_seq, const long long* q_pos, const long long* seq_len,
+                            const long long* chunks, int lat_out, float* out) {
     extern __shared__ float combine_shared[];
     float* ol = combine_shared;                  // [MLA_ROWS][c] the tokens' out_lat
     float* ws = combine_shared + MLA_ROWS * c;   // [MLA_ROWS][stride] the chunks' weights, then the output's sums
@@ -556,8 +558,9 @@ __device__ void mla_combine(const float* part, const float* stats, const float* 
     for (int tt = 0; tt < MLA_ROWS; tt++) {
         ns[tt] = stride;
         if (q_seq && tt < tb) {
-            long long s = q_seq[t0 + tt], ch = s < 0 ? 0 : chunks[s];
-            ns[tt] = ch > 0 ? (int)((seq_len[s] + ch - 1) / ch) : 0;
+            long long s = q_seq[t0 + tt], ch = s < 0 ? 0 : chunks[t0 + tt];
+            long long keys = s < 0 ? 0 : min(seq_len[s], q_pos[t0 + tt] + 1);
+            ns[tt] = ch > 0 ? (int)((keys + ch - 1) / ch) : 0;
         }
     }
     for (int i = threadIdx.x; i < tb * stride; i += blockDim.x) {
@@ -616,15 +619,15 @@ extern "C" __global__ void strata_mla_combine(const float* part, const float* st
                                               long long wv_head, long long wv_row, long long wv_col, int T, int nh,
                                               int c, int dv, int splits, int lat_out, float* out) {
     mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, splits, nullptr, nullptr, nullptr,
-                lat_out, out);
+                nullptr, lat_out, out);
 }
 extern "C" __global__ void strata_mla_combine_cached(const float* part, const float* stats, const float* w_uv_t,
                                                      long long wv_head, long long wv_row, long long wv_col, int T,
                                                      int nh, int c, int dv, int stride, const long long* q_seq,
-                                                     const long long* seq_len, const long long* chunks, int lat_out,
-                                                     float* out) {
-    mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, stride, q_seq, seq_len, chunks, lat_out,
-                out);
+                                                     const long long* q_pos, const long long* seq_len,
+                                                     const long long* chunks, int lat_out, float* out) {
+    mla_combine(part, stats, w_uv_t, wv_head, wv_row, wv_col, T, nh, c, dv, stride, q_seq, q_pos, seq_len, chunks,
+                lat_out, out);
 }
 
 // Qwen3-Next's Gated DeltaNet over a step's rows (linear_attention.py's advance, then the gated RMSNorm), one
