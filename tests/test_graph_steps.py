@@ -758,3 +758,17 @@ def test_a_sequences_logits_are_the_same_bits_in_any_graph_step(gpu, tiny_model,
         assert differ == {how: [] for how in got}
     else:
         assert any(differ.values())
+
+
+def test_a_qwen3_next_sequences_logits_are_the_same_bits_in_any_gpu_step(gpu, tiny_model):
+    """Qwen3-Next on the GPU (eager steps: its Gated DeltaNet's kernel walks a sequence's tokens in order, a block
+    a (sequence, head)): a sequence's logits alone, beside two others, with drafts and in chunks of 7, bit for
+    bit."""
+    from invariance import alone, beside, chunked, drafted, unequal
+
+    model = tiny_model(arch="qwen3_next", num_layers=4, seed=5)
+    n = 24
+    with Engine.open(model, EngineConfig(device="cuda", pool="inproc")) as eng:
+        want = alone(eng, n)
+        got = {"batch of 3": beside(eng, 2, n), "drafts": drafted(eng, n), "chunks of 7": chunked(eng, 7, n)}
+    assert {how: unequal(logits, want) for how, logits in got.items()} == {how: [] for how in got}
