@@ -226,12 +226,28 @@ EVENS = ir.Constant(VI8, list(range(0, 16, 2)))
 ODDS = ir.Constant(VI8, list(range(1, 16, 2)))
 
 
-def totals(builder, vecs):
+def totals(builder, vecs, lowering: str | None = None):
     """<8 x i32>: lane i the sum of vecs[i]'s eight lanes, for up to 8 vectors <8 x i32> (lanes past them 0): a
-    tree of even and odd lanes added, two vectors into one a level (each level halves every item's lanes),
-    three levels down to one lane an item."""
+    tree of pairs of lanes added, two vectors into one a level (each level halves every item's lanes), three
+    levels down to one lane an item. On x86, vphaddd (pairs within each 128-bit half: [a01 a23 b01 b23 | a45 a67
+    b45 b67]) for the first two levels, then the halves added: where LLVM lowers the generic even and odd
+    shuffles across the halves to permutes, several a level."""
     zero = ir.Constant(VI8, [0] * 8)
-    level = list(vecs) + [zero] * (8 - len(vecs))
+    level = list(vecs) + [zero] * (-len(vecs) % 4)
+    if (lowering or host_lowering()) in ("avx2", "vnni", "vnni512"):
+        hadd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VI8, [VI8, VI8]),
+                                              "llvm.x86.avx2.phadd.d")
+        for _ in range(2):  # [v0 v1 v2 v3 | v0 v1 v2 v3] sums of halves: item k's half-sums at lanes k, k + 4
+            level = [zero if a is zero and b is zero else builder.call(hadd, [a, b])
+                     for a, b in zip(level[::2], level[1::2])]
+        halves = [builder.add(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 4), [0, 1, 2, 3])),
+                              builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 4), [4, 5, 6, 7])))
+                  for v in level]  # [<4 x i32>] items 4 g .. 4 g + 3
+        if len(halves) == 1:
+            return builder.shuffle_vector(halves[0], ir.Constant(halves[0].type, [0] * 4),
+                                          ir.Constant(VI8, list(range(8))))
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(VI8, list(range(8))))
+    level = level + [zero] * (8 - len(level))
     while len(level) > 1:
         level = [zero if a is zero and b is zero else
                  builder.add(builder.shuffle_vector(a, b, EVENS), builder.shuffle_vector(a, b, ODDS))

@@ -5,7 +5,8 @@ The activations come quantised per block of 32 (activations.py: xq int8, xd its 
 of 32 weights a format's ``iblocks`` gives its signed integers q and float scale d_w; then per row
 
     s_b  = q . xq_b                                  exact, in integers (idot.dot's four by four, then the four
-                                                     rows' lanes added at once: idot.totals)
+                                                     rows' lanes added at once: idot.totals); q4 as its nibbles
+                                                     u = q + 8, unsigned: u . xq_b - 8 sum(xq_b), the same integer
     acc  = acc + float(s_b) * (d_w * xd[b])          idot.scaled_blocks, the four rows side by side
 
 which is x' . w on the quantised activations x' = xd (.) xq, in the one order iblock.py's tiles and rows8.py's
@@ -38,19 +39,28 @@ from .loops import FORMATS, byte_ptr, per_format, prefetch_tile, register_loop
 BLOCK_FORMATS: dict[str, ModuleType] = {name: FORMATS[name] for name in BLOCK_INT_LOOPS}  # dot4i's: q8, q4
 INT_FORMATS: dict[str, ModuleType] = {name: FORMATS[name] for name in INT_LOOPS}  # integers to multiply
 V32 = ir.VectorType(I8, LANES)
+NIBBLE_OFFSET = 8  # a format of SPAN <= this (q4) is read as its unsigned nibbles, q + 8 (rows8.OFFSET's form)
 
 
 def _emit_rows(builder, fmt, rows, xq, xd, hidden_v):
     """The loop over the rows' blocks against one token's quantised activations -> <8 x float>, lane r row r's
     dot product (module docstring)."""
 
+    nibbles = fmt.SPAN <= NIBBLE_OFFSET  # q4: its nibbles u = q + 8 as they are, unsigned
+
     def step(b, carried):
         prefetch_tile(builder, fmt, rows, b)  # decode's four rows of a matrix, one after another: one run
         xv = builder.load(builder.bitcast(builder.gep(xq, [builder.mul(b, const(LANES))]), V32.as_pointer()), align=1)
         ints, scales = [], ir.Constant(idot.VF8, [0.0] * 8)
+        if nibbles:  # 8 x the block's activations four by four, once for the rows: u . x - 8 sum(x) = q . x
+            eights = idot.dot(builder, ir.Constant(V32, [8] * LANES), xv, False)
         for r, row in enumerate(rows):
-            q, (d,) = fmt.iblocks(builder, row, b, hidden_v, LANES)
-            ints.append(idot.dot(builder, q, xv, True))
+            if nibbles:
+                u, (d,) = fmt.nibbles(builder, row, b, hidden_v, LANES)
+                ints.append(builder.sub(idot.dot(builder, u, xv, False), eights))
+            else:
+                q, (d,) = fmt.iblocks(builder, row, b, hidden_v, LANES)
+                ints.append(idot.dot(builder, q, xv, True))
             scales = builder.insert_element(scales, d, ir.Constant(I32, r))
         dx = splat(builder, builder.load(builder.gep(xd, [b]), align=4), idot.VF8)
         return [idot.scaled_blocks(builder, carried[0], idot.totals(builder, ints), scales, dx)]

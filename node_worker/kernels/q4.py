@@ -27,6 +27,12 @@ def block(builder, row, b, hidden):
 def iblocks(builder, row, i, hidden, n: int):
     """The n / 32 blocks from block i n / 32 for prefill's integer loop (iblock.py): (<n x i8> their values
     q in [-8, 7], signed, in order (each block's 16 low nibbles, then its 16 high ones); [their scales])."""
+    u, scales = nibbles(builder, row, i, hidden, n)
+    return builder.sub(u, ir.Constant(ir.VectorType(I8, n), [8] * n)), scales
+
+
+def nibbles(builder, row, i, hidden, n: int):
+    """iblocks' blocks as the nibbles themselves, q + 8 in [0, 15] (unsigned: decode's rows, isimd.py)."""
     k = n // LANES
     vbytes = ir.VectorType(I8, n // 2)
     packed = vec_load(builder, builder.gep(row, [builder.mul(i, const(n // 2))]), vbytes)
@@ -34,8 +40,7 @@ def iblocks(builder, row, i, hidden, n: int):
     high = builder.lshr(packed, ir.Constant(vbytes, [4] * (n // 2)))
     order = [j for b in range(k) for j in [*range(HALF * b, HALF * b + HALF),
                                            *range(n // 2 + HALF * b, n // 2 + HALF * b + HALF)]]
-    q = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, n), order))
-    q = builder.sub(q, ir.Constant(ir.VectorType(I8, n), [8] * n))
+    u = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, n), order))
     first = builder.mul(i, const(k))
     values_bytes = builder.udiv(hidden, const(2))
-    return q, [half_scale(builder, row, values_bytes, builder.add(first, const(j))) for j in range(k)]
+    return u, [half_scale(builder, row, values_bytes, builder.add(first, const(j))) for j in range(k)]
