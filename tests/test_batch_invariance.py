@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from invariance import A, OTHERS, alone, beside, drafted, chunked, every_step_shape, unequal
+from invariance import A, OTHERS, alone, chunked, every_step_shape, unequal
 
 from coordinator import Engine, EngineConfig
 from coordinator.cli.make_model import make_model
@@ -82,13 +82,12 @@ def test_the_same_bits_through_the_node_workers(model, name, activations, pool):
         path, settings = model, dict(expert_dtype=fmt, dense_dtype=fmt, activations=activations)
     else:
         path, settings = FIXTURES / f"{name}.gguf", dict(activations=activations)
-    n = 24
     with Engine.open(path, EngineConfig(pool="inproc", device="cpu", **settings)) as eng:
-        inproc = alone(eng, n)
+        inproc = alone(eng)
     split = dict(numa_split=True, nodes=2) if pool == "split" else dict(nodes=1)
     with Engine.open(path, EngineConfig(pool="process", device="cpu", **split, **settings)) as eng:
-        want = alone(eng, n)
-        got = {"batch of 8": beside(eng, 7, n), "drafts": drafted(eng, n), "chunks of 7": chunked(eng, 7, n)}
+        want = alone(eng)
+        got = every_step_shape(eng)
     if pool == "single":
         assert unequal(want, inproc) == []
     assert {how: unequal(logits, want) for how, logits in got.items()} == {how: [] for how in got}
