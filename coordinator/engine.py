@@ -25,6 +25,7 @@ from .gpu.graph_steps import MAX_ROWS as GRAPH_ROWS
 from .gpu.probe import select_device
 from .gpu.vram import VramPlan
 from .host.backend import HostBackend
+from .host.packed import float_rows_kernels
 from .model.arch import family
 from .model.backend import Backend, Placement
 from .model.decoder import Decoder, DecoderOptions
@@ -73,8 +74,9 @@ def start_units(config: EngineConfig, mcfg: ModelConfig, ckpt: Checkpoint, gpu: 
     spec = expert_format(config, mcfg, ckpt, layer_experts(mcfg, ckpt))
     names = spec.names
     encoders = names if gpu else [*names, config.dense_dtype]  # q8 and q4 quantise floats
+    float_rows = float_rows_kernels(ckpt, config.dense_dtype, config.batch_invariant, gpu)  # the f32 dense rows'
     return spec, engine_units(config.pool, compiled_cover(for_formats(names, config.activations)), encoders,
-                              gpu=gpu)
+                              gpu=gpu) + [Unit.dense(k) for k in float_rows]
 
 
 def open_backend(device: str) -> Backend:

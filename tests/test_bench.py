@@ -289,7 +289,7 @@ def test_formats_are_benched_side_by_side_with_ratios_to_the_first(tmp_path, cap
     assert report["kernels"].startswith("kernels compiled for the host's: ")  # no NUMBA_CPU_NAME here
     assert list(report["modes"]) == ["inproc@f32", "inproc@bf16", "inproc@q8+bf16",
                                      "single@f32", "single@bf16", "single@q8+bf16"]
-    stored = {"f32": ("f32", r"f32"), "bf16": ("bf16", r"\d+ bf16"), "q8+bf16": ("q8", r"\d+ bf16")}
+    stored = {"f32": ("f32", r"\d+ f32"), "bf16": ("bf16", r"\d+ bf16"), "q8+bf16": ("q8", r"\d+ bf16")}
     for label, m in report["modes"].items():
         mode, fmt = label.split("@")
         assert m["mode"] == mode and m["decode_tokens_per_s"]["n"] == 2

@@ -82,13 +82,15 @@ def test_a_first_run_compiles_once_in_a_child_and_every_process_then_loads_the_c
     assert first.returncode == 0, first.stderr
     lines = first.stderr.splitlines()
     head = next(i for i, line in enumerate(lines) if "compiling CPU kernels" in line)
-    assert "host loops, doorbells, experts (f32)" in lines[head] and "first run of this build" in lines[head]
-    units = [UNIT_LINE.match(line) for line in lines[head + 1:head + 4]]
+    names = ["host loops", "doorbells", "experts (f32)", "dense matrices (f32)"]  # the last: batch-invariant rows
+    assert ", ".join(names) in lines[head] and "first run of this build" in lines[head]
+    units = [UNIT_LINE.match(line) for line in lines[head + 1:head + 1 + len(names)]]
     assert all(units), lines
-    assert [u[3] for u in units] == ["host loops", "doorbells", "experts (f32)"] and all(int(u[5]) > 0 for u in units)
-    assert "Traceback" not in first.stderr and "compiled" not in " ".join(lines[head + 4:])  # no worker compiled
+    assert [u[3] for u in units] == names and all(int(u[5]) > 0 for u in units)
+    assert "Traceback" not in first.stderr and "compiled" not in " ".join(lines[head + 1 + len(names):])  # none later
     folder = build_folder(cache, env)
-    for unit in (Unit("host"), Unit("doorbells"), Unit.experts(KernelSet.of(["f32"], True))):
+    for unit in (Unit("host"), Unit("doorbells"), Unit.experts(KernelSet.of(["f32"], True)),
+                 Unit.dense(KernelSet.of(["f32"], False))):
         info = marker(unit, folder)
         assert info is not None and info["functions"] > 0 and info["peak_mb"] > 0, unit
 

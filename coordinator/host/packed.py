@@ -313,6 +313,16 @@ def pack_dense(weights, fmt: ModuleType | None, how: Packing = Packing(), ckpt=N
             list(kernels))
 
 
+def float_rows_kernels(ckpt, dense_dtype: str, invariant: bool, gpu: bool) -> list[KernelSet]:
+    """The f32 rows' kernel set where a model's dense matrices will stay float32 on the host and so, batch-invariant,
+    be packed as f32 rows (a safetensors checkpoint's with dense_dtype auto, or dense_dtype f32): a unit to compile
+    with the engine's first ones, from the checkpoint's index alone. A GGUF file keeps its blocks (a float matrix
+    of it, rare, compiles the set when it is packed)."""
+    if gpu or not invariant or not (dense_dtype == "f32" or (dense_dtype == formats.AUTO and not hasattr(ckpt, "file"))):
+        return []
+    return [kernel_set(F32.NAME, False, False)]
+
+
 def pack_experts(experts: dict, int_act: bool) -> tuple[dict, list[KernelSet]]:
     """The device side's whole float32 experts ((layer, e) -> MLPWeights) with their matrices as f32 rows (the
     invariant loops), and the kernel set they take."""
