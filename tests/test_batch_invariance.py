@@ -71,6 +71,7 @@ def test_without_invariance_a_chunked_prompt_takes_other_sums():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("dev_shm_alone")  # its 42 starts clean dead owners' pool folders: not beside a SIGKILL test
 @pytest.mark.parametrize("pool", ["single", "split"])
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("name", FILES + tuple(f"safetensors-{fmt}" for fmt in FORMATS))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -237,6 +238,7 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
             report["quality"] = quality[compared[0]]
             if plan.formats:
                 report["quality_by_format"] = quality
+        report["numpy_sum"] = numpy_sum(membw_bytes)
         add_ratios(report, plan.formats)
         return report
     finally:
@@ -287,6 +289,15 @@ def _rounds(engines: dict, plan: BenchPlan, prompt: list[int]) -> dict[str, dict
             if plan.speculative != "off" and not drafts_first:
                 _drafted_round(eng, plan.speculative, prompt, plan.tokens, sampling, res)
     return results
+
+
+def numpy_sum(nbytes: int) -> dict:
+    """The STREAM column's yardstick: NumPy's sum over an array of ``nbytes``, on as many threads of this process
+    as it may run on (membw.numpy_read_bandwidth)."""
+    from node_worker.membw import numpy_read_bandwidth
+
+    threads = len(os.sched_getaffinity(0))
+    return {"threads": threads, "gb_per_s": numpy_read_bandwidth(threads, nbytes)[1]}
 
 
 def _mode_report(eng: Engine, res: dict, membw_bytes: int, speculative: str) -> dict:
@@ -479,6 +490,10 @@ def markdown(report: dict) -> str:
             f"| {_fmt(L['overhead_us']['median'], '.0f')} | {_fmt(rtt, '.0f')} | {_fmt(m['overhead_vs_floor'], '.2f')} "
             f"| {_fmt(m['pool_gb_per_s'])} | {_fmt(m['membw']['gb_per_s'])} | {_fmt(m['bandwidth_ratio'], '.2f')} |")
     lines.append("")
+    if report.get("numpy_sum"):
+        n = report["numpy_sum"]
+        lines.append(f"NumPy's sum on {n['threads']} threads of this process reads {_fmt(n['gb_per_s'])} GB/s: the "
+                     "STREAM column's yardstick (a read that reaches it measures the memory, not its own loop)")
     for mode, m in report["modes"].items():
         r = m.get("vs_first_format")
         if r and r["of"] != mode:
