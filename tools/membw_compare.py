@@ -2,7 +2,7 @@
 """The STREAM-style read (node_worker/membw.py) beside NumPy's sum on the same array, in interleaved rounds; with
 ``--before REV`` also that revision's read (its membw.py taken from git), for a change to the read's loop.
 
-    .venv/bin/python tools/membw_compare.py [--mib 256] [--threads 2] [--rounds 3] [--before 99550bc]
+    .venv/bin/python tools/membw_compare.py [--mib 256] [--threads 2] [--rounds 3] [--before REV]
 """
 
 from __future__ import annotations
