@@ -4,9 +4,9 @@ bandwidth the expert kernels are measured against.
 The array is first written by the same threads (first touch puts its pages on their node), then read whole
 REPEATS times, each thread summing its chunks; the best read counts. A chunk is summed by ``block_sum``: four
 independent <16 x float> accumulators, 64 floats a loop step (LLVM IR, as the expert kernels' loops are), so
-the read is bound by memory, not by the latency of one accumulator's additions (a scalar sum read 3.7 GB/s a
-thread on a Zen 5 host where NumPy's sum read 17). ``numpy_read_bandwidth`` reads the same way with NumPy's
-sum, the yardstick the bench prints beside it.
+the read is bound by memory, not by the latency of one accumulator's additions, whatever LLVM would make of a
+scalar chain (docs/benchmarks.md, "The roofline's read"). ``numpy_read_bandwidth`` reads the same way with
+NumPy's sum, the yardstick the bench prints beside it.
 """
 
 from __future__ import annotations

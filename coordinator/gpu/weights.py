@@ -185,6 +185,7 @@ def checkpoint_dtype(ckpt: Checkpoint | None, name: str | None) -> str:
 MATRICES = ("q", "k", "v", "o", "q_gate")  # LayerWeights' matrices (the MLP's, MLA's and linear's walked below)
 LINEAR_MATRICES = ("qkv", "z", "ba", "out")  # a Gated DeltaNet layer's (its taps and per-head vectors: float32)
 MLA_MATRICES = ("q", "q_a", "q_b", "kv_a", "kv_b")
+ROUTERS = ("router", "shared_expert_gate")  # float32 arrays, or batch-invariant f32 rows of a DeviceMatrix
 
 
 def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = formats.AUTO, invariant: bool = False):
@@ -217,12 +218,12 @@ def upload(weights, xp, ckpt: Checkpoint | None = None, dense_dtype: str = forma
 
     layers = []
     for lw in weights.layers:
+        rows_kernel = ROUTERS if invariant else ()  # their products too: cuBLAS's bits change with the row count
         changes = {f.name: vector(getattr(lw, f.name)) for f in dataclasses.fields(lw)  # the matrices below, once
-                   if f.name not in MATRICES and isinstance(getattr(lw, f.name), np.ndarray)}
+                   if f.name not in MATRICES + rows_kernel and isinstance(getattr(lw, f.name), np.ndarray)}
         changes.update({name: matrix(getattr(lw, name)) for name in MATRICES})
-        if invariant:  # the routers' and gates' products too: cuBLAS's bits change with the row count
-            changes.update({name: DeviceMatrix.encode(getattr(lw, name), "f32", xp)
-                            for name in ("router", "shared_expert_gate") if getattr(lw, name) is not None})
+        changes.update({name: DeviceMatrix.encode(getattr(lw, name), "f32", xp)
+                        for name in rows_kernel if getattr(lw, name) is not None})
         changes.update(dense_mlp=mlp(lw.dense_mlp), shared_expert=mlp(lw.shared_expert))
         if lw.mla is not None:
             m = lw.mla

@@ -69,10 +69,18 @@ def kernel_set(format_name: str, int_act: bool, bf16_products: bool) -> KernelSe
     return KernelSet.of([loop_name(format_name, bf16_products)], int_act)
 
 
-class PackedMatrix:
-    """W [R, K] in a storage format; ``x @ packed.T`` = x · Wᵀ."""
+class _StandsForArray:
+    """What a matrix that stands where a float32 W [R, K] stood shares: ``x @ m.T`` runs its ``matmul_t``."""
 
-    __array_ufunc__ = None  # ndarray @ PackedMatrix.T defers to __rmatmul__ instead of converting
+    __array_ufunc__ = None  # ndarray @ m.T defers to __rmatmul__ instead of converting
+
+    @property
+    def T(self) -> _Transposed:
+        return _Transposed(self)
+
+
+class PackedMatrix(_StandsForArray):
+    """W [R, K] in a storage format; ``x @ packed.T`` = x · Wᵀ."""
 
     def __init__(self, fmt: ModuleType, stored: np.ndarray, shape: tuple[int, int], int_act: bool = False,
                  bf16_products: bool = False, invariant: bool = True):
@@ -103,10 +111,6 @@ class PackedMatrix:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
-
-    @property
-    def T(self) -> _Transposed:
-        return _Transposed(self)
 
     def decoded(self) -> np.ndarray:
         """W as float32 [R, K] (tests, and the reference computations)."""
@@ -168,12 +172,10 @@ class PackedMatrix:
         return out[:T]
 
 
-class RowExactMatrix:
+class RowExactMatrix(_StandsForArray):
     """A float32 W [R, K] whose ``x @ m.T`` gives each row of x the same bits whatever rows are beside it
     (host/ops.linear_rows): the routers and the shared expert's one-row gate, whose BLAS products change in
     their last bits with the row count, and with them which experts a near tie routes to (issue 62)."""
-
-    __array_ufunc__ = None  # ndarray @ RowExactMatrix.T defers to __rmatmul__ instead of converting
 
     def __init__(self, w: np.ndarray):
         self.wt = np.ascontiguousarray(np.asarray(w, np.float32).T)  # [K, R]: linear_rows' form, a copy
@@ -182,10 +184,6 @@ class RowExactMatrix:
     @property
     def nbytes(self) -> int:
         return self.wt.nbytes
-
-    @property
-    def T(self) -> _Transposed:
-        return _Transposed(self)
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         """x [..., K] -> x · Wᵀ [..., R]."""
@@ -211,7 +209,7 @@ def rows_exact(weights) -> None:
 class _Transposed:
     __array_ufunc__ = None
 
-    def __init__(self, matrix: PackedMatrix):
+    def __init__(self, matrix: _StandsForArray):
         self.matrix = matrix
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
