@@ -38,6 +38,9 @@ def test_every_mode_and_figure_is_reported(report):
         assert L["calls"] > 0 and L["wall_us"]["median"] >= L["compute_us"]["median"] > 0
         assert m["membw"]["gb_per_s"] > 0 and m["pool_gb_per_s"] > 0
         assert m["bandwidth_ratio"] == pytest.approx(m["pool_gb_per_s"] / m["membw"]["gb_per_s"])
+        split = m["step_split"]  # every mode's decode step split, the experts' part the pool's wait in a process
+        assert split["tokens"] == 4 and all(p["us"] > 0 for p in split["parts"].values()), mode
+        assert split["stream_gb_per_s"] == m["membw"]["gb_per_s"]
     assert report["modes"]["inproc"]["decode_vs_inproc"] == 1.0
     for mode in ("single", "split"):
         m = report["modes"][mode]

@@ -17,7 +17,9 @@ to last partial), the workers' own compute and the difference, next to the empty
 round trip over the same sockets; the pool's effective bandwidth (expert bytes
 read per second of compute) next to a STREAM-style read by the same pinned
 threads over an array 4x the last-level cache; per node its threads, rows,
-placement and whether it is virtual. Ratios are computed within the run.
+placement and whether it is virtual. Ratios are computed within the run. After the rounds, a profiled decode
+per mode splits the step (step_split.py): the experts, the dense matrices, the attention, the norms, router and
+sampling, each in microseconds and GB/s a token and against the STREAM read, and the per-layer overhead.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ..engine import Engine
 from ..errors import StrataError
 from ..quality import compare_logits
 from .make_model import l3_bytes
+from . import step_split
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +222,8 @@ def run_bench(model_dir: str | Path, plan: BenchPlan) -> dict:
         mcfg = any_eng.model_config
         prompt = bench_prompt(plan, any_eng, np.random.default_rng(plan.seed))
         results = _rounds(engines, plan, prompt)
+        for mode, eng in engines.items():  # after the timed rounds: the wrappers time what the rounds ran bare
+            results[mode]["step_split"] = step_split.measure(eng, prompt, plan.tokens)
         report = {"model": str(model_dir), "arch": mcfg.arch, "kv_bytes_per_token": mcfg.kv_bytes_per_token,
                   "state_bytes_per_sequence": mcfg.state_bytes_per_sequence,
                   "spin_us": plan.engines[0].config.pool_spin_us, "tokens": plan.tokens, "prompt_tokens": len(prompt),
@@ -341,6 +346,7 @@ def _mode_report(eng: Engine, res: dict, membw_bytes: int, speculative: str) -> 
         } for h in health],
         "balance": node_balance(res["timings"], pool.plan),
         "speculative": speculative_figures(speculative, res),
+        "step_split": step_split.with_roofline(res.get("step_split"), bw["gb_per_s"]),
     }
 
 
@@ -513,6 +519,8 @@ def markdown(report: dict) -> str:
             lines.append(f"{mode}: boundary overhead per token = {o['us']:.0f} us over {o['moe_layers']} MoE layers, "
                          f"{o['share_of_step']:.1%} of the decode step")
     lines.append("")
+    for mode, m in report["modes"].items():
+        lines += step_split.markdown(mode, m.get("step_split"))
     for mode, m in report["modes"].items():
         L = m["moe_layer_decode"]
         if L["to_worker_us"]["median"] is not None:
