@@ -2,11 +2,12 @@
 """strata and llama.cpp on the same GGUF file, alternating, round by round: the ratios of decode and prefill.
 
     .venv/bin/python tools/vs_llama.py --model FILE.gguf --llama-bench PATH/llama-bench [--rounds 3] [--reps 1]
-        [--threads 2] [--prompt-tokens 64] [--tokens 32] [--checkout DIR ...] [--strata-model DIR]
+        [--threads 2] [--prompt-tokens 64] [--tokens 32] [--mode inproc|single] [--checkout DIR ...]
+        [--strata-model DIR]
         [-- extra strata bench flags]
 
 Each round runs ``llama-bench -m FILE -t T -p P -n N -r R -o json``, then ``strata bench --model FILE --modes
-inproc --rounds R --device cpu --quality-positions 0`` from each checkout given (default: this one; give an
+MODE --rounds R --device cpu --quality-positions 0`` from each checkout given (default: this one; give an
 older commit's worktree to set two versions side by side), in that order, R = --reps (1 unless given). On a
 shared host whose speed swings by 2-3x within minutes only figures taken close together compare: the table
 gives each round's ratio, then the median of the rounds. Each side's figure in a round is the median of its R
@@ -43,18 +44,18 @@ def llama_bench(binary: str, model: str, threads: int, prompt: int, tokens: int,
 
 
 def strata_bench(checkout: Path, model: str, prompt: int, tokens: int, extra: list[str],
-                 reps: int = 1) -> dict[str, float]:
-    """{"decode": tok/s, "prefill": tok/s} of ``strata bench`` in-process from ``checkout``: the medians of its
-    ``reps`` rounds."""
+                 reps: int = 1, mode: str = "inproc") -> dict[str, float]:
+    """{"decode": tok/s, "prefill": tok/s} of ``strata bench`` in ``mode`` (in-process, or the default single
+    worker process) from ``checkout``: the medians of its ``reps`` rounds."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "bench.json"
-        subprocess.run([sys.executable, "-m", "coordinator", "bench", "--model", model, "--modes", "inproc",
+        subprocess.run([sys.executable, "-m", "coordinator", "bench", "--model", model, "--modes", mode,
                         "--rounds", str(reps), "--tokens", str(tokens), "--prompt-tokens", str(prompt), "--device", "cpu",
                         "--quality-positions", "0", "--json", str(report), *extra],
                        cwd=checkout, env={**os.environ, "PYTHONPATH": str(checkout)},  # its code, not the venv's
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        mode = json.loads(report.read_text())["modes"]["inproc"]
-    return {"decode": mode["decode_tokens_per_s"]["median"], "prefill": mode["prefill_tokens_per_s"]["median"]}
+        got = json.loads(report.read_text())["modes"][mode]
+    return {"decode": got["decode_tokens_per_s"]["median"], "prefill": got["prefill_tokens_per_s"]["median"]}
 
 
 def main() -> int:
@@ -69,6 +70,8 @@ def main() -> int:
     ap.add_argument("--strata-model", default=None,
                     help="the model strata bench opens (default: --model): the same model in another form, as "
                          "the safetensors checkpoint a GGUF file was converted from, with --expert-dtype after --")
+    ap.add_argument("--mode", default="inproc", choices=("inproc", "single", "split"),
+                    help="strata bench's pool mode (default inproc; single: the default path, one worker process)")
     ap.add_argument("--checkout", action="append", type=Path,
                     help="a checkout of strata to run (repeatable; default: this one)")
     ap.add_argument("extra", nargs="*", help="after --: more flags for strata bench")
@@ -81,11 +84,12 @@ def main() -> int:
                                         args.reps)}
         for c in checkouts:
             got[str(c)] = strata_bench(c, args.strata_model or args.model, args.prompt_tokens, args.tokens, args.extra,
-                                       args.reps)
+                                       args.reps, args.mode)
         rows.append(got)
         print(f"round {r + 1}: " + "; ".join(f"{n} decode {g['decode']:.1f} prefill {g['prefill']:.1f}"
                                              for n, g in got.items()), flush=True)
-    print(f"\nllama.cpp on {args.model}, strata on {args.strata_model or args.model} {' '.join(args.extra)}, "
+    print(f"\nllama.cpp on {args.model}, strata on {args.strata_model or args.model} "
+          f"{' '.join(args.extra + (['--modes', args.mode] if args.mode != 'inproc' else []))}, "
           f"{args.threads} threads, pp{args.prompt_tokens} / tg{args.tokens}, tok/s (the median of {args.reps} "
           f"repetitions) and ratio to llama.cpp in the same round\n")
     print("| round | " + " | ".join(f"{n} decode | {n} prefill" for n in names) + " |")

@@ -33,17 +33,21 @@ PARALLEL_ATTENTION_MACS = 1 << 21
 
 def rows(*arrays) -> bool:
     """NumPy float32 C-contiguous arrays: the compiled loops take them."""
-    return all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+    for a in arrays:  # a loop, not all() over a generator: a decode step asks this some hundred times
+        if type(a) is not np.ndarray or a.dtype != np.float32 or not a.flags.c_contiguous:
+            return False
+    return True
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """ops.rms_norm through the loop. A host x that is not contiguous (the q and k heads, a column slice of the
     fused QKV output) is copied for it: the copy and the loop cost less than NumPy's ufuncs on the strided slice."""
-    if type(x) is np.ndarray and x.dtype == np.float32 and not x.flags.c_contiguous:
-        x = np.ascontiguousarray(x)
-    if rows(x, weight) and x.ndim >= 1 and x.size:
+    if type(x) is np.ndarray and x.dtype == np.float32 and x.ndim >= 1 and x.size and rows(weight):
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
         out = np.empty_like(x)
-        loops.rms_norm(x.reshape(-1, x.shape[-1]), weight, np.float32(eps), out.reshape(-1, x.shape[-1]))
+        D = x.shape[-1]
+        loops.rms_norm(x.reshape(-1, D), weight, np.float32(eps), out.reshape(-1, D))
         return out
     return ops.rms_norm(x, weight, eps)
 

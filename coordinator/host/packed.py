@@ -21,6 +21,7 @@ A PackedMatrix stands where the float32 array stood: the decoder's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -98,6 +99,7 @@ class PackedMatrix(_StandsForArray):
             self.data = advised_copy(stored)  # [R * row_bytes] in huge pages where the kernel gives them
         self.fmt_id = FORMAT_IDS[loop_name(fmt.NAME, self.bf16_products)]
         self.kernels = kernel_set(fmt.NAME, int_act, bf16_products)  # its format's loops alone: compiled per format
+        self._one_row = None  # the one-row loop with this matrix's arguments bound (_bind_one_row), at first use
 
     @classmethod
     def encode(cls, w: np.ndarray, fmt: ModuleType, int_act: bool = False, bf16_products: bool = False,
@@ -122,8 +124,22 @@ class PackedMatrix(_StandsForArray):
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         """x [..., K] -> x · Wᵀ [..., R]."""
         R, K = self.shape
+        if type(x) is np.ndarray and x.shape == (1, K) and x.dtype == np.float32 and x.flags.c_contiguous:
+            out = np.empty((1, R), np.float32)  # a decode step's row: the one-row loop, bound once
+            (self._one_row or self._bind_one_row())(x, out)
+            return out
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         return self._product(x2, x2.shape[0]).reshape(*x.shape[:-1], R)
+
+    def _bind_one_row(self):
+        """The loop _product takes for one row, its matrix arguments bound: (x [1, K], out [1, R]) -> None."""
+        R, K = self.shape
+        if self.grouped:
+            self._one_row = functools.partial(rows8.matmul_groups, self.kernels, self.data, R, K)
+        else:
+            loop = dense.matmul_tokens_int if self.int_act and self.fmt_id in SUPER_IDS else dense.matmul_rows
+            self._one_row = functools.partial(loop, self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K)
+        return self._one_row
 
     def _product(self, x2: np.ndarray, T: int) -> np.ndarray:
         """x2 [T, K] · Wᵀ -> [T, R], by the loop this matrix takes for T rows (the module's constants)."""

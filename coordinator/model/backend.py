@@ -19,6 +19,7 @@ pool's rows travel (``rows_to_host``, ``partials_buffer``, ``to_device``, ``side
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -131,7 +132,7 @@ class Backend:
 
     def partials_buffer(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         """A reused host array [T, H] the pool sums the nodes' partials into."""
-        n = int(np.prod(shape))
+        n = math.prod(shape)  # not np.prod: a decode step asks for it every layer
         if self._partials is None or self._partials.size < n or self._partials.dtype != np.dtype(dtype):
             self._partials = np.empty(max(n, 1 << 16), dtype)
         return self._partials[:n].reshape(shape)

@@ -10,6 +10,7 @@ inputs come from and where keys, values, the pool's pairs and the logits go; a G
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class Decoder:
         self.on_device = {i: np.zeros(cfg.num_experts, bool) for i in cfg.moe_layers}  # layer -> [E]
         for layer, e in self.device_experts.keys():
             self.on_device[layer][e] = True
+        self.has_device = {i: bool(d.any()) for i, d in self.on_device.items()}  # a layer with none skips the split
         self.route_tail_skip = options.route_tail_skip
         self.invariant = options.batch_invariant
         self.router = ops.RouterSpec.of(cfg)  # the router's rule, once: every MoE layer's call takes it
@@ -332,12 +334,14 @@ class Decoder:
         T = x.shape[0]
         ids, weights = self.backend.route(x @ lw.router.T, lw.router_bias, self.router)  # [T, k] each, on the host
         chosen = ids.reshape(-1)  # [P]
-        pairs = Pairs(np.repeat(np.arange(T, dtype=np.int64), cfg.top_k), chosen, weights.reshape(-1))
+        pairs = Pairs(pair_rows(T, cfg.top_k), chosen, weights.reshape(-1))
         skipped = 0
         if self.route_tail_skip > 0:
             keep = pairs.weights >= self.route_tail_skip
             skipped = int(np.count_nonzero(~keep))
             pairs = pairs[keep]
+        if not self.has_device[i]:  # every pair to the pool, no masks taken
+            return Routing(i, chosen, skipped, device=pairs[:0], cpu=pairs)
         dev = self.on_device[i][pairs.experts]  # [P] pair served on the device
         return Routing(i, chosen, skipped, device=pairs[dev], cpu=pairs[~dev])
 
@@ -346,8 +350,8 @@ class Decoder:
         cpu = routing.cpu
         if not cpu.size:
             return None
-        sends = np.bincount(cpu.tokens, minlength=x.shape[0]) > 0  # [T] rows with CPU pairs: a count, not a sort
-        if sends.all():  # every row (decode, a verify's rows): the pairs' rows are the layer's
+        sends = np.bincount(cpu.tokens, minlength=x.shape[0]) > 0 if x.shape[0] > 1 else None  # [T] rows with pairs
+        if sends is None or sends.all():  # every row (decode, a verify's rows): the pairs' rows are the layer's
             rows, local = np.arange(x.shape[0]), cpu.tokens
         else:
             rows, local = np.flatnonzero(sends), (np.cumsum(sends) - 1)[cpu.tokens]
@@ -376,6 +380,14 @@ class Decoder:
         y = self.xp.zeros_like(x)
         y[sent.rows_dev] = self.backend.to_device(partials)
         return y
+
+
+@functools.lru_cache(maxsize=64)
+def pair_rows(T: int, k: int) -> np.ndarray:
+    """[T * k] each row's index k times (a router's pairs' rows), made once per row count, read-only."""
+    rows = np.repeat(np.arange(T, dtype=np.int64), k)
+    rows.flags.writeable = False
+    return rows
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:

@@ -75,11 +75,14 @@ class RoutingStats:
     def count(self, routing: Routing, num_experts: int) -> None:
         """One layer's routing: the router's choices per expert, the skipped, and each side's pairs and experts."""
         totals = RoutingTotals(routing.chosen.size, routing.skipped, routing.cpu.size, 0, routing.device.size, 0)
-        if routing.cpu.size:  # distinct experts: a bincount, not a sort (np.unique), on every layer
+        chosen = np.bincount(routing.chosen, minlength=num_experts)  # [E]
+        if routing.cpu.experts is routing.chosen:  # every choice went to the pool: its experts are the chosen ones
+            totals.cpu_experts = int(np.count_nonzero(chosen))
+        elif routing.cpu.size:  # distinct experts: a bincount, not a sort (np.unique), on every layer
             totals.cpu_experts = int(np.count_nonzero(np.bincount(routing.cpu.experts, minlength=num_experts)))
         if routing.device.size:
             totals.device_experts = int(np.count_nonzero(np.bincount(routing.device.experts, minlength=num_experts)))
-        self.add({routing.layer: np.bincount(routing.chosen, minlength=num_experts)}, totals)
+        self.add({routing.layer: chosen}, totals)
 
     def add(self, chosen: dict, totals: RoutingTotals) -> None:
         """Some layers' routing: ``chosen`` layer -> [E] the router's choices per expert, and their totals. The one

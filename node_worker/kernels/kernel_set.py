@@ -13,6 +13,7 @@ format names the caller then passes (NodeWorker's store, the packed dense matric
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -117,9 +118,16 @@ class KernelSetType(types.Type):
         return name in self.loops and (self.int_act or not integer)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_set_type(loops: tuple[str, ...], int_act: bool) -> KernelSetType:
+    return KernelSetType(loops, int_act)
+
+
 @typeof_impl.register(KernelSet)
 def _typeof_kernel_set(value: KernelSet, context) -> KernelSetType:
-    return KernelSetType(value.loops, value.int_act)
+    """The set's type, made once: every kernel call types its KernelSet argument, and a numba type's
+    construction (its name, the interning lookup) costs a few microseconds a call."""
+    return _kernel_set_type(value.loops, value.int_act)
 
 
 register_model(KernelSetType)(models.OpaqueModel)  # nothing at run time: a null pointer
