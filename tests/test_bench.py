@@ -259,7 +259,8 @@ def test_a_prompt_file_is_the_rounds_prompt(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     want = bench.Engine.open(model).encode(text)[:20]
     assert len(want) == 20 and report["prompt"] == "text" and report["prompt_tokens"] == 20
-    assert len(prompts) == 5 and all(p == want for p in prompts)  # the warm-up, two rounds with and without drafts
+    # the warm-up, two rounds with and without drafts, the step split's profiled decode
+    assert len(prompts) == 6 and all(p == want for p in prompts)
 
 
 @pytest.mark.parametrize("name, text, extra, match", [
