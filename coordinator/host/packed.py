@@ -145,6 +145,9 @@ class PackedMatrix(_StandsForArray):
         """x2 [T, K] · Wᵀ -> [T, R], by the loop this matrix takes for T rows (the module's constants)."""
         R, K = self.shape
         out = np.empty((T, R), np.float32)
+        if T == 1:  # one row: the loop _bind_one_row chose, the one place that choice is made
+            (self._one_row or self._bind_one_row())(x2, out)
+            return out
         if self.grouped:
             rows8.matmul_groups(self.kernels, self.data, R, K, x2, out)
             return out
