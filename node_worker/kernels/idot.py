@@ -116,10 +116,40 @@ def joined(builder, a, b):
 
 
 def side_by_side(builder, groups, width: int):
-    """[(q, sc)] of groups of 32 as groups of ``width`` weights (group_bytes: 32, or 64 joined two by two)."""
+    """Groups of 32 as groups of ``width`` weights (group_bytes: 32, or 64 joined two by two); each group a
+    function of the super-block's byte pointer that emits its (q, sc) where it is called (isuper.py)."""
     if width == LANES:
         return groups
-    return [(joined(builder, q0, q1), joined(builder, sc0, sc1)) for (q0, sc0), (q1, sc1) in zip(groups[::2], groups[1::2])]
+
+    def pair(g0, g1):
+        def emit(base):
+            (q0, sc0), (q1, sc1) = g0(base), g1(base)
+            return joined(builder, q0, q1), joined(builder, sc0, sc1)
+        return emit
+
+    return [pair(g0, g1) for g0, g1 in zip(groups[::2], groups[1::2])]
+
+
+def in_lane_words(builder, v, picks, lowering: str | None = None):
+    """<16 x i16>: lane k = v[picks[k]] of a <16 x i16> v, each pick within its own 128-bit half (lanes 0-7 from
+    0-7, lanes 8-15 from 8-15): one vpshufb on x86 (a broadcast of one word to a ymm is a vpshufd or shift and
+    then vpbroadcastw, three uops on Zen 3), a shufflevector elsewhere. The super-block loops' per-group scales."""
+    assert all((k < 8) == (p < 8) for k, p in enumerate(picks)), "each pick within its own half"
+    if (lowering or host_lowering()) not in ("avx2", "vnni", "vnni512"):
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), list(picks)))
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32, [V32, V32]), "llvm.x86.avx2.pshuf.b")
+    # The index through kept's empty asm (LLVM turns a pshufb of a constant index back into the shuffle it lowers
+    # to the broadcast), once a basic block for the rows of a tile alike.
+    made = builder.block.__dict__.setdefault("_word_picks", {})
+    if tuple(picks) not in made:
+        made[tuple(picks)] = kept(builder, [ir.Constant(V32, [2 * (p % 8) + b for p in picks for b in (0, 1)])],
+                                  lowering)[0]
+    return builder.bitcast(builder.call(fn, [builder.bitcast(v, V32), made[tuple(picks)]]), VI16)
+
+
+def halves_alike(builder, v, half: int = 0):
+    """<16 x i16>: v's 128-bit half ``half`` (its words 8 half .. 8 half + 7) in both halves, for in_lane_words."""
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), [8 * half + k for k in range(8)] * 2))
 
 
 def unsigned_and_signed(builder, q, x, signed: bool, lowering: str | None = None):

@@ -27,6 +27,7 @@ TRAITS = BY_NAME["iq4xs"]  # its block and bytes
 SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 OFFSETS = False  # levels and a scale, no offset
 GROUPS = TRAITS.block // LANES  # 32-groups a loop step reads: one super-block
+GROUP_ORDER = tuple(range(GROUPS))  # the integer loop's order of the groups (q6k's differs)
 BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 HALF = LANES // 2
 V16 = ir.VectorType(I8, HALF)
@@ -63,11 +64,31 @@ def _int_scale_and_indices(builder, base, j: int):
     high = builder.and_(builder.lshr(high_bits, ir.Constant(I32, 2 * j)), ir.Constant(I32, 3))
     scale = builder.sub(builder.or_(builder.and_(low, ir.Constant(I32, 15)), builder.shl(high, ir.Constant(I32, 4))),
                         ir.Constant(I32, 32))
+    return scale, _indices(builder, base, j)
+
+
+def _indices(builder, base, j: int):
+    """The <32 x i8> level indices of group j of the super-block at ``base``: its 16 bytes' low nibbles, then
+    their high ones."""
     packed = vec_load(builder, builder.gep(base, [const(8 + 16 * j)]), V16)
-    index = builder.shuffle_vector(builder.and_(packed, ir.Constant(V16, [15] * HALF)),
-                                   builder.lshr(packed, ir.Constant(V16, [4] * HALF)),
-                                   ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
-    return scale, index
+    return builder.shuffle_vector(builder.and_(packed, ir.Constant(V16, [15] * HALF)),
+                                  builder.lshr(packed, ir.Constant(V16, [4] * HALF)),
+                                  ir.Constant(ir.VectorType(I32, LANES), list(range(LANES))))
+
+
+def _int_scales(builder, base):
+    """<16 x i16>: the 8 groups' scales ls - 32 of the super-block at ``base``, in both 128-bit halves (for
+    idot.in_lane_words), taken in one vector: each lane shifts the packed low nibbles (4 bytes) and high
+    pairs (16 bits) by its own count, where one group at a time costs some ten scalar operations a group."""
+    v8 = ir.VectorType(I32, 8)
+    word = lambda ptr, ty: builder.zext(builder.load(builder.bitcast(ptr, ty.as_pointer()), align=1), I32)  # noqa: E731
+    low = builder.lshr(splat(builder, word(builder.gep(base, [const(4)]), I32), v8), ir.Constant(v8, [4 * j for j in range(8)]))
+    high = builder.lshr(splat(builder, word(builder.gep(base, [const(2)]), I16), v8), ir.Constant(v8, [2 * j for j in range(8)]))
+    scales = builder.sub(builder.or_(builder.and_(low, ir.Constant(v8, [15] * 8)),
+                                     builder.shl(builder.and_(high, ir.Constant(v8, [3] * 8)), ir.Constant(v8, [4] * 8))),
+                         ir.Constant(v8, [32] * 8))
+    narrow = builder.trunc(scales, ir.VectorType(I16, 8))
+    return builder.shuffle_vector(narrow, narrow, ir.Constant(ir.VectorType(I32, 16), list(range(8)) * 2))
 
 
 def _scale_and_indices(builder, base, j: int):
@@ -84,10 +105,15 @@ def group(builder, row, s, j: int):
 
 def isuper(builder, row, s, width: int = LANES):
     """Super-block s for the integer loop (isuper.py): (d, no offset, [(levels, ls - 32 as <16 x i16>)] in
-    groups of ``width`` weights, signed levels)."""
+    groups of ``width`` weights, each a function of the super-block's byte pointer that emits them, signed
+    levels)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
-    groups = []
-    for j in range(GROUPS):
-        scale, index = _int_scale_and_indices(builder, base, j)
-        groups.append((levels(builder, index), splat(builder, builder.trunc(scale, I16), ir.VectorType(I16, HALF))))
+    scales = _int_scales(builder, base)
+
+    def group_at(j: int):
+        def emit(at):
+            return levels(builder, _indices(builder, at, j)), idot.in_lane_words(builder, scales, [j] * 8 + [8 + j] * 8)
+        return emit
+
+    groups = [group_at(j) for j in range(GROUPS)]
     return half_at(builder, base), None, idot.side_by_side(builder, groups, width), None, True

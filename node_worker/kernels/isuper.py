@@ -2,21 +2,22 @@
 
 llama.cpp's form (ggml-quants' q4_K x q8_K): the activations are quantised per super-block (activations.py's
 quantize_rows_super: xq int8, one scale xd per 256, bs the int16 sums of every 16), and a format's ``isuper``
-gives a super-block of a row as integers, w = d sc q - dmin m: (d, dmin, [(q, sc) per group of G weights],
-m, signed), G = idot.group_bytes() (32, or 64 where the lowering has 512-bit registers: q4k and q6k read two
+gives a super-block of a row as integers, w = d sc q - dmin m: (d, dmin, [group per G weights], m, signed),
+each group a function of the super-block's byte pointer that emits its (q, sc) where the loop calls it,
+G = idot.group_bytes() (32, or 64 where the lowering has 512-bit registers: q4k and q6k read two
 groups at once, the others join two of 32), q unsigned below 64 (or, signed, int8 levels: IQ4_XS, idot.pairs'
 sign trick), sc an integer per 16 values as <G / 2 x i16>, m an integer per 16 values as <16 x i16> (None,
-and dmin None: no offset; the format's OFFSETS says which). Then per row and token, with W = 16 lanes where the lowering has 512-bit
-registers (two groups a call), else 8
+and dmin None: no offset; the format's OFFSETS says which). Then per row and token, with W = 16 lanes where
+the lowering has 512-bit registers (two groups a call), else 8
 
     acc <W x i32>    = sum over the 8 groups of scaled_add(pairs(q, xq), sc)      (idot.py: exact integers)
     mins <8 x i32>   = scaled_add(0, bs, m): the pairs of m * bs added             (exact integers)
-    out <16 x float> += float([acc, its halves added | mins]) * ([d | -dmin] * xd) once per super-block
+    out <8 x float>  += float(acc, its halves added) * (d * xd) - float(mins) * (dmin * xd) once per super-block
     (no offset: out <W x float> += float(acc) * (d * xd))
 
-[d | -dmin] is built once per row and super-block for the tokens, so a token's float work per super-block
-is one conversion, a multiply and an add on one vector, where the float loop (simd.py's dot2r4) spends two
-FMAs on every 32 weights and token and widens every weight. One row by four or eight tokens at a time:
+so a token's float work per super-block is a conversion, a multiply and an add on one vector (two with
+offsets), where the float loop (simd.py's dot2r4) spends two FMAs on every 32 weights and token and widens
+every weight; one vector of float sums per row and token leaves the registers to the integer groups. One row by four or eight tokens at a time:
 each super-block's integers read once for the tokens. (Two rows by four, as dot2r4, keep more vectors live
 than the registers hold.)
 
@@ -30,7 +31,10 @@ than the registers hold.)
 
 The groups' sums go through idot.kept after each group, so LLVM keeps the loop group by group (every
 token's accumulator, then the next group's weights): left alone it makes each token's chain over the eight
-groups a tree, token by token, with all eight groups' weights and scales live, and spills them.
+groups a tree, token by token, with all eight groups' weights and scales live, and spills them. A group's
+weights are emitted where the group is used (the formats' lazy groups), in the format's GROUP_ORDER: emitted
+with the super-block's scales first, the scheduler kept the order and unpacked all 32 groups of a decode
+tile before the first product, spilling them (IQ4_XS: 160 stack accesses a loop step).
 
 Decode takes the same form as llama.cpp does for these types (its q8_K activations): it does less float
 work per row than isimd.py's per-32 loop (a conversion, a scale and a float add per 32 weights and row).
@@ -48,7 +52,7 @@ from numba.extending import intrinsic
 from shm.formats.traits import SUPER_INT_LOOPS
 
 from . import idot
-from .ir import F32, I8, I16, I32, const, splat
+from .ir import F32, I8, I16, I32, const, splat, super_block
 from .loops import FORMATS, byte_ptr, per_format, prefetch_tile, reduce_sum, register_loop, tile
 from .simd import FAST
 
@@ -67,16 +71,6 @@ def _halves_added(builder, v):
     return builder.add(lo, hi)
 
 
-def _row_scales(builder, d, dmin, lanes: int):
-    """<lanes x float>: d in every lane, or (lanes 16, an offset) d in the first 8 and -dmin in the next 8."""
-    if dmin is None:
-        return splat(builder, d, ir.VectorType(F32, lanes))
-    v8 = ir.VectorType(F32, 8)
-    neg = builder.fsub(ir.Constant(F32, 0.0), dmin, flags=FAST)
-    return builder.shuffle_vector(splat(builder, d, v8), splat(builder, neg, v8),
-                                  ir.Constant(ir.VectorType(I32, 16), list(range(16))))
-
-
 def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
     xq, xd, bs = x
     NR, NT = len(rows), len(tok)
@@ -84,7 +78,7 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
     supers = builder.udiv(hidden_v, const(SUPER))
 
     W = G // 4  # lanes of the integer sums
-    A = 16 if fmt.OFFSETS else W  # lanes of the float sums: with offsets, [the integer sums | the offsets]
+    A = 8 if fmt.OFFSETS else W  # lanes of the float sums: with offsets, the integer sums' halves added
     VA = ir.VectorType(F32, A)
 
     def step(s, accs):  # accs [NT * NR] <A x float>, token-major
@@ -92,28 +86,31 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
         blocks = [fmt.isuper(builder, row, s, G) for row in rows]  # each row's super-block once for the tokens
         firsts = [builder.add(builder.mul(t, hidden_v), builder.mul(s, const(SUPER))) for t in tok]
         ints = [ir.Constant(ir.VectorType(I32, W), [0] * W)] * (NT * NR)  # token-major, as accs
-        for j in range(len(blocks[0][2])):  # group by group (of G weights): only its integers live
+        count = len(blocks[0][2])
+        for j in (fmt.GROUP_ORDER if count == len(fmt.GROUP_ORDER) else range(count)):  # group by group (of G
+            # weights): only its integers live; in the order that reads each of the format's runs in adjacent groups
             xvs = [builder.load(builder.bitcast(builder.gep(xq, [builder.add(first, const(G * j))]),
                                                 ir.VectorType(I8, G).as_pointer()), align=1) for first in firsts]
-            groups = [b[2][j] for b in blocks]  # per row: (q, sc)
+            groups = [b[2][j](super_block(builder, row, s, fmt.BLOCK_BYTES))
+                      for b, row in zip(blocks, rows)]  # per row: (q, sc), read here, where the group is used
             ints = idot.kept(builder, [idot.scaled_add(builder, ints[t * NR + r], idot.pairs(
                 builder, groups[r][0], xvs[t], blocks[r][4]), groups[r][1])
                 for t in range(NT) for r in range(NR)])  # group by group (idot.kept)
-        scales = [_row_scales(builder, d, dmin, A) for d, dmin, *_ in blocks]  # per row, once for the tokens
         out = []
         for t in range(NT):
             at = builder.add(builder.mul(tok[t], supers), s)  # the token's super-block s
-            dx = splat(builder, builder.load(builder.gep(xd, [at]), align=4), VA)
+            dx = builder.load(builder.gep(xd, [at]), align=4)
             sums = builder.load(builder.bitcast(builder.gep(bs, [builder.mul(at, const(16))]), V16S.as_pointer()),
                                 align=2) if fmt.OFFSETS else None  # its 16 sums of 16
-            for r, block in enumerate(blocks):
-                sums_int = ints[t * NR + r]
-                if fmt.OFFSETS:  # [the integer sums, halves added | m * bs, pairs added]
-                    offs = idot.scaled_add(builder, ir.Constant(V8I, [0] * 8), sums, block[3])
-                    sums_int = builder.shuffle_vector(_halves_added(builder, sums_int), offs,
-                                                      ir.Constant(ir.VectorType(I32, 16), list(range(16))))
-                out.append(builder.fadd(accs[t * NR + r], builder.fmul(
-                    builder.sitofp(sums_int, VA), builder.fmul(scales[r], dx, flags=FAST), flags=FAST), flags=FAST))
+            for r, (d, dmin, _, m, _) in enumerate(blocks):
+                scaled = lambda v, w: builder.fmul(builder.sitofp(v, VA), splat(  # noqa: E731
+                    builder, builder.fmul(w, dx, flags=FAST), VA), flags=FAST)
+                acc = builder.fadd(accs[t * NR + r], scaled(_halves_added(builder, ints[t * NR + r]) if fmt.OFFSETS
+                                                            else ints[t * NR + r], d), flags=FAST)
+                if fmt.OFFSETS:  # less dmin times the pairs of m * bs
+                    offs = idot.scaled_add(builder, ir.Constant(V8I, [0] * 8), sums, m)
+                    acc = builder.fsub(acc, scaled(offs, dmin), flags=FAST)
+                out.append(acc)
         return out
 
     zero = ir.Constant(VA, [0.0] * A)

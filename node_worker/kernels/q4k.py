@@ -21,6 +21,7 @@ TRAITS = BY_NAME["q4k"]  # its block and bytes
 SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 OFFSETS = True  # w = d sc q - dmin m: the integer loop adds the mins apart (isuper.py)
 GROUPS = TRAITS.block // LANES  # 32-groups a loop step reads: one super-block
+GROUP_ORDER = tuple(range(GROUPS))  # the integer loop's order of the groups (q6k's differs)
 BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 V32 = ir.VectorType(I8, LANES)
 V64 = ir.VectorType(I8, 2 * LANES)
@@ -69,7 +70,7 @@ def _scales_and_mins(builder, packed):
 
 def int_scales(builder, base, quants, width: int = LANES, pair_quants=None):
     """(d, dmin, [(q, sc) for each group of ``width`` weights], m <16 x i16> per 16 values) of a Q4_K or Q5_K
-    super-block at ``base``: q <width x i8>, sc <width / 2 x i16>; its values given by quants(builder, base, j)
+    super-block at ``base``: q <width x i8>, sc <width / 2 x i16>, each group a function of the super-block's byte pointer that emits its (q, sc); its values given by quants(builder, base, j)
     for group j of 32, or, where width is 64, pair_quants(builder, base, j) for groups j and j + 1 at once
     (else two groups of 32 joined)."""
     both = _scales_and_mins(builder, builder.gep(base, [const(4)]))  # [16] u8: sc[0..8), m[0..8)
@@ -77,11 +78,12 @@ def int_scales(builder, base, quants, width: int = LANES, pair_quants=None):
     lanes = lambda idx: ir.Constant(ir.VectorType(I32, len(idx)), idx)  # noqa: E731
     m16 = builder.shuffle_vector(wide, wide, lanes([8 + k // 2 for k in range(16)]))
     if width == 2 * LANES and pair_quants is not None:
-        groups = [(pair_quants(builder, base, j), builder.shuffle_vector(wide, wide, lanes([j] * 16 + [j + 1] * 16)))
-                  for j in range(0, GROUPS, 2)]
+        groups = [lambda at, j=j: (pair_quants(builder, at, j), builder.shuffle_vector(
+            wide, wide, lanes([j] * 16 + [j + 1] * 16))) for j in range(0, GROUPS, 2)]
     else:
-        groups = idot.side_by_side(builder, [(quants(builder, base, j), builder.shuffle_vector(wide, wide, lanes([j] * 16)))
-                                             for j in range(GROUPS)], width)
+        scales = idot.halves_alike(builder, wide)  # [sc | sc]: a group's scale one in-lane shuffle away
+        groups = idot.side_by_side(builder, [lambda at, j=j: (quants(builder, at, j), idot.in_lane_words(
+            builder, scales, [j] * 8 + [8 + j] * 8)) for j in range(GROUPS)], width)
     return half_at(builder, base), half_at(builder, builder.gep(base, [const(2)])), groups, m16, False
 
 

@@ -18,6 +18,7 @@ TRAITS = BY_NAME["q5k"]  # its block and bytes
 SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 OFFSETS = True  # w = d sc q - dmin m
 GROUPS = TRAITS.block // LANES  # 32-groups a loop step reads: one super-block
+GROUP_ORDER = tuple(range(GROUPS))  # the integer loop's order of the groups (q6k's differs)
 BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 
 

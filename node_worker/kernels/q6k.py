@@ -13,6 +13,7 @@ from llvmlite import ir
 
 from shm.formats.traits import BY_NAME
 
+from . import idot
 from .ir import EXACT, F32, I8, I16, I32, LANES, VF, const, half_at, super_block, vec_load
 from .q4k import V32, V64, shift_halves
 
@@ -20,6 +21,7 @@ TRAITS = BY_NAME["q6k"]  # its block and bytes
 SCALED = TRAITS.block > 1  # whole blocks with their scales (f32, bf16: a partial last block read value by value)
 OFFSETS = True  # w = d sc q - d (32 sc): an offset per 16 values
 GROUPS = TRAITS.block // LANES  # 32-groups a loop step reads: one super-block
+GROUP_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # the integer loop's: groups 0 and 2 share a low run, 1 and 3 the next
 BLOCK_BYTES = TRAITS.block_bytes * max(1, LANES // TRAITS.block)  # the row's bytes a loop step: the prefetch's stride
 
 
@@ -76,17 +78,18 @@ def _pair_unsigned(builder, base, g: int):
 
 def isuper(builder, row, s, width: int = LANES):
     """Super-block s for the integer loop (isuper.py): (d, d, [(q, sc)] in groups of ``width`` weights (sc: a
-    16-bit scale per 16 values), 32 sc <16 x i16>, unsigned)."""
+    16-bit scale per 16 values; each group a function of the super-block's byte pointer that emits them), 32 sc <16 x i16>, unsigned)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     scales = vec_load(builder, builder.gep(base, [const(192)]), ir.VectorType(I8, 16))  # [16] int8
     wide = builder.sext(scales, ir.VectorType(I16, 16))
     lanes = lambda idx: ir.Constant(ir.VectorType(I32, len(idx)), idx)  # noqa: E731
     if width == 2 * LANES:
-        groups = [(_pair_unsigned(builder, base, g), builder.shuffle_vector(wide, wide, lanes(
+        groups = [lambda at, g=g: (_pair_unsigned(builder, at, g), builder.shuffle_vector(wide, wide, lanes(
             [k for k in range(2 * g, 2 * g + 4) for _ in range(8)]))) for g in range(0, GROUPS, 2)]
     else:
-        groups = [(_unsigned(builder, base, g), builder.shuffle_vector(wide, wide, lanes([2 * g] * 8 + [2 * g + 1] * 8)))
-                  for g in range(GROUPS)]
+        halves = [idot.halves_alike(builder, wide, h) for h in (0, 1)]  # scales 0-7, 8-15 in both halves
+        groups = [lambda at, g=g: (_unsigned(builder, at, g), idot.in_lane_words(
+            builder, halves[g // 4], [2 * g % 8] * 8 + [8 + (2 * g + 1) % 8] * 8)) for g in range(GROUPS)]
     offsets = builder.shl(wide, ir.Constant(ir.VectorType(I16, 16), [5] * 16))  # |32 sc| <= 4096
     d = half_at(builder, builder.gep(base, [const(208)]))
     return d, d, groups, offsets, False
