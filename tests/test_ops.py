@@ -169,6 +169,39 @@ def test_host_rms_norm_and_top_k_equal_the_numpy_forms():
         np.testing.assert_allclose(weights, want_w, rtol=1e-6, atol=1e-7)
 
 
+def test_host_add_rms_norm_and_norm_rope_are_the_two_calls_they_join(monkeypatch):
+    """host.add_rms_norm (one loop: the residual add and its norm) and host.norm_rope (one loop: each head's
+    qk-norm then RoPE) give the bits of the calls they replace (NumPy's add then rms_norm; rms_norm then
+    apply_rope), and the float64 formulas; a non-contiguous x (the q heads of a fused QKV output) and arrays the
+    loops decline (float64) take the two calls."""
+    calls = []
+    for name in ("add_rms_norm", "norm_rope"):  # the one loop is what runs, not the two calls
+        loop = getattr(host_ops, name)
+        monkeypatch.setattr(host_ops, name, lambda *a, _loop=loop, _name=name: (calls.append(_name), _loop(*a)))
+    h, delta = (rng.standard_normal((3, 64)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(64).astype(np.float32)
+    total, normed = host.add_rms_norm(h, delta, w, 1e-6)
+    assert calls == ["add_rms_norm"]
+    assert np.array_equal(total, h + delta) and np.array_equal(normed, host.rms_norm(h + delta, w, 1e-6))
+    t64 = h.astype(np.float64) + delta
+    np.testing.assert_allclose(normed, t64 / np.sqrt((t64 ** 2).mean(-1, keepdims=True) + 1e-6) * w, rtol=2e-6,
+                               atol=1e-6)
+    total64, normed64 = host.add_rms_norm(h.astype(np.float64), delta, w, 1e-6)  # declined: NumPy's add
+    assert total64.dtype == np.float64 and np.allclose(normed64, normed, atol=1e-5)
+    for hd, d in [(64, 64), (64, 32)]:  # full and partial rotary
+        qkv = rng.standard_normal((4, 5 * hd)).astype(np.float32)
+        q = qkv[:, :3 * hd].reshape(4, 3, hd)  # [T, heads, hd], not contiguous
+        cos, sin = ops.rope_cos_sin(np.arange(7, 11), 10000.0 ** (-np.arange(0, d, 2, dtype=np.float32) / d))
+        wq = rng.standard_normal(hd).astype(np.float32)
+        got = host.norm_rope(q, wq, 1e-6, cos, sin)
+        assert calls[-1] == "norm_rope"
+        assert np.array_equal(got, host.apply_rope(host.rms_norm(np.ascontiguousarray(q), wq, 1e-6), cos, sin))
+        q64 = q.astype(np.float64)
+        want = ops.apply_rope(q64 / np.sqrt((q64 ** 2).mean(-1, keepdims=True) + 1e-6) * wq, cos, sin)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+        assert np.array_equal(host.norm_rope(q, None, 1e-6, cos, sin), host.apply_rope(q, cos, sin))  # no qk-norm
+
+
 def test_host_rope_and_decode_attention_equal_float64():
     """host_ops' rope (full and partial rotary) and few-token GQA attention against the NumPy forms in float64
     (which the compiled path declines): groups of 1, 2 and 8 heads, causal masks with and without a window."""

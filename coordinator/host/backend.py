@@ -52,6 +52,29 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return ops.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float):
+    """(h + delta, its rms_norm) in one loop where h and delta are float32 rows of one shape."""
+    if rows(h, delta, weight) and h.ndim == 2 and h.shape == delta.shape and h.size:
+        total, out = np.empty_like(h), np.empty_like(h)
+        loops.add_rms_norm(h, delta, weight, np.float32(eps), total, out)
+        return total, out
+    total = h + delta
+    return total, rms_norm(total, weight, eps)
+
+
+def norm_rope(x: np.ndarray, weight, eps: float, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """rms_norm of each head by weight, then apply_rope, in one loop where the arrays are float32 rows (x's
+    heads copied contiguous first, as rms_norm does)."""
+    if weight is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 3 and x.size \
+            and rows(weight, cos, sin) and cos.shape[-1] <= x.shape[-1]:
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        out = np.empty_like(x)
+        loops.norm_rope(x, weight, np.float32(eps), cos, sin, out)
+        return out
+    return apply_rope(rms_norm(x, weight, eps) if weight is not None else x, cos, sin)
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """ops.apply_rope through the loop (partial rotary too)."""
     if rows(x, cos, sin) and x.ndim == 3 and cos.shape[-1] <= x.shape[-1]:
@@ -130,6 +153,12 @@ class HostBackend(Backend):
 
     def rms_norm(self, x, weight, eps: float):
         return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h, delta, weight, eps: float):
+        return add_rms_norm(h, delta, weight, eps)
+
+    def norm_rope(self, x, weight, eps: float, cos, sin):
+        return norm_rope(x, weight, eps, cos, sin)
 
     def apply_rope(self, x, cos, sin):
         return apply_rope(x, cos, sin)

@@ -8,6 +8,8 @@ the top-k going to the lower expert id as there. The routers' loop (top_k) is th
 router's twin, bit for bit (coordinator/gpu/router.py).
 
     rms_norm(x [N, D], weight [D], eps, out [N, D])          float32, C-contiguous
+    add_rms_norm(h, delta [N, D], weight, eps, total, out)   total = h + delta, out its rms_norm: one call
+    norm_rope(x [T, heads, hd], weight [hd], eps, cos, sin, out)  each head rms-normed, then rope: one call
     top_k(logits [T, E], bias [E] | NO_BIAS, k, n_group, topk_group, softmax, normalize, scaling,
           ids [T, k], weights [T, k])                        every router: softmax top-k, grouped
     rope(x [T, heads, hd], cos [T, d], sin [T, d], out)       d <= hd; the rest copied
@@ -41,16 +43,60 @@ from node_worker.kernels.silu import exp
 from shm.jit import CACHED
 
 
+@njit(inline="always", **JIT)
+def _rms_row(x, weight, eps, out) -> None:
+    """out [D] = x [D] / sqrt(mean(x^2) + eps) * weight: the sum in float64 (a loop that only adds), then the
+    scaling."""
+    D = x.shape[0]
+    s = 0.0
+    for d in range(D):
+        s += np.float64(x[d]) * x[d]
+    r = np.float32(np.sqrt(np.float32(s / D) + eps))
+    for d in range(D):
+        out[d] = (x[d] / r) * weight[d]
+
+
 @njit(**JIT)
 def rms_norm(x, weight, eps, out) -> None:
-    N, D = x.shape
+    for n in range(x.shape[0]):
+        _rms_row(x[n], weight, eps, out[n])
+
+
+@njit(**JIT)
+def add_rms_norm(h, delta, weight, eps, total, out) -> None:
+    """total = h + delta, out = rms_norm(total): one call where a decode step made two (the add's ufunc and the
+    loop), each a few microseconds of dispatch on caches the layer's weights have just streamed through."""
+    N, D = h.shape
     for n in range(N):
-        s = 0.0
         for d in range(D):
-            s += np.float64(x[n, d]) * x[n, d]
-        r = np.float32(np.sqrt(np.float32(s / D) + eps))
-        for d in range(D):
-            out[n, d] = (x[n, d] / r) * weight[d]
+            total[n, d] = h[n, d] + delta[n, d]
+        _rms_row(total[n], weight, eps, out[n])
+
+
+@njit(inline="always", **JIT)
+def _rope_row(x, cos, sin, out) -> None:
+    """One head [hd] rotated by cos, sin [d] (d <= hd; the rest copied)."""
+    hd = x.shape[0]
+    d = cos.shape[0]
+    half = d // 2
+    for j in range(half):
+        out[j] = x[j] * cos[j] - x[j + half] * sin[j]
+    for j in range(half, d):
+        out[j] = x[j] * cos[j] + x[j - half] * sin[j]
+    for j in range(d, hd):
+        out[j] = x[j]
+
+
+@njit(**JIT)
+def norm_rope(x, weight, eps, cos, sin, out) -> None:
+    """Each head of x [T, heads, hd] rms-normed by weight [hd] (qk-norm), then rotated: one call for rms_norm and
+    rope's two."""
+    T, heads, hd = x.shape
+    normed = np.empty(hd, np.float32)
+    for t in range(T):
+        for h in range(heads):
+            _rms_row(x[t, h], weight, eps, normed)
+            _rope_row(normed, cos[t], sin[t], out[t, h])
 
 
 # The router's loop: no fastmath, so LLVM fuses no multiply into an add and keeps every sum's order: its float32
@@ -222,16 +268,9 @@ def linear_rows_parallel(x, wt, out) -> None:
 @njit(**JIT)
 def rope(x, cos, sin, out) -> None:
     T, heads, hd = x.shape
-    d = cos.shape[1]
-    half = d // 2
     for t in range(T):
         for h in range(heads):
-            for j in range(half):
-                out[t, h, j] = x[t, h, j] * cos[t, j] - x[t, h, j + half] * sin[t, j]
-            for j in range(half, d):
-                out[t, h, j] = x[t, h, j] * cos[t, j] + x[t, h, j - half] * sin[t, j]
-            for j in range(d, hd):
-                out[t, h, j] = x[t, h, j]
+            _rope_row(x[t, h], cos[t], sin[t], out[t, h])
 
 
 @njit(inline="always", **JIT)
@@ -352,8 +391,10 @@ def warm_up() -> None:
     x = np.ones((2, 8), np.float32)
     weight = np.ones(8, np.float32)
     rms_norm(x, weight, np.float32(1e-6), np.empty_like(x))
+    add_rms_norm(x, x, weight, np.float32(1e-6), np.empty_like(x), np.empty_like(x))
     weight.flags.writeable = False  # a checkpoint's norm weights: read-only views of the file, another type
     rms_norm(x, weight, np.float32(1e-6), np.empty_like(x))
+    add_rms_norm(x, x, weight, np.float32(1e-6), np.empty_like(x), np.empty_like(x))
     ids, routed = np.empty((2, 2), np.int64), np.empty((2, 2), np.float32)
     bias = np.zeros(8, np.float32)
     for b in (NO_BIAS, bias):
@@ -365,6 +406,8 @@ def warm_up() -> None:
         loop(x, wt, np.empty((2, 2), np.float32))
     heads = np.ones((2, 2, 8), np.float32)  # [T, heads, hd]
     rope(heads, x, x, np.empty_like(heads))
+    for w in (np.ones(8, np.float32), weight):  # a norm's weight writable (a test's) and read-only (a file's)
+        norm_rope(heads, w, np.float32(1e-6), x, x, np.empty_like(heads))
     mask = np.ones((2, 2), np.bool_)  # [T, S]
     out = np.empty((2, 16), np.float32)
     for loop in (gqa_attention, gqa_attention_parallel):
