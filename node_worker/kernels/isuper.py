@@ -34,7 +34,8 @@ token's accumulator, then the next group's weights): left alone it makes each to
 groups a tree, token by token, with all eight groups' weights and scales live, and spills them. A group's
 weights are emitted where the group is used (the formats' lazy groups), in the format's GROUP_ORDER: emitted
 with the super-block's scales first, the scheduler kept the order and unpacked all 32 groups of a decode
-tile before the first product, spilling them (IQ4_XS: 160 stack accesses a loop step).
+tile before the first product, spilling them (IQ4_XS: 160 stack accesses a loop step). Q4_K and Q5_K read
+their nibbles up front all the same (q4k.int_scales says why).
 
 Decode takes the same form as llama.cpp does for these types (its q8_K activations): it does less float
 work per row than isimd.py's per-32 loop (a conversion, a scale and a float add per 32 weights and row).
