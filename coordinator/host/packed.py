@@ -35,6 +35,7 @@ from shm.expert_store import aligned_buffer
 from shm.formats import traits
 from shm.formats.encode import encode_into
 from shm.huge_pages import advised_copy, advised_empty
+from shm.jit_entry import entry_point
 
 from . import ops as host_ops
 
@@ -126,19 +127,22 @@ class PackedMatrix(_StandsForArray):
         R, K = self.shape
         if type(x) is np.ndarray and x.shape == (1, K) and x.dtype == np.float32 and x.flags.c_contiguous:
             out = np.empty((1, R), np.float32)  # a decode step's row: the one-row loop, bound once
-            (self._one_row or self._bind_one_row())(x, out)
+            (self._one_row or self._bind_one_row(x, out))(x, out)
             return out
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         return self._product(x2, x2.shape[0]).reshape(*x.shape[:-1], R)
 
-    def _bind_one_row(self):
-        """The loop _product takes for one row, its matrix arguments bound: (x [1, K], out [1, R]) -> None."""
+    def _bind_one_row(self, x: np.ndarray, out: np.ndarray):
+        """The loop _product takes for one row, its matrix arguments bound: (x [1, K], out [1, R]) -> None, x and
+        out float32 C-contiguous as these (matmul_t checks x; out it makes): the compiled entry point for their
+        types, called without numba's dispatch (shm/jit_entry.py)."""
         R, K = self.shape
         if self.grouped:
-            self._one_row = functools.partial(rows8.matmul_groups, self.kernels, self.data, R, K)
+            loop, bound = rows8.matmul_groups, (self.kernels, self.data, R, K)
         else:
             loop = dense.matmul_tokens_int if self.int_act and self.fmt_id in SUPER_IDS else dense.matmul_rows
-            self._one_row = functools.partial(loop, self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K)
+            bound = (self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K)
+        self._one_row = functools.partial(entry_point(loop, bound + (x, out)), *bound)
         return self._one_row
 
     def _product(self, x2: np.ndarray, T: int) -> np.ndarray:
@@ -199,6 +203,7 @@ class RowExactMatrix(_StandsForArray):
     def __init__(self, w: np.ndarray):
         self.wt = np.ascontiguousarray(np.asarray(w, np.float32).T)  # [K, R]: linear_rows' form, a copy
         self.shape = w.shape
+        self._one_row = None  # decode's linear_rows (x [1, K], wt, out [1, R]): its entry point, taken once
 
     @property
     def nbytes(self) -> int:
@@ -209,6 +214,11 @@ class RowExactMatrix(_StandsForArray):
         R, K = self.shape
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         out = np.empty((x2.shape[0], R), np.float32)
+        if x2.shape[0] == 1 and R * K < PARALLEL_ROWS_MACS:  # decode's row, without numba's dispatch
+            if self._one_row is None:
+                self._one_row = entry_point(host_ops.linear_rows, (x2, self.wt, out))
+            self._one_row(x2, self.wt, out)
+            return out.reshape(*x.shape[:-1], R)
         loop = host_ops.linear_rows_parallel if x2.shape[0] * R * K >= PARALLEL_ROWS_MACS else host_ops.linear_rows
         loop(x2, self.wt, out)
         return out.reshape(*x.shape[:-1], R)
