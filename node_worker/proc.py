@@ -35,8 +35,9 @@ from pathlib import Path
 import zmq
 
 from shm import compile_log, doorbell, pool_io, segments
-from shm.interrupts import deferred
 from shm.gguf_checkpoint import open_checkpoint
+from shm.interrupts import deferred
+from shm.jit_entry import entry_point
 from shm.node_store import open_node_store
 from shm.placement import segment_placement
 from shm.plan import plan_from_dict
@@ -132,6 +133,7 @@ class WorkerProcess:
         self.spin_s = job.spin_us / 1e6
         self.poll_timespec = doorbell.timespec(POLL_S)  # the longest sleep of compute_answer_sleep
         self.team, self.answer_and_sleep = 1, False  # set in start(), once the node's threads are known
+        self.answer_call = None  # compute_answer_sleep's entry point for its arguments' types (shm/jit_entry.py)
         self.handlers = {P.MemBw: self.on_membw}  # the socket's requests; layers come through the data path
 
     def send(self, frames: list) -> None:
@@ -199,15 +201,17 @@ class WorkerProcess:
                                               out=io.y[k])
                 if self.answer_and_sleep:
                     seen = io.my_bell_count(k)  # before the answer: the next request's ring comes after it
-                    bytes_read = compute_answer_sleep(*args, io.node_lines[k], seq, received, started,
-                                                      io.coordinator_bell, io.bell_address(k), seen,
-                                                      self.poll_timespec.ctypes.data, self.team)
+                    every = args + (io.node_lines[k], seq, received, started, io.coordinator_bell, io.bell_address(k),
+                                    seen, self.poll_timespec.ctypes.data, self.team)
+                    self.answer_call = self.answer_call or entry_point(compute_answer_sleep, every)  # fixed types
+                    bytes_read = self.answer_call(*every)
                     if bytes_read >= 0:
                         self.worker.count(layer, bytes_read, T)
                         self.done_seq = seq
                         return
                 else:
-                    bytes_read = layer_moe(*args)
+                    self.worker.layer_call = self.worker.layer_call or entry_point(layer_moe, args)
+                    bytes_read = self.worker.layer_call(*args)
                 compute_ns = time.monotonic_ns() - started
                 if bytes_read < 0:
                     problem = self.worker.routing_error(bytes_read, T)

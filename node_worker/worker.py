@@ -24,6 +24,7 @@ import numpy as np
 
 from shm import formats
 from shm.expert_source import ExpertSlice
+from shm.jit_entry import entry_point
 
 from .kernels.kernel_set import KernelSet, compiled_cover, for_formats
 from .kernels.layer import ROUTING_ERRORS, layer_moe, warm_up
@@ -65,6 +66,7 @@ class NodeWorker:
         self.cpus = list(cpus or [])
         self.num_experts = num_experts or max((e for _, e in store.offsets), default=-1) + 1
         self.bytes_read = 0  # expert weight bytes touched, for the benchmark
+        self.layer_call = None  # layer_moe's entry point for layer_args' types, taken at the first layer (jit_entry)
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> expert offsets [E, 3], rows [E]
         warm_up(self.kernels)  # loaded from the disk cache (or compiled) now, not in the first request
 
@@ -97,7 +99,8 @@ class NodeWorker:
                 out: np.ndarray | None = None) -> np.ndarray:
         """This node's partial output Y_n [T, H] for the routed pairs (``out[:T]`` when given): layer_args'."""
         args = self.layer_args(layer, x, tokens, experts, weights, out)
-        self.count(layer, layer_moe(*args), args[3].shape[0])
+        self.layer_call = self.layer_call or entry_point(layer_moe, args)  # layer_args fixes every type
+        self.count(layer, self.layer_call(*args), args[3].shape[0])
         return args[9]
 
     def count(self, layer: int, nbytes: int, rows: int) -> None:
