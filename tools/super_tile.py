@@ -7,8 +7,8 @@
 Each format's rows are valid random blocks of its GGUF type (tools/kernel_bench.py's stored_rows), --rows of them
 (256 rows of 2048 keep a Q6_K matrix in a Zen 3 core's 512 KiB L2), so the figure is the loop's arithmetic:
 ns a super-block row (256 weights of one row), the best of --trials runs (a shared host's noise only adds).
---asm: for each format's main loop (the loop of 32 vpmaddubsw: four rows by eight groups, on AVX2) its instructions and stack references a loop step, and llvm-mca's cycles a step on the host's
-CPU where llvm-mca is on the PATH.
+--asm: for each format's main loop (the loop of 32 vpmaddubsw: four rows by eight groups, on AVX2) its instructions
+and stack references a loop step, and llvm-mca's cycles a step on the host's CPU where llvm-mca is on the PATH.
 """
 
 from __future__ import annotations

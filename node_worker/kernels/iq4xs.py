@@ -82,11 +82,11 @@ def _int_scales(builder, base):
     pairs (16 bits) by its own count, where one group at a time costs some ten scalar operations a group."""
     v8 = ir.VectorType(I32, 8)
     word = lambda ptr, ty: builder.zext(builder.load(builder.bitcast(ptr, ty.as_pointer()), align=1), I32)  # noqa: E731
-    low = builder.lshr(splat(builder, word(builder.gep(base, [const(4)]), I32), v8), ir.Constant(v8, [4 * j for j in range(8)]))
-    high = builder.lshr(splat(builder, word(builder.gep(base, [const(2)]), I16), v8), ir.Constant(v8, [2 * j for j in range(8)]))
-    scales = builder.sub(builder.or_(builder.and_(low, ir.Constant(v8, [15] * 8)),
-                                     builder.shl(builder.and_(high, ir.Constant(v8, [3] * 8)), ir.Constant(v8, [4] * 8))),
-                         ir.Constant(v8, [32] * 8))
+    lanes = lambda values: ir.Constant(v8, list(values))  # noqa: E731
+    low = builder.lshr(splat(builder, word(builder.gep(base, [const(4)]), I32), v8), lanes(4 * j for j in range(8)))
+    high = builder.lshr(splat(builder, word(builder.gep(base, [const(2)]), I16), v8), lanes(2 * j for j in range(8)))
+    scales = builder.sub(builder.or_(builder.and_(low, lanes([15] * 8)),
+                                     builder.shl(builder.and_(high, lanes([3] * 8)), lanes([4] * 8))), lanes([32] * 8))
     narrow = builder.trunc(scales, ir.VectorType(I16, 8))
     return builder.shuffle_vector(narrow, narrow, ir.Constant(ir.VectorType(I32, 16), list(range(8)) * 2))
 

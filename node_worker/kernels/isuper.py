@@ -15,11 +15,11 @@ the lowering has 512-bit registers (two groups a call), else 8
     out <8 x float>  += float(acc, its halves added) * (d * xd) - float(mins) * (dmin * xd) once per super-block
     (no offset: out <W x float> += float(acc) * (d * xd))
 
-so a token's float work per super-block is a conversion, a multiply and an add on one vector (two with
-offsets), where the float loop (simd.py's dot2r4) spends two FMAs on every 32 weights and token and widens
-every weight; one vector of float sums per row and token leaves the registers to the integer groups. One row by four or eight tokens at a time:
-each super-block's integers read once for the tokens. (Two rows by four, as dot2r4, keep more vectors live
-than the registers hold.)
+so a token's float work per super-block is a conversion, a multiply and an add on one vector (two with offsets),
+where the float loop (simd.py's dot2r4) spends two FMAs on every 32 weights and token and widens every weight; one
+vector of float sums per row and token leaves the registers to the integer groups. One row by four or eight tokens
+at a time: each super-block's integers read once for the tokens. (Two rows by four, as dot2r4, keep more vectors
+live than the registers hold.)
 
     dot1r4s(ks, fmt, data, o, row_step, hidden, xq, xd, bs, t0, out, col)      (dot1r8s, 1r3s, 1r2s: t < 8, 3, 2)
         out[t0 + t, col] = x'[t0 + t] . the row at byte o, t < 4, with x' = xd (.) xq the quantised

@@ -70,9 +70,9 @@ def _scales_and_mins(builder, packed):
 
 def int_scales(builder, base, quants, width: int = LANES, pair_quants=None):
     """(d, dmin, [(q, sc) for each group of ``width`` weights], m <16 x i16> per 16 values) of a Q4_K or Q5_K
-    super-block at ``base``: q <width x i8>, sc <width / 2 x i16>, each group a function of the super-block's byte pointer that emits its (q, sc); its values given by quants(builder, base, j)
-    for group j of 32, or, where width is 64, pair_quants(builder, base, j) for groups j and j + 1 at once
-    (else two groups of 32 joined)."""
+    super-block at ``base``: q <width x i8>, sc <width / 2 x i16>, each group a function of the super-block's
+    byte pointer that emits its (q, sc); its values given by quants(builder, base, j) for group j of 32, or, where
+    width is 64, pair_quants(builder, base, j) for groups j and j + 1 at once (else two groups of 32 joined)."""
     both = _scales_and_mins(builder, builder.gep(base, [const(4)]))  # [16] u8: sc[0..8), m[0..8)
     wide = builder.zext(both, ir.VectorType(I16, 16))
     lanes = lambda idx: ir.Constant(ir.VectorType(I32, len(idx)), idx)  # noqa: E731

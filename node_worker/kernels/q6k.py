@@ -78,7 +78,8 @@ def _pair_unsigned(builder, base, g: int):
 
 def isuper(builder, row, s, width: int = LANES):
     """Super-block s for the integer loop (isuper.py): (d, d, [(q, sc)] in groups of ``width`` weights (sc: a
-    16-bit scale per 16 values; each group a function of the super-block's byte pointer that emits them), 32 sc <16 x i16>, unsigned)."""
+    16-bit scale per 16 values; each group a function of the super-block's byte pointer that emits them),
+    32 sc <16 x i16>, unsigned)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     scales = vec_load(builder, builder.gep(base, [const(192)]), ir.VectorType(I8, 16))  # [16] int8
     wide = builder.sext(scales, ir.VectorType(I16, 16))
