@@ -46,7 +46,6 @@ from . import answer, kernel_threads
 from . import protocol as P
 from .answer import compute_answer_sleep
 from .job import JobError, WorkerJob
-from .kernels.layer import layer_moe
 from .membw import read_bandwidth
 from .worker import NodeWorker
 
@@ -210,8 +209,7 @@ class WorkerProcess:
                         self.done_seq = seq
                         return
                 else:
-                    self.worker.layer_call = self.worker.layer_call or entry_point(layer_moe, args)
-                    bytes_read = self.worker.layer_call(*args)
+                    bytes_read = self.worker.run_layer(args)
                 compute_ns = time.monotonic_ns() - started
                 if bytes_read < 0:
                     problem = self.worker.routing_error(bytes_read, T)

@@ -99,9 +99,14 @@ class NodeWorker:
                 out: np.ndarray | None = None) -> np.ndarray:
         """This node's partial output Y_n [T, H] for the routed pairs (``out[:T]`` when given): layer_args'."""
         args = self.layer_args(layer, x, tokens, experts, weights, out)
-        self.layer_call = self.layer_call or entry_point(layer_moe, args)  # layer_args fixes every type
-        self.count(layer, self.layer_call(*args), args[3].shape[0])
+        self.count(layer, self.run_layer(args), args[3].shape[0])
         return args[9]
+
+    def run_layer(self, args: tuple) -> int:
+        """layer_moe(*args) for layer_args' args, through the entry point bound at the first layer (layer_args
+        fixes every argument's type)."""
+        self.layer_call = self.layer_call or entry_point(layer_moe, args)
+        return self.layer_call(*args)
 
     def count(self, layer: int, nbytes: int, rows: int) -> None:
         """layer_moe's answer: the expert bytes it read, or the routing error it found (ValueError)."""

@@ -1,12 +1,12 @@
 """A jitted function's compiled entry point for one set of argument types: calls that skip numba's dispatch.
 
 numba's dispatcher types every argument of every call (typeof) and looks the types up among its compiled
-overloads before it runs the code: about 2.6 us of a 5.2 us call of dense.matmul_rows on a 64 x 64 matrix (nine
-arguments, the 2-vCPU AMD EPYC host), where a decode step calls the dense kernels some twenty times a token. A
-caller whose arguments keep their types (a packed matrix's one-row product: its own arrays bound, a float32
+overloads before it runs the code: half of a small matrix's one-row product (docs/benchmarks.md, "Kernel calls
+through their entry point"), where a decode step calls the dense kernels some twenty times a token. A caller
+whose arguments keep their types (a packed matrix's one-row product: its own arrays bound, a float32
 C-contiguous row in and out) takes the entry point once and calls it directly. What costs is the kernel set's
 type (kernel_set.KernelSet, typed in Python) and the count of arguments: a call of arrays and scalars alone is
-typed in C (host/ops.py's rms_norm, four arguments: 0.9 us a call either way, so those keep the dispatcher).
+typed in C, as fast as the entry point (host/ops.py's loops keep the dispatcher).
 
     entry_point(dispatcher, args) -> callable      the compiled code for args' types (loaded from numba's disk
                                                    cache or compiled, as a first call would); call it with

@@ -117,13 +117,13 @@ def joined(builder, a, b):
 
 def side_by_side(builder, groups, width: int):
     """Groups of 32 as groups of ``width`` weights (group_bytes: 32, or 64 joined two by two); each group a
-    function of the super-block's byte pointer that emits its (q, sc) where it is called (isuper.py)."""
+    function that emits its (q, sc) where it is called (isuper.py)."""
     if width == LANES:
         return groups
 
     def pair(g0, g1):
-        def emit(base):
-            (q0, sc0), (q1, sc1) = g0(base), g1(base)
+        def emit():
+            (q0, sc0), (q1, sc1) = g0(), g1()
             return joined(builder, q0, q1), joined(builder, sc0, sc1)
         return emit
 
@@ -132,8 +132,8 @@ def side_by_side(builder, groups, width: int):
 
 def in_lane_words(builder, v, picks, lowering: str | None = None):
     """<16 x i16>: lane k = v[picks[k]] of a <16 x i16> v, each pick within its own 128-bit half (lanes 0-7 from
-    0-7, lanes 8-15 from 8-15): one vpshufb on x86 (a broadcast of one word to a ymm is a vpshufd or shift and
-    then vpbroadcastw, three uops on Zen 3), a shufflevector elsewhere. The super-block loops' per-group scales."""
+    0-7, lanes 8-15 from 8-15): one vpshufb on x86 (LLVM lowers a broadcast of one word to a vpshufd or a shift
+    and then a vpbroadcastw), a shufflevector elsewhere. The super-block loops' per-group scales."""
     assert all((k < 8) == (p < 8) for k, p in enumerate(picks)), "each pick within its own half"
     if (lowering or host_lowering()) not in ("avx2", "vnni", "vnni512"):
         return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), list(picks)))

@@ -105,14 +105,14 @@ def group(builder, row, s, j: int):
 
 def isuper(builder, row, s, width: int = LANES):
     """Super-block s for the integer loop (isuper.py): (d, no offset, [(levels, ls - 32 as <16 x i16>)] in
-    groups of ``width`` weights, each a function of the super-block's byte pointer that emits them, signed
+    groups of ``width`` weights, each a function that emits them, signed
     levels)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     scales = _int_scales(builder, base)
 
     def group_at(j: int):
-        def emit(at):
-            return levels(builder, _indices(builder, at, j)), idot.in_lane_words(builder, scales, [j] * 8 + [8 + j] * 8)
+        def emit():
+            return levels(builder, _indices(builder, base, j)), idot.in_lane_words(builder, scales, [j] * 8 + [8 + j] * 8)
         return emit
 
     groups = [group_at(j) for j in range(GROUPS)]

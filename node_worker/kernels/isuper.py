@@ -3,7 +3,7 @@
 llama.cpp's form (ggml-quants' q4_K x q8_K): the activations are quantised per super-block (activations.py's
 quantize_rows_super: xq int8, one scale xd per 256, bs the int16 sums of every 16), and a format's ``isuper``
 gives a super-block of a row as integers, w = d sc q - dmin m: (d, dmin, [group per G weights], m, signed),
-each group a function of the super-block's byte pointer that emits its (q, sc) where the loop calls it,
+each group a function that emits its (q, sc) where the loop calls it,
 G = idot.group_bytes() (32, or 64 where the lowering has 512-bit registers: q4k and q6k read two
 groups at once, the others join two of 32), q unsigned below 64 (or, signed, int8 levels: IQ4_XS, idot.pairs'
 sign trick), sc an integer per 16 values as <G / 2 x i16>, m an integer per 16 values as <16 x i16> (None,
@@ -34,7 +34,7 @@ token's accumulator, then the next group's weights): left alone it makes each to
 groups a tree, token by token, with all eight groups' weights and scales live, and spills them. A group's
 weights are emitted where the group is used (the formats' lazy groups), in the format's GROUP_ORDER: emitted
 with the super-block's scales first, the scheduler kept the order and unpacked all 32 groups of a decode
-tile before the first product, spilling them (IQ4_XS: 160 stack accesses a loop step). Q4_K and Q5_K read
+tile before the first product, and spilled them (docs/benchmarks.md has the counts). Q4_K and Q5_K read
 their nibbles up front all the same (q4k.int_scales says why).
 
 Decode takes the same form as llama.cpp does for these types (its q8_K activations): it does less float
@@ -53,7 +53,7 @@ from numba.extending import intrinsic
 from shm.formats.traits import SUPER_INT_LOOPS
 
 from . import idot
-from .ir import F32, I8, I16, I32, const, splat, super_block
+from .ir import F32, I8, I16, I32, const, splat
 from .loops import FORMATS, byte_ptr, per_format, prefetch_tile, reduce_sum, register_loop, tile
 from .simd import FAST
 
@@ -92,8 +92,7 @@ def _emit(builder, fmt, rows, row_step, x, hidden_v, tok, dests) -> None:
             # weights): only its integers live; in the order that reads each of the format's runs in adjacent groups
             xvs = [builder.load(builder.bitcast(builder.gep(xq, [builder.add(first, const(G * j))]),
                                                 ir.VectorType(I8, G).as_pointer()), align=1) for first in firsts]
-            groups = [b[2][j](super_block(builder, row, s, fmt.BLOCK_BYTES))
-                      for b, row in zip(blocks, rows)]  # per row: (q, sc), read here, where the group is used
+            groups = [b[2][j]() for b in blocks]  # per row: (q, sc), emitted here, where the group is used
             ints = idot.kept(builder, [idot.scaled_add(builder, ints[t * NR + r], idot.pairs(
                 builder, groups[r][0], xvs[t], blocks[r][4]), groups[r][1])
                 for t in range(NT) for r in range(NR)])  # group by group (idot.kept)

@@ -70,23 +70,23 @@ def _scales_and_mins(builder, packed):
 
 def int_scales(builder, base, quants, width: int = LANES, pair_quants=None):
     """(d, dmin, [(q, sc) for each group of ``width`` weights], m <16 x i16> per 16 values) of a Q4_K or Q5_K
-    super-block at ``base``: q <width x i8>, sc <width / 2 x i16>, each group a function of the super-block's
-    byte pointer that emits its (q, sc); its values given by quants(builder, base, j) for group j of 32, or, where
+    super-block at ``base``: q <width x i8>, sc <width / 2 x i16>, each group a function that emits its
+    (q, sc); its values given by quants(builder, base, j) for group j of 32, or, where
     width is 64, pair_quants(builder, base, j) for groups j and j + 1 at once (else two groups of 32 joined)."""
     both = _scales_and_mins(builder, builder.gep(base, [const(4)]))  # [16] u8: sc[0..8), m[0..8)
     wide = builder.zext(both, ir.VectorType(I16, 16))
     lanes = lambda idx: ir.Constant(ir.VectorType(I32, len(idx)), idx)  # noqa: E731
     m16 = builder.shuffle_vector(wide, wide, lanes([8 + k // 2 for k in range(16)]))
     if width == 2 * LANES and pair_quants is not None:
-        groups = [lambda at, j=j: (pair_quants(builder, at, j), builder.shuffle_vector(
+        groups = [lambda j=j: (pair_quants(builder, base, j), builder.shuffle_vector(
             wide, wide, lanes([j] * 16 + [j + 1] * 16))) for j in range(0, GROUPS, 2)]
     else:
         scales = idot.halves_alike(builder, wide)  # [sc | sc]: a group's scale one in-lane shuffle away
         # The nibbles read up front, two groups a run: emitted where each group is used (isuper's lazy groups),
-        # the loop's speed hung on what else its function compiled (8.6 ns a super-block row beside q6k's loop,
-        # 10.7 alone, tools/super_tile.py); up front it is 8.8-9.2 either way.
+        # the loop's speed hung on what else its function compiled (docs/benchmarks.md, "isuper: groups emitted
+        # where they are used").
         eager = [quants(builder, base, j) for j in range(GROUPS)]
-        groups = idot.side_by_side(builder, [lambda at, j=j: (eager[j], idot.in_lane_words(
+        groups = idot.side_by_side(builder, [lambda j=j: (eager[j], idot.in_lane_words(
             builder, scales, [j] * 8 + [8 + j] * 8)) for j in range(GROUPS)], width)
     return half_at(builder, base), half_at(builder, builder.gep(base, [const(2)])), groups, m16, False
 

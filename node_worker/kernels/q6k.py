@@ -78,18 +78,18 @@ def _pair_unsigned(builder, base, g: int):
 
 def isuper(builder, row, s, width: int = LANES):
     """Super-block s for the integer loop (isuper.py): (d, d, [(q, sc)] in groups of ``width`` weights (sc: a
-    16-bit scale per 16 values; each group a function of the super-block's byte pointer that emits them),
+    16-bit scale per 16 values; each group a function that emits them),
     32 sc <16 x i16>, unsigned)."""
     base = super_block(builder, row, s, BLOCK_BYTES)
     scales = vec_load(builder, builder.gep(base, [const(192)]), ir.VectorType(I8, 16))  # [16] int8
     wide = builder.sext(scales, ir.VectorType(I16, 16))
     lanes = lambda idx: ir.Constant(ir.VectorType(I32, len(idx)), idx)  # noqa: E731
     if width == 2 * LANES:
-        groups = [lambda at, g=g: (_pair_unsigned(builder, at, g), builder.shuffle_vector(wide, wide, lanes(
+        groups = [lambda g=g: (_pair_unsigned(builder, base, g), builder.shuffle_vector(wide, wide, lanes(
             [k for k in range(2 * g, 2 * g + 4) for _ in range(8)]))) for g in range(0, GROUPS, 2)]
     else:
         halves = [idot.halves_alike(builder, wide, h) for h in (0, 1)]  # scales 0-7, 8-15 in both halves
-        groups = [lambda at, g=g: (_unsigned(builder, at, g), idot.in_lane_words(
+        groups = [lambda g=g: (_unsigned(builder, base, g), idot.in_lane_words(
             builder, halves[g // 4], [2 * g % 8] * 8 + [8 + (2 * g + 1) % 8] * 8)) for g in range(GROUPS)]
     offsets = builder.shl(wide, ir.Constant(ir.VectorType(I16, 16), [5] * 16))  # |32 sc| <= 4096
     d = half_at(builder, builder.gep(base, [const(208)]))
