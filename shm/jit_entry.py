@@ -11,12 +11,21 @@ typed in C, as fast as the entry point (host/ops.py's loops keep the dispatcher)
     entry_point(dispatcher, args) -> callable      the compiled code for args' types (loaded from numba's disk
                                                    cache or compiled, as a first call would); call it with
                                                    arguments of exactly those types
+    entry_point(dispatcher, args, literal=(i, ...))
+                                                   args[i] typed as its literal value: the code compiled for that
+                                                   value alone, numba pruning the branches it rules out (a
+                                                   matrix's loop kind in coordinator/host/blocks.py)
 """
 
 from __future__ import annotations
 
 
-def entry_point(dispatcher, args: tuple):
+from numba.core import types
+
+
+def entry_point(dispatcher, args: tuple, literal: tuple = ()):
     """The entry point of ``dispatcher``'s overload for the types of ``args`` (Dispatcher.compile returns it,
-    compiling or loading it first where this process has not yet)."""
-    return dispatcher.compile(tuple(dispatcher.typeof_pyval(a) for a in args))
+    compiling or loading it first where this process has not yet); the positions in ``literal`` typed as their
+    values."""
+    return dispatcher.compile(tuple(types.literal(a) if i in literal else dispatcher.typeof_pyval(a)
+                                    for i, a in enumerate(args)))

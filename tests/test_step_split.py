@@ -40,26 +40,31 @@ def test_the_split_of_decode_steps_adds_up_to_the_step_and_counts_the_bytes_read
     assert split["tokens"] == 6
     parts = split["parts"]
     assert list(parts) == list(step_split.PARTS)
-    assert all(p["us"] > 0 for p in parts.values())
+    # every layer's attention half in its block (host/blocks.py): the separate attention calls never run
+    blocks = [b for b in engine.decoder.blocks if b is not None]
+    assert len(blocks) == engine.model_config.num_layers and parts["attention"]["us"] == 0
+    assert all(p["us"] > 0 for name, p in parts.items() if name != "attention")
     assert sum(p["us"] for p in parts.values()) + split["overhead_us"] + split["wrappers_us"] == pytest.approx(
         split["step_us"])
-    # every packed dense matrix once a token: the step's attention projections, the dense MLPs, the lm_head
+    # every packed dense matrix once a token: the blocks' attention projections, the dense MLPs, the lm_head
     dense = {id(getattr(o, n)): getattr(o, n) for o, n in dense_matrices(engine.decoder.w) if getattr(o, n) is not None}
     assert all(isinstance(m, PackedMatrix) for m in dense.values())
-    assert parts["dense"]["mb"] == pytest.approx(sum(m.nbytes for m in dense.values()) / 1e6)
+    in_blocks = sum(b.matrix_bytes for b in blocks)
+    assert parts["dense"]["mb"] == pytest.approx((sum(m.nbytes for m in dense.values()) - in_blocks) / 1e6)
     cfg = engine.model_config  # the keys and values of positions len(prompt) + 1 .. + 6, once a step
-    assert parts["attention"]["mb"] == pytest.approx(
-        np.arange(len(prompt) + 1, len(prompt) + 7).mean() * cfg.kv_bytes_per_token / 1e6)
+    kv = np.arange(len(prompt) + 1, len(prompt) + 7).mean() * cfg.kv_bytes_per_token
+    assert parts["attention block"]["mb"] == pytest.approx((in_blocks + kv) / 1e6)
+    assert parts["attention"]["mb"] == pytest.approx(0)
     assert parts["experts"]["mb"] > 0 and parts["experts"]["gb_per_s"] > 0
     assert split["overhead_per_layer_us"] == pytest.approx(split["overhead_us"] / cfg.num_layers)
 
 
 def test_the_wrappers_are_gone_after_the_split(engine):
     before = (PackedMatrix.matmul_t, RowExactMatrix.matmul_t, Sampler.choose, EagerStep.attend,
-              step_split.decoder_module.linear_attention.layer)
+              EagerStep.attention_block, step_split.decoder_module.linear_attention.layer)
     step_split.measure(engine, [5, 6, 7], 2)
     after = (PackedMatrix.matmul_t, RowExactMatrix.matmul_t, Sampler.choose, EagerStep.attend,
-             step_split.decoder_module.linear_attention.layer)
+             EagerStep.attention_block, step_split.decoder_module.linear_attention.layer)
     assert after == before
     for owner in (engine.decoder.backend, engine.decoder.pool):
         assert not set(vars(owner)) & {*step_split.NORM_CALLS, *step_split.ATTENTION_CALLS, "submit", "collect"}

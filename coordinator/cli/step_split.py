@@ -11,6 +11,10 @@ A profiled decode, after the bench's timed rounds, wraps the calls each part is 
                 bytes: each matrix once a call
     attention   the step's attend (the cache's append and the attention kernel), MLA's and the Gated DeltaNet's
                 cores; bytes: the KV cache read, every position's keys and values once a token
+    attention block
+                the host's joined call for a decode token's attention half (host/blocks.py: q, k, v and o
+                projections, qk-norm, RoPE, the attention, the residual add and norm); bytes: its four matrices
+                and the keys and values it reads (not counted again under attention)
     norms, router, sampling
                 the backend's norms, RoPE, activations and top-k, the routers' products, the sampler
     overhead    the decode wall less the parts and less the wrappers' own cost (measured): the Python between the
@@ -33,7 +37,7 @@ from ..model import decoder as decoder_module
 from ..model.sampling import Sampler
 from ..model.step import EagerStep
 
-PARTS = ("experts", "dense", "attention", "norms, router, sampling")
+PARTS = ("experts", "dense", "attention", "attention block", "norms, router, sampling")
 NORM_CALLS = ("rms_norm", "add_rms_norm", "norm_rope", "apply_rope", "apply_rope_interleaved", "sigmoid", "route")
 ATTENTION_CALLS = ("mla_attention", "mla_attention_absorbed")
 
@@ -45,12 +49,24 @@ class PartTimer:
         self.ns: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls = 0
+        self.kv_in_blocks = 0  # the keys and values the attention blocks read (block_bytes)
         self._nested = [0]  # per open call: the time of the wrapped calls inside it
 
     def reset(self) -> None:
         self.ns.clear()
         self.bytes.clear()
         self.calls = 0
+        self.kv_in_blocks = 0
+
+    def block_bytes(self, args) -> int:
+        """EagerStep.attention_block's bytes (step, layer, block, ...): the block's matrices and the keys and values
+        it reads, where the pass is the one row it takes; the keys' and values' kept apart (kv_in_blocks)."""
+        step, block = args[0], args[2]
+        if step.batch.rows != 1:
+            return 0
+        kv = (step.batch.seqs[0][1].length + 1) * block.kv_row_bytes
+        self.kv_in_blocks += kv
+        return block.matrix_bytes + kv
 
     def wrap(self, part: str, fn, nbytes=None):
         """fn timed into ``part``; ``nbytes(args)``: the bytes one call reads."""
@@ -105,6 +121,7 @@ def wrapped(timer: PartTimer, decoder):
     for name in ATTENTION_CALLS:
         patch(b, name, "attention")
     patch(EagerStep, "attend", "attention")
+    patch(EagerStep, "attention_block", "attention block", timer.block_bytes)
     patch(decoder_module.linear_attention, "layer", "attention")
     patch(decoder.pool, "submit", "experts")
     patch(decoder.pool, "collect", "experts")
@@ -147,7 +164,7 @@ def measure(eng, prompt: list[int], tokens: int) -> dict | None:
     timer.bytes["experts"] = cpu_loads * eng.cpu_expert_bytes() + dev_loads * eng.device_expert_bytes()
     cfg = eng.model_config
     contexts = np.arange(len(prompt) + 1, len(prompt) + 1 + steps)  # the keys each decode step reads
-    timer.bytes["attention"] = int(contexts.sum()) * cfg.kv_bytes_per_token
+    timer.bytes["attention"] = int(contexts.sum()) * cfg.kv_bytes_per_token - timer.kv_in_blocks
     parts = {}
     for part in PARTS:
         us = timer.ns[part] / steps / 1e3

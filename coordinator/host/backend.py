@@ -16,6 +16,7 @@ from ..model.backend import Backend, Loaded, Placement
 from ..pool.hot_experts import device_expert_set, expert_bytes, whole_expert
 from ..warmup import Unit
 from . import ops as loops
+from .blocks import HostAttentionBlock
 from .packed import Packing, pack_dense, pack_experts, rows_exact
 
 log = logging.getLogger(__name__)
@@ -168,3 +169,6 @@ class HostBackend(Backend):
 
     def route(self, logits, bias, spec: ops.RouterSpec) -> tuple[np.ndarray, np.ndarray]:
         return route(logits, bias, spec)
+
+    def attention_block(self, cfg, layer: int, lw):
+        return HostAttentionBlock.of(cfg, layer, lw, PARALLEL_ATTENTION_MACS)

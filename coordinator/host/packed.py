@@ -64,6 +64,11 @@ GROUPED = ("q8",)
 # and from rows.GROUPED_FROM tokens on are interleaved on the fly, values unsigned (rows8.matmul_rows_by_eight), in
 # place of iblock's loop and of BLAS from BLOCK_INT_TOKENS on, which it outruns at 8 tokens and matches at 64.
 
+# The loops one row of x takes through a stored matrix (PackedMatrix.one_row_kind), by kind: q8's interleaved
+# groups of eight rows (rows8.py), a K type's or IQ4_XS's integer loop on x quantised per super-block, the row loop
+ROW_PLAIN, ROW_SUPER, ROW_GROUPS = 0, 1, 2
+ONE_ROW_LOOPS = {ROW_PLAIN: dense.matmul_rows, ROW_SUPER: dense.matmul_tokens_int, ROW_GROUPS: rows8.matmul_groups}
+
 
 def kernel_set(format_name: str, int_act: bool, bf16_products: bool) -> KernelSet:
     """The loops a matrix stored in shm format ``format_name`` is multiplied with (node_worker/kernels/dense.py):
@@ -132,17 +137,31 @@ class PackedMatrix(_StandsForArray):
         x2 = np.ascontiguousarray(x.reshape(-1, K), np.float32)  # [T, K]
         return self._product(x2, x2.shape[0]).reshape(*x.shape[:-1], R)
 
+    @property
+    def one_row_kind(self) -> int:
+        """The loop one row of x takes (ONE_ROW_LOOPS): the one place that choice is made, for matmul_t's row and
+        the host's attention block (host/blocks.py) alike."""
+        if self.grouped:
+            return ROW_GROUPS
+        return ROW_SUPER if self.int_act and self.fmt_id in SUPER_IDS else ROW_PLAIN
+
+    @property
+    def one_row_args(self) -> tuple:
+        """The one-row loop's matrix arguments as host/blocks.py passes them: (kernels, format id, data, row
+        bytes, R, K)."""
+        return self.kernels, self.fmt_id, self.data, self.row_bytes, *self.shape
+
     def _bind_one_row(self, x: np.ndarray, out: np.ndarray):
         """The loop _product takes for one row, its matrix arguments bound: (x [1, K], out [1, R]) -> None, x and
         out float32 C-contiguous as these (matmul_t checks x; out it makes): the compiled entry point for their
         types, called without numba's dispatch (shm/jit_entry.py)."""
         R, K = self.shape
-        if self.grouped:
-            loop, bound = rows8.matmul_groups, (self.kernels, self.data, R, K)
+        kind = self.one_row_kind
+        if kind == ROW_GROUPS:
+            bound = (self.kernels, self.data, R, K)
         else:
-            loop = dense.matmul_tokens_int if self.int_act and self.fmt_id in SUPER_IDS else dense.matmul_rows
             bound = (self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K)
-        self._one_row = functools.partial(entry_point(loop, bound + (x, out)), *bound)
+        self._one_row = functools.partial(entry_point(ONE_ROW_LOOPS[kind], bound + (x, out)), *bound)
         return self._one_row
 
     def _product(self, x2: np.ndarray, T: int) -> np.ndarray:

@@ -116,6 +116,11 @@ class Backend:
         whole float32 experts as WholeExperts."""
         return experts if hasattr(experts, "run") else WholeExperts(experts or {}, self)
 
+    def attention_block(self, cfg, layer: int, lw):
+        """One call for layer ``layer``'s attention half at one token (the host's: host/blocks.py), or None: the
+        decoder makes the separate calls."""
+        return None
+
     def fuse_qkv(self, lw):
         """(the layer, its q, k and v as one matrix (decoder.FusedQKV) or None): the host keeps three matrices."""
         return lw, None

@@ -64,6 +64,8 @@ class Decoder:
         self.qkv: list[FusedQKV | None] = [None] * len(self.w.layers)  # per layer, where the backend fuses them
         for i, lw in enumerate(self.w.layers):  # a fused layer's q, k, v become views of its matrix: no second copy
             self.w.layers[i], self.qkv[i] = backend.fuse_qkv(lw)
+        # per layer, the backend's one call for the attention half at one token, where it has one
+        self.blocks = [backend.attention_block(cfg, i, lw) for i, lw in enumerate(self.w.layers)]
         self.mtp, self.mtp_embed, self.mtp_head = self._mtp_weights(weights)
         self.device_experts = backend.device_experts(loaded.experts)
         self.on_device = {i: np.zeros(cfg.num_experts, bool) for i in cfg.moe_layers}  # layer -> [E]
@@ -116,11 +118,15 @@ class Decoder:
         linear = b.linear_step(batch.seqs, batch.lengths) if self.cfg.linear is not None else None
         for i, lw in enumerate(layers):  # each residual add joined to the norm after it
             rows = keep if i == len(layers) - 1 else None  # every row's keys and values cached, then these rows
-            attended = (self._linear_attention(i, lw, a, batch, rows, linear) if lw.linear is not None else
-                        self._attention(i, lw, a, step, rope, rows))  # [N or len(rows), H]
-            if rows is not None:
-                h = h[rows]  # [B, H] from here on
-            h, m = b.add_rms_norm(h, attended, lw.post_attn_norm, eps)
+            joined = None if self.blocks[i] is None else step.attention_block(i, self.blocks[i], h, a, rope)
+            if joined is not None:  # one token: the attention half, its add and norm in the backend's one call
+                h, m = joined
+            else:
+                attended = (self._linear_attention(i, lw, a, batch, rows, linear) if lw.linear is not None else
+                            self._attention(i, lw, a, step, rope, rows))  # [N or len(rows), H]
+                if rows is not None:
+                    h = h[rows]  # [B, H] from here on
+                h, m = b.add_rms_norm(h, attended, lw.post_attn_norm, eps)
             y = step.moe(i, lw, m) if self.cfg.sparse_layers[i] else b.swiglu_mlp(
                 m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down)
             h, a = b.add_rms_norm(h, y, layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm,

@@ -121,6 +121,15 @@ class KVCache:
             self._v[layer][start:stop] = v
         return self._k[layer][:stop], self._v[layer][:stop]
 
+    def open_row(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's keys and values [length + 1, ...] with room for one more token, whose slot (the last row)
+        the caller writes: the host's attention block (host/blocks.py), which computes the key and value in the
+        same call as the attention over them."""
+        stop = self.length + 1
+        layer -= self.first_layer
+        self._reserve(layer, stop)
+        return self._k[layer][:stop], self._v[layer][:stop]
+
     @property
     def position(self) -> int:
         """The position the next cached token takes."""

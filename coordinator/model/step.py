@@ -136,6 +136,18 @@ class EagerStep:
             parts.append(self.b.gqa_attention(q[r], keys, values, mask))
         return parts[0] if len(parts) == 1 else self.b.xp.concatenate(parts)
 
+    def attention_block(self, i: int, block, h, a, rope):
+        """Layer i's attention half in the backend's one call (Backend.attention_block) where this pass is one
+        sequence's one token and its cache keeps float32: (h + attention, its post-attention norm) [1, H], the
+        key and value cached; else None (the separate calls)."""
+        if self.batch.rows != 1:
+            return None
+        cache = self.batch.seqs[0][1]
+        if cache.bf16:
+            return None
+        keys, values = cache.open_row(i)  # [S, nkv, hd], the token's slot last
+        return block(h, a, keys, values, rope[0], rope[1])
+
     def attend_mla(self, i: int, lw, mla: MlaRows, rope, rows=None):
         """Layer i's multi-head latent attention [N or B, nh*dv] of the queries once every row's latent and rope key
         are appended to the cache."""
