@@ -4,6 +4,7 @@ only where it applies."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,15 @@ import pytest
 
 from coordinator import Engine, EngineConfig
 from coordinator.cli.make_model import make_model
+from coordinator.host import packed
 from coordinator.host.blocks import HostAttentionBlock
-from coordinator.host.packed import ROW_GROUPS, ROW_PLAIN, ROW_SUPER
+from coordinator.host.packed import PackedMatrix
+from node_worker.kernels.dense import ONE_ROW_LOOPS, ROW_GROUPS, ROW_PLAIN, ROW_SUPER, SERIAL
+from shm import formats
 from coordinator.model.step import StepBatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from kernel_bench import stored_rows  # noqa: E402  (random rows of a format: encoded, or a GGUF type's blocks)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 PROMPT = np.array([5, 17, 99, 3, 42, 7, 250, 11], np.int64)
@@ -58,7 +65,7 @@ def counted(block, calls):
 def check_same(path: Path, kinds: set, **settings) -> None:
     with Engine.open(path, EngineConfig(pool="inproc", device="cpu", **settings)) as eng:
         blocks = [b for b in eng.decoder.blocks if b is not None]
-        assert blocks and {k for b in blocks for k in b.kinds} == kinds
+        assert blocks and {k % SERIAL for b in blocks for k in b.kinds} == kinds
         got, got_kv, calls = decode(eng, True)
         want, want_kv, none = decode(eng, False)
     layers = len(eng.decoder.blocks)
@@ -68,14 +75,41 @@ def check_same(path: Path, kinds: set, **settings) -> None:
     assert all(np.array_equal(g, w) for g, w in zip(got_kv, want_kv))
 
 
+@pytest.fixture(params=["serial", "parallel"])
+def threads(request, monkeypatch):
+    """The matrices' one-row loops on the calling thread (the fixtures' matrices are small) or over the threads."""
+    monkeypatch.setattr(packed, "SERIAL_BYTES", 1 << 40 if request.param == "serial" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("fmt, activations, kinds", [("f32", "f32", {ROW_PLAIN}), ("q8", "q8", {ROW_GROUPS}),
                                                      ("q4", "q8", {ROW_PLAIN})])
-def test_a_safetensors_models_decode_is_the_separate_calls_bits(model, fmt, activations, kinds):
+def test_a_safetensors_models_decode_is_the_separate_calls_bits(model, fmt, activations, kinds, threads):
     check_same(model, kinds, dense_dtype=fmt, expert_dtype=fmt, activations=activations)
 
 
-def test_a_llama_quantize_files_k_types_are_the_separate_calls_bits():
+def test_a_llama_quantize_files_k_types_are_the_separate_calls_bits(threads):
     check_same(FIXTURES / "qwen3_moe_quant-Q4_K_M.gguf", {ROW_SUPER})
+
+
+@pytest.mark.parametrize("fmt, int_act, kind", [("f32", False, ROW_PLAIN), ("q8", True, ROW_GROUPS),
+                                                ("q4", True, ROW_PLAIN), ("q8", False, ROW_PLAIN),
+                                                ("q4k", True, ROW_SUPER), ("iq4xs", True, ROW_SUPER)])
+def test_a_loops_serial_twin_gives_its_bits(fmt, int_act, kind):
+    """ONE_ROW_LOOPS[kind + SERIAL] is the same loop on the calling thread: the same bits."""
+    rng = np.random.default_rng(3)
+    m = PackedMatrix(formats.get(fmt), stored_rows(formats.get(fmt), 40, 256, rng), (40, 256), int_act)
+    assert m.one_row_kind % SERIAL == kind
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    ks, fmt_id, data, row_bytes, R, K = m.one_row_args
+    got = {}
+    for k in (kind, kind + SERIAL):
+        out = np.empty((1, R), np.float32)
+        args = (ks, data, R, K, x, out) if kind == ROW_GROUPS else (ks, fmt_id, data, 0, row_bytes, R, K, x, out)
+        ONE_ROW_LOOPS[k](*args)
+        got[k] = out
+    assert np.array_equal(got[kind], got[kind + SERIAL]) and np.abs(got[kind]).max() > 0
+    assert np.allclose(got[kind], x @ m.decoded().T, rtol=0.05, atol=0.05 * np.abs(got[kind]).max())
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3_quant-Q8_0", "qwen3_next_quant-Q4_K_M"])

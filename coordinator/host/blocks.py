@@ -3,8 +3,8 @@
 At decode each op of a layer is a call from Python that costs microseconds of dispatch, checks and allocation
 beside arithmetic that takes well under one on a small model, and some ten of them make a layer's attention
 (docs/benchmarks.md, "Per-layer cost"). Where a pass is one sequence's one token, the decoder hands the layer to
-this block instead (Decoder.forward, EagerStep.attention_block): the q, k and v projections (each matrix's
-one-row loop, PackedMatrix.one_row_kind), the qk-norm and RoPE (ops.norm_rope, or ops.rope without norms), the
+this block instead (Decoder.forward, EagerStep.attention_block), one call of host/ops.py's attention_block: the
+q, k and v projections (each matrix's one-row loop, PackedMatrix.one_row_kind), the qk-norm and RoPE (ops.norm_rope, or ops.rope without norms), the
 new key and value written into the cache's slot, the attention over the cache (ops.gqa_attention, in parallel
 from the backend's PARALLEL_ATTENTION_MACS), the output projection, and the residual add with the
 post-attention norm (ops.add_rms_norm). The same loops on arrays of the same types as the separate calls, so
@@ -21,60 +21,11 @@ the same bits (tests/test_blocks.py), in one entry-point call (shm/jit_entry.py)
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-from node_worker.kernels import dense, rows8
-from node_worker.kernels.common import JIT
-
-from . import ops as loops
-from .packed import ROW_GROUPS, ROW_SUPER, PackedMatrix
+from .ops import attention_block
+from .packed import PackedMatrix
 
 NO_NORM = np.empty(0, np.float32)  # a layer without qk-norm: RoPE alone
-
-
-@njit(**JIT)
-def _one_row(kind, m, x, out) -> None:
-    """out [1, R] = x [1, K] · Wᵀ by the loop PackedMatrix.one_row_kind names; ``kind`` a literal (jit_entry),
-    so only its branch is compiled. m: PackedMatrix.one_row_args."""
-    ks, fmt, data, row_bytes, R, K = m
-    if kind == ROW_GROUPS:
-        rows8.matmul_groups(ks, data, R, K, x, out)
-    elif kind == ROW_SUPER:
-        dense.matmul_tokens_int(ks, fmt, data, 0, row_bytes, R, K, x, out)
-    else:
-        dense.matmul_rows(ks, fmt, data, 0, row_bytes, R, K, x, out)
-
-
-@njit(**JIT)
-def _norm_rope(x, weight, eps, cos, sin, out) -> None:
-    """The backend's norm_rope: qk-norm then RoPE, or RoPE alone where the layer has no norm (weight empty)."""
-    if weight.shape[0]:
-        loops.norm_rope(x, weight, eps, cos, sin, out)
-    else:
-        loops.rope(x, cos, sin, out)
-
-
-@njit(**JIT)
-def attention_block(kq, kk, kv, ko, qm, km, vm, om, h, a, q_norm, k_norm, eps, cos, sin, keys, values, mask,
-                    scale, parallel, post_norm, bufs, h_out, m_out) -> None:
-    """h_out = h + attention(a), m_out = its post-attention norm, the token's key and value in the cache's last
-    row (module docstring). kq..ko: the matrices' loop kinds (literals), qm..om their one_row_args."""
-    q_raw, q_rot, k_raw, k_rot, v_raw, att, o_out = bufs  # [1, nh*hd], [1, nh, hd], [1, nkv*hd], ..., [1, H]
-    nh, hd, nkv = q_rot.shape[1], q_rot.shape[2], k_rot.shape[1]
-    _one_row(kq, qm, a, q_raw)
-    _one_row(kk, km, a, k_raw)
-    _one_row(kv, vm, a, v_raw)
-    _norm_rope(q_raw.reshape((1, nh, hd)), q_norm, eps, cos, sin, q_rot)
-    _norm_rope(k_raw.reshape((1, nkv, hd)), k_norm, eps, cos, sin, k_rot)
-    last = keys.shape[0] - 1
-    keys[last] = k_rot[0]
-    values[last] = v_raw.reshape((nkv, hd))
-    if parallel:
-        loops.gqa_attention_parallel(q_rot, keys, values, mask, scale, att)
-    else:
-        loops.gqa_attention(q_rot, keys, values, mask, scale, att)
-    _one_row(ko, om, att, o_out)
-    loops.add_rms_norm(h, o_out, post_norm, eps, h_out, m_out)
 
 
 def _rows(a, shape) -> bool:

@@ -17,6 +17,8 @@ router's twin, bit for bit (coordinator/gpu/router.py).
     linear_rows_parallel(the same)                           the rows over the threads
     gqa_attention(q [T, nh, hd], k, v [S, nkv, hd], mask [T, S], scale, out [T, nh*hd])
     gqa_attention_parallel(the same)                         the (token, KV head) pairs over the threads
+    attention_block(...)                                     a decode token's attention half, its matrices'
+                                                             one-row loops among these (host/blocks.py)
 
 At decode gqa_attention's NumPy form is several calls (a broadcast batched matmul, a masked
 softmax, another matmul, transposes); here the heads that share a KV
@@ -38,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from node_worker.kernels import dense
 from node_worker.kernels.common import JIT
 from node_worker.kernels.silu import exp
 from shm.jit import CACHED
@@ -382,6 +385,40 @@ def gqa_attention_parallel(q, k, v, mask, scale, out) -> None:
         scores = np.empty((nh // nkv, k.shape[0]), np.float32)
         acc = np.empty((nh // nkv, hd), np.float32)
         _kv_group(q, k, v, mask, scale, out, zigzag(i // nkv, T), i % nkv, scores, acc)
+
+
+@njit(**JIT)
+def _norm_rope_or_rope(x, weight, eps, cos, sin, out) -> None:
+    """The backend's norm_rope: qk-norm then RoPE, or RoPE alone where the layer has no norm (weight empty)."""
+    if weight.shape[0]:
+        norm_rope(x, weight, eps, cos, sin, out)
+    else:
+        rope(x, cos, sin, out)
+
+
+@njit(**JIT)
+def attention_block(kq, kk, kv, ko, qm, km, vm, om, h, a, q_norm, k_norm, eps, cos, sin, keys, values, mask,
+                    scale, parallel, post_norm, bufs, h_out, m_out) -> None:
+    """A decode token's attention half of a layer (coordinator/host/blocks.py): h_out = h + attention(a), m_out its
+    post-attention norm, the token's key and value written in the cache's last row (keys, values [S, nkv, hd]).
+    kq..ko: the q, k, v and o matrices' one-row loop kinds (dense.ONE_ROW_LOOPS, literals), qm..om their
+    arguments; the same loops the separate calls take, on arrays of the same types: the same bits."""
+    q_raw, q_rot, k_raw, k_rot, v_raw, att, o_out = bufs  # [1, nh*hd], [1, nh, hd], [1, nkv*hd], ..., [1, H]
+    nh, hd, nkv = q_rot.shape[1], q_rot.shape[2], k_rot.shape[1]
+    dense.one_row(kq, qm, a, q_raw)
+    dense.one_row(kk, km, a, k_raw)
+    dense.one_row(kv, vm, a, v_raw)
+    _norm_rope_or_rope(q_raw.reshape((1, nh, hd)), q_norm, eps, cos, sin, q_rot)
+    _norm_rope_or_rope(k_raw.reshape((1, nkv, hd)), k_norm, eps, cos, sin, k_rot)
+    last = keys.shape[0] - 1
+    keys[last] = k_rot[0]
+    values[last] = v_raw.reshape((nkv, hd))
+    if parallel:
+        gqa_attention_parallel(q_rot, keys, values, mask, scale, att)
+    else:
+        gqa_attention(q_rot, keys, values, mask, scale, att)
+    dense.one_row(ko, om, att, o_out)
+    add_rms_norm(h, o_out, post_norm, eps, h_out, m_out)
 
 
 def warm_up() -> None:

@@ -28,6 +28,7 @@ from types import ModuleType
 import numpy as np
 
 from node_worker.kernels import dense, rows8, simd
+from node_worker.kernels.dense import ONE_ROW_LOOPS, ROW_GROUPS, ROW_PLAIN, ROW_SUPER, SERIAL
 from node_worker.kernels.kernel_set import KernelSet, loop_name
 from node_worker.kernels.rows import FORMAT_IDS, GROUPED_FROM, SUPER_IDS, WIDE_IDS
 from shm import formats
@@ -63,11 +64,9 @@ GROUPED = ("q8",)
 # q4 matrices of whole groups of 8 rows with integer activations stay row-major (decode's isimd loop reads them so)
 # and from rows.GROUPED_FROM tokens on are interleaved on the fly, values unsigned (rows8.matmul_rows_by_eight), in
 # place of iblock's loop and of BLAS from BLOCK_INT_TOKENS on, which it outruns at 8 tokens and matches at 64.
-
-# The loops one row of x takes through a stored matrix (PackedMatrix.one_row_kind), by kind: q8's interleaved
-# groups of eight rows (rows8.py), a K type's or IQ4_XS's integer loop on x quantised per super-block, the row loop
-ROW_PLAIN, ROW_SUPER, ROW_GROUPS = 0, 1, 2
-ONE_ROW_LOOPS = {ROW_PLAIN: dense.matmul_rows, ROW_SUPER: dense.matmul_tokens_int, ROW_GROUPS: rows8.matmul_groups}
+# A matrix of fewer bytes takes its one-row loop on the calling thread (dense.SERIAL): its read takes less time
+# than a parallel region's start
+SERIAL_BYTES = 1 << 17
 
 
 def kernel_set(format_name: str, int_act: bool, bf16_products: bool) -> KernelSet:
@@ -141,9 +140,8 @@ class PackedMatrix(_StandsForArray):
     def one_row_kind(self) -> int:
         """The loop one row of x takes (ONE_ROW_LOOPS): the one place that choice is made, for matmul_t's row and
         the host's attention block (host/blocks.py) alike."""
-        if self.grouped:
-            return ROW_GROUPS
-        return ROW_SUPER if self.int_act and self.fmt_id in SUPER_IDS else ROW_PLAIN
+        kind = ROW_GROUPS if self.grouped else ROW_SUPER if self.int_act and self.fmt_id in SUPER_IDS else ROW_PLAIN
+        return kind + SERIAL if self.nbytes < SERIAL_BYTES else kind
 
     @property
     def one_row_args(self) -> tuple:
@@ -157,7 +155,7 @@ class PackedMatrix(_StandsForArray):
         types, called without numba's dispatch (shm/jit_entry.py)."""
         R, K = self.shape
         kind = self.one_row_kind
-        if kind == ROW_GROUPS:
+        if kind % SERIAL == ROW_GROUPS:
             bound = (self.kernels, self.data, R, K)
         else:
             bound = (self.kernels, self.fmt_id, self.data, 0, self.row_bytes, R, K)

@@ -7,6 +7,7 @@ target CPU), so a change of any kernel compiles anew and another checkout of the
 from __future__ import annotations
 
 import platform
+import types
 
 from numba.core import config
 
@@ -14,7 +15,19 @@ from shm.jit import FAST, target_features
 
 JIT = FAST  # nogil, cached (shm/jit.py's folder), fastmath where the IR does not fix the order
 
-__all__ = ["JIT", "KernelTargetError", "check_target", "target_features"]
+__all__ = ["JIT", "KernelTargetError", "check_target", "serial_twin", "target_features"]
+
+
+def serial_twin(kernel, name: str):
+    """``kernel``'s Python function compiled without parallel=True, named ``name``: its prange loops run on the
+    calling thread, the same loop bodies in the same order, for work smaller than a parallel region's start.
+    The name keeps numba's cache files of the two apart (numba names them by the function's qualified name)."""
+    from numba import njit
+
+    f = kernel.py_func
+    twin = types.FunctionType(f.__code__, f.__globals__, name, f.__defaults__, f.__closure__)
+    twin.__qualname__, twin.__module__, twin.__doc__ = name, f.__module__, f.__doc__
+    return njit(**JIT)(twin)
 
 
 class KernelTargetError(RuntimeError):

@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from . import rows8
 from . import simd
-from .common import JIT
+from .common import JIT, serial_twin
 from .activations import quantize_rows_biased, quantize_rows_super
 from .rows import (BF16DP, FORMAT_IDS, WIDE_IDS, block_int, dot4, dot_chunks, quad_super, quantised_if, rounded_if,
                    row_tokens_block, row_tokens_int, stream_quad, streamed)
@@ -117,6 +117,38 @@ def matmul_tokens_int(ks, fmt, data, base, row_bytes, R, K, x, out):
 def decode_rows(ks, fmt, data, base, row_bytes, first, out):
     for i in prange(out.shape[0]):
         simd.decode(ks, fmt, data, base + (first + i) * row_bytes, out.shape[1], out[i])
+
+
+# The loops one row of x takes through a stored matrix (coordinator/host/packed.py's one_row_kind), by kind: the
+# row loop, a K type's or IQ4_XS's integer loop on x quantised per super-block, q8's interleaved groups of eight
+# rows (rows8.py); kind + SERIAL: the same loop on the calling thread (serial_twin), for a matrix whose read takes
+# less time than a parallel region's start
+ROW_PLAIN, ROW_SUPER, ROW_GROUPS = 0, 1, 2
+SERIAL = 3
+matmul_rows_serial = serial_twin(matmul_rows, "matmul_rows_serial")
+matmul_tokens_int_serial = serial_twin(matmul_tokens_int, "matmul_tokens_int_serial")
+ONE_ROW_LOOPS = {ROW_PLAIN: matmul_rows, ROW_SUPER: matmul_tokens_int, ROW_GROUPS: rows8.matmul_groups,
+                 ROW_PLAIN + SERIAL: matmul_rows_serial, ROW_SUPER + SERIAL: matmul_tokens_int_serial,
+                 ROW_GROUPS + SERIAL: rows8.matmul_groups_serial}
+
+
+@njit(**JIT)
+def one_row(kind, m, x, out) -> None:
+    """out [1, R] = x [1, K] · Wᵀ by ONE_ROW_LOOPS[kind]; ``kind`` a literal (shm/jit_entry.py), so only its
+    branch is compiled. m: (kernel set, format id, data, row bytes, R, K)."""
+    ks, fmt, data, row_bytes, R, K = m
+    if kind == ROW_GROUPS:
+        rows8.matmul_groups(ks, data, R, K, x, out)
+    elif kind == ROW_GROUPS + SERIAL:
+        rows8.matmul_groups_serial(ks, data, R, K, x, out)
+    elif kind == ROW_SUPER:
+        matmul_tokens_int(ks, fmt, data, 0, row_bytes, R, K, x, out)
+    elif kind == ROW_SUPER + SERIAL:
+        matmul_tokens_int_serial(ks, fmt, data, 0, row_bytes, R, K, x, out)
+    elif kind == ROW_PLAIN + SERIAL:
+        matmul_rows_serial(ks, fmt, data, 0, row_bytes, R, K, x, out)
+    else:
+        matmul_rows(ks, fmt, data, 0, row_bytes, R, K, x, out)
 
 
 def warm_up(ks) -> None:

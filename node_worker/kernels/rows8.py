@@ -70,7 +70,7 @@ from numba.extending import intrinsic
 
 from . import idot
 from .activations import quantize_rows_summed
-from .common import JIT
+from .common import JIT, serial_twin
 from .ir import F32, I8, I16, I32, const, prefetch, splat
 from .isimd import BLOCK_FORMATS
 from .loops import FORMATS, byte_ptr, per_format, register_loop
@@ -318,6 +318,9 @@ def matmul_groups(ks, data, R, K, x, out):
     group_bytes = (K // 32) * GROUP_BYTES
     for g in prange(R // GROUP_ROWS):
         group_tokens(ks, data, g * group_bytes, K, xq, xd, x.shape[0], out, g * GROUP_ROWS)
+
+
+matmul_groups_serial = serial_twin(matmul_groups, "matmul_groups_serial")  # on the calling thread (dense.SERIAL)
 
 
 def warm_up(ks) -> None:
