@@ -66,6 +66,7 @@ def check_same(path: Path, kinds: set, **settings) -> None:
     with Engine.open(path, EngineConfig(pool="inproc", device="cpu", **settings)) as eng:
         blocks = [b for b in eng.decoder.blocks if b is not None]
         assert blocks and {k % SERIAL for b in blocks for k in b.kinds} == kinds
+        assert all(b.routed is not None for b in blocks)  # every layer's router in its block
         got, got_kv, calls = decode(eng, True)
         want, want_kv, none = decode(eng, False)
     layers = len(eng.decoder.blocks)
@@ -137,7 +138,7 @@ def test_several_rows_take_the_separate_calls(model):
 def test_arrays_that_are_not_float32_rows_are_given_back():
     """The entry point trusts its argument types: a row of another dtype or shape is refused before the call."""
     block = HostAttentionBlock.__new__(HostAttentionBlock)
-    block.H = 8
+    block.H, block._call = 8, None
     keys = np.zeros((3, 1, 4), np.float32)
     cos = np.ones((1, 4), np.float32)
     ok = np.zeros((1, 8), np.float32)

@@ -13,8 +13,8 @@ A profiled decode, after the bench's timed rounds, wraps the calls each part is 
                 cores; bytes: the KV cache read, every position's keys and values once a token
     attention block
                 the host's joined call for a decode token's attention half (host/blocks.py: q, k, v and o
-                projections, qk-norm, RoPE, the attention, the residual add and norm); bytes: its four matrices
-                and the keys and values it reads (not counted again under attention)
+                projections, qk-norm, RoPE, the attention, the residual add and norm, the router); bytes: its four
+                matrices and the keys and values it reads (not counted again under attention)
     norms, router, sampling
                 the backend's norms, RoPE, activations and top-k, the routers' products, the sampler
     overhead    the decode wall less the parts and less the wrappers' own cost (measured): the Python between the

@@ -434,7 +434,8 @@ class StreamedStep(EagerStep):
     def finish(self) -> None:
         """Nothing yet: the runner advances the caches after the step's one wait."""
 
-    def moe(self, i: int, lw, x):
+    def moe(self, i: int, lw, x, routed=None):
+        """``routed`` is never given here: a GPU's backend has no attention blocks (Backend.attention_block)."""
         return self.graph.moe(i, lw, x)
 
     def attend(self, i: int, q, k, v, window: int | None, rows=None):

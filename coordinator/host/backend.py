@@ -107,8 +107,7 @@ def route(logits: np.ndarray, bias, spec: ops.RouterSpec) -> tuple[np.ndarray, n
     E = logits.shape[-1]
     if spec.softmax and bias is not None:
         raise ValueError("route: the softmax router (DeepSeek-V2's, Qwen's) takes no bias")
-    if rows(logits) and logits.ndim == 2 and E % spec.n_group == 0 and 1 <= spec.topk_group <= spec.n_group \
-            and 1 <= spec.k <= spec.topk_group * (E // spec.n_group):
+    if rows(logits) and logits.ndim == 2 and loops.top_k_fits(E, spec):
         T = logits.shape[0]
         ids, weights = np.empty((T, spec.k), np.int64), np.empty((T, spec.k), np.float32)
         host_bias = loops.NO_BIAS if bias is None else np.ascontiguousarray(bias, np.float32)
@@ -171,4 +170,4 @@ class HostBackend(Backend):
         return route(logits, bias, spec)
 
     def attention_block(self, cfg, layer: int, lw):
-        return HostAttentionBlock.of(cfg, layer, lw, PARALLEL_ATTENTION_MACS)
+        return HostAttentionBlock.of(cfg, layer, lw, PARALLEL_ATTENTION_MACS, ops.RouterSpec.of(cfg))

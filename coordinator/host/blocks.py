@@ -4,26 +4,28 @@ At decode each op of a layer is a call from Python that costs microseconds of di
 beside arithmetic that takes well under one on a small model, and some ten of them make a layer's attention
 (docs/benchmarks.md, "Per-layer cost"). Where a pass is one sequence's one token, the decoder hands the layer to
 this block instead (Decoder.forward, EagerStep.attention_block), one call of host/ops.py's attention_block: the
-q, k and v projections (each matrix's one-row loop, PackedMatrix.one_row_kind), the qk-norm and RoPE (ops.norm_rope, or ops.rope without norms), the
-new key and value written into the cache's slot, the attention over the cache (ops.gqa_attention, in parallel
-from the backend's PARALLEL_ATTENTION_MACS), the output projection, and the residual add with the
-post-attention norm (ops.add_rms_norm). The same loops on arrays of the same types as the separate calls, so
+q, k and v projections (each matrix's one-row loop, PackedMatrix.one_row_kind), the qk-norm and RoPE
+(ops.norm_rope, or ops.rope without norms), the new key and value written into the cache's slot, the attention
+over the cache (ops.gqa_attention, in parallel from the backend's PARALLEL_ATTENTION_MACS), the output
+projection, the residual add with the post-attention norm (ops.add_rms_norm), and where the layer routes, the
+router's product and top-k (ops.linear_rows, ops.top_k). The same loops on arrays of the same types as the separate calls, so
 the same bits (tests/test_blocks.py), in one entry-point call (shm/jit_entry.py) into buffers made once.
 
     HostAttentionBlock.of(cfg, layer, lw, parallel_macs) -> block or None   None: the layer takes the separate
                                       calls (MLA, a Gated DeltaNet, a q gate, biases, a sliding window, a matrix
                                       not packed)
-    block(h, a, keys, values, cos, sin) -> (h + attention, its post-attention norm) [1, H] each, or None where
-                                      the arrays are not float32 rows; keys, values [S, nkv, hd]: the cache's
-                                      rows, the new token's slot last (KVCache.open_row)
+    block(h, a, keys, values, cos, sin) -> (h + attention, its post-attention norm [1, H] each, the router's
+                                      (ids, weights) [1, k] for it or None), or None where the arrays are not
+                                      float32 rows; keys, values [S, nkv, hd]: the cache's rows, the new token's
+                                      slot last (KVCache.open_row)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .ops import attention_block
-from .packed import PackedMatrix
+from .ops import NO_BIAS, attention_block, top_k_fits
+from .packed import PARALLEL_ROWS_MACS, PackedMatrix, RowExactMatrix
 
 NO_NORM = np.empty(0, np.float32)  # a layer without qk-norm: RoPE alone
 
@@ -34,12 +36,13 @@ def _rows(a, shape) -> bool:
 
 class HostAttentionBlock:
     """One layer's attention half for one token (module docstring): its matrices' loops and arguments, its norms
-    and its buffers, taken at open; the entry point bound at the first call."""
+    and its buffers, taken at open, and the kernel's entry point (bind)."""
 
     def __init__(self, matrices: tuple, q_norm, k_norm, post_norm, eps: float, heads: tuple[int, int, int],
-                 parallel_macs: int):
+                 parallel_macs: int, router: tuple | None = None):
         """``matrices``: q, k, v, o (PackedMatrix); ``heads``: (nh, nkv, hd); ``parallel_macs``: the multiply-adds
-        from which the attention runs in parallel (the backend's)."""
+        from which the attention runs in parallel (the backend's); ``router``: (RowExactMatrix, its bias or None,
+        model/ops.RouterSpec) where the layer's router runs in the block, else None."""
         nh, nkv, hd = heads
         H = matrices[3].shape[0]
         self.kinds = tuple(m.one_row_kind for m in matrices)
@@ -56,11 +59,29 @@ class HostAttentionBlock:
                      np.empty((1, H), f32))
         self.h_out, self.m_out = np.empty((1, H), f32), np.empty((1, H), f32)  # what a call returns: reused
         self.mask = np.ones((1, 256), np.bool_)  # decode's row sees every cached key; grown as the cache grows
+        self.router, self.routed = self._router(router)
         self._call = None
 
+    @staticmethod
+    def _router(router: tuple | None) -> tuple[tuple, tuple | None]:
+        """The kernel's router argument (ops.attention_block) and the (ids [1, k], weights [1, k]) it fills, or a
+        router that does not run and None."""
+        if router is None:
+            none = np.zeros((1, 1), np.float32)
+            return (False, none, False, NO_BIAS, 1, 1, 1, True, False, np.float32(1.0), none, np.zeros((1, 1), np.int64),
+                    none), None
+        matrix, bias, spec = router
+        E, K = matrix.shape
+        ids, weights = np.empty((1, spec.k), np.int64), np.empty((1, spec.k), np.float32)
+        bias = NO_BIAS if bias is None else np.ascontiguousarray(bias, np.float32)
+        return (True, matrix.wt, E * K >= PARALLEL_ROWS_MACS, bias, spec.k, spec.n_group, spec.topk_group,
+                spec.softmax, spec.normalize, np.float32(spec.scaling), np.empty((1, E), np.float32), ids,
+                weights), (ids, weights)
+
     @classmethod
-    def of(cls, cfg, layer: int, lw, parallel_macs: int) -> HostAttentionBlock | None:
-        """Layer ``layer``'s block, or None where it takes the separate calls."""
+    def of(cls, cfg, layer: int, lw, parallel_macs: int, spec) -> HostAttentionBlock | None:
+        """Layer ``layer``'s block, or None where it takes the separate calls; its router in it where the layer
+        routes by ``spec`` (model/ops.RouterSpec) with a router the host's loops take (RowExactMatrix, top_k)."""
         if (lw.mla is not None or lw.linear is not None or lw.q_gate is not None or lw.q_bias is not None
                 or cfg.sliding_windows[layer] is not None):
             return None
@@ -71,21 +92,34 @@ class HostAttentionBlock:
         if not all(n is None or _rows(n, (cfg.head_dim,)) for n in norms[:2]) or not _rows(norms[2],
                                                                                         (cfg.hidden_size,)):
             return None
+        router = None
+        if cfg.sparse_layers[layer] and isinstance(lw.router, RowExactMatrix) and top_k_fits(lw.router.shape[0], spec) \
+                and not (spec.softmax and lw.router_bias is not None):
+            router = (lw.router, lw.router_bias, spec)
         return cls(matrices, *norms, cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
-                   parallel_macs)
+                   parallel_macs, router).bind()
 
-    def __call__(self, h, a, keys, values, cos, sin):
+    def bind(self) -> HostAttentionBlock:
+        """The kernel's entry point for this block's argument types, compiled or loaded from the disk cache now
+        (at open) rather than inside the first request, on arrays of the types a step passes."""
+        from shm.jit_entry import entry_point
+
+        nkv, hd = self.bufs[3].shape[1:]
+        row, kv = np.zeros((1, self.H), np.float32), np.zeros((1, nkv, hd), np.float32)
+        rope = np.zeros((1, hd), np.float32)
+        self._call = entry_point(attention_block, self._args(row, row, kv, kv, rope, rope), literal=(0, 1, 2, 3))
+        return self
+
+    def _args(self, h, a, keys, values, cos, sin) -> tuple:
         S = keys.shape[0]
-        if not (_rows(h, (1, self.H)) and _rows(a, (1, self.H)) and _rows(cos, cos.shape) and _rows(sin, sin.shape)
-                and cos.shape[0] == 1):
-            return None
         if S > self.mask.shape[1]:
             self.mask = np.ones((1, 2 * S), np.bool_)
-        args = (*self.kinds, *self.matrices, h, a, *self.norms, self.eps, cos, sin, keys, values, self.mask[:, :S],
-                self.scale, S >= self.parallel_keys, self.post_norm, self.bufs, self.h_out, self.m_out)
-        if self._call is None:
-            from shm.jit_entry import entry_point
+        return (*self.kinds, *self.matrices, h, a, *self.norms, self.eps, cos, sin, keys, values, self.mask[:, :S],
+                self.scale, S >= self.parallel_keys, self.post_norm, self.bufs, self.h_out, self.m_out, self.router)
 
-            self._call = entry_point(attention_block, args, literal=(0, 1, 2, 3))
-        self._call(*args)
-        return self.h_out, self.m_out
+    def __call__(self, h, a, keys, values, cos, sin):
+        if not (_rows(h, (1, self.H)) and _rows(a, (1, self.H)) and _rows(cos, (1, cos.shape[-1]))
+                and _rows(sin, cos.shape)):
+            return None
+        self._call(*self._args(h, a, keys, values, cos, sin))
+        return self.h_out, self.m_out, self.routed

@@ -46,14 +46,35 @@ from node_worker.kernels.silu import exp
 from shm.jit import CACHED
 
 
-@njit(inline="always", **JIT)
+# The norms' and RoPE's row loops take no fastmath: LLVM keeps every operation as written (the sum's order, no
+# multiply fused into an add), so a row's bits are the same wherever the loop is compiled, called alone or inside
+# the attention block (attention_block), whose nested calls LLVM inlines and, under fastmath, may vectorise
+# another way. Called, not inlined at numba's level: inlined they would take their caller's fastmath.
+EXACT = CACHED
+LANES = 8  # partial sums of a sum in a fixed order (_rms_row's, _dot_columns', _softmax_seen's total)
+
+
+@njit(**EXACT)
 def _rms_row(x, weight, eps, out) -> None:
-    """out [D] = x [D] / sqrt(mean(x^2) + eps) * weight: the sum in float64 (a loop that only adds), then the
-    scaling."""
+    """out [D] = x [D] / sqrt(mean(x^2) + eps) * weight: the squares summed in float64 over LANES partial sums in
+    a fixed order, then the scaling."""
     D = x.shape[0]
-    s = 0.0
-    for d in range(D):
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    d = 0
+    while d + LANES <= D:
+        s0 += np.float64(x[d]) * x[d]
+        s1 += np.float64(x[d + 1]) * x[d + 1]
+        s2 += np.float64(x[d + 2]) * x[d + 2]
+        s3 += np.float64(x[d + 3]) * x[d + 3]
+        s4 += np.float64(x[d + 4]) * x[d + 4]
+        s5 += np.float64(x[d + 5]) * x[d + 5]
+        s6 += np.float64(x[d + 6]) * x[d + 6]
+        s7 += np.float64(x[d + 7]) * x[d + 7]
+        d += LANES
+    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    while d < D:
         s += np.float64(x[d]) * x[d]
+        d += 1
     r = np.float32(np.sqrt(np.float32(s / D) + eps))
     for d in range(D):
         out[d] = (x[d] / r) * weight[d]
@@ -76,7 +97,7 @@ def add_rms_norm(h, delta, weight, eps, total, out) -> None:
         _rms_row(total[n], weight, eps, out[n])
 
 
-@njit(inline="always", **JIT)
+@njit(**EXACT)
 def _rope_row(x, cos, sin, out) -> None:
     """One head [hd] rotated by cos, sin [d] (d <= hd; the rest copied)."""
     hd = x.shape[0]
@@ -102,10 +123,16 @@ def norm_rope(x, weight, eps, cos, sin, out) -> None:
             _rope_row(normed, cos[t], sin[t], out[t, h])
 
 
-# The router's loop: no fastmath, so LLVM fuses no multiply into an add and keeps every sum's order: its float32
-# operations are coordinator/gpu/router.py's kernel's one for one, and so are its results' bits.
-EXACT = CACHED
+# The router's loop is EXACT too: its float32 operations are coordinator/gpu/router.py's kernel's one for one, and
+# so are its results' bits.
 NO_BIAS = np.empty(0, np.float32)  # top_k's bias where the router has none
+
+
+def top_k_fits(E: int, spec) -> bool:
+    """Whether top_k takes a router of E experts with the rule ``spec`` (model/ops.RouterSpec): whole groups, and
+    k within the kept groups' experts."""
+    return E % spec.n_group == 0 and 1 <= spec.topk_group <= spec.n_group and 1 <= spec.k <= spec.topk_group * (
+        E // spec.n_group)
 # model/ops.py's ROUTER_NORM_EPS, written here: this file's compiled code depends on no file outside the build key
 NORM_EPS = np.float32(1e-20)
 
@@ -190,9 +217,6 @@ def top_k(logits, bias, k, n_group, topk_group, softmax, normalize, scaling, ids
         for j in range(k):
             w = weights[t, j] / (total + NORM_EPS) if normalize else weights[t, j]
             weights[t, j] = w * scaling
-
-
-LANES = 8  # partial sums of a sum whose steps do not vectorise (_dot_columns, _softmax_seen's total)
 
 
 ROW_BLOCK = 4  # rows of x a step of _times_columns takes, each row of wt read once for them
@@ -398,11 +422,13 @@ def _norm_rope_or_rope(x, weight, eps, cos, sin, out) -> None:
 
 @njit(**JIT)
 def attention_block(kq, kk, kv, ko, qm, km, vm, om, h, a, q_norm, k_norm, eps, cos, sin, keys, values, mask,
-                    scale, parallel, post_norm, bufs, h_out, m_out) -> None:
+                    scale, parallel, post_norm, bufs, h_out, m_out, router) -> None:
     """A decode token's attention half of a layer (coordinator/host/blocks.py): h_out = h + attention(a), m_out its
-    post-attention norm, the token's key and value written in the cache's last row (keys, values [S, nkv, hd]).
-    kq..ko: the q, k, v and o matrices' one-row loop kinds (dense.ONE_ROW_LOOPS, literals), qm..om their
-    arguments; the same loops the separate calls take, on arrays of the same types: the same bits."""
+    post-attention norm, the token's key and value written in the cache's last row (keys, values [S, nkv, hd]),
+    and where the layer routes, the router's choice for m_out. kq..ko: the q, k, v and o matrices' one-row loop
+    kinds (dense.ONE_ROW_LOOPS, literals), qm..om their arguments; router: (routes, wt [H, E], in parallel, bias,
+    k, n_group, topk_group, softmax, normalize, scaling, logits [1, E], ids [1, k], weights [1, k]). The same
+    loops the separate calls take, on arrays of the same types: the same bits."""
     q_raw, q_rot, k_raw, k_rot, v_raw, att, o_out = bufs  # [1, nh*hd], [1, nh, hd], [1, nkv*hd], ..., [1, H]
     nh, hd, nkv = q_rot.shape[1], q_rot.shape[2], k_rot.shape[1]
     dense.one_row(kq, qm, a, q_raw)
@@ -419,6 +445,13 @@ def attention_block(kq, kk, kv, ko, qm, km, vm, om, h, a, q_norm, k_norm, eps, c
         gqa_attention(q_rot, keys, values, mask, scale, att)
     dense.one_row(ko, om, att, o_out)
     add_rms_norm(h, o_out, post_norm, eps, h_out, m_out)
+    routes, wt, wide, bias, k, n_group, topk_group, softmax, normalize, scaling, logits, ids, weights = router
+    if routes:
+        if wide:
+            linear_rows_parallel(m_out, wt, logits)
+        else:
+            linear_rows(m_out, wt, logits)
+        top_k(logits, bias, k, n_group, topk_group, softmax, normalize, scaling, ids, weights)
 
 
 def warm_up() -> None:

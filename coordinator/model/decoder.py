@@ -119,15 +119,16 @@ class Decoder:
         for i, lw in enumerate(layers):  # each residual add joined to the norm after it
             rows = keep if i == len(layers) - 1 else None  # every row's keys and values cached, then these rows
             joined = None if self.blocks[i] is None else step.attention_block(i, self.blocks[i], h, a, rope)
-            if joined is not None:  # one token: the attention half, its add and norm in the backend's one call
-                h, m = joined
+            routed = None  # the router's (ids, weights) where the block made them
+            if joined is not None:  # one token: the attention half, its add and norm, the router in one call
+                h, m, routed = joined
             else:
                 attended = (self._linear_attention(i, lw, a, batch, rows, linear) if lw.linear is not None else
                             self._attention(i, lw, a, step, rope, rows))  # [N or len(rows), H]
                 if rows is not None:
                     h = h[rows]  # [B, H] from here on
                 h, m = b.add_rms_norm(h, attended, lw.post_attn_norm, eps)
-            y = step.moe(i, lw, m) if self.cfg.sparse_layers[i] else b.swiglu_mlp(
+            y = step.moe(i, lw, m, routed) if self.cfg.sparse_layers[i] else b.swiglu_mlp(
                 m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down)
             h, a = b.add_rms_norm(h, y, layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm,
                                   eps)  # a: the next layer's input, after the last the final norm's output
@@ -308,9 +309,10 @@ class Decoder:
         expanded = nh * (S * c * (dn + dv) + T * S * (dn + dr + dv))
         return absorbed < expanded
 
-    def moe(self, i: int, lw: LayerWeights, x):
-        """route -> submit the CPU pairs -> device and shared experts meanwhile -> collect -> sum."""
-        routing = self._route(i, lw, x)
+    def moe(self, i: int, lw: LayerWeights, x, routed=None):
+        """route -> submit the CPU pairs -> device and shared experts meanwhile -> collect -> sum. ``routed``: the
+        router's (ids, weights) [T, k] for x where the backend's attention block made them."""
+        routing = self._route(i, lw, x, routed)
         self.stats.count(routing, self.cfg.num_experts)
         sent = self._submit_cpu(routing, x)  # the CPU work first ...
         y_dev = self._device_side(routing, x)  # ... ours queued on the device's side stream meanwhile
@@ -334,11 +336,12 @@ class Decoder:
             y_shared = b.sigmoid(x @ lw.shared_expert_gate.T) * y_shared
         return y_shared
 
-    def _route(self, i: int, lw: LayerWeights, x) -> Routing:
-        """The router's top-k pairs of every row, less the tail skip, split device / CPU."""
+    def _route(self, i: int, lw: LayerWeights, x, routed=None) -> Routing:
+        """The router's top-k pairs of every row (``routed`` where made already), less the tail skip, split
+        device / CPU."""
         cfg = self.cfg
         T = x.shape[0]
-        ids, weights = self.backend.route(x @ lw.router.T, lw.router_bias, self.router)  # [T, k] each, on the host
+        ids, weights = routed or self.backend.route(x @ lw.router.T, lw.router_bias, self.router)  # [T, k], host
         chosen = ids.reshape(-1)  # [P]
         pairs = Pairs(pair_rows(T, cfg.top_k), chosen, weights.reshape(-1))
         skipped = 0

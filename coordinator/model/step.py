@@ -112,8 +112,8 @@ class EagerStep:
         for (_, cache), n in zip(self.batch.seqs, self.batch.lengths):
             cache.advance(n)
 
-    def moe(self, i: int, lw, x):
-        return self.decoder.moe(i, lw, x)
+    def moe(self, i: int, lw, x, routed=None):
+        return self.decoder.moe(i, lw, x, routed)
 
     def mask(self, s: int, keys: int, window: int | None):
         """Sequence s's attention mask [T_s, keys], made once a pass for each window."""
@@ -138,8 +138,8 @@ class EagerStep:
 
     def attention_block(self, i: int, block, h, a, rope):
         """Layer i's attention half in the backend's one call (Backend.attention_block) where this pass is one
-        sequence's one token and its cache keeps float32: (h + attention, its post-attention norm) [1, H], the
-        key and value cached; else None (the separate calls)."""
+        sequence's one token and its cache keeps float32: (h + attention, its post-attention norm [1, H], the
+        router's (ids, weights) or None), the key and value cached; else None (the separate calls)."""
         if self.batch.rows != 1:
             return None
         cache = self.batch.seqs[0][1]
