@@ -348,9 +348,9 @@ def test_the_last_layer_carries_on_with_each_sequences_last_row_alone(engine, mo
     routed = []  # rows each MoE layer routed
     real = dec._route
 
-    def spy(i, lw, x):
+    def spy(i, lw, x, made=None):
         routed.append((i, x.shape[0]))
-        return real(i, lw, x)
+        return real(i, lw, x, made)
 
     monkeypatch.setattr(dec, "_route", spy)
     caches = [dec.new_cache() for _ in prompts]
