@@ -313,7 +313,7 @@ from coordinator.host import ops as host_ops
 from node_worker.kernels import dense
 host.PARALLEL_ATTENTION_MACS = 0  # any prompt of more than HOST_ATTENTION_TOKENS takes the parallel loop
 loops = [host_ops.rms_norm, host_ops.top_k, host_ops.rope, host_ops.gqa_attention, host_ops.gqa_attention_parallel,
-         dense.matmul_tiles, dense.matmul_rows]
+         dense.matmul_tiles, dense.matmul_rows, dense.matmul_rows_serial, host_ops.attention_block]
 assert [len(f.overloads) for f in loops] == [0] * len(loops)
 with Engine.open({str(tiny_model())!r}, EngineConfig(device="cpu", pool="process", nodes=1, dense_dtype="bf16",
                  activations="bf16")) as eng:

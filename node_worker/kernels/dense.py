@@ -154,15 +154,17 @@ def one_row(kind, m, x, out) -> None:
 def warm_up(ks) -> None:
     """Compile (or load from the disk cache) what coordinator/host/packed.py calls for matrices of the kernel
     set ``ks`` (kernel_set.KernelSet), on the types it passes, before the first request: the few-token rows and
-    the decoded rows (every format), the integer loops (int_act), the float tiles (f32, bf16, bf16dp), rows8.py's
-    interleaved q8 and q4 loops."""
+    the decoded rows (every format), the integer loops (int_act), each with its serial twin (SERIAL), the float
+    tiles (f32, bf16, bf16dp), rows8.py's interleaved q8 and q4 loops."""
     fmt = FORMAT_IDS[ks.loops[0]]
     data = np.zeros(4 * 256 * 4, np.uint8)  # room for four rows of 256 in any format
     x, out = np.zeros((1, 256), np.float32), np.zeros((1, 1), np.float32)
-    matmul_rows(ks, fmt, data, 0, 4 * 256, 1, 256, x, out)
+    for loop in (matmul_rows, matmul_rows_serial):
+        loop(ks, fmt, data, 0, 4 * 256, 1, 256, x, out)
     decode_rows(ks, fmt, data, 0, 4 * 256, 0, np.zeros((1, 256), np.float32))
     if ks.int_act:
-        matmul_tokens_int(ks, fmt, data, 0, 4 * 256, 1, 256, np.zeros((4, 256), np.float32), np.zeros((4, 1), np.float32))
+        for loop in (matmul_tokens_int, matmul_tokens_int_serial):
+            loop(ks, fmt, data, 0, 4 * 256, 1, 256, np.zeros((4, 256), np.float32), np.zeros((4, 1), np.float32))
     if any(FORMAT_IDS[name] in WIDE_IDS for name in ks.loops):
         matmul_tiles(ks, fmt, data, 0, 4 * 256, 1, 256, np.zeros((4, 256), np.float32), np.zeros((4, 2), np.float32))
     rows8.warm_up(ks)

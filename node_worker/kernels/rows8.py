@@ -328,8 +328,8 @@ def warm_up(ks) -> None:
     before the first request: q8 matrices interleaved (matmul_groups), q8 or q4 ones interleaved on the fly."""
     if not any(name in ks for name in BLOCK_FORMATS) or not ks.int_act:
         return
-    matmul_groups(ks, np.zeros(GROUP_BYTES, np.uint8), 8, 32, np.zeros((3, 32), np.float32),
-                  np.zeros((3, 8), np.float32))
+    for loop in (matmul_groups, matmul_groups_serial):
+        loop(ks, np.zeros(GROUP_BYTES, np.uint8), 8, 32, np.zeros((3, 32), np.float32), np.zeros((3, 8), np.float32))
     fmt = next(name for name in BLOCK_FORMATS if name in ks)
     matmul_rows_by_eight(ks, list(FORMATS).index(fmt), np.zeros(8 * FORMATS[fmt].BLOCK_BYTES, np.uint8),
                          FORMATS[fmt].BLOCK_BYTES, 8, 32, np.zeros((3, 32), np.float32), np.zeros((3, 8), np.float32))
