@@ -97,7 +97,8 @@ def test_one_more_call_a_layer_is_seen(gpu, tiny_model, monkeypatch):
 
     before, _ = layer_and_rest(tiny_model, "qwen3_moe")
     moe = Decoder.moe
-    monkeypatch.setattr(Decoder, "moe", lambda self, i, lw, x: moe(self, i, lw, x) + self.xp.zeros_like(x))
+    monkeypatch.setattr(Decoder, "moe",
+                        lambda self, i, lw, x, routed=None: moe(self, i, lw, x, routed) + self.xp.zeros_like(x))
     after, _ = layer_and_rest(tiny_model, "qwen3_moe")
     assert after["allocations"] == before["allocations"] + 2  # zeros_like's and the sum's
     assert after["launches"] == before["launches"] + 2  # the fill and the add
