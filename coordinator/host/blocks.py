@@ -8,10 +8,11 @@ q, k and v projections (each matrix's one-row loop, PackedMatrix.one_row_kind), 
 (ops.norm_rope, or ops.rope without norms), the new key and value written into the cache's slot, the attention
 over the cache (ops.gqa_attention, in parallel from the backend's PARALLEL_ATTENTION_MACS), the output
 projection, the residual add with the post-attention norm (ops.add_rms_norm), and where the layer routes, the
-router's product and top-k (ops.linear_rows, ops.top_k). The same loops on arrays of the same types as the separate calls, so
-the same bits (tests/test_blocks.py), in one entry-point call (shm/jit_entry.py) into buffers made once.
+router's product and top-k (ops.linear_rows, ops.top_k). The same loops on arrays of the same types as the
+separate calls, so the same bits (tests/test_blocks.py), in one entry-point call (shm/jit_entry.py) into buffers
+made once.
 
-    HostAttentionBlock.of(cfg, layer, lw, parallel_macs) -> block or None   None: the layer takes the separate
+    HostAttentionBlock.of(cfg, layer, lw, parallel_macs, spec) -> block or None   None: the layer takes the separate
                                       calls (MLA, a Gated DeltaNet, a q gate, biases, a sliding window, a matrix
                                       not packed)
     block(h, a, keys, values, cos, sin) -> (h + attention, its post-attention norm [1, H] each, the router's
@@ -31,6 +32,7 @@ NO_NORM = np.empty(0, np.float32)  # a layer without qk-norm: RoPE alone
 
 
 def _rows(a, shape) -> bool:
+    """A float32 C-contiguous NumPy array of this shape: what the entry point's types were bound to."""
     return type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous and a.shape == shape
 
 
@@ -67,9 +69,8 @@ class HostAttentionBlock:
         """The kernel's router argument (ops.attention_block) and the (ids [1, k], weights [1, k]) it fills, or a
         router that does not run and None."""
         if router is None:
-            none = np.zeros((1, 1), np.float32)
-            return (False, none, False, NO_BIAS, 1, 1, 1, True, False, np.float32(1.0), none, np.zeros((1, 1), np.int64),
-                    none), None
+            none, no_ids = np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int64)
+            return (False, none, False, NO_BIAS, 1, 1, 1, True, False, np.float32(1.0), none, no_ids, none), None
         matrix, bias, spec = router
         E, K = matrix.shape
         ids, weights = np.empty((1, spec.k), np.int64), np.empty((1, spec.k), np.float32)
@@ -93,8 +94,8 @@ class HostAttentionBlock:
                                                                                         (cfg.hidden_size,)):
             return None
         router = None
-        if cfg.sparse_layers[layer] and isinstance(lw.router, RowExactMatrix) and top_k_fits(lw.router.shape[0], spec) \
-                and not (spec.softmax and lw.router_bias is not None):
+        routes = cfg.sparse_layers[layer] and isinstance(lw.router, RowExactMatrix)
+        if routes and top_k_fits(lw.router.shape[0], spec) and not (spec.softmax and lw.router_bias is not None):
             router = (lw.router, lw.router_bias, spec)
         return cls(matrices, *norms, cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
                    parallel_macs, router).bind()
@@ -111,6 +112,7 @@ class HostAttentionBlock:
         return self
 
     def _args(self, h, a, keys, values, cos, sin) -> tuple:
+        """The kernel's arguments for one call (ops.attention_block's order), the mask grown to the keys."""
         S = keys.shape[0]
         if S > self.mask.shape[1]:
             self.mask = np.ones((1, 2 * S), np.bool_)
