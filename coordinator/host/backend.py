@@ -17,6 +17,7 @@ from ..pool.hot_experts import device_expert_set, expert_bytes, whole_expert
 from ..warmup import Unit
 from . import ops as loops
 from .blocks import HostAttentionBlock
+from .ops import rows
 from .packed import Packing, pack_dense, pack_experts, rows_exact
 
 log = logging.getLogger(__name__)
@@ -30,14 +31,6 @@ HOST_ATTENTION_KEYS = 2048
 # among the threads; below it a parallel region's wake-up (where the coordinator's threads sleep,
 # kernel_threads.py) would cost more than it saves.
 PARALLEL_ATTENTION_MACS = 1 << 21
-
-
-def rows(*arrays) -> bool:
-    """NumPy float32 C-contiguous arrays: the compiled loops take them."""
-    for a in arrays:  # a loop, not all() over a generator: a decode step asks this some hundred times
-        if type(a) is not np.ndarray or a.dtype != np.float32 or not a.flags.c_contiguous:
-            return False
-    return True
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import NO_BIAS, attention_block, top_k_fits
+from .ops import NO_BIAS, attention_block, rows, top_k_fits
 from .packed import PARALLEL_ROWS_MACS, PackedMatrix, RowExactMatrix
 
 NO_NORM = np.empty(0, np.float32)  # a layer without qk-norm: RoPE alone
@@ -33,7 +33,7 @@ NO_NORM = np.empty(0, np.float32)  # a layer without qk-norm: RoPE alone
 
 def _rows(a, shape) -> bool:
     """A float32 C-contiguous NumPy array of this shape: what the entry point's types were bound to."""
-    return type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous and a.shape == shape
+    return rows(a) and a.shape == shape
 
 
 class HostAttentionBlock:

@@ -46,6 +46,14 @@ from node_worker.kernels.silu import exp
 from shm.jit import CACHED
 
 
+def rows(*arrays) -> bool:
+    """NumPy float32 C-contiguous arrays: the compiled loops take them."""
+    for a in arrays:  # a loop, not all() over a generator: a decode step asks this some hundred times
+        if type(a) is not np.ndarray or a.dtype != np.float32 or not a.flags.c_contiguous:
+            return False
+    return True
+
+
 # The norms' and RoPE's row loops take no fastmath: LLVM keeps every operation as written (the sum's order, no
 # multiply fused into an add), so a row's bits are the same wherever the loop is compiled, called alone or inside
 # the attention block (attention_block), whose nested calls LLVM inlines and, under fastmath, may vectorise

@@ -110,23 +110,26 @@ class KVCache:
     def extend(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v [T, ...] after the cached tokens (key and value, or latent and rope key); returns all of
         them [S, ...]."""
-        start, stop = self.length, self.length + k.shape[0]
-        layer -= self.first_layer  # the model's layer id -> this cache's buffer
-        self._reserve(layer, stop)
+        start = self.length
+        keys, values = self._open(layer, k.shape[0])
         if self.bf16:
-            self._to_bf16(k, out=self._k[layer][start:stop])
-            self._to_bf16(v, out=self._v[layer][start:stop])
+            self._to_bf16(k, out=keys[start:])
+            self._to_bf16(v, out=values[start:])
         else:
-            self._k[layer][start:stop] = k
-            self._v[layer][start:stop] = v
-        return self._k[layer][:stop], self._v[layer][:stop]
+            keys[start:] = k
+            values[start:] = v
+        return keys, values
 
     def open_row(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer's keys and values [length + 1, ...] with room for one more token, whose slot (the last row)
         the caller writes: the host's attention block (host/blocks.py), which computes the key and value in the
         same call as the attention over them."""
-        stop = self.length + 1
-        layer -= self.first_layer
+        return self._open(layer, 1)
+
+    def _open(self, layer: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """The model's layer ``layer``'s buffers up to the cached tokens and ``tokens`` more, room reserved."""
+        stop = self.length + tokens
+        layer -= self.first_layer  # the model's layer id -> this cache's buffer
         self._reserve(layer, stop)
         return self._k[layer][:stop], self._v[layer][:stop]
 
