@@ -12,7 +12,7 @@ writes each unit's marker as it finishes and exits, giving back the compiler's m
     doorbells       futex doorbells and atomics                                 both sides of a process pool
     stream          the pool's ring and wait as CUDA host functions             a GPU coordinator, process pool
     experts/TAG     a node's MoE layer, its answer and its STREAM read, for     node workers, an in-process pool
-                    kernel set TAG
+                    kernel set TAG, and the host's MoE block on it
     dense/TAG       the packed dense matrices of one format (kernel set TAG)    the coordinator without a GPU
     encode/FMT      q8 or q4 quantisation of float weights                      wherever such weights are stored
 
@@ -141,7 +141,10 @@ class Unit:
             if self.kind == "experts":
                 from node_worker import membw
 
+                from .host import ops as host_ops
+
                 layer.warm_up(kernels)
+                host_ops.warm_up_moe_block(kernels)  # an in-process node's decode row (host/blocks.py)
                 answer.warm_up(kernels)
                 membw.warm_up()  # the node's STREAM read, for a benchmark
             else:

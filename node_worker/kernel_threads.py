@@ -32,6 +32,7 @@ GOMP_SPINCOUNT, wins everywhere.
 from __future__ import annotations
 
 import os
+import threading
 
 from shm import formats
 from shm.threads_env import SPIN_ROUNDS, USER_SET
@@ -70,3 +71,19 @@ def team_size() -> int:
     import numba
 
     return numba.get_num_threads()
+
+
+_SET: dict[int, int] = {}  # thread id -> the numba thread count use() last set on that thread
+
+
+def use(threads: int) -> None:
+    """numba's thread count on the calling thread (numba keeps one a thread) set to ``threads``, skipped where
+    this function set it so already: numba.set_num_threads costs about a microsecond, and a decode step asks
+    for its node's team at every MoE layer. Every setter of the project's goes through here (a node's layer
+    arguments, its STREAM read, the host's MoE block), so what it remembers is what numba holds."""
+    ident = threading.get_ident()
+    if _SET.get(ident) != threads:
+        import numba
+
+        numba.set_num_threads(threads)
+        _SET[ident] = threads

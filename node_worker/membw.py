@@ -82,7 +82,9 @@ def read(data) -> float:
 
 def read_bandwidth(threads: int, nbytes: int, repeats: int = 3) -> tuple[float, float]:
     """(best seconds, GB/s) to read ``nbytes`` of float32 with ``threads`` of numba's threads."""
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    from . import kernel_threads  # Python only: kept out of the modules whose constants the compiled code holds
+
+    kernel_threads.use(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
     data = np.empty(max(1, nbytes // 4), np.float32)  # [n]
     fill(data)
     best = float("inf")

@@ -26,6 +26,7 @@ from shm import formats
 from shm.expert_source import ExpertSlice
 from shm.jit_entry import entry_point
 
+from . import kernel_threads
 from .kernels.kernel_set import KernelSet, compiled_cover, for_formats
 from .kernels.layer import ROUTING_ERRORS, layer_moe, warm_up
 from .kernels.rows import SHAPE, loop_id
@@ -70,10 +71,15 @@ class NodeWorker:
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> expert offsets [E, 3], rows [E]
         warm_up(self.kernels)  # loaded from the disk cache (or compiled) now, not in the first request
 
+    @property
+    def team(self) -> int:
+        """The numba threads this node's kernels take: its own, within numba's pool."""
+        return min(self.threads, numba.config.NUMBA_NUM_THREADS)
+
     def use_node_threads(self) -> int:
         """Set numba's thread count (this calling thread's) to the node's, and return it."""
-        n = min(self.threads, numba.config.NUMBA_NUM_THREADS)
-        numba.set_num_threads(n)
+        n = self.team
+        kernel_threads.use(n)
         return n
 
     def layer_args(
@@ -94,6 +100,10 @@ class NodeWorker:
         return (self.kernels, self.store.data, self.hidden_size, x, np.ascontiguousarray(tokens, np.int64),
                 np.ascontiguousarray(experts, np.int64), np.ascontiguousarray(weights, np.float32), offsets, shapes,
                 y)
+
+    def node_args(self, layer: int) -> tuple:
+        """layer_moe's arguments for ``layer`` that stay from call to call: (data, hidden, offsets, shapes)."""
+        return (self.store.data, self.hidden_size, *self._table(layer))
 
     def compute(self, layer: int, x: np.ndarray, tokens: np.ndarray, experts: np.ndarray, weights: np.ndarray,
                 out: np.ndarray | None = None) -> np.ndarray:

@@ -6,7 +6,9 @@ A profiled decode, after the bench's timed rounds, wraps the calls each part is 
 (a part's time less the parts nested in it: the dense matrices inside a Gated DeltaNet layer count as dense):
 
     experts     the pool's submit and collect (in-process: the layer's compute; a process pool: the coordinator's
-                wait for the workers), the device side's hot experts; bytes: the experts the routing loaded
+                wait for the workers), the host's MoE block (host/blocks.py: a decode token's experts on an
+                in-process node, with the residual add and the next norm), the device side's hot experts; bytes:
+                the experts the routing loaded
     dense       every packed dense matrix's product (attention's projections, shared and dense MLPs, the lm_head);
                 bytes: each matrix once a call
     attention   the step's attend (the cache's append and the attention kernel), MLA's and the Gated DeltaNet's
@@ -32,6 +34,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..host.blocks import HostMoeBlock
 from ..host.packed import PackedMatrix, RowExactMatrix
 from ..model import decoder as decoder_module
 from ..model.sampling import Sampler
@@ -125,6 +128,7 @@ def wrapped(timer: PartTimer, decoder):
     patch(decoder_module.linear_attention, "layer", "attention")
     patch(decoder.pool, "submit", "experts")
     patch(decoder.pool, "collect", "experts")
+    patch(HostMoeBlock, "__call__", "experts")
     if hasattr(decoder.device_experts, "run"):
         patch(decoder.device_experts, "run", "experts")
     try:

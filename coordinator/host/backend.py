@@ -16,7 +16,7 @@ from ..model.backend import Backend, Loaded, Placement
 from ..pool.hot_experts import device_expert_set, expert_bytes, whole_expert
 from ..warmup import Unit
 from . import ops as loops
-from .blocks import HostAttentionBlock
+from .blocks import HostAttentionBlock, HostMoeBlock
 from .ops import rows
 from .packed import Packing, pack_dense, pack_experts, rows_exact
 
@@ -164,3 +164,6 @@ class HostBackend(Backend):
 
     def attention_block(self, cfg, layer: int, lw):
         return HostAttentionBlock.of(cfg, layer, lw, PARALLEL_ATTENTION_MACS, ops.RouterSpec.of(cfg))
+
+    def moe_block(self, cfg, experts, norm, stats, last: bool):
+        return HostMoeBlock.of(cfg, experts, norm, stats, fresh=last)

@@ -1,4 +1,4 @@
-"""A decode token's attention half of a layer in one compiled call: the host backend's attention block.
+"""A decode token's layer in two compiled calls: the host backend's attention block and MoE block.
 
 At decode each op of a layer is a call from Python that costs microseconds of dispatch, checks and allocation
 beside arithmetic that takes well under one on a small model, and some ten of them make a layer's attention
@@ -19,16 +19,32 @@ made once.
                                       (ids, weights) [1, k] for it or None), or None where the arrays are not
                                       float32 rows; keys, values [S, nkv, hd]: the cache's rows, the new token's
                                       slot last (KVCache.open_row)
+
+Its MoE half likewise, where the pool is in-process with one node, which holds every expert whole
+(ExpertPool.row_experts) and the router's pairs came from the attention block: one call of host/ops.py's
+moe_block, the node's own layer kernel on the pairs, the shared experts' output added where the layer has them
+(made apart, by the backend's calls), the residual add with the next layer's input norm, and the chosen experts
+counted into the decoder's counters, instead of the pool's request (route, submit, collect, sum: some ten calls
+from Python) and the backend's add_rms_norm.
+
+    HostMoeBlock.of(cfg, experts, norm, stats, fresh) -> block or None   None: the pool takes the layer
+    block(h, m, routed, shared) -> (h + the experts' output (+ shared), its norm by ``norm``) [1, H] each, or None
+                                      where ``shared`` is not a float32 row; h, m, routed: an attention block's
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from .ops import NO_BIAS, attention_block, rows, top_k_fits
+from node_worker import kernel_threads
+
+from .ops import NO_BIAS, attention_block, moe_block, rows, top_k_fits
 from .packed import PARALLEL_ROWS_MACS, PackedMatrix, RowExactMatrix
 
 NO_NORM = np.empty(0, np.float32)  # a layer without qk-norm: RoPE alone
+NO_SHARED = np.empty((0, 0), np.float32)  # a layer without shared experts
 
 
 def _rows(a, shape) -> bool:
@@ -125,3 +141,64 @@ class HostAttentionBlock:
             return None
         self._call(*self._args(h, a, keys, values, cos, sin))
         return self.h_out, self.m_out, self.routed
+
+
+class HostMoeBlock:
+    """One MoE layer's half for one token on an in-process node (module docstring): the node's kernel arguments,
+    the norm after the layer, its buffers, and the kernel's entry point (bind)."""
+
+    def __init__(self, experts, norm, eps: float, shape: tuple[int, int, int], stats, fresh: bool):
+        """``experts``: the pool's RowExperts for the layer; ``shape``: (H, top-k, routed experts E); ``norm``: the
+        next layer's input norm (the final norm after the last); ``stats``: the decoder's RoutingStats, which count each call's pairs and wait (and the
+        kernel its chosen experts, into the layer's [E] counter); ``fresh``: new output arrays each call (the last
+        layer's: the step's final rows outlive the call), else one pair of buffers reused."""
+        f32 = np.float32
+        H, k, E = shape
+        self.experts, self.norm, self.eps, self.H, self.k = experts, norm, f32(eps), H, k
+        self.stats, self.fresh = stats, fresh
+        self.counts = stats.expert_counter(experts.layer, E)  # [E] int64, the kernel adds to it
+        self.tokens = np.zeros(k, np.int64)  # every pair's row: the one row
+        self.y, self.h_out, self.a_out = np.empty((1, H), f32), np.empty((1, H), f32), np.empty((1, H), f32)
+        self._call = None
+
+    @classmethod
+    def of(cls, cfg, experts, norm, stats, fresh: bool) -> HostMoeBlock | None:
+        """The layer's block where the pool gives its experts for one row (ExpertPool.row_experts) and ``norm`` is
+        a float32 row, else None."""
+        if experts is None or not _rows(norm, (cfg.hidden_size,)):
+            return None
+        return cls(experts, norm, cfg.rms_norm_eps, (cfg.hidden_size, cfg.top_k, cfg.num_experts), stats,
+                   fresh).bind()
+
+    def bind(self) -> HostMoeBlock:
+        """The kernel's entry point for this block's argument types, compiled or loaded now (at open)."""
+        from shm.jit_entry import entry_point
+
+        row = np.zeros((1, self.H), np.float32)
+        ids, weights = np.zeros((1, self.k), np.int64), np.zeros((1, self.k), np.float32)
+        self._call = entry_point(moe_block, self._args(row, row, ids, weights, NO_SHARED, row, row))
+        return self
+
+    def _args(self, h, m, ids, weights, shared, h_out, a_out) -> tuple:
+        """The kernel's arguments for one call (ops.moe_block's order)."""
+        e = self.experts
+        return (e.kernels, e.node, m, self.tokens, ids, weights, shared, h, self.norm, self.eps, self.y,
+                h_out, a_out, self.counts)
+
+    def __call__(self, h, m, routed, shared=None):
+        """h, m, routed: an attention block's outputs (its own float32 rows, checked there); ``shared``: the shared
+        experts' output [1, H] or None."""
+        ids, weights = routed
+        if shared is None:
+            shared = NO_SHARED
+        elif not _rows(shared, (1, self.H)):
+            return None
+        h_out, a_out = (np.empty((1, self.H), np.float32), np.empty((1, self.H), np.float32)) if self.fresh else (
+            self.h_out, self.a_out)
+        kernel_threads.use(self.experts.threads)  # the node's team, as its layer arguments set it
+        t = time.perf_counter_ns()
+        answer = self._call(*self._args(h, m, ids, weights, shared, h_out, a_out))
+        ns = time.perf_counter_ns() - t
+        self.experts.done(answer, ns)  # a negative answer raises here, naming the routing error
+        self.stats.count_pool_row(self.k, ns)
+        return h_out, a_out

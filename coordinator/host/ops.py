@@ -19,6 +19,8 @@ router's twin, bit for bit (coordinator/gpu/router.py).
     gqa_attention_parallel(the same)                         the (token, KV head) pairs over the threads
     attention_block(...)                                     a decode token's attention half, its matrices'
                                                              one-row loops among these (host/blocks.py)
+    moe_block(...)                                           its MoE half on an in-process node: the node's
+                                                             layer kernel, the add and the next norm (blocks.py)
 
 At decode gqa_attention's NumPy form is several calls (a broadcast batched matmul, a masked
 softmax, another matmul, transposes); here the heads that share a KV
@@ -41,6 +43,7 @@ import numpy as np
 from numba import njit, prange
 
 from node_worker.kernels import dense
+from node_worker.kernels.layer import layer_moe
 from node_worker.kernels.common import JIT
 from node_worker.kernels.silu import exp
 from shm.jit import CACHED
@@ -460,6 +463,44 @@ def attention_block(kq, kk, kv, ko, qm, km, vm, om, h, a, q_norm, k_norm, eps, c
         else:
             linear_rows(m_out, wt, logits)
         top_k(logits, bias, k, n_group, topk_group, softmax, normalize, scaling, ids, weights)
+
+
+@njit(**JIT)
+def moe_block(ks, node, m, tokens, ids, weights, shared, h, norm, eps, y, h_out, a_out, counts) -> int:
+    """A decode token's MoE half of a layer on an in-process node that holds every expert (host/blocks.py):
+    y = the node's layer kernel (kernels/layer.py: layer_moe) for the router's pairs of the row m [1, H], plus
+    ``shared`` where it has a row (the shared experts' output, made apart), h_out = h + y, a_out its rms_norm
+    by ``norm`` (the next layer's input norm), and each chosen expert counted in counts [E]. node: layer_moe's
+    (data, hidden, offsets, shapes) for the layer; tokens [k]: zeros (the pairs' row); ids, weights [1, k]: the
+    router's. Returns layer_moe's answer: the expert bytes read, or its negative code (nothing else done then).
+    The same loops as the pool's request and the backend's add_rms_norm, in the same order: the same bits."""
+    data, hidden, offsets, shapes = node
+    k = ids.shape[1]
+    nbytes = layer_moe(ks, data, hidden, m, tokens, ids.reshape(k), weights.reshape(k), offsets, shapes, y)
+    if nbytes < 0:
+        return nbytes
+    if shared.shape[0]:
+        for d in range(y.shape[1]):
+            y[0, d] = y[0, d] + shared[0, d]
+    add_rms_norm(h, y, norm, eps, h_out, a_out)
+    for j in range(k):
+        counts[ids[0, j]] += 1
+    return nbytes
+
+
+def warm_up_moe_block(ks) -> None:
+    """Compile (or load) moe_block for the kernel set ``ks`` on the types a host MoE block passes (the experts
+    unit's, coordinator/warmup.py): a next norm writable (a float32 conversion's) and read-only (a file's view)."""
+    from node_worker.kernels.layer import sample_args
+
+    _, data, hidden, x, tokens, experts, weights, offsets, shapes, y = sample_args(ks)
+    row = np.zeros((1, hidden), np.float32)
+    norm = np.ones(hidden, np.float32)
+    for writable in (True, False):
+        norm.flags.writeable = writable
+        moe_block(ks, (data, hidden, offsets, shapes), x, tokens, experts.reshape((1, -1)),
+                  weights.reshape((1, -1)), np.empty((0, 0), np.float32), row, norm, np.float32(1e-6), y,
+                  np.empty_like(row), np.empty_like(row), np.zeros(offsets.shape[0], np.int64))
 
 
 def warm_up() -> None:

@@ -121,6 +121,13 @@ class Backend:
         decoder makes the separate calls."""
         return None
 
+    def moe_block(self, cfg, experts, norm, stats, last: bool):
+        """One call for an MoE layer's half at one token whose router's pairs the attention block made (the
+        host's: host/blocks.py), from the pool's ``experts`` (ExpertPool.row_experts; None: the pool takes the
+        layer): the experts, the residual add and ``norm`` after it (the next layer's input norm, or the final
+        norm where ``last``), the pairs counted into ``stats`` (RoutingStats); or None: the separate calls."""
+        return None
+
     def fuse_qkv(self, lw):
         """(the layer, its q, k and v as one matrix (decoder.FusedQKV) or None): the host keeps three matrices."""
         return lw, None

@@ -78,6 +78,8 @@ class Decoder:
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)
         self.mla_absorb: bool | None = None  # MLA: None picks per call (absorbed); True/False forces a form
         self.stats = RoutingStats()
+        # per layer, the backend's one call for the MoE half, its add and the next norm at one token, where it has one
+        self.moe_blocks = [self._moe_block_of(i) for i in range(len(self.w.layers))]
 
     def new_cache(self) -> KVCache:
         cfg = self.cfg
@@ -128,10 +130,13 @@ class Decoder:
                 if rows is not None:
                     h = h[rows]  # [B, H] from here on
                 h, m = b.add_rms_norm(h, attended, lw.post_attn_norm, eps)
-            y = step.moe(i, lw, m, routed) if self.cfg.sparse_layers[i] else b.swiglu_mlp(
-                m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down)
-            h, a = b.add_rms_norm(h, y, layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm,
-                                  eps)  # a: the next layer's input, after the last the final norm's output
+            # one token routed by the block: its experts, the add and the next norm in one call where the pool allows
+            after = None if routed is None else self.moe_block(i, lw, h, m, routed)
+            if after is None:
+                y = step.moe(i, lw, m, routed) if self.cfg.sparse_layers[i] else b.swiglu_mlp(
+                    m, lw.dense_mlp.gate, lw.dense_mlp.up, lw.dense_mlp.down)
+                after = b.add_rms_norm(h, y, self._norm_after(i), eps)
+            h, a = after  # a: the next layer's input, after the last the final norm's output
         hidden = self._hidden_rows(batch, a, keep is not None) if batch.hidden else None
         if keep is None and batch.wanted != batch.lengths:  # no layer dropped the rows: take them here
             a = step.wanted_rows(a)
@@ -324,6 +329,27 @@ class Decoder:
         if y_shared is not None:
             y = y + y_shared  # then the shared experts'
         return y
+
+    def moe_block(self, i: int, lw: LayerWeights, h, m, routed):
+        """Layer i's MoE half, the residual add and the norm after it in the backend's one call
+        (Backend.moe_block), where the router's ``routed`` pairs for the one row m go to the pool whole (none on
+        the device, none skipped): (h + the layer's output, its norm) [1, H]; else None (the separate calls)."""
+        block = self.moe_blocks[i]
+        if block is None or self.has_device[i] or self.route_tail_skip > 0:
+            return None
+        return block(h, m, routed, self.shared_output(lw, m))
+
+    def _moe_block_of(self, i: int):
+        """Layer i's MoE block (Backend.moe_block) where it routes and the pool gives its experts for one row."""
+        if not self.cfg.sparse_layers[i]:
+            return None
+        return self.backend.moe_block(self.cfg, self.pool.row_experts(i), self._norm_after(i), self.stats,
+                                      last=i == len(self.w.layers) - 1)
+
+    def _norm_after(self, i: int):
+        """The norm that takes layer i's output: the next layer's input norm, the final norm after the last."""
+        layers = self.w.layers
+        return layers[i + 1].input_norm if i + 1 < len(layers) else self.w.final_norm
 
     def shared_output(self, lw: LayerWeights, x):
         """The shared experts' output [T, H] (the network's side, never the pool's), or None where the layer has

@@ -98,5 +98,20 @@ class RoutingStats:
         self.device_pairs += totals.device_pairs
         self.device_expert_loads += totals.device_experts
 
+    def expert_counter(self, layer: int, num_experts: int) -> np.ndarray:
+        """Layer ``layer``'s [E] counter of the router's choices (per_layer_expert's), made where missing: what a
+        compiled MoE block adds to in place (host/blocks.py)."""
+        if layer not in self.per_layer_expert:
+            self.per_layer_expert[layer] = np.zeros(num_experts, np.int64)
+        return self.per_layer_expert[layer]
+
+    def count_pool_row(self, pairs: int, wait_ns: int) -> None:
+        """One row's routing served whole by the pool in a compiled MoE block, which counted its experts: its
+        ``pairs`` (the router's top-k, distinct experts) and the time the call took."""
+        self.routed_pairs += pairs
+        self.cpu_pairs += pairs
+        self.cpu_expert_loads += pairs
+        self.pool_wait_ns += wait_ns
+
     def count_pool_wait(self, ns: int) -> None:
         self.pool_wait_ns += ns

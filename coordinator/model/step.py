@@ -41,8 +41,9 @@ class StepBatch:
         """[B + 1] the sequences' row ranges in the batch."""
         return np.cumsum([0] + self.lengths)
 
-    @property
+    @cached_property
     def rows(self) -> int:
+        """Every sequence's rows: asked at every layer."""
         return int(self.bounds[-1])
 
     @cached_property

@@ -6,8 +6,9 @@ process.py   ProcessPool: one node worker process per node, over ZeroMQ
 hot_experts.py  which experts stay whole on the device side (frozen profile, placement)
 """
 
-from .base import ExpertPool, LayerTiming, NodeHealth, PoolRequest, PoolStats, new_pool_stats, sum_in_node_order
+from .base import (ExpertPool, LayerTiming, NodeHealth, PoolRequest, PoolStats, RowExperts, new_pool_stats,
+                   sum_in_node_order)
 from .inproc import InprocPool
 
-__all__ = ["ExpertPool", "InprocPool", "LayerTiming", "NodeHealth", "PoolRequest", "PoolStats", "new_pool_stats",
-           "sum_in_node_order"]
+__all__ = ["ExpertPool", "InprocPool", "LayerTiming", "NodeHealth", "PoolRequest", "PoolStats", "RowExperts",
+           "new_pool_stats", "sum_in_node_order"]

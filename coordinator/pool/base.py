@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Callable, TypedDict
 
 import numpy as np
 
@@ -48,6 +48,18 @@ class LayerTiming:
     @property
     def overhead_ns(self) -> int:
         return self.wall_ns - max(self.compute_ns)
+
+
+@dataclass(frozen=True, eq=False)
+class RowExperts:
+    """A layer's experts for one row, computed in the calling thread by the node's layer kernel
+    (ExpertPool.row_experts): the kernel's arguments that stay, and where the pool counts each call."""
+
+    layer: int
+    kernels: object  # the node's KernelSet (node_worker/kernels/kernel_set.py)
+    node: tuple  # layer_moe's (data, hidden, offsets, shapes) for this layer
+    threads: int  # the node's team
+    done: Callable[[int, int], None]  # (the kernel's answer, ns): the pool's counters; a negative answer raises
 
 
 class NodeHealth(TypedDict):
@@ -89,6 +101,11 @@ class ExpertPool(abc.ABC):
     timings: list[LayerTiming]
     stats: PoolStats  # set by each pool's __init__ (new_pool_stats)
     wait_hook = None  # a callable the pool calls now and then while it waits on other processes (the server's)
+
+    def row_experts(self, layer: int) -> RowExperts | None:
+        """Layer ``layer``'s experts for one row in the calling thread, in one compiled call beside the network's
+        (host/blocks.py: HostMoeBlock), or None: the layer's pairs go through submit and collect."""
+        return None
 
     def maintain(self) -> None:
         """Between steps: bring back what failed while idle (process pools restart dead workers)."""

@@ -16,7 +16,7 @@ from node_worker.membw import read_bandwidth
 from shm.plan import PoolPlan
 from shm.topology import Node
 
-from .base import ExpertPool, LayerTiming, NodeHealth, PoolRequest, new_pool_stats, sum_in_node_order
+from .base import ExpertPool, LayerTiming, NodeHealth, PoolRequest, RowExperts, new_pool_stats, sum_in_node_order
 
 
 class InprocPool(ExpertPool):
@@ -53,6 +53,23 @@ class InprocPool(ExpertPool):
         if self.record_timings:
             self.timings.append(LayerTiming(req.layer, req.x.shape[0], wall, tuple(compute), tuple(nbytes)))
         return sum_in_node_order(partials, out)
+
+    def row_experts(self, layer: int) -> RowExperts | None:
+        """With one node, which holds every expert whole: its layer kernel's arguments for ``layer``, counted as a
+        request of one row (stats, timings, the node's bytes) on each call's return."""
+        if len(self.workers) != 1:
+            return None  # several nodes: their partials summed in node order (collect)
+        w = self.workers[0]
+
+        def done(answer: int, ns: int) -> None:
+            w.count(layer, answer, 1)  # a negative answer: ValueError naming the routing error
+            self.stats["requests"] += 1
+            self.stats["wait_ns"] += ns
+            self.stats["worker_compute_ns"][0] += ns
+            if self.record_timings:
+                self.timings.append(LayerTiming(layer, 1, ns, (ns,), (answer,)))
+
+        return RowExperts(layer, w.kernels, w.node_args(layer), w.team, done)
 
     def health(self) -> list[NodeHealth]:
         """The nodes run in this process: alive while the process is, never restarted."""
