@@ -62,11 +62,17 @@ def worker_env(stored: formats.ExpertFormats) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": "0" if set(stored.names) <= set(MEMORY_BOUND) else SPIN_ROUNDS}
 
 
+def spinning() -> bool:
+    """Whether numba's threads spin after a kernel in this process (GOMP_SPINCOUNT as settle or the user left it,
+    no passive wait policy), so that the next kernel finds them awake."""
+    return os.environ.get("GOMP_SPINCOUNT") != "0" and os.environ.get("OMP_WAIT_POLICY", "").lower() != "passive"
+
+
 def team_size() -> int:
     """How many of numba's threads should sleep on a doorbell with the caller: all of this thread's team when
     they spin after a kernel (else they would spin on while the process waits, on CPUs another process needs,
     and wake one by one for the next kernel), else the caller alone."""
-    if os.environ.get("GOMP_SPINCOUNT") == "0" or os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+    if not spinning():
         return 1
     import numba
 

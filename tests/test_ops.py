@@ -252,6 +252,16 @@ def test_host_rope_and_decode_attention_equal_float64():
                                                         for t in range(T)]), rtol=1e-5, atol=1e-6)
 
 
+def test_the_attention_goes_parallel_sooner_where_the_threads_spin(monkeypatch):
+    """A coordinator whose threads spin after a kernel starts a parallel region in a microsecond or two: the
+    attention loop shares its pairs from PARALLEL_ATTENTION_MACS_SPINNING; where they sleep, from
+    PARALLEL_ATTENTION_MACS (a wake-up of tens of microseconds)."""
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    assert host.parallel_attention_macs() == host.PARALLEL_ATTENTION_MACS_SPINNING < host.PARALLEL_ATTENTION_MACS
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert host.parallel_attention_macs() == host.PARALLEL_ATTENTION_MACS
+
+
 CACHED_VS_FRESH = """
 import sys
 import numpy as np

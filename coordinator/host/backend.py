@@ -7,6 +7,7 @@ import numpy as np
 
 import logging
 
+from node_worker import kernel_threads
 from shm import formats
 from shm.segments import shm_free
 
@@ -28,9 +29,19 @@ HOST_ATTENTION_TOKENS = 4  # decode and small batches: the loop over any number 
 # the matmuls compute every score and copy transposes. Past this many keys the matmuls win.
 HOST_ATTENTION_KEYS = 2048
 # From this many multiply-adds (Qwen3-30B-A3B's heads over 512 cached keys) the (token, KV head) pairs are shared
-# among the threads; below it a parallel region's wake-up (where the coordinator's threads sleep,
-# kernel_threads.py) would cost more than it saves.
+# among the threads where the coordinator's threads sleep after a kernel (kernel_threads.py): below it a parallel
+# region's wake-up would cost more than it saves ...
 PARALLEL_ATTENTION_MACS = 1 << 21
+# ... and from this many where they spin (a coordinator that runs kernels on the decode path), whose region starts
+# in a microsecond or two: the pairs pay from some 16K multiply-adds (docs/benchmarks.md)
+PARALLEL_ATTENTION_MACS_SPINNING = 1 << 14
+
+
+def parallel_attention_macs() -> int:
+    """The multiply-adds from which the attention loop runs in parallel, by how this process's threads wait."""
+    if kernel_threads.spinning():
+        return min(PARALLEL_ATTENTION_MACS, PARALLEL_ATTENTION_MACS_SPINNING)
+    return PARALLEL_ATTENTION_MACS
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -80,14 +91,14 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, invariant: bool = True) -> np.ndarray:
     """ops.gqa_attention: the loop for decode and for prompts over up to HOST_ATTENTION_KEYS keys (in parallel
-    from PARALLEL_ATTENTION_MACS), NumPy's matmuls beyond; ``invariant``: the loop for every step (a row's sums over
+    from parallel_attention_macs()), NumPy's matmuls beyond; ``invariant``: the loop for every step (a row's sums over
     its own keys alone, whatever the rows beside it)."""
     T, nh, hd = q.shape
     k, v = ops.widen(k), ops.widen(v)
     if (T <= HOST_ATTENTION_TOKENS or k.shape[0] <= HOST_ATTENTION_KEYS or invariant) and rows(q, k, v) \
             and mask.dtype == np.bool_ and mask.flags.c_contiguous:
         out = np.empty((T, nh * hd), np.float32)
-        loop = loops.gqa_attention_parallel if T * k.shape[0] * nh * hd >= PARALLEL_ATTENTION_MACS \
+        loop = loops.gqa_attention_parallel if T * k.shape[0] * nh * hd >= parallel_attention_macs() \
             else loops.gqa_attention
         loop(q, k, v, mask, np.float32(hd**-0.5), out)
         return out
@@ -163,7 +174,7 @@ class HostBackend(Backend):
         return route(logits, bias, spec)
 
     def attention_block(self, cfg, layer: int, lw):
-        return HostAttentionBlock.of(cfg, layer, lw, PARALLEL_ATTENTION_MACS, ops.RouterSpec.of(cfg))
+        return HostAttentionBlock.of(cfg, layer, lw, parallel_attention_macs(), ops.RouterSpec.of(cfg))
 
     def moe_block(self, cfg, experts, norm, stats, last: bool):
         return HostMoeBlock.of(cfg, experts, norm, stats, fresh=last)

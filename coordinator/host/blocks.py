@@ -6,7 +6,7 @@ beside arithmetic that takes well under one on a small model, and some ten of th
 this block instead (Decoder.forward, EagerStep.attention_block), one call of host/ops.py's attention_block: the
 q, k and v projections (each matrix's one-row loop, PackedMatrix.one_row_kind), the qk-norm and RoPE
 (ops.norm_rope, or ops.rope without norms), the new key and value written into the cache's slot, the attention
-over the cache (ops.gqa_attention, in parallel from the backend's PARALLEL_ATTENTION_MACS), the output
+over the cache (ops.gqa_attention, in parallel from the backend's parallel_attention_macs()), the output
 projection, the residual add with the post-attention norm (ops.add_rms_norm), and where the layer routes, the
 router's product and top-k (ops.linear_rows, ops.top_k). The same loops on arrays of the same types as the
 separate calls, so the same bits (tests/test_blocks.py), in one entry-point call (shm/jit_entry.py) into buffers
@@ -149,9 +149,10 @@ class HostMoeBlock:
 
     def __init__(self, experts, norm, eps: float, shape: tuple[int, int, int], stats, fresh: bool):
         """``experts``: the pool's RowExperts for the layer; ``shape``: (H, top-k, routed experts E); ``norm``: the
-        next layer's input norm (the final norm after the last); ``stats``: the decoder's RoutingStats, which count each call's pairs and wait (and the
-        kernel its chosen experts, into the layer's [E] counter); ``fresh``: new output arrays each call (the last
-        layer's: the step's final rows outlive the call), else one pair of buffers reused."""
+        next layer's input norm (the final norm after the last); ``stats``: the decoder's RoutingStats, which count
+        each call's pairs and wait (and the kernel its chosen experts, into the layer's [E] counter); ``fresh``: new
+        output arrays each call (the last layer's: the step's final rows outlive the call), else one pair of
+        buffers reused."""
         f32 = np.float32
         H, k, E = shape
         self.experts, self.norm, self.eps, self.H, self.k = experts, norm, f32(eps), H, k
