@@ -43,8 +43,8 @@ import numpy as np
 from numba import njit, prange
 
 from node_worker.kernels import dense
-from node_worker.kernels.layer import layer_moe
 from node_worker.kernels.common import JIT
+from node_worker.kernels.layer import layer_moe
 from node_worker.kernels.silu import exp
 from shm.jit import CACHED
 
