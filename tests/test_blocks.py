@@ -248,3 +248,24 @@ def test_the_moe_block_names_a_routing_error_as_the_pool_does(model):
         ids = np.full((1, block.k), dec.cfg.num_experts, np.int64)
         with pytest.raises(ValueError, match="expert id out of range"):
             block(row, row, (ids, np.ones((1, block.k), np.float32)))
+
+
+def test_the_moe_block_is_loaded_at_open_from_the_experts_unit(model):
+    """The experts compile unit compiles the MoE block (host/ops.warm_up_moe_block) on the types a block passes:
+    Engine.open binds it from the disk cache, compiling nothing in the coordinator. In a fresh process, where
+    nothing was loaded before."""
+    import subprocess
+
+    script = f"""
+from coordinator.config import EngineConfig
+from coordinator.engine import Engine
+from coordinator.host import ops as host_ops
+with Engine.open({str(model)!r}, EngineConfig(device="cpu", pool="inproc")) as eng:
+    assert any(b is not None for b in eng.decoder.moe_blocks)
+    eng.generate(list(range(1, 9)), max_new_tokens=3, stop_at_eos=False)
+stats = host_ops.moe_block.stats
+assert sum(stats.cache_hits.values()) >= 1 and not stats.cache_misses, (stats.cache_hits, stats.cache_misses)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
