@@ -85,9 +85,9 @@ class RoutingStats:
         self.add({routing.layer: chosen}, totals)
 
     def add(self, chosen: dict, totals: RoutingTotals) -> None:
-        """Some layers' routing: ``chosen`` layer -> [E] the router's choices per expert, and their totals. The one
-        place the counters grow: an eager layer's count and a graph-ready step's counters (counted on the device,
-        coordinator/gpu/compact.py) both come here."""
+        """Some layers' routing: ``chosen`` layer -> [E] the router's choices per expert, and their totals. An
+        eager layer's count and a graph-ready step's counters (counted on the device, coordinator/gpu/compact.py)
+        both come here; the host's MoE block counts in its kernel (expert_counter) and count_pool_row."""
         for layer, counts in chosen.items():
             per = self.per_layer_expert.setdefault(layer, np.zeros(counts.shape[0], np.int64))
             per += counts
