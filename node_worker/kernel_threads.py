@@ -79,7 +79,7 @@ def team_size() -> int:
     return numba.get_num_threads()
 
 
-_SET: dict[int, int] = {}  # thread id -> the numba thread count use() last set on that thread
+_SET = threading.local()  # .threads: the numba thread count use() last set on this thread (gone with the thread)
 
 
 def use(threads: int) -> None:
@@ -87,9 +87,8 @@ def use(threads: int) -> None:
     this function set it so already: numba.set_num_threads costs about a microsecond, and a decode step asks
     for its node's team at every MoE layer. Every setter of the project's goes through here (a node's layer
     arguments, its STREAM read, the host's MoE block), so what it remembers is what numba holds."""
-    ident = threading.get_ident()
-    if _SET.get(ident) != threads:
+    if getattr(_SET, "threads", None) != threads:
         import numba
 
         numba.set_num_threads(threads)
-        _SET[ident] = threads
+        _SET.threads = threads

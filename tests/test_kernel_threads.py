@@ -29,7 +29,7 @@ def test_use_sets_numbas_count_once_a_thread_and_count(monkeypatch):
     calls = []
     real = numba.set_num_threads
     monkeypatch.setattr(numba, "set_num_threads", lambda n: (calls.append(n), real(n)))
-    monkeypatch.setattr(kernel_threads, "_SET", {})
+    monkeypatch.setattr(kernel_threads, "_SET", threading.local())
     try:
         for n in (1, 1, 2, 2, 1):
             kernel_threads.use(n)
