@@ -93,11 +93,11 @@ class NodeWorker:
     ) -> tuple:
         """kernels.layer.layer_moe's arguments for this node's partial of the routed pairs (its output y
         [T, H] is ``out[:T]`` when given, else new); numba's thread count set to the node's."""
-        offsets, shapes = self._table(layer)
+        data, hidden, offsets, shapes = self.node_args(layer)
         x = np.ascontiguousarray(x, np.float32)
-        y = np.empty((x.shape[0], self.hidden_size), np.float32) if out is None else out[: x.shape[0]]
+        y = np.empty((x.shape[0], hidden), np.float32) if out is None else out[: x.shape[0]]
         self.use_node_threads()
-        return (self.kernels, self.store.data, self.hidden_size, x, np.ascontiguousarray(tokens, np.int64),
+        return (self.kernels, data, hidden, x, np.ascontiguousarray(tokens, np.int64),
                 np.ascontiguousarray(experts, np.int64), np.ascontiguousarray(weights, np.float32), offsets, shapes,
                 y)
 

@@ -44,7 +44,7 @@ from numba import njit, prange
 
 from node_worker.kernels import dense
 from node_worker.kernels.common import JIT
-from node_worker.kernels.layer import layer_moe
+from node_worker.kernels.layer import layer_moe, sample_args
 from node_worker.kernels.silu import exp
 from shm.jit import CACHED
 
@@ -491,8 +491,6 @@ def moe_block(ks, node, m, tokens, ids, weights, shared, h, norm, eps, y, h_out,
 def warm_up_moe_block(ks) -> None:
     """Compile (or load) moe_block for the kernel set ``ks`` on the types a host MoE block passes (the experts
     unit's, coordinator/warmup.py): a next norm writable (a float32 conversion's) and read-only (a file's view)."""
-    from node_worker.kernels.layer import sample_args
-
     _, data, hidden, x, tokens, experts, weights, offsets, shapes, y = sample_args(ks)
     row = np.zeros((1, hidden), np.float32)
     norm = np.ones(hidden, np.float32)

@@ -89,8 +89,7 @@ class RoutingStats:
         eager layer's count and a graph-ready step's counters (counted on the device, coordinator/gpu/compact.py)
         both come here; the host's MoE block counts in its kernel (expert_counter) and count_pool_row."""
         for layer, counts in chosen.items():
-            per = self.per_layer_expert.setdefault(layer, np.zeros(counts.shape[0], np.int64))
-            per += counts
+            self.expert_counter(layer, counts.shape[0])[:] += counts
         self.routed_pairs += totals.routed
         self.skipped_pairs += totals.skipped
         self.cpu_pairs += totals.cpu_pairs

@@ -45,14 +45,18 @@ class InprocPool(ExpertPool):
             partials.append(w.compute(req.layer, req.x, req.tokens, req.experts, req.weights))
             compute.append(time.perf_counter_ns() - t)
             nbytes.append(w.bytes_read - before)
-        wall = time.perf_counter_ns() - t0
+        self._count(LayerTiming(req.layer, req.x.shape[0], time.perf_counter_ns() - t0, tuple(compute),
+                                tuple(nbytes)))
+        return sum_in_node_order(partials, out)
+
+    def _count(self, timing: LayerTiming) -> None:
+        """One answered request in the pool's counters (and its timing, where the benchmark records them)."""
         self.stats["requests"] += 1
-        self.stats["wait_ns"] += wall
-        for k, ns in enumerate(compute):
+        self.stats["wait_ns"] += timing.wall_ns
+        for k, ns in enumerate(timing.compute_ns):
             self.stats["worker_compute_ns"][k] += ns
         if self.record_timings:
-            self.timings.append(LayerTiming(req.layer, req.x.shape[0], wall, tuple(compute), tuple(nbytes)))
-        return sum_in_node_order(partials, out)
+            self.timings.append(timing)
 
     def row_experts(self, layer: int) -> RowExperts | None:
         """With one node, which holds every expert whole: its layer kernel's arguments for ``layer``, counted as a
@@ -63,11 +67,7 @@ class InprocPool(ExpertPool):
 
         def done(answer: int, ns: int) -> None:
             w.count(layer, answer, 1)  # a negative answer: ValueError naming the routing error
-            self.stats["requests"] += 1
-            self.stats["wait_ns"] += ns
-            self.stats["worker_compute_ns"][0] += ns
-            if self.record_timings:
-                self.timings.append(LayerTiming(layer, 1, ns, (ns,), (answer,)))
+            self._count(LayerTiming(layer, 1, ns, (ns,), (answer,)))
 
         return RowExperts(layer, w.kernels, w.node_args(layer), w.team, done)
 
